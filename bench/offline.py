@@ -1,0 +1,159 @@
+"""``pdserve bench offline``: the engine vs HF ``generate`` (static batches) vs a matmul roofline.
+
+All three run in the same process on the same weights and the same requests:
+(a) the engine with continuous batching and chunked prefill;
+(b) Hugging Face ``generate`` in static batches with left padding (every request in a batch
+    decodes until the longest is done; only requested tokens count);
+(c) the roofline: the model's linear layers alone (no attention, no Python), replayed at the
+    exact per-step token counts the engine ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from bench.workloads import WORKLOADS, OfflineRequests, make_requests
+
+
+@dataclass
+class OfflineResult:
+    workload: str
+    model: str
+    num_requests: int
+    num_output_tokens: int
+    engine_s: float
+    hf_s: float
+    roofline_s: float
+    engine_tok_s: float
+    hf_tok_s: float
+    roofline_tok_s: float
+    ratio_vs_hf: float
+    ratio_vs_roofline: float
+    num_threads: int
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="tiny", choices=sorted(WORKLOADS))
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_engine(model: str, reqs: OfflineRequests, dtype: str, args) -> tuple[float, object]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, detokenize=False, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in reqs.output_lens]
+    llm.generate(reqs.prompts[:2], params[:2])  # warm-up
+    llm.engine.step_num_tokens.clear()
+    llm.engine.step_num_sampled.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(reqs.prompts, params)
+    elapsed = time.perf_counter() - t0
+    got = sum(len(o.token_ids) for o in outs)
+    if got != reqs.num_output_tokens:
+        raise RuntimeError(f"engine produced {got} tokens, expected {reqs.num_output_tokens}")
+    return elapsed, llm
+
+
+@torch.inference_mode()
+def run_hf(path, reqs: OfflineRequests, dtype: torch.dtype, batch_size: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    pad = 0
+    total = 0.0
+    for start in range(0, len(reqs.prompts), batch_size):
+        prompts = reqs.prompts[start:start + batch_size]
+        max_new = max(reqs.output_lens[start:start + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                       pad_token_id=pad)
+        total += time.perf_counter() - t0
+    return total
+
+
+@torch.inference_mode()
+def run_roofline(llm, reqs: OfflineRequests) -> float:
+    """Times every linear layer's matmul at the engine's recorded step sizes."""
+    model = llm.engine.runner.model
+    hidden = llm.engine.model_config.hidden_size
+    device = llm.engine.device
+    weights, lm_head = _linear_weights(model)
+    sizes = list(zip(llm.engine.step_num_tokens, llm.engine.step_num_sampled))
+    counts: dict[tuple[int, int], int] = {}
+    for s in sizes:
+        counts[s] = counts.get(s, 0) + 1
+    total = 0.0
+    for (n_tok, n_samp), count in counts.items():
+        # One input per distinct input width (hidden, attention output, MLP intermediate).
+        xs_by_width = {w.shape[1]: torch.randn(n_tok, w.shape[1], dtype=w.dtype, device=device)
+                       for w in weights}
+        xs = torch.randn(n_samp, hidden, dtype=lm_head.dtype, device=device)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(xs_by_width[w.shape[1]], w)
+            if n_samp:
+                torch.nn.functional.linear(xs, lm_head)
+            best = min(best, time.perf_counter() - t0)
+        total += best * count
+    return total
+
+
+def _linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    weights, lm_head = [], None
+    for name, p in model.named_parameters():
+        if p.dim() != 2:
+            continue
+        if "embed" in name:
+            lm_head = p if lm_head is None else lm_head
+            continue
+        if "lm_head" in name:
+            lm_head = p
+            continue
+        weights.append(p)
+    return weights, lm_head
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.presets import resolve_model
+
+    w = WORKLOADS[args.workload]
+    path = resolve_model(w.model)
+    from engine.model_config import ModelConfig
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    reqs = make_requests(w, vocab, args.num_requests)
+    log = (lambda *a: None) if args.json else print
+    log(f"workload {w.name}: {len(reqs.prompts)} requests on {w.model} ({w.dtype}), "
+        f"{reqs.num_output_tokens} output tokens, torch threads {torch.get_num_threads()}")
+    engine_s, llm = run_engine(w.model, reqs, w.dtype, args)
+    log(f"engine:   {engine_s:8.2f} s")
+    roof_s = run_roofline(llm, reqs)
+    log(f"roofline: {roof_s:8.2f} s")
+    del llm
+    hf_s = run_hf(path, reqs, getattr(torch, w.dtype), args.hf_batch_size)
+    log(f"hf:       {hf_s:8.2f} s")
+    n = reqs.num_output_tokens
+    res = OfflineResult(w.name, w.model, len(reqs.prompts), n, engine_s, hf_s, roof_s,
+                        n / engine_s, n / hf_s, n / roof_s, hf_s / engine_s, roof_s / engine_s,
+                        torch.get_num_threads())
+    if args.json:
+        print(json.dumps(asdict(res)))
+    else:
+        print(f"engine {res.engine_tok_s:.1f} tok/s | hf {res.hf_tok_s:.1f} tok/s | "
+              f"roofline {res.roofline_tok_s:.1f} tok/s")
+        print(f"engine/hf = {res.ratio_vs_hf:.2f}   engine/roofline = {res.ratio_vs_roofline:.2f}")
+    return 0

@@ -1,0 +1,47 @@
+"""Benchmark workloads: seeded random prompts and output lengths."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class OfflineWorkload:
+    name: str
+    model: str
+    num_requests: int
+    prompt_len: tuple[int, int]  # uniform, inclusive
+    output_len: tuple[int, int]
+    dtype: str = "float32"
+    seed: int = 0
+
+
+WORKLOADS = {
+    "tiny": OfflineWorkload("tiny", "tiny-llama", 64, (32, 512), (32, 256)),
+    # Real Qwen3-0.6B shapes on 2 CPU cores: fewer and shorter requests keep it to minutes.
+    "qwen3-0.6b-shape": OfflineWorkload("qwen3-0.6b-shape", "qwen3-0.6b-shape", 16,
+                                        (32, 256), (16, 64)),
+}
+
+
+@dataclass
+class OfflineRequests:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_requests(w: OfflineWorkload, vocab_size: int, num_requests: int | None = None) -> OfflineRequests:
+    rng = random.Random(w.seed)
+    n = num_requests or w.num_requests
+    # Stay clear of special tokens at the top of small vocabularies.
+    hi = max(2, min(vocab_size, 8000) - 1)
+    prompts, outs = [], []
+    for _ in range(n):
+        plen = rng.randint(*w.prompt_len)
+        prompts.append([rng.randint(1, hi) for _ in range(plen)])
+        outs.append(rng.randint(*w.output_len))
+    return OfflineRequests(prompts, outs)

@@ -1,0 +1,134 @@
+"""The ``pdserve`` console script."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama", help="HF folder or preset name")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill)
+
+
+DEMO_PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):",
+    "Paged attention stores the KV cache in blocks so that",
+]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    print(f"loading {args.model} (built-in presets are generated on first use) ...", flush=True)
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for prompt in DEMO_PROMPTS:
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        print(f"\n>>> {prompt}", flush=True)
+        for out in llm.stream(prompt, params):
+            if first is None:
+                first = time.perf_counter() - t0
+            n += len(out.new_token_ids)
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
+        total = time.perf_counter() - t0
+        itl = (total - first) / max(n - 1, 1)
+        print(f"\n[{n} tokens, TTFT {first * 1e3:.1f} ms, ITL {itl * 1e3:.1f} ms]", flush=True)
+    print("\n(random-weight tiny model: the text is noise; the tokens match Hugging Face's)")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for out in llm.stream(args.prompt, params):
+        sys.stdout.write(out.text_delta)
+        sys.stdout.flush()
+    print()
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from engine.presets import make_model
+
+    path = make_model(args.preset, args.out)
+    print(path)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.offline import main as bench_offline
+
+    return bench_offline(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="stream a few prompts through the engine")
+    _add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("generate", help="generate text for one prompt (offline engine)")
+    _add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("make-model", help="write a built-in preset as an HF folder")
+    p.add_argument("preset")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    from bench.offline import add_args as add_offline_args
+    b = bsub.add_parser("offline", help="engine vs HF generate vs a matmul roofline")
+    add_offline_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

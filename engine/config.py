@@ -1,0 +1,71 @@
+"""The engine's configuration: one dataclass, validated when built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_ROLES = ("combined", "prefill", "decode")
+
+
+@dataclass
+class EngineConfig:
+    # A local Hugging Face folder or a built-in preset name (see engine.presets).
+    model: str
+    # Compute dtype; "auto" is float32 on CPU and the checkpoint's dtype on CUDA.
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    # KV-cache budget; None sizes it from gpu_memory_utilization on CUDA, 1 GiB on CPU.
+    kv_cache_memory_gib: float | None = None
+    # Overrides the budget with an exact block count (tests use tiny caches).
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    # combined: prefill and decode here; prefill: stop after the first token and lease the
+    # blocks to a remote reader; decode: admit requests whose prompt KV arrives from outside.
+    role: str = "combined"
+    # A prefill lease not released by then is reclaimed.
+    kv_lease_timeout_s: float = 60.0
+    # Turn incremental detokenization off when only token ids are wanted (benchmarks).
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path or preset name")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.role not in _ROLES:
+            raise ValueError(f"role must be one of {_ROLES}, got {self.role!r}")
+        _positive_int("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.num_gpu_blocks is not None:
+            _positive_int("num_gpu_blocks", self.num_gpu_blocks)
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if not self.kv_lease_timeout_s > 0:
+            raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})")
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

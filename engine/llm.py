@@ -1,0 +1,71 @@
+"""The offline API: ``LLM(model, **config).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **config) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        # Validate everything before queueing anything, so a bad prompt queues nothing.
+        token_lists = [self.engine.tokenize(p) for p in prompts]
+        for ids, sp in zip(token_lists, params):
+            self.engine.validate_prompt(ids, sp)
+        order = {}
+        for ids, sp in zip(token_lists, params):
+            rid = f"offline-{next(self._ids)}"
+            order[rid] = len(order)
+            self.engine.add_request(rid, ids, sp)
+        final: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in order:
+                    final[order[out.request_id]] = out
+        return final  # type: ignore[return-value]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields one prompt's outputs as tokens arrive."""
+        rid = f"offline-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts

@@ -1,0 +1,263 @@
+"""The engine: request intake, one step of schedule -> forward -> sample -> outputs, abort,
+and the prefill/decode roles the services drive.
+
+Not tied to any event loop: services call it from their own engine thread. ``add_request``,
+``abort`` and ``release_kv`` may be called from any thread; they queue work that the next
+``step`` applies, so callers never wait for a forward pass.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import EngineStats, KVAllocation, KVLease, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.setup import EngineSetup, build_engine_parts
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The KV cache cannot hold the request right now (retry later or elsewhere)."""
+
+
+@dataclass
+class _Lease:
+    request: Request
+    lease: KVLease
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        parts: EngineSetup = build_engine_parts(config)
+        self.model_config: ModelConfig = parts.model_config
+        self.model_path = parts.model_path
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.num_blocks = parts.num_blocks
+        self.block_size = config.block_size
+        self.device = parts.device
+        self.kv_manager = KVCacheManager(parts.num_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_manager)
+        self.runner = ModelRunner(parts.model, parts.model_config, parts.num_blocks,
+                                  config.block_size, parts.dtype, parts.device)
+        self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
+                                       self.max_model_len, config.detokenize)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.RLock()
+        self._ids = set()  # ids queued or live, to refuse duplicates at once
+        self._leases: dict[str, _Lease] = {}
+        self._awaiting_kv: dict[str, Request] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self.num_steps = 0
+        self.num_expired_leases = 0
+        # Tokens per executed step (the offline benchmark's roofline replays these sizes).
+        self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        self.step_num_sampled: collections.deque[int] = collections.deque(maxlen=1 << 16)
+
+    # --- intake ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_path} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len} (room for at least one output token is needed)")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate_vocab(vocab)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> list[int]:
+        """Validates and queues a request; returns its prompt token ids."""
+        params = params if params is not None else SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids, params)
+        self._claim_id(request_id)
+        self._inbox.put(("add", Request(request_id, token_ids, params)))
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: the reader has the blocks; give them back."""
+        self._inbox.put(("release", request_id))
+
+    def _claim_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        with self._lock:
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already in the engine")
+            self._ids.add(request_id)
+
+    # --- decode role ----------------------------------------------------------------------
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
+                              first_token_id: int, params: SamplingParams) -> KVAllocation:
+        """Allocates blocks for a prompt whose KV will be written from outside.
+
+        Leading blocks this engine already holds in its prefix cache are reused; the caller
+        fills ``block_ids_to_fill`` and then calls ``commit_prefilled`` (or ``abort``).
+        """
+        self.validate_prompt(list(prompt_token_ids) + [first_token_id], params)
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id])
+        self._claim_id(request_id)
+        n = req.num_prompt_tokens
+        with self._lock:
+            computed = self.kv_manager.get_computed_blocks(req)
+            cached = min(computed.num_computed_tokens, n)
+            if self.kv_manager.allocate_slots(req, n - cached, computed, cache_blocks=False) is None:
+                self._ids.discard(request_id)
+                raise NoFreeBlocksError(f"no room for {n} prompt tokens "
+                                        f"({self.kv_manager.num_free_blocks} free blocks)")
+            req.num_cached_tokens = cached
+            self._awaiting_kv[request_id] = req
+            return KVAllocation(request_id, list(self.kv_manager.get_block_ids(request_id)),
+                                cached, n, self.block_size)
+
+    def commit_prefilled(self, request_id: str) -> None:
+        """The prompt KV is in place: admit the request into the continuous batch."""
+        with self._lock:
+            req = self._awaiting_kv.pop(request_id, None)
+            if req is None:
+                raise ValueError(f"request {request_id!r} is not waiting for KV")
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv_manager.cache_blocks(req, req.num_prompt_tokens)
+        self._inbox.put(("admit", req))
+
+    # --- stepping -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return (not self._inbox.empty() or self.scheduler.has_unfinished()
+                or bool(self._aborted_outputs))
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            self._drain_inbox()
+            self._expire_leases()
+            outputs, self._aborted_outputs = self._aborted_outputs, []
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return outputs
+            result = self.runner.execute(sched)
+            self.scheduler.update_after_step(sched)
+            self.num_steps += 1
+            self.step_num_tokens.append(sched.num_scheduled_tokens)
+            self.step_num_sampled.append(len(result.sampled_request_ids))
+            out = result.sampler_output
+            for i, rid in enumerate(result.sampled_request_ids):
+                req = self.scheduler.requests[rid]
+                outputs.append(self._on_token(req, out.token_ids[i], out.logprobs[i]))
+            return outputs
+
+    def _on_token(self, req: Request, token_id: int, logprobs) -> RequestOutput:
+        decision = self.outputs.append_token(req, token_id, logprobs)
+        if decision.status is not None:
+            req.stop_reason = decision.stop_reason
+            self._finish(req, decision.status)
+            return self._final(req)
+        if self.config.role == "prefill":
+            return self._lease(req)
+        return self.outputs.make_output(req, finished=False)
+
+    def _final(self, req: Request) -> RequestOutput:
+        out = self.outputs.make_output(req, finished=True)
+        self.outputs.remove(req.request_id)
+        return out
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self.runner.release_request(req.request_id)
+        self._ids.discard(req.request_id)
+
+    def _lease(self, req: Request) -> RequestOutput:
+        self.scheduler.finish(req, RequestStatus.LEASED, free_blocks=False)
+        self.runner.release_request(req.request_id)
+        lease = KVLease(req.request_id, list(self.kv_manager.get_block_ids(req.request_id)),
+                        req.num_prompt_tokens, self.block_size,
+                        time.monotonic() + self.config.kv_lease_timeout_s)
+        self._leases[req.request_id] = _Lease(req, lease)
+        out = self.outputs.make_output(req, finished=False, kv_lease=lease)
+        self.outputs.remove(req.request_id)
+        return out
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" or kind == "admit":
+                self.scheduler.add_request(arg)
+                self.outputs.add_request(arg)
+            elif kind == "abort":
+                self._abort_now(arg)
+            elif kind == "release":
+                self._release_now(arg)
+
+    def _abort_now(self, request_id: str) -> None:
+        if request_id in self._leases:
+            self._release_now(request_id)
+            return
+        req = self.scheduler.requests.get(request_id) or self._awaiting_kv.pop(request_id, None)
+        if req is None:
+            return
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._aborted_outputs.append(self._final(req))
+
+    def _release_now(self, request_id: str) -> None:
+        held = self._leases.pop(request_id, None)
+        if held is not None:
+            self.kv_manager.free(held.request)
+            self._ids.discard(request_id)
+
+    def _expire_leases(self) -> None:
+        if not self._leases:
+            return
+        now = time.monotonic()
+        for rid in [r for r, h in self._leases.items() if h.lease.expires_at <= now]:
+            self._release_now(rid)
+            self.num_expired_leases += 1
+
+    # --- introspection --------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        with self._lock:
+            s = self.kv_manager.stats
+            return EngineStats(
+                num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+                num_leased=len(self._leases), num_free_blocks=self.kv_manager.num_free_blocks,
+                num_total_blocks=self.num_blocks, prefix_cache_queries=s.queries,
+                prefix_cache_hits=s.hits, prefix_cache_evictions=s.evictions,
+                num_preemptions=self.scheduler.num_preemptions,
+                num_expired_leases=self.num_expired_leases, num_steps=self.num_steps)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]"""
+        return self.runner.kv_cache

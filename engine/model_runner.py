@@ -1,0 +1,137 @@
+"""Turns a scheduler output into one flattened forward pass, then samples.
+
+Holds the model, the paged KV cache tensor and the per-request RNGs. Runs on whatever thread
+steps the engine; never on an event loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+from engine.sampler import Sampler, SamplerOutput, make_generator
+from engine.scheduler import SchedulerOutput
+from kernels.attention_backend import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    # [num_sampled] rows of the hidden states whose logits are sampled.
+    sample_indices: torch.Tensor
+    sample_request_ids: list[str]
+
+
+@dataclass
+class RunnerOutput:
+    # Request id -> index into sampler_output, for requests that sampled this step.
+    sampled_request_ids: list[str]
+    sampler_output: SamplerOutput
+
+
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
+        self.kv_cache = torch.zeros(kv_cache_shape(model_config, num_blocks, block_size),
+                                    dtype=dtype, device=device)
+        model.bind_kv_cache(self.kv_cache)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def release_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        inp = self.prepare_input(sched)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [num_tokens, hidden]
+        if not inp.sample_request_ids:
+            return RunnerOutput([], SamplerOutput([], []))
+        logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_sampled, vocab]
+        reqs = [s.request for s in sched.scheduled if s.samples]
+        gens = [self._generator(r) for r in reqs]
+        out = self.sampler(logits, [r.sampling_params for r in reqs], gens)
+        return RunnerOutput(inp.sample_request_ids, out)
+
+    def _generator(self, req) -> torch.Generator | None:
+        rid = req.request_id
+        if rid not in self.generators:
+            self.generators[rid] = make_generator(req.sampling_params.seed, self.device)
+        return self.generators[rid]
+
+    def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_index: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        sample_idx: list[int] = []
+        sample_ids: list[str] = []
+        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+        table_rows: list[list[int]] = []
+        for i, s in enumerate(sched.scheduled):
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            input_ids.extend(_token_slice(req, start, n))
+            positions.extend(range(start, start + n))
+            seq_index.extend([i] * n)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            table_rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+            if s.samples:
+                sample_idx.append(query_start[-1] - 1)
+                sample_ids.append(req.request_id)
+        block_tables = torch.tensor(table_rows, dtype=torch.int32)  # [num_seqs, max_blocks]
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        # slot = block_table[seq, pos // block_size] * block_size + pos % block_size
+        blocks = block_tables[torch.tensor(seq_index), pos_t // bs].to(torch.int64)
+        slot_mapping = blocks * bs + pos_t % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            query_lens_list=[s.num_new_tokens for s in sched.scheduled],
+            seq_lens_list=seq_lens,
+            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            num_decodes=sched.num_decodes,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=pos_t.to(dev),
+            meta=meta,
+            sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=dev),
+            sample_request_ids=sample_ids,
+        )
+
+
+def _token_slice(req, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output without concatenating the two lists."""
+    p = req.prompt_token_ids
+    if start + n <= len(p):
+        return p[start:start + n]
+    if start >= len(p):
+        o = req.output_token_ids
+        return o[start - len(p):start - len(p) + n]
+    return p[start:] + req.output_token_ids[:start + n - len(p)]

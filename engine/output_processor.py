@@ -1,0 +1,87 @@
+"""Per-request text and stop conditions: turns sampled tokens into RequestOutputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampler import TokenLogprobs
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class StopDecision:
+    status: RequestStatus | None  # None: keep going
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int],
+                 max_model_len: int, detokenize: bool) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize and tokenizer is not None
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Output tokens already reported per request (streams report deltas).
+        self._reported: dict[str, int] = {}
+
+    def add_request(self, req: Request) -> None:
+        self._reported[req.request_id] = len(req.output_token_ids)
+        if self.detokenize:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                           skip_special_tokens=req.sampling_params.skip_special_tokens)
+            if req.output_token_ids:
+                # Decode role: the first token's text was streamed by the prefill worker;
+                # feed it for context and drop its delta.
+                detok.update(req.output_token_ids)
+            self.detokenizers[req.request_id] = detok
+
+    def remove(self, request_id: str) -> None:
+        self.detokenizers.pop(request_id, None)
+        self._reported.pop(request_id, None)
+
+    def append_token(self, req: Request, token_id: int, logprobs: TokenLogprobs | None) -> StopDecision:
+        """Records one sampled token, updates text, and decides whether the request stops."""
+        req.append_output_token(token_id)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+        params = req.sampling_params
+        detok = self.detokenizers.get(req.request_id)
+        if detok is not None:
+            detok.update([token_id])
+        if token_id in params.stop_token_ids:
+            return StopDecision(RequestStatus.FINISHED_STOPPED, token_id)
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return StopDecision(RequestStatus.FINISHED_STOPPED, None)
+        if detok is not None and params.stop:
+            hit = detok.check_stop(params.stop, params.include_stop_str_in_output)
+            if hit is not None:
+                return StopDecision(RequestStatus.FINISHED_STOPPED, hit)
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return StopDecision(RequestStatus.FINISHED_LENGTH)
+        return StopDecision(None)
+
+    def make_output(self, req: Request, finished: bool, kv_lease=None) -> RequestOutput:
+        rid = req.request_id
+        start = self._reported.get(rid, 0)
+        self._reported[rid] = req.num_output_tokens
+        text = delta = ""
+        detok = self.detokenizers.get(rid)
+        if detok is not None:
+            delta = detok.finish() if finished else detok.take_delta()
+            text = detok.output_text
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            new_token_ids=req.output_token_ids[start:],
+            text=text,
+            text_delta=delta,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            kv_lease=kv_lease,
+        )

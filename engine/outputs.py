@@ -1,0 +1,72 @@
+"""What the engine hands back: per-request outputs, KV leases and stats."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampler import TokenLogprobs
+
+
+@dataclass
+class KVLease:
+    """Prefill role: the blocks holding a request's prompt KV, kept until released or expired."""
+
+    request_id: str
+    block_ids: list[int]
+    # Prompt tokens whose K/V is in the blocks (the first sampled token's is not).
+    num_tokens: int
+    block_size: int
+    expires_at: float  # time.monotonic() deadline
+
+
+@dataclass
+class KVAllocation:
+    """Decode role: where a remotely prefilled request's prompt KV must be written."""
+
+    request_id: str
+    block_ids: list[int]
+    # Leading tokens already present here through the prefix cache; their blocks need no copy.
+    num_cached_tokens: int
+    num_tokens: int
+    block_size: int
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def block_ids_to_fill(self) -> list[int]:
+        return self.block_ids[self.num_cached_blocks:]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    # All output tokens so far, and the ones new since the last output for this request.
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str = ""
+    text_delta: str = ""
+    finished: bool = False
+    # "stop", "length" or "abort" once finished.
+    finish_reason: str | None = None
+    # The stop token id or stop string that ended the request.
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    kv_lease: KVLease | None = None
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_leased: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    num_preemptions: int
+    num_expired_leases: int
+    num_steps: int

@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill.
+
+Every step fills a token budget (``max_num_batched_tokens``): running requests first (a decode
+costs one token, an unfinished prefill its next chunk), then waiting requests in arrival order.
+There is no separate prefill phase: a request is just "``num_computed_tokens`` of
+``num_tokens`` done", so prefill chunks and decodes share one flattened batch. When the cache
+runs out of blocks, the most recently admitted running request is preempted and later recomputed
+(its blocks usually come back as prefix-cache hits).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # The request's whole block table (owned by the KV cache manager; read-only here).
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so it samples."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    # Decodes (one new token) first, then prefill chunks; backends batch the decodes.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_manager: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queues ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Takes a request out of the queues; blocks go back unless the caller keeps them."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free_blocks:
+            self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+
+    # --- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.chunked_prefill:
+                i += 1
+                continue
+            num_new = min(num_new, budget)
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # the request preempted itself: nothing lower in priority is left
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed = None
+            if req.num_computed_tokens == 0:
+                computed = self.kv.get_computed_blocks(req)
+                num_done = computed.num_computed_tokens
+            else:
+                # Decode role: the prompt's KV was written into its blocks from outside.
+                num_done = req.num_computed_tokens
+            num_new = req.num_tokens - num_done
+            if num_new > budget and not self.chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            if computed is not None:
+                req.num_computed_tokens = num_done
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_done
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            budget -= num_new
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advances each scheduled request by the tokens this step computed."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens

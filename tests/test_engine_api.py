@@ -1,0 +1,178 @@
+"""The offline API and the step API: inputs, stops, sampling, aborts, block accounting."""
+import json
+
+import pytest
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(preset_path):
+    return LLM(str(preset_path("tiny-llama")), max_model_len=256)
+
+
+def _all_free(llm_or_engine) -> bool:
+    e = getattr(llm_or_engine, "engine", llm_or_engine)
+    s = e.get_stats()
+    return s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "empty"),
+    ([], "empty"),
+    ([1, 2, 10**6], "outside the vocabulary"),
+    ([1, -3], "outside the vocabulary"),
+    ([1, "a"], "outside the vocabulary"),
+    (list(range(5, 300)), "max_model_len"),
+    (3.5, "string or a list"),
+])
+def test_bad_prompts_are_refused(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(ValueError):
+        llm.generate(["hello", ""], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(logprobs=99), "logprobs"),
+    (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_checked_against_vocab(llm):
+    with pytest.raises(ValueError, match="stop token id"):
+        llm.generate(["hi"], SamplingParams(stop_token_ids=[10**7]))
+
+
+def test_unknown_preset_and_broken_folder(tmp_path):
+    with pytest.raises(ValueError, match="tiny-llama"):
+        LLM("no-such-model")
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(bad))
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig("tiny-llama", block_size=12)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig("tiny-llama", max_num_seqs=0)
+    with pytest.raises(ValueError, match="role"):
+        EngineConfig("tiny-llama", role="both")
+
+
+def test_text_and_token_prompts_agree(llm):
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = llm.tokenizer.encode(text)
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a, b = llm.generate([text, ids], p)
+    assert a.token_ids == b.token_ids
+    assert a.prompt_token_ids == ids
+    assert a.text == llm.tokenizer.decode(a.token_ids)
+
+
+def test_streamed_deltas_add_up_to_the_text(llm):
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    deltas, last = [], None
+    for out in llm.stream("Once upon a time", p):
+        deltas.append(out.text_delta)
+        last = out
+    assert last.finished and len(last.token_ids) == 30
+    assert "".join(deltas) == last.text
+    assert "\ufffd" not in "".join(deltas[:-1])
+
+
+def test_max_tokens_and_stop_token(llm):
+    p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    ref = llm.generate(["stop here"], p)[0]
+    stop_tok = ref.token_ids[5]
+    first = ref.token_ids.index(stop_tok)
+    out = llm.generate(["stop here"], SamplingParams(max_tokens=20, temperature=0.0,
+                                                     ignore_eos=True, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == ref.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert ref.finish_reason == "length"
+
+
+def test_stop_string(llm):
+    p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = llm.generate(["a stop string test"], p)[0]
+    assert len(ref.text) > 12
+    stop = ref.text[8:11]
+    cut = ref.text.index(stop)
+    out = llm.generate(["a stop string test"], SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == ref.text[:cut]
+    inc = llm.generate(["a stop string test"], SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop],
+        include_stop_str_in_output=True))[0]
+    assert inc.text == ref.text[:cut + len(stop)]
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate(["same seed"], seeded)[0].token_ids
+    other = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    batch = llm.generate(["another", "same seed", "third prompt here"], [other, seeded, other])
+    assert batch[1].token_ids == alone
+    reseeded = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=99, ignore_eos=True)
+    assert llm.generate(["same seed"], reseeded)[0].token_ids != alone
+
+
+def test_logprobs_returned_per_token(llm):
+    out = llm.generate(["logprobs"], SamplingParams(max_tokens=5, temperature=0.0,
+                                                    logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.sampled.token_id == tok and lp.sampled.rank == 1
+        assert len(lp.top) == 3 and lp.top[0].logprob >= lp.top[-1].logprob
+
+
+def test_abort_running_and_waiting_frees_blocks(preset_path):
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), max_num_seqs=2))
+    p = SamplingParams(max_tokens=200, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", list(range(10 + i, 90 + i)), p)
+    for _ in range(3):
+        engine.step()
+    assert engine.get_stats().num_running == 2 and engine.get_stats().num_waiting == 2
+    for i in range(4):
+        engine.abort(f"r{i}")
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs if o.finished) == ["r0", "r1", "r2", "r3"]
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert _all_free(engine) and not engine.has_unfinished_requests()
+    # Ids are free again once finished.
+    engine.add_request("r0", [5, 6, 7], SamplingParams(max_tokens=1))
+
+
+def test_duplicate_request_id_refused(preset_path):
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama"))))
+    engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", [5, 6, 7], SamplingParams(max_tokens=3))
+
+
+def test_stream_closed_early_aborts(llm):
+    gen = llm.stream("closing early", SamplingParams(max_tokens=50, ignore_eos=True))
+    next(gen)
+    gen.close()
+    assert _all_free(llm)
