@@ -193,12 +193,10 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        self.runner.release_request(req.request_id)
         self._ids.discard(req.request_id)
 
     def _lease(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus.LEASED, free_blocks=False)
-        self.runner.release_request(req.request_id)
         lease = KVLease(req.request_id, list(self.kv_manager.get_block_ids(req.request_id)),
                         req.num_prompt_tokens, self.block_size,
                         time.monotonic() + self.config.kv_lease_timeout_s)

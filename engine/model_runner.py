@@ -53,10 +53,6 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator | None] = {}
-
-    def release_request(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -71,10 +67,16 @@ class ModelRunner:
         return RunnerOutput(inp.sample_request_ids, out)
 
     def _generator(self, req) -> torch.Generator | None:
-        rid = req.request_id
-        if rid not in self.generators:
-            self.generators[rid] = make_generator(req.sampling_params.seed, self.device)
-        return self.generators[rid]
+        """A seeded request's RNG for its next token, keyed by (seed, output index).
+
+        Re-seeding per token (rather than advancing one stream) makes the token depend only on
+        the seed and its position: the same after preemption and recompute, and the same when
+        a decode worker continues what a prefill worker started.
+        """
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        return make_generator(_token_seed(seed, req.num_output_tokens), self.device)
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
         bs = self.block_size
@@ -124,6 +126,14 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=dev),
             sample_request_ids=sample_ids,
         )
+
+
+def _token_seed(seed: int, index: int) -> int:
+    # splitmix64-style mixing so neighbouring (seed, index) pairs give unrelated streams.
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _token_slice(req, start: int, n: int) -> list[int]:

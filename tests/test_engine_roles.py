@@ -126,3 +126,16 @@ def test_decode_role_refuses_when_full(model):
     # The refused id was not kept: a retry with room works.
     alloc = decode.add_prefilled_request("b", list(range(100, 170)), 9, params)
     assert len(alloc.block_ids) == 5
+
+
+def test_seeded_sampling_continues_across_roles_and_preemption(model):
+    prompts = _prompts(5, [12, 40, 70])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model).generate(prompts, params)]
+    assert len({tuple(e) for e in expected}) == 3
+    preempting = LLM(model, num_gpu_blocks=9, max_num_batched_tokens=32)
+    assert [o.token_ids for o in preempting.generate(prompts, params)] == expected
+    assert preempting.engine.get_stats().num_preemptions > 0
+    prefill = LLMEngine(EngineConfig(model, role="prefill"))
+    decode = LLMEngine(EngineConfig(model, role="decode"))
+    assert _disaggregated(prefill, decode, prompts, params) == expected

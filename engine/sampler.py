@@ -1,0 +1,216 @@
+"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+One call samples one token for every request of the step. The work is batched: greedy rows
+share one argmax, random rows share one temperature division, one threshold per row that
+folds top-k, top-p and min-p into a single mask, and one exponential race.
+
+Filters are expressed as a per-row logit threshold (keep tokens whose scaled logit is >= it)
+rather than as a scattered boolean mask. The threshold depends only on a row's sorted
+*values*, never on sort indices, so a row gets the same mask whether the batch took the full
+sort path or the cheaper top-k-only path, and whatever else shares the batch. The price is
+that tokens tied with the last kept token are kept too; tied tokens are equally likely, so
+"which of them is in the top k" has no meaningful answer anyway.
+
+Logprobs are the log-softmax of the RAW logits, before temperature, top-k, top-p and min-p,
+which is what vLLM reports by default ("raw_logprobs"): they describe the model, not the
+sampling distribution.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    # 1 = the most likely token under the raw distribution.
+    rank: int
+
+
+@dataclass
+class TokenLogprobs:
+    sampled: Logprob
+    # The params.logprobs most likely tokens, most likely first.
+    top: list[Logprob]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # One entry per request; None where the request did not ask for logprobs.
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A private RNG for a seeded request; None means "use the default RNG"."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    # top_k == 1 leaves only the argmax, whatever the temperature: skip the random path.
+    return params.greedy or params.top_k == 1
+
+
+class Sampler:
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SamplerOutput:
+        """Samples one token per row of ``logits`` [num_reqs, vocab]."""
+        _check_inputs(logits, params, generators)
+        num_reqs = logits.shape[0]
+        if num_reqs == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+
+        random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if not random_rows:
+            token_ids = logits.argmax(dim=-1)  # [num_reqs]
+        elif len(random_rows) == num_reqs:
+            token_ids = _sample_random(logits, params, generators)
+        else:
+            token_ids = logits.argmax(dim=-1)
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = _sample_random(logits[rows], [params[i] for i in random_rows],
+                                             [generators[i] for i in random_rows])
+        return SamplerOutput(token_ids=token_ids.tolist(),
+                             logprobs=_compute_logprobs(logits, token_ids, params))
+
+
+def _check_inputs(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"got {logits.shape[0]} logit rows, {len(params)} sampling params and "
+                         f"{len(generators)} generators; they must match one to one")
+
+
+def _sample_random(logits: torch.Tensor, params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Samples rows that are not greedy. Returns [num_rows] int64."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                               device=logits.device)
+    x = logits.float() / temperature.unsqueeze(1)  # [num_rows, vocab], a fresh tensor
+    threshold = _keep_threshold(x, params)
+    if threshold is not None:
+        x = torch.where(x < threshold, -math.inf, x)
+    # Gumbel-max: argmax(x + g), g ~ Gumbel(0, 1), is a draw from softmax(x); it is the
+    # exponential race argmax(p / q), q ~ Exp(1), taken in log space, so no softmax.
+    return x.add_(_gumbel_noise(x, generators)).argmax(dim=-1)
+
+
+def _gumbel_noise(x: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Gumbel(0, 1) noise shaped like x [num_rows, vocab].
+
+    A seeded row draws exactly ``vocab`` uniforms from its own generator and nothing else, so
+    its token does not depend on its batch neighbours or its position. Unseeded rows share
+    one draw from the default RNG.
+    """
+    # -log(-log u) from uniforms: torch's CPU exponential_ is several times slower than
+    # rand + two logs. u == 0 gives -inf (that token loses), never NaN.
+    uniform = torch.empty_like(x)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        uniform.uniform_()
+    else:
+        if len(seeded) < len(generators):
+            unseeded = torch.tensor([i for i, g in enumerate(generators) if g is None],
+                                    device=x.device)
+            uniform[unseeded] = torch.rand((len(unseeded), x.shape[1]), device=x.device)
+        for i in seeded:
+            uniform[i].uniform_(generator=generators[i])
+    return uniform.log_().neg_().log_().neg_()
+
+
+def _keep_threshold(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """Lowest scaled logit each row keeps after top-k, top-p and min-p: [num_rows, 1].
+
+    None when no row filters anything; a row that filters nothing gets its minimum or -inf.
+    """
+    vocab = x.shape[1]
+    device = x.device
+    threshold = None
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    needs_top_p = any(p.top_p < 1.0 for p in params)
+    if needs_top_p or any(k < vocab for k in top_k):
+        sorted_x = _sort_descending(x)
+        top_p = ([p.top_p if p.top_p < 1.0 else math.inf for p in params] if needs_top_p
+                 else None)
+        threshold = _top_k_top_p_threshold(
+            sorted_x, torch.tensor(top_k, device=device),
+            None if top_p is None else torch.tensor(top_p, device=device))
+    if any(p.min_p > 0.0 for p in params):
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps all.
+        # Top-k / top-p always keep the max, and renormalising does not change p_i / p_max,
+        # so this mask is the same whether applied before or after them.
+        log_min_p = torch.tensor([p.min_p for p in params], device=device).log()
+        min_p_threshold = x.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+        threshold = (min_p_threshold if threshold is None
+                     else torch.maximum(threshold, min_p_threshold))
+    return threshold
+
+
+def _sort_descending(x: torch.Tensor) -> torch.Tensor:
+    """Each row's values, largest first: [num_rows, vocab]. No indices: thresholds need none."""
+    if x.device.type == "cpu":
+        # numpy's SIMD sort is about ten times faster than torch.sort on CPU, and sorted
+        # values are exact either way.
+        return torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
+    return x.sort(dim=-1, descending=True).values
+
+
+def _top_k_top_p_threshold(sorted_x: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor | None) -> torch.Tensor:
+    """Threshold after top-k, then top-p over the top-k renormalised (vLLM's order).
+
+    sorted_x [num_rows, vocab] descending, top_k [num_rows] (vocab = off),
+    top_p [num_rows] (inf = off) or None when no row uses it. Returns [num_rows, 1].
+    """
+    num_kept = top_k
+    if top_p is not None:
+        positions = torch.arange(sorted_x.shape[1], device=sorted_x.device)
+        masked = sorted_x.masked_fill(positions >= top_k.unsqueeze(1), -math.inf)
+        cumulative = masked.softmax(dim=-1).cumsum_(dim=-1)  # [num_rows, vocab], non-decreasing
+        # The nucleus is the shortest prefix whose mass reaches top_p: the positions still
+        # below top_p plus the one that crosses it, so at least one token.
+        in_nucleus = (cumulative < top_p.unsqueeze(1)).sum(dim=-1) + 1
+        num_kept = torch.minimum(in_nucleus, top_k)
+    return sorted_x.gather(1, (num_kept - 1).unsqueeze(1))
+
+
+def _compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                      params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Raw-logit logprobs of the sampled token and the top-n, only for rows that asked."""
+    result: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return result
+    if len(rows) < len(params):
+        index = torch.tensor(rows, device=logits.device)
+        logits, token_ids = logits[index], token_ids[index]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (logprobs > sampled).sum(dim=-1) + 1
+
+    num_top = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top], descending
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list, sampled_list, rank_list = (token_ids.tolist(), sampled.squeeze(1).tolist(),
+                                           ranks.tolist())
+    for j, i in enumerate(rows):
+        top = [Logprob(token_id=top_ids[j][r], logprob=top_values[j][r], rank=r + 1)
+               for r in range(min(params[i].logprobs, num_top))]
+        result[i] = TokenLogprobs(
+            sampled=Logprob(token_id=token_list[j], logprob=sampled_list[j], rank=rank_list[j]),
+            top=top)
+    return result
