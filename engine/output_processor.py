@@ -35,6 +35,7 @@ class OutputProcessor:
                 # Decode role: the first token's text was streamed by the prefill worker;
                 # feed it for context and drop its delta.
                 detok.update(req.output_token_ids)
+                detok.take_delta()
             self.detokenizers[req.request_id] = detok
 
     def remove(self, request_id: str) -> None:
@@ -70,7 +71,7 @@ class OutputProcessor:
         detok = self.detokenizers.get(rid)
         if detok is not None:
             delta = detok.finish() if finished else detok.take_delta()
-            text = detok.output_text
+            text = detok.output_text if finished else ""
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=req.prompt_token_ids,

@@ -45,6 +45,7 @@ class RequestOutput:
     # All output tokens so far, and the ones new since the last output for this request.
     token_ids: list[int]
     new_token_ids: list[int]
+    # The whole output text, on the final output only; streams concatenate text_delta.
     text: str = ""
     text_delta: str = ""
     finished: bool = False

@@ -1,0 +1,258 @@
+"""Tokenizer access and incremental detokenization.
+
+``Tokenizer`` wraps a local Hugging Face fast tokenizer behind the few calls the engine makes.
+``IncrementalDetokenizer`` turns a stream of sampled token ids into text deltas that never
+contain a half-decoded multi-byte character, and applies stop strings.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Prompt tokens decoded ahead of the output so that decoders whose output depends on the
+# neighbouring token (SentencePiece's leading-space strip) render the first output token as
+# a continuation, not as the start of a text.
+_PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 bytes, so at most 4 tokens: once more tokens than this
+# wait behind a trailing U+FFFD, the older ones can no longer change and are released.
+_MAX_UTF8_TOKENS = 4
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer loaded from a local folder (see ``load_tokenizer``).
+
+    ``vocab_size`` counts the tokenizer's ids (added tokens included); the model's vocab may be
+    larger. Ids outside ``[0, vocab_size)`` decode to "".
+    """
+
+    def __init__(self, hf_tokenizer, folder: Path) -> None:
+        self.hf = hf_tokenizer
+        self.folder = folder
+        self._backend = hf_tokenizer.backend_tokenizer
+        self.vocab_size: int = len(hf_tokenizer)
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.pad_token_id: int | None = hf_tokenizer.pad_token_id
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        # What the backend drops under skip_special_tokens: added tokens flagged special.
+        self.skipped_special_ids: frozenset[int] = frozenset(
+            i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text, with bos prepended when the tokenizer's config asks for it."""
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        return self.hf.encode(text)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.decode_known(self.known_ids(ids), skip_special_tokens)
+
+    def known_ids(self, ids: Iterable[int]) -> list[int]:
+        """ids without those outside the tokenizer (they would decode to "" anyway)."""
+        n = self.vocab_size
+        return [i for i in ids if 0 <= i < n]
+
+    def decode_known(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """decode() for ids already filtered by known_ids(); the hot path of detokenization."""
+        # The backend directly: transformers' decode adds Python overhead per call and its
+        # clean-up option would break incremental decoding.
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.folder)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(folder: str | Path) -> Tokenizer:
+    """Loads the fast tokenizer saved in folder, from local files only.
+
+    Raises ValueError naming the folder when it has no tokenizer or the files are broken.
+    """
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer folder {str(path)!r} does not exist")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {str(path)!r} "
+                         f"(looked for {', '.join(_TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                           trust_remote_code=False)
+    except Exception as e:  # transformers raises many types for broken files
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: "
+                         f"{type(e).__name__}: {e}") from e
+    if not getattr(hf, "is_fast", False) or getattr(hf, "backend_tokenizer", None) is None:
+        raise ValueError(f"the tokenizer in {str(path)!r} is not a fast (tokenizers) tokenizer")
+    return Tokenizer(hf, path)
+
+
+class IncrementalDetokenizer:
+    """Text of one request's output tokens, produced as they are sampled.
+
+    Usage, once per sampled token (or group of tokens)::
+
+        detok.update(new_ids)                       # decode; returns the newly decoded text
+        hit = detok.check_stop(stop, include_stop)  # only when stop strings are set
+        delta = detok.take_delta()                  # text safe to stream now
+        ...
+        delta = detok.finish()                      # at the end: everything not yet taken
+
+    * ``output_text`` holds all text decoded so far (truncated at a matched stop string).
+      The concatenation of everything ``take_delta()`` and ``finish()`` return equals the
+      final ``output_text``.
+    * UTF-8: when the newest tokens end in an incomplete multi-byte character (their decode
+      ends in U+FFFD), they are held back until a later token completes it. Bytes that can
+      never form a character (invalid, or a character cut short) come out as U+FFFD exactly
+      as a one-shot ``decode`` renders them: as soon as a later character follows, once more
+      than 4 tokens wait, or at ``finish()``. So the final text equals
+      ``tokenizer.decode(output_ids)``, and for output that is valid UTF-8 no delta ever
+      contains U+FFFD.
+    * Stop strings: ``check_stop`` searches only text decoded since its previous call (plus
+      an overlap of len(stop) - 1 characters), picks the earliest match (ties: list order),
+      truncates ``output_text`` before it (or after it when included) and returns it. While
+      stop strings are active, ``take_delta()`` only releases text already searched, minus
+      its longest suffix that could still grow into a stop string; so the caller never
+      receives text past a stop string. Call ``check_stop`` after every ``update`` and with
+      the same list; after a match the detokenizer accepts no more tokens.
+    * The prompt's last tokens are decoded as context only; they never appear in the text.
+      Special tokens (when skipped) and ids unknown to the tokenizer contribute nothing.
+    * Text already delivered elsewhere (the first token, streamed by a prefill worker) is
+      dropped by calling ``take_delta()`` right after the ``update`` that decoded it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._dropped = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
+        self.output_text = ""
+        self.stop_str: str | None = None
+        self.finished = False
+        # The decode window (older ids are dropped): _ids[:read_offset] is context already
+        # turned into text, _ids[read_offset:] is not yet turned into text.
+        self._ids = self._context(prompt_token_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # decode of _ids[:read_offset]
+        self._emitted = 0  # characters of output_text handed out
+        self._checked = 0  # characters of output_text already searched for stop strings
+        self._stop: list[str] | None = None  # last stop list given to check_stop
+        self._include_stop = False
+        self._stop_holdback = 0
+
+    def _keep(self, ids: Iterable[int]) -> list[int]:
+        return [i for i in self.tokenizer.known_ids(ids) if i not in self._dropped]
+
+    def _context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        tail = self._keep(prompt_token_ids[-4 * _PROMPT_CONTEXT_TOKENS:])[-_PROMPT_CONTEXT_TOKENS:]
+        if self._decode(tail).endswith(_REPLACEMENT_CHAR):
+            # The prompt ends inside a character: decode the output on its own instead.
+            return []
+        return tail
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode_known(ids, self.skip_special_tokens)
+
+    def update(self, new_token_ids: Iterable[int]) -> str:
+        """Adds sampled tokens; returns the text they completed (appended to output_text).
+
+        The returned text is not checked against stop strings; stream ``take_delta()``.
+        """
+        if self.finished or self.stop_str is not None:
+            raise RuntimeError("update() after the detokenizer finished or matched a stop string")
+        self._ids.extend(self._keep(new_token_ids))
+        return self._advance(flush=False)
+
+    def _advance(self, flush: bool) -> str:
+        """Turns the pending window into text; without flush, holds an incomplete tail."""
+        if self._read_offset == len(self._ids):
+            return ""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[:self._read_offset])
+        prefix_text = self._prefix_text
+        new_text = self._decode(self._ids)
+        end = len(self._ids)
+        incomplete = len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
+        if incomplete and not flush:
+            if end - self._read_offset <= _MAX_UTF8_TOKENS:
+                return ""
+            # Too many tokens wait: everything before the last few is settled as long as
+            # decoding it alone gives a prefix of the full decode (no character cut at the split).
+            end -= _MAX_UTF8_TOKENS
+            settled = self._decode(self._ids[:end])
+            if len(settled) <= len(prefix_text) or not new_text.startswith(settled):
+                return ""
+            new_text = settled
+        delta = new_text[len(prefix_text):]
+        # The text just produced becomes the next context; a few tokens of it are enough
+        # (after a long batch, decoding it all again would be wasted work).
+        prefix = max(self._read_offset, end - _PROMPT_CONTEXT_TOKENS)
+        del self._ids[:prefix]
+        self._read_offset = end - prefix
+        self._prefix_text = None
+        self.output_text += delta
+        return delta
+
+    def check_stop(self, stop: Sequence[str], include_stop_str_in_output: bool) -> str | None:
+        """Searches the text added since the last call; returns the matched stop string or None.
+
+        On a match, output_text ends right before the stop string (or right after it when
+        include_stop_str_in_output) and the detokenizer takes no more tokens.
+        """
+        if self.stop_str is not None:
+            return self.stop_str
+        self._stop = [s for s in stop if s]
+        self._include_stop = include_stop_str_in_output
+        if not self._stop:
+            self._stop_holdback = 0
+            self._checked = len(self.output_text)
+            return None
+        text = self.output_text
+        best: tuple[int, str] | None = None
+        for s in self._stop:
+            i = text.find(s, max(0, self._checked - len(s) + 1))
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            self._checked = len(text)
+            self._stop_holdback = _partial_stop_len(text, self._stop)
+            return None
+        start, s = best
+        self.output_text = text[:start + len(s) if include_stop_str_in_output else start]
+        self._checked = len(self.output_text)
+        self._stop_holdback = 0
+        self.stop_str = s
+        return s
+
+    def take_delta(self) -> str:
+        """Text not handed out yet that can no longer change or turn into a stop string."""
+        limit = len(self.output_text)
+        if self._stop and not self.finished and self.stop_str is None:
+            limit = min(limit, self._checked - self._stop_holdback)
+        if limit <= self._emitted:
+            return ""
+        delta = self.output_text[self._emitted:limit]
+        self._emitted = limit
+        return delta
+
+    def finish(self) -> str:
+        """Flushes held text (an unfinished character becomes U+FFFD); returns what is left."""
+        if not self.finished:
+            if self.stop_str is None:
+                self._advance(flush=True)
+                if self._stop:
+                    self.check_stop(self._stop, self._include_stop)
+            self.finished = True
+        return self.take_delta()
+
+
+def _partial_stop_len(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
