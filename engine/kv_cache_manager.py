@@ -1,0 +1,219 @@
+"""Per-request KV block tables on top of the block pool, with prefix caching.
+
+The scheduler asks three things of it: how much of a new request is already cached
+(``get_computed_blocks``), to reserve blocks for the tokens it schedules (``allocate_slots``),
+and to release a finished or preempted request (``free``). It never changes
+``request.num_computed_tokens``; the scheduler does after each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_request_tokens
+from engine.block_pool import BlockPool, KVBlock, KVCacheEvent
+from engine.request import Request
+
+
+@dataclass
+class ComputedBlocks:
+    """Leading blocks of a request found in the prefix cache (not yet held by it)."""
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative counters; ``queries`` and ``hits`` are in tokens."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 event_token_ids: bool = False) -> None:
+        """``event_token_ids`` puts each stored block's tokens in its BlockStored event; off by
+        default because subscribers can rebuild the chain from the hashes alone."""
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.event_token_ids = event_token_ids
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, block_size)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        # Hashes of each request's full blocks, extended as the request grows.
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+        # How many of a request's leading blocks have been offered to the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self._stats = PrefixCacheStats()
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (evictable cached blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        self._stats.evictions = self.pool.num_evictions
+        return self._stats
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # -- prefix cache lookup -------------------------------------------------------------------
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's full-block hashes, hashing only blocks filled since the last call."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            start = len(hashes) * self.block_size
+            new_tokens = request.all_token_ids[start:num_full * self.block_size]
+            hashes.extend(hash_request_tokens(new_tokens, self.block_size,
+                                              parent=hashes[-1] if hashes else None))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest cached prefix of a request that has computed nothing yet.
+
+        Stops one token short of the whole request: the last token must run through the model
+        for its logits. Use the result right away: the blocks are not held, so any allocation
+        in between may evict them.
+        """
+        if request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id} already has "
+                             f"{request.num_computed_tokens} computed tokens")
+        if not self.enable_prefix_caching:
+            return ComputedBlocks()
+        hashes = self._block_hashes(request)
+        max_hit_blocks = max(0, request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        self._stats.requests += 1
+        self._stats.queries += request.num_tokens
+        self._stats.hits += num_hit_tokens
+        return ComputedBlocks(blocks, num_hit_tokens)
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: ComputedBlocks | None = None,
+                       cache_blocks: bool = True) -> list[int] | None:
+        """Grows the request's block table to cover its computed plus ``num_new_tokens`` tokens.
+
+        Returns the ids of the newly allocated blocks, or None, changing nothing, when the pool
+        is short. ``computed`` (from ``get_computed_blocks``) becomes the head of the table.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        computed = computed or ComputedBlocks()
+        held = self._req_blocks.get(request.request_id, [])
+        if computed.blocks:
+            self._check_computed(request, computed, held)
+        num_total = request.num_computed_tokens + computed.num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, _cdiv(num_total, self.block_size)
+                             - len(held) - len(computed.blocks))
+        # Cached blocks nobody holds are counted as free, yet touching them takes them out of
+        # the free queue, so they cannot also serve as new blocks.
+        num_reclaimed = sum(1 for b in computed.blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_reclaimed:
+            return None
+
+        # Touch first: get_new_blocks would otherwise evict a reclaimed block from the queue.
+        self.pool.touch(computed.blocks)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        if request.request_id not in self._req_blocks:
+            self._req_blocks[request.request_id] = held
+            self._num_cached_blocks[request.request_id] = len(computed.blocks)
+        held.extend(computed.blocks)
+        held.extend(new_blocks)
+        if cache_blocks:
+            self._cache_full_blocks(request, min(num_total, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def _check_computed(self, request: Request, computed: ComputedBlocks,
+                        held: list[KVBlock]) -> None:
+        if held or request.num_computed_tokens != 0:
+            raise ValueError(f"computed blocks given for request {request.request_id}, "
+                             "which has already started")
+        if computed.num_computed_tokens != len(computed.blocks) * self.block_size:
+            raise ValueError(f"computed.num_computed_tokens {computed.num_computed_tokens} does "
+                             f"not match {len(computed.blocks)} blocks of {self.block_size}")
+        hashes = self._block_hashes(request)
+        for i, block in enumerate(computed.blocks):
+            if i >= len(hashes) or block.block_hash != hashes[i]:
+                raise RuntimeError(f"computed block {block.block_id} of request "
+                                   f"{request.request_id} was evicted or does not match its "
+                                   "tokens; call allocate_slots right after get_computed_blocks")
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Registers the request's full blocks covering its first ``num_tokens`` tokens.
+
+        For K/V written from outside (the decode role), once it has landed.
+        """
+        held = self._req_blocks.get(request.request_id, [])
+        if num_tokens > request.num_tokens:
+            raise ValueError(f"cannot cache {num_tokens} tokens of request "
+                             f"{request.request_id}, which has {request.num_tokens}")
+        if num_tokens // self.block_size > len(held):
+            raise ValueError(f"request {request.request_id} holds {len(held)} blocks, too few "
+                             f"for {num_tokens} tokens")
+        self._cache_full_blocks(request, num_tokens)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        start, end = self._num_cached_blocks.get(rid, 0), num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self._req_blocks[rid]
+        bs = self.block_size
+        token_ids = request.all_token_ids if self.event_token_ids else None
+        for i in range(start, end):
+            self.pool.cache_full_block(
+                blocks[i], hashes[i], parent_block_hash=hashes[i - 1] if i else None,
+                token_ids=None if token_ids is None else token_ids[i * bs:(i + 1) * bs])
+        self._num_cached_blocks[rid] = end
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first so its head blocks stay cached longest."""
+        rid = request.request_id
+        self._req_hashes.pop(rid, None)
+        self._num_cached_blocks.pop(rid, None)
+        blocks = self._req_blocks.pop(rid, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
