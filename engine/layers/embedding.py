@@ -1,0 +1,58 @@
+"""Token embedding and LM head, split across ranks along the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import check_shape
+from engine.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+                                   tensor_model_parallel_all_reduce)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ceil(vocab / tp_size) rows; the last rank's tail is zero padding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition,
+                             num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: object = None) -> None:
+        check_shape(loaded_weight, (self.num_embeddings, param.shape[1]))
+        n = max(self.vocab_end - self.vocab_start, 0)
+        param.data[n:].zero_()
+        param.data[:n].copy_(loaded_weight[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them.
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight)
+        out = out.masked_fill(~owned.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits; each rank computes its vocab slice."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [N, hidden] -> [N, vocab]
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]
+        return logits
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)

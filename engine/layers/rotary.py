@@ -1,0 +1,64 @@
+"""Rotary position embedding, neox style (rotate halves), as Llama, Mistral and Qwen use."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(head_size: int, base: float,
+                     rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """[head_size // 2] float32 inverse frequencies, scaled as the config asks."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_scaling is None:
+        return inv_freq
+    rope_type = rope_scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between blended smoothly.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = compute_inv_freq(head_size, base, rope_scaling)
+        # Built on the CPU in float32 whatever the model's default device and dtype.
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq.cpu())  # [max_position, head_size // 2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_size]
+        self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor,
+                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; query [T, num_heads, head_size]; key [T, num_kv_heads, head_size]
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size // 2] each
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,0 +1,72 @@
+"""Builds a model from a Hugging Face folder and streams its safetensors weights into it."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models import build_model
+from kernels.attention_backend import AttentionBackend
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
+               attn_backend: AttentionBackend) -> nn.Module:
+    """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode."""
+    folder = Path(folder)
+    cfg = ModelConfig.from_pretrained(folder)
+    files = weight_files(folder)
+    model = build_model(cfg, dtype, device, attn_backend)
+    try:
+        model.load_weights(iter_weights(files))
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
+    return model
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or the single file."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return _shards_from_index(index)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+        p.name for p in folder.glob("*.safetensors"))
+    hint = f" (found {', '.join(others)}; only {SINGLE_FILE} or sharded safetensors with " \
+           f"{INDEX_FILE} are read)" if others else ""
+    raise ValueError(f"model folder {folder} has no weights: no {SINGLE_FILE} or {INDEX_FILE}"
+                     + hint)
+
+
+def _shards_from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has an empty or malformed weight_map")
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if missing:
+        raise ValueError(f"{index} names shard files that do not exist: {', '.join(missing)}")
+    return [index.parent / s for s in shards]
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in ``files``, one tensor in memory at a time."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read weights file {path}: {e}") from None

@@ -1,0 +1,265 @@
+"""Model hyper-parameters parsed from a Hugging Face checkpoint folder's ``config.json``.
+
+Parsed by hand (no transformers import) so the engine only depends on the json format. Both the
+4.x layout (``rope_theta`` + ``rope_scaling``) and the 5.x layout (``rope_parameters``) are read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Configs saved without a model (``config.save_pretrained``) carry no "architectures" list.
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+# rope types whose cos/sin table can be precomputed once for all positions.
+_SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    folder: str
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else {"rope_type": "llama3" | "linear", "factor": ..., ...}.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Bias on q/k/v projections (Qwen2 always; Llama/Qwen3 via ``attention_bias``).
+    attention_bias: bool
+    # Bias on o_proj (Llama/Qwen3 ``attention_bias``; never for Qwen2).
+    o_proj_bias: bool
+    mlp_bias: bool
+    # Per-head RMSNorm on q and k before RoPE (Qwen3).
+    qk_norm: bool
+    hidden_act: str
+    # Dtype the checkpoint was saved in.
+    torch_dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> ModelConfig:
+        folder = Path(folder)
+        raw = _read_config_json(folder)
+        try:
+            cfg = _parse(raw, folder)
+        except (TypeError, KeyError) as e:
+            # A field of the wrong type (e.g. a string where a number belongs).
+            raise ValueError(f"{folder}/config.json: malformed field: {e!r}") from None
+        # generation_config.json often lists extra stop ids (Llama 3 instruct's <|eot_id|>).
+        extra = _generation_eos(folder)
+        eos = cfg.eos_token_ids + [i for i in extra if i not in cfg.eos_token_ids]
+        return dataclasses.replace(cfg, eos_token_ids=eos)
+
+
+def _read_config_json(folder: Path) -> dict[str, Any]:
+    if not folder.is_dir():
+        raise ValueError(f"model folder {folder} does not exist or is not a directory")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model folder {folder} has no config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return _parse_eos(raw.get("eos_token_id"), str(path))
+
+
+def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
+    where = f"{folder}/config.json"
+    architecture = _architecture(raw, where)
+    model_type = str(raw.get("model_type") or "")
+
+    def need_int(key: str) -> int:
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}: '{key}' must be a positive integer, got {value!r}")
+        return value
+
+    hidden_size = need_int("hidden_size")
+    num_heads = need_int("num_attention_heads")
+    num_kv_heads = raw.get("num_key_value_heads") or num_heads
+    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads ({num_heads}) must be a multiple of "
+            f"num_key_value_heads ({num_kv_heads})")
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
+
+    hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    if hidden_act != "silu":
+        raise ValueError(f"{where}: hidden_act {hidden_act!r} is not supported (only 'silu')")
+    _check_sliding_window(raw, architecture, where)
+    rope_theta, rope_scaling = _parse_rope(raw, where)
+
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    is_mistral = architecture == "MistralForCausalLM"
+    bias_flag = bool(raw.get("attention_bias", False)) and not is_mistral
+    return ModelConfig(
+        folder=str(folder),
+        architecture=architecture,
+        model_type=model_type,
+        hidden_size=hidden_size,
+        num_hidden_layers=need_int("num_hidden_layers"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=need_int("intermediate_size"),
+        vocab_size=need_int("vocab_size"),
+        rms_norm_eps=_need_float(raw, "rms_norm_eps", 1e-6, where),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=need_int("max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=is_qwen2 or bias_flag,
+        o_proj_bias=bias_flag and not is_qwen2,
+        mlp_bias=bool(raw.get("mlp_bias", False)) and architecture == "LlamaForCausalLM",
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        hidden_act=hidden_act,
+        torch_dtype=_parse_dtype(raw, where),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_parse_eos(raw.get("eos_token_id"), where),
+    )
+
+
+def _need_float(raw: dict[str, Any], key: str, default: float, where: str) -> float:
+    value = raw.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{where}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _architecture(raw: dict[str, Any], where: str) -> str:
+    archs = raw.get("architectures")
+    if archs is None:
+        model_type = raw.get("model_type")
+        if model_type in _ARCH_BY_MODEL_TYPE:
+            return _ARCH_BY_MODEL_TYPE[model_type]
+        raise ValueError(f"{where}: no 'architectures' and unsupported model_type {model_type!r}")
+    if not isinstance(archs, list) or not archs:
+        raise ValueError(f"{where}: 'architectures' must be a non-empty list, got {archs!r}")
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ValueError(f"{where}: unsupported architecture {archs!r}; "
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_sliding_window(raw: dict[str, Any], architecture: str, where: str) -> None:
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types") or []
+    if "sliding_attention" in layer_types:
+        raise ValueError(f"{where}: sliding window attention is not supported")
+    if window is None:
+        return
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # Qwen configs carry a window but only use it when use_sliding_window is set.
+        active = bool(raw.get("use_sliding_window"))
+    else:
+        active = window < raw.get("max_position_embeddings", 0)
+    if active:
+        raise ValueError(f"{where}: sliding window attention is not supported "
+                         f"(sliding_window={window})")
+
+
+def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5.x: everything in rope_parameters; 4.x: rope_theta + rope_scaling.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])  # per-layer-type layout
+    if "rope_theta" not in params:
+        params["rope_theta"] = raw.get("rope_theta", 10000.0)
+    theta = _need_float(params, "rope_theta", 10000.0, where)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported")
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{where}: rope scaling type {rope_type!r} is not supported "
+                         f"(supported: {', '.join(_SUPPORTED_ROPE_TYPES)})")
+    needed = _LLAMA3_ROPE_KEYS if rope_type == "llama3" else ("factor",)
+    missing = [k for k in needed if k not in params]
+    if missing:
+        raise ValueError(f"{where}: rope scaling {rope_type!r} lacks {', '.join(missing)}")
+    values = {k: _need_float(params, k, 0.0, where) for k in needed}
+    return theta, {"rope_type": rope_type, **values}
+
+
+def _parse_dtype(raw: dict[str, Any], where: str) -> torch.dtype:
+    # transformers 5.x writes "dtype", 4.x "torch_dtype"; absent means float32.
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"{where}: unsupported checkpoint dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _parse_eos(value: Any, where: str) -> list[int]:
+    if value is None:
+        return []
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{where}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return list(ids)

@@ -1,0 +1,213 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral (full attention), Qwen2 and Qwen3.
+
+The differences are all config switches: q/k/v (and o) bias, per-head q/k RMSNorm, an explicit
+head_dim, tied embeddings, GQA/MQA and the RoPE scaling.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
+                           QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                           VocabParallelEmbedding, default_weight_loader)
+from engine.model_config import ModelConfig
+from kernels.attention_backend import AttentionBackend, AttentionMetadata
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter],
+                                                       bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter / tp] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads  # on this rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                              cfg.head_dim ** -0.5, backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size,
+                             self.qkv_proj.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary_emb, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add before it.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                     cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary_emb, backend)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF projection name -> (our fused module, shard id in it).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """[T] token ids and positions -> [T, hidden_size] final hidden states."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden_size] -> [N, vocab_size] float32 logits."""
+        return self.lm_head.compute_logits(hidden).float()
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Layer i reads and writes kv_cache[i, 0] (keys) and kv_cache[i, 1] (values).
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_on_this_rank, head_size]
+        """
+        attn0 = self.model.layers[0].self_attn
+        layers = len(self.model.layers)
+        if (kv_cache.dim() != 6 or kv_cache.shape[0] != layers or kv_cache.shape[1] != 2
+                or kv_cache.shape[4] != attn0.num_kv_heads or kv_cache.shape[5] != attn0.head_dim):
+            raise ValueError(
+                f"kv cache shape {tuple(kv_cache.shape)} does not match the model: expected "
+                f"[{layers}, 2, num_blocks, block_size, {attn0.num_kv_heads}, {attn0.head_dim}]")
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.bind_kv_cache(kv_cache[i, 0], kv_cache[i, 1])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named full tensors; ValueError lists any missing or unexpected names."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        loaded: set[tuple[str, object]] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if self._ignored(hf_name):
+                continue
+            name, shard_id = self._param_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                unexpected.append(hf_name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"weight {hf_name}: {e}") from None
+            # An already fused checkpoint tensor (shard None) fills every shard.
+            shards = self._shard_ids(name) if shard_id is None else [shard_id]
+            loaded.update((name, sid) for sid in shards)
+        missing = [self._hf_name(name, sid) for name in params
+                   for sid in self._shard_ids(name) if (name, sid) not in loaded]
+        if missing or unexpected:
+            raise ValueError("checkpoint does not match the model: "
+                             f"missing weights {_brief(missing)}; "
+                             f"unexpected weights {_brief(unexpected)}")
+
+    def _ignored(self, hf_name: str) -> bool:
+        # RoPE tables are recomputed; some tied checkpoints still store lm_head.weight.
+        return (hf_name.endswith("rotary_emb.inv_freq")
+                or (self.config.tie_word_embeddings and hf_name == "lm_head.weight"))
+
+    def _param_name(self, hf_name: str) -> tuple[str, object]:
+        module, _, leaf = hf_name.rpartition(".")
+        parent, _, proj = module.rpartition(".")
+        if proj in self.packed_modules_mapping:
+            fused, shard_id = self.packed_modules_mapping[proj]
+            return f"{parent}.{fused}.{leaf}", shard_id
+        return hf_name, None
+
+    def _shard_ids(self, name: str) -> list[object]:
+        proj = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        ids = [sid for fused, sid in self.packed_modules_mapping.values() if fused == proj]
+        return ids or [None]
+
+    def _hf_name(self, name: str, shard_id: object) -> str:
+        if shard_id is None:
+            return name
+        module, _, leaf = name.rpartition(".")
+        parent, _, fused = module.rpartition(".")
+        proj = next(p for p, (f, s) in self.packed_modules_mapping.items()
+                    if f == fused and s == shard_id)
+        return f"{parent}.{proj}.{leaf}"
+
+
+def _brief(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
