@@ -120,11 +120,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
-        self._stats.requests += 1
-        self._stats.queries += request.num_tokens
-        self._stats.hits += num_hit_tokens
-        return ComputedBlocks(blocks, num_hit_tokens)
+        return ComputedBlocks(blocks, len(blocks) * self.block_size)
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -138,6 +134,7 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        looked_up = computed is not None and self.enable_prefix_caching
         computed = computed or ComputedBlocks()
         held = self._req_blocks.get(request.request_id, [])
         if computed.blocks:
@@ -159,6 +156,11 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(computed.blocks)
         held.extend(computed.blocks)
         held.extend(new_blocks)
+        if looked_up:
+            # Counted on admission only, so a request retried while the pool is short counts once.
+            self._stats.requests += 1
+            self._stats.queries += request.num_tokens
+            self._stats.hits += computed.num_computed_tokens
         if cache_blocks:
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
         return [b.block_id for b in new_blocks]

@@ -255,3 +255,16 @@ def test_hit_stops_at_first_miss_even_if_later_blocks_are_cached():
     hashes = hash_request_tokens(c.all_token_ids, 2)
     assert mgr.pool.get_cached_block(hashes[2]) is mgr.pool.blocks[5]
     assert mgr.get_computed_blocks(c) == ComputedBlocks()
+
+
+def test_lookup_counted_once_when_admission_is_retried():
+    mgr = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", list(range(10)))
+    prefill(mgr, a)  # holds all 3 blocks
+    b = make_request("b", list(range(100, 110)))
+    for _ in range(3):  # the scheduler retries each step while the pool is short
+        assert mgr.allocate_slots(b, 10, mgr.get_computed_blocks(b)) is None
+    assert mgr.stats.requests == 1 and mgr.stats.queries == 10
+    mgr.free(a)
+    assert mgr.allocate_slots(b, 10, mgr.get_computed_blocks(b)) is not None
+    assert mgr.stats.requests == 2 and mgr.stats.queries == 20

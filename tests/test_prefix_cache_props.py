@@ -116,13 +116,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert hashes[k] not in self.mgr.pool.cached_blocks
         for i, block in enumerate(computed.blocks):
             assert self.content[block.block_id] == tuple(tokens[i * self.bs:(i + 1) * self.bs])
-        self.counts["requests"] += 1
-        self.counts["queries"] += len(tokens)
-        self.counts["hits"] += computed.num_computed_tokens
-
         num_new = min(chunk, len(tokens) - computed.num_computed_tokens)
         if not self.allocate(req, num_new, computed):
             self.mgr.free(req)  # the scheduler would keep it waiting; drop it here
+        else:
+            # Lookups count once, when the request is admitted.
+            self.counts["requests"] += 1
+            self.counts["queries"] += len(tokens)
+            self.counts["hits"] += computed.num_computed_tokens
         return rid
 
     @rule(rid=live, chunk=st.integers(1, 8), token=VOCAB)
