@@ -49,16 +49,16 @@ class LLM:
         """Yields one prompt's outputs as tokens arrive."""
         rid = f"offline-{next(self._ids)}"
         self.engine.add_request(rid, prompt, params or SamplingParams())
+        finished = False
         try:
-            while True:
+            while not finished:
                 for out in self.engine.step():
                     if out.request_id == rid:
+                        finished = out.finished
                         yield out
-                        if out.finished:
-                            return
         finally:
-            self.engine.abort(rid)
-            while self.engine.has_unfinished_requests():
+            if not finished:  # the caller stopped early: free the request's blocks now
+                self.engine.abort(rid)
                 self.engine.step()
 
 

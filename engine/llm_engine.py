@@ -56,8 +56,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
                                        self.max_model_len, config.detokenize)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Held for a whole step; intake paths never take it, so they never wait for a forward.
         self._lock = threading.RLock()
-        self._ids = set()  # ids queued or live, to refuse duplicates at once
+        self._ids_lock = threading.Lock()
+        self._ids: set[str] = set()  # ids queued or live, to refuse duplicates at once
         self._leases: dict[str, _Lease] = {}
         self._awaiting_kv: dict[str, Request] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -104,19 +106,33 @@ class LLMEngine:
         return token_ids
 
     def abort(self, request_id: str) -> None:
+        """Frees the request's blocks now when the engine is idle, else at the next step."""
         self._inbox.put(("abort", request_id))
+        self._apply_if_idle()
 
     def release_kv(self, request_id: str) -> None:
         """Prefill role: the reader has the blocks; give them back."""
         self._inbox.put(("release", request_id))
+        self._apply_if_idle()
+
+    def _apply_if_idle(self) -> None:
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_inbox()
+            finally:
+                self._lock.release()
 
     def _claim_id(self, request_id: str) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        with self._lock:
+        with self._ids_lock:
             if request_id in self._ids:
                 raise ValueError(f"request id {request_id!r} is already in the engine")
             self._ids.add(request_id)
+
+    def _release_id(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._ids.discard(request_id)
 
     # --- decode role ----------------------------------------------------------------------
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
@@ -134,7 +150,7 @@ class LLMEngine:
             computed = self.kv_manager.get_computed_blocks(req)
             cached = min(computed.num_computed_tokens, n)
             if self.kv_manager.allocate_slots(req, n - cached, computed, cache_blocks=False) is None:
-                self._ids.discard(request_id)
+                self._release_id(request_id)
                 raise NoFreeBlocksError(f"no room for {n} prompt tokens "
                                         f"({self.kv_manager.num_free_blocks} free blocks)")
             req.num_cached_tokens = cached
@@ -193,7 +209,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         self.scheduler.finish(req, status)
-        self._ids.discard(req.request_id)
+        self._release_id(req.request_id)
 
     def _lease(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus.LEASED, free_blocks=False)
@@ -233,7 +249,7 @@ class LLMEngine:
         held = self._leases.pop(request_id, None)
         if held is not None:
             self.kv_manager.free(held.request)
-            self._ids.discard(request_id)
+            self._release_id(request_id)
 
     def _expire_leases(self) -> None:
         if not self._leases:

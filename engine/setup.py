@@ -16,6 +16,7 @@ from kernels import get_attention_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_GIB = 1.0
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
@@ -90,10 +91,9 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: in
 def build_engine_parts(config: EngineConfig) -> EngineSetup:
     path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(path)
-    try:
-        tokenizer = load_tokenizer(path)
-    except ValueError:
-        tokenizer = None  # token-id prompts still work
+    # A checkpoint without tokenizer files still serves token-id prompts; broken files are an error.
+    has_tokenizer = any((path / f).exists() for f in _TOKENIZER_FILES)
+    tokenizer = load_tokenizer(path) if has_tokenizer else None
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     torch.manual_seed(config.seed)

@@ -175,3 +175,50 @@ def test_stream_closed_early_aborts(llm):
     next(gen)
     gen.close()
     assert _all_free(llm)
+
+
+def test_requests_added_from_another_thread_while_stepping(preset_path):
+    import threading
+
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama"))))
+    finished, stop = {}, threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        for i in range(8):
+            engine.add_request(f"t{i}", list(range(5 + i, 40 + 3 * i)),
+                               SamplingParams(max_tokens=6 + i, ignore_eos=True))
+        for _ in range(600):
+            if len(finished) == 8:
+                break
+            stop.wait(0.05)
+    finally:
+        stop.set()
+        t.join()
+    assert {rid: len(o.token_ids) for rid, o in finished.items()} == {f"t{i}": 6 + i for i in range(8)}
+    assert _all_free(engine)
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids(preset_path, tmp_path):
+    import shutil
+
+    src = preset_path("tiny-llama")
+    dst = tmp_path / "no-tokenizer"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name.endswith((".json", ".safetensors")) and "tokenizer" not in f.name \
+                and "special_tokens" not in f.name:
+            shutil.copy(f, dst / f.name)
+    llm = LLM(str(dst))
+    assert llm.tokenizer is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text"], SamplingParams(max_tokens=3))

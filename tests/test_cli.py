@@ -1,0 +1,41 @@
+"""The pdserve console script: make-model, demo, generate and the offline benchmark."""
+import json
+import subprocess
+import sys
+
+from engine.cli import main
+
+
+def test_make_model_writes_a_loadable_folder(tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "make-model", "tiny-qwen2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    from engine import LLM, SamplingParams
+    outs = LLM(str(out)).generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(outs[0].token_ids) == 4
+
+
+def test_unknown_preset_is_a_clean_error(capsys):
+    assert main(["make-model", "no-such-preset", "--out", "/tmp/unused"]) == 2
+    assert "no-such-preset" in capsys.readouterr().err
+
+
+def test_demo_streams_text(capsys):
+    assert main(["demo", "--max-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[5 tokens, TTFT") == 4
+
+
+def test_generate(capsys):
+    assert main(["generate", "--prompt", "hi there", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_bench_offline_json(capsys):
+    assert main(["bench", "offline", "--workload", "tiny", "--num-requests", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("engine_tok_s", "hf_tok_s", "roofline_tok_s", "ratio_vs_hf", "ratio_vs_roofline"):
+        assert res[key] > 0
+    assert res["ratio_vs_hf"] == res["hf_s"] / res["engine_s"]
