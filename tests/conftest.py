@@ -15,3 +15,14 @@ def preset_path():
     from engine.presets import resolve_model
 
     return resolve_model
+
+# CI runs must be reproducible: hypothesis explores a fixed set of examples unless a developer
+# asks for another (HYPOTHESIS_PROFILE=explore, or pytest --hypothesis-profile=explore).
+try:
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, deadline=None)
+    settings.register_profile("explore", deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a dev extra
+    pass

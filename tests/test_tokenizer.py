@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import assume, HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import tokenizer_builder
@@ -137,6 +137,8 @@ def test_load_tokenizer_errors_name_the_folder(tmp_path, tok_dir):
 @PROPERTY
 @given(text=st.text(max_size=40))
 def test_incremental_matches_full_decode(tok, text):
+    # Special-token literals in the text encode to special ids, which decoding skips.
+    assume(not any(t in text for t in ("<|", "|>")))
     ids = tok.encode(text)[1:]
     deltas, detok = stream(tok, tok.encode("Q: "), ids)
     assert "".join(deltas) == detok.output_text == tok.decode(ids) == text
