@@ -35,6 +35,10 @@ class EngineConfig:
     kv_lease_timeout_s: float = 60.0
     # Turn incremental detokenization off when only token ids are wanted (benchmarks).
     detokenize: bool = True
+    # Ranks the model is split over; ranks 1.. run in worker processes (gloo on CPU, NCCL on GPU).
+    tensor_parallel_size: int = 1
+    # A TP worker that does not answer start-up within this many seconds fails the engine.
+    tp_startup_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -47,6 +51,9 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if not self.tp_startup_timeout_s > 0:
+            raise ValueError(f"tp_startup_timeout_s must be > 0, got {self.tp_startup_timeout_s}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)

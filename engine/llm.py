@@ -21,6 +21,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops tensor-parallel worker processes (a no-op at TP=1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in prompt order."""

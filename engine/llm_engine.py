@@ -18,13 +18,16 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
+from engine.executor import Executor, make_executor
+from engine.kv_layout import KVCacheLayout
+from engine.model_runner import prepare_input, sample_tokens
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVAllocation, KVLease, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.setup import EngineSetup, build_engine_parts
+from engine.sampler import Sampler
+from engine.setup import EngineSetup, resolve_engine, resolve_max_model_len
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -40,19 +43,24 @@ class _Lease:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        parts: EngineSetup = build_engine_parts(config)
+        parts: EngineSetup = resolve_engine(config)
         self.model_config: ModelConfig = parts.model_config
         self.model_path = parts.model_path
         self.tokenizer = parts.tokenizer
-        self.max_model_len = parts.max_model_len
-        self.num_blocks = parts.num_blocks
         self.block_size = config.block_size
         self.device = parts.device
-        self.kv_manager = KVCacheManager(parts.num_blocks, config.block_size,
+        self.executor: Executor = make_executor(parts.spec, parts.model_config)
+        try:
+            self.max_model_len = resolve_max_model_len(config, parts.model_config,
+                                                       self.executor.num_blocks)
+        except ValueError:
+            self.executor.shutdown()
+            raise
+        self.num_blocks = self.executor.num_blocks
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager)
-        self.runner = ModelRunner(parts.model, parts.model_config, parts.num_blocks,
-                                  config.block_size, parts.dtype, parts.device)
+        self.sampler = Sampler()
         self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
                                        self.max_model_len, config.detokenize)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -181,13 +189,18 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return outputs
-            result = self.runner.execute(sched)
+            inp = prepare_input(sched, self.block_size, self.device)
+            logits = self.executor.execute_model(inp)  # [num_sampled, vocab]
+            # Sample before the scheduler moves the requests past this step.
+            out = None if logits is None else sample_tokens(self.sampler, logits, sched,
+                                                            self.device)
             self.scheduler.update_after_step(sched)
             self.num_steps += 1
             self.step_num_tokens.append(sched.num_scheduled_tokens)
-            self.step_num_sampled.append(len(result.sampled_request_ids))
-            out = result.sampler_output
-            for i, rid in enumerate(result.sampled_request_ids):
+            self.step_num_sampled.append(len(inp.sample_request_ids))
+            if out is None:
+                return outputs
+            for i, rid in enumerate(inp.sample_request_ids):
                 req = self.scheduler.requests[rid]
                 outputs.append(self._on_token(req, out.token_ids[i], out.logprobs[i]))
             return outputs
@@ -273,5 +286,20 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]"""
-        return self.runner.kv_cache
+        """Rank 0's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+        return self.executor.kv_cache
+
+    def kv_cache_layouts(self) -> list[KVCacheLayout]:
+        """Every TP rank's cache layout, in rank order (what KV transfer addresses)."""
+        return self.executor.kv_cache_layouts()
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops the TP worker processes; the engine cannot step afterwards. Idempotent."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

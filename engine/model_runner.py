@@ -1,7 +1,8 @@
-"""Turns a scheduler output into one flattened forward pass, then samples.
+"""One rank's forward pass over the paged KV cache, and the inputs rank 0 builds for it.
 
-Holds the model, the paged KV cache tensor and the per-request RNGs. Runs on whatever thread
-steps the engine; never on an event loop.
+Rank 0 flattens the scheduler output into a ``ModelInput`` (``prepare_input``); every rank runs
+the same input through its ``ModelRunner``; rank 0 samples from the logits. Runs on whatever
+thread steps the engine; never on an event loop.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.kv_layout import KVCacheLayout
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import SchedulerOutput
 from kernels.attention_backend import AttentionMetadata
@@ -22,110 +23,103 @@ class ModelInput:
     meta: AttentionMetadata
     # [num_sampled] rows of the hidden states whose logits are sampled.
     sample_indices: torch.Tensor
+    # Rank 0 only (workers get an empty list): who each sampled row belongs to.
     sample_request_ids: list[str]
 
 
-@dataclass
-class RunnerOutput:
-    # Request id -> index into sampler_output, for requests that sampled this step.
-    sampled_request_ids: list[str]
-    sampler_output: SamplerOutput
-
-
-def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-
-
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem)
-
-
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One rank's model and its share of the paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.model = model
-        self.model_config = model_config
-        self.block_size = block_size
+        self.layout = layout
         self.device = device
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
-        self.kv_cache = torch.zeros(kv_cache_shape(model_config, num_blocks, block_size),
-                                    dtype=dtype, device=device)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads_on_this_rank, head_size]
+        self.kv_cache = torch.zeros(layout.shape, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
-        self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        inp = self.prepare_input(sched)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [num_tokens, hidden]
-        if not inp.sample_request_ids:
-            return RunnerOutput([], SamplerOutput([], []))
-        logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_sampled, vocab]
-        reqs = [s.request for s in sched.scheduled if s.samples]
-        gens = [self._generator(r) for r in reqs]
-        out = self.sampler(logits, [r.sampling_params for r in reqs], gens)
-        return RunnerOutput(inp.sample_request_ids, out)
+    def run(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass; [num_sampled, vocab] float32 logits, None when nothing samples.
 
-    def _generator(self, req) -> torch.Generator | None:
-        """A seeded request's RNG for its next token, keyed by (seed, output index).
-
-        Re-seeding per token (rather than advancing one stream) makes the token depend only on
-        the seed and its position: the same after preemption and recompute, and the same when
-        a decode worker continues what a prefill worker started.
+        Every rank calls this with the same input, so the layers' collectives pair up.
         """
-        seed = req.sampling_params.seed
-        if seed is None:
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [num_tokens, hidden]
+        if inp.sample_indices.numel() == 0:
             return None
-        return make_generator(_token_seed(seed, req.num_output_tokens), self.device)
+        return self.model.compute_logits(hidden[inp.sample_indices])
 
-    def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_idx: list[int] = []
-        sample_ids: list[str] = []
-        max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-        table_rows: list[list[int]] = []
-        for i, s in enumerate(sched.scheduled):
-            req, n = s.request, s.num_new_tokens
-            start = req.num_computed_tokens
-            input_ids.extend(_token_slice(req, start, n))
-            positions.extend(range(start, start + n))
-            seq_index.extend([i] * n)
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            table_rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
-            if s.samples:
-                sample_idx.append(query_start[-1] - 1)
-                sample_ids.append(req.request_id)
-        block_tables = torch.tensor(table_rows, dtype=torch.int32)  # [num_seqs, max_blocks]
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        # slot = block_table[seq, pos // block_size] * block_size + pos % block_size
-        blocks = block_tables[torch.tensor(seq_index), pos_t // bs].to(torch.int64)
-        slot_mapping = blocks * bs + pos_t % bs
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            query_lens_list=[s.num_new_tokens for s in sched.scheduled],
-            seq_lens_list=seq_lens,
-            max_query_len=max(s.num_new_tokens for s in sched.scheduled),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            num_decodes=sched.num_decodes,
-        )
-        return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=pos_t.to(dev),
-            meta=meta,
-            sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=dev),
-            sample_request_ids=sample_ids,
-        )
+
+def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
+                  device: torch.device) -> SamplerOutput:
+    """One token per row of ``logits`` ([num_sampled, vocab]) for the requests that sample."""
+    reqs = [s.request for s in sched.scheduled if s.samples]
+    gens = [request_generator(r, device) for r in reqs]
+    return sampler(logits, [r.sampling_params for r in reqs], gens)
+
+
+def request_generator(req, device: torch.device) -> torch.Generator | None:
+    """A seeded request's RNG for its next token, keyed by (seed, output index).
+
+    Re-seeding per token (rather than advancing one stream) makes the token depend only on
+    the seed and its position: the same after preemption and recompute, and the same when
+    a decode worker continues what a prefill worker started.
+    """
+    seed = req.sampling_params.seed
+    if seed is None:
+        return None
+    return make_generator(_token_seed(seed, req.num_output_tokens), device)
+
+
+def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
+    """Flattens the scheduled requests (decodes first) into one batch."""
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    seq_index: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    sample_idx: list[int] = []
+    sample_ids: list[str] = []
+    max_blocks = max(len(s.block_ids) for s in sched.scheduled)
+    table_rows: list[list[int]] = []
+    for i, s in enumerate(sched.scheduled):
+        req, n = s.request, s.num_new_tokens
+        start = req.num_computed_tokens
+        input_ids.extend(_token_slice(req, start, n))
+        positions.extend(range(start, start + n))
+        seq_index.extend([i] * n)
+        query_start.append(query_start[-1] + n)
+        seq_lens.append(start + n)
+        table_rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+        if s.samples:
+            sample_idx.append(query_start[-1] - 1)
+            sample_ids.append(req.request_id)
+    block_tables = torch.tensor(table_rows, dtype=torch.int32)  # [num_seqs, max_blocks]
+    pos_t = torch.tensor(positions, dtype=torch.int64)
+    # slot = block_table[seq, pos // block_size] * block_size + pos % block_size
+    blocks = block_tables[torch.tensor(seq_index), pos_t // bs].to(torch.int64)
+    slot_mapping = blocks * bs + pos_t % bs
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_lens_list=[s.num_new_tokens for s in sched.scheduled],
+        seq_lens_list=seq_lens,
+        max_query_len=max(s.num_new_tokens for s in sched.scheduled),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+        num_decodes=sched.num_decodes,
+    )
+    return ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=pos_t.to(device),
+        meta=meta,
+        sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=device),
+        sample_request_ids=sample_ids,
+    )
 
 
 def _token_seed(seed: int, index: int) -> int:

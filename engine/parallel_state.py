@@ -1,60 +1,133 @@
-"""Tensor-parallel state shared by the layers.
+"""Tensor-parallel groups: this process's rank, the group size and the two collectives.
 
-With no group initialised every process is rank 0 of a group of size 1 and the collectives
-are identities, so single-device code never touches torch.distributed.
+Layers capture the current group when they are built (``tp_group_scope`` sets it), so two
+models with different groups can live in one process. With no group set every process is
+rank 0 of a group of size 1 and the collectives are identities: single-device code never
+touches torch.distributed.
 """
 from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-_TP_RANK = 0
-_TP_SIZE = 1
-_TP_GROUP: dist.ProcessGroup | None = None
 
+class TPGroup:
+    """One tensor-parallel group as seen from one rank.
 
-def init_tp_group(rank: int, size: int, group: dist.ProcessGroup | None = None) -> None:
-    """Sets this process's tensor-parallel rank and size.
-
-    ``group`` is the process group the collectives run on (None: the default world group).
-    Layers read the rank and size when they are built, so call this before building a model.
+    ``backend`` is a c10d process group object (gloo or NCCL) built directly from a store,
+    so it never touches torch.distributed's global default group. None with ``size > 1`` uses
+    the default group from ``init_process_group`` (tests that set things up by hand).
     """
-    global _TP_RANK, _TP_SIZE, _TP_GROUP
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"invalid tensor-parallel rank {rank} for size {size}")
-    _TP_RANK, _TP_SIZE, _TP_GROUP = rank, size, group
+
+    def __init__(self, rank: int, size: int, backend: object | None = None) -> None:
+        if not isinstance(size, int) or size < 1 or not 0 <= rank < size:
+            raise ValueError(f"invalid tensor-parallel rank {rank} for size {size}")
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        # Seconds spent inside collectives (waiting for the slowest rank included).
+        self.comm_seconds = 0.0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` over the group, in place."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        if self.backend is None:
+            dist.all_reduce(x)
+        else:
+            self.backend.allreduce([x]).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenates every rank's ``x`` along ``dim``, in rank order."""
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        if self.backend is None:
+            dist.all_gather(parts, x)
+        else:
+            self.backend.allgather([parts], [x]).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        return torch.cat(parts, dim=dim)
+
+
+_SINGLE = TPGroup(0, 1)
+_CURRENT = _SINGLE
+
+
+def init_tp_group(rank: int, size: int, backend: object | None = None) -> None:
+    """Sets the group that layers built from now on use."""
+    global _CURRENT
+    _CURRENT = TPGroup(rank, size, backend)
 
 
 def destroy_tp_group() -> None:
     """Back to the single-process default (rank 0 of 1)."""
-    init_tp_group(0, 1, None)
+    global _CURRENT
+    _CURRENT = _SINGLE
+
+
+@contextlib.contextmanager
+def tp_group_scope(group: TPGroup) -> Iterator[TPGroup]:
+    """Builds inside the block use ``group``; the previous group comes back afterwards."""
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, group
+    try:
+        yield group
+    finally:
+        _CURRENT = previous
+
+
+def get_tp_group() -> TPGroup:
+    return _CURRENT
 
 
 def get_tp_rank() -> int:
-    return _TP_RANK
+    return _CURRENT.rank
 
 
 def get_tp_size() -> int:
-    return _TP_SIZE
-
-
-def get_tp_group() -> dist.ProcessGroup | None:
-    return _TP_GROUP
+    return _CURRENT.size
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums ``x`` over the tensor-parallel group (in place when the size is > 1)."""
-    if _TP_SIZE == 1:
-        return x
-    dist.all_reduce(x, group=_TP_GROUP)
-    return x
+    return _CURRENT.all_reduce(x)
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenates every rank's ``x`` along ``dim``, in rank order."""
-    if _TP_SIZE == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    dist.all_gather(parts, x, group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+    return _CURRENT.all_gather(x, dim)
+
+
+@dataclass(frozen=True)
+class KVHeadRange:
+    """The KV heads one rank holds: [start, start + num) of the model's KV heads."""
+
+    start: int
+    num: int
+
+
+def kv_head_range(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KVHeadRange:
+    """Splits KV heads across ranks; with fewer heads than ranks each head is replicated.
+
+    With tp_size > total heads, rank r holds the single head r // (tp_size // total), so each
+    head lives on tp_size // total consecutive ranks.
+    """
+    if tp_size >= total_num_kv_heads:
+        if tp_size % total_num_kv_heads:
+            raise ValueError(f"tensor-parallel size ({tp_size}) is not divisible by the number "
+                             f"of KV heads ({total_num_kv_heads})")
+        return KVHeadRange(tp_rank // (tp_size // total_num_kv_heads), 1)
+    if total_num_kv_heads % tp_size:
+        raise ValueError(f"number of KV heads ({total_num_kv_heads}) is not divisible by "
+                         f"{tp_size}")
+    num = total_num_kv_heads // tp_size
+    return KVHeadRange(tp_rank * num, num)

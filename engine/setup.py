@@ -1,15 +1,22 @@
-"""Engine start-up: resolve the model, pick device and dtype, load weights, size the cache."""
+"""Engine start-up: resolve the model, pick device and dtype, validate TP, start the executor.
+
+``RankSpec`` is everything one tensor-parallel rank needs to build its share of the model;
+rank 0 builds from it in the engine's process and each worker process builds from a copy.
+"""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
+from engine.kv_layout import make_layout
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.model_runner import kv_cache_bytes_per_block
+from engine.parallel_state import TPGroup, kv_head_range, tp_group_scope
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer, load_tokenizer
 from kernels import get_attention_backend
@@ -20,15 +27,45 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 @dataclass
+class RankSpec:
+    """What every TP rank builds from (plain values: it is handed to worker processes)."""
+
+    config: EngineConfig
+    model_path: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    device: str  # resolved for rank 0: "cpu" or "cuda:N"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def rank_device(self, rank: int) -> torch.device:
+        """Rank r runs on the r-th GPU after the configured one; every CPU rank on the CPU."""
+        dev = torch.device(self.device)
+        if dev.type != "cuda":
+            return dev
+        return torch.device("cuda", (dev.index or 0) + rank)
+
+
+def spec_to_json(spec: RankSpec) -> str:
+    return json.dumps({"config": dataclasses.asdict(spec.config), "model_path": spec.model_path,
+                       "dtype": spec.dtype, "device": spec.device})
+
+
+def spec_from_json(text: str) -> RankSpec:
+    obj = json.loads(text)
+    return RankSpec(EngineConfig(**obj["config"]), obj["model_path"], obj["dtype"],
+                    obj["device"])
+
+
+@dataclass
 class EngineSetup:
     model_path: Path
     model_config: ModelConfig
     tokenizer: Tokenizer | None
-    model: torch.nn.Module
+    spec: RankSpec
     device: torch.device
     dtype: torch.dtype
-    num_blocks: int
-    max_model_len: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,24 +89,55 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
-def size_kv_cache(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> int:
+def check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> None:
+    """Refuses a TP size the model's heads (or the machine's GPUs) cannot be split over."""
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                         f"{cfg.num_attention_heads} attention heads")
+    kv_head_range(cfg.num_key_value_heads, tp, 0)  # raises ValueError when it cannot split
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                         f"intermediate_size {cfg.intermediate_size}")
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {tp} from {device} needs GPUs "
+                             f"{first}..{first + tp - 1}; this machine has "
+                             f"{torch.cuda.device_count()}")
+
+
+def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
+                       device: torch.device) -> int:
+    """How many blocks of ``bytes_per_block`` this rank's budget holds."""
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
-    per_block = kv_cache_bytes_per_block(cfg, config.block_size, dtype)
     if config.kv_cache_memory_gib is not None:
         budget = config.kv_cache_memory_gib * (1 << 30)
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = total * config.gpu_memory_utilization - used
+        budget = total * config.gpu_memory_utilization - (total - free)
     else:
         budget = _CPU_KV_GIB * (1 << 30)
-    num_blocks = int(budget // per_block)
+    num_blocks = int(budget // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget / (1 << 20):.1f} MiB) holds no "
-                         f"{per_block / (1 << 20):.2f} MiB block")
+                         f"{bytes_per_block / (1 << 20):.2f} MiB block")
     return num_blocks
+
+
+def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
+    """This rank's shard of the model, its layers bound to ``group``."""
+    device = spec.rank_device(group.rank)
+    torch.manual_seed(spec.config.seed)
+    backend = get_attention_backend(spec.config.attention_backend, device)
+    with tp_group_scope(group):
+        return load_model(spec.model_path, spec.torch_dtype, device, backend)
+
+
+def rank_capacity_blocks(spec: RankSpec, cfg: ModelConfig, group: TPGroup) -> int:
+    per_block = make_layout(cfg, 1, spec.config.block_size, spec.torch_dtype, group.rank,
+                            group.size).bytes_per_block
+    return kv_capacity_blocks(spec.config, per_block, spec.rank_device(group.rank))
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> int:
@@ -88,7 +156,8 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: in
     return config.max_model_len
 
 
-def build_engine_parts(config: EngineConfig) -> EngineSetup:
+def resolve_engine(config: EngineConfig) -> EngineSetup:
+    """Everything decided before any rank loads weights; bad choices fail here, early."""
     path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(path)
     # A checkpoint without tokenizer files still serves token-id prompts; broken files are an error.
@@ -96,9 +165,9 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     tokenizer = load_tokenizer(path) if has_tokenizer else None
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
-    torch.manual_seed(config.seed)
-    backend = get_attention_backend(config.attention_backend, device)
-    model = load_model(path, dtype, device, backend)
-    num_blocks = size_kv_cache(config, model_config, dtype, device)
-    max_model_len = resolve_max_model_len(config, model_config, num_blocks)
-    return EngineSetup(path, model_config, tokenizer, model, device, dtype, num_blocks, max_model_len)
+    check_tensor_parallel(model_config, config.tensor_parallel_size, device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    dtype_name = next(k for k, v in _DTYPES.items() if v == dtype)
+    spec = RankSpec(config, str(path), dtype_name, str(device))
+    return EngineSetup(path, model_config, tokenizer, spec, device, dtype)

@@ -6,8 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import check_shape
-from engine.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
-                                   tensor_model_parallel_all_reduce)
+from engine.parallel_state import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -15,8 +14,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
@@ -41,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
         out = F.embedding(local_ids, self.weight)
         out = out.masked_fill(~owned.unsqueeze(-1), 0)
-        return tensor_model_parallel_all_reduce(out)
+        return self.tp_group.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -51,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # [N, hidden] -> [N, vocab]
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]
+            logits = self.tp_group.all_gather(logits, dim=-1)[:, :self.num_embeddings]
         return logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.parallel_state import get_tp_group, get_tp_size, kv_head_range
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -46,8 +46,10 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        # The group is captured at build time: the model keeps talking to its own ranks.
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.input_size = input_size
         self.output_size = output_size
         self.weight = _new_param(output_size, input_size, loader=self.weight_loader)
@@ -123,18 +125,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
                  total_num_kv_heads: int, bias: bool = False) -> None:
-        tp_size, tp_rank = get_tp_size(), get_tp_rank()
+        group = get_tp_group()
+        tp_size = group.size
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
-        if tp_size >= total_num_kv_heads:
-            replicas = divide(tp_size, total_num_kv_heads, "tensor-parallel size")
-            self.num_kv_heads = 1
-            self.kv_head_start = tp_rank // replicas
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
-            self.kv_head_start = tp_rank * self.num_kv_heads
+        heads = kv_head_range(total_num_kv_heads, tp_size, group.rank)
+        self.num_kv_heads, self.kv_head_start = heads.num, heads.start
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
@@ -186,7 +184,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+        y = self.tp_group.all_reduce(F.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         return y

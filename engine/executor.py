@@ -1,0 +1,76 @@
+"""Executors run one forward pass on every tensor-parallel rank and hand rank 0 the logits.
+
+The engine talks to one ``Executor``: the single-process one for TP=1, the multi-process one
+(engine.tp_executor) for TP>1. Both hold rank 0's model and KV cache in the engine's process.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.kv_layout import KVCacheLayout, make_layout
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelInput, ModelRunner
+from engine.parallel_state import TPGroup
+from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks
+
+
+class ExecutorError(RuntimeError):
+    """The executor can no longer run steps (a TP worker died or failed)."""
+
+
+class Executor(ABC):
+    num_blocks: int
+    runner: ModelRunner  # rank 0's
+    group: TPGroup  # rank 0's view of the TP group
+
+    @abstractmethod
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        """Runs ``inp`` on every rank; rank 0's [num_sampled, vocab] logits (None: no rows)."""
+
+    @abstractmethod
+    def kv_cache_layouts(self) -> list[KVCacheLayout]:
+        """Every rank's cache layout, in rank order."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the workers (if any); idempotent."""
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """Rank 0's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+        return self.runner.kv_cache
+
+    @property
+    def comm_seconds(self) -> float:
+        """Time rank 0 spent in collectives so far."""
+        return self.group.comm_seconds
+
+
+class UniProcExecutor(Executor):
+    """TP=1: the model runs in the engine's process, on the engine's thread."""
+
+    def __init__(self, spec: RankSpec, model_config: ModelConfig) -> None:
+        self.group = TPGroup(0, 1)
+        model = load_rank_model(spec, self.group)
+        self.num_blocks = rank_capacity_blocks(spec, model_config, self.group)
+        layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
+                             spec.torch_dtype)
+        self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0))
+
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        return self.runner.run(inp)
+
+    def kv_cache_layouts(self) -> list[KVCacheLayout]:
+        return [self.runner.layout]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(spec: RankSpec, model_config: ModelConfig) -> Executor:
+    if spec.config.tensor_parallel_size == 1:
+        return UniProcExecutor(spec, model_config)
+    from engine.tp_executor import MultiprocExecutor
+    return MultiprocExecutor(spec, model_config)
