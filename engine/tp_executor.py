@@ -1,0 +1,235 @@
+"""TP>1: rank 0 in the engine's process, ranks 1..k-1 in spawned worker processes.
+
+Start-up: rank 0 opens a TCP store, spawns the workers, loads its own shard while they load
+theirs, sizes the KV cache to the smallest rank's budget, and runs one collective once every
+rank reports ready. Each step: the flattened input goes down every worker's pipe, then all
+ranks run the forward together. A worker that dies is noticed by a monitor thread and by the
+next collective (gloo sees the closed socket at once), and every later call fails with the
+same ``ExecutorError``: the engine never hangs on a dead rank.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from engine import tp_comm
+from engine.executor import Executor, ExecutorError
+from engine.kv_layout import KVCacheLayout, make_layout
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelInput, ModelRunner
+from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_to_json
+from engine.step_codec import encode_model_input
+from engine.tp_worker import worker_threads
+
+_STOP_GRACE_S = 10.0
+_DEATH_REPORT_S = 5.0
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: subprocess.Popen
+    conn: Connection
+    # A pidfd, readable once the process has exited, so wait() can watch it beside the pipe.
+    # Wrapped in a file object that closes it when the last holder (the monitor) lets go.
+    sentinel: io.FileIO
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.poll()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, spec: RankSpec, model_config: ModelConfig) -> None:
+        size = spec.config.tensor_parallel_size
+        device = spec.rank_device(0)
+        self._timeout = spec.config.tp_startup_timeout_s
+        self._error: ExecutorError | None = None
+        self._error_lock = threading.Lock()  # the monitor and a failing step race to report
+        self._closing = False
+        self._previous_threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(worker_threads(size))
+        self._store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self._timeout))
+        self.workers = _spawn_workers(spec, size, self._store.port)
+        # Runs at garbage collection or interpreter exit if shutdown() was never called.
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self.workers))
+        try:
+            self.group = tp_comm.connect_tp_group(0, size, self._store, device)
+            model = load_rank_model(spec, self.group)
+            caps = [rank_capacity_blocks(spec, model_config, self.group)]
+            caps += [self._expect_json(w, tp_comm.OP_HELLO)["capacity_blocks"]
+                     for w in self.workers]
+            self.num_blocks = min(caps)
+            for w in self.workers:
+                tp_comm.send_json(w.conn, tp_comm.OP_NUM_BLOCKS, {"num_blocks": self.num_blocks})
+            layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
+                                 spec.torch_dtype, 0, size)
+            self.runner = ModelRunner(model, layout, spec.torch_dtype, device)
+            self._layouts = [layout] + [
+                KVCacheLayout.from_json(self._expect(w, tp_comm.OP_READY))
+                for w in self.workers]
+            self.group.all_reduce(torch.zeros(1, device=device))
+        except BaseException:
+            self.shutdown()
+            raise
+        # The monitor holds only a weak reference, so an executor nobody shut down can still
+        # be collected (its finalizer then stops the workers and the monitor wakes and ends).
+        threading.Thread(target=_monitor, args=(weakref.ref(self), list(self.workers)),
+                         name="pdserve-tp-monitor", daemon=True).start()
+
+    # --- steps ----------------------------------------------------------------------------
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        self._check_usable()
+        msg = encode_model_input(inp)
+        try:
+            for w in self.workers:
+                tp_comm.send(w.conn, tp_comm.OP_STEP, msg)
+            return self.runner.run(inp)
+        except (OSError, RuntimeError) as e:
+            raise self._fail(f"the step failed: {e}") from None
+
+    def kv_cache_layouts(self) -> list[KVCacheLayout]:
+        return list(self._layouts)
+
+    def read_blocks(self, rank: int, block_ids: list[int]) -> torch.Tensor:
+        """kv_cache[:, :, block_ids] of ``rank`` as a CPU tensor (inspection and tests)."""
+        self._check_usable()
+        if rank == 0:
+            return self.runner.kv_cache[:, :, block_ids].cpu()
+        w = self.workers[rank - 1]
+        tp_comm.send_json(w.conn, tp_comm.OP_READ_BLOCKS, {"block_ids": list(block_ids)})
+        raw = self._expect(w, tp_comm.OP_OK)
+        layout = self._layouts[rank]
+        shape = (layout.num_layers, 2, len(block_ids), *layout.shape[3:])
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return flat.view(self.runner.kv_cache.dtype).view(shape)
+
+    # --- failure --------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closing:
+            raise ExecutorError("the executor is shut down")
+
+    def _fail(self, context: str) -> ExecutorError:
+        """The error every later call raises, naming the worker that died when one did."""
+        dead = self._wait_for_death()
+        with self._error_lock:
+            if self._error is None:
+                reason = _describe(dead) if dead else context
+                self._error = ExecutorError(f"tensor-parallel executor failed: {reason}")
+            return self._error
+
+    def _wait_for_death(self) -> _Worker | None:
+        ready = wait([w.sentinel for w in self.workers], timeout=_DEATH_REPORT_S)
+        for w in self.workers:
+            if w.sentinel in ready:
+                return w
+        return None
+
+    def _on_worker_death(self, dead: _Worker) -> None:
+        with self._error_lock:
+            if self._closing or self._error is not None:
+                return
+            self._error = ExecutorError(f"tensor-parallel executor failed: {_describe(dead)}")
+        if self.group.backend is not None and self.runner.device.type == "cuda":
+            # NCCL waits forever on a dead peer; aborting unblocks rank 0's collective.
+            self.group.backend.abort()
+
+    # --- start-up and shutdown ------------------------------------------------------------
+    def _expect(self, w: _Worker, op: bytes) -> bytes:
+        ready = wait([w.conn, w.sentinel], timeout=self._timeout)
+        if not ready:
+            raise ExecutorError(f"tensor-parallel rank {w.rank} did not answer within "
+                                f"{self._timeout:.0f} s")
+        try:
+            got, payload = tp_comm.recv(w.conn)
+        except (EOFError, OSError):
+            raise ExecutorError(f"tensor-parallel executor failed: {_describe(w)}") from None
+        if got == tp_comm.OP_ERROR:
+            raise ExecutorError(payload.decode(errors="replace").strip())
+        if got != op:
+            raise ExecutorError(f"tensor-parallel rank {w.rank} sent op {got!r}, expected {op!r}")
+        return payload
+
+    def _expect_json(self, w: _Worker, op: bytes) -> dict:
+        return tp_comm.parse_json(self._expect(w, op))
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._finalizer()
+        torch.set_num_threads(self._previous_threads)
+
+
+def _monitor(ref: weakref.ref, workers: list[_Worker]) -> None:
+    ready = wait([w.sentinel for w in workers])
+    executor = ref()
+    if executor is not None:
+        executor._on_worker_death(next(w for w in workers if w.sentinel in ready))
+
+
+def _spawn_workers(spec: RankSpec, size: int, port: int) -> list[_Worker]:
+    """Starts ranks 1..size-1 as ``python -m engine.tp_worker`` processes.
+
+    A fresh interpreter (not multiprocessing) so the caller's ``__main__`` is never re-run
+    in the worker: a plain script without a ``__main__`` guard can still use TP. The spec
+    travels as JSON on the command line, the control channel is an inherited socket.
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    spec_json = spec_to_json(spec)
+    workers = []
+    for rank in range(1, size):
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size", str(size),
+             "--store-port", str(port), "--fd", str(theirs.fileno()), "--spec", spec_json],
+            pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        workers.append(_Worker(rank, proc, Connection(ours.detach()),
+                               io.FileIO(os.pidfd_open(proc.pid), closefd=True)))
+    return workers
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for w in workers:
+        try:
+            tp_comm.send(w.conn, tp_comm.OP_QUIT)
+        except OSError:
+            pass
+    for w in workers:
+        try:
+            w.process.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            w.process.kill()
+            w.process.wait(_STOP_GRACE_S)
+        w.conn.close()
+
+
+def _describe(w: _Worker) -> str:
+    code = w.exitcode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    text = f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died ({how})"
+    try:
+        if w.conn.poll(0):
+            op, payload = tp_comm.recv(w.conn)
+            if op == tp_comm.OP_ERROR:
+                text += ": " + payload.decode(errors="replace").strip()
+    except (EOFError, OSError):
+        pass
+    return text
+

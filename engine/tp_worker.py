@@ -1,0 +1,123 @@
+"""A tensor-parallel worker process (ranks 1..k-1): build the shard, then run every step.
+
+The worker owns no scheduler and samples nothing: rank 0 sends it each step's flattened input
+and it runs the same forward, so the layers' collectives pair up with rank 0's. It exits when
+told to, when rank 0's pipe closes, or when its parent process disappears.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from engine import tp_comm
+from engine.kv_layout import make_layout
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_from_json
+from engine.step_codec import decode_model_input
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.tp_worker``: started by rank 0 (engine.tp_executor), not by hand."""
+    ap = argparse.ArgumentParser(prog="python -m engine.tp_worker")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--fd", type=int, required=True, help="the control socket from rank 0")
+    ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    args = ap.parse_args(argv)
+    conn = Connection(socket.socket(fileno=args.fd).detach())
+    worker_main(spec_from_json(args.spec), args.rank, args.size, args.store_port, conn)
+
+
+def worker_main(spec: RankSpec, rank: int, size: int, store_port: int,
+                conn: Connection) -> None:
+    """Runs rank ``rank`` until told to stop; reports a failure to rank 0, then exits."""
+    _exit_with_parent(os.getppid())
+    try:
+        _serve(spec, rank, size, store_port, conn)
+    except (EOFError, BrokenPipeError):
+        os._exit(0)  # rank 0 is gone: nothing left to serve
+    except BaseException as e:  # report anything to rank 0 before dying
+        text = f"tensor-parallel rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        try:
+            tp_comm.send(conn, tp_comm.OP_ERROR, text.encode())
+        except OSError:
+            pass
+        os._exit(1)
+
+
+def worker_threads(size: int) -> int:
+    """CPU threads per rank: the cores shared out, so ranks do not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connection) -> None:
+    device = spec.rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(worker_threads(size))
+    store = dist.TCPStore("127.0.0.1", store_port, size, False,
+                          timeout=datetime.timedelta(seconds=spec.config.tp_startup_timeout_s))
+    group = tp_comm.connect_tp_group(rank, size, store, device)
+    model = load_rank_model(spec, group)
+    cfg = ModelConfig.from_pretrained(spec.model_path)
+    tp_comm.send_json(conn, tp_comm.OP_HELLO,
+                      {"capacity_blocks": rank_capacity_blocks(spec, cfg, group)})
+    op, payload = tp_comm.recv(conn)
+    if op == tp_comm.OP_QUIT:
+        return
+    if op != tp_comm.OP_NUM_BLOCKS:
+        raise ValueError(f"expected the block count, got op {op!r}")
+    num_blocks = int(tp_comm.parse_json(payload)["num_blocks"])
+    layout = make_layout(cfg, num_blocks, spec.config.block_size, spec.torch_dtype, rank, size)
+    runner = ModelRunner(model, layout, spec.torch_dtype, device)
+    tp_comm.send(conn, tp_comm.OP_READY, layout.to_json().encode())
+    group.all_reduce(torch.zeros(1, device=device))  # connect while everyone is known alive
+    _loop(runner, conn, device)
+
+
+def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+    while True:
+        op, payload = tp_comm.recv(conn)
+        if op == tp_comm.OP_STEP:
+            runner.run(decode_model_input(payload, device))
+        elif op == tp_comm.OP_READ_BLOCKS:
+            tp_comm.send(conn, tp_comm.OP_OK, read_blocks(runner, payload))
+        elif op == tp_comm.OP_QUIT:
+            return
+        else:
+            raise ValueError(f"unknown control op {op!r}")
+
+
+def read_blocks(runner: ModelRunner, payload: bytes) -> bytes:
+    """Raw bytes of kv_cache[:, :, block_ids] (for inspection and tests)."""
+    ids = tp_comm.parse_json(payload)["block_ids"]
+    if not all(isinstance(i, int) and 0 <= i < runner.layout.num_blocks for i in ids):
+        raise ValueError(f"block ids out of range [0, {runner.layout.num_blocks})")
+    blocks = runner.kv_cache[:, :, ids].contiguous().cpu()
+    return blocks.view(torch.uint8).numpy().tobytes()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker whose parent died (even by SIGKILL) must not linger, even mid-collective."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pdserve-tp-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
