@@ -34,6 +34,12 @@ class OfflineResult:
     ratio_vs_hf: float
     ratio_vs_roofline: float
     num_threads: int
+    tensor_parallel_size: int = 1
+    # TP > 1 only: rank 0's time inside all-reduce/all-gather over the engine's time, and the
+    # same requests on a TP=1 engine timed in the same run.
+    comm_share: float | None = None
+    tp1_tok_s: float | None = None
+    ratio_vs_tp1: float | None = None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,18 +48,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="run the engine at this TP size, and at TP=1 beside it when > 1")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run_engine(model: str, reqs: OfflineRequests, dtype: str, args) -> tuple[float, object]:
+def run_engine(model: str, reqs: OfflineRequests, dtype: str, args,
+               tp: int = 1) -> tuple[float, object]:
     from engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, detokenize=False, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in reqs.output_lens]
     llm.generate(reqs.prompts[:2], params[:2])  # warm-up
     llm.engine.step_num_tokens.clear()
     llm.engine.step_num_sampled.clear()
+    llm.engine.executor.group.comm_seconds = 0.0
     t0 = time.perf_counter()
     outs = llm.generate(reqs.prompts, params)
     elapsed = time.perf_counter() - t0
@@ -87,7 +97,7 @@ def run_hf(path, reqs: OfflineRequests, dtype: torch.dtype, batch_size: int) -> 
 @torch.inference_mode()
 def run_roofline(llm, reqs: OfflineRequests) -> float:
     """Times every linear layer's matmul at the engine's recorded step sizes."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     hidden = llm.engine.model_config.hidden_size
     device = llm.engine.device
     weights, lm_head = _linear_weights(model)
@@ -139,21 +149,36 @@ def main(args: argparse.Namespace) -> int:
     log = (lambda *a: None) if args.json else print
     log(f"workload {w.name}: {len(reqs.prompts)} requests on {w.model} ({w.dtype}), "
         f"{reqs.num_output_tokens} output tokens, torch threads {torch.get_num_threads()}")
-    engine_s, llm = run_engine(w.model, reqs, w.dtype, args)
-    log(f"engine:   {engine_s:8.2f} s")
+    tp = args.tensor_parallel_size
+    engine_s, llm = run_engine(w.model, reqs, w.dtype, args, tp)
+    comm_share = llm.engine.executor.comm_seconds / engine_s if tp > 1 else None
+    log(f"engine:   {engine_s:8.2f} s (TP={tp})")
+    # At TP > 1 this replays rank 0's weight shards: the per-rank matmul time.
     roof_s = run_roofline(llm, reqs)
     log(f"roofline: {roof_s:8.2f} s")
+    llm.shutdown()
     del llm
+    tp1_s = None
+    if tp > 1:
+        tp1_s, tp1 = run_engine(w.model, reqs, w.dtype, args, 1)
+        del tp1
+        log(f"engine:   {tp1_s:8.2f} s (TP=1)")
     hf_s = run_hf(path, reqs, getattr(torch, w.dtype), args.hf_batch_size)
     log(f"hf:       {hf_s:8.2f} s")
     n = reqs.num_output_tokens
     res = OfflineResult(w.name, w.model, len(reqs.prompts), n, engine_s, hf_s, roof_s,
                         n / engine_s, n / hf_s, n / roof_s, hf_s / engine_s, roof_s / engine_s,
-                        torch.get_num_threads())
+                        torch.get_num_threads(), tp, comm_share,
+                        None if tp1_s is None else n / tp1_s,
+                        None if tp1_s is None else tp1_s / engine_s)
     if args.json:
         print(json.dumps(asdict(res)))
     else:
         print(f"engine {res.engine_tok_s:.1f} tok/s | hf {res.hf_tok_s:.1f} tok/s | "
               f"roofline {res.roofline_tok_s:.1f} tok/s")
         print(f"engine/hf = {res.ratio_vs_hf:.2f}   engine/roofline = {res.ratio_vs_roofline:.2f}")
+        if tp > 1:
+            print(f"TP={tp} {res.engine_tok_s:.1f} tok/s vs TP=1 {res.tp1_tok_s:.1f} tok/s: "
+                  f"TP{tp}/TP1 = {res.ratio_vs_tp1:.2f}; communication "
+                  f"{100 * comm_share:.1f}% of TP={tp} engine time")
     return 0

@@ -19,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks to split the model over (worker processes; gloo/NCCL)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -26,7 +28,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
                 enable_prefix_caching=args.enable_prefix_caching,
-                enable_chunked_prefill=args.enable_chunked_prefill)
+                enable_chunked_prefill=args.enable_chunked_prefill,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 DEMO_PROMPTS = [
@@ -38,11 +41,19 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     print(f"loading {args.model} (built-in presets are generated on first use) ...", flush=True)
-    llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        _demo_prompts(llm, args.max_tokens)
+    print("\n(random-weight tiny model: the text is noise; the tokens match Hugging Face's)")
+    return 0
+
+
+def _demo_prompts(llm, max_tokens: int) -> None:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for prompt in DEMO_PROMPTS:
         t0 = time.perf_counter()
         first = None
@@ -57,19 +68,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         total = time.perf_counter() - t0
         itl = (total - first) / max(n - 1, 1)
         print(f"\n[{n} tokens, TTFT {first * 1e3:.1f} ms, ITL {itl * 1e3:.1f} ms]", flush=True)
-    print("\n(random-weight tiny model: the text is noise; the tokens match Hugging Face's)")
-    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for out in llm.stream(args.prompt, params):
-        sys.stdout.write(out.text_delta)
-        sys.stdout.flush()
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        for out in llm.stream(args.prompt, params):
+            sys.stdout.write(out.text_delta)
+            sys.stdout.flush()
     print()
     return 0
 

@@ -33,6 +33,14 @@ def test_generate(capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_generate_tensor_parallel_matches_tp1(capsys):
+    argv = ["generate", "--prompt", "hi there", "--max-tokens", "6"]
+    assert main(argv) == 0
+    tp1 = capsys.readouterr().out
+    assert main(argv + ["-tp", "2"]) == 0
+    assert capsys.readouterr().out == tp1
+
+
 def test_bench_offline_json(capsys):
     assert main(["bench", "offline", "--workload", "tiny", "--num-requests", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
