@@ -21,6 +21,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_false")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (worker processes; gloo/NCCL)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="auto (Triton on CUDA, torch on CPU), torch or triton")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: never capture or replay CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -29,7 +33,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size,
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
 
 
 DEMO_PROMPTS = [

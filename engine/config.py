@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
+_KV_TRANSFER_BACKENDS = ("nixl", "torch")
 
 
 @dataclass
@@ -39,6 +40,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A TP worker that does not answer start-up within this many seconds fails the engine.
     tp_startup_timeout_s: float = 600.0
+    # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
+    enforce_eager: bool = False
+    # How this engine's KV blocks move to or from another engine: "nixl", "torch" or None (no
+    # transfer agent; combined serving and offline use).
+    kv_transfer_backend: str | None = None
+    # A KV transfer that has not completed by then fails (its blocks are freed).
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -64,6 +72,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.kv_transfer_backend is not None \
+                and self.kv_transfer_backend not in _KV_TRANSFER_BACKENDS:
+            raise ValueError(f"kv_transfer_backend must be one of {_KV_TRANSFER_BACKENDS} or None, "
+                             f"got {self.kv_transfer_backend!r}")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if not self.kv_lease_timeout_s > 0:
             raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
