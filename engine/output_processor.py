@@ -85,4 +85,6 @@ class OutputProcessor:
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             kv_lease=kv_lease,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
         )

@@ -56,6 +56,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     kv_lease: KVLease | None = None
+    # time.monotonic() stamps: the request's arrival here and its first scheduled step.
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
 
 
 @dataclass

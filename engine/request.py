@@ -30,6 +30,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    # When a step first computed any of this request's tokens (queue time ends there).
+    first_scheduled_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the cache (computed here, hit in the prefix cache, or written
     # from outside in the decode role).
