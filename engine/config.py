@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
-_KV_TRANSFER_BACKENDS = ("nixl", "torch")
+# The torch.distributed backend is not built yet (see kvtransfer/).
+_KV_TRANSFER_BACKENDS = ("nixl",)
 
 
 @dataclass

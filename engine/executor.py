@@ -24,6 +24,8 @@ class Executor(ABC):
     num_blocks: int
     runner: ModelRunner  # rank 0's
     group: TPGroup  # rank 0's view of the TP group
+    kv_agent = None  # rank 0's kvtransfer agent (None without a KV transfer backend)
+    _kv_handles: list = []
 
     @abstractmethod
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
@@ -42,6 +44,10 @@ class Executor(ABC):
         """Rank 0's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
         return self.runner.kv_cache
 
+    def kv_handles(self) -> list:
+        """Every rank's kvtransfer handle, in rank order ([] without a KV transfer backend)."""
+        return list(self._kv_handles)
+
     @property
     def comm_seconds(self) -> float:
         """Time rank 0 spent in collectives so far."""
@@ -58,6 +64,8 @@ class UniProcExecutor(Executor):
         layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
                              spec.torch_dtype)
         self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0))
+        self.kv_agent = make_rank_agent(spec, self.runner)
+        self._kv_handles = [self.kv_agent.handle()] if self.kv_agent is not None else []
 
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         return self.runner.run(inp)
@@ -66,7 +74,18 @@ class UniProcExecutor(Executor):
         return [self.runner.layout]
 
     def shutdown(self) -> None:
-        pass
+        if self.kv_agent is not None:
+            self.kv_agent.close()
+            self.kv_agent = None
+
+
+def make_rank_agent(spec: RankSpec, runner: ModelRunner):
+    """This rank's KV transfer agent over its cache, or None when no backend is configured."""
+    backend = spec.config.kv_transfer_backend
+    if backend is None:
+        return None
+    from kvtransfer import make_agent
+    return make_agent(backend, runner.kv_cache, runner.layout)
 
 
 def make_executor(spec: RankSpec, model_config: ModelConfig) -> Executor:

@@ -76,6 +76,10 @@ class LLMEngine:
         # Tokens per executed step (the offline benchmark's roofline replays these sizes).
         self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.step_num_sampled: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        self.kv_connector = None
+        if config.kv_transfer_backend is not None:
+            from engine.kv_connector import KVConnector
+            self.kv_connector = KVConnector(self)
 
     # --- intake ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -293,9 +297,29 @@ class LLMEngine:
         """Every TP rank's cache layout, in rank order (what KV transfer addresses)."""
         return self.executor.kv_cache_layouts()
 
+    # --- KV transfer (needs config.kv_transfer_backend) -----------------------------------
+    def kv_transfer_handles(self) -> list:
+        """Every TP rank's kvtransfer handle, in rank order: what a reader needs."""
+        self._need_connector()
+        return list(self.kv_connector.handles)
+
+    def pull_kv(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
+                timeout_s: float | None = None):
+        """Decode role: pulls the prompt KV of ``alloc`` from the remote ranks (blocking; call
+        it outside the step thread). The owner is told to release its lease on success."""
+        self._need_connector()
+        timeout = self.config.kv_transfer_timeout_s if timeout_s is None else timeout_s
+        return self.kv_connector.pull(alloc, remotes, remote_block_ids, timeout)
+
+    def _need_connector(self) -> None:
+        if self.kv_connector is None:
+            raise ValueError("this engine has no KV transfer backend (set kv_transfer_backend)")
+
     # --- lifecycle ------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stops the TP worker processes; the engine cannot step afterwards. Idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine import tp_comm
-from engine.executor import Executor, ExecutorError
+from engine.executor import Executor, ExecutorError, make_rank_agent
 from engine.kv_layout import KVCacheLayout, make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner
@@ -81,6 +81,13 @@ class MultiprocExecutor(Executor):
             self._layouts = [layout] + [
                 KVCacheLayout.from_json(self._expect(w, tp_comm.OP_READY))
                 for w in self.workers]
+            self.kv_agent = make_rank_agent(spec, self.runner)
+            if self.kv_agent is not None:
+                from kvtransfer import KVAgentHandle
+                # Each worker rank registered its own cache with its own agent.
+                self._kv_handles = [self.kv_agent.handle()] + [
+                    KVAgentHandle.from_bytes(self._expect(w, tp_comm.OP_OK))
+                    for w in self.workers]
             self.group.all_reduce(torch.zeros(1, device=device))
         except BaseException:
             self.shutdown()
@@ -173,6 +180,9 @@ class MultiprocExecutor(Executor):
             return
         self._closing = True
         self._finalizer()
+        if self.kv_agent is not None:
+            self.kv_agent.close()
+            self.kv_agent = None
         torch.set_num_threads(self._previous_threads)
 
 

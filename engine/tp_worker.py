@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine import tp_comm
+from engine.executor import make_rank_agent
 from engine.kv_layout import make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -83,8 +84,16 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
     layout = make_layout(cfg, num_blocks, spec.config.block_size, spec.torch_dtype, rank, size)
     runner = ModelRunner(model, layout, spec.torch_dtype, device)
     tp_comm.send(conn, tp_comm.OP_READY, layout.to_json().encode())
+    agent = make_rank_agent(spec, runner)
+    if agent is not None:
+        # Readers pull this rank's heads straight from its cache; rank 0 hands out the handle.
+        tp_comm.send(conn, tp_comm.OP_OK, agent.handle().to_bytes())
     group.all_reduce(torch.zeros(1, device=device))  # connect while everyone is known alive
-    _loop(runner, conn, device)
+    try:
+        _loop(runner, conn, device)
+    finally:
+        if agent is not None:
+            agent.close()
 
 
 def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
