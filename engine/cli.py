@@ -15,6 +15,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="exact KV block count (overrides the memory budget)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
@@ -31,6 +33,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                num_gpu_blocks=args.num_gpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 tensor_parallel_size=args.tensor_parallel_size,
@@ -76,6 +79,9 @@ def _demo_prompts(llm, max_tokens: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.router:
+        from engine.cli_serve import cmd_generate_remote
+        return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -111,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("generate", help="generate text for one prompt (offline engine)")
+    p = sub.add_parser("generate", help="generate text for one prompt (offline engine, or "
+                       "through a running router with --router)")
     _add_engine_args(p)
+    p.add_argument("--router", default=None, help="HOST:PORT of a running router")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -120,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
+
+    from engine import cli_serve
+
+    p = sub.add_parser("up", help="Redis, router, prefill and decode workers, all local")
+    cli_serve.add_up_args(p)
+    p.set_defaults(func=cli_serve.cmd_up)
+    p = sub.add_parser("router", help="run the router service")
+    cli_serve.add_router_args(p)
+    p.set_defaults(func=cli_serve.cmd_router)
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run one {role} worker")
+        _add_engine_args(p)
+        cli_serve.add_worker_args(p)
+        p.set_defaults(func=getattr(cli_serve, f"cmd_{role}"))
 
     p = sub.add_parser("make-model", help="write a built-in preset as an HF folder")
     p.add_argument("preset")

@@ -1,0 +1,12 @@
+"""pdserve's client SDK: ``from client import AsyncClient, Client``."""
+from client.async_client import AsyncClient
+from client.errors import (CancelledError, DeadlineExceededError, InternalError,
+                           InvalidArgumentError, NotFoundError, PdserveError,
+                           ResourceExhaustedError, UnavailableError)
+from client.sync_client import Client
+from client.types import Completion, GenerationChunk, Timings, TokenLogprobs, Usage
+
+__all__ = ["AsyncClient", "Client", "Completion", "GenerationChunk", "Usage", "Timings",
+           "TokenLogprobs", "PdserveError", "InvalidArgumentError", "ResourceExhaustedError",
+           "UnavailableError", "DeadlineExceededError", "CancelledError", "NotFoundError",
+           "InternalError"]

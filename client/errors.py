@@ -1,0 +1,55 @@
+"""Typed exceptions, one per gRPC status the router answers with."""
+from __future__ import annotations
+
+import grpc
+
+
+class PdserveError(Exception):
+    """A failed call; ``code`` is the gRPC status, ``details`` the server's message."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(PdserveError, ValueError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhaustedError(PdserveError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(PdserveError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(PdserveError, TimeoutError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class CancelledError(PdserveError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class NotFoundError(PdserveError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InternalError(PdserveError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedError,
+                                      UnavailableError, DeadlineExceededError, CancelledError,
+                                      NotFoundError, InternalError)}
+
+
+def error_from_rpc(e: grpc.RpcError) -> PdserveError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or str(code)
+    return _BY_CODE.get(code, PdserveError)(details, code)

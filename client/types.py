@@ -1,0 +1,124 @@
+"""What the SDK hands back: plain dataclasses, no protobuf in user code."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protos import common_pb2, router_pb2
+
+# The keyword arguments generate() and complete() accept (the router's SamplingParams).
+SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass
+class TokenLogprobs:
+    sampled: Logprob
+    top: list[Logprob]
+
+
+@dataclass
+class Timings:
+    """Seconds per phase of one request (see the router's RequestTimings)."""
+
+    router_queue_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    decode_queue_s: float = 0.0
+    first_decode_step_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: Timings
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+
+
+@dataclass
+class GenerationChunk:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Final chunk only: "stop", "length" or "abort", the stop token/string, and usage.
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    usage: Usage
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def build_request(prompt: str | list[int], request_id: str | None,
+                  sampling: dict) -> router_pb2.GenerateRequest:
+    unknown = set(sampling) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))} "
+                        f"(accepted: {', '.join(sorted(SAMPLING_FIELDS))})")
+    if isinstance(sampling.get("stop"), str):
+        sampling = {**sampling, "stop": [sampling["stop"]]}
+    params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        req.token_ids.ids.extend(prompt)
+    else:
+        raise TypeError("prompt must be a str or a list of token ids")
+    return req
+
+
+def _logprobs(items) -> list[TokenLogprobs]:
+    def one(m) -> Logprob:
+        return Logprob(m.token_id, m.logprob, m.rank)
+
+    return [TokenLogprobs(one(t.sampled), [one(x) for x in t.top]) for t in items]
+
+
+def _stop(msg, has: bool) -> int | str | None:
+    if not has:
+        return None
+    which = msg.WhichOneof("reason")
+    return None if which is None else getattr(msg, which)
+
+
+def _usage(u) -> Usage:
+    t = u.timings
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                 Timings(**{f: getattr(t, f) for f in Timings.__dataclass_fields__}),
+                 u.prefill_worker_id, u.decode_worker_id)
+
+
+def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:
+    return GenerationChunk(
+        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text_delta,
+        logprobs=_logprobs(m.logprobs), finish_reason=m.finish_reason or None,
+        stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
+        usage=_usage(m.usage) if m.HasField("usage") else None)
+
+
+def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
+    return Completion(
+        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
+        finish_reason=m.finish_reason, stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
+        usage=_usage(m.usage), logprobs=_logprobs(m.logprobs))

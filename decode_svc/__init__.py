@@ -1,0 +1,1 @@
+"""The decode gRPC service (engine role "decode")."""

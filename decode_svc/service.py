@@ -1,0 +1,114 @@
+"""The decode gRPC service: the engine's decode role behind DecodeWorker.
+
+Decode allocates blocks for the prompt (reusing the prefix this worker already caches), pulls
+the missing blocks from the prefill worker through kvtransfer, which also tells the prefill
+worker to release its lease, then admits the request into the continuous batch and streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from engine.outputs import KVAllocation, RequestOutput
+from engine.worker_runtime import WorkerRuntime, abort_for
+from kvtransfer import KVAgentHandle
+from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            with self.rt.admit():
+                async for chunk in self._decode(request, context):
+                    yield chunk
+        except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
+            await abort_for(context, e)
+
+    async def _decode(self, request: worker_pb2.DecodeRequest, context):
+        rid = request.request_id
+        if not rid:
+            raise ValueError("request_id is empty")
+        params = convert.sampling_from_proto(request.sampling)
+        ids = convert.check_token_ids(request.prompt_token_ids)
+        first = convert.check_token_ids([request.first_token_id], "first")[0]
+        remotes = self._check_handle(request.kv_handle, len(ids))
+        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params)
+        t0 = time.monotonic()
+        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), context)
+        t1 = time.monotonic()
+        timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
+        async with contextlib.aclosing(self.rt.engine.commit_prefilled(rid)) as outs:
+            first_chunk = True
+            async for out in outs:
+                chunk = _chunk(out)
+                if first_chunk:
+                    first_chunk = False
+                    now = time.monotonic()
+                    sched = out.first_scheduled_time or now
+                    timings.queue_s = max(sched - t1, 0.0)
+                    timings.first_step_s = max(now - sched, 0.0)
+                    chunk.timings.CopyFrom(timings)
+                    chunk.num_cached_tokens = alloc.num_cached_tokens
+                yield chunk
+
+    def _check_handle(self, h: common_pb2.KVHandle, num_prompt_tokens: int) -> list[KVAgentHandle]:
+        cfg = self.rt.config.engine
+        if not h.rank_handles:
+            raise ValueError("kv_handle has no rank handles")
+        if h.backend != cfg.kv_transfer_backend:
+            raise ValueError(f"kv_handle uses backend {h.backend!r}; this decode worker uses "
+                             f"{cfg.kv_transfer_backend!r}")
+        if h.block_size != cfg.block_size:
+            raise ValueError(f"kv_handle block_size {h.block_size} != this worker's "
+                             f"{cfg.block_size}")
+        if h.num_tokens != num_prompt_tokens:
+            raise ValueError(f"kv_handle holds {h.num_tokens} tokens but the prompt has "
+                             f"{num_prompt_tokens}")
+        need = -(-num_prompt_tokens // cfg.block_size)
+        if len(h.block_ids) != need:
+            raise ValueError(f"kv_handle has {len(h.block_ids)} block ids; "
+                             f"{num_prompt_tokens} tokens need {need}")
+        return [KVAgentHandle.from_bytes(b) for b in h.rank_handles]
+
+    async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
+                    remote_block_ids: list[int], context) -> None:
+        timeout = self.rt.config.engine.kv_transfer_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = max(min(timeout, remaining), 0.001)
+        pull = asyncio.ensure_future(asyncio.to_thread(
+            self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, timeout))
+        try:
+            stats = await asyncio.shield(pull)
+        except asyncio.CancelledError:
+            # The transfer thread may still be writing into the blocks: free them only after.
+            pull.add_done_callback(lambda _: self.rt.engine.abort(alloc.request_id))
+            raise
+        except BaseException:
+            self.rt.kv_failures += 1
+            self.rt.engine.abort(alloc.request_id)
+            raise
+        self.rt.kv_bytes += int(getattr(stats, "num_bytes", 0))
+
+    async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
+        await self.rt.engine.fresh_stats()
+        return self.rt.worker_info()
+
+
+def _chunk(out: RequestOutput) -> worker_pb2.DecodeChunk:
+    new = out.new_token_ids
+    chunk = worker_pb2.DecodeChunk(token_ids=new, text_delta=out.text_delta)
+    if out.logprobs:
+        chunk.logprobs.extend(convert.logprobs_to_proto(out.logprobs[len(out.logprobs) - len(new):]))
+    if out.finished:
+        chunk.finish_reason = out.finish_reason or ""
+        stop = convert.stop_reason_to_proto(out.stop_reason)
+        if stop is not None:
+            chunk.stop_reason.CopyFrom(stop)
+    return chunk

@@ -1,0 +1,170 @@
+"""The engine behind an asyncio service: it steps in its own thread, never on the event loop.
+
+Requests are submitted from the loop; outputs come back through one asyncio queue per request.
+Everything that may block on the engine's step lock (decode-role allocation, commit, stats)
+runs in the default thread pool, so a long forward never stalls a stream or a health check.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, KVAllocation, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# An idle engine still wakes this often: leases expire and releases apply only in a step.
+_IDLE_TICK_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or the engine was shut down)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop | None = None,
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self.loop = loop or asyncio.get_running_loop()
+        # Called in the engine thread after every step (e.g. to publish KV-cache events).
+        self.on_step = on_step
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.stats: EngineStats = engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self._wake.wait(_IDLE_TICK_S)
+                    self._wake.clear()
+                outputs = self.engine.step()
+                self.stats = self.engine.get_stats()
+                if self.on_step is not None:
+                    self.on_step(self.engine)
+                if outputs:
+                    self.loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # a failed step must reach every waiting stream
+            logger.exception("engine thread died")
+            self.error = e
+            if not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(self._fail_all)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _fail_all(self) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(self._dead())
+
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
+                               else "the engine is shut down")
+
+    # --- loop side ------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise self._dead()
+
+    def _open(self, request_id: str) -> _Stream:
+        stream = _Stream(asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Queues a request and yields its outputs; leaving early aborts it (blocks freed)."""
+        self._check_alive()
+        stream = self._open(request_id)
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                                 first_token_id: int, params: SamplingParams) -> KVAllocation:
+        """Decode role: blocks for a prompt whose KV arrives from outside."""
+        self._check_alive()
+        return await asyncio.to_thread(self.engine.add_prefilled_request, request_id,
+                                       prompt_token_ids, first_token_id, params)
+
+    async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Decode role: admits the request; yields its outputs; leaving early aborts it."""
+        self._check_alive()
+        stream = self._open(request_id)
+        try:
+            await asyncio.to_thread(self.engine.commit_prefilled, request_id)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished or item.kv_lease is not None:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Frees the request's blocks (at once when idle, else at the next step)."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    def release_kv(self, request_id: str) -> None:
+        self.engine.release_kv(request_id)
+        self._wake.set()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def fresh_stats(self) -> EngineStats:
+        """Stats taken now (waits for a running step to end, off the loop)."""
+        self.stats = await asyncio.to_thread(self.engine.get_stats)
+        return self.stats
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()

@@ -1,0 +1,139 @@
+"""The serving subcommands of ``pdserve``: up, router, prefill, decode, and generate --router."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--redis-url", default=None, help="registry and prefix index (redis://...)")
+    p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl"])
+    p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--kv-lease-timeout-s", type=float, default=60.0)
+    p.add_argument("--max-pending-requests", type=int, default=256)
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+
+
+def _worker_config(args: argparse.Namespace, role: str):
+    from engine.cli import engine_kwargs
+    from engine.config import EngineConfig
+    from engine.grpc_server import ServerConfig
+    from engine.worker_runtime import WorkerConfig
+
+    engine = EngineConfig(model=args.model, role=role,
+                          kv_transfer_backend=args.kv_transfer_backend,
+                          kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+                          kv_lease_timeout_s=args.kv_lease_timeout_s, **engine_kwargs(args))
+    return WorkerConfig(engine=engine,
+                        server=ServerConfig(args.host, args.port, args.drain_timeout_s),
+                        worker_id=args.worker_id, redis_url=args.redis_url,
+                        namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
+                        max_pending_requests=args.max_pending_requests)
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill_svc.server import main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main(_worker_config(args, "prefill"))
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from decode_svc.server import main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main(_worker_config(args, "decode"))
+    return 0
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-inflight-requests", type=int, default=1024)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from engine.grpc_server import ServerConfig
+    from router.config import RouterConfig
+    from router.server import main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main(RouterConfig(model=args.model, redis_url=args.redis_url,
+                      server=ServerConfig(args.host, args.port, args.drain_timeout_s),
+                      namespace=args.namespace, block_size=args.block_size,
+                      max_inflight_requests=args.max_inflight_requests))
+    return 0
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="TP ranks per prefill worker")
+    p.add_argument("--redis-url", default=None, help="default: start the bundled redis-server")
+    p.add_argument("--port", type=int, default=50051, help="the router's port")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: from the memory budget)")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from router.launcher import Cluster, ClusterSpec
+
+    extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
+    spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                       prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
+                       router_port=args.port, worker_args=extra)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Cluster(spec) as cluster:
+        print(f"pdserve up: router on {cluster.router_address} ({args.prefill} prefill, "
+              f"{args.decode} decode, model {args.model}); Ctrl-C stops everything", flush=True)
+        while not stop.is_set():
+            dead = [p for p in cluster.procs if p.popen.poll() is not None]
+            if dead:
+                print(f"pdserve up: {dead[0].name} exited with {dead[0].popen.returncode}; "
+                      "stopping", file=sys.stderr)
+                return 1
+            stop.wait(0.5)
+        print("pdserve up: stopping", flush=True)
+    return 0
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    """Streams one prompt through a running router."""
+    from client import Client, PdserveError
+
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        with Client(args.router) as c:
+            for chunk in c.generate(args.prompt, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.usage is not None:
+                    u = chunk.usage
+                    print(f"\n[{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, "
+                          f"total {(time.perf_counter() - t0) * 1e3:.0f} ms, "
+                          f"{u.cached_tokens} cached prompt tokens]")
+    except PdserveError as e:
+        print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,114 @@
+"""The lifecycle every pdserve gRPC service shares.
+
+Register the services, the standard health service and reflection; start; on SIGTERM or SIGINT
+report NOT_SERVING (so balancers and the router stop sending work), let requests in flight
+finish for up to ``drain_timeout_s``, then stop with a grace period.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# KV handles and long token lists are small, but a 1M-token prompt as int64s is 8+ MB.
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    # 0 picks a free port (see GrpcServer.port).
+    port: int = 0
+    # After SIGTERM: how long requests in flight may run before the server stops.
+    drain_timeout_s: float = 30.0
+    # server.stop() grace: RPCs still running then are cancelled.
+    grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.drain_timeout_s < 0 or self.grace_s < 0:
+            raise ValueError("drain_timeout_s and grace_s must be >= 0")
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class GrpcServer:
+    def __init__(self, config: ServerConfig, service_names: list[str]) -> None:
+        self.config = config
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        try:
+            self.port = self.server.add_insecure_port(config.bind_address)
+        except RuntimeError as e:
+            raise ValueError(f"cannot listen on {config.bind_address}: {e}") from None
+        if self.port == 0:
+            raise ValueError(f"cannot listen on {config.bind_address}")
+        self.stopping = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def drain_and_stop(self, num_inflight: Callable[[], int]) -> None:
+        """NOT_SERVING at once, wait for requests in flight, then stop with the grace period."""
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        while num_inflight() > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if num_inflight() > 0:
+            logger.warning("stopping with %d requests still in flight", num_inflight())
+        await self.server.stop(self.config.grace_s)
+
+
+async def serve(server: GrpcServer, num_inflight: Callable[[], int],
+                on_started: Callable[[], Awaitable[None]] | None = None,
+                on_stopping: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Runs ``server`` until SIGTERM/SIGINT (or ``server.stopping`` is set), then drains."""
+    await server.start()
+    server.install_signal_handlers()
+    if on_started is not None:
+        await on_started()
+    logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
+    await server.stopping.wait()
+    logger.info("stopping: draining %d requests", num_inflight())
+    if on_stopping is not None:
+        await on_stopping()
+    await server.drain_and_stop(num_inflight)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    """asyncio.run on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional on platforms without it
+        asyncio.run(main())
+        return
+    uvloop.run(main())

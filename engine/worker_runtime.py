@@ -1,0 +1,185 @@
+"""What the prefill and decode services share: the engine in its thread, admission control,
+worker info, gRPC status mapping, and presence in Redis (registry heartbeat, KV-cache events).
+
+The services themselves are thin: they convert protos and drive their engine role.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.grpc_server import ServerConfig
+from engine.llm_engine import LLMEngine, NoFreeBlocksError
+from protos import common_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    engine: EngineConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    # Unique in the cluster; default "<role>-<host>-<port>".
+    worker_id: str = ""
+    # None: no registry and no prefix index (a worker driven directly, as in some tests).
+    redis_url: str | None = None
+    namespace: str = "pdserve"
+    heartbeat_interval_s: float = 1.0
+    # Requests accepted and not finished beyond this get RESOURCE_EXHAUSTED at once.
+    max_pending_requests: int = 256
+
+    def __post_init__(self) -> None:
+        if self.engine.role not in ("prefill", "decode"):
+            raise ValueError(f"a worker's engine role must be prefill or decode, "
+                             f"got {self.engine.role!r}")
+        if not self.heartbeat_interval_s > 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not isinstance(self.max_pending_requests, int) or self.max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests!r}")
+        if self.engine.kv_transfer_backend is None:
+            raise ValueError("a prefill or decode worker needs kv_transfer_backend (nixl or torch)")
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
+
+
+class RejectError(Exception):
+    """Refused before any work: carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status a failure maps to (never a raw traceback to the caller)."""
+    from kvtransfer import TransferError
+
+    if isinstance(exc, RejectError):
+        return exc.code
+    if isinstance(exc, NoFreeBlocksError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(exc, (EngineDeadError, TransferError, ConnectionError)):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("internal error", exc_info=exc)
+    await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL
+                        else str(exc))
+
+
+class WorkerRuntime:
+    """One worker's engine, load and cluster presence. Build with ``await WorkerRuntime.create``."""
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
+        self.config = config
+        self.llm = engine
+        self.engine = AsyncEngine(engine, on_step=self._on_step)
+        self.address = ""
+        self.worker_id = config.worker_id
+        self.inflight = 0
+        self.draining = False
+        self.kv_bytes = 0
+        self.kv_failures = 0
+        self._events: list = []
+        self._presence = None  # router.presence.WorkerPresence once started with Redis
+
+    @classmethod
+    async def create(cls, config: WorkerConfig) -> WorkerRuntime:
+        # Loading weights (and starting TP ranks) takes seconds: off the loop.
+        engine = await asyncio.to_thread(LLMEngine, config.engine)
+        return cls(config, engine)
+
+    def bind(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        if host in ("0.0.0.0", "::", "[::]"):
+            address = f"{socket.gethostname()}:{port}"
+        self.address = address
+        if not self.worker_id:
+            self.worker_id = f"{self.config.role}-{address.replace(':', '-')}-{os.getpid()}"
+
+    # --- admission ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def admit(self):
+        """Counts a request in flight; refuses it when draining, dead or full."""
+        if self.draining:
+            raise RejectError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        if not self.engine.alive:
+            raise RejectError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}'s engine "
+                              f"stopped: {self.engine.error!r}")
+        if self.inflight >= self.config.max_pending_requests:
+            raise RejectError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"worker {self.worker_id} has {self.inflight} requests in flight "
+                              f"(max_pending_requests={self.config.max_pending_requests})")
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    # --- engine thread hook: KV-cache events for the prefix index -------------------------
+    def _on_step(self, engine: LLMEngine) -> None:
+        with engine._lock:  # the pool is also touched by decode-role allocation threads
+            events = engine.kv_manager.take_events()
+        if events and self._presence is not None:
+            self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
+
+    # --- info -----------------------------------------------------------------------------
+    def worker_info(self) -> common_pb2.WorkerInfo:
+        s = self.engine.stats
+        cfg = self.config.engine
+        return common_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=self.config.role, address=self.address,
+            model=cfg.model, block_size=cfg.block_size,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            kv_transfer_backend=cfg.kv_transfer_backend or "",
+            max_model_len=self.llm.max_model_len,
+            kv_cache_layouts=[lay.to_json() for lay in self.llm.kv_cache_layouts()],
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+            num_waiting=s.num_waiting, num_running=s.num_running, num_leased=s.num_leased,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_expired_leases=s.num_expired_leases, num_preemptions=s.num_preemptions,
+            num_inflight=self.inflight, draining=self.draining,
+            kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start_presence(self) -> None:
+        if self.config.redis_url is None:
+            return
+        from router.presence import WorkerPresence
+
+        self._presence = WorkerPresence(self.config.redis_url, self.config.namespace,
+                                        self.config.heartbeat_interval_s, self.worker_info)
+        await self._presence.start()
+
+    async def stop_presence(self) -> None:
+        """Leave the registry first, so the router stops sending work while we drain."""
+        self.draining = True
+        if self._presence is not None:
+            await self._presence.stop()
+            self._presence = None
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,1 @@
+"""The prefill gRPC service (engine role "prefill")."""

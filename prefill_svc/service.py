@@ -1,0 +1,87 @@
+"""The prefill gRPC service: the engine's prefill role behind PrefillWorker.
+
+Prefill runs the prompt (chunked, sharing cached prefix blocks), samples the first token and
+answers with it and a KV handle; the prompt's blocks stay leased until ReleaseKV, the decode
+worker's release notification, or the lease's expiry.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import grpc
+
+from engine.worker_runtime import WorkerRuntime, abort_for
+from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+        # Serialized once: the agents and their registrations live as long as the engine.
+        self.rank_handles = [h.to_bytes() for h in rt.llm.kv_transfer_handles()]
+        # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
+        self._leases: dict[str, float] = {}
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        try:
+            with self.rt.admit():
+                return await self._prefill(request)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
+            await abort_for(context, e)
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        rid = request.request_id or f"prefill-{uuid.uuid4().hex}"
+        params = convert.sampling_from_proto(request.sampling)
+        ids = convert.check_token_ids(request.prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids is empty")
+        async with contextlib.aclosing(self.rt.engine.generate(rid, ids, params)) as outs:
+            async for out in outs:
+                first_token_time = time.monotonic()
+                break
+            else:  # pragma: no cover - the engine always answers or raises
+                raise RuntimeError(f"request {rid} produced no output")
+        sched = out.first_scheduled_time or first_token_time
+        resp = worker_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0], text_delta=out.text_delta,
+            logprobs=(convert.logprobs_to_proto(out.logprobs) or [None])[0],
+            num_cached_tokens=out.num_cached_tokens,
+            timings=worker_pb2.PrefillTimings(queue_s=max(sched - out.arrival_time, 0.0),
+                                              compute_s=max(first_token_time - sched, 0.0)))
+        if out.finished:
+            resp.finish_reason = out.finish_reason or ""
+            stop = convert.stop_reason_to_proto(out.stop_reason)
+            if stop is not None:
+                resp.stop_reason.CopyFrom(stop)
+            return resp
+        lease = out.kv_lease
+        self._prune()
+        self._leases[rid] = lease.expires_at
+        resp.kv_handle.CopyFrom(common_pb2.KVHandle(
+            worker_id=self.rt.worker_id, worker_address=self.rt.address,
+            backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rank_handles,
+            block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
+            lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0)))
+        return resp
+
+    async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKVResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        held = self._leases.pop(request.request_id, None)
+        self.rt.engine.release_kv(request.request_id)  # idempotent in the engine
+        return worker_pb2.ReleaseKVResponse(released=held is not None
+                                            and held > time.monotonic())
+
+    async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
+        await self.rt.engine.fresh_stats()
+        return self.rt.worker_info()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        if len(self._leases) > 1024:
+            for rid in [r for r, t in self._leases.items() if t <= now]:
+                del self._leases[rid]

@@ -1,0 +1,78 @@
+"""Conversions between the protos and the engine's dataclasses (both directions)."""
+from __future__ import annotations
+
+from engine.sampler import Logprob, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from protos import common_pb2
+
+# Wire ids are int64 so that negative or huge ids arrive intact and get a clear error.
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Engine SamplingParams; unset optional fields keep the engine defaults. ValueError if bad."""
+    kw: dict = {}
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
+                 "skip_special_tokens"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
+    kw["stop"] = list(msg.stop)
+    kw["stop_token_ids"] = list(msg.stop_token_ids)
+    kw["ignore_eos"] = msg.ignore_eos
+    kw["include_stop_str_in_output"] = msg.include_stop_str_in_output
+    return SamplingParams(**kw)
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        min_p=p.min_p, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens)
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def check_token_ids(ids, what: str = "prompt") -> list[int]:
+    """Plain ints in [0, 2**31); the engine checks them against the vocabulary."""
+    ids = list(ids)
+    for t in ids:
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise ValueError(f"{what} token id {t} is out of range")
+    return ids
+
+
+def _logprob_to_proto(lp: Logprob) -> common_pb2.Logprob:
+    return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+
+
+def logprobs_to_proto(items: list[TokenLogprobs] | None) -> list[common_pb2.TokenLogprobs]:
+    if not items:
+        return []
+    return [common_pb2.TokenLogprobs(sampled=_logprob_to_proto(t.sampled),
+                                     top=[_logprob_to_proto(x) for x in t.top]) for t in items]
+
+
+def logprobs_from_proto(items) -> list[TokenLogprobs]:
+    def one(m: common_pb2.Logprob) -> Logprob:
+        return Logprob(token_id=m.token_id, logprob=m.logprob, rank=m.rank)
+
+    return [TokenLogprobs(sampled=one(t.sampled), top=[one(x) for x in t.top]) for t in items]
+
+
+def stop_reason_to_proto(reason: int | str | None) -> common_pb2.StopReason | None:
+    if reason is None:
+        return None
+    if isinstance(reason, str):
+        return common_pb2.StopReason(stop_string=reason)
+    return common_pb2.StopReason(stop_token_id=int(reason))
+
+
+def stop_reason_from_proto(msg: common_pb2.StopReason | None) -> int | str | None:
+    if msg is None:
+        return None
+    which = msg.WhichOneof("reason")
+    return None if which is None else getattr(msg, which)

@@ -1,0 +1,41 @@
+"""RouterAdmin: list workers, cluster stats, drain and undrain a worker."""
+from __future__ import annotations
+
+import grpc
+
+from protos import router_pb2, router_pb2_grpc
+from router.directory import WorkerDirectory
+from router.registry import ROLES
+from router.stats import RouterStats
+
+
+class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
+    def __init__(self, directory: WorkerDirectory, stats: RouterStats) -> None:
+        self.directory = directory
+        self.stats = stats
+
+    async def ListWorkers(self, request, context):
+        if request.role and request.role not in ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be one of {ROLES} or empty, got {request.role!r}")
+        workers = await self.directory.registry.live_workers(request.role or None)
+        return router_pb2.ListWorkersResponse(workers=workers)
+
+    async def GetClusterStats(self, request, context):
+        workers = await self.directory.registry.live_workers()
+        s = self.stats
+        return router_pb2.ClusterStats(
+            num_prefill_workers=sum(w.role == "prefill" for w in workers),
+            num_decode_workers=sum(w.role == "decode" for w in workers),
+            requests_total=s.requests_total, requests_in_flight=s.requests_in_flight,
+            requests_failed=s.requests_failed, prompt_tokens_routed=s.prompt_tokens_routed,
+            prefix_tokens_matched=s.prefix_tokens_matched)
+
+    async def DrainWorker(self, request, context):
+        known = {w.worker_id for w in await self.directory.registry.live_workers()}
+        if request.worker_id not in known:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live worker {request.worker_id!r}")
+        await self.directory.registry.set_drained(request.worker_id, not request.undrain)
+        await self.directory.refresh()
+        return router_pb2.DrainWorkerResponse(draining=not request.undrain)

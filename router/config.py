@@ -1,0 +1,42 @@
+"""The router's configuration: one dataclass, validated when built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.grpc_server import ServerConfig
+
+
+@dataclass
+class RouterConfig:
+    # The model the workers serve (HF folder or preset): the router tokenizes with it and
+    # computes the same block hashes as the workers.
+    model: str
+    redis_url: str
+    server: ServerConfig = field(default_factory=ServerConfig)
+    namespace: str = "pdserve"
+    block_size: int = 16
+    # How often the router re-reads the worker registry.
+    refresh_interval_s: float = 0.5
+    # Requests in flight beyond this get RESOURCE_EXHAUSTED at once instead of queueing.
+    max_inflight_requests: int = 1024
+    # Used when the client sets no deadline (None: none).
+    default_timeout_s: float | None = None
+    # Without a client deadline, a prefill call that takes longer fails with UNAVAILABLE.
+    prefill_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path or preset name")
+        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not self.refresh_interval_s > 0:
+            raise ValueError(f"refresh_interval_s must be > 0, got {self.refresh_interval_s}")
+        if not isinstance(self.max_inflight_requests, int) or self.max_inflight_requests < 1:
+            raise ValueError("max_inflight_requests must be >= 1")
+        if self.default_timeout_s is not None and not self.default_timeout_s > 0:
+            raise ValueError("default_timeout_s must be > 0 or None")
+        if not self.prefill_timeout_s > 0:
+            raise ValueError("prefill_timeout_s must be > 0")

@@ -1,0 +1,146 @@
+"""The router's view of the workers: live ones from the registry, a channel per worker (reused
+across requests), requests in flight per worker, and the routing policy.
+
+Policy. Prefill: the best score ``cached_tokens - LOAD_COST_TOKENS * load``, where
+``cached_tokens`` is the longest prefix of the prompt the worker holds (from the Redis index)
+and ``load`` counts requests queued there (its last heartbeat's waiting requests plus the
+router's own requests in flight to it, which are fresher). A cached token saves its prefill;
+a queued request delays this one by roughly a prompt's prefill, hence the exchange rate.
+Decode: among workers with enough free blocks for the prompt, the fewest requests in flight,
+then the most free blocks. Ties go to the smaller worker id, so routing is deterministic.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.grpc_server import GRPC_OPTIONS
+from protos import common_pb2, worker_pb2_grpc
+from router.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+LOAD_COST_TOKENS = 256
+
+
+class NoWorkerError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class WorkerHandle:
+    info: common_pb2.WorkerInfo
+    channel: grpc.aio.Channel
+    prefill_stub: worker_pb2_grpc.PrefillWorkerStub
+    decode_stub: worker_pb2_grpc.DecodeWorkerStub
+    inflight: int = 0
+    routed: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+@dataclass
+class WorkerDirectory:
+    registry: Registry
+    block_size: int
+    refresh_interval_s: float = 0.5
+    workers: dict[str, WorkerHandle] = field(default_factory=dict)
+    _task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for w in self.workers.values():
+            await w.channel.close()
+        self.workers.clear()
+        await self.registry.r.aclose()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - Redis hiccup: keep the last view
+                logger.warning("registry refresh failed: %s", e)
+
+    async def refresh(self) -> None:
+        live = {i.worker_id: i for i in await self.registry.live_workers()}
+        for wid in [w for w in self.workers if w not in live]:
+            gone = self.workers.pop(wid)
+            # Requests in flight keep their own reference; close once they are done.
+            if gone.inflight == 0:
+                await gone.channel.close()
+        for wid, info in live.items():
+            handle = self.workers.get(wid)
+            if handle is not None and handle.info.address == info.address:
+                handle.info = info
+                continue
+            channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
+            self.workers[wid] = WorkerHandle(info, channel,
+                                             worker_pb2_grpc.PrefillWorkerStub(channel),
+                                             worker_pb2_grpc.DecodeWorkerStub(channel))
+
+    def _candidates(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers.values()
+                if w.info.role == role and not w.info.draining and w.info.block_size == self.block_size]
+
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len]
+        if lens and num_tokens + 1 > min(lens):
+            raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {min(lens)} "
+                             "(room for at least one output token is needed)")
+
+    async def pick_prefill(self, block_hashes: list[bytes],
+                           num_tokens: int) -> tuple[WorkerHandle, int]:
+        """The prefill worker for a prompt, and how many of its tokens that worker has cached."""
+        cands = self._candidates("prefill")
+        if not cands:
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+        matched = await self.registry.match_prefix(block_hashes, [w.worker_id for w in cands])
+
+        def score(w: WorkerHandle) -> tuple:
+            cached = min(matched.get(w.worker_id, 0) * self.block_size, num_tokens)
+            load = w.inflight + w.info.num_waiting
+            return (cached - LOAD_COST_TOKENS * load, -w.inflight, _neg(w.worker_id))
+
+        best = max(cands, key=score)
+        return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
+
+    def pick_decode(self, num_tokens: int) -> WorkerHandle:
+        need = -(-num_tokens // self.block_size)
+        cands = self._candidates("decode")
+        if not cands:
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        roomy = [w for w in cands if w.info.num_free_blocks >= need]
+        if not roomy:
+            raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no decode worker has {need} free KV blocks")
+        return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
+
+    @contextlib.contextmanager
+    def inflight(self, worker: WorkerHandle):
+        worker.inflight += 1
+        worker.routed += 1
+        try:
+            yield
+        finally:
+            worker.inflight -= 1
+
+
+def _neg(s: str) -> tuple:
+    """Sorts strings descending inside a max(): the smaller id wins a tie."""
+    return tuple(-ord(c) for c in s)

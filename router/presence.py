@@ -1,0 +1,67 @@
+"""A worker's presence in the cluster: registry heartbeats and its prefix-cache events.
+
+Runs on the worker's event loop. Events come from the engine thread (through
+``loop.call_soon_threadsafe(presence.add_events, ...)``) and are flushed in order by one task.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from protos import common_pb2
+from router.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerPresence:
+    def __init__(self, redis_url: str, namespace: str, interval_s: float,
+                 info: Callable[[], common_pb2.WorkerInfo]) -> None:
+        # Stale after a few missed beats, so a killed worker drops out within seconds.
+        self.registry = Registry.from_url(redis_url, namespace, ttl_s=max(3 * interval_s, 1.0))
+        self.interval_s = interval_s
+        self.info = info
+        self._events: list = []
+        self._have_events = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        info = self.info()
+        await self.registry.clear_worker_blocks(info.worker_id)
+        await self.registry.heartbeat(info)
+        self._tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self._flush())]
+
+    def add_events(self, events: list) -> None:
+        self._events.extend(events)
+        self._have_events.set()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.registry.heartbeat(self.info())
+            except Exception as e:  # noqa: BLE001 - Redis away: keep serving, retry next beat
+                logger.warning("heartbeat failed: %s", e)
+
+    async def _flush(self) -> None:
+        wid = self.info().worker_id
+        while True:
+            await self._have_events.wait()
+            self._have_events.clear()
+            events, self._events = self._events, []
+            try:
+                await self.registry.publish_events(wid, events)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("publishing %d KV events failed: %s", len(events), e)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        with contextlib.suppress(Exception):
+            await self.registry.deregister(self.info().worker_id)
+        await self.registry.r.aclose()

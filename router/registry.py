@@ -1,0 +1,135 @@
+"""The cluster's shared state in Redis: the worker registry and the prefix-block index.
+
+Key schema (``ns`` is the namespace, default "pdserve"):
+
+- ``{ns}:workers``              HASH  worker_id -> WorkerInfo (protobuf bytes, latest heartbeat)
+- ``{ns}:heartbeats``           ZSET  worker_id -> unix time of its last heartbeat
+- ``{ns}:drained``              SET   worker ids an admin drained (no new requests)
+- ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash
+- ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
+
+A worker is live while its heartbeat is younger than the TTL; a stale worker drops out of
+``live_workers`` without anyone deregistering it, and its index entries are purged lazily.
+"""
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from engine.block_pool import BlockRemoved, BlockStored
+from protos import common_pb2
+
+ROLES = ("prefill", "decode")
+
+
+class Registry:
+    def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
+                 ttl_s: float = 5.0) -> None:
+        if not namespace or ":" in namespace:
+            raise ValueError(f"namespace must be non-empty without ':', got {namespace!r}")
+        self.r = client
+        self.ns = namespace
+        self.ttl_s = ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
+        return cls(aioredis.from_url(url), namespace, ttl_s)
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.ns, *parts))
+
+    # --- workers --------------------------------------------------------------------------
+    async def heartbeat(self, info: common_pb2.WorkerInfo) -> None:
+        """Registers or refreshes a worker (its load travels with the heartbeat)."""
+        if info.role not in ROLES or not info.worker_id:
+            raise ValueError(f"bad worker info: role {info.role!r}, id {info.worker_id!r}")
+        async with self.r.pipeline(transaction=True) as p:
+            p.hset(self._k("workers"), info.worker_id, info.SerializeToString())
+            p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
+            await p.execute()
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._purge([worker_id])
+
+    async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
+        cutoff = time.time() - self.ttl_s
+        stale = await self.r.zrangebyscore(self._k("heartbeats"), "-inf", f"({cutoff}")
+        if stale:
+            await self._purge([s.decode() for s in stale])
+        raw = await self.r.hgetall(self._k("workers"))
+        drained = {d.decode() for d in await self.r.smembers(self._k("drained"))}
+        out = []
+        for wid, blob in sorted(raw.items()):
+            info = common_pb2.WorkerInfo.FromString(blob)
+            info.draining = info.draining or info.worker_id in drained
+            if role is None or info.role == role:
+                out.append(info)
+        return out
+
+    async def set_drained(self, worker_id: str, drained: bool) -> None:
+        if drained:
+            await self.r.sadd(self._k("drained"), worker_id)
+        else:
+            await self.r.srem(self._k("drained"), worker_id)
+
+    async def _purge(self, worker_ids: list[str]) -> None:
+        for wid in worker_ids:
+            await self._forget_blocks(wid)
+            async with self.r.pipeline(transaction=True) as p:
+                p.hdel(self._k("workers"), wid)
+                p.zrem(self._k("heartbeats"), wid)
+                p.srem(self._k("drained"), wid)
+                await p.execute()
+
+    # --- prefix-block index ---------------------------------------------------------------
+    async def publish_events(self, worker_id: str, events: list) -> None:
+        """Applies a worker's engine KV-cache events in one pipeline."""
+        if not events:
+            return
+        wkey = self._k("wblocks", worker_id)
+        async with self.r.pipeline(transaction=False) as p:
+            for ev in events:
+                hexes = [h.hex() for h in ev.block_hashes]
+                if isinstance(ev, BlockStored):
+                    for hx in hexes:
+                        p.sadd(self._k("block", hx), worker_id)
+                    p.sadd(wkey, *hexes)
+                elif isinstance(ev, BlockRemoved):
+                    for hx in hexes:
+                        p.srem(self._k("block", hx), worker_id)
+                    p.srem(wkey, *hexes)
+            await p.execute()
+
+    async def clear_worker_blocks(self, worker_id: str) -> None:
+        """A worker (re)starting with an empty cache drops whatever it held before."""
+        await self._forget_blocks(worker_id)
+
+    async def _forget_blocks(self, worker_id: str) -> None:
+        wkey = self._k("wblocks", worker_id)
+        hexes = [h.decode() for h in await self.r.smembers(wkey)]
+        async with self.r.pipeline(transaction=False) as p:
+            for hx in hexes:
+                p.srem(self._k("block", hx), worker_id)
+            p.delete(wkey)
+            await p.execute()
+
+    async def match_prefix(self, block_hashes: list[bytes],
+                           worker_ids: list[str]) -> dict[str, int]:
+        """Per worker, how many LEADING blocks of the chain it holds (0 if none)."""
+        matched = {w: 0 for w in worker_ids}
+        alive = set(worker_ids)
+        # Chunks of 32 blocks per round trip; stop once no candidate still matches.
+        for start in range(0, len(block_hashes), 32):
+            chunk = block_hashes[start:start + 32]
+            async with self.r.pipeline(transaction=False) as p:
+                for h in chunk:
+                    p.smembers(self._k("block", h.hex()))
+                holders = await p.execute()
+            for i, members in enumerate(holders):
+                alive &= {m.decode() for m in members}
+                if not alive:
+                    return matched
+                for w in alive:
+                    matched[w] = start + i + 1
+        return matched

@@ -1,0 +1,202 @@
+"""The Router service: validate, tokenize, pick workers, prefill, stream the first token, decode.
+
+Cancellation and deadlines: the client's deadline bounds both legs; when the client cancels or
+the deadline passes, the handler is cancelled, which cancels the Decode stream (the decode
+worker aborts and frees its blocks) and releases the prefill lease.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine.block_hash import hash_request_tokens
+from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
+from router.config import RouterConfig
+from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle
+from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
+
+
+class RouterRejectError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, config: RouterConfig, directory: WorkerDirectory, tokenizer,
+                 vocab_size: int, stats: RouterStats) -> None:
+        self.config = config
+        self.directory = directory
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stats = stats
+        self._ids = itertools.count()
+        self._release_tasks: set[asyncio.Task] = set()
+
+    # --- RPCs -----------------------------------------------------------------------------
+    async def Generate(self, request: router_pb2.GenerateRequest, context):
+        try:
+            with self.stats.track():
+                async for chunk in self._generate(request, context, time.monotonic()):
+                    yield chunk
+        except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
+            await self._abort(context, e)
+
+    async def Complete(self, request: router_pb2.GenerateRequest, context):
+        resp = router_pb2.CompleteResponse()
+        text: list[str] = []
+        try:
+            with self.stats.track():
+                async for chunk in self._generate(request, context, time.monotonic()):
+                    resp.request_id = chunk.request_id
+                    resp.token_ids.extend(chunk.token_ids)
+                    resp.logprobs.extend(chunk.logprobs)
+                    text.append(chunk.text_delta)
+                    if chunk.finish_reason:
+                        resp.finish_reason = chunk.finish_reason
+                        if chunk.HasField("stop_reason"):
+                            resp.stop_reason.CopyFrom(chunk.stop_reason)
+                        resp.usage.CopyFrom(chunk.usage)
+        except Exception as e:  # noqa: BLE001
+            await self._abort(context, e)
+        resp.text = "".join(text)
+        return resp
+
+    async def _abort(self, context, e: Exception) -> None:
+        self.stats.requests_failed += 1
+        if isinstance(e, RouterRejectError):
+            code, msg = e.code, str(e)
+        elif isinstance(e, NoWorkerError):
+            code, msg = e.code, str(e)
+        elif isinstance(e, ValueError):
+            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        elif isinstance(e, grpc.aio.AioRpcError):
+            # A worker's status passes through (its message names the problem).
+            code, msg = e.code(), e.details() or str(e.code())
+        else:
+            logger.exception("router internal error", exc_info=e)
+            code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        await context.abort(code, msg)
+
+    # --- the request path -----------------------------------------------------------------
+    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise ValueError("prompt text is empty")
+            ids = self.tokenizer.encode(request.text)
+        elif which == "token_ids":
+            ids = convert.check_token_ids(request.token_ids.ids)
+        else:
+            raise ValueError("the request has no prompt (set text or token_ids)")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        return ids
+
+    def _timeout(self, context) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            remaining = self.config.default_timeout_s or self.config.prefill_timeout_s * 10
+        if remaining <= 0:
+            raise RouterRejectError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return remaining
+
+    async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float):
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        params = convert.sampling_from_proto(request.sampling)
+        params.validate_vocab(self.vocab_size)
+        ids = self._prompt_ids(request)
+        hashes = hash_request_tokens(ids, self.config.block_size)
+        prefill, matched = await self.directory.pick_prefill(hashes, len(ids))
+        self.directory.check_prompt_fits(len(ids))
+        self.stats.routed(len(ids), matched)
+        t_route = time.monotonic()
+        with self.directory.inflight(prefill):
+            presp = await prefill.prefill_stub.Prefill(
+                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
+                                          sampling=request.sampling),
+                timeout=min(self._timeout(context), self.config.prefill_timeout_s))
+        t_first = time.monotonic()
+        timings = router_pb2.RequestTimings(
+            router_queue_s=t_route - t0, prefill_queue_s=presp.timings.queue_s,
+            prefill_compute_s=presp.timings.compute_s, ttft_s=t_first - t0)
+        usage = router_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1,
+                                 cached_tokens=presp.num_cached_tokens,
+                                 prefill_worker_id=prefill.worker_id)
+        first = router_pb2.GenerateChunk(request_id=rid, token_ids=[presp.first_token_id],
+                                         text_delta=presp.text_delta)
+        if presp.HasField("logprobs"):
+            first.logprobs.append(presp.logprobs)
+        if presp.finish_reason:
+            first.finish_reason = presp.finish_reason
+            if presp.HasField("stop_reason"):
+                first.stop_reason.CopyFrom(presp.stop_reason)
+            timings.e2e_s = time.monotonic() - t0
+            usage.timings.CopyFrom(timings)
+            first.usage.CopyFrom(usage)
+            yield first
+            return
+        done = False
+        try:
+            yield first
+            decode = self.directory.pick_decode(len(ids) + 1)
+            usage.decode_worker_id = decode.worker_id
+            async for chunk in self._decode(rid, ids, presp, request, decode, context, timings,
+                                            usage, t0):
+                done = done or bool(chunk.finish_reason)
+                yield chunk
+        finally:
+            if not done:
+                # Cancel, deadline or failure before decode pulled the KV: free the lease now
+                # rather than when it expires. Idempotent on the worker.
+                self._release_later(prefill, rid)
+
+    async def _decode(self, rid, ids, presp, request, decode: WorkerHandle, context,
+                      timings, usage, t0):
+        call = decode.decode_stub.Decode(
+            worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                     first_token_id=presp.first_token_id,
+                                     sampling=request.sampling, kv_handle=presp.kv_handle),
+            timeout=self._timeout(context))
+        with self.directory.inflight(decode):
+            try:
+                async for d in call:
+                    if d.HasField("timings"):
+                        timings.kv_transfer_s = d.timings.kv_transfer_s
+                        timings.decode_queue_s = d.timings.queue_s
+                        timings.first_decode_step_s = d.timings.first_step_s
+                    usage.completion_tokens += len(d.token_ids)
+                    chunk = router_pb2.GenerateChunk(request_id=rid, token_ids=d.token_ids,
+                                                     text_delta=d.text_delta, logprobs=d.logprobs)
+                    if d.finish_reason:
+                        chunk.finish_reason = d.finish_reason
+                        if d.HasField("stop_reason"):
+                            chunk.stop_reason.CopyFrom(d.stop_reason)
+                        timings.e2e_s = time.monotonic() - t0
+                        usage.timings.CopyFrom(timings)
+                        chunk.usage.CopyFrom(usage)
+                    yield chunk
+            finally:
+                call.cancel()  # no-op when finished; otherwise the decode worker aborts
+
+    def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
+        async def release() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+                await prefill.prefill_stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=rid),
+                                                     timeout=5.0)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)

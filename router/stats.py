@@ -1,0 +1,37 @@
+"""The router's counters (served by RouterAdmin.GetClusterStats)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass
+class RouterStats:
+    max_inflight: int
+    requests_total: int = 0
+    requests_in_flight: int = 0
+    requests_failed: int = 0
+    prompt_tokens_routed: int = 0
+    prefix_tokens_matched: int = 0
+
+    @contextlib.contextmanager
+    def track(self):
+        """Counts a request; refuses it at once when the router is full."""
+        from router.service import RouterRejectError
+
+        if self.requests_in_flight >= self.max_inflight:
+            raise RouterRejectError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"the router has {self.requests_in_flight} requests in "
+                                    f"flight (max_inflight_requests={self.max_inflight})")
+        self.requests_total += 1
+        self.requests_in_flight += 1
+        try:
+            yield
+        finally:
+            self.requests_in_flight -= 1
+
+    def routed(self, prompt_tokens: int, matched_tokens: int) -> None:
+        self.prompt_tokens_routed += prompt_tokens
+        self.prefix_tokens_matched += matched_tokens

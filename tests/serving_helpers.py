@@ -1,0 +1,42 @@
+"""Shared pieces of the end-to-end serving tests."""
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+
+from protos import common_pb2, worker_pb2_grpc
+
+# Small caches keep the workers light; 128 blocks of 16 tokens hold every test's requests.
+WORKER_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024",
+               "--heartbeat-interval-s", "0.3", "--kv-lease-timeout-s", "20"]
+
+
+def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def worker_info(address: str) -> common_pb2.WorkerInfo:
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        try:
+            return stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
+        except grpc.RpcError:
+            return worker_pb2_grpc.DecodeWorkerStub(ch).GetWorkerInfo(
+                common_pb2.WorkerInfoRequest(), timeout=10)
+
+
+def wait_all_blocks_free(addresses: list[str], timeout_s: float = 30.0) -> None:
+    """Every worker idle with every block back in the free pool (cached blocks count as free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        infos = [worker_info(a) for a in addresses]
+        busy = [i for i in infos if i.num_free_blocks != i.num_total_blocks or i.num_leased
+                or i.num_running or i.num_waiting or i.num_inflight]
+        if not busy:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {busy}")
+        time.sleep(0.1)

@@ -1,0 +1,112 @@
+"""End to end through real processes: redis-server, router, a prefill and a decode worker."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client import (AsyncClient, Client, DeadlineExceededError, InvalidArgumentError)
+from engine import LLM, SamplingParams
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(ClusterSpec(worker_args=WORKER_ARGS)) as c:
+        yield c
+
+
+def _workers(cluster) -> list[str]:
+    return [p.address for p in cluster.procs if p.name != "router"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+        yield llm
+
+
+def test_32_concurrent_streams_match_the_in_process_engine(cluster, reference):
+    prompts = random_prompts(32, seed=7)
+    max_tokens = [8 + (i * 7) % 17 for i in range(32)]
+    want = reference.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
+                                                       ignore_eos=True) for m in max_tokens])
+
+    async def one(client: AsyncClient, prompt, m):
+        toks, final = [], None
+        async for chunk in client.generate(prompt, max_tokens=m, temperature=0.0,
+                                           ignore_eos=True):
+            toks += chunk.token_ids
+            final = chunk
+        return toks, final
+
+    async def run_all():
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
+
+    got = asyncio.run(run_all())
+    assert len({tuple(w.token_ids) for w in want}) > 16  # diverse outputs, not one repeated token
+    for (toks, final), w, p in zip(got, want, prompts):
+        assert toks == w.token_ids
+        assert final.finish_reason == "length"
+        assert final.usage.prompt_tokens == len(p)
+        assert final.usage.completion_tokens == len(w.token_ids)
+        assert final.usage.timings.ttft_s > 0 and final.usage.timings.e2e_s >= final.usage.timings.ttft_s
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_text_prompt_complete_matches_offline_text(cluster, reference):
+    out = reference.generate(["The quick brown fox"],
+                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete("The quick brown fox", max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert res.token_ids == out.token_ids
+    assert res.text == out.text
+    assert res.usage.prefill_worker_id.startswith("prefill-")
+    assert res.usage.decode_worker_id.startswith("decode-")
+
+
+def test_client_cancel_mid_stream_frees_every_block(cluster):
+    with Client(cluster.router_address, timeout=60) as c:
+        stream = c.generate(random_prompts(1, seed=3)[0], max_tokens=400, temperature=0.0,
+                            ignore_eos=True)
+        got = [next(stream) for _ in range(3)]
+        stream.close()  # cancels the call
+    assert all(ch.finish_reason is None for ch in got)
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_client_deadline_frees_every_block(cluster):
+    with Client(cluster.router_address) as c:
+        with pytest.raises(DeadlineExceededError):
+            for _ in c.generate(random_prompts(1, seed=4)[0], max_tokens=600, temperature=0.0,
+                                ignore_eos=True, timeout=1.0):
+                pass
+    wait_all_blocks_free(_workers(cluster))
+
+
+@pytest.mark.parametrize("prompt, sampling, match", [
+    ([], {}, "no prompt|empty"),
+    ([1, 99999999], {}, "outside the vocabulary"),
+    ("hello", {"temperature": -1.0}, "temperature"),
+    ("hello", {"top_p": 0.0}, "top_p"),
+    ([5] * 1100, {}, "max_model_len"),
+])
+def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
+    with Client(cluster.router_address, timeout=30) as c:
+        with pytest.raises(InvalidArgumentError, match=match):
+            c.complete(prompt, **sampling)
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_stop_string_and_logprobs_pass_through(cluster, reference):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = reference.generate(["Once upon a time"], params)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete("Once upon a time", max_tokens=10, temperature=0.0, ignore_eos=True,
+                         logprobs=2)
+    assert [lp.sampled.token_id for lp in res.logprobs] == want.token_ids
+    assert all(len(lp.top) == 2 for lp in res.logprobs)
+    for a, b in zip(res.logprobs, want.logprobs):
+        assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
