@@ -1,0 +1,112 @@
+"""Cluster behaviour across real processes: prefix-aware routing, a TP=2 prefill worker,
+workers joining and leaving, drain, and load shedding."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+import redis
+
+from client import Client, ResourceExhaustedError
+from engine import LLM, SamplingParams
+from engine.block_hash import hash_request_tokens
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = ClusterSpec(num_prefill=2, num_decode=1, worker_args=WORKER_ARGS,
+                       router_args=["--max-inflight-requests", "6"])
+    with Cluster(spec) as c:
+        yield c
+
+
+def _admin(cluster):
+    return router_pb2_grpc.RouterAdminStub(grpc.insecure_channel(cluster.router_address))
+
+
+def _by_role(cluster, role):
+    return sorted((p for p in cluster.procs if p.name.startswith(role)), key=lambda p: p.name)
+
+
+def _drain(cluster, proc, undrain=False):
+    _admin(cluster).DrainWorker(router_pb2.DrainWorkerRequest(
+        worker_id=proc.name, undrain=undrain), timeout=10)
+
+
+def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster):
+    prefills = _by_role(cluster, "prefill")
+    holder = prefills[-1]  # not the tie-break winner: only the prefix index can pick it
+    prefix = random_prompts(1, seed=11, lo=96, hi=96)[0]
+    with grpc.insecure_channel(holder.address) as ch:  # warm the holder's prefix cache
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        stub.Prefill(worker_pb2.PrefillRequest(
+            request_id="warm", prompt_token_ids=prefix + [7, 8, 9],
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0)), timeout=60)
+        stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="warm"), timeout=10)
+    r = redis.Redis.from_url(cluster.redis_url)
+    for h in hash_request_tokens(prefix, 16):
+        assert holder.name.encode() in r.smembers(f"pdserve:block:{h.hex()}")
+    hits_before = worker_info(holder.address).prefix_cache_hits
+    with Client(cluster.router_address, timeout=60) as c:
+        for tail in ([1, 2, 3], [4, 5, 6, 7]):
+            res = c.complete(prefix + tail, max_tokens=4, **GREEDY)
+            assert res.usage.prefill_worker_id == holder.name
+            assert res.usage.cached_tokens == 96
+    assert worker_info(holder.address).prefix_cache_hits > hits_before
+    stats = _admin(cluster).GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=10)
+    assert stats.prefix_tokens_matched >= 192
+
+
+def test_tp2_prefill_worker_matches_the_in_process_engine(cluster):
+    tp2 = cluster.add_worker("prefill", extra=["--tensor-parallel-size", "2"])
+    others = [p for p in _by_role(cluster, "prefill") if p is not tp2]
+    for p in others:
+        _drain(cluster, p)
+    try:
+        cluster.wait_routable(3, 1)
+        prompts = random_prompts(5, seed=21)
+        with LLM("tiny-llama", num_gpu_blocks=256) as ref:
+            want = ref.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
+        with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(5) as ex:
+            got = list(ex.map(lambda p: c.complete(p, max_tokens=10, **GREEDY), prompts))
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            assert g.usage.prefill_worker_id == tp2.name
+        wait_all_blocks_free([tp2.address] + [p.address for p in _by_role(cluster, "decode")])
+    finally:
+        for p in others:
+            _drain(cluster, p, undrain=True)
+        assert cluster.stop_proc(tp2) == 0  # SIGTERM: drain and a clean exit
+    cluster.wait_routable(2, 1)
+
+
+def test_a_decode_worker_joins_and_leaves(cluster):
+    old = _by_role(cluster, "decode")[0]
+    new = cluster.add_worker("decode")
+    cluster.wait_routable(2, 2)
+    _drain(cluster, old)
+    prompt = random_prompts(1, seed=5)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        assert c.complete(prompt, max_tokens=6, **GREEDY).usage.decode_worker_id == new.name
+        _drain(cluster, old, undrain=True)
+        assert cluster.stop_proc(new) == 0
+        cluster.wait_routable(2, 1)
+        for _ in range(3):
+            assert c.complete(prompt, max_tokens=6, **GREEDY).usage.decode_worker_id == old.name
+
+
+def test_more_load_than_allowed_is_refused_not_queued(cluster):
+    prompts = random_prompts(16, seed=9)
+    with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(16) as ex:
+        futs = [ex.submit(c.complete, p, max_tokens=40, **GREEDY) for p in prompts]
+        outcomes = [f.exception() or f.result() for f in futs]
+    refused = [o for o in outcomes if isinstance(o, ResourceExhaustedError)]
+    served = [o for o in outcomes if not isinstance(o, Exception)]
+    assert refused and served and len(refused) + len(served) == 16
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
