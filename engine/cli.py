@@ -49,6 +49,9 @@ DEMO_PROMPTS = [
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.offline:
+        from engine.cli_serve import cmd_demo_serving
+        return cmd_demo_serving(args, DEMO_PROMPTS)
     from engine import LLM
 
     print(f"loading {args.model} (built-in presets are generated on first use) ...", flush=True)
@@ -112,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="stream a few prompts through the engine")
+    p = sub.add_parser("demo", help="start a local disaggregated cluster and stream a few "
+                       "prompts through it (--offline: the in-process engine)")
     _add_engine_args(p)
+    p.add_argument("--offline", action="store_true", help="the in-process engine only")
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
