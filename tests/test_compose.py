@@ -1,0 +1,39 @@
+"""The compose file parses and every pdserve service's command parses with our own CLI."""
+from __future__ import annotations
+
+import pathlib
+
+import yaml
+
+from engine.cli import build_parser
+
+COMPOSE = pathlib.Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
+
+
+def _expand(arg: str) -> str:
+    # ${VAR:-default} -> default, as compose does when VAR is unset.
+    if arg.startswith("${") and ":-" in arg:
+        return arg[arg.index(":-") + 2:-1]
+    return arg
+
+
+def test_compose_services_and_commands():
+    spec = yaml.safe_load(COMPOSE.read_text())
+    services = spec["services"]
+    assert {"redis", "router", "prefill-0", "prefill-1", "decode-0"} <= set(services)
+    parser = build_parser()
+    roles = set()
+    for name, svc in services.items():
+        if name == "redis":
+            continue
+        args = parser.parse_args([_expand(a) for a in svc["command"]])
+        roles.add(args.command)
+        assert args.host == "0.0.0.0"
+        if args.command in ("prefill", "decode"):
+            assert args.worker_id == name == svc["hostname"]  # the router dials the hostname
+            assert args.redis_url == "redis://redis:6379/0"
+            assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert roles == {"router", "prefill", "decode"}
+    gpus = [svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]
+            for n, svc in services.items() if n.startswith(("prefill", "decode"))]
+    assert len(gpus) == len(set(gpus))  # one GPU per worker
