@@ -1,0 +1,77 @@
+"""The Redis registry and prefix index against a real redis-server."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.block_hash import hash_request_tokens
+from engine.block_pool import BlockRemoved, BlockStored
+from protos import common_pb2
+from router.redis_server import RedisServer
+from router.registry import Registry
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def _info(wid: str, role: str = "prefill") -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16)
+
+
+def test_stale_workers_drop_out_and_take_their_blocks(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "t1", ttl_s=0.5)
+        hashes = hash_request_tokens(list(range(64)), 16)
+        await reg.heartbeat(_info("a"))
+        await reg.heartbeat(_info("b", "decode"))
+        await reg.publish_events("a", [BlockStored(hashes, None, None, 16)])
+        assert [w.worker_id for w in await reg.live_workers("prefill")] == ["a"]
+        assert await reg.match_prefix(hashes, ["a"]) == {"a": 4}
+        time.sleep(0.7)
+        await reg.heartbeat(_info("b", "decode"))  # b keeps beating, a went silent
+        assert [w.worker_id for w in await reg.live_workers()] == ["b"]
+        assert await reg.r.scard(f"t1:block:{hashes[0].hex()}") == 0
+        await reg.r.aclose()
+
+    _run(body())
+
+
+def test_match_counts_leading_blocks_only(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "t2")
+        hashes = hash_request_tokens(list(range(80)), 16)  # 5 blocks
+        await reg.publish_events("x", [BlockStored(hashes[:2], None, None, 16),
+                                       BlockStored([hashes[3]], hashes[2], None, 16)])
+        await reg.publish_events("y", [BlockStored(hashes, None, None, 16)])
+        await reg.publish_events("y", [BlockRemoved([hashes[4]])])
+        assert await reg.match_prefix(hashes, ["x", "y", "z"]) == {"x": 2, "y": 4, "z": 0}
+        await reg.deregister("y")
+        assert await reg.match_prefix(hashes, ["x", "y"]) == {"x": 2, "y": 0}
+        await reg.set_drained("x", True)
+        await reg.heartbeat(_info("x"))
+        assert (await reg.live_workers())[0].draining
+        await reg.r.aclose()
+
+    _run(body())
+
+
+def test_bad_inputs(redis_url):
+    with pytest.raises(ValueError, match="namespace"):
+        Registry.from_url(redis_url, "a:b")
+
+    async def body():
+        reg = Registry.from_url(redis_url, "t3")
+        with pytest.raises(ValueError, match="bad worker info"):
+            await reg.heartbeat(common_pb2.WorkerInfo(worker_id="w", role="chef"))
+        await reg.r.aclose()
+
+    _run(body())
