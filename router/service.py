@@ -140,12 +140,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if presp.HasField("logprobs"):
             first.logprobs.append(presp.logprobs)
         if presp.finish_reason:
-            first.finish_reason = presp.finish_reason
-            if presp.HasField("stop_reason"):
-                first.stop_reason.CopyFrom(presp.stop_reason)
-            timings.e2e_s = time.monotonic() - t0
-            usage.timings.CopyFrom(timings)
-            first.usage.CopyFrom(usage)
+            _finish(first, presp, timings, usage, t0)
             yield first
             return
         done = False
@@ -181,12 +176,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     chunk = router_pb2.GenerateChunk(request_id=rid, token_ids=d.token_ids,
                                                      text_delta=d.text_delta, logprobs=d.logprobs)
                     if d.finish_reason:
-                        chunk.finish_reason = d.finish_reason
-                        if d.HasField("stop_reason"):
-                            chunk.stop_reason.CopyFrom(d.stop_reason)
-                        timings.e2e_s = time.monotonic() - t0
-                        usage.timings.CopyFrom(timings)
-                        chunk.usage.CopyFrom(usage)
+                        _finish(chunk, d, timings, usage, t0)
                     yield chunk
             finally:
                 call.cancel()  # no-op when finished; otherwise the decode worker aborts
@@ -200,3 +190,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+def _finish(chunk: router_pb2.GenerateChunk, src, timings: router_pb2.RequestTimings,
+            usage: router_pb2.Usage, t0: float) -> None:
+    """Marks ``chunk`` final: the worker's finish and stop reasons, then timings and usage."""
+    chunk.finish_reason = src.finish_reason
+    if src.HasField("stop_reason"):
+        chunk.stop_reason.CopyFrom(src.stop_reason)
+    timings.e2e_s = time.monotonic() - t0
+    usage.timings.CopyFrom(timings)
+    chunk.usage.CopyFrom(usage)

@@ -110,3 +110,14 @@ def test_stop_string_and_logprobs_pass_through(cluster, reference):
     assert all(len(lp.top) == 2 for lp in res.logprobs)
     for a, b in zip(res.logprobs, want.logprobs):
         assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
+
+
+def test_request_finished_by_prefill_never_reaches_decode(cluster, reference):
+    prompt = random_prompts(1, seed=12)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        chunks = list(c.generate(prompt, max_tokens=1, temperature=0.0))
+    assert len(chunks) == 1 and chunks[0].token_ids == want.token_ids
+    assert chunks[0].finish_reason == "length"
+    assert chunks[0].usage.completion_tokens == 1 and chunks[0].usage.decode_worker_id == ""
+    wait_all_blocks_free(_workers(cluster))
