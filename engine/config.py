@@ -5,8 +5,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
-# The torch.distributed backend is not built yet (see kvtransfer/).
-_KV_TRANSFER_BACKENDS = ("nixl",)
+_KV_TRANSFER_BACKENDS = ("nixl", "torch")
 
 
 @dataclass

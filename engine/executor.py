@@ -48,6 +48,12 @@ class Executor(ABC):
         """Every rank's kvtransfer handle, in rank order ([] without a KV transfer backend)."""
         return list(self._kv_handles)
 
+    def start_worker_pulls(self, remotes: list, remote_block_ids: list[int],
+                           local_block_ids: list[int], timeout_s: float) -> list:
+        """Starts the pull on ranks 1.. (each in its process); futures of TransferStats.
+        A single-process executor has no other ranks."""
+        return []
+
     @property
     def comm_seconds(self) -> float:
         """Time rank 0 spent in collectives so far."""

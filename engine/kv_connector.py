@@ -1,49 +1,106 @@
 """The engine's side of KV transfer: its ranks' handles, pulls into its blocks, and releases.
 
 Prefill role: every rank's cache is served by its rank's agent; release notifications that
-readers attach to their pulls arrive at rank 0's agent and free the request's lease at once.
-Decode role: ``pull`` writes a remote prompt's blocks into the blocks the engine allocated.
+readers send after their pulls arrive at rank 0's agent and free the request's lease at once
+(a background thread polls, so releases apply even while the engine is idle; it also reclaims
+expired leases when no step runs). Decode role: ``pull`` writes a remote prompt's blocks into
+the blocks the engine allocated, on every local rank at once (ranks 1.. in their worker
+processes), without the engine's step lock: decode steps go on meanwhile.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
+import time
+from dataclasses import dataclass
 
 from engine.outputs import KVAllocation
+from kvtransfer import KVAgentHandle, TransferStats, TransferTimeout
+from kvtransfer.plan import plan_pull
 
 logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"release:"
 _POLL_S = 0.005
+# Lease expiry is coarse (the lease timeout is tens of seconds): check twice a second.
+_EXPIRE_EVERY_S = 0.5
+# A worker rank's pull ends by its own timeout; this covers the reply's trip back.
+_WORKER_REPLY_GRACE_S = 10.0
+
+
+@dataclass
+class KVConnectorCounters:
+    """Totals over this engine: rank 0's agent plus what the engine itself tracks."""
+
+    transfers: int
+    bytes: int
+    failures: int
+    timeouts: int
+    releases_received: int
+    expired_leases: int
 
 
 class KVConnector:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.agent = engine.executor.kv_agent
-        self.handles = engine.executor.kv_handles()
+        self.handles: list[KVAgentHandle] = engine.executor.kv_handles()
         self.num_released = 0
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_releases, name="pdserve-kv-release",
                                         daemon=True)
         self._poller.start()
 
-    def pull(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
-             timeout_s: float):
-        """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``;
-        then tells the owner to release its lease."""
-        if self.engine.config.tensor_parallel_size != 1:
-            # Decode ranks 1.. would have to pull in their own processes: not built yet.
-            raise ValueError("a decode engine with tensor_parallel_size > 1 cannot pull KV yet")
-        n = alloc.num_cached_blocks
+    def pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
+             remote_block_ids: list[int], timeout_s: float) -> TransferStats:
+        """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``
+        on every local rank; then tells the owner to release its lease."""
+        if not isinstance(alloc, KVAllocation):
+            raise ValueError(f"alloc must be a KVAllocation, got {type(alloc).__name__}")
+        if not isinstance(remotes, (list, tuple)) or not remotes:
+            raise ValueError("remotes must be a non-empty list of KVAgentHandle")
         if len(remote_block_ids) != len(alloc.block_ids):
             raise ValueError(f"the remote holds {len(remote_block_ids)} blocks; the request "
                              f"needs {len(alloc.block_ids)}")
+        remote_ids = list(remote_block_ids[alloc.num_cached_blocks:])
+        local_ids = alloc.block_ids_to_fill
+        # Rank 0 checks layouts and ids before any rank moves a byte.
+        plan_pull(self.agent.layout, self.agent.backend, list(remotes), remote_ids, local_ids)
         notify = RELEASE_PREFIX + alloc.request_id.encode()
-        return self.agent.pull(remotes, list(remote_block_ids[n:]), alloc.block_ids_to_fill,
-                               timeout_s, notify=notify)
+        t0 = time.monotonic()
+        futures = self.engine.executor.start_worker_pulls(list(remotes), remote_ids, local_ids,
+                                                          timeout_s)
+        error: BaseException | None = None
+        stats: list[TransferStats] = []
+        try:
+            # With one rank the release can ride on the pull itself; with more it waits for all.
+            stats.append(self.agent.pull(list(remotes), remote_ids, local_ids, timeout_s,
+                                         notify=None if futures else notify))
+        except BaseException as e:  # noqa: BLE001 - the workers must finish before we raise
+            error = e
+        for f in futures:  # never return while a worker may still write into the blocks
+            try:
+                stats.append(f.result(timeout=timeout_s + _WORKER_REPLY_GRACE_S))
+            except concurrent.futures.TimeoutError:
+                error = error or TransferTimeout("a tensor-parallel rank's KV pull did not "
+                                                 "answer in time")
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise error
+        if futures:
+            self.agent.send_notification(remotes[0], notify)
+        return TransferStats(len(local_ids), sum(s.num_bytes for s in stats),
+                             sum(s.num_descriptors for s in stats), time.monotonic() - t0)
+
+    def counters(self) -> KVConnectorCounters:
+        c = self.agent.counters()
+        return KVConnectorCounters(c.transfers, c.bytes, c.failures, c.timeouts,
+                                   self.num_released, self.engine.num_expired_leases)
 
     def _poll_releases(self) -> None:
+        next_expiry = time.monotonic() + _EXPIRE_EVERY_S
         while not self._stop.wait(_POLL_S):
             try:
                 msgs = self.agent.poll_notifications()
@@ -56,7 +113,11 @@ class KVConnector:
                 if msg.startswith(RELEASE_PREFIX):
                     self.num_released += 1
                     self.engine.release_kv(msg[len(RELEASE_PREFIX):].decode(errors="replace"))
+            if time.monotonic() >= next_expiry:
+                next_expiry = time.monotonic() + _EXPIRE_EVERY_S
+                self.engine.reclaim_expired_leases()
 
     def close(self) -> None:
         self._stop.set()
         self._poller.join(timeout=5)
+

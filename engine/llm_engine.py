@@ -268,6 +268,15 @@ class LLMEngine:
             self.kv_manager.free(held.request)
             self._release_id(request_id)
 
+    def reclaim_expired_leases(self) -> None:
+        """Frees expired leases now if no step is running (an idle engine still reclaims)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_inbox()
+                self._expire_leases()
+            finally:
+                self._lock.release()
+
     def _expire_leases(self) -> None:
         if not self._leases:
             return
@@ -305,11 +314,19 @@ class LLMEngine:
 
     def pull_kv(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
                 timeout_s: float | None = None):
-        """Decode role: pulls the prompt KV of ``alloc`` from the remote ranks (blocking; call
-        it outside the step thread). The owner is told to release its lease on success."""
+        """Decode role: pulls the prompt KV of ``alloc`` from the remote ranks into
+        ``alloc.block_ids_to_fill`` on every local rank (blocking, without the step lock: call
+        it outside the step thread). Returns kvtransfer.TransferStats. On success the owner is
+        told to release its lease; on failure kvtransfer.TransferError (or ValueError for bad
+        input) is raised and the caller aborts the request."""
         self._need_connector()
         timeout = self.config.kv_transfer_timeout_s if timeout_s is None else timeout_s
         return self.kv_connector.pull(alloc, remotes, remote_block_ids, timeout)
+
+    def kv_transfer_counters(self):
+        """engine.kv_connector.KVConnectorCounters: bytes, transfers, failures, releases..."""
+        self._need_connector()
+        return self.kv_connector.counters()
 
     def _need_connector(self) -> None:
         if self.kv_connector is None:

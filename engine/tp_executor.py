@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -30,6 +31,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner
 from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_to_json
 from engine.step_codec import encode_model_input
+from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
 
 _STOP_GRACE_S = 10.0
@@ -44,6 +46,8 @@ class _Worker:
     # A pidfd, readable once the process has exited, so wait() can watch it beside the pipe.
     # Wrapped in a file object that closes it when the last holder (the monitor) lets go.
     sentinel: io.FileIO
+    # The KV-transfer pull channel (engine.tp_kv_channel); None without a transfer backend.
+    kv_conn: Connection | None = None
 
     @property
     def exitcode(self) -> int | None:
@@ -58,6 +62,7 @@ class MultiprocExecutor(Executor):
         self._error: ExecutorError | None = None
         self._error_lock = threading.Lock()  # the monitor and a failing step race to report
         self._closing = False
+        self._kv_channel: KVChannelClient | None = None
         self._previous_threads = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(worker_threads(size))
@@ -88,6 +93,7 @@ class MultiprocExecutor(Executor):
                 self._kv_handles = [self.kv_agent.handle()] + [
                     KVAgentHandle.from_bytes(self._expect(w, tp_comm.OP_OK))
                     for w in self.workers]
+                self._kv_channel = KVChannelClient([w.kv_conn for w in self.workers])
             self.group.all_reduce(torch.zeros(1, device=device))
         except BaseException:
             self.shutdown()
@@ -110,6 +116,15 @@ class MultiprocExecutor(Executor):
 
     def kv_cache_layouts(self) -> list[KVCacheLayout]:
         return list(self._layouts)
+
+    def start_worker_pulls(self, remotes: list, remote_block_ids: list[int],
+                           local_block_ids: list[int], timeout_s: float) -> list[Future]:
+        """Starts the same pull on every worker rank, each into its own cache (its own heads)."""
+        self._check_usable()
+        if self._kv_channel is None:
+            raise ValueError("this engine has no KV transfer backend")
+        return [self._kv_channel.submit(w.rank, remotes, remote_block_ids, local_block_ids,
+                                        timeout_s) for w in self.workers]
 
     def read_blocks(self, rank: int, block_ids: list[int]) -> torch.Tensor:
         """kv_cache[:, :, block_ids] of ``rank`` as a CPU tensor (inspection and tests)."""
@@ -180,6 +195,8 @@ class MultiprocExecutor(Executor):
             return
         self._closing = True
         self._finalizer()
+        if self._kv_channel is not None:
+            self._kv_channel.close()
         if self.kv_agent is not None:
             self.kv_agent.close()
             self.kv_agent = None
@@ -202,16 +219,25 @@ def _spawn_workers(spec: RankSpec, size: int, port: int) -> list[_Worker]:
     """
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     spec_json = spec_to_json(spec)
+    with_kv = spec.config.kv_transfer_backend is not None
     workers = []
     for rank in range(1, size):
         ours, theirs = socket.socketpair()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size", str(size),
-             "--store-port", str(port), "--fd", str(theirs.fileno()), "--spec", spec_json],
-            pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
+        argv = [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size",
+                str(size), "--store-port", str(port), "--fd", str(theirs.fileno()),
+                "--spec", spec_json]
+        fds = [theirs]
+        kv_ours = None
+        if with_kv:
+            kv_ours, kv_theirs = socket.socketpair()
+            argv += ["--kv-fd", str(kv_theirs.fileno())]
+            fds.append(kv_theirs)
+        proc = subprocess.Popen(argv, pass_fds=tuple(s.fileno() for s in fds), env=env)
+        for s in fds:
+            s.close()
         workers.append(_Worker(rank, proc, Connection(ours.detach()),
-                               io.FileIO(os.pidfd_open(proc.pid), closefd=True)))
+                               io.FileIO(os.pidfd_open(proc.pid), closefd=True),
+                               Connection(kv_ours.detach()) if kv_ours is not None else None))
     return workers
 
 

@@ -25,6 +25,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_from_json
 from engine.step_codec import decode_model_input
+from engine.tp_kv_channel import WorkerKVServer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,17 +36,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--fd", type=int, required=True, help="the control socket from rank 0")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    ap.add_argument("--kv-fd", type=int, default=None,
+                    help="the KV-transfer pull channel from rank 0 (engine.tp_kv_channel)")
     args = ap.parse_args(argv)
     conn = Connection(socket.socket(fileno=args.fd).detach())
-    worker_main(spec_from_json(args.spec), args.rank, args.size, args.store_port, conn)
+    kv_conn = (Connection(socket.socket(fileno=args.kv_fd).detach())
+               if args.kv_fd is not None else None)
+    worker_main(spec_from_json(args.spec), args.rank, args.size, args.store_port, conn, kv_conn)
 
 
 def worker_main(spec: RankSpec, rank: int, size: int, store_port: int,
-                conn: Connection) -> None:
+                conn: Connection, kv_conn: Connection | None = None) -> None:
     """Runs rank ``rank`` until told to stop; reports a failure to rank 0, then exits."""
     _exit_with_parent(os.getppid())
     try:
-        _serve(spec, rank, size, store_port, conn)
+        _serve(spec, rank, size, store_port, conn, kv_conn)
     except (EOFError, BrokenPipeError):
         os._exit(0)  # rank 0 is gone: nothing left to serve
     except BaseException as e:  # report anything to rank 0 before dying
@@ -62,7 +67,8 @@ def worker_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connection) -> None:
+def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connection,
+           kv_conn: Connection | None) -> None:
     device = spec.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -85,13 +91,19 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
     runner = ModelRunner(model, layout, spec.torch_dtype, device)
     tp_comm.send(conn, tp_comm.OP_READY, layout.to_json().encode())
     agent = make_rank_agent(spec, runner)
+    kv_server = None
     if agent is not None:
         # Readers pull this rank's heads straight from its cache; rank 0 hands out the handle.
         tp_comm.send(conn, tp_comm.OP_OK, agent.handle().to_bytes())
+        if kv_conn is not None:
+            # Decode role: this rank pulls its own heads when rank 0 asks, beside the steps.
+            kv_server = WorkerKVServer(kv_conn, agent)
     group.all_reduce(torch.zeros(1, device=device))  # connect while everyone is known alive
     try:
         _loop(runner, conn, device)
     finally:
+        if kv_server is not None:
+            kv_server.close()
         if agent is not None:
             agent.close()
 

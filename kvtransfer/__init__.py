@@ -1,20 +1,32 @@
 """Moving paged KV blocks between engines (per TP rank): handles, layout checks, backends."""
 from __future__ import annotations
 
-from kvtransfer.errors import LayoutMismatchError, TransferError, TransferTimeout
-from kvtransfer.handle import KVAgentHandle
+import torch
+
+from engine.kv_layout import KVCacheLayout
+from kvtransfer.agent import KVTransferAgent
+from kvtransfer.errors import LayoutMismatchError, PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.handle import BACKENDS, KVAgentHandle
 from kvtransfer.plan import check_compatible, plan_heads
+from kvtransfer.types import TransferCounters, TransferStats
 
-BACKENDS = ("nixl",)
 
+def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
+               name: str | None = None, host: str | None = None) -> KVTransferAgent:
+    """An agent serving and pulling blocks of ``cache`` (this rank's KV cache).
 
-def make_agent(backend: str, cache, layout, name: str | None = None):
-    """An agent serving and pulling blocks of ``cache`` (this rank's KV cache)."""
+    ``host`` is where a torch-backend owner listens (default $PDSERVE_KV_HOST or 127.0.0.1);
+    NIXL finds its own addresses through UCX.
+    """
     if backend == "nixl":
         from kvtransfer.nixl_agent import NixlKVAgent
         return NixlKVAgent(cache, layout, name)
+    if backend == "torch":
+        from kvtransfer.torch_agent import TorchKVAgent
+        return TorchKVAgent(cache, layout, name, host)
     raise ValueError(f"unknown KV transfer backend {backend!r} (choose from {BACKENDS})")
 
 
-__all__ = ["BACKENDS", "KVAgentHandle", "LayoutMismatchError", "TransferError",
+__all__ = ["BACKENDS", "KVAgentHandle", "KVTransferAgent", "LayoutMismatchError",
+           "PeerGoneError", "TransferCounters", "TransferError", "TransferStats",
            "TransferTimeout", "check_compatible", "make_agent", "plan_heads"]

@@ -10,5 +10,9 @@ class TransferTimeout(TransferError, TimeoutError):
     """A transfer did not complete within its timeout."""
 
 
+class PeerGoneError(TransferError, ConnectionError):
+    """The other side of a transfer is unreachable or died during it."""
+
+
 class LayoutMismatchError(ValueError):
     """Two caches cannot exchange blocks; raised before any byte moves."""

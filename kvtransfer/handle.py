@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from engine.kv_layout import KVCacheLayout
 
-_BACKENDS = ("nixl",)
+BACKENDS = ("nixl", "torch")
+_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,8 @@ class KVAgentHandle:
     backend: str
     # The owner's agent name, unique per process and rank.
     agent_name: str
-    # Backend connection info (NIXL: the agent's metadata blob, with its memory registrations).
+    # Backend connection info: NIXL, the agent's metadata blob (with its memory registrations);
+    # torch, JSON {"store_port": int} of the owner's rendezvous store.
     metadata: bytes
     # The registered cache tensor: start address, size in bytes, device id, "DRAM" or "VRAM".
     base_addr: int
@@ -23,34 +25,54 @@ class KVAgentHandle:
     device_id: int
     mem_type: str
     layout: KVCacheLayout
+    # torch: "host:port" of the owner's control server ("" for NIXL, whose metadata says it).
+    address: str = ""
 
     def to_bytes(self) -> bytes:
         return json.dumps({
-            "backend": self.backend, "agent_name": self.agent_name,
+            "version": _VERSION, "backend": self.backend, "agent_name": self.agent_name,
             "metadata": base64.b64encode(self.metadata).decode(), "base_addr": self.base_addr,
             "num_bytes": self.num_bytes, "device_id": self.device_id, "mem_type": self.mem_type,
-            "layout": json.loads(self.layout.to_json())}, sort_keys=True).encode()
+            "layout": json.loads(self.layout.to_json()), "address": self.address},
+            sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> KVAgentHandle:
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise ValueError(f"a KV agent handle is bytes, got {type(raw).__name__}")
         try:
-            d = json.loads(raw)
+            d = json.loads(bytes(raw))
+            if not isinstance(d, dict):
+                raise TypeError("not a JSON object")
+            if d.get("version") != _VERSION:
+                raise ValueError(f"version {d.get('version')!r}, this build reads {_VERSION}")
             handle = cls(backend=str(d["backend"]), agent_name=str(d["agent_name"]),
                          metadata=base64.b64decode(d["metadata"], validate=True),
                          base_addr=int(d["base_addr"]), num_bytes=int(d["num_bytes"]),
                          device_id=int(d["device_id"]), mem_type=str(d["mem_type"]),
-                         layout=KVCacheLayout(**d["layout"]))
+                         layout=KVCacheLayout(**d["layout"]), address=str(d["address"]))
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"not a KV agent handle: {type(e).__name__}: {e}") from None
         handle.validate()
         return handle
 
     def validate(self) -> None:
-        if self.backend not in _BACKENDS:
+        if self.backend not in BACKENDS:
             raise ValueError(f"unknown KV transfer backend {self.backend!r}")
+        if not self.agent_name:
+            raise ValueError("a KV agent handle needs an agent name")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"unknown memory type {self.mem_type!r}")
+        if self.backend == "torch" and self.address.rpartition(":")[2].isdigit() is False:
+            raise ValueError(f"torch handle of {self.agent_name!r} has no host:port address, "
+                             f"got {self.address!r}")
         lay = self.layout
+        ints = (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_size,
+                lay.total_num_kv_heads, lay.tp_size)
+        if any(not isinstance(v, int) or v < 1 for v in ints) or lay.dtype not in (
+                "float32", "bfloat16", "float16") or not 0 <= lay.kv_head_start \
+                <= lay.total_num_kv_heads - lay.num_kv_heads or not 0 <= lay.tp_rank < lay.tp_size:
+            raise ValueError(f"handle of {self.agent_name!r} has an invalid layout {lay}")
         need = (lay.num_layers * 2 * lay.num_blocks * lay.block_size * lay.num_kv_heads
                 * lay.head_size * lay.element_size)
         if self.num_bytes != need or self.base_addr <= 0:

@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer.errors import LayoutMismatchError
+from kvtransfer.handle import KVAgentHandle
 
 _SHARED_FIELDS = ("num_layers", "block_size", "head_size", "dtype", "total_num_kv_heads")
 
@@ -58,10 +59,60 @@ def plan_heads(local: KVCacheLayout, remotes: list[KVCacheLayout]) -> list[HeadS
 
 
 def check_block_ids(ids: list[int], num_blocks: int, side: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.ndim != 1 or (arr.size and (arr.min() < 0 or arr.max() >= num_blocks)):
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{side} block ids must be integers, got {list(ids)[:8]}")
+    arr = np.asarray(list(ids), dtype=np.int64).reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
         raise ValueError(f"{side} block ids must be in [0, {num_blocks}), got {list(ids)[:8]}...")
     return arr
+
+
+@dataclass(frozen=True)
+class PullJob:
+    """What one remote rank contributes to a pull: its heads [head_start, +num_heads) of
+    ``remote_ids`` land in the same heads of ``local_ids`` here."""
+
+    remote_index: int
+    remote: KVAgentHandle
+    head_start: int
+    num_heads: int
+    remote_ids: np.ndarray
+    local_ids: np.ndarray
+    # Both sides hold exactly these heads: a (layer, K/V, block) is one contiguous run.
+    whole_rows: bool
+
+    @property
+    def num_bytes(self) -> int:
+        lay = self.remote.layout
+        return (2 * lay.num_layers * len(self.local_ids) * lay.block_size * self.num_heads
+                * lay.head_size * lay.element_size)
+
+
+def plan_pull(local: KVCacheLayout, backend: str, remotes: list[KVAgentHandle],
+              remote_block_ids: list[int], local_block_ids: list[int]) -> list[PullJob]:
+    """Every check a pull needs, before any byte moves; the per-remote-rank jobs."""
+    if not remotes:
+        raise ValueError("no remote ranks to pull from")
+    for r in remotes:
+        if not isinstance(r, KVAgentHandle):
+            raise ValueError(f"remotes must be KVAgentHandle, got {type(r).__name__}")
+        if r.backend != backend:
+            raise ValueError(f"remote {r.agent_name!r} uses backend {r.backend!r}; this agent "
+                             f"uses {backend!r}")
+    if len(remote_block_ids) != len(local_block_ids):
+        raise ValueError(f"{len(remote_block_ids)} remote blocks but "
+                         f"{len(local_block_ids)} local blocks")
+    local_ids = check_block_ids(local_block_ids, local.num_blocks, "local")
+    if len(np.unique(local_ids)) != len(local_ids):
+        raise ValueError(f"local block ids repeat: {list(local_block_ids)[:8]}...")
+    slices = plan_heads(local, [r.layout for r in remotes])
+    jobs = []
+    for sl in slices:
+        remote = remotes[sl.remote_index]
+        rids = check_block_ids(remote_block_ids, remote.layout.num_blocks, "remote")
+        whole = sl.num == local.num_kv_heads == remote.layout.num_kv_heads
+        jobs.append(PullJob(sl.remote_index, remote, sl.start, sl.num, rids, local_ids, whole))
+    return jobs
 
 
 def descriptors(layout: KVCacheLayout, base: int, block_ids: np.ndarray, head_start: int,

@@ -1,5 +1,13 @@
-"""A KV-cache owner in its own process (tests): registers a seeded random cache with NIXL,
-prints its handle as hex, then echoes release notifications until stdin closes."""
+"""KV-cache owners in their own processes (tests).
+
+``python -m tests.kv_owner_proc LAYOUT_JSON SEED [BACKEND]``: registers a seeded random cache
+with an agent, prints its handle as hex, then echoes release notifications until stdin closes.
+
+``python -m tests.kv_owner_proc engine CONFIG_JSON``: a prefill-role LLMEngine with a KV
+transfer backend. It prints its ranks' handles, then answers one JSON command per stdin line:
+``{"op": "prefill", "id", "prompt"}`` -> ``LEASE {...}`` once the first token is out, and
+``{"op": "stats"}`` -> ``STATS {...}``. Releases arrive through the engine's own agent.
+"""
 from __future__ import annotations
 
 import json
@@ -18,10 +26,40 @@ def seeded_cache(layout: KVCacheLayout, seed: int) -> torch.Tensor:
     return torch.randn(layout.shape, generator=g, dtype=torch.float32)
 
 
+def engine_main(config_json: str) -> None:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(**json.loads(config_json)))
+    print("HANDLES", json.dumps([h.to_bytes().hex() for h in engine.kv_transfer_handles()]),
+          flush=True)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "prefill":
+            engine.add_request(cmd["id"], cmd["prompt"], params)
+            lease = None
+            while lease is None:
+                lease = next((o for o in engine.step() if o.kv_lease is not None), None)
+            print("LEASE", json.dumps({
+                "id": lease.request_id, "block_ids": lease.kv_lease.block_ids,
+                "first_token": lease.token_ids[0], "prompt": lease.prompt_token_ids}), flush=True)
+        elif cmd["op"] == "stats":
+            s = engine.get_stats()
+            print("STATS", json.dumps({"free": s.num_free_blocks, "total": s.num_total_blocks,
+                                       "leased": s.num_leased, "expired": s.num_expired_leases,
+                                       "released": engine.kv_connector.num_released}),
+                  flush=True)
+    engine.shutdown()
+
+
 def main() -> None:
+    if sys.argv[1] == "engine":
+        engine_main(sys.argv[2])
+        return
     layout = KVCacheLayout.from_json(sys.argv[1])
     seed = int(sys.argv[2])
-    agent = make_agent("nixl", seeded_cache(layout, seed), layout)
+    backend = sys.argv[3] if len(sys.argv) > 3 else "nixl"
+    agent = make_agent(backend, seeded_cache(layout, seed), layout)
     print("HANDLE", agent.handle().to_bytes().hex(), flush=True)
     done = threading.Event()
 

@@ -1,0 +1,148 @@
+"""KV pulls on TP worker ranks: a second pipe between rank 0 and each worker, beside the step pipe.
+
+A decode engine with TP>1 pulls a request's blocks on every rank at once, each rank into its
+own cache. The pulls must not wait for a step, nor a step for a pull, so they never share the
+step pipe: rank 0 sends pull requests on this channel, the worker runs each in its own thread
+(concurrent requests overlap) and answers with the request's id. Messages are one op byte plus
+JSON (handles travel as their own JSON bytes): never pickle.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+
+from engine import tp_comm
+from kvtransfer import (KVAgentHandle, LayoutMismatchError, PeerGoneError, TransferError,
+                        TransferStats, TransferTimeout)
+
+logger = logging.getLogger(__name__)
+
+OP_KV_PULL = b"P"  # rank 0 -> worker: {"id", "remotes": [handle json], "remote_block_ids",
+#                    "local_block_ids", "timeout_s"}
+OP_KV_DONE = b"D"  # worker -> rank 0: {"id", "ok", "stats"} or {"id", "ok": false, "kind", "error"}
+
+_KINDS = {"timeout": TransferTimeout, "peer_gone": PeerGoneError,
+          "layout": LayoutMismatchError, "value": ValueError, "transfer": TransferError}
+
+
+def _kind(e: BaseException) -> str:
+    for name, cls in _KINDS.items():
+        if isinstance(e, cls):
+            return name
+    return "transfer"
+
+
+class WorkerKVServer:
+    """In a worker process: serves rank 0's pull requests with this rank's agent."""
+
+    def __init__(self, conn: Connection, agent) -> None:
+        self.conn = conn
+        self.agent = agent
+        self._send_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="pdserve-tp-kv", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                op, payload = tp_comm.recv(self.conn)
+            except (EOFError, OSError):
+                return  # rank 0 closed the channel
+            if op != OP_KV_PULL:
+                logger.error("unknown KV channel op %r", op)
+                return
+            threading.Thread(target=self._pull, args=(payload,), name="pdserve-tp-kv-pull",
+                             daemon=True).start()
+
+    def _pull(self, payload: bytes) -> None:
+        req: dict = {}
+        try:
+            req = tp_comm.parse_json(payload)
+            remotes = [KVAgentHandle.from_bytes(h.encode()) for h in req["remotes"]]
+            stats = self.agent.pull(remotes, req["remote_block_ids"], req["local_block_ids"],
+                                    float(req["timeout_s"]))
+            reply = {"id": req["id"], "ok": True, "stats": asdict(stats)}
+        except Exception as e:  # noqa: BLE001 - every failure goes back to rank 0
+            reply = {"id": req.get("id"), "ok": False, "kind": _kind(e),
+                     "error": f"tensor-parallel rank {self.agent.layout.tp_rank}: {e}"}
+        try:
+            with self._send_lock:
+                tp_comm.send_json(self.conn, OP_KV_DONE, reply)
+        except OSError:
+            pass  # rank 0 is gone
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class KVChannelClient:
+    """Rank 0's end of every worker's KV channel: pull requests out, futures back."""
+
+    def __init__(self, conns: list[Connection]) -> None:
+        self.conns = conns
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[Future, int]] = {}  # id -> (future, rank)
+        self._lock = threading.Lock()
+        self._send_locks = [threading.Lock() for _ in conns]
+        self._closed = False
+        for i, c in enumerate(conns):
+            threading.Thread(target=self._read, args=(i + 1, c), name="pdserve-tp-kv-replies",
+                             daemon=True).start()
+
+    def submit(self, rank: int, remotes: list[KVAgentHandle], remote_block_ids: list[int],
+               local_block_ids: list[int], timeout_s: float) -> Future:
+        """Starts a pull on worker ``rank`` (1..); the future holds its TransferStats."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise TransferError("the TP workers' KV channels are closed")
+            rid = next(self._ids)
+            self._pending[rid] = (fut, rank)
+        msg = json.dumps({"id": rid, "remotes": [h.to_bytes().decode() for h in remotes],
+                          "remote_block_ids": [int(i) for i in remote_block_ids],
+                          "local_block_ids": [int(i) for i in local_block_ids],
+                          "timeout_s": timeout_s}).encode()
+        try:
+            with self._send_locks[rank - 1]:
+                tp_comm.send(self.conns[rank - 1], OP_KV_PULL, msg)
+        except OSError as e:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise PeerGoneError(f"tensor-parallel rank {rank} is gone: {e}") from None
+        return fut
+
+    def _read(self, rank: int, conn: Connection) -> None:
+        try:
+            while True:
+                op, payload = tp_comm.recv(conn)
+                reply = tp_comm.parse_json(payload)
+                with self._lock:
+                    fut, _ = self._pending.pop(reply.get("id"), (None, None))
+                if fut is None:
+                    continue
+                if reply.get("ok"):
+                    fut.set_result(TransferStats(**reply["stats"]))
+                else:
+                    cls = _KINDS.get(reply.get("kind"), TransferError)
+                    fut.set_exception(cls(reply.get("error", "unknown error")))
+        except (EOFError, OSError, ValueError):
+            pass
+        self._fail_rank(rank, PeerGoneError(f"tensor-parallel rank {rank} stopped answering"))
+
+    def _fail_rank(self, rank: int, exc: Exception) -> None:
+        with self._lock:
+            dead = [rid for rid, (_, r) in self._pending.items() if r == rank]
+            futs = [self._pending.pop(rid)[0] for rid in dead]
+        for f in futs:
+            f.set_exception(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for c in self.conns:
+            c.close()

@@ -1,0 +1,227 @@
+"""KV transfer over torch.distributed: gloo on CPU, NCCL on CUDA, one two-rank group per pair.
+
+The owner side (torch_owner) serves pulls from background threads. The reader side here keeps
+one connection and one pair group per remote agent, made on first use. A pull sends each
+remote rank a request (blocks and head range), receives one contiguous tensor per remote rank
+through the pair group and scatters it into the local blocks' head slice. A pair that failed
+(timeout, peer gone) is dropped, never reused: its group may be half-way through a message.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_layout import KVCacheLayout
+from kvtransfer import wire
+from kvtransfer.agent import KVTransferAgent, check_deadline
+from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.handle import KVAgentHandle
+from kvtransfer.plan import PullJob
+from kvtransfer.torch_owner import TorchOwnerServer
+from kvtransfer.torch_pair import (OWNER_RANK, READER_RANK, classify, client_store,
+                                   make_pair_group, wait_work)
+
+# Where the owner's control server and store listen (set it to a reachable address across hosts).
+HOST_ENV = "PDSERVE_KV_HOST"
+
+
+@dataclass
+class _Pair:
+    sock: socket.socket
+    pg: object
+    store: object
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_tag: int = 1
+
+
+class TorchKVAgent(KVTransferAgent):
+    backend = "torch"
+
+    def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, name: str | None = None,
+                 host: str | None = None) -> None:
+        super().__init__(cache, layout, name)
+        self.host = host or os.environ.get(HOST_ENV, "127.0.0.1")
+        self._server = TorchOwnerServer(cache, layout, self.host)
+        self._pairs: dict[str, _Pair] = {}
+        self._pairs_lock = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def handle(self) -> KVAgentHandle:
+        return KVAgentHandle(
+            backend="torch", agent_name=self.name,
+            metadata=json.dumps({"store_port": self._server.store.port}).encode(),
+            base_addr=self.cache.data_ptr(),
+            num_bytes=self.cache.numel() * self.cache.element_size(),
+            device_id=self.device_id, mem_type=self.mem_type, layout=self.layout,
+            address=f"{self.host}:{self._server.port}")
+
+    # --- pairs --------------------------------------------------------------------------------
+    def _pair(self, remote: KVAgentHandle, deadline: float) -> _Pair:
+        if remote.mem_type != self.mem_type:
+            raise ValueError(f"the torch backend moves {self.mem_type} to {self.mem_type}; "
+                             f"{remote.agent_name!r} holds {remote.mem_type}")
+        with self._pairs_lock:
+            if self._closed:
+                raise TransferError(f"KV agent {self.name!r} is closed")
+            pair = self._pairs.get(remote.agent_name)
+            if pair is not None:
+                return pair
+            connecting = self._connecting.setdefault(remote.agent_name, threading.Lock())
+        with connecting:  # one connection per remote even when pulls race to make it
+            with self._pairs_lock:
+                pair = self._pairs.get(remote.agent_name)
+            if pair is None:
+                pair = self._connect(remote, deadline)
+                with self._pairs_lock:
+                    self._pairs[remote.agent_name] = pair
+            return pair
+
+    def _connect(self, remote: KVAgentHandle, deadline: float) -> _Pair:
+        host, _, port = remote.address.rpartition(":")
+        what = f"connecting to KV owner {remote.agent_name!r} at {remote.address}"
+        try:
+            store_port = int(json.loads(remote.metadata)["store_port"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"torch handle of {remote.agent_name!r} has bad metadata") from None
+        left = check_deadline(deadline, what)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=left)
+        except OSError as e:
+            raise PeerGoneError(f"{what}: {e}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            prefix = f"kvpair/{self.name}/{uuid.uuid4().hex}"
+            wire.send_frame(sock, {"op": "hello", "reader": self.name, "prefix": prefix,
+                                   "timeout_s": left})
+            store = client_store(host, store_port, left)
+            # This side's address as the owner sees it: the one the group must listen on.
+            pg = make_pair_group(store, prefix, READER_RANK, self.cache.device.type,
+                                 sock.getsockname()[0], left)
+            sock.settimeout(check_deadline(deadline, what))
+            reply = wire.recv_frame(sock)
+            if not reply.get("ok"):
+                raise TransferError(f"{what}: {reply.get('error')}")
+        except BaseException as e:
+            sock.close()
+            raise _as_transfer_error(e, what) from None
+        return _Pair(sock, pg, store)
+
+    def _drop(self, remote_name: str, pair: _Pair) -> None:
+        with self._pairs_lock:
+            if self._pairs.get(remote_name) is pair:
+                del self._pairs[remote_name]
+        try:
+            pair.sock.close()
+        except OSError:
+            pass
+
+    # --- pulls --------------------------------------------------------------------------------
+    def _run_pull(self, jobs: list[PullJob], deadline: float,
+                  notify: bytes | None) -> tuple[int, bool]:
+        # Locks in a fixed order, so two pulls over the same remotes cannot deadlock.
+        pairs = {j.remote.agent_name: self._pair(j.remote, deadline) for j in jobs}
+        names = sorted(pairs)
+        for n in names:
+            pairs[n].lock.acquire()
+        try:
+            self._transfer(jobs, pairs, deadline)
+        finally:
+            for n in reversed(names):
+                pairs[n].lock.release()
+        return len(jobs), False
+
+    def _transfer(self, jobs: list[PullJob], pairs: dict[str, _Pair], deadline: float) -> None:
+        device_type = self.cache.device.type
+        inflight = []
+        current = None
+        try:
+            for job in jobs:  # every request out first, so owners gather in parallel
+                current = job.remote.agent_name
+                pair = pairs[current]
+                tag, pair.next_tag = pair.next_tag, pair.next_tag + 1
+                pair.sock.settimeout(check_deadline(deadline, f"KV pull from {current!r}"))
+                wire.send_frame(pair.sock, {
+                    "op": "pull", "tag": tag, "block_ids": job.remote_ids.tolist(),
+                    "head_start": job.head_start, "num_heads": job.num_heads,
+                    "timeout_s": deadline - _now()})
+                inflight.append((job, pair, tag))
+            works = []
+            for job, pair, tag in inflight:
+                current = job.remote.agent_name
+                reply = wire.recv_frame(pair.sock)
+                if not reply.get("ok"):
+                    raise ValueError(f"KV owner {current!r} refused the pull: "
+                                     f"{reply.get('error')}")
+                lay = self.layout
+                buf = torch.empty((lay.num_layers, 2, len(job.local_ids), lay.block_size,
+                                   job.num_heads, lay.head_size), dtype=self.cache.dtype,
+                                  device=self.cache.device)
+                works.append((job, buf, pair.pg.recv([buf], OWNER_RANK, tag)))
+            for job, buf, work in works:
+                current = job.remote.agent_name
+                wait_work(work, deadline, device_type, f"KV pull from {current!r}")
+                self._scatter(job, buf)
+        except BaseException as e:
+            for name, pair in pairs.items():
+                self._drop(name, pair)
+            if isinstance(e, ValueError):
+                raise
+            raise _as_transfer_error(e, f"KV pull from {current!r}") from None
+
+    def _scatter(self, job: PullJob, buf: torch.Tensor) -> None:
+        index = torch.from_numpy(job.local_ids).to(self.cache.device)
+        if job.whole_rows:
+            self.cache.index_copy_(2, index, buf)
+        else:
+            lo = job.head_start - self.layout.kv_head_start
+            self.cache[:, :, index, :, lo:lo + job.num_heads] = buf
+
+    # --- notifications ------------------------------------------------------------------------
+    def _send_notification(self, remote: KVAgentHandle, msg: bytes) -> None:
+        deadline = _now() + 10.0
+        pair = self._pair(remote, deadline)
+        with pair.lock:
+            try:
+                pair.sock.settimeout(10.0)
+                wire.send_frame(pair.sock, {"op": "notify", "msg": base64.b64encode(msg).decode()})
+            except OSError as e:
+                self._drop(remote.agent_name, pair)
+                raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
+
+    def _poll_notifications(self) -> list[bytes]:
+        return self._server.take_notifications()
+
+    def close(self) -> None:
+        with self._pairs_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pairs = list(self._pairs.items())
+        for name, pair in pairs:
+            self._drop(name, pair)
+        self._server.close()
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _as_transfer_error(e: BaseException, what: str) -> BaseException:
+    if isinstance(e, (TransferError, ValueError)):
+        return e
+    if isinstance(e, (socket.timeout, TimeoutError)):
+        return TransferTimeout(f"{what} did not complete within its timeout")
+    if isinstance(e, (EOFError, ConnectionError, OSError)):
+        return PeerGoneError(f"{what}: the peer is gone ({e})")
+    if isinstance(e, RuntimeError):
+        return classify(e, what)
+    return e
