@@ -1,11 +1,15 @@
-"""kvtransfer over NIXL between real OS processes: exact bytes, heterogeneous TP head slices,
-release notifications, layout mismatches and a dead owner."""
+"""kvtransfer between real OS processes, over NIXL and over torch.distributed: exact bytes,
+heterogeneous TP head slices, concurrency, release notifications, layout mismatches, bad
+handles, and owners that die or stall."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 
@@ -13,25 +17,28 @@ import pytest
 import torch
 
 from engine.kv_layout import KVCacheLayout
-from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, make_agent,
-                        plan_heads)
+from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, TransferTimeout,
+                        make_agent, plan_heads)
 from tests.kv_owner_proc import seeded_cache
 
+BACKENDS = ["nixl", "torch"]
 BASE = KVCacheLayout(num_layers=3, num_blocks=24, block_size=4, num_kv_heads=4, kv_head_start=0,
                      total_num_kv_heads=4, head_size=8, dtype="float32", tp_rank=0, tp_size=1)
+# 32 KiB blocks: a pull of 200 of them takes long enough to be caught mid-way.
+BIG = replace(BASE, num_layers=4, num_blocks=256, head_size=64)
 
 
-def rank_layout(tp_rank: int, tp_size: int, num_blocks: int = 24) -> KVCacheLayout:
-    per = BASE.total_num_kv_heads // tp_size
-    return replace(BASE, num_blocks=num_blocks, num_kv_heads=per, kv_head_start=tp_rank * per,
-                   tp_rank=tp_rank, tp_size=tp_size)
+def rank_layout(tp_rank: int, tp_size: int, base: KVCacheLayout = BASE) -> KVCacheLayout:
+    per = base.total_num_kv_heads // tp_size
+    return replace(base, num_kv_heads=per, kv_head_start=tp_rank * per, tp_rank=tp_rank,
+                   tp_size=tp_size)
 
 
 class Owner:
-    def __init__(self, layout: KVCacheLayout, seed: int) -> None:
+    def __init__(self, layout: KVCacheLayout, seed: int, backend: str) -> None:
         self.layout, self.seed = layout, seed
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kv_owner_proc", layout.to_json(), str(seed)],
+            [sys.executable, "-m", "tests.kv_owner_proc", layout.to_json(), str(seed), backend],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # NIXL logs to stdout too: the handle is the line we tagged.
         line = ""
@@ -58,110 +65,237 @@ class Owner:
 def owners():
     made: list[Owner] = []
 
-    def make(layout: KVCacheLayout, seed: int) -> Owner:
-        made.append(Owner(layout, seed))
+    def make(layout: KVCacheLayout, seed: int, backend: str) -> Owner:
+        made.append(Owner(layout, seed, backend))
         return made[-1]
 
     yield make
     for o in made:
         if o.proc.poll() is None:
+            o.proc.send_signal(signal.SIGCONT)
             o.kill()
 
 
-def _reader(layout: KVCacheLayout):
+def _reader(layout: KVCacheLayout, backend: str):
     cache = torch.zeros(layout.shape, dtype=torch.float32)
-    return make_agent("nixl", cache, layout), cache
+    return make_agent(backend, cache, layout), cache
 
 
-def test_random_block_subsets_arrive_exactly(owners):
-    owner = owners(BASE, seed=1)
-    agent, cache = _reader(BASE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_block_subsets_arrive_exactly(owners, backend):
+    owner = owners(BASE, 1, backend)
+    agent, cache = _reader(BASE, backend)
     rng = random.Random(0)
+    moved = 0
     try:
         for _ in range(5):
             n = rng.randint(1, 10)
-            src = rng.sample(range(BASE.num_blocks), n)
+            src = [rng.randrange(BASE.num_blocks) for _ in range(n)]  # repeats are fine remotely
             dst = rng.sample(range(BASE.num_blocks), n)
-            stats = agent.pull([owner.handle], src, dst, timeout_s=10.0)
+            stats = agent.pull([owner.handle], src, dst, timeout_s=20.0)
             assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
-            assert stats.num_bytes == n * BASE.bytes_per_block
-        agent.pull([owner.handle], [3], [5], timeout_s=10.0, notify=b"release:req-7")
+            assert (stats.num_blocks, stats.num_bytes) == (n, n * BASE.bytes_per_block)
+            moved += stats.num_bytes
+        agent.pull([owner.handle], [3], [5], timeout_s=20.0, notify=b"release:req-7")
+        counters = agent.counters()
     finally:
         agent.close()
     assert owner.next_notification() == "release:req-7"
+    assert (counters.transfers, counters.failures, counters.notifications_sent) == (6, 0, 1)
+    assert counters.bytes == moved + BASE.bytes_per_block
 
 
-def test_tp2_owner_into_tp1_reader_fills_each_head_slice(owners):
-    ranks = [owners(rank_layout(r, 2), seed=10 + r) for r in range(2)]
-    agent, cache = _reader(BASE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_concurrent_pulls_for_different_requests(owners, backend):
+    owner = owners(BIG, 2, backend)
+    agent, cache = _reader(BIG, backend)
+    rng = random.Random(1)
+    local = rng.sample(range(BIG.num_blocks), 16 * 12)
+    jobs = [(rng.sample(range(BIG.num_blocks), 12), local[i * 12:(i + 1) * 12])
+            for i in range(16)]
+    errors: list[BaseException] = []
+
+    def run(src: list[int], dst: list[int], i: int) -> None:
+        try:
+            agent.pull([owner.handle], src, dst, timeout_s=60.0, notify=f"release:c{i}".encode())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s, d, i)) for i, (s, d) in enumerate(jobs)]
     try:
-        agent.pull([o.handle for o in ranks], [0, 7, 9], [4, 5, 6], timeout_s=10.0)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        agent.close()
+    assert errors == []
+    for src, dst in jobs:
+        assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
+    assert sorted(owner.next_notification() for _ in jobs) == sorted(
+        f"release:c{i}" for i in range(16))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp2_owner_into_tp1_reader_fills_each_head_slice(owners, backend):
+    ranks = [owners(rank_layout(r, 2), 10 + r, backend) for r in range(2)]
+    agent, cache = _reader(BASE, backend)
+    try:
+        agent.pull([o.handle for o in ranks], [0, 7, 9], [4, 5, 6], timeout_s=20.0,
+                   notify=b"release:tp2")
     finally:
         agent.close()
     for r, o in enumerate(ranks):
         heads = slice(2 * r, 2 * r + 2)
         assert torch.equal(cache[:, :, [4, 5, 6], :, heads], o.cache[:, :, [0, 7, 9]])
+    assert not cache[:, :, [0, 1, 2, 3, 7]].any()
+    assert ranks[0].next_notification() == "release:tp2"  # to the owner's rank 0 only
 
 
-def test_tp1_owner_into_tp2_reader_takes_its_heads(owners):
-    owner = owners(BASE, seed=3)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp1_owner_into_tp2_reader_takes_its_heads(owners, backend):
+    owner = owners(BASE, 3, backend)
     local = rank_layout(1, 2)
-    agent, cache = _reader(local)
+    agent, cache = _reader(local, backend)
     try:
-        agent.pull([owner.handle], [2, 3], [0, 1], timeout_s=10.0)
+        agent.pull([owner.handle], [2, 3], [0, 1], timeout_s=20.0)
     finally:
         agent.close()
     assert torch.equal(cache[:, :, [0, 1]], owner.cache[:, :, [2, 3], :, 2:4])
 
 
-def test_layout_mismatch_is_refused_before_any_transfer(owners):
-    owner = owners(BASE, seed=4)
-    other = replace(BASE, head_size=16)
-    agent, cache = _reader(other)
-    try:
-        with pytest.raises(LayoutMismatchError, match="head_size.*16.*8"):
-            agent.pull([owner.handle], [0], [0], timeout_s=5.0)
-        with pytest.raises(LayoutMismatchError, match="total_num_kv_heads"):
-            plan_heads(BASE, [replace(BASE, total_num_kv_heads=8, num_kv_heads=8)])
-    finally:
-        agent.close()
-    assert not cache.any()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_is_refused_before_any_transfer(owners, backend):
+    owner = owners(BASE, 4, backend)
+    for field, value, needle in [("head_size", 16, "head_size.*16.*8"),
+                                 ("num_layers", 2, "num_layers.*2.*3"),
+                                 ("block_size", 8, "block_size.*8.*4"),
+                                 ("dtype", "bfloat16", "dtype.*bfloat16.*float32")]:
+        other = replace(BASE, **{field: value})
+        dtype = torch.bfloat16 if other.dtype == "bfloat16" else torch.float32
+        cache = torch.zeros(other.shape, dtype=dtype)
+        agent = make_agent(backend, cache, other)
+        try:
+            with pytest.raises(LayoutMismatchError, match=needle):
+                agent.pull([owner.handle], [0], [0], timeout_s=5.0)
+            assert agent.counters().transfers == 0
+        finally:
+            agent.close()
+        assert not cache.any()
+    with pytest.raises(LayoutMismatchError, match="total_num_kv_heads"):
+        plan_heads(BASE, [replace(BASE, total_num_kv_heads=8, num_kv_heads=8)])
+    with pytest.raises(LayoutMismatchError, match="cannot cover local heads"):
+        plan_heads(BASE, [rank_layout(0, 2)])  # half the heads are missing
 
 
-def test_out_of_range_remote_blocks_are_refused(owners):
-    owner = owners(BASE, seed=6)
-    agent, cache = _reader(BASE)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_block_ids_are_refused(owners, backend):
+    owner = owners(BASE, 6, backend)
+    agent, cache = _reader(BASE, backend)
     try:
         with pytest.raises(ValueError, match="remote block ids"):
             agent.pull([owner.handle], [BASE.num_blocks + 3], [0], timeout_s=5.0)
+        with pytest.raises(ValueError, match="local block ids"):
+            agent.pull([owner.handle], [0], [BASE.num_blocks], timeout_s=5.0)
+        with pytest.raises(ValueError, match="2 remote blocks but 1 local"):
+            agent.pull([owner.handle], [0, 1], [0], timeout_s=5.0)
+        with pytest.raises(ValueError, match="repeat"):
+            agent.pull([owner.handle], [0, 1], [2, 2], timeout_s=5.0)
+        with pytest.raises(ValueError, match="integers"):
+            agent.pull([owner.handle], [0.5], [2], timeout_s=5.0)
+        with pytest.raises(ValueError, match="timeout_s"):
+            agent.pull([owner.handle], [0], [2], timeout_s=0)
+        with pytest.raises(ValueError, match="no remote ranks"):
+            agent.pull([], [0], [2], timeout_s=5.0)
     finally:
         agent.close()
     assert not cache.any()
 
 
-def test_bad_block_ids_and_bad_handles():
-    with pytest.raises(ValueError, match="not a KV agent handle"):
-        KVAgentHandle.from_bytes(b"{nope")
-    agent, _ = _reader(BASE)
-    try:
-        handle = agent.handle()
-        with pytest.raises(ValueError, match="local block ids"):
-            agent.pull([handle], [0], [BASE.num_blocks], timeout_s=1.0)
-        with pytest.raises(ValueError, match="2 remote blocks but 1 local"):
-            agent.pull([handle], [0, 1], [0], timeout_s=1.0)
-    finally:
-        agent.close()
+def test_bad_handle_bytes_raise_value_error():
+    cache = torch.zeros(BASE.shape)
+    with make_agent("torch", cache, BASE) as agent:
+        good = agent.handle()
+        assert KVAgentHandle.from_bytes(good.to_bytes()) == good
+        d = json.loads(good.to_bytes())
+        with make_agent("nixl", torch.zeros(BASE.shape), BASE) as nixl_agent:
+            with pytest.raises(ValueError, match="uses backend 'torch'"):
+                nixl_agent.pull([good], [0], [0], timeout_s=5.0)
+    bad = [b"{nope", b"", b"[]", b"\xff\xfe", json.dumps({**d, "version": 99}).encode(),
+           json.dumps({k: v for k, v in d.items() if k != "layout"}).encode(),
+           json.dumps({**d, "num_bytes": d["num_bytes"] + 4}).encode(),
+           json.dumps({**d, "backend": "carrier-pigeon"}).encode(),
+           json.dumps({**d, "address": "nowhere"}).encode(),
+           json.dumps({**d, "metadata": "***"}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "num_blocks": -1}}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "kv_head_start": 3}}).encode(),
+           good.to_bytes()[:-7]]
+    for raw in bad:
+        with pytest.raises(ValueError, match="KV agent handle|handle of|unknown|invalid"):
+            KVAgentHandle.from_bytes(raw)
+    with pytest.raises(ValueError, match="is bytes"):
+        KVAgentHandle.from_bytes("a string")
 
 
-def test_dead_owner_fails_within_the_timeout(owners):
-    owner = owners(BASE, seed=5)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_owner_fails_within_the_timeout(owners, backend):
+    owner = owners(BASE, 5, backend)
     handle = owner.handle
     owner.kill()
-    agent, _ = _reader(BASE)
+    agent, _ = _reader(BASE, backend)
     t0 = time.monotonic()
     try:
         with pytest.raises(TransferError):
             agent.pull([handle], list(range(8)), list(range(8)), timeout_s=3.0)
+        assert agent.counters().failures == 1
     finally:
         agent.close()
     assert time.monotonic() - t0 < 30  # bounded by the timeout plus UCX's own error path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_owner_killed_mid_transfer_fails_within_the_timeout(owners, backend):
+    owner = owners(BIG, 7, backend)
+    agent, cache = _reader(BIG, backend)
+    outcome: dict = {"ok": 0}
+    first_done = threading.Event()
+
+    def loop() -> None:
+        try:
+            while True:
+                agent.pull([owner.handle], list(range(200)), list(range(200)), timeout_s=5.0)
+                outcome["ok"] += 1
+                first_done.set()
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome["error"] = e
+            outcome["at"] = time.monotonic()
+            first_done.set()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        assert first_done.wait(60)
+        killed_at = time.monotonic()
+        os.kill(owner.proc.pid, signal.SIGKILL)  # pulls keep running back to back
+        t.join(30)
+        assert not t.is_alive(), "the pull hung on a dead owner"
+    finally:
+        agent.close()
+    assert outcome["ok"] >= 1
+    assert isinstance(outcome["error"], TransferError)
+    assert outcome["at"] - killed_at < 5.0 + 10.0  # the timeout plus the backend's error path
+
+
+def test_stalled_owner_times_out_over_torch(owners):
+    owner = owners(BASE, 8, "torch")
+    agent, _ = _reader(BASE, "torch")
+    try:
+        agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
+        os.kill(owner.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            agent.pull([owner.handle], [2], [2], timeout_s=1.5)
+        assert time.monotonic() - t0 < 10
+        assert agent.counters().timeouts == 1
+    finally:
+        agent.close()

@@ -1,0 +1,222 @@
+"""The engine's prefill and decode roles joined by kvtransfer across OS processes: TP 1->1,
+2->1, 2->2 and 1->2 over NIXL and torch.distributed, decode tokens equal to one engine's
+greedy tokens, releases and lease expiry on the owner, and a prefill worker that dies."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvtransfer import KVAgentHandle, LayoutMismatchError, TransferError
+
+MAX_NEW = 8
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def model(preset_path):
+    return str(preset_path("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(11)
+    shared = [rng.randint(5, 7000) for _ in range(32)]
+    lengths = [5, 16, 23, 40, 57]
+    out = [[rng.randint(5, 7000) for _ in range(n)] for n in lengths]
+    # Two prompts that share 2 full blocks with the third: the decoder skips what it holds.
+    out += [shared + [rng.randint(5, 7000) for _ in range(n)] for n in (3, 19)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(model, prompts):
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    with LLM(model) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+class PrefillProc:
+    """A prefill-role engine in its own process (tests/kv_owner_proc.py, engine mode)."""
+
+    def __init__(self, model: str, tp: int, backend: str, **extra) -> None:
+        cfg = dict(model=model, role="prefill", tensor_parallel_size=tp, num_gpu_blocks=64,
+                   kv_transfer_backend=backend, max_num_batched_tokens=32, **extra)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_owner_proc", "engine", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.handles = [KVAgentHandle.from_bytes(bytes.fromhex(h))
+                        for h in json.loads(self._expect("HANDLES"))]
+
+    def _expect(self, tag: str) -> str:
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"the prefill process exited (waiting for {tag})"
+            if line.startswith(tag + " "):
+                return line[len(tag) + 1:]
+
+    def _send(self, cmd: dict) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def prefill(self, rid: str, prompt: list[int]) -> dict:
+        self._send({"op": "prefill", "id": rid, "prompt": prompt})
+        return json.loads(self._expect("LEASE"))
+
+    def stats(self) -> dict:
+        self._send({"op": "stats"})
+        return json.loads(self._expect("STATS"))
+
+    def wait_stats(self, pred, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if pred(s) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _decode_engine(model: str, tp: int, backend: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model, role="decode", tensor_parallel_size=tp,
+                                  num_gpu_blocks=64, kv_transfer_backend=backend))
+
+
+def _all_free(engine: LLMEngine) -> bool:
+    s = engine.get_stats()
+    return s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+
+
+def _disaggregate(prefill: PrefillProc, decode: LLMEngine, prompts, concurrent: bool):
+    """Prefill every prompt over there, pull its blocks here, decode here; tokens per prompt.
+
+    ``concurrent``: the pulls run in threads while this thread keeps stepping the decode
+    engine (earlier requests decode while later ones transfer)."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    leases = [prefill.prefill(f"r{i}", p) for i, p in enumerate(prompts)]
+    errors: list[BaseException] = []
+    cached: dict[str, int] = {}
+
+    def handoff(lease: dict) -> None:
+        try:
+            alloc = decode.add_prefilled_request(lease["id"], lease["prompt"],
+                                                 lease["first_token"], params)
+            cached[lease["id"]] = alloc.num_cached_tokens
+            try:
+                stats = decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 60.0)
+            except BaseException:
+                decode.abort(lease["id"])
+                raise
+            assert stats.num_blocks == len(alloc.block_ids_to_fill)
+            decode.commit_prefilled(lease["id"])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = []
+    results: dict[str, list[int]] = {}
+    for lease in leases:
+        if concurrent:
+            threads.append(threading.Thread(target=handoff, args=(lease,)))
+            threads[-1].start()
+            for o in decode.step():  # decode keeps stepping while pulls run
+                if o.finished:
+                    results[o.request_id] = o.token_ids
+        else:
+            handoff(lease)
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    deadline = time.monotonic() + 120
+    while len(results) < len(prompts) and time.monotonic() < deadline:
+        for o in decode.step():
+            if o.finished:
+                results[o.request_id] = o.token_ids
+    return [results.get(f"r{i}") for i in range(len(prompts))], cached
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend,concurrent", [
+    (1, 1, "nixl", True),
+    (2, 1, "nixl", False),
+    (2, 2, "nixl", True),
+    (1, 1, "torch", False),
+    (2, 1, "torch", True),
+    (1, 2, "torch", False),
+])
+def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill_tp, decode_tp,
+                                               backend, concurrent):
+    prefill = PrefillProc(model, prefill_tp, backend)
+    decode = _decode_engine(model, decode_tp, backend)
+    try:
+        got, cached = _disaggregate(prefill, decode, prompts, concurrent)
+        assert got == expected
+        if not concurrent:  # in order, the last two prompts find the shared prefix here
+            assert cached["r6"] >= 32
+        s = prefill.wait_stats(lambda s: s["leased"] == 0)
+        assert (s["free"], s["leased"], s["released"], s["expired"]) == (
+            s["total"], 0, len(prompts), 0)
+        assert _all_free(decode)
+        counters = decode.kv_transfer_counters()
+        assert counters.transfers == len(prompts) and counters.failures == 0
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
+def test_lease_expiry_frees_an_idle_owners_blocks(model):
+    prefill = PrefillProc(model, 1, "nixl", kv_lease_timeout_s=1.0)
+    try:
+        lease = prefill.prefill("lost", list(range(100, 150)))
+        held = prefill.stats()
+        assert held["leased"] == 1 and held["free"] <= held["total"] - len(lease["block_ids"])
+        # Nobody pulls and the engine never steps again: the connector's poller reclaims.
+        s = prefill.wait_stats(lambda s: s["leased"] == 0, timeout=15)
+        assert (s["free"], s["leased"], s["expired"], s["released"]) == (s["total"], 0, 1, 0)
+    finally:
+        prefill.close()
+
+
+def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
+    prefill = PrefillProc(model, 1, "torch")
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    other = LLMEngine(EngineConfig(str(preset_path("tiny-qwen3")), role="decode",
+                                   num_gpu_blocks=32, kv_transfer_backend="torch"))
+    decode = _decode_engine(model, 1, "torch")
+    try:
+        lease = prefill.prefill("a", list(range(200, 240)))
+        alloc = other.add_prefilled_request("a", lease["prompt"], lease["first_token"], params)
+        with pytest.raises(LayoutMismatchError, match="head_size"):
+            other.pull_kv(alloc, prefill.handles, lease["block_ids"], 10.0)
+        other.abort("a")
+        assert _all_free(other) and other.kv_transfer_counters().transfers == 0
+        with pytest.raises(ValueError, match="needs"):
+            decode.pull_kv(decode.add_prefilled_request("b", lease["prompt"],
+                                                        lease["first_token"], params),
+                           prefill.handles, lease["block_ids"][:-1], 10.0)
+        decode.abort("b")
+        prefill.proc.kill()
+        prefill.proc.wait()
+        alloc = decode.add_prefilled_request("c", lease["prompt"], lease["first_token"], params)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError):
+            decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 5.0)
+        assert time.monotonic() - t0 < 20
+        decode.abort("c")
+        assert _all_free(decode) and decode.kv_transfer_counters().failures == 1
+    finally:
+        other.shutdown()
+        decode.shutdown()
+        prefill.close()
