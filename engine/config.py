@@ -42,11 +42,17 @@ class EngineConfig:
     tp_startup_timeout_s: float = 600.0
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
+    # CUDA graphs cover decode steps whose sequences all fit this many tokens (longer ones, and
+    # batches over min(max_num_seqs, 512), run eagerly).
+    max_seq_len_to_capture: int = 8192
     # How this engine's KV blocks move to or from another engine: "nixl", "torch" or None (no
     # transfer agent; combined serving and offline use).
     kv_transfer_backend: str | None = None
     # A KV transfer that has not completed by then fails (its blocks are freed).
     kv_transfer_timeout_s: float = 30.0
+    # After a failed pull whose READ could not be proven cancelled, its destination blocks
+    # stay out of use this long, so a late write cannot corrupt another request's KV.
+    kv_quarantine_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -63,6 +69,7 @@ class EngineConfig:
         if not self.tp_startup_timeout_s > 0:
             raise ValueError(f"tp_startup_timeout_s must be > 0, got {self.tp_startup_timeout_s}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_seq_len_to_capture", self.max_seq_len_to_capture)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_gpu_blocks is not None:
@@ -78,6 +85,8 @@ class EngineConfig:
                              f"got {self.kv_transfer_backend!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        if not self.kv_quarantine_s >= 0:
+            raise ValueError(f"kv_quarantine_s must be >= 0, got {self.kv_quarantine_s}")
         if not self.kv_lease_timeout_s > 0:
             raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

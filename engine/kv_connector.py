@@ -41,6 +41,18 @@ class KVConnectorCounters:
     expired_leases: int
 
 
+def _writes_may_land(error: BaseException, futures: list) -> bool:
+    """Whether a failed pull may still write into its destination blocks on some rank."""
+    if getattr(error, "writes_may_land", False):
+        return True
+    for f in futures:
+        if not f.done():  # the worker never answered: its READ may still be running
+            return True
+        if getattr(f.exception(), "writes_may_land", False):
+            return True
+    return False
+
+
 class KVConnector:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -88,6 +100,8 @@ class KVConnector:
             except BaseException as e:  # noqa: BLE001
                 error = error or e
         if error is not None:
+            if _writes_may_land(error, futures):
+                self.engine.quarantine_kv(alloc.request_id)
             raise error
         if futures:
             self.agent.send_notification(remotes[0], notify)

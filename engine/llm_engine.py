@@ -70,6 +70,8 @@ class LLMEngine:
         self._ids: set[str] = set()  # ids queued or live, to refuse duplicates at once
         self._leases: dict[str, _Lease] = {}
         self._awaiting_kv: dict[str, Request] = {}
+        # request id -> (request, when its blocks may be reused): see quarantine_kv.
+        self._quarantined: dict[str, tuple[Request, float]] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self.num_expired_leases = 0
@@ -125,6 +127,12 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> None:
         """Prefill role: the reader has the blocks; give them back."""
         self._inbox.put(("release", request_id))
+        self._apply_if_idle()
+
+    def quarantine_kv(self, request_id: str) -> None:
+        """Decode role: a failed pull may still write into this request's blocks. The request
+        ends (aborted) now; its blocks, and its id, stay out of use for ``kv_quarantine_s``."""
+        self._inbox.put(("quarantine", request_id))
         self._apply_if_idle()
 
     def _apply_if_idle(self) -> None:
@@ -251,6 +259,8 @@ class LLMEngine:
                 self._abort_now(arg)
             elif kind == "release":
                 self._release_now(arg)
+            elif kind == "quarantine":
+                self._quarantine_now(arg)
 
     def _abort_now(self, request_id: str) -> None:
         if request_id in self._leases:
@@ -261,6 +271,14 @@ class LLMEngine:
             return
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         self._aborted_outputs.append(self._final(req))
+
+    def _quarantine_now(self, request_id: str) -> None:
+        req = self._awaiting_kv.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=False)
+        self._aborted_outputs.append(self._final(req))
+        self._quarantined[request_id] = (req, time.monotonic() + self.config.kv_quarantine_s)
 
     def _release_now(self, request_id: str) -> None:
         held = self._leases.pop(request_id, None)
@@ -278,9 +296,13 @@ class LLMEngine:
                 self._lock.release()
 
     def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, (_, until) in self._quarantined.items() if until <= now]:
+            req, _ = self._quarantined.pop(rid)
+            self.kv_manager.free(req)
+            self._release_id(rid)
         if not self._leases:
             return
-        now = time.monotonic()
         for rid in [r for r, h in self._leases.items() if h.lease.expires_at <= now]:
             self._release_now(rid)
             self.num_expired_leases += 1
@@ -295,7 +317,8 @@ class LLMEngine:
                 num_total_blocks=self.num_blocks, prefix_cache_queries=s.queries,
                 prefix_cache_hits=s.hits, prefix_cache_evictions=s.evictions,
                 num_preemptions=self.scheduler.num_preemptions,
-                num_expired_leases=self.num_expired_leases, num_steps=self.num_steps)
+                num_expired_leases=self.num_expired_leases, num_steps=self.num_steps,
+                num_quarantined=len(self._quarantined))
 
     @property
     def kv_cache(self) -> torch.Tensor:

@@ -74,3 +74,5 @@ class EngineStats:
     num_preemptions: int
     num_expired_leases: int
     num_steps: int
+    # Decode role: failed pulls whose blocks are held back until a late write cannot land.
+    num_quarantined: int = 0

@@ -69,7 +69,8 @@ class WorkerKVServer:
             reply = {"id": req["id"], "ok": True, "stats": asdict(stats)}
         except Exception as e:  # noqa: BLE001 - every failure goes back to rank 0
             reply = {"id": req.get("id"), "ok": False, "kind": _kind(e),
-                     "error": f"tensor-parallel rank {self.agent.layout.tp_rank}: {e}"}
+                     "error": f"tensor-parallel rank {self.agent.layout.tp_rank}: {e}",
+                     "writes_may_land": bool(getattr(e, "writes_may_land", False))}
         try:
             with self._send_lock:
                 tp_comm.send_json(self.conn, OP_KV_DONE, reply)
@@ -129,7 +130,10 @@ class KVChannelClient:
                     fut.set_result(TransferStats(**reply["stats"]))
                 else:
                     cls = _KINDS.get(reply.get("kind"), TransferError)
-                    fut.set_exception(cls(reply.get("error", "unknown error")))
+                    exc = cls(reply.get("error", "unknown error"))
+                    if isinstance(exc, TransferError):
+                        exc.writes_may_land = bool(reply.get("writes_may_land"))
+                    fut.set_exception(exc)
         except (EOFError, OSError, ValueError):
             pass
         self._fail_rank(rank, PeerGoneError(f"tensor-parallel rank {rank} stopped answering"))

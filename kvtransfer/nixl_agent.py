@@ -76,9 +76,24 @@ class NixlKVAgent(KVTransferAgent):
                 for r, rdesc, ldesc in plans:
                     handles.append(self._start_read(r, rdesc, ldesc, notify if attach else b""))
             self._wait(handles, deadline, jobs)
+        except TransferError as e:
+            # Releasing a running READ asks UCX to cancel it, but nothing confirms the cancel:
+            # a late completion could still write into blocks the caller is about to reuse.
+            e.writes_may_land = e.writes_may_land or self._any_in_flight(handles)
+            raise
         finally:
             self._release(handles)
         return sum(len(p[2]) for p in plans), attach
+
+    def _any_in_flight(self, handles: list) -> bool:
+        with self._lock:
+            for h in handles:
+                try:
+                    if self._agent.check_xfer_state(h) not in ("DONE", "ERR"):
+                        return True
+                except Exception:  # noqa: BLE001 - unknown state: assume the worst
+                    return True
+        return False
 
     def _start_read(self, remote: KVAgentHandle, rdesc, ldesc, msg: bytes):
         try:

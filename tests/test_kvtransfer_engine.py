@@ -4,7 +4,9 @@ greedy tokens, releases and lease expiry on the owner, and a prefill worker that
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -91,9 +93,9 @@ class PrefillProc:
                 self.proc.wait()
 
 
-def _decode_engine(model: str, tp: int, backend: str) -> LLMEngine:
+def _decode_engine(model: str, tp: int, backend: str, **extra) -> LLMEngine:
     return LLMEngine(EngineConfig(model, role="decode", tensor_parallel_size=tp,
-                                  num_gpu_blocks=64, kv_transfer_backend=backend))
+                                  num_gpu_blocks=64, kv_transfer_backend=backend, **extra))
 
 
 def _all_free(engine: LLMEngine) -> bool:
@@ -218,5 +220,43 @@ def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
         assert _all_free(decode) and decode.kv_transfer_counters().failures == 1
     finally:
         other.shutdown()
+        decode.shutdown()
+        prefill.close()
+
+
+def test_a_read_left_in_flight_quarantines_its_blocks(model, monkeypatch):
+    """Over UCX's TCP transport a READ from a stopped owner stays in flight past the timeout,
+    and it does land once the owner resumes: the blocks it targets must not be reused until
+    the quarantine ends, and then they all come back."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # shared-memory reads would finish without the owner
+    prefill = PrefillProc(model, 1, "nixl")
+    decode = _decode_engine(model, 1, "nixl", kv_quarantine_s=3.0)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    try:
+        warm = prefill.prefill("warm", list(range(300, 340)))  # connect while the owner runs
+        alloc = decode.add_prefilled_request("warm", warm["prompt"], warm["first_token"], params)
+        decode.pull_kv(alloc, prefill.handles, warm["block_ids"], 30.0)
+        decode.abort("warm")
+        lease = prefill.prefill("q", list(range(400, 600)))
+        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        try:
+            alloc = decode.add_prefilled_request("q", lease["prompt"], lease["first_token"],
+                                                 params)
+            with pytest.raises(TransferError) as err:
+                decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 1.0)
+            assert err.value.writes_may_land
+            decode.abort("q")  # what the decode service does; the quarantine outranks it
+            s = decode.get_stats()
+            assert s.num_quarantined == 1
+            assert s.num_free_blocks == s.num_total_blocks - len(alloc.block_ids)
+            with pytest.raises(ValueError, match="already in the engine"):
+                decode.add_prefilled_request("q", lease["prompt"], lease["first_token"], params)
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while decode.get_stats().num_quarantined and time.monotonic() < deadline:
+            time.sleep(0.1)  # the connector's poller ends the quarantine on an idle engine
+        assert _all_free(decode) and decode.get_stats().num_quarantined == 0
+    finally:
         decode.shutdown()
         prefill.close()
