@@ -106,9 +106,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.offline import main as bench_offline
+    import importlib
 
-    return bench_offline(args)
+    return importlib.import_module(f"bench.{args.bench}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.offline import add_args as add_offline_args
     b = bsub.add_parser("offline", help="engine vs HF generate vs a matmul roofline")
     add_offline_args(b)
+    b.set_defaults(func=cmd_bench)
+    from bench.kvtransfer import add_args as add_kvtransfer_args
+    b = bsub.add_parser("kvtransfer", help="KV block transfer between processes vs memcpy")
+    add_kvtransfer_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
 

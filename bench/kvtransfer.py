@@ -1,0 +1,212 @@
+"""``pdserve bench kvtransfer``: KV block transfer between two processes vs memcpy in one.
+
+For each transfer size (1 MB .. 256 MB of paged blocks, tiny-llama's block shape, random
+block ids on both sides) it times a pull by each backend from an owner process into this
+process, and in the same run a plain contiguous copy of the same number of bytes within this
+process: the limit a transfer between two processes on one host can approach. It also times a
+single request's handoff (the blocks of a 1k-token prompt, with the release notification) for
+tiny-llama and for qwen3-0.6b-shape (bf16, the checkpoint dtype served on GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_layout import DTYPE_NAMES, KVCacheLayout
+from engine.presets import PRESETS
+from kvtransfer import BACKENDS, KVAgentHandle, make_agent
+
+SIZES_MB = (1, 4, 16, 64, 256)
+MB = 1 << 20
+HANDOFF_TOKENS = 1024
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclass
+class SizeResult:
+    size_mb: int
+    num_blocks: int
+    memcpy_gb_s: float
+    backend_gb_s: dict[str, float]
+    ratio: dict[str, float]
+
+
+@dataclass
+class HandoffResult:
+    model: str
+    backend: str
+    num_blocks: int
+    num_bytes: int
+    median_ms: float
+    best_ms: float
+
+
+def preset_layout(name: str, num_blocks: int, block_size: int = 16,
+                  dtype: str | None = None) -> KVCacheLayout:
+    p = PRESETS[name]
+    head = p.head_dim or p.hidden_size // p.num_attention_heads
+    return KVCacheLayout(num_layers=p.num_hidden_layers, num_blocks=num_blocks,
+                         block_size=block_size, num_kv_heads=p.num_key_value_heads,
+                         kv_head_start=0, total_num_kv_heads=p.num_key_value_heads,
+                         head_size=head, dtype=dtype or "float32", tp_rank=0, tp_size=1)
+
+
+def _cache(layout: KVCacheLayout, fill: bool) -> torch.Tensor:
+    cache = torch.empty(layout.shape, dtype=_DTYPES[layout.dtype])
+    if fill:  # distinct bytes everywhere, cheaply (randn over 256 MB is slow on 2 cores)
+        flat = cache.view(-1)
+        flat.copy_(torch.arange(flat.numel(), dtype=torch.float32).to(cache.dtype))
+    else:
+        cache.zero_()
+    return cache
+
+
+class OwnerProcess:
+    """An owner agent in its own process: ``python -m bench.kvtransfer serve``."""
+
+    def __init__(self, backend: str, layout: KVCacheLayout) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.kvtransfer", "serve", backend, layout.to_json()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = ""
+        while not line.startswith("HANDLE "):
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the {backend} owner process exited during start-up")
+        self.handle = KVAgentHandle.from_bytes(bytes.fromhex(line.split()[1]))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve(backend: str, layout_json: str) -> None:
+    layout = KVCacheLayout.from_json(layout_json)
+    with make_agent(backend, _cache(layout, fill=True), layout) as agent:
+        print("HANDLE", agent.handle().to_bytes().hex(), flush=True)
+        sys.stdin.read()  # until the benchmark closes our stdin
+
+
+def _time(fn, min_reps: int, min_s: float) -> list[float]:
+    times = []
+    t_end = time.perf_counter() + min_s
+    while len(times) < min_reps or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _memcpy_gb_s(num_bytes: int, reps: int) -> float:
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = _time(lambda: dst.copy_(src), reps, 0.2)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int) -> list[SizeResult]:
+    per_block = preset_layout("tiny-llama", 1).bytes_per_block
+    max_blocks = max(sizes_mb) * MB // per_block
+    layout = preset_layout("tiny-llama", max_blocks + 64)
+    rng = np.random.default_rng(0)
+    results = [SizeResult(s, s * MB // per_block, _memcpy_gb_s(s * MB, reps), {}, {})
+               for s in sizes_mb]
+    for backend in backends:
+        owner = OwnerProcess(backend, layout)
+        cache = _cache(layout, fill=False)
+        try:
+            with make_agent(backend, cache, layout) as agent:
+                agent.pull([owner.handle], [0], [0], 60.0)  # connect outside the timing
+                for r in results:
+                    src = rng.permutation(layout.num_blocks)[:r.num_blocks].tolist()
+                    dst = rng.permutation(layout.num_blocks)[:r.num_blocks].tolist()
+                    times = _time(lambda: agent.pull([owner.handle], src, dst, 120.0), reps, 0.5)
+                    r.backend_gb_s[backend] = r.num_blocks * per_block / statistics.median(times) / 1e9
+                    r.ratio[backend] = r.backend_gb_s[backend] / r.memcpy_gb_s
+                check = rng.permutation(layout.num_blocks)[:8].tolist()
+                agent.pull([owner.handle], check, list(range(8)), 60.0)
+                expect = _cache(layout, fill=True)[:, :, check]
+                if not torch.equal(cache[:, :, :8], expect):
+                    raise RuntimeError(f"{backend}: transferred bytes differ from the owner's")
+        finally:
+            owner.close()
+    return results
+
+
+def run_handoffs(backends: list[str], reps: int) -> list[HandoffResult]:
+    out = []
+    for model, dtype in (("tiny-llama", "float32"), ("qwen3-0.6b-shape", "bfloat16")):
+        n = HANDOFF_TOKENS // 16
+        layout = preset_layout(model, n + 8, dtype=dtype)
+        for backend in backends:
+            owner = OwnerProcess(backend, layout)
+            try:
+                with make_agent(backend, _cache(layout, fill=False), layout) as agent:
+                    agent.pull([owner.handle], [0], [0], 60.0)
+                    ids = list(range(n))
+                    times = _time(lambda: agent.pull([owner.handle], ids, ids, 120.0,
+                                                     notify=b"release:bench"), reps, 0.5)
+            finally:
+                owner.close()
+            out.append(HandoffResult(model, backend, n, n * layout.bytes_per_block,
+                                     statistics.median(times) * 1e3, min(times) * 1e3))
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=[*BACKENDS, "all"], default="all")
+    p.add_argument("--sizes-mb", default=",".join(map(str, SIZES_MB)),
+                   help="comma-separated transfer sizes in MB")
+    p.add_argument("--reps", type=int, default=5, help="at least this many pulls per point")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+
+
+def main(args: argparse.Namespace) -> int:
+    backends = list(BACKENDS) if args.backend == "all" else [args.backend]
+    try:
+        sizes = tuple(int(s) for s in args.sizes_mb.split(","))
+    except ValueError:
+        raise ValueError(f"--sizes-mb must be integers, got {args.sizes_mb!r}") from None
+    if not sizes or min(sizes) < 1 or args.reps < 1:
+        raise ValueError("--sizes-mb must be positive and --reps >= 1")
+    sizes_res = run_sizes(backends, sizes, args.reps)
+    handoffs = run_handoffs(backends, args.reps)
+    if args.json:
+        print(json.dumps({"threads": torch.get_num_threads(),
+                          "sizes": [asdict(r) for r in sizes_res],
+                          "handoffs": [asdict(h) for h in handoffs]}, indent=2))
+        return 0
+    head = " | ".join(f"{b} GB/s | {b}/memcpy" for b in backends)
+    print(f"| size | blocks | memcpy GB/s | {head} |")
+    print("|---|---|---|" + "---|---|" * len(backends))
+    for r in sizes_res:
+        cols = " | ".join(f"{r.backend_gb_s[b]:.2f} | **{r.ratio[b]:.2f}**" for b in backends)
+        print(f"| {r.size_mb} MB | {r.num_blocks} | {r.memcpy_gb_s:.2f} | {cols} |")
+    print()
+    print("| handoff (1k-token prompt) | backend | blocks | MB | median ms | best ms |")
+    print("|---|---|---|---|---|---|")
+    for h in handoffs:
+        print(f"| {h.model} | {h.backend} | {h.num_blocks} | {h.num_bytes / MB:.1f} | "
+              f"{h.median_ms:.2f} | {h.best_ms:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "serve":
+        serve(sys.argv[2], sys.argv[3])
+    else:
+        ap = argparse.ArgumentParser(prog="python -m bench.kvtransfer")
+        add_args(ap)
+        sys.exit(main(ap.parse_args()))
