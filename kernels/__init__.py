@@ -1,4 +1,8 @@
-"""Attention backends behind one interface (kernels.attention_backend)."""
+"""Attention backends behind one interface (kernels.attention_backend).
+
+Triton is imported only when the Triton backend is asked for: it ships for Linux x86_64 only,
+and importing ``kernels`` must work everywhere.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,17 +10,42 @@ import torch
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 from kernels.torch_attention import TorchAttentionBackend
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def get_attention_backend(name: str = "auto",
                           device: torch.device | str | None = None) -> AttentionBackend:
-    """The attention backend called ``name``; "auto" picks the best one for ``device``."""
-    if name in ("auto", "torch"):
-        # Only the torch backend exists yet; "auto" will prefer Triton on GPUs once it lands.
+    """The attention backend called ``name``; "auto" picks Triton on CUDA devices (when triton
+    is installed) and torch elsewhere. ``device`` None means the CPU."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    device = torch.device(device if device is not None else "cpu")
+    if name == "torch" or (name == "auto" and not (device.type == "cuda" and _has_triton())):
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if not _has_triton():
+        raise ValueError("attention backend 'triton' needs the triton package (Linux x86_64)")
+    if device.type == "cpu" and not _interpreter_on():
+        raise ValueError("attention backend 'triton' on CPU runs only under Triton's "
+                         "interpreter: set TRITON_INTERPRET=1 before starting the process")
+    from kernels.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend",
+def _interpreter_on() -> bool:
+    import triton
+
+    # Triton's own reading of TRITON_INTERPRET, so "true"/"on" count as it counts them.
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchAttentionBackend",
            "get_attention_backend"]

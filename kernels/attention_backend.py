@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
     """Stores new K/V into the paged cache, then runs paged attention."""
 
     name: str = "abstract"
+    # Whether a decode step can be captured in a CUDA graph and replayed: the backend must read
+    # only device tensors of the metadata (host lists hold capture-time upper bounds then).
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(
