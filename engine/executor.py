@@ -13,7 +13,7 @@ from engine.kv_layout import KVCacheLayout, make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner
 from engine.parallel_state import TPGroup
-from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks
+from engine.setup import RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks
 
 
 class ExecutorError(RuntimeError):
@@ -69,7 +69,8 @@ class UniProcExecutor(Executor):
         self.num_blocks = rank_capacity_blocks(spec, model_config, self.group)
         layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
                              spec.torch_dtype)
-        self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0))
+        self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0),
+                                  cuda_graph_config(spec, model_config, self.num_blocks))
         self.kv_agent = make_rank_agent(spec, self.runner)
         self._kv_handles = [self.kv_agent.handle()] if self.kv_agent is not None else []
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import SchedulerOutput
@@ -31,13 +32,16 @@ class ModelRunner:
     """One rank's model and its share of the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, graph_config: CUDAGraphConfig | None = None) -> None:
         self.model = model
         self.layout = layout
         self.device = device
         # [num_layers, 2, num_blocks, block_size, num_kv_heads_on_this_rank, head_size]
         self.kv_cache = torch.zeros(layout.shape, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
+        # Captured after the cache exists: the graphs hold its address.
+        self.graphs = (DecodeGraphRunner(model, graph_config, device)
+                       if graph_config is not None else None)
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor | None:
@@ -45,7 +49,11 @@ class ModelRunner:
 
         Every rank calls this with the same input, so the layers' collectives pair up.
         """
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [num_tokens, hidden]
+        bucket = self.graphs.bucket_for(inp.meta) if self.graphs is not None else None
+        if bucket is not None:  # every rank decides alike, so collectives still pair up
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, bucket)
+        else:
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta)  # [num_tokens, hidden]
         if inp.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])

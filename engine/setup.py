@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graph import CUDAGraphConfig
 from engine.kv_layout import make_layout
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -132,6 +133,25 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     backend = get_attention_backend(spec.config.attention_backend, device)
     with tp_group_scope(group):
         return load_model(spec.model_path, spec.torch_dtype, device, backend)
+
+
+_MAX_GRAPH_BATCH = 512
+
+
+def cuda_graph_config(spec: RankSpec, cfg: ModelConfig, num_blocks: int) -> CUDAGraphConfig | None:
+    """What to capture decode CUDA graphs for; None where steps run eagerly (CPU,
+    ``enforce_eager``, or an attention backend that reads host metadata per step)."""
+    c = spec.config
+    device = spec.rank_device(0)
+    if c.enforce_eager or device.type != "cuda":
+        return None
+    if not get_attention_backend(c.attention_backend, device).supports_cuda_graphs:
+        return None
+    max_len = min(c.max_model_len or cfg.max_position_embeddings, num_blocks * c.block_size,
+                  c.max_seq_len_to_capture)
+    return CUDAGraphConfig(max_batch_size=min(c.max_num_seqs, _MAX_GRAPH_BATCH),
+                           max_num_blocks_per_seq=-(-max_len // c.block_size),
+                           block_size=c.block_size)
 
 
 def rank_capacity_blocks(spec: RankSpec, cfg: ModelConfig, group: TPGroup) -> int:

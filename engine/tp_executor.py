@@ -29,7 +29,8 @@ from engine.executor import Executor, ExecutorError, make_rank_agent
 from engine.kv_layout import KVCacheLayout, make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner
-from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_to_json
+from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
+                          spec_to_json)
 from engine.step_codec import encode_model_input
 from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
@@ -82,7 +83,8 @@ class MultiprocExecutor(Executor):
                 tp_comm.send_json(w.conn, tp_comm.OP_NUM_BLOCKS, {"num_blocks": self.num_blocks})
             layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
                                  spec.torch_dtype, 0, size)
-            self.runner = ModelRunner(model, layout, spec.torch_dtype, device)
+            self.runner = ModelRunner(model, layout, spec.torch_dtype, device,
+                                      cuda_graph_config(spec, model_config, self.num_blocks))
             self._layouts = [layout] + [
                 KVCacheLayout.from_json(self._expect(w, tp_comm.OP_READY))
                 for w in self.workers]

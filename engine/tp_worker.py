@@ -23,7 +23,8 @@ from engine.executor import make_rank_agent
 from engine.kv_layout import make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.setup import RankSpec, load_rank_model, rank_capacity_blocks, spec_from_json
+from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
+                          spec_from_json)
 from engine.step_codec import decode_model_input
 from engine.tp_kv_channel import WorkerKVServer
 
@@ -88,7 +89,8 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
         raise ValueError(f"expected the block count, got op {op!r}")
     num_blocks = int(tp_comm.parse_json(payload)["num_blocks"])
     layout = make_layout(cfg, num_blocks, spec.config.block_size, spec.torch_dtype, rank, size)
-    runner = ModelRunner(model, layout, spec.torch_dtype, device)
+    runner = ModelRunner(model, layout, spec.torch_dtype, device,
+                         cuda_graph_config(spec, cfg, num_blocks))
     tp_comm.send(conn, tp_comm.OP_READY, layout.to_json().encode())
     agent = make_rank_agent(spec, runner)
     kv_server = None

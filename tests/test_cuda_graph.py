@@ -1,0 +1,132 @@
+"""Decode CUDA graphs: buckets, which steps qualify, and the padded static-buffer path.
+
+On CPU the graph runner runs with ``capture=False``: the same padding, static buffers and
+bucket metadata, without the capture. Those tests check that padding never changes a token or
+writes the cache; the ``gpu`` tests check capture and replay against eager on a real GPU.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
+from engine.model_runner import prepare_input
+from engine.request import Request
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+# Requests finish at different steps, so decode batches shrink through every bucket.
+MAX_TOKENS = [12, 4, 9, 12, 6, 2, 10]
+
+
+def _params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+
+
+def test_buckets_cover_every_batch_size():
+    assert CUDAGraphConfig(20, 4, 16).batch_sizes == [1, 2, 4, 8, 16, 20]
+    assert CUDAGraphConfig(1, 4, 16).batch_sizes == [1]
+    assert CUDAGraphConfig(32, 4, 16).batch_sizes == [1, 2, 4, 8, 16, 24, 32]
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="max_batch_size"):
+            CUDAGraphConfig(bad, 4, 16)
+
+
+def test_capture_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphRunner(torch.nn.Identity(), CUDAGraphConfig(2, 2, 16), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(5)
+    return [[rng.randint(5, 7000) for _ in range(n)] for n in (3, 17, 31, 32, 33, 50, 64)]
+
+
+@pytest.fixture(scope="module")
+def expected(prompts):
+    with LLM("tiny-llama", enforce_eager=True) as llm:
+        outs = [o.token_ids for o in llm.generate(prompts, _params())]
+    assert len({t for o in outs for t in o}) > 15, "greedy outputs are too repetitive to compare"
+    return outs
+
+
+def _padded_llm(max_batch_size: int, max_blocks: int) -> LLM:
+    llm = LLM("tiny-llama")
+    runner = llm.engine.executor.runner
+    cfg = CUDAGraphConfig(max_batch_size, max_blocks, llm.engine.block_size)
+    runner.graphs = DecodeGraphRunner(runner.model, cfg, runner.device, capture=False)
+    return llm
+
+
+@pytest.mark.parametrize("max_batch_size,max_blocks", [(8, 8), (5, 8), (3, 5)])
+def test_padded_decode_matches_eager(prompts, expected, max_batch_size, max_blocks):
+    """Bigger batches and longer contexts than the graphs cover fall back to eager steps."""
+    with _padded_llm(max_batch_size, max_blocks) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, _params())]
+        graphs = llm.engine.executor.runner.graphs
+        assert graphs.num_replays > 0
+        s = llm.engine.get_stats()
+        assert s.num_free_blocks == s.num_total_blocks
+    assert got == expected
+
+
+def _decode_step(block_size: int, lens: list[int], first_block: int) -> SchedulerOutput:
+    sched = SchedulerOutput()
+    for i, n in enumerate(lens):
+        req = Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4))
+        req.num_computed_tokens = n - 1
+        blocks = list(range(first_block + 8 * i, first_block + 8 * i + -(-n // block_size)))
+        sched.scheduled.append(ScheduledRequest(req, 1, blocks))
+    return sched
+
+
+def test_padding_rows_write_nothing_into_the_cache():
+    with LLM("tiny-llama", num_gpu_blocks=64) as llm:
+        runner = llm.engine.executor.runner
+        bs = llm.engine.block_size
+        graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(8, 4, bs), runner.device,
+                                   capture=False)
+        inp = prepare_input(_decode_step(bs, [5, 20, 40], first_block=1), bs, runner.device)
+        assert graphs.bucket_for(inp.meta) == 4
+        runner.kv_cache.zero_()
+        graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
+        # [num_layers, 2, num_blocks * block_size, ...]: only the three real slots changed.
+        flat = runner.kv_cache.flatten(2, 3)
+        written = flat.abs().sum(dim=(0, 1, 3, 4)).nonzero().flatten().tolist()
+        assert written == sorted(inp.meta.slot_mapping.tolist())
+
+
+def test_only_pure_decode_steps_qualify():
+    with LLM("tiny-llama", num_gpu_blocks=64) as llm:
+        runner = llm.engine.executor.runner
+        bs = llm.engine.block_size
+        graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(4, 2, bs), runner.device,
+                                   capture=False)
+        ok = prepare_input(_decode_step(bs, [5, 20, 32], 1), bs, runner.device)
+        assert graphs.bucket_for(ok.meta) == 4
+        too_many = prepare_input(_decode_step(bs, [5] * 5, 1), bs, runner.device)
+        assert graphs.bucket_for(too_many.meta) is None
+        too_long = prepare_input(_decode_step(bs, [5, 33], 1), bs, runner.device)
+        assert graphs.bucket_for(too_long.meta) is None
+        mixed = _decode_step(bs, [5, 20], 1)
+        mixed.scheduled[1].num_new_tokens = 3
+        mixed.scheduled[1].request.num_computed_tokens = 17
+        assert graphs.bucket_for(prepare_input(mixed, bs, runner.device).meta) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_matches_eager_on_gpu(prompts, dtype):
+    params = _params()
+    with LLM("tiny-llama", device="cuda", dtype=dtype, enforce_eager=True) as llm:
+        eager = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=8) as llm:
+        graphs = llm.engine.executor.runner.graphs
+        assert graphs is not None and graphs.capture and len(graphs.graphs) == 5
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        assert graphs.num_replays > 0
+    assert got == eager
