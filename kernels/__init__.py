@@ -10,16 +10,29 @@ import torch
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 from kernels.torch_attention import TorchAttentionBackend
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str = "auto",
                           device: torch.device | str | None = None) -> AttentionBackend:
     """The attention backend called ``name``; "auto" picks Triton on CUDA devices (when triton
-    is installed) and torch elsewhere. ``device`` None means the CPU."""
+    is installed), the compiled CPU kernels on the CPU (when a C compiler built them), and
+    torch otherwise. ``device`` None means the CPU."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
     device = torch.device(device if device is not None else "cpu")
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        from kernels.cpu_decode import cpu_kernels_available
+
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, not on {device}")
+        if cpu_kernels_available():
+            from kernels.cpu_attention import CPUAttentionBackend
+
+            return CPUAttentionBackend()
+        if name == "cpu":
+            raise ValueError("attention backend 'cpu' needs a working C compiler (cc or gcc) "
+                             "to build kernels/csrc; use 'torch' instead")
     if name == "torch" or (name == "auto" and not (device.type == "cuda" and _has_triton())):
         return TorchAttentionBackend()
     if not _has_triton():

@@ -35,3 +35,21 @@ def reference_paged_attention(query: torch.Tensor, key: torch.Tensor, value: tor
                 out[start + j, h] = (weights @ vs[:visible, h // group]).to(out.dtype)
         start += q_len
     return out
+
+
+def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain-torch twin of the paged decode kernels (Triton and CPU): the float64 oracle,
+    writing nothing. query [num_seqs, num_heads, head_size], one token per sequence."""
+    num_seqs = query.shape[0]
+    lens = seq_lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64),  # attend only
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        seq_lens=seq_lens, block_tables=block_tables,
+        query_lens_list=[1] * num_seqs, seq_lens_list=lens,
+        max_query_len=1, max_seq_len=max(lens, default=0), block_size=k_cache.shape[1],
+        num_decodes=num_seqs)
+    unused_kv = query.new_empty(num_seqs, *k_cache.shape[2:])
+    return reference_paged_attention(query, unused_kv, unused_kv, k_cache, v_cache, meta, scale)

@@ -64,20 +64,32 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        cached_meta, plan = self._cached
-        if cached_meta is not meta or plan is None:
-            plan = self._make_plan(meta, k_cache, query.dtype)
-            self._cached = (meta, plan)
+        plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=True)
         _write_kv(key, value, k_cache, v_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
         for chunk in plan.decode_chunks:
             _decode_attention(query, k_cache, v_cache, chunk, scale, out)
-        for seq in plan.prefills:
-            _prefill_attention(query, key, value, k_cache, v_cache, seq, scale, out)
+        self._prefill(query, key, value, k_cache, v_cache, plan, scale, out)
         return out
 
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _StepPlan, scale: float,
+                 out: torch.Tensor) -> None:
+        for seq in plan.prefills:
+            _prefill_attention(query, key, value, k_cache, v_cache, seq, scale, out)
+
+    def _step_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
+                   gather_decodes: bool) -> _StepPlan:
+        """The step's plan, built by its first layer; ``gather_decodes`` False leaves the
+        decodes to a kernel that reads the cache in place."""
+        cached_meta, plan = self._cached
+        if cached_meta is not meta or plan is None:
+            plan = self._make_plan(meta, k_cache, dtype, gather_decodes)
+            self._cached = (meta, plan)
+        return plan
+
     def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
-                   dtype: torch.dtype) -> _StepPlan:
+                   dtype: torch.dtype, gather_decodes: bool) -> _StepPlan:
         slots = meta.slot_mapping.long()
         write_rows = None
         if bool((slots < 0).any()):
@@ -94,9 +106,11 @@ class TorchAttentionBackend(AttentionBackend):
         if block_tables.shape[-1] < needed:
             raise ValueError(f"block_tables has {block_tables.shape[-1]} columns; the longest "
                              f"sequence needs {needed} blocks")
-        return _StepPlan(write_rows, slots,
-                         _plan_decodes(meta, block_tables, max(budget // token_bytes, 1), dtype),
-                         _plan_prefills(meta, block_tables, dtype))
+        if any(n != 1 for n in meta.query_lens_list[:meta.num_decodes]):
+            raise ValueError("the first num_decodes sequences must have query length 1")
+        decodes = (_plan_decodes(meta, block_tables, max(budget // token_bytes, 1), dtype)
+                   if gather_decodes else [])
+        return _StepPlan(write_rows, slots, decodes, _plan_prefills(meta, block_tables, dtype))
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -108,8 +122,6 @@ def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _plan_decodes(meta: AttentionMetadata, block_tables: torch.Tensor, token_budget: int,
                   dtype: torch.dtype) -> list[_DecodeChunk]:
     nd = meta.num_decodes
-    if any(n != 1 for n in meta.query_lens_list[:nd]):
-        raise ValueError("the first num_decodes sequences must have query length 1")
     bs = meta.block_size
     lens = meta.seq_lens_list
     # Sorted by context length, a chunk's padded size is close to its real size.

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_backend import AttentionMetadata
-from kernels.reference import reference_paged_attention
+from kernels.reference import paged_decode_attention_ref  # noqa: F401 - the kernel's twin
 from kernels.triton_cache import (check_int_vector, check_kv_caches, check_last_dim_contiguous,
                                   check_launchable, dot_dtype)
 
@@ -193,20 +192,3 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             NUM_PARTITIONS=num_partitions, BLOCK_P=triton.next_power_of_2(num_partitions),
         )
     return out
-
-
-def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain-torch twin of ``paged_decode_attention``: the float64 oracle, writing nothing."""
-    num_seqs = query.shape[0]
-    lens = seq_lens.tolist()
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((num_seqs,), -1, dtype=torch.int64),  # attend only
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
-        seq_lens=seq_lens, block_tables=block_tables,
-        query_lens_list=[1] * num_seqs, seq_lens_list=lens,
-        max_query_len=1, max_seq_len=max(lens, default=0), block_size=k_cache.shape[1],
-        num_decodes=num_seqs)
-    unused_kv = query.new_empty(num_seqs, *k_cache.shape[2:])
-    return reference_paged_attention(query, unused_kv, unused_kv, k_cache, v_cache, meta, scale)

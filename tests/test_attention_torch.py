@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from kernels import get_attention_backend
 from kernels.attention_backend import AttentionMetadata
 from kernels.reference import reference_paged_attention
+from kernels.cpu_attention import CPUAttentionBackend
+from kernels.cpu_decode import cpu_kernels_available
 from kernels.torch_attention import TorchAttentionBackend
 
 BLOCK_SIZE = 16
@@ -77,6 +79,8 @@ BACKENDS = {
     # A tiny budget puts every decode in its own chunk: exercises chunking and the sort.
     "chunked": lambda: TorchAttentionBackend(decode_chunk_bytes=1),
     "mid": lambda: TorchAttentionBackend(decode_chunk_bytes=40 * 2 * 4 * HEAD_SIZE * 4),
+    # Decodes through the compiled kernel, prefills through torch.
+    "cpu": CPUAttentionBackend,
 }
 
 
@@ -201,7 +205,11 @@ def test_reference_matches_dense_attention():
 
 
 def test_get_attention_backend():
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
-    assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
+    assert cpu_kernels_available(), "this machine has a C compiler: the CPU kernels must build"
+    assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
+    assert get_attention_backend("cpu").name == "cpu"
+    assert type(get_attention_backend("torch")) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        get_attention_backend("cpu", "cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flashinfer")

@@ -323,7 +323,7 @@ def test_backend_rejects_inconsistent_meta():
 
 
 def test_get_attention_backend_picks_triton(monkeypatch):
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu")).name in ("cpu", "torch")
     assert get_attention_backend("auto", "cuda").name == "triton"
     if DEVICE == "cpu":  # this process runs the interpreter
         assert isinstance(get_attention_backend("triton", "cpu"), TritonAttentionBackend)

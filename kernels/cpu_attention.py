@@ -1,0 +1,33 @@
+"""The CPU attention backend: the torch backend with decodes run by a compiled kernel.
+
+Decode attention is memory-bound. The torch path copies every decode's blocks into a padded
+batch before SDPA reads them again; the compiled kernel (kernels/csrc/paged_decode_cpu.c)
+reads each block in place, once. Prefill chunks, the K/V write, and anything the kernel does
+not take (dtypes other than float32) stay on the torch path.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_backend import AttentionMetadata
+from kernels.cpu_decode import paged_decode_attention_cpu, supports
+from kernels.torch_attention import TorchAttentionBackend, _write_kv
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        if not supports(query, k_cache):
+            return super().forward(query, key, value, k_cache, v_cache, meta, scale)
+        plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
+        _write_kv(key, value, k_cache, v_cache, plan)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        nd = meta.num_decodes
+        if nd:  # decodes come first, one token each: token row i is sequence i
+            paged_decode_attention_cpu(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                       meta.seq_lens[:nd], scale, out=out[:nd])
+        self._prefill(query, key, value, k_cache, v_cache, plan, scale, out)
+        return out

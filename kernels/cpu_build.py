@@ -1,0 +1,82 @@
+"""Builds the C kernels in ``kernels/csrc`` with the system C compiler on first use, and loads them.
+
+No build step at install time: the shared object is compiled for this very CPU
+(``-march=native``) into a cache folder keyed by the source, the compiler and the flags, so a
+later process loads it at once. The build writes a temporary file and renames it, so processes
+that start together (TP ranks, parallel tests) never load a half-written library. Where no
+compiler works the loader returns None and callers use the plain-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """$PDSERVE_KERNEL_CACHE, else ~/.cache/pdserve/kernels."""
+    env = os.environ.get("PDSERVE_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pdserve" / "kernels"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def load_library(name: str) -> ctypes.CDLL | None:
+    """``csrc/<name>.c`` compiled and loaded (once per process); None if it cannot be built."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
+        return None
+    cc = compiler()
+    if cc is None:
+        logger.warning("no C compiler found: CPU attention runs on the plain-torch path")
+        return None
+    source = CSRC / f"{name}.c"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        key = hashlib.sha256(source.read_bytes() + version.encode()
+                             + " ".join(FLAGS).encode()).hexdigest()[:16]
+        target = cache_dir() / f"{name}-{key}.so"
+        if not target.exists():
+            _compile(cc, source, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("could not build the CPU kernel %s (%s): using the plain-torch path",
+                       name, e)
+        return None
+
+
+def _compile(cc: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise OSError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

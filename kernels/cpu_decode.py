@@ -1,0 +1,113 @@
+"""Launcher of the compiled CPU paged decode kernel (kernels/csrc/paged_decode_cpu.c).
+
+Its plain-torch twin is ``kernels.reference.paged_decode_attention_ref``.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu_build import load_library
+
+_LIB_NAME = "paged_decode_cpu"
+# The kernel keeps a [num_heads, head_size] accumulator and [num_heads, block_size] scores on
+# its thread's stack.
+MAX_STACK_FLOATS = 1 << 16
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = load_library(_LIB_NAME)
+    if lib is not None and not getattr(lib, "_pdserve_typed", False):
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn = lib.paged_decode_attention_f32
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64,
+                       i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        fn.restype = None
+        lib._pdserve_typed = True
+    return lib
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the compiled kernel could be built and loaded on this machine."""
+    return _lib() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel handles these tensors (float32 on the CPU, a contiguous cache)."""
+    return (query.device.type == "cpu" and query.dtype == torch.float32
+            and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and query.shape[1] * (k_cache.shape[3] + k_cache.shape[1]) <= MAX_STACK_FLOATS)
+
+
+def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+    """query [num_seqs, num_heads, head_size] float32 (one token each, the last position of
+    its context) over seq_lens [num_seqs] int32 tokens found through block_tables
+    [num_seqs, max_num_blocks] int32 in k/v_cache [num_blocks, block_size, num_kv_heads,
+    head_size]. Returns ``out`` (allocated if None). Lengths and block ids are range-checked
+    here (a pass over small int tensors) since the C code would read out of bounds."""
+    lib = _lib()
+    if lib is None:
+        raise ValueError("the CPU decode kernel is not available (no working C compiler)")
+    _check(query, k_cache, v_cache, block_tables, seq_lens)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError(f"out {out.dtype} {tuple(out.shape)} must match query {query.dtype} "
+                         f"{tuple(query.shape)} with a contiguous last dim")
+    num_seqs, num_heads, head_size = query.shape
+    if num_seqs == 0:
+        return out
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    lib.paged_decode_attention_f32(
+        query.data_ptr(), query.stride(0), query.stride(1),
+        k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        num_seqs, num_heads, num_kv_heads, head_size, block_size, float(scale),
+        torch.get_num_threads())
+    return out
+
+
+def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device.type != "cpu" or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_size], got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    _, _, num_kv_heads, head_size = k_cache.shape
+    if query.dim() != 3 or query.shape[2] != head_size or query.stride(2) != 1:
+        raise ValueError(f"query must be [num_seqs, num_heads, {head_size}] with a contiguous "
+                         f"last dim, got {tuple(query.shape)} strides {query.stride()}")
+    num_seqs, num_heads = query.shape[:2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                         f"({num_kv_heads})")
+    if not supports(query, k_cache):
+        raise ValueError("head_size and block_size are too large for the CPU kernel's buffers")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2
+            or block_tables.shape[0] != num_seqs or block_tables.stride(1) != 1):
+        raise ValueError(f"block_tables must be int32 [{num_seqs}, max_num_blocks] with "
+                         f"contiguous rows, got {block_tables.dtype} {tuple(block_tables.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (num_seqs,) \
+            or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be a contiguous int32 [{num_seqs}], got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
+        raise ValueError("block_tables and seq_lens must be on the CPU")
+    if num_seqs:
+        capacity = block_tables.shape[1] * k_cache.shape[1]
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 1 or hi > capacity:
+            raise ValueError(f"seq_lens must be in [1, {capacity}] (the block tables' reach), "
+                             f"got [{lo}, {hi}]")
+        if int(block_tables.min()) < 0 or int(block_tables.max()) >= k_cache.shape[0]:
+            raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")

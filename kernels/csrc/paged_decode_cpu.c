@@ -1,0 +1,127 @@
+/* Paged decode attention for the CPU, float32: one query token per sequence, GQA.
+ *
+ * The torch path gathers every sequence's blocks into a padded copy before attending, which
+ * moves the K/V through memory twice. This kernel reads each block in place, once: scores for
+ * a whole block, an online-softmax update, then the V rows weighted into an accumulator. The
+ * query heads that share a KV head are handled together, so each K/V row is loaded once per
+ * group. Work items are (sequence, KV head) pairs spread over OpenMP threads (the process's
+ * one OpenMP runtime, which torch loaded first).
+ *
+ * Layouts (element strides, all rows contiguous in head_size):
+ *   q, out        [num_seqs, num_heads, head_size]
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size] (contiguous)
+ *   block_tables  [num_seqs, table_stride] int32
+ *   seq_lens      [num_seqs] int32
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (scores minus their running max), written so the compiler vectorizes it:
+ * libm's expf is a scalar call, and one per (token, head) costs more than reading the K/V.
+ * x = k ln2 + r with |r| <= ln2 / 2; exp(r) by Cephes' degree-6 polynomial (relative error
+ * about 1e-7); 2^k built in the exponent bits. Below -87 the result flushes to 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float k = (float)(int)(x * 1.44269504088896341f - 0.5f);  /* round half down */
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+/* Attends query heads [kvh0 * group, (kvh0 + nkv) * group) of one sequence: KV heads
+ * [kvh0, kvh0 + nkv). With every KV head in one item a block is read as one contiguous run. */
+static void attend(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
+                   const int32_t *table, int seq_len, int kvh0, int nkv, int group,
+                   int num_kv_heads, int head_size, int block_size, float scale, float *out,
+                   int64_t o_sh) {
+    const int64_t row = (int64_t)num_kv_heads * head_size;  /* one token in the cache */
+    const int64_t block_stride = (int64_t)block_size * row;
+    const int nh = nkv * group;  /* query heads in this item */
+    float m[nh], l[nh];
+    float s[nh * block_size];  /* [nh, block_size] scores, then probabilities */
+    float acc[nh * head_size];  /* [nh, head_size] */
+    for (int h = 0; h < nh; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int d = 0; d < head_size; d++) acc[h * head_size + d] = 0.0f;
+    }
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; b++) {
+        const int64_t base = (int64_t)table[b] * block_stride + (int64_t)kvh0 * head_size;
+        const int ntok = seq_len - b * block_size < block_size ? seq_len - b * block_size
+                                                               : block_size;
+        for (int t = 0; t < ntok; t++) {
+            for (int h = 0; h < nh; h++) {
+                const float *k = k_cache + base + t * row + (h / group) * head_size;
+                const float *qh = q + (int64_t)h * q_sh;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < head_size; d++) dot += qh[d] * k[d];
+                s[h * block_size + t] = dot * scale;
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            float *sh = s + h * block_size;
+            float bmax = m[h];
+            for (int t = 0; t < ntok; t++) bmax = sh[t] > bmax ? sh[t] : bmax;
+            const float alpha = m[h] == -INFINITY ? 0.0f : exp_nonpos(m[h] - bmax);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int t = 0; t < ntok; t++) {
+                sh[t] = exp_nonpos(sh[t] - bmax);
+                sum += sh[t];
+            }
+            l[h] = l[h] * alpha + sum;
+            m[h] = bmax;
+            float *ah = acc + h * head_size;
+#pragma omp simd
+            for (int d = 0; d < head_size; d++) ah[d] *= alpha;
+        }
+        for (int t = 0; t < ntok; t++) {
+            for (int h = 0; h < nh; h++) {
+                const float *v = v_cache + base + t * row + (h / group) * head_size;
+                const float p = s[h * block_size + t];
+                float *ah = acc + h * head_size;
+#pragma omp simd
+                for (int d = 0; d < head_size; d++) ah[d] += p * v[d];
+            }
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        float *oh = out + (int64_t)h * o_sh;
+        for (int d = 0; d < head_size; d++) oh[d] = acc[h * head_size + d] * inv;
+    }
+}
+
+void paged_decode_attention_f32(const float *q, int64_t q_ss, int64_t q_sh,
+                                const float *k_cache, const float *v_cache,
+                                const int32_t *block_tables, int64_t table_stride,
+                                const int32_t *seq_lens, float *out, int64_t o_ss, int64_t o_sh,
+                                int num_seqs, int num_heads, int num_kv_heads, int head_size,
+                                int block_size, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    /* Whole sequences per item when there are enough to share out; else one KV head each. */
+    const int per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
+    const int items_per_seq = num_kv_heads / per_item;
+    const int64_t items = (int64_t)num_seqs * items_per_seq;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t i = 0; i < items; i++) {
+        const int seq = (int)(i / items_per_seq);
+        const int kvh0 = (int)(i % items_per_seq) * per_item;
+        const int64_t h0 = (int64_t)kvh0 * group;
+        attend(q + seq * q_ss + h0 * q_sh, q_sh, k_cache, v_cache,
+               block_tables + seq * table_stride, seq_lens[seq], kvh0, per_item, group,
+               num_kv_heads, head_size, block_size, scale, out + seq * o_ss + h0 * o_sh, o_sh);
+    }
+}

@@ -1,0 +1,114 @@
+"""The compiled CPU paged decode kernel against its float64 torch twin, its launcher's checks,
+and the build cache."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.cpu_build import cache_dir
+from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kernels.reference import paged_decode_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler")
+
+
+def _case(num_seqs, num_heads, num_kv_heads, head_size, block_size, lens, seed=0,
+          num_blocks=None):
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = num_blocks or sum(need) + 3
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(need)
+    tables = []
+    for n in need:
+        row = [ids.pop() for _ in range(n)]
+        tables.append(row + [0] * (width - n))
+    q = torch.randn(num_seqs, num_heads, head_size, generator=gen)
+    return (q, k, v, torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (16, 2), (8, 1)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 8), (32, 32)])
+def test_matches_reference(num_heads, num_kv_heads, head_size, block_size):
+    # One token, exactly one block, block boundaries and a long context in one batch.
+    lens = [1, block_size, block_size + 1, 3 * block_size, 3 * block_size - 1, 200]
+    q, k, v, tables, seq_lens = _case(len(lens), num_heads, num_kv_heads, head_size,
+                                      block_size, lens)
+    scale = head_size ** -0.5
+    out = paged_decode_attention_cpu(q, k, v, tables, seq_lens, scale)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, seq_lens, scale),
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 40])
+def test_small_and_large_batches_split_work_alike(num_seqs):
+    """Few sequences split per KV head across threads; many go whole-sequence per thread."""
+    lens = [(37 * i) % 300 + 1 for i in range(num_seqs)]
+    q, k, v, tables, seq_lens = _case(num_seqs, 8, 2, 64, 16, lens, seed=num_seqs)
+    out = paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, seq_lens, 0.125),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_strided_query_and_out_views():
+    lens = [5, 40, 17]
+    q, k, v, tables, seq_lens = _case(3, 8, 4, 64, 16, lens)
+    wide = torch.randn(3, 12, 64)
+    wide[:, 2:10] = q
+    out_buf = torch.full((5, 8, 64), 7.0)
+    paged_decode_attention_cpu(wide[:, 2:10], k, v, tables, seq_lens, 0.125, out=out_buf[1:4])
+    torch.testing.assert_close(out_buf[1:4],
+                               paged_decode_attention_ref(q, k, v, tables, seq_lens, 0.125),
+                               atol=2e-5, rtol=2e-5)
+    assert bool((out_buf[0] == 7.0).all()) and bool((out_buf[4] == 7.0).all())
+
+
+def test_bad_inputs_are_refused():
+    q, k, v, tables, lens = _case(2, 8, 4, 64, 16, [5, 30])
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention_cpu(q.bfloat16(), k, v, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention_cpu(q[:, :6], k, v, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="query must be"):
+        paged_decode_attention_cpu(q[..., :32], k, v, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention_cpu(q, k.transpose(0, 1).contiguous().transpose(0, 1), v,
+                                   tables, lens, 0.1)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        paged_decode_attention_cpu(q, k, v, tables.long(), lens, 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        paged_decode_attention_cpu(q, k, v, tables, lens[:1], 0.1)
+    # Out-of-range lengths and block ids would read outside the cache in C: refused here.
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 32\]"):
+        paged_decode_attention_cpu(q, k, v, tables, torch.tensor([5, 33], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match=r"seq_lens must be in"):
+        paged_decode_attention_cpu(q, k, v, tables, torch.tensor([0, 3], dtype=torch.int32), 0.1)
+    bad = tables.clone()
+    bad[1, 1] = k.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        paged_decode_attention_cpu(q, k, v, bad, lens, 0.1)
+    with pytest.raises(ValueError, match="out"):
+        paged_decode_attention_cpu(q, k, v, tables, lens, 0.1, out=torch.empty(2, 8, 32))
+
+
+def test_built_once_into_the_cache_and_disabled_on_request(tmp_path):
+    assert any(p.name.startswith("paged_decode_cpu-") for p in cache_dir().iterdir())
+    code = ("from kernels import get_attention_backend as g; "
+            "from kernels.cpu_decode import cpu_kernels_available as a; "
+            "print(g('auto', 'cpu').name, a())")
+    env = dict(os.environ, PDSERVE_KERNEL_CACHE=str(tmp_path))
+    fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert fresh.stdout.split() == ["cpu", "True"], fresh.stderr
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary left behind
+    env["PDSERVE_DISABLE_CPU_KERNELS"] = "1"
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert off.stdout.split() == ["torch", "False"], off.stderr
