@@ -24,7 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (worker processes; gloo/NCCL)")
     p.add_argument("--attention-backend", default="auto",
-                   help="auto (Triton on CUDA, torch on CPU), torch or triton")
+                   help="auto (Triton on CUDA, compiled CPU kernels on CPU), torch, cpu or "
+                   "triton")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: never capture or replay CUDA graphs")
 
@@ -162,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.kvtransfer import add_args as add_kvtransfer_args
     b = bsub.add_parser("kvtransfer", help="KV block transfer between processes vs memcpy")
     add_kvtransfer_args(b)
+    b.set_defaults(func=cmd_bench)
+    from bench.gpu import add_args as add_gpu_args
+    b = bsub.add_parser("gpu", help="GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs "
+                        "on/off, decode-kernel bandwidth vs copy")
+    add_gpu_args(b)
     b.set_defaults(func=cmd_bench)
     return parser
 
