@@ -22,7 +22,9 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         return router_pb2.ListWorkersResponse(workers=workers)
 
     async def GetClusterStats(self, request, context):
-        workers = await self.directory.registry.live_workers()
+        # The routing view itself, refreshed: a worker counted here is one requests can reach.
+        await self.directory.refresh()
+        workers = [w.info for w in self.directory.workers.values()]
         s = self.stats
         return router_pb2.ClusterStats(
             num_prefill_workers=sum(w.role == "prefill" for w in workers),

@@ -54,6 +54,8 @@ class WorkerDirectory:
     refresh_interval_s: float = 0.5
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
+    # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
+    _refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def start(self) -> None:
         await self.refresh()
@@ -78,6 +80,10 @@ class WorkerDirectory:
                 logger.warning("registry refresh failed: %s", e)
 
     async def refresh(self) -> None:
+        async with self._refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         live = {i.worker_id: i for i in await self.registry.live_workers()}
         for wid in [w for w in self.workers if w not in live]:
             gone = self.workers.pop(wid)
@@ -98,6 +104,15 @@ class WorkerDirectory:
         return [w for w in self.workers.values()
                 if w.info.role == role and not w.info.draining and w.info.block_size == self.block_size]
 
+    async def _candidates_now(self, role: str) -> list[WorkerHandle]:
+        """Candidates, re-reading the registry when the cached view has none: a worker that
+        registered since the last periodic refresh takes the request instead of a refusal."""
+        cands = self._candidates(role)
+        if not cands:
+            await self.refresh()
+            cands = self._candidates(role)
+        return cands
+
     def check_prompt_fits(self, num_tokens: int) -> None:
         lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len]
         if lens and num_tokens + 1 > min(lens):
@@ -107,7 +122,7 @@ class WorkerDirectory:
     async def pick_prefill(self, block_hashes: list[bytes],
                            num_tokens: int) -> tuple[WorkerHandle, int]:
         """The prefill worker for a prompt, and how many of its tokens that worker has cached."""
-        cands = self._candidates("prefill")
+        cands = await self._candidates_now("prefill")
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
         matched = await self.registry.match_prefix(block_hashes, [w.worker_id for w in cands])
@@ -120,9 +135,9 @@ class WorkerDirectory:
         best = max(cands, key=score)
         return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
 
-    def pick_decode(self, num_tokens: int) -> WorkerHandle:
+    async def pick_decode(self, num_tokens: int) -> WorkerHandle:
         need = -(-num_tokens // self.block_size)
-        cands = self._candidates("decode")
+        cands = await self._candidates_now("decode")
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         roomy = [w for w in cands if w.info.num_free_blocks >= need]

@@ -146,7 +146,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         done = False
         try:
             yield first
-            decode = self.directory.pick_decode(len(ids) + 1)
+            decode = await self.directory.pick_decode(len(ids) + 1)
             usage.decode_worker_id = decode.worker_id
             async for chunk in self._decode(rid, ids, presp, request, decode, context, timings,
                                             usage, t0):
