@@ -64,8 +64,11 @@ def worker_main(spec: RankSpec, rank: int, size: int, store_port: int,
 
 
 def worker_threads(size: int) -> int:
-    """CPU threads per rank: the cores shared out, so ranks do not oversubscribe them."""
-    return max(1, (os.cpu_count() or 1) // size)
+    """CPU threads per rank: the process's thread budget (OMP_NUM_THREADS, else every core)
+    shared out, so ranks do not oversubscribe it."""
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    total = int(budget) if budget.isdigit() and int(budget) > 0 else (os.cpu_count() or 1)
+    return max(1, total // size)
 
 
 def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connection,

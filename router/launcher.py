@@ -5,6 +5,7 @@ same processes a user does. Readiness is the standard gRPC health check of each 
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -31,10 +32,24 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 180.0
+    # CPU threads per worker rank (OMP_NUM_THREADS); None shares this host's cores out among
+    # the ranks the spec starts, since every worker busy on all cores at once oversubscribes
+    # them. An OMP_NUM_THREADS already in the environment wins.
+    threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+
+    def worker_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if "OMP_NUM_THREADS" not in env:
+            ranks = self.num_prefill * self.prefill_tp + self.num_decode
+            per = self.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+            env["OMP_NUM_THREADS"] = str(per)
+        return env
 
 
 @dataclass
@@ -85,13 +100,14 @@ class Cluster:
                 "--worker-id", f"{role}-{port}", *self.spec.worker_args, *(extra or [])]
         if role == "prefill" and self.spec.prefill_tp > 1:
             args += ["--tensor-parallel-size", str(self.spec.prefill_tp)]
-        proc = self._spawn(f"{role}-{port}", address, args)
+        proc = self._spawn(f"{role}-{port}", address, args, self.spec.worker_env())
         if wait:
             self._wait_healthy(proc)
         return proc
 
-    def _spawn(self, name: str, address: str, args: list[str]) -> Proc:
-        popen = subprocess.Popen([sys.executable, "-m", "engine.cli", *args])
+    def _spawn(self, name: str, address: str, args: list[str],
+               env: dict[str, str] | None = None) -> Proc:
+        popen = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], env=env)
         proc = Proc(name, address, popen)
         self.procs.append(proc)
         return proc
