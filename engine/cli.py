@@ -24,10 +24,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (worker processes; gloo/NCCL)")
     p.add_argument("--attention-backend", default="auto",
-                   help="auto (Triton on CUDA, compiled CPU kernels on CPU), torch, cpu or "
-                   "triton")
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: Triton on CUDA, the compiled CPU kernels on CPU")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: never capture or replay CUDA graphs")
+    p.add_argument("--max-seq-len-to-capture", type=int, default=8192,
+                   help="CUDA graphs cover decode steps whose contexts fit this many tokens")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -38,7 +40,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 tensor_parallel_size=args.tensor_parallel_size,
-                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                max_seq_len_to_capture=args.max_seq_len_to_capture)
 
 
 DEMO_PROMPTS = [
@@ -163,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.kvtransfer import add_args as add_kvtransfer_args
     b = bsub.add_parser("kvtransfer", help="KV block transfer between processes vs memcpy")
     add_kvtransfer_args(b)
+    b.set_defaults(func=cmd_bench)
+    from bench.serve import add_args as add_serve_args
+    b = bsub.add_parser("serve", help="online serving through the router vs the in-process "
+                        "engine: TTFT, TPOT, ITL, throughput, shared-prefix TTFT")
+    add_serve_args(b)
     b.set_defaults(func=cmd_bench)
     from bench.gpu import add_args as add_gpu_args
     b = bsub.add_parser("gpu", help="GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs "

@@ -1,0 +1,342 @@
+"""``pdserve bench serve``: online serving through the router vs the in-process engine.
+
+A real cluster (redis, router, prefill and decode workers as separate processes, started by
+``router.launcher.Cluster``) serves closed loops at each concurrency and Poisson arrivals at each
+rate; then, with the cluster stopped so it has the machine to itself, an in-process ``LLMEngine``
+serves the same closed loops on the same requests. Also a shared-prefix phase: TTFT when the
+prompt's prefix is already cached on the prefill worker vs a fresh prefix.
+
+Metric definitions follow vLLM's ``benchmark_serving`` (see ``bench.serve_metrics``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+
+from bench.serve_load import (LoadRequests, closed_loop, inprocess_closed_loop, one_request,
+                              poisson, sequential)
+from bench.serve_metrics import PointResult, Stats, summarize
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny-llama"
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_prompts: int = 32
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    request_rates: tuple[float, ...] = (1.0, 2.0, 4.0)
+    prompt_len: tuple[int, int] = (64, 256)
+    output_len: tuple[int, int] = (32, 128)
+    seed: int = 0
+    num_gpu_blocks: int = 2048
+    prefix_len: int = 460
+    unique_len: int = 50
+    prefix_requests: int = 8
+    prefix_output_len: int = 8
+    inprocess: bool = True
+
+
+@dataclass
+class ThroughputRatio:
+    concurrency: int
+    disagg_tok_s: float
+    inprocess_tok_s: float
+    ratio: float
+
+
+@dataclass
+class PrefixResult:
+    prefix_len: int
+    unique_len: int
+    output_len: int
+    num_requests: int
+    cold_ttft: Stats
+    warm_ttft: Stats
+    cold_cached_tokens: float
+    warm_cached_tokens: float
+    ratio: float  # mean warm TTFT / mean cold TTFT
+
+
+@dataclass
+class ServeReport:
+    config: ServeConfig
+    torch_threads: int
+    cpu_count: int
+    points: list[PointResult]
+    ratios: list[ThroughputRatio]
+    shared_prefix: PrefixResult | None
+
+
+# --- arguments ----------------------------------------------------------------------------
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    p.add_argument("--model", default=d.model, help="HF folder or preset name")
+    p.add_argument("--prefill", type=int, default=d.num_prefill, help="prefill workers")
+    p.add_argument("--decode", type=int, default=d.num_decode, help="decode workers")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts,
+                   help="requests per load point (closed loops send at least 2x concurrency)")
+    p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
+                   help="closed-loop concurrencies, comma-separated ('' for none)")
+    p.add_argument("--request-rates", default=",".join(f"{r:g}" for r in d.request_rates),
+                   help="Poisson arrival rates in requests/s, comma-separated ('' for none)")
+    p.add_argument("--prompt-len", default=f"{d.prompt_len[0]}-{d.prompt_len[1]}",
+                   help="prompt tokens, uniform in LO-HI (or one number)")
+    p.add_argument("--output-len", default=f"{d.output_len[0]}-{d.output_len[1]}",
+                   help="output tokens, uniform in LO-HI (or one number)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks,
+                   help="KV blocks per worker and for the in-process engine")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len)
+    p.add_argument("--unique-len", type=int, default=d.unique_len)
+    p.add_argument("--prefix-requests", type=int, default=d.prefix_requests,
+                   help="warm and cold requests each in the shared-prefix phase (0 skips it)")
+    p.add_argument("--prefix-output-len", type=int, default=d.prefix_output_len)
+    p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
+                   help="skip the in-process engine comparison")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _int_list(s: str, name: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name} must be comma-separated integers, got {s!r}") from None
+    if any(v < 1 for v in vals):
+        raise ValueError(f"--{name} values must be >= 1, got {s!r}")
+    return vals
+
+
+def _rate_list(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--request-rates must be comma-separated numbers, got {s!r}") from None
+    if any(not (v > 0 and math.isfinite(v)) for v in vals):
+        raise ValueError(f"--request-rates must be finite and > 0, got {s!r}")
+    return vals
+
+
+def _range(s: str, name: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = s.partition("-")
+        rng = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--{name} must be LO-HI or N, got {s!r}") from None
+    if not 1 <= rng[0] <= rng[1]:
+        raise ValueError(f"--{name} needs 1 <= LO <= HI, got {s!r}")
+    return rng
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    for name in ("prefill", "decode", "num_prompts", "num_gpu_blocks", "prefix_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prefix_requests < 0 or args.prefix_len < 1 or args.unique_len < 1:
+        raise ValueError("--prefix-len and --unique-len must be >= 1, --prefix-requests >= 0")
+    cfg = ServeConfig(
+        model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+        num_prompts=args.num_prompts, concurrency=_int_list(args.concurrency, "concurrency"),
+        request_rates=_rate_list(args.request_rates),
+        prompt_len=_range(args.prompt_len, "prompt-len"),
+        output_len=_range(args.output_len, "output-len"), seed=args.seed,
+        num_gpu_blocks=args.num_gpu_blocks, prefix_len=args.prefix_len,
+        unique_len=args.unique_len, prefix_requests=args.prefix_requests,
+        prefix_output_len=args.prefix_output_len, inprocess=args.inprocess)
+    if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:
+        raise ValueError("nothing to run: no concurrency, request rate or prefix requests")
+    return cfg
+
+
+# --- workloads ----------------------------------------------------------------------------
+@dataclass
+class Point:
+    mode: str  # "concurrency" or "poisson"
+    load: float
+    reqs: LoadRequests
+    warmup: LoadRequests
+
+
+def _requests(cfg: ServeConfig, vocab: int, n: int, seed: int) -> LoadRequests:
+    from bench.workloads import OfflineWorkload, make_requests
+
+    w = OfflineWorkload("serve", cfg.model, n, cfg.prompt_len, cfg.output_len, seed=seed)
+    r = make_requests(w, vocab, n)
+    return LoadRequests(r.prompts, r.output_lens)
+
+
+def plan_points(cfg: ServeConfig, vocab: int) -> list[Point]:
+    """Each point gets its own prompts (seeded by its index), so no point finds the previous
+    one's prompts in a prefix cache; the in-process run reuses the same points."""
+    loads = [("concurrency", float(c)) for c in cfg.concurrency]
+    loads += [("poisson", r) for r in cfg.request_rates]
+    points = []
+    for k, (mode, load) in enumerate(loads):
+        n = max(cfg.num_prompts, 2 * int(load)) if mode == "concurrency" else cfg.num_prompts
+        base = cfg.seed * 1000 + 10 * k
+        points.append(Point(mode, load, _requests(cfg, vocab, n, base),
+                            _requests(cfg, vocab, 1, base + 1)))
+    return points
+
+
+def prefix_requests(cfg: ServeConfig,
+                    vocab: int) -> tuple[LoadRequests, LoadRequests, LoadRequests]:
+    """(warm-up, cold, warm): warm prompts share one prefix, which the warm-up caches; every
+    cold prompt has a fresh prefix."""
+    rng = random.Random(cfg.seed * 1000 + 999)
+    hi = max(2, min(vocab, 8000) - 1)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randint(1, hi) for _ in range(n)]
+
+    shared = toks(cfg.prefix_len)
+    n, out = cfg.prefix_requests, cfg.prefix_output_len
+    cold = [toks(cfg.prefix_len) + toks(cfg.unique_len) for _ in range(n)]
+    warm = [shared + toks(cfg.unique_len) for _ in range(n)]
+    return (LoadRequests([shared + toks(cfg.unique_len)], [out]),
+            LoadRequests(cold, [out] * n), LoadRequests(warm, [out] * n))
+
+
+# --- runs ---------------------------------------------------------------------------------
+def _log(*a) -> None:
+    print("[bench serve]", *a, file=sys.stderr, flush=True)
+
+
+async def run_disagg(address: str, cfg: ServeConfig, points: list[Point],
+                     vocab: int) -> tuple[list[PointResult], PrefixResult | None]:
+    from client import AsyncClient
+
+    results = []
+    async with AsyncClient(address, timeout=600.0) as client:
+        await client.wait_ready()
+        for k, pt in enumerate(points):
+            # The first KV transfer to a peer pays connection set-up; keep it out of the point.
+            await sequential(client, pt.warmup)
+            if pt.mode == "concurrency":
+                run = await closed_loop(client, pt.reqs, int(pt.load))
+            else:
+                run = await poisson(client, pt.reqs, pt.load, cfg.seed * 1000 + k)
+            res = summarize("disagg", pt.mode, pt.load, run.records, run.duration_s)
+            _log(f"disagg {pt.mode} {pt.load:g}: {res.output_tok_s:.1f} out tok/s, "
+                 f"TTFT mean {res.ttft.mean:.1f} ms, {res.failed} failed"
+                 + (f" ({'; '.join(res.errors)})" if res.errors else ""))
+            results.append(res)
+        prefix = await run_prefix(client, cfg, vocab) if cfg.prefix_requests else None
+    return results, prefix
+
+
+async def run_prefix(client, cfg: ServeConfig, vocab: int) -> PrefixResult:
+    warmup, cold, warm = prefix_requests(cfg, vocab)
+    await sequential(client, warmup)
+    cold_recs, warm_recs = [], []
+    # Alternate, so drift in machine load hits both sides alike.
+    for i in range(len(cold)):
+        cold_recs.append(await one_request(client, cold.prompts[i], cold.output_lens[i]))
+        warm_recs.append(await one_request(client, warm.prompts[i], warm.output_lens[i]))
+    c = summarize("disagg", "prefix-cold", 1, cold_recs, 1.0)
+    w = summarize("disagg", "prefix-warm", 1, warm_recs, 1.0)
+    if c.failed or w.failed:
+        raise RuntimeError(f"shared-prefix phase: {c.failed} cold and {w.failed} warm requests "
+                           f"failed: {'; '.join(c.errors + w.errors)}")
+    res = PrefixResult(cfg.prefix_len, cfg.unique_len, cfg.prefix_output_len, len(cold),
+                       c.ttft, w.ttft, c.mean_cached_tokens, w.mean_cached_tokens,
+                       w.ttft.mean / c.ttft.mean)
+    _log(f"shared prefix: TTFT cold {c.ttft.mean:.1f} ms, warm {w.ttft.mean:.1f} ms")
+    return res
+
+
+def run_inprocess(cfg: ServeConfig, points: list[Point]) -> list[PointResult]:
+    from engine import LLM
+
+    results = []
+    with LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks) as llm:
+        for pt in points:
+            if pt.mode != "concurrency":
+                continue
+            inprocess_closed_loop(llm.engine, pt.warmup, 1)
+            run = inprocess_closed_loop(llm.engine, pt.reqs, int(pt.load))
+            res = summarize("inprocess", pt.mode, pt.load, run.records, run.duration_s)
+            _log(f"inprocess concurrency {pt.load:g}: {res.output_tok_s:.1f} out tok/s")
+            results.append(res)
+    return results
+
+
+def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
+    inproc = {p.load: p for p in points if p.system == "inprocess"}
+    out = []
+    for p in points:
+        if p.system == "disagg" and p.mode == "concurrency" and p.load in inproc:
+            q = inproc[p.load].output_tok_s
+            out.append(ThroughputRatio(int(p.load), p.output_tok_s, q, p.output_tok_s / q))
+    return out
+
+
+# --- main ---------------------------------------------------------------------------------
+def run(cfg: ServeConfig) -> ServeReport:
+    import torch
+
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+    from router.launcher import Cluster, ClusterSpec
+
+    vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
+    points = plan_points(cfg, vocab)
+    spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
+                       worker_args=["--num-gpu-blocks", str(cfg.num_gpu_blocks)])
+    _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, {cfg.model}")
+    cluster = Cluster(spec)
+    with _children_stdout_to_stderr():
+        cluster.start()
+    try:
+        results, prefix = asyncio.run(run_disagg(cluster.router_address, cfg, points, vocab))
+    finally:
+        cluster.stop()
+    # The cluster is down by now, so the in-process engine has the machine to itself.
+    if cfg.inprocess and cfg.concurrency:
+        results += run_inprocess(cfg, points)
+    return ServeReport(cfg, torch.get_num_threads(), os.cpu_count() or 0, results,
+                       throughput_ratios(results), prefix)
+
+
+@contextlib.contextmanager
+def _children_stdout_to_stderr():
+    """The services print to the stdout they inherit; the bench's stdout is for the report
+    alone (``--json`` promises one object)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _no_nan(x):
+    """JSON has no NaN: undefined statistics (e.g. TPOT of one-token outputs) become null."""
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def main(args: argparse.Namespace) -> int:
+    from bench.serve_report import markdown
+
+    report = run(config_from_args(args))
+    if args.json:
+        print(json.dumps(_no_nan(asdict(report))))
+    else:
+        print(markdown(report))
+    failed = sum(p.failed for p in report.points)
+    return 1 if failed else 0

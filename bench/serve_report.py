@@ -1,0 +1,81 @@
+"""Markdown tables for ``pdserve bench serve``."""
+from __future__ import annotations
+
+import math
+
+from bench.serve_metrics import BREAKDOWN_FIELDS, PointResult, Stats
+
+
+def _f(x: float, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _stats(s: Stats) -> str:
+    return f"{_f(s.mean)} / {_f(s.p50)} / {_f(s.p90)} / {_f(s.p99)}"
+
+
+def _load(p: PointResult) -> str:
+    return f"c={int(p.load)}" if p.mode == "concurrency" else f"{p.load:g} req/s"
+
+
+def latency_table(points: list[PointResult]) -> str:
+    rows = ["| system | load | done | out tok/s | req/s | TTFT ms | TPOT ms | ITL ms | E2E ms |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        rows.append(f"| {p.system} | {_load(p)} | {p.completed}/{p.num_requests} | "
+                    f"{_f(p.output_tok_s)} | {_f(p.request_s, 2)} | {_stats(p.ttft)} | "
+                    f"{_stats(p.tpot)} | {_stats(p.itl)} | {_stats(p.e2e)} |")
+    return "\n".join(rows) + "\n\nLatencies: mean / p50 / p90 / p99."
+
+
+def ratio_table(ratios) -> str:
+    rows = ["| concurrency | disagg out tok/s | in-process out tok/s | disagg / in-process |",
+            "|---|---|---|---|"]
+    for r in ratios:
+        rows.append(f"| {r.concurrency} | {_f(r.disagg_tok_s)} | {_f(r.inprocess_tok_s)} | "
+                    f"{_f(r.ratio, 2)} |")
+    return "\n".join(rows)
+
+
+def breakdown_table(points: list[PointResult]) -> str:
+    names = [f.removesuffix("_s").replace("_", " ") for f in BREAKDOWN_FIELDS]
+    rows = ["| load | TTFT | " + " | ".join(names) + " |",
+            "|---" * (len(names) + 2) + "|"]
+    for p in points:
+        if p.breakdown_ms:
+            cells = " | ".join(_f(p.breakdown_ms[f]) for f in BREAKDOWN_FIELDS)
+            rows.append(f"| {_load(p)} | {_f(p.ttft.mean)} | {cells} |")
+    return ("\n".join(rows) + "\n\nMean ms per request from the router's usage timings. The "
+            "first token leaves after prefill compute; KV transfer, decode queue and the first "
+            "decode step come after it (they delay the second token).")
+
+
+def prefix_table(pr) -> str:
+    rows = ["| prompts | requests | cached tokens (mean) | TTFT ms mean / p50 / p90 / p99 |",
+            "|---|---|---|---|",
+            f"| cold (fresh {pr.prefix_len}-token prefix) | {pr.num_requests} | "
+            f"{_f(pr.cold_cached_tokens)} | {_stats(pr.cold_ttft)} |",
+            f"| warm (cached {pr.prefix_len}-token prefix) | {pr.num_requests} | "
+            f"{_f(pr.warm_cached_tokens)} | {_stats(pr.warm_ttft)} |"]
+    return (f"Prompts: a {pr.prefix_len}-token prefix + {pr.unique_len} unique tokens, "
+            f"{pr.output_len} output tokens, one request at a time.\n\n" + "\n".join(rows)
+            + f"\n\nTTFT warm / cold (means) = {_f(pr.ratio, 3)}")
+
+
+def markdown(report) -> str:
+    c = report.config
+    parts = [f"### pdserve bench serve: {c.model}, {c.num_prefill} prefill + {c.num_decode} "
+             f"decode worker(s)\n\nPrompts {c.prompt_len[0]}-{c.prompt_len[1]} tokens, outputs "
+             f"{c.output_len[0]}-{c.output_len[1]} tokens (uniform, greedy, ignore_eos), seed "
+             f"{c.seed}; {report.torch_threads} torch threads per process on "
+             f"{report.cpu_count} CPUs.",
+             "#### Latency and throughput\n\n" + latency_table(report.points)]
+    if report.ratios:
+        parts.append("#### Disaggregated vs in-process engine (same requests, closed loop)\n\n"
+                     + ratio_table(report.ratios))
+    disagg = [p for p in report.points if p.system == "disagg"]
+    parts.append("#### TTFT breakdown (disaggregated)\n\n" + breakdown_table(disagg))
+    if report.shared_prefix is not None:
+        parts.append("#### Shared prefix: TTFT warm vs cold\n\n"
+                     + prefix_table(report.shared_prefix))
+    return "\n\n".join(parts)

@@ -1,0 +1,104 @@
+"""``pdserve bench serve``: the metric definitions on synthetic timestamps, argument checks, and
+one tiny run end to end through a real cluster (keys and counts only; no timing asserts)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from bench import serve
+from bench.serve_metrics import BREAKDOWN_FIELDS, RequestRecord, Stats, percentile, summarize
+from engine.cli import main as cli_main
+
+
+def _record(start, chunks, end, error=None) -> RequestRecord:
+    rec = RequestRecord(start=start, prompt_len=10, error=error)
+    for t, n in chunks:
+        rec.add_chunk(t, n)
+    rec.end = end
+    return rec
+
+
+def test_request_metrics_follow_vllm_definitions():
+    # Tokens at 0.1 (1), 0.15 (1), 0.25 (2); an empty final chunk at 0.3 ends the stream.
+    rec = _record(0.0, [(0.1, 1), (0.15, 1), (0.25, 2), (0.3, 0)], 0.3)
+    assert rec.output_tokens == 4
+    assert rec.ttft == pytest.approx(0.1)
+    assert rec.e2e == pytest.approx(0.3)
+    assert rec.tpot == pytest.approx((0.3 - 0.1) / 3)
+    assert rec.itls == pytest.approx([0.05, 0.1])  # the empty chunk is no token gap
+    assert _record(1.0, [(1.2, 1)], 1.2).tpot is None
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == pytest.approx(2.5)
+    assert percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile(xs, 99) == pytest.approx(3.97)
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+    s = Stats.of_seconds([0.001, 0.002, 0.003])
+    assert (s.mean, s.p50) == pytest.approx((2.0, 2.0))
+
+
+def test_summarize_pools_itl_and_counts_failures():
+    a = _record(0.0, [(0.1, 1), (0.2, 1), (0.4, 1)], 0.4)
+    b = _record(0.0, [(0.3, 2), (0.5, 2)], 0.5)
+    b.breakdown = {f: 0.01 for f in BREAKDOWN_FIELDS}
+    failed = _record(0.0, [], None, error="UNAVAILABLE: gone")
+    res = summarize("disagg", "concurrency", 2, [a, b, failed], duration_s=2.0)
+    assert (res.num_requests, res.completed, res.failed) == (3, 2, 1)
+    assert res.output_tokens == 7
+    assert res.output_tok_s == pytest.approx(3.5)
+    assert res.request_s == pytest.approx(1.0)
+    assert res.ttft.mean == pytest.approx(200.0)  # (100 + 300) / 2 ms
+    # TPOT per request: a (0.4-0.1)/2 = 150 ms, b (0.5-0.3)/3 ~ 66.7 ms.
+    assert res.tpot.mean == pytest.approx((150.0 + 200.0 / 3) / 2)
+    # ITL pooled over requests: 100, 200 (a) and 200 (b) ms.
+    assert sorted([res.itl.p50, res.itl.mean]) == pytest.approx([166.666666, 200.0])
+    assert res.breakdown_ms == pytest.approx({f: 10.0 for f in BREAKDOWN_FIELDS})
+
+
+@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--concurrency", "a,b"),
+                                         ("--request-rates", "-1"), ("--prompt-len", "50-10"),
+                                         ("--output-len", "x"), ("--num-prompts", "0")])
+def test_bad_arguments_are_value_errors(flag, value):
+    p = argparse.ArgumentParser()
+    serve.add_args(p)
+    with pytest.raises(ValueError):
+        serve.config_from_args(p.parse_args([flag, value]))
+
+
+def test_tiny_run_end_to_end(capsys):
+    rc = cli_main(["bench", "serve", "--json", "--concurrency", "2", "--request-rates", "50",
+                   "--num-prompts", "4", "--prompt-len", "16-48", "--output-len", "6",
+                   "--num-gpu-blocks", "128", "--prefix-requests", "2", "--prefix-len", "64",
+                   "--unique-len", "8", "--prefix-output-len", "2"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
+    assert set(report) == {"config", "torch_threads", "cpu_count", "points", "ratios",
+                           "shared_prefix"}
+    loads = [(p["system"], p["mode"]) for p in report["points"]]
+    assert loads == [("disagg", "concurrency"), ("disagg", "poisson"),
+                     ("inprocess", "concurrency")]
+    for p in report["points"]:
+        assert (p["num_requests"], p["completed"], p["failed"]) == (4, 4, 0)
+        assert p["output_tokens"] == 4 * 6  # ignore_eos: exactly what was asked
+        assert p["output_tok_s"] > 0 and p["request_s"] > 0
+        for metric in ("ttft", "tpot", "itl", "e2e"):
+            assert set(p[metric]) == {"mean", "p50", "p90", "p99"}
+            assert 0 < p[metric]["p50"] <= p[metric]["p99"]
+        assert p["ttft"]["mean"] <= p["e2e"]["mean"]
+        assert set(p["breakdown_ms"]) == (set(BREAKDOWN_FIELDS) if p["system"] == "disagg"
+                                          else set())
+    [ratio] = report["ratios"]
+    assert ratio["concurrency"] == 2 and ratio["ratio"] > 0
+    pre = report["shared_prefix"]
+    assert pre["num_requests"] == 2
+    assert pre["cold_cached_tokens"] == 0 and pre["warm_cached_tokens"] == 64
+    assert pre["ratio"] > 0
