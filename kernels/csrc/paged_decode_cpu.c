@@ -60,7 +60,19 @@ static void attend(const float *q, int64_t q_sh, const float *k_cache, const flo
         const int64_t base = (int64_t)table[b] * block_stride + (int64_t)kvh0 * head_size;
         const int ntok = seq_len - b * block_size < block_size ? seq_len - b * block_size
                                                                : block_size;
+        /* Blocks sit anywhere in the cache, so the hardware prefetcher loses the stream at
+         * every block edge: fetch the next block's rows while this one is computed. */
+        const int64_t next = b + 1 < num_blocks
+            ? (int64_t)table[b + 1] * block_stride + (int64_t)kvh0 * head_size : -1;
         for (int t = 0; t < ntok; t++) {
+            if (next >= 0) {
+                const char *nk = (const char *)(k_cache + next + t * row);
+                const char *nv = (const char *)(v_cache + next + t * row);
+                for (int64_t c = 0; c < (int64_t)nkv * head_size * 4; c += 64) {
+                    __builtin_prefetch(nk + c);
+                    __builtin_prefetch(nv + c);
+                }
+            }
             for (int h = 0; h < nh; h++) {
                 const float *k = k_cache + base + t * row + (h / group) * head_size;
                 const float *qh = q + (int64_t)h * q_sh;
