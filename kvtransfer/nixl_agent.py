@@ -22,7 +22,7 @@ from engine.kv_layout import KVCacheLayout
 from kvtransfer.agent import KVTransferAgent
 from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
 from kvtransfer.handle import KVAgentHandle
-from kvtransfer.plan import PullJob, descriptors
+from kvtransfer.plan import PullJob, block_runs, descriptors
 
 logger = logging.getLogger(__name__)
 # Completion polling interval: short, since a READ of a few MB finishes in about a millisecond.
@@ -77,10 +77,13 @@ class NixlKVAgent(KVTransferAgent):
         plans = []
         for job in jobs:
             r = job.remote
-            rdesc = descriptors(r.layout, r.base_addr, job.remote_ids, job.head_start,
-                                job.num_heads, r.device_id, not job.whole_rows)
-            ldesc = descriptors(self.layout, self.cache.data_ptr(), job.local_ids,
-                                job.head_start, job.num_heads, self.device_id, not job.whole_rows)
+            rids, lids, runs = job.remote_ids, job.local_ids, None
+            if job.whole_rows:  # neighbouring blocks on both sides move as one run
+                rids, lids, runs = block_runs(job.remote_ids, job.local_ids)
+            rdesc = descriptors(r.layout, r.base_addr, rids, job.head_start, job.num_heads,
+                                r.device_id, not job.whole_rows, runs)
+            ldesc = descriptors(self.layout, self.cache.data_ptr(), lids, job.head_start,
+                                job.num_heads, self.device_id, not job.whole_rows, runs)
             plans.append((r, rdesc, ldesc))
         handles: list = []
         try:

@@ -115,10 +115,27 @@ def plan_pull(local: KVCacheLayout, backend: str, remotes: list[KVAgentHandle],
     return jobs
 
 
+def block_runs(remote_ids: np.ndarray,
+               local_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs where both sides' block ids step by one: (remote starts, local starts,
+    lengths). A fresh allocation hands out neighbouring blocks, so a prompt's blocks are often
+    one run on both sides, and one descriptor can then cover many blocks."""
+    n = len(local_ids)
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = (np.diff(remote_ids) != 1) | (np.diff(local_ids) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.append(starts, n))
+    return remote_ids[starts], local_ids[starts], lengths
+
+
 def descriptors(layout: KVCacheLayout, base: int, block_ids: np.ndarray, head_start: int,
-                num_heads: int, device_id: int, per_token: bool) -> np.ndarray:
+                num_heads: int, device_id: int, per_token: bool,
+                run_blocks: np.ndarray | None = None) -> np.ndarray:
     """``[n, 3]`` uint64 (address, length, device) of the runs, in (layer, kv, block[, token])
-    order so both sides of a pull list matching runs at the same index."""
+    order so both sides of a pull list matching runs at the same index. ``run_blocks``
+    (whole rows only): ``block_ids`` are run starts and each run spans that many blocks."""
     el = layout.element_size
     row = layout.num_kv_heads * layout.head_size * el  # one token of this rank's heads
     block = layout.block_size * row
@@ -130,6 +147,9 @@ def descriptors(layout: KVCacheLayout, base: int, block_ids: np.ndarray, head_st
         tokens = np.arange(layout.block_size, dtype=np.uint64) * np.uint64(row)
         starts = starts[:, :, None] + tokens[None, None, :]
         length = num_heads * layout.head_size * el
+    elif run_blocks is not None:
+        length = np.broadcast_to(run_blocks.astype(np.uint64)[None, :] * np.uint64(block),
+                                 starts.shape).reshape(-1)
     else:
         length = block
     addrs = starts.reshape(-1) + np.uint64(base + head_off)

@@ -13,12 +13,14 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, TransferTimeout,
                         make_agent, plan_heads)
+from kvtransfer import plan as plan_mod
 from tests.kv_owner_proc import seeded_cache
 
 BACKENDS = ["nixl", "torch"]
@@ -103,6 +105,30 @@ def test_random_block_subsets_arrive_exactly(owners, backend):
     assert owner.next_notification() == "release:req-7"
     assert (counters.transfers, counters.failures, counters.notifications_sent) == (6, 0, 1)
     assert counters.bytes == moved + BASE.bytes_per_block
+
+
+def test_neighbouring_blocks_move_as_runs(owners):
+    """Runs that step by one on both sides travel as one descriptor per (layer, K/V)."""
+    owner = owners(BASE, 3, "nixl")
+    agent, cache = _reader(BASE, "nixl")
+    # Runs [4..7]->[10..13], then [20]->[2] (a break on both sides), then [21..22]->[14..15]
+    # (a break on the local side only).
+    src, dst = [4, 5, 6, 7, 20, 21, 22], [10, 11, 12, 13, 2, 14, 15]
+    try:
+        stats = agent.pull([owner.handle], src, dst, timeout_s=20.0)
+    finally:
+        agent.close()
+    assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
+    untouched = [b for b in range(BASE.num_blocks) if b not in dst]
+    assert not cache[:, :, untouched].any()
+    assert stats.num_descriptors == BASE.num_layers * 2 * 3
+
+
+def test_block_runs():
+    r, l, n = plan_mod.block_runs(np.array([4, 5, 6, 9, 10, 3]), np.array([0, 1, 2, 3, 4, 9]))
+    assert (r.tolist(), l.tolist(), n.tolist()) == ([4, 9, 3], [0, 3, 9], [3, 2, 1])
+    r, l, n = plan_mod.block_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    assert n.size == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
