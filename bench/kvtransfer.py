@@ -3,7 +3,10 @@
 For each transfer size (1 MB .. 256 MB of paged blocks, tiny-llama's block shape, random
 block ids on both sides) it times a pull by each backend from an owner process into this
 process, and in the same run a plain contiguous copy of the same number of bytes within this
-process: the limit a transfer between two processes on one host can approach. It also times a
+process: the limit a transfer between two processes on one host can approach. The copy runs
+on one thread (a plain memcpy: a pull is one stream too) and on all of torch's threads; the
+ratio is against the one-thread copy. With ``--block-ids random`` (the default) blocks are
+scattered on both sides; ``contiguous`` moves one run of neighbouring blocks. It also times a
 single request's handoff (the blocks of a 1k-token prompt, with the release notification) for
 tiny-llama and for qwen3-0.6b-shape (bf16, the checkpoint dtype served on GPU).
 """
@@ -34,7 +37,8 @@ _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 class SizeResult:
     size_mb: int
     num_blocks: int
-    memcpy_gb_s: float
+    memcpy_gb_s: float  # one thread
+    copy_all_threads_gb_s: float
     backend_gb_s: dict[str, float]
     ratio: dict[str, float]
 
@@ -109,19 +113,33 @@ def _time(fn, min_reps: int, min_s: float) -> list[float]:
     return times
 
 
-def _memcpy_gb_s(num_bytes: int, reps: int) -> float:
+def _memcpy_gb_s(num_bytes: int, reps: int, threads: int) -> float:
     src = torch.ones(num_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    times = _time(lambda: dst.copy_(src), reps, 0.2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = _time(lambda: dst.copy_(src), reps, 0.2)
+    finally:
+        torch.set_num_threads(before)
     return num_bytes / statistics.median(times) / 1e9
 
 
-def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int) -> list[SizeResult]:
+def _block_ids(rng, num_blocks: int, n: int, contiguous: bool) -> list[int]:
+    if contiguous:  # one run of neighbouring blocks, as a fresh allocation hands out
+        start = int(rng.integers(0, num_blocks - n + 1))
+        return list(range(start, start + n))
+    return rng.permutation(num_blocks)[:n].tolist()
+
+
+def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int,
+              contiguous: bool = False) -> list[SizeResult]:
     per_block = preset_layout("tiny-llama", 1).bytes_per_block
     max_blocks = max(sizes_mb) * MB // per_block
     layout = preset_layout("tiny-llama", max_blocks + 64)
     rng = np.random.default_rng(0)
-    results = [SizeResult(s, s * MB // per_block, _memcpy_gb_s(s * MB, reps), {}, {})
+    results = [SizeResult(s, s * MB // per_block, _memcpy_gb_s(s * MB, reps, 1),
+                          _memcpy_gb_s(s * MB, reps, torch.get_num_threads()), {}, {})
                for s in sizes_mb]
     for backend in backends:
         owner = OwnerProcess(backend, layout)
@@ -130,8 +148,8 @@ def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int) -> list
             with make_agent(backend, cache, layout) as agent:
                 agent.pull([owner.handle], [0], [0], 60.0)  # connect outside the timing
                 for r in results:
-                    src = rng.permutation(layout.num_blocks)[:r.num_blocks].tolist()
-                    dst = rng.permutation(layout.num_blocks)[:r.num_blocks].tolist()
+                    src = _block_ids(rng, layout.num_blocks, r.num_blocks, contiguous)
+                    dst = _block_ids(rng, layout.num_blocks, r.num_blocks, contiguous)
                     times = _time(lambda: agent.pull([owner.handle], src, dst, 120.0), reps, 0.5)
                     r.backend_gb_s[backend] = r.num_blocks * per_block / statistics.median(times) / 1e9
                     r.ratio[backend] = r.backend_gb_s[backend] / r.memcpy_gb_s
@@ -170,6 +188,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", default=",".join(map(str, SIZES_MB)),
                    help="comma-separated transfer sizes in MB")
     p.add_argument("--reps", type=int, default=5, help="at least this many pulls per point")
+    p.add_argument("--block-ids", choices=["random", "contiguous"], default="random",
+                   help="random: scattered blocks on both sides (the worst case); contiguous: "
+                   "one run of neighbouring blocks on each side")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
@@ -181,19 +202,21 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--sizes-mb must be integers, got {args.sizes_mb!r}") from None
     if not sizes or min(sizes) < 1 or args.reps < 1:
         raise ValueError("--sizes-mb must be positive and --reps >= 1")
-    sizes_res = run_sizes(backends, sizes, args.reps)
+    sizes_res = run_sizes(backends, sizes, args.reps, args.block_ids == "contiguous")
     handoffs = run_handoffs(backends, args.reps)
     if args.json:
-        print(json.dumps({"threads": torch.get_num_threads(),
+        print(json.dumps({"threads": torch.get_num_threads(), "block_ids": args.block_ids,
                           "sizes": [asdict(r) for r in sizes_res],
                           "handoffs": [asdict(h) for h in handoffs]}, indent=2))
         return 0
     head = " | ".join(f"{b} GB/s | {b}/memcpy" for b in backends)
-    print(f"| size | blocks | memcpy GB/s | {head} |")
-    print("|---|---|---|" + "---|---|" * len(backends))
+    print(f"| size | blocks | memcpy GB/s | copy, {torch.get_num_threads()} threads GB/s | "
+          f"{head} |")
+    print("|---|---|---|---|" + "---|---|" * len(backends))
     for r in sizes_res:
         cols = " | ".join(f"{r.backend_gb_s[b]:.2f} | **{r.ratio[b]:.2f}**" for b in backends)
-        print(f"| {r.size_mb} MB | {r.num_blocks} | {r.memcpy_gb_s:.2f} | {cols} |")
+        print(f"| {r.size_mb} MB | {r.num_blocks} | {r.memcpy_gb_s:.2f} | "
+              f"{r.copy_all_threads_gb_s:.2f} | {cols} |")
     print()
     print("| handoff (1k-token prompt) | backend | blocks | MB | median ms | best ms |")
     print("|---|---|---|---|---|---|")
