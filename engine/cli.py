@@ -109,6 +109,18 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# `pdserve bench NAME` runs bench/NAME.py: its add_args(parser) and main(args).
+BENCHMARKS = [
+    ("offline", "engine vs HF generate vs a matmul roofline"),
+    ("serve", "online serving through the router vs the in-process engine: TTFT, TPOT, ITL, "
+              "throughput, shared-prefix TTFT"),
+    ("kvtransfer", "KV block transfer between processes vs memcpy"),
+    ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
+    ("gpu", "GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs on/off, decode-kernel "
+            "bandwidth vs copy"),
+]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -159,24 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
-    from bench.offline import add_args as add_offline_args
-    b = bsub.add_parser("offline", help="engine vs HF generate vs a matmul roofline")
-    add_offline_args(b)
-    b.set_defaults(func=cmd_bench)
-    from bench.kvtransfer import add_args as add_kvtransfer_args
-    b = bsub.add_parser("kvtransfer", help="KV block transfer between processes vs memcpy")
-    add_kvtransfer_args(b)
-    b.set_defaults(func=cmd_bench)
-    from bench.serve import add_args as add_serve_args
-    b = bsub.add_parser("serve", help="online serving through the router vs the in-process "
-                        "engine: TTFT, TPOT, ITL, throughput, shared-prefix TTFT")
-    add_serve_args(b)
-    b.set_defaults(func=cmd_bench)
-    from bench.gpu import add_args as add_gpu_args
-    b = bsub.add_parser("gpu", help="GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs "
-                        "on/off, decode-kernel bandwidth vs copy")
-    add_gpu_args(b)
-    b.set_defaults(func=cmd_bench)
+    import importlib
+    for name, text in BENCHMARKS:
+        b = bsub.add_parser(name, help=text)
+        importlib.import_module(f"bench.{name}").add_args(b)
+        b.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -8,6 +8,13 @@ import pytest
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent
                                                / ".cache" / "test-models"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton settles that when it
+# is first imported, which any test may do first, so it is decided here, before all of them.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

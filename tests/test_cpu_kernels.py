@@ -2,6 +2,7 @@
 and the build cache."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from engine.cli import main as cli_main
 from kernels.cpu_build import cache_dir
 from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kernels.reference import paged_decode_attention_ref
@@ -112,3 +114,13 @@ def test_built_once_into_the_cache_and_disabled_on_request(tmp_path):
     off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert off.stdout.split() == ["torch", "False"], off.stderr
+
+
+def test_bench_attention_smoke(capsys):
+    rc = cli_main(["bench", "attention", "--num-seqs", "3", "--context", "20-40", "--reps", "1",
+                   "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["num_seqs"] == 3 and r["kv_bytes"] > 0
+    assert r["torch_ms"] > 0 and r["kernel_ms"] > 0 and r["speedup_vs_torch"] > 0
+    assert cli_main(["bench", "attention", "--context", "40-20"]) == 2
