@@ -68,7 +68,8 @@ class PrefixResult:
 @dataclass
 class ServeReport:
     config: ServeConfig
-    torch_threads: int
+    torch_threads: int  # the in-process engine's
+    worker_threads: int  # each worker rank's (OMP_NUM_THREADS the cluster gave it)
     cpu_count: int
     points: list[PointResult]
     ratios: list[ThroughputRatio]
@@ -301,7 +302,8 @@ def run(cfg: ServeConfig) -> ServeReport:
     # The cluster is down by now, so the in-process engine has the machine to itself.
     if cfg.inprocess and cfg.concurrency:
         results += run_inprocess(cfg, points)
-    return ServeReport(cfg, torch.get_num_threads(), os.cpu_count() or 0, results,
+    return ServeReport(cfg, torch.get_num_threads(),
+                       int(spec.worker_env()["OMP_NUM_THREADS"]), os.cpu_count() or 0, results,
                        throughput_ratios(results), prefix)
 
 

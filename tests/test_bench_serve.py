@@ -81,8 +81,8 @@ def test_tiny_run_end_to_end(capsys):
                    "--unique-len", "8", "--prefix-output-len", "2"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
-    assert set(report) == {"config", "torch_threads", "cpu_count", "points", "ratios",
-                           "shared_prefix"}
+    assert set(report) == {"config", "torch_threads", "worker_threads", "cpu_count", "points",
+                           "ratios", "shared_prefix"}
     loads = [(p["system"], p["mode"]) for p in report["points"]]
     assert loads == [("disagg", "concurrency"), ("disagg", "poisson"),
                      ("inprocess", "concurrency")]

@@ -246,6 +246,8 @@ def test_stop_string_across_token_boundaries(tok, include):
 @given(data=st.data())
 def test_deltas_never_pass_a_stop_string(tok, data):
     text = data.draw(st.text(min_size=1, max_size=30))
+    # Special-token literals in the text encode to special ids, which decoding skips.
+    assume(not any(t in text for t in ("<|", "|>")))
     i = data.draw(st.integers(0, len(text) - 1))
     j = data.draw(st.integers(i + 1, min(len(text), i + 5)))
     stop, include = text[i:j], data.draw(st.booleans())
