@@ -307,6 +307,12 @@ class LLMEngine:
             self._release_now(rid)
             self.num_expired_leases += 1
 
+    def take_kv_events(self) -> list:
+        """Block-stored/removed events since the last call (for a prefix index elsewhere).
+        Under the step lock: decode-role allocation threads touch the pool too."""
+        with self._lock:
+            return self.kv_manager.take_events()
+
     # --- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         with self._lock:

@@ -137,8 +137,7 @@ class WorkerRuntime:
 
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:
-        with engine._lock:  # the pool is also touched by decode-role allocation threads
-            events = engine.kv_manager.take_events()
+        events = engine.take_kv_events()
         if events and self._presence is not None:
             self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
 
