@@ -126,7 +126,8 @@ def test_graph_replay_matches_eager_on_gpu(prompts, dtype):
         eager = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=8) as llm:
         graphs = llm.engine.executor.runner.graphs
-        assert graphs is not None and graphs.capture and len(graphs.graphs) == 5
+        assert graphs is not None and graphs.capture
+        assert sorted(graphs.graphs) == graphs.cfg.batch_sizes == [1, 2, 4, 8]
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert graphs.num_replays > 0
     assert got == eager
