@@ -1,0 +1,32 @@
+"""ClusterSpec: validation and the CPU threads each worker rank is given."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.tp_worker import worker_threads
+from router.launcher import ClusterSpec
+
+
+def test_worker_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    # 2 prefill workers at TP=2 and 4 decode workers: 8 ranks on 16 cores.
+    assert ClusterSpec(num_prefill=2, num_decode=4, prefill_tp=2).worker_env()[
+        "OMP_NUM_THREADS"] == "2"
+    assert ClusterSpec(num_prefill=8, num_decode=16).worker_env()["OMP_NUM_THREADS"] == "1"
+    assert ClusterSpec(threads_per_rank=3).worker_env()["OMP_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's setting wins
+    assert ClusterSpec().worker_env()["OMP_NUM_THREADS"] == "5"
+    # A TP worker process splits the budget it was given among its ranks.
+    assert worker_threads(2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")
+    assert worker_threads(4) == 4  # falls back to the cores
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+        ClusterSpec(num_decode=0)
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        ClusterSpec(threads_per_rank=0)
