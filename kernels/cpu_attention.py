@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_backend import AttentionMetadata
-from kernels.cpu_decode import paged_decode_attention_cpu, supports
+from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu, supports
 from kernels.torch_attention import TorchAttentionBackend, _write_kv
 
 
@@ -20,7 +20,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if not supports(query, k_cache):
+        if not (supports(query, k_cache) and cpu_kernels_available()):
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
         plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
         _write_kv(key, value, k_cache, v_cache, plan)
