@@ -40,7 +40,7 @@ static inline float exp_nonpos(float x) {
 
 /* Attends query heads [kvh0 * group, (kvh0 + nkv) * group) of one sequence: KV heads
  * [kvh0, kvh0 + nkv). With every KV head in one item a block is read as one contiguous run. */
-static void attend(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
+static inline __attribute__((always_inline)) void attend(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
                    const int32_t *table, int seq_len, int kvh0, int nkv, int group,
                    int num_kv_heads, int head_size, int block_size, float scale, float *out,
                    int64_t o_sh) {
@@ -99,11 +99,14 @@ static void attend(const float *q, int64_t q_sh, const float *k_cache, const flo
 #pragma omp simd
             for (int d = 0; d < head_size; d++) ah[d] *= alpha;
         }
-        for (int t = 0; t < ntok; t++) {
-            for (int h = 0; h < nh; h++) {
-                const float *v = v_cache + base + t * row + (h / group) * head_size;
-                const float p = s[h * block_size + t];
-                float *ah = acc + h * head_size;
+        /* Head-major, so a head's accumulator row stays in registers over the block. */
+        for (int h = 0; h < nh; h++) {
+            const float *vh = v_cache + base + (h / group) * head_size;
+            const float *ph = s + h * block_size;
+            float *ah = acc + h * head_size;
+            for (int t = 0; t < ntok; t++) {
+                const float *v = vh + t * row;
+                const float p = ph[t];
 #pragma omp simd
                 for (int d = 0; d < head_size; d++) ah[d] += p * v[d];
             }
@@ -132,8 +135,22 @@ void paged_decode_attention_f32(const float *q, int64_t q_ss, int64_t q_sh,
         const int seq = (int)(i / items_per_seq);
         const int kvh0 = (int)(i % items_per_seq) * per_item;
         const int64_t h0 = (int64_t)kvh0 * group;
-        attend(q + seq * q_ss + h0 * q_sh, q_sh, k_cache, v_cache,
-               block_tables + seq * table_stride, seq_lens[seq], kvh0, per_item, group,
-               num_kv_heads, head_size, block_size, scale, out + seq * o_ss + h0 * o_sh, o_sh);
+        const float *qs = q + seq * q_ss + h0 * q_sh;
+        const int32_t *table = block_tables + seq * table_stride;
+        float *os = out + seq * o_ss + h0 * o_sh;
+        /* Common head sizes as constants, so the compiler unrolls the head_size loops. */
+        switch (head_size) {
+        case 64:
+            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+                   num_kv_heads, 64, block_size, scale, os, o_sh);
+            break;
+        case 128:
+            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+                   num_kv_heads, 128, block_size, scale, os, o_sh);
+            break;
+        default:
+            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+                   num_kv_heads, head_size, block_size, scale, os, o_sh);
+        }
     }
 }
