@@ -191,11 +191,12 @@ def prefix_requests(cfg: ServeConfig,
                     vocab: int) -> tuple[LoadRequests, LoadRequests, LoadRequests]:
     """(warm-up, cold, warm): warm prompts share one prefix, which the warm-up caches; every
     cold prompt has a fresh prefix."""
+    from bench.workloads import random_tokens
+
     rng = random.Random(cfg.seed * 1000 + 999)
-    hi = max(2, min(vocab, 8000) - 1)
 
     def toks(n: int) -> list[int]:
-        return [rng.randint(1, hi) for _ in range(n)]
+        return random_tokens(rng, n, vocab)
 
     shared = toks(cfg.prefix_len)
     n, out = cfg.prefix_requests, cfg.prefix_output_len

@@ -34,14 +34,18 @@ class OfflineRequests:
         return sum(self.output_lens)
 
 
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    """``n`` random prompt token ids, clear of the special tokens at the top of small
+    vocabularies."""
+    hi = max(2, min(vocab_size, 8000) - 1)
+    return [rng.randint(1, hi) for _ in range(n)]
+
+
 def make_requests(w: OfflineWorkload, vocab_size: int, num_requests: int | None = None) -> OfflineRequests:
     rng = random.Random(w.seed)
     n = num_requests or w.num_requests
-    # Stay clear of special tokens at the top of small vocabularies.
-    hi = max(2, min(vocab_size, 8000) - 1)
     prompts, outs = [], []
     for _ in range(n):
-        plen = rng.randint(*w.prompt_len)
-        prompts.append([rng.randint(1, hi) for _ in range(plen)])
+        prompts.append(random_tokens(rng, rng.randint(*w.prompt_len), vocab_size))
         outs.append(rng.randint(*w.output_len))
     return OfflineRequests(prompts, outs)

@@ -116,12 +116,7 @@ class DecodeGraphRunner:
         b.seq_lens[:n].copy_(meta.seq_lens)
         b.block_tables[:n, :width].copy_(meta.block_tables)
         b.block_tables[:n, width:].zero_()
-        # Rows past n: no KV write, a one-token context in block 0 (finite, and discarded).
-        b.input_ids[n:].zero_()
-        b.positions[n:].zero_()
-        b.slot_mapping[n:].fill_(-1)
-        b.seq_lens[n:].fill_(1)
-        b.block_tables[n:].zero_()
+        self._pad_from(n)
 
     def _forward(self, bucket: int, seq_lens_list: list[int] | None = None) -> torch.Tensor:
         meta = self.metas[bucket]
@@ -146,7 +141,7 @@ class DecodeGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs then fit in the memory the largest already reserved.
         for bs in reversed(self.cfg.batch_sizes):
-            self._fill_padding_only()
+            self._pad_from(0)  # capture runs write nothing into the cache
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -161,13 +156,14 @@ class DecodeGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self.graphs),
                     self.cfg.batch_sizes)
 
-    def _fill_padding_only(self) -> None:
+    def _pad_from(self, n: int) -> None:
+        # Rows from n on: no KV write, a one-token context in block 0 (finite, and discarded).
         b = self.buf
-        b.input_ids.zero_()
-        b.positions.zero_()
-        b.slot_mapping.fill_(-1)  # capture runs write nothing into the cache
-        b.seq_lens.fill_(1)
-        b.block_tables.zero_()
+        b.input_ids[n:].zero_()
+        b.positions[n:].zero_()
+        b.slot_mapping[n:].fill_(-1)
+        b.seq_lens[n:].fill_(1)
+        b.block_tables[n:].zero_()
 
 
 def _with_host_lens(meta: AttentionMetadata, seq_lens_list: list[int],

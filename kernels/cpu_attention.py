@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_backend import AttentionMetadata
-from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu, supports
-from kernels.torch_attention import TorchAttentionBackend, _write_kv
+from kernels.cpu_decode import (check_ranges, cpu_kernels_available, paged_decode_attention_cpu,
+                                supports)
+from kernels.torch_attention import TorchAttentionBackend, _StepPlan, _write_kv
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
@@ -28,6 +29,16 @@ class CPUAttentionBackend(TorchAttentionBackend):
         nd = meta.num_decodes
         if nd:  # decodes come first, one token each: token row i is sequence i
             paged_decode_attention_cpu(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                       meta.seq_lens[:nd], scale, out=out[:nd])
+                                       meta.seq_lens[:nd], scale, out=out[:nd],
+                                       ranges_checked=True)
         self._prefill(query, key, value, k_cache, v_cache, plan, scale, out)
         return out
+
+    def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
+                   gather_decodes: bool) -> _StepPlan:
+        # Once per step, not per layer: every layer reads the same tables from same-shaped caches.
+        nd = meta.num_decodes
+        if not gather_decodes:
+            check_ranges(meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[0],
+                         k_cache.shape[1])
+        return super()._make_plan(meta, k_cache, dtype, gather_decodes)

@@ -43,16 +43,20 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None,
+                               ranges_checked: bool = False) -> torch.Tensor:
     """query [num_seqs, num_heads, head_size] float32 (one token each, the last position of
     its context) over seq_lens [num_seqs] int32 tokens found through block_tables
     [num_seqs, max_num_blocks] int32 in k/v_cache [num_blocks, block_size, num_kv_heads,
     head_size]. Returns ``out`` (allocated if None). Lengths and block ids are range-checked
-    here (a pass over small int tensors) since the C code would read out of bounds."""
+    (``check_ranges``), since the C code would read out of bounds, unless the caller already
+    did for these very tensors (a backend does it once per step, not once per layer)."""
     lib = _lib()
     if lib is None:
         raise ValueError("the CPU decode kernel is not available (no working C compiler)")
     _check(query, k_cache, v_cache, block_tables, seq_lens)
+    if not ranges_checked:
+        check_ranges(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
@@ -103,11 +107,17 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
     if block_tables.device.type != "cpu" or seq_lens.device.type != "cpu":
         raise ValueError("block_tables and seq_lens must be on the CPU")
-    if num_seqs:
-        capacity = block_tables.shape[1] * k_cache.shape[1]
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 1 or hi > capacity:
-            raise ValueError(f"seq_lens must be in [1, {capacity}] (the block tables' reach), "
-                             f"got [{lo}, {hi}]")
-        if int(block_tables.min()) < 0 or int(block_tables.max()) >= k_cache.shape[0]:
-            raise ValueError(f"block ids must be in [0, {k_cache.shape[0]})")
+
+
+def check_ranges(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
+                 block_size: int) -> None:
+    """Every seq_len in [1, the table's reach] and every block id in [0, num_blocks)."""
+    if seq_lens.numel() == 0:
+        return
+    capacity = block_tables.shape[1] * block_size
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 1 or hi > capacity:
+        raise ValueError(f"seq_lens must be in [1, {capacity}] (the block tables' reach), "
+                         f"got [{lo}, {hi}]")
+    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
+        raise ValueError(f"block ids must be in [0, {num_blocks})")

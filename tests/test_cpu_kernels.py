@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from engine.cli import main as cli_main
+from kernels.attention_backend import AttentionMetadata
+from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_build import cache_dir
 from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kernels.reference import paged_decode_attention_ref
@@ -124,3 +126,19 @@ def test_bench_attention_smoke(capsys):
     assert r["num_seqs"] == 3 and r["kv_bytes"] > 0
     assert r["torch_ms"] > 0 and r["kernel_ms"] > 0 and r["speedup_vs_torch"] > 0
     assert cli_main(["bench", "attention", "--context", "40-20"]) == 2
+
+
+def test_backend_checks_ranges_once_per_step_and_refuses_bad_ids():
+    q, k, v, tables, lens = _case(2, 8, 4, 64, 16, [5, 30])
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((2,), -1, dtype=torch.int64),
+        query_start_loc=torch.arange(3, dtype=torch.int32), seq_lens=lens, block_tables=tables,
+        query_lens_list=[1, 1], seq_lens_list=lens.tolist(), max_query_len=1, max_seq_len=30,
+        block_size=16, num_decodes=2)
+    unused = torch.zeros(2, 4, 64)
+    out = CPUAttentionBackend().forward(q, unused, unused, k, v, meta, 0.125)
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, lens, 0.125),
+                               atol=2e-5, rtol=2e-5)
+    bad = AttentionMetadata(**{**meta.__dict__, "block_tables": tables.clone().fill_(k.shape[0])})
+    with pytest.raises(ValueError, match="block ids"):
+        CPUAttentionBackend().forward(q, unused, unused, k, v, bad, 0.125)

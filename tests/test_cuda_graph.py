@@ -55,9 +55,7 @@ def expected(prompts):
 
 def _padded_llm(max_batch_size: int, max_blocks: int) -> LLM:
     llm = LLM("tiny-llama")
-    runner = llm.engine.executor.runner
-    cfg = CUDAGraphConfig(max_batch_size, max_blocks, llm.engine.block_size)
-    runner.graphs = DecodeGraphRunner(runner.model, cfg, runner.device, capture=False)
+    llm.engine.executor.runner.graphs = _uncaptured(llm, max_batch_size, max_blocks)
     return llm
 
 
@@ -83,38 +81,45 @@ def _decode_step(block_size: int, lens: list[int], first_block: int) -> Schedule
     return sched
 
 
-def test_padding_rows_write_nothing_into_the_cache():
+@pytest.fixture(scope="module")
+def small_llm():
     with LLM("tiny-llama", num_gpu_blocks=64) as llm:
-        runner = llm.engine.executor.runner
-        bs = llm.engine.block_size
-        graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(8, 4, bs), runner.device,
-                                   capture=False)
-        inp = prepare_input(_decode_step(bs, [5, 20, 40], first_block=1), bs, runner.device)
-        assert graphs.bucket_for(inp.meta) == 4
-        runner.kv_cache.zero_()
-        graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
-        # [num_layers, 2, num_blocks * block_size, ...]: only the three real slots changed.
-        flat = runner.kv_cache.flatten(2, 3)
-        written = flat.abs().sum(dim=(0, 1, 3, 4)).nonzero().flatten().tolist()
-        assert written == sorted(inp.meta.slot_mapping.tolist())
+        yield llm
 
 
-def test_only_pure_decode_steps_qualify():
-    with LLM("tiny-llama", num_gpu_blocks=64) as llm:
-        runner = llm.engine.executor.runner
-        bs = llm.engine.block_size
-        graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(4, 2, bs), runner.device,
-                                   capture=False)
-        ok = prepare_input(_decode_step(bs, [5, 20, 32], 1), bs, runner.device)
-        assert graphs.bucket_for(ok.meta) == 4
-        too_many = prepare_input(_decode_step(bs, [5] * 5, 1), bs, runner.device)
-        assert graphs.bucket_for(too_many.meta) is None
-        too_long = prepare_input(_decode_step(bs, [5, 33], 1), bs, runner.device)
-        assert graphs.bucket_for(too_long.meta) is None
-        mixed = _decode_step(bs, [5, 20], 1)
-        mixed.scheduled[1].num_new_tokens = 3
-        mixed.scheduled[1].request.num_computed_tokens = 17
-        assert graphs.bucket_for(prepare_input(mixed, bs, runner.device).meta) is None
+def _uncaptured(llm: LLM, max_batch_size: int, max_blocks: int) -> DecodeGraphRunner:
+    runner = llm.engine.executor.runner
+    return DecodeGraphRunner(runner.model, CUDAGraphConfig(max_batch_size, max_blocks,
+                                                           llm.engine.block_size),
+                             runner.device, capture=False)
+
+
+def test_padding_rows_write_nothing_into_the_cache(small_llm):
+    runner, bs = small_llm.engine.executor.runner, small_llm.engine.block_size
+    graphs = _uncaptured(small_llm, 8, 4)
+    inp = prepare_input(_decode_step(bs, [5, 20, 40], first_block=1), bs, runner.device)
+    assert graphs.bucket_for(inp.meta) == 4
+    runner.kv_cache.zero_()
+    graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
+    # [num_layers, 2, num_blocks * block_size, ...]: only the three real slots changed.
+    flat = runner.kv_cache.flatten(2, 3)
+    written = flat.abs().sum(dim=(0, 1, 3, 4)).nonzero().flatten().tolist()
+    assert written == sorted(inp.meta.slot_mapping.tolist())
+
+
+def test_only_pure_decode_steps_qualify(small_llm):
+    runner, bs = small_llm.engine.executor.runner, small_llm.engine.block_size
+    graphs = _uncaptured(small_llm, 4, 2)
+    ok = prepare_input(_decode_step(bs, [5, 20, 32], 1), bs, runner.device)
+    assert graphs.bucket_for(ok.meta) == 4
+    too_many = prepare_input(_decode_step(bs, [5] * 5, 1), bs, runner.device)
+    assert graphs.bucket_for(too_many.meta) is None
+    too_long = prepare_input(_decode_step(bs, [5, 33], 1), bs, runner.device)
+    assert graphs.bucket_for(too_long.meta) is None
+    mixed = _decode_step(bs, [5, 20], 1)
+    mixed.scheduled[1].num_new_tokens = 3
+    mixed.scheduled[1].request.num_computed_tokens = 17
+    assert graphs.bucket_for(prepare_input(mixed, bs, runner.device).meta) is None
 
 
 @pytest.mark.gpu
