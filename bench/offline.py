@@ -96,11 +96,16 @@ def run_hf(path, reqs: OfflineRequests, dtype: torch.dtype, batch_size: int) -> 
 
 @torch.inference_mode()
 def run_roofline(llm, reqs: OfflineRequests) -> float:
-    """Times every linear layer's matmul at the engine's recorded step sizes."""
+    """Times every linear layer's GEMM, through the layer's own matmul (the packed oneDNN
+    kernel where the engine packed it), at the engine's recorded step sizes."""
+    from engine.layers import LinearBase, ParallelLMHead
+
     model = llm.engine.executor.runner.model
     hidden = llm.engine.model_config.hidden_size
     device = llm.engine.device
-    weights, lm_head = _linear_weights(model)
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    lm_head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    dtype = lm_head.weight.dtype
     sizes = list(zip(llm.engine.step_num_tokens, llm.engine.step_num_sampled))
     counts: dict[tuple[int, int], int] = {}
     for s in sizes:
@@ -108,34 +113,19 @@ def run_roofline(llm, reqs: OfflineRequests) -> float:
     total = 0.0
     for (n_tok, n_samp), count in counts.items():
         # One input per distinct input width (hidden, attention output, MLP intermediate).
-        xs_by_width = {w.shape[1]: torch.randn(n_tok, w.shape[1], dtype=w.dtype, device=device)
-                       for w in weights}
-        xs = torch.randn(n_samp, hidden, dtype=lm_head.dtype, device=device)
+        xs_by_width = {m.input_size: torch.randn(n_tok, m.input_size, dtype=dtype, device=device)
+                       for m in layers}
+        xs = torch.randn(n_samp, hidden, dtype=dtype, device=device)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(xs_by_width[w.shape[1]], w)
+            for m in layers:
+                m.matmul(xs_by_width[m.input_size])
             if n_samp:
-                torch.nn.functional.linear(xs, lm_head)
+                lm_head.matmul(xs)
             best = min(best, time.perf_counter() - t0)
         total += best * count
     return total
-
-
-def _linear_weights(model) -> tuple[list[torch.Tensor], torch.Tensor]:
-    weights, lm_head = [], None
-    for name, p in model.named_parameters():
-        if p.dim() != 2:
-            continue
-        if "embed" in name:
-            lm_head = p if lm_head is None else lm_head
-            continue
-        if "lm_head" in name:
-            lm_head = p
-            continue
-        weights.append(p)
-    return weights, lm_head
 
 
 def main(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton"],
                    help="auto: Triton on CUDA, the compiled CPU kernels on CPU")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
+                   help="auto: weights packed for oneDNN on the CPU (float32/bfloat16)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: never capture or replay CUDA graphs")
     p.add_argument("--max-seq-len-to-capture", type=int, default=8192,
@@ -40,7 +42,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 tensor_parallel_size=args.tensor_parallel_size,
-                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+                enforce_eager=args.enforce_eager,
                 max_seq_len_to_capture=args.max_seq_len_to_capture)
 
 

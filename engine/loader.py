@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from engine.layers import LinearBase, ParallelLMHead
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from kernels.attention_backend import AttentionBackend
@@ -18,8 +19,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
-               attn_backend: AttentionBackend) -> nn.Module:
-    """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode."""
+               attn_backend: AttentionBackend, linear_backend: str = "torch") -> nn.Module:
+    """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode;
+    ``linear_backend`` "onednn" (a resolved name, see kernels.cpu_linear) packs its linear
+    layers for oneDNN once the weights are in."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     files = weight_files(folder)
@@ -28,7 +31,15 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         model.load_weights(iter_weights(files))
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
+    if linear_backend == "onednn":
+        pack_linear_weights(model)
     return model
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Packs every linear layer and LM head of ``model`` for oneDNN; how many took it."""
+    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    return sum(m.pack() for m in layers)
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -21,6 +21,7 @@ from engine.parallel_state import TPGroup, kv_head_range, tp_group_scope
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer, load_tokenizer
 from kernels import get_attention_backend
+from kernels.cpu_linear import resolve_linear_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_GIB = 1.0
@@ -131,8 +132,9 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     device = spec.rank_device(group.rank)
     torch.manual_seed(spec.config.seed)
     backend = get_attention_backend(spec.config.attention_backend, device)
+    linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
     with tp_group_scope(group):
-        return load_model(spec.model_path, spec.torch_dtype, device, backend)
+        return load_model(spec.model_path, spec.torch_dtype, device, backend, linear)
 
 
 _MAX_GRAPH_BATCH = 512

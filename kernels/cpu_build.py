@@ -55,7 +55,9 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
-        key = hashlib.sha256(source.read_bytes() + version.encode()
+        # The headers it may include count too: a changed header must rebuild every kernel.
+        headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+        key = hashlib.sha256(source.read_bytes() + headers + version.encode()
                              + " ".join(FLAGS).encode()).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import check_shape
+from kernels.cpu_linear import pack_weight, packed_linear
 from engine.parallel_state import get_tp_group
 
 
@@ -47,9 +48,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; each rank computes its vocab slice."""
 
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> bool:
+        """Reorders the weight for oneDNN (CPU). The plain copy stays: a tied head shares it
+        with the embedding, which looks rows up in it. False where oneDNN cannot run the dtype."""
+        self.packed_weight = pack_weight(self.weight.data)
+        return self.packed_weight is not None
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's logits slice, no communication: [N, hidden] -> [N, vocab / tp]."""
+        if self.packed_weight is not None:
+            return packed_linear(hidden, self.packed_weight, self.weight.shape[0])
+        return F.linear(hidden, self.weight)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         if self.tp_size > 1:
             logits = self.tp_group.all_gather(logits, dim=-1)[:, :self.num_embeddings]
         return logits

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel_state import get_tp_group, get_tp_size, kv_head_range
+from kernels.cpu_linear import pack_weight, packed_linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -58,12 +59,31 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+        # The weight in oneDNN's layout once pack() has run (CPU); None: F.linear.
+        self.packed_weight: torch.Tensor | None = None
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def pack(self) -> bool:
+        """Reorders the loaded weight for oneDNN and frees the plain copy (it would double
+        the layer's memory); False, changing nothing, where oneDNN cannot run its dtype."""
+        packed = pack_weight(self.weight.data)
+        if packed is None:
+            return False
+        self.packed_weight = packed
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's x W^T (+ bias), no communication: [T, input] -> [T, output]."""
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.output_size, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -183,8 +203,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp_group.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp_group.all_reduce(self.matmul(x))
         if self.bias is not None:
             y = y + self.bias
         return y

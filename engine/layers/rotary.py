@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.cpu_fused import fused_ops_usable, rotary_neox_cpu
+
 
 def compute_inv_freq(head_size: int, base: float,
                      rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
@@ -54,6 +56,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; query [T, num_heads, head_size]; key [T, num_kv_heads, head_size]
+        if (query.stride(2) == 1 and key.stride(2) == 1 and fused_ops_usable(query)
+                and fused_ops_usable(key) and positions.device.type == "cpu"):
+            rotary_neox_cpu(positions, query, key, self.cos_sin_cache)  # in place
+            return query, key
+        return self.forward_torch(positions, query, key)
+
+    def forward_torch(self, positions: torch.Tensor, query: torch.Tensor,
+                      key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain-torch rotation (new tensors; the inputs are left as they are)."""
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size // 2] each
         return _rotate(query, cos, sin), _rotate(key, cos, sin)

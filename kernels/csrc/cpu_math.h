@@ -1,0 +1,29 @@
+/* Math shared by the CPU kernels in this folder. */
+#ifndef PDSERVE_CPU_MATH_H
+#define PDSERVE_CPU_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 (scores minus their running max), written so the compiler vectorizes it:
+ * libm's expf is a scalar call, and one per (token, head) costs more than reading the K/V.
+ * x = k ln2 + r with |r| <= ln2 / 2; exp(r) by Cephes' degree-6 polynomial (relative error
+ * about 1e-7); 2^k built in the exponent bits. Below -87 the result flushes to 0. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float k = (float)(int)(x * 1.44269504088896341f - 0.5f);  /* round half down */
+    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+#endif
