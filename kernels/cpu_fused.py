@@ -3,7 +3,7 @@
 Each checks what the C code relies on (float32 CPU tensors, rows contiguous in their last
 dimension, shapes that agree, positions inside the cos/sin table) and raises ValueError
 otherwise. Their plain-torch twins are the layers' own torch paths (engine/layers/norm.py,
-engine/layers/rotary.py, LlamaMLP), which run where ``fused_ops_usable`` says no (other
+engine/layers/rotary.py), which run where ``fused_ops_usable`` says no (other
 dtypes or devices, no C compiler, ``PDSERVE_DISABLE_CPU_KERNELS=1``).
 """
 from __future__ import annotations
@@ -22,10 +22,9 @@ def _lib() -> ctypes.CDLL | None:
     if lib is not None and not getattr(lib, "_pdserve_typed", False):
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
-        lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
         lib.rotary_neox_f32.argtypes = [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64,
                                         i64, i32]
-        for fn in (lib.rms_norm_f32, lib.silu_and_mul_f32, lib.rotary_neox_f32):
+        for fn in (lib.rms_norm_f32, lib.rotary_neox_f32):
             fn.restype = None
         lib._pdserve_typed = True
     return lib
@@ -66,18 +65,6 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
         out.stride(0), x.shape[0], hidden, float(eps), torch.get_num_threads())
-    return out
-
-
-def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [num_tokens, 2 * inter] -> silu(gate) * up, [num_tokens, inter]."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [num_tokens, 2 * inter], got {tuple(gate_up.shape)}")
-    _check_rows("gate_up", gate_up, gate_up.shape[1])
-    inter = gate_up.shape[1] // 2
-    out = gate_up.new_empty(gate_up.shape[0], inter)
-    _lib().silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(),
-                            out.stride(0), gate_up.shape[0], inter, torch.get_num_threads())
     return out
 
 

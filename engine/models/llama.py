@@ -16,7 +16,6 @@ from engine.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead
                            VocabParallelEmbedding, default_weight_loader)
 from engine.model_config import ModelConfig
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
-from kernels.cpu_fused import fused_ops_usable, silu_and_mul_cpu
 
 
 class LlamaMLP(nn.Module):
@@ -28,10 +27,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * inter / tp]
-        if fused_ops_usable(gate_up):
-            return self.down_proj(silu_and_mul_cpu(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, inter / tp] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter / tp] each
         return self.down_proj(F.silu(gate) * up)
 
 

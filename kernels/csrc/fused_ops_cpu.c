@@ -1,16 +1,15 @@
 /* Element-wise layers for the CPU, float32, each one pass over its rows: RMSNorm (optionally
- * with the residual add before it), SiLU(gate) * up, and neox rotary embedding in place.
+ * with the residual add before it) and neox rotary embedding in place.
  *
- * Written in torch these are 4-10 small ops each, every one a separate pass over memory with
- * its own allocation and dispatch: on the tiny-model benchmark they took about 8% of the
- * engine's time, more than the decode attention's share after the GEMMs moved to oneDNN.
- * Rows (tokens) are spread over OpenMP threads; the loops inside a row vectorize.
+ * Written in torch these are 5-10 small ops each, every one a separate pass over memory with
+ * its own allocation and dispatch: 2-45x slower than one pass (one thread, 1-2048 tokens of
+ * tiny-llama). SiLU(gate) * up stays in torch: it is two ops there, and a compiled version
+ * measured no faster. Rows (tokens) are spread over OpenMP threads; the loops in a row
+ * vectorize.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-#include "cpu_math.h"
 
 /* Rows below this many elements in total run on one thread: waking the other costs more. */
 #define PARALLEL_MIN_ELEMS 16384
@@ -43,27 +42,6 @@ void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t res
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (src[i] * inv);
-    }
-}
-
-/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]. sigmoid through exp of a
- * non-positive number only: e = exp(-|g|), sigmoid(g) = 1 / (1 + e) for g >= 0 and
- * e / (1 + e) below, so nothing overflows. */
-void silu_and_mul_f32(const float *gate_up, int64_t in_stride, float *out, int64_t out_stride,
-                      int64_t num_tokens, int64_t inter, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (num_tokens * inter >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *g = gate_up + t * in_stride;
-        const float *u = g + inter;
-        float *o = out + t * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float x = g[i];
-            const float e = exp_nonpos(-fabsf(x));
-            const float s = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
-            o[i] = x * s * u[i];
-        }
     }
 }
 
