@@ -5,9 +5,13 @@ block ids on both sides) it times a pull by each backend from an owner process i
 process, and in the same run a plain contiguous copy of the same number of bytes within this
 process: the limit a transfer between two processes on one host can approach. The copy runs
 on one thread (a plain memcpy: a pull is one stream too) and on all of torch's threads; the
-ratio is against the one-thread copy. With ``--block-ids random`` (the default) blocks are
-scattered on both sides; ``contiguous`` moves one run of neighbouring blocks. It also times a
-single request's handoff (the blocks of a 1k-token prompt, with the release notification) for
+ratio is against the one-thread copy. A second limit is the kernel's own: one thread calling
+``process_vm_readv`` (CMA, what UCX uses between processes on one host) over the runs of the
+same pull, from the owner's cache; a pull's ratio to it is how close it gets to what the OS
+allows one thread. With ``--block-ids random`` (the default) blocks are scattered on both
+sides; ``contiguous`` moves one run of neighbouring blocks. ``--nixl-streams N`` splits NIXL
+pulls of 8 MB or more over N threads (the agent's ``pull_streams``). It also times a single
+request's handoff (the blocks of a 1k-token prompt, with the release notification) for
 tiny-llama and for qwen3-0.6b-shape (bf16, the checkpoint dtype served on GPU).
 """
 from __future__ import annotations
@@ -18,14 +22,16 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from bench import cma
 from engine.kv_layout import DTYPE_NAMES, KVCacheLayout
 from engine.presets import PRESETS
 from kvtransfer import BACKENDS, KVAgentHandle, make_agent
+from kvtransfer.nixl_agent import SPLIT_MIN_BYTES, pull_streams_setting
 
 SIZES_MB = (1, 4, 16, 64, 256)
 MB = 1 << 20
@@ -41,6 +47,14 @@ class SizeResult:
     copy_all_threads_gb_s: float
     backend_gb_s: dict[str, float]
     ratio: dict[str, float]
+    cma_gb_s: float | None = None  # one thread of process_vm_readv; None when refused
+    cma_ratio: dict[str, float] = field(default_factory=dict)  # backend / cma
+
+
+@dataclass
+class SizesRun:
+    sizes: list[SizeResult]
+    cma_note: str  # why the CMA figures are missing ("" when measured)
 
 
 @dataclass
@@ -132,8 +146,43 @@ def _block_ids(rng, num_blocks: int, n: int, contiguous: bool) -> list[int]:
     return rng.permutation(num_blocks)[:n].tolist()
 
 
+def _cma_gb_s(owner: OwnerProcess, layout: KVCacheLayout, cache: torch.Tensor,
+              src: list[int], dst: list[int], reps: int) -> float:
+    local, remote = cma.block_iovecs(layout, cache.data_ptr(), owner.handle.layout,
+                                     owner.handle.base_addr, np.asarray(src), np.asarray(dst))
+    pid = owner.proc.pid
+    times = _time(lambda: cma.read(pid, local, remote), reps, 0.5)
+    return int(local[:, 1].sum()) / statistics.median(times) / 1e9
+
+
+def _reader(backend: str, cache: torch.Tensor, layout: KVCacheLayout, nixl_streams: int):
+    return make_agent(backend, cache, layout,
+                      pull_streams=nixl_streams if backend == "nixl" else None)
+
+
+def _time_pulls(backend: str, owner: OwnerProcess, layout: KVCacheLayout,
+                results: list[SizeResult], ids: list[tuple[list[int], list[int]]], reps: int,
+                with_cma: bool, nixl_streams: int) -> None:
+    """Fills each size's figures for ``backend`` (and CMA's, right after the same pull)."""
+    per_block = layout.bytes_per_block
+    cache = _cache(layout, fill=False)
+    with _reader(backend, cache, layout, nixl_streams) as agent:
+        agent.pull([owner.handle], [0], [0], 60.0)  # connect outside the timing
+        for r, (src, dst) in zip(results, ids):
+            times = _time(lambda: agent.pull([owner.handle], src, dst, 120.0), reps, 0.5)
+            r.backend_gb_s[backend] = r.num_blocks * per_block / statistics.median(times) / 1e9
+            r.ratio[backend] = r.backend_gb_s[backend] / r.memcpy_gb_s
+            if with_cma:
+                r.cma_gb_s = _cma_gb_s(owner, layout, cache, src, dst, reps)
+        check = np.random.default_rng(1).permutation(layout.num_blocks)[:8].tolist()
+        agent.pull([owner.handle], check, list(range(8)), 60.0)
+        expect = _cache(layout, fill=True)[:, :, check]
+        if not torch.equal(cache[:, :, :8], expect):
+            raise RuntimeError(f"{backend}: transferred bytes differ from the owner's")
+
+
 def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int,
-              contiguous: bool = False) -> list[SizeResult]:
+              contiguous: bool = False, nixl_streams: int = 1) -> SizesRun:
     per_block = preset_layout("tiny-llama", 1).bytes_per_block
     max_blocks = max(sizes_mb) * MB // per_block
     layout = preset_layout("tiny-llama", max_blocks + 64)
@@ -141,29 +190,26 @@ def run_sizes(backends: list[str], sizes_mb: tuple[int, ...], reps: int,
     results = [SizeResult(s, s * MB // per_block, _memcpy_gb_s(s * MB, reps, 1),
                           _memcpy_gb_s(s * MB, reps, torch.get_num_threads()), {}, {})
                for s in sizes_mb]
-    for backend in backends:
+    # Every backend and the CMA read move the same blocks.
+    ids = [(_block_ids(rng, layout.num_blocks, r.num_blocks, contiguous),
+            _block_ids(rng, layout.num_blocks, r.num_blocks, contiguous)) for r in results]
+    cma_note = "no backend ran"
+    for i, backend in enumerate(backends):
         owner = OwnerProcess(backend, layout)
-        cache = _cache(layout, fill=False)
         try:
-            with make_agent(backend, cache, layout) as agent:
-                agent.pull([owner.handle], [0], [0], 60.0)  # connect outside the timing
-                for r in results:
-                    src = _block_ids(rng, layout.num_blocks, r.num_blocks, contiguous)
-                    dst = _block_ids(rng, layout.num_blocks, r.num_blocks, contiguous)
-                    times = _time(lambda: agent.pull([owner.handle], src, dst, 120.0), reps, 0.5)
-                    r.backend_gb_s[backend] = r.num_blocks * per_block / statistics.median(times) / 1e9
-                    r.ratio[backend] = r.backend_gb_s[backend] / r.memcpy_gb_s
-                check = rng.permutation(layout.num_blocks)[:8].tolist()
-                agent.pull([owner.handle], check, list(range(8)), 60.0)
-                expect = _cache(layout, fill=True)[:, :, check]
-                if not torch.equal(cache[:, :, :8], expect):
-                    raise RuntimeError(f"{backend}: transferred bytes differ from the owner's")
+            if i == 0:  # any owner's cache will do: CMA is measured once per size
+                cma_note = cma.probe(owner.proc.pid, owner.handle.base_addr)
+            _time_pulls(backend, owner, layout, results, ids, reps, i == 0 and not cma_note,
+                        nixl_streams)
         finally:
             owner.close()
-    return results
+    for r in results:
+        if r.cma_gb_s:
+            r.cma_ratio = {b: r.backend_gb_s[b] / r.cma_gb_s for b in backends}
+    return SizesRun(results, cma_note)
 
 
-def run_handoffs(backends: list[str], reps: int) -> list[HandoffResult]:
+def run_handoffs(backends: list[str], reps: int, nixl_streams: int = 1) -> list[HandoffResult]:
     out = []
     for model, dtype in (("tiny-llama", "float32"), ("qwen3-0.6b-shape", "bfloat16")):
         n = HANDOFF_TOKENS // 16
@@ -171,7 +217,8 @@ def run_handoffs(backends: list[str], reps: int) -> list[HandoffResult]:
         for backend in backends:
             owner = OwnerProcess(backend, layout)
             try:
-                with make_agent(backend, _cache(layout, fill=False), layout) as agent:
+                with _reader(backend, _cache(layout, fill=False), layout,
+                             nixl_streams) as agent:
                     agent.pull([owner.handle], [0], [0], 60.0)
                     ids = list(range(n))
                     times = _time(lambda: agent.pull([owner.handle], ids, ids, 120.0,
@@ -191,6 +238,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-ids", choices=["random", "contiguous"], default="random",
                    help="random: scattered blocks on both sides (the worst case); contiguous: "
                    "one run of neighbouring blocks on each side")
+    p.add_argument("--nixl-streams", type=int, default=1,
+                   help=f"threads a NIXL pull of {SPLIT_MIN_BYTES // MB} MB or more is split "
+                   "over (1: the caller's only)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
 
 
@@ -202,28 +252,45 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--sizes-mb must be integers, got {args.sizes_mb!r}") from None
     if not sizes or min(sizes) < 1 or args.reps < 1:
         raise ValueError("--sizes-mb must be positive and --reps >= 1")
-    sizes_res = run_sizes(backends, sizes, args.reps, args.block_ids == "contiguous")
-    handoffs = run_handoffs(backends, args.reps)
+    pull_streams_setting(args.nixl_streams)  # a bad value fails before minutes of timing
+    run = run_sizes(backends, sizes, args.reps, args.block_ids == "contiguous", args.nixl_streams)
+    handoffs = run_handoffs(backends, args.reps, args.nixl_streams)
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "block_ids": args.block_ids,
-                          "sizes": [asdict(r) for r in sizes_res],
+                          "nixl_streams": args.nixl_streams,
+                          "sizes": [asdict(r) for r in run.sizes], "cma_note": run.cma_note,
                           "handoffs": [asdict(h) for h in handoffs]}, indent=2))
-        return 0
-    head = " | ".join(f"{b} GB/s | {b}/memcpy" for b in backends)
+    else:
+        if args.nixl_streams > 1 and "nixl" in backends:
+            print(f"nixl: pulls of {SPLIT_MIN_BYTES // MB} MB or more split over "
+                  f"{args.nixl_streams} threads\n")
+        _print_tables(backends, run, handoffs)
+    return 0
+
+
+def _print_tables(backends: list[str], run: SizesRun, handoffs: list[HandoffResult]) -> None:
+    def fmt(v: float | None, bold: bool = False) -> str:
+        if v is None:
+            return ""
+        return f"**{v:.2f}**" if bold else f"{v:.2f}"
+
+    head = " | ".join(f"{b} GB/s | {b}/memcpy | {b}/cma" for b in backends)
     print(f"| size | blocks | memcpy GB/s | copy, {torch.get_num_threads()} threads GB/s | "
-          f"{head} |")
-    print("|---|---|---|---|" + "---|---|" * len(backends))
-    for r in sizes_res:
-        cols = " | ".join(f"{r.backend_gb_s[b]:.2f} | **{r.ratio[b]:.2f}**" for b in backends)
+          f"cma GB/s | {head} |")
+    print("|---|---|---|---|---|" + "---|---|---|" * len(backends))
+    for r in run.sizes:
+        cols = " | ".join(f"{fmt(r.backend_gb_s[b])} | {fmt(r.ratio[b], True)} | "
+                          f"{fmt(r.cma_ratio.get(b), True)}" for b in backends)
         print(f"| {r.size_mb} MB | {r.num_blocks} | {r.memcpy_gb_s:.2f} | "
-              f"{r.copy_all_threads_gb_s:.2f} | {cols} |")
+              f"{r.copy_all_threads_gb_s:.2f} | {fmt(r.cma_gb_s)} | {cols} |")
+    if run.cma_note:
+        print(f"\ncma (one thread of process_vm_readv) not measured: {run.cma_note}")
     print()
     print("| handoff (1k-token prompt) | backend | blocks | MB | median ms | best ms |")
     print("|---|---|---|---|---|---|")
     for h in handoffs:
         print(f"| {h.model} | {h.backend} | {h.num_blocks} | {h.num_bytes / MB:.1f} | "
               f"{h.median_ms:.2f} | {h.best_ms:.2f} |")
-    return 0
 
 
 if __name__ == "__main__":

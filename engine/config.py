@@ -52,6 +52,9 @@ class EngineConfig:
     # How this engine's KV blocks move to or from another engine: "nixl", "torch" or None (no
     # transfer agent; combined serving and offline use).
     kv_transfer_backend: str | None = None
+    # NIXL: threads (each a second core while it copies) that a pull of 8 MB or more is split
+    # over; None: $PDSERVE_NIXL_PULL_STREAMS, else 1.
+    kv_pull_streams: int | None = None
     # A KV transfer that has not completed by then fails (its blocks are freed).
     kv_transfer_timeout_s: float = 30.0
     # After a failed pull whose READ could not be proven cancelled, its destination blocks
@@ -90,6 +93,8 @@ class EngineConfig:
                 and self.kv_transfer_backend not in _KV_TRANSFER_BACKENDS:
             raise ValueError(f"kv_transfer_backend must be one of {_KV_TRANSFER_BACKENDS} or None, "
                              f"got {self.kv_transfer_backend!r}")
+        if self.kv_pull_streams is not None:
+            _positive_int("kv_pull_streams", self.kv_pull_streams)
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if not self.kv_quarantine_s >= 0:

@@ -92,7 +92,8 @@ def make_rank_agent(spec: RankSpec, runner: ModelRunner):
     if backend is None:
         return None
     from kvtransfer import make_agent
-    return make_agent(backend, runner.kv_cache, runner.layout)
+    streams = spec.config.kv_pull_streams if backend == "nixl" else None
+    return make_agent(backend, runner.kv_cache, runner.layout, pull_streams=streams)
 
 
 def make_executor(spec: RankSpec, model_config: ModelConfig) -> Executor:

@@ -12,16 +12,20 @@ from kvtransfer.types import TransferCounters, TransferStats
 
 
 def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
-               name: str | None = None, host: str | None = None) -> KVTransferAgent:
+               name: str | None = None, host: str | None = None,
+               pull_streams: int | None = None) -> KVTransferAgent:
     """An agent serving and pulling blocks of ``cache`` (this rank's KV cache).
 
     ``host`` is where a torch-backend owner listens (default $PDSERVE_KV_HOST or 127.0.0.1);
-    NIXL finds its own addresses through UCX.
+    NIXL finds its own addresses through UCX. ``pull_streams`` (NIXL only; default
+    $PDSERVE_NIXL_PULL_STREAMS, else 1): threads a large pull's bytes are copied on.
     """
     if backend == "nixl":
         from kvtransfer.nixl_agent import NixlKVAgent
-        return NixlKVAgent(cache, layout, name)
+        return NixlKVAgent(cache, layout, name, pull_streams)
     if backend == "torch":
+        if pull_streams not in (None, 1):
+            raise ValueError("pull_streams is a NIXL option; the torch backend has none")
         from kvtransfer.torch_agent import TorchKVAgent
         return TorchKVAgent(cache, layout, name, host)
     raise ValueError(f"unknown KV transfer backend {backend!r} (choose from {BACKENDS})")

@@ -8,47 +8,75 @@ local token row. When a pull reads from a single remote rank, the release notifi
 on that READ: NIXL delivers it to the owner once the data has landed, exactly when the owner
 may reuse the blocks. With several remote ranks it is sent after every READ completed, since a
 notification on one READ says nothing about the others.
+
+Between processes on one host UCX moves host memory by CMA (``process_vm_readv``), inside the
+posting call: one READ is one thread copying. With ``pull_streams`` = k > 1, a pull of at least
+``SPLIT_MIN_BYTES`` is cut into k shares of about equal bytes; the caller's thread posts one,
+and k - 1 more agents (each its own UCX context, worker and thread) post the others, so k
+threads copy at once. That takes k cores for the length of the pull, so it is off by default: a
+decode worker on a one-core budget would take its prefill neighbour's core.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import time
 
 import torch
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer.agent import KVTransferAgent
-from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.errors import PeerGoneError, TransferError
 from kvtransfer.handle import KVAgentHandle
-from kvtransfer.plan import PullJob, block_runs, descriptors
+from kvtransfer.nixl_reader import NixlReader, NixlStream, ReadPart, join_streams
+from kvtransfer.plan import PullJob, block_runs, descriptors, split_runs
 
 logger = logging.getLogger(__name__)
-# Completion polling interval: short, since a READ of a few MB finishes in about a millisecond.
-_POLL_S = 0.0002
 # How often an owner's UCX worker is progressed when nothing else touches it: connection
 # set-up from a new reader (and, over TCP, every READ) waits for the owner's progress.
 _OWNER_PROGRESS_S = 0.001
+# Smaller pulls stay on the caller's thread: handing a share to a stream costs about 0.1 ms, and
+# up to 4 MB two threads measured no faster than one (from 16 MB on, 1.7-1.9x).
+SPLIT_MIN_BYTES = 8 << 20
+MAX_PULL_STREAMS = 16
+
+
+def pull_streams_setting(pull_streams: int | None) -> int:
+    """``pull_streams``, or $PDSERVE_NIXL_PULL_STREAMS when None (default 1), checked."""
+    if pull_streams is None:
+        raw = os.environ.get("PDSERVE_NIXL_PULL_STREAMS", "1")
+        try:
+            pull_streams = int(raw)
+        except ValueError:
+            raise ValueError(f"PDSERVE_NIXL_PULL_STREAMS must be an integer, got {raw!r}") from None
+    if isinstance(pull_streams, bool) or not isinstance(pull_streams, int) or not (
+            1 <= pull_streams <= MAX_PULL_STREAMS):
+        raise ValueError(f"pull_streams must be an integer in [1, {MAX_PULL_STREAMS}], got "
+                         f"{pull_streams!r}")
+    return pull_streams
 
 
 class NixlKVAgent(KVTransferAgent):
     backend = "nixl"
 
-    def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, name: str | None = None) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
+    def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, name: str | None = None,
+                 pull_streams: int | None = None) -> None:
         super().__init__(cache, layout, name)
+        self.pull_streams = pull_streams_setting(pull_streams)
         # NIXL's progress thread polls UCX with no delay: on a CPU host it takes half a core per
         # process (measured: serving throughput halved on 2 cores). Readers progress UCX in
         # their completion polling; owners in a thread of ours that sleeps between polls.
         prog = os.environ.get("PDSERVE_NIXL_PROGRESS_THREAD") == "1"
-        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=prog,
-                                                              backends=["UCX"]))
-        self._reg = self._agent.register_memory(cache)
-        self._remotes: dict[str, str] = {}  # agent name -> name NIXL knows it by
-        # NIXL's agent is used from the engine's pull threads and the owner progress thread.
-        self._lock = threading.Lock()
+        self._main = NixlReader(self.name, cache, prog)
+        self._streams: list[NixlStream] = []
+        try:
+            for i in range(1, self.pull_streams):
+                self._streams.append(NixlStream(f"{self.name}-s{i}", cache))
+        except BaseException:
+            for s in self._streams:
+                s.close()
+            self._main.close()
+            raise
         self._notifs: list[bytes] = []  # received, not yet polled by the caller
         self._closed = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, daemon=True,
@@ -57,128 +85,76 @@ class NixlKVAgent(KVTransferAgent):
 
     def handle(self) -> KVAgentHandle:
         return KVAgentHandle(
-            backend="nixl", agent_name=self.name, metadata=self._agent.get_agent_metadata(),
+            backend="nixl", agent_name=self.name, metadata=self._main.agent.get_agent_metadata(),
             base_addr=self.cache.data_ptr(),
             num_bytes=self.cache.numel() * self.cache.element_size(),
             device_id=self.device_id, mem_type=self.mem_type, layout=self.layout)
 
-    def _connect(self, remote: KVAgentHandle) -> str:
-        known = self._remotes.get(remote.agent_name)
-        if known is None:
-            known = self._agent.add_remote_agent(remote.metadata)
-            if isinstance(known, bytes):
-                known = known.decode()
-            self._remotes[remote.agent_name] = known
-        return known
+    def _part(self, job: PullJob) -> ReadPart:
+        r = job.remote
+        rids, lids, runs = job.remote_ids, job.local_ids, None
+        if job.whole_rows:  # neighbouring blocks on both sides move as one run
+            rids, lids, runs = block_runs(job.remote_ids, job.local_ids)
+        rdesc = descriptors(r.layout, r.base_addr, rids, job.head_start, job.num_heads,
+                            r.device_id, not job.whole_rows, runs)
+        ldesc = descriptors(self.layout, self.cache.data_ptr(), lids, job.head_start,
+                            job.num_heads, self.device_id, not job.whole_rows, runs)
+        return ReadPart(r, rdesc, ldesc)
+
+    def _shares(self, parts: list[ReadPart], num_bytes: int) -> list[list[ReadPart]]:
+        """What each thread moves: the caller's share first, then each stream's."""
+        if not self._streams or num_bytes < SPLIT_MIN_BYTES:
+            return [parts]
+        shares: list[list[ReadPart]] = [[] for _ in range(1 + len(self._streams))]
+        for p in parts:
+            for share, sl in zip(shares, split_runs(p.rdesc[:, 1], len(shares))):
+                if sl.stop > sl.start:
+                    share.append(ReadPart(p.remote, p.rdesc[sl], p.ldesc[sl]))
+        return shares
 
     def _run_pull(self, jobs: list[PullJob], deadline: float,
                   notify: bytes | None) -> tuple[int, bool]:
-        attach = bool(notify) and len(jobs) == 1 and jobs[0].remote_index == 0
-        plans = []
-        for job in jobs:
-            r = job.remote
-            rids, lids, runs = job.remote_ids, job.local_ids, None
-            if job.whole_rows:  # neighbouring blocks on both sides move as one run
-                rids, lids, runs = block_runs(job.remote_ids, job.local_ids)
-            rdesc = descriptors(r.layout, r.base_addr, rids, job.head_start, job.num_heads,
-                                r.device_id, not job.whole_rows, runs)
-            ldesc = descriptors(self.layout, self.cache.data_ptr(), lids, job.head_start,
-                                job.num_heads, self.device_id, not job.whole_rows, runs)
-            plans.append((r, rdesc, ldesc))
-        handles: list = []
+        parts = [self._part(job) for job in jobs]
+        shares = self._shares(parts, sum(j.num_bytes for j in jobs))
+        attach = (bool(notify) and len(jobs) == 1 and jobs[0].remote_index == 0
+                  and len(shares) == 1)
+        futures = [s.submit(share, deadline)
+                   for s, share in zip(self._streams, shares[1:]) if share]
+        error: TransferError | None = None
         try:
-            if self._agent is None:
-                raise TransferError(f"NIXL agent {self.name!r} is closed")
-            with self._lock:
-                for r, rdesc, ldesc in plans:
-                    handles.append(self._start_read(r, rdesc, ldesc, notify if attach else b""))
-            self._wait(handles, deadline, jobs)
+            self._main.read(shares[0], deadline, notify if attach else b"")
         except TransferError as e:
-            # Releasing a running READ asks UCX to cancel it, but nothing confirms the cancel:
-            # a late completion could still write into blocks the caller is about to reuse.
-            e.writes_may_land = e.writes_may_land or self._any_in_flight(handles)
-            raise
-        finally:
-            self._release(handles)
-        return sum(len(p[2]) for p in plans), attach
-
-    def _any_in_flight(self, handles: list) -> bool:
-        with self._lock:
-            for h in handles:
-                try:
-                    if self._agent.check_xfer_state(h) not in ("DONE", "ERR"):
-                        return True
-                except Exception:  # noqa: BLE001 - unknown state: assume the worst
-                    return True
-        return False
-
-    def _start_read(self, remote: KVAgentHandle, rdesc, ldesc, msg: bytes):
-        try:
-            name = self._connect(remote)
-            h = self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(ldesc, self.mem_type),
-                self._agent.get_xfer_descs(rdesc, remote.mem_type), name, msg)
-            state = self._agent.transfer(h)
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
-            raise PeerGoneError(f"cannot read from NIXL agent {remote.agent_name!r}: {e}") from None
-        if state == "ERR":
-            self._agent.release_xfer_handle(h)
-            raise PeerGoneError(f"NIXL refused the read from {remote.agent_name!r}")
-        return h
-
-    def _wait(self, handles: list, deadline: float, jobs: list[PullJob]) -> None:
-        names = [j.remote.agent_name for j in jobs]
-        pending = list(zip(handles, names))
-        while pending:
-            try:
-                with self._lock:
-                    states = [self._agent.check_xfer_state(h) for h, _ in pending]
-            except Exception as e:  # noqa: BLE001
-                raise PeerGoneError(f"a NIXL read from {names} failed: {e}") from None
-            for (_, name), s in zip(pending, states):
-                if s == "ERR":
-                    raise PeerGoneError(f"the NIXL read from {name!r} failed (is its owner "
-                                        "still alive?)")
-            pending = [p for p, s in zip(pending, states) if s != "DONE"]
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TransferTimeout(f"KV pull from {[n for _, n in pending]} did not "
-                                          "complete within its timeout")
-                time.sleep(_POLL_S)
-
-    def _release(self, handles: list) -> None:
-        # Releasing a handle whose READ is still running asks NIXL to abort it.
-        with self._lock:
-            for h in handles:
-                try:
-                    self._agent.release_xfer_handle(h)
-                except Exception as e:  # noqa: BLE001 - a stuck handle must not mask the error
-                    logger.warning("could not release a NIXL transfer handle: %s", e)
+            error = e
+        finally:  # the streams' shares end (or are marked as possibly landing) before we return
+            error = join_streams(futures, deadline, error)
+        if error is not None:
+            raise error
+        return sum(len(p.rdesc) for p in parts), attach
 
     def _send_notification(self, remote: KVAgentHandle, msg: bytes) -> None:
         try:
-            with self._lock:
-                if self._agent is None:
+            with self._main.lock:
+                if self._main.agent is None:
                     raise RuntimeError("the agent is closed")
-                self._agent.send_notif(self._connect(remote), msg)
+                self._main.agent.send_notif(self._main.connect(remote), msg)
         except Exception as e:  # noqa: BLE001
             raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
 
     def _progress_loop(self) -> None:
         # Fetching notifications progresses the UCX worker, which serves remote readers.
         while not self._closed.wait(_OWNER_PROGRESS_S):
-            with self._lock:
-                if self._agent is None:
+            with self._main.lock:
+                if self._main.agent is None:
                     return
                 try:
-                    notifs = self._agent.get_new_notifs()
+                    notifs = self._main.agent.get_new_notifs()
                 except Exception:  # noqa: BLE001 - keep serving; the next poll retries
                     logger.exception("NIXL progress failed")
                     continue
                 self._notifs.extend(m for msgs in notifs.values() for m in msgs)
 
     def _poll_notifications(self) -> list[bytes]:
-        with self._lock:
+        with self._main.lock:
             msgs, self._notifs = self._notifs, []
         return msgs
 
@@ -186,13 +162,6 @@ class NixlKVAgent(KVTransferAgent):
         self._closed.set()
         if threading.current_thread() is not self._progress:
             self._progress.join(timeout=5)
-        with self._lock:
-            if self._agent is None:
-                return
-            for name in self._remotes.values():
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception:  # noqa: BLE001 - best effort on the way out
-                    pass
-            self._agent.deregister_memory(self._reg)
-            self._agent = None
+        for s in self._streams:
+            s.close()
+        self._main.close()

@@ -158,3 +158,20 @@ def descriptors(layout: KVCacheLayout, base: int, block_ids: np.ndarray, head_st
     out[:, 1] = length
     out[:, 2] = device_id
     return out
+
+
+def split_runs(lengths: np.ndarray, k: int) -> list[slice]:
+    """``k`` consecutive index ranges over runs of ``lengths`` bytes, each close to 1/k of the
+    bytes (a run is never cut, so a range may be empty when a few runs hold most bytes)."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    before = np.concatenate(([0], np.cumsum(np.asarray(lengths, dtype=np.float64))))
+    n = len(before) - 1
+    if n == 0:
+        return [slice(0, 0)] * k
+    targets = before[-1] * np.arange(1, k) / k
+    hi = np.clip(np.searchsorted(before, targets), 1, n)
+    # The run boundary nearest each target, never moving backwards.
+    cut = np.where(targets - before[hi - 1] <= before[hi] - targets, hi - 1, hi)
+    bounds = [0, *np.maximum.accumulate(cut).tolist(), n]
+    return [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]

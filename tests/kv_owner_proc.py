@@ -21,6 +21,29 @@ from engine.kv_layout import KVCacheLayout
 from kvtransfer import make_agent
 
 
+def pull_concurrently(agent, handles: list, jobs: list[tuple[list[int], list[int]]],
+                      tag: str, timeout_s: float) -> list[BaseException]:
+    """Runs each (remote ids, local ids) pull of ``jobs`` on its own thread, each with its own
+    release notification; closes ``agent`` after; the errors raised, if any."""
+    errors: list[BaseException] = []
+
+    def run(src: list[int], dst: list[int], i: int) -> None:
+        try:
+            agent.pull(handles, src, dst, timeout_s=timeout_s, notify=f"release:{tag}{i}".encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s, d, i)) for i, (s, d) in enumerate(jobs)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        agent.close()
+    return errors
+
+
 def seeded_cache(layout: KVCacheLayout, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(layout.shape, generator=g, dtype=torch.float32)

@@ -76,6 +76,8 @@ def test_bad_engine_config():
         EngineConfig("tiny-llama", max_num_seqs=0)
     with pytest.raises(ValueError, match="role"):
         EngineConfig("tiny-llama", role="both")
+    with pytest.raises(ValueError, match="kv_pull_streams"):
+        EngineConfig("tiny-llama", kv_pull_streams=0)
 
 
 def test_text_and_token_prompts_agree(llm):

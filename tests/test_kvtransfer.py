@@ -21,7 +21,7 @@ from engine.kv_layout import KVCacheLayout
 from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, TransferTimeout,
                         make_agent, plan_heads)
 from kvtransfer import plan as plan_mod
-from tests.kv_owner_proc import seeded_cache
+from tests.kv_owner_proc import pull_concurrently, seeded_cache
 
 BACKENDS = ["nixl", "torch"]
 BASE = KVCacheLayout(num_layers=3, num_blocks=24, block_size=4, num_kv_heads=4, kv_head_start=0,
@@ -139,22 +139,7 @@ def test_many_concurrent_pulls_for_different_requests(owners, backend):
     local = rng.sample(range(BIG.num_blocks), 16 * 12)
     jobs = [(rng.sample(range(BIG.num_blocks), 12), local[i * 12:(i + 1) * 12])
             for i in range(16)]
-    errors: list[BaseException] = []
-
-    def run(src: list[int], dst: list[int], i: int) -> None:
-        try:
-            agent.pull([owner.handle], src, dst, timeout_s=60.0, notify=f"release:c{i}".encode())
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s, d, i)) for i, (s, d) in enumerate(jobs)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        agent.close()
+    errors = pull_concurrently(agent, [owner.handle], jobs, "c", timeout_s=60.0)
     assert errors == []
     for src, dst in jobs:
         assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])

@@ -1,0 +1,188 @@
+"""One NIXL agent as a reader: its cache registration, its connections, and batched READs
+with completion polling, a deadline and release.
+
+NIXL's agent in its default sync mode (and UCX's worker under it) must not be entered by two
+threads at once, so every call into it goes through ``lock``. A ``NixlStream`` is a second
+reader with its own agent and thread: UCX's CMA copy runs inside the posting call, on the
+posting thread, so two agents posting halves of a pull from two threads copy in parallel.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.handle import KVAgentHandle
+
+logger = logging.getLogger(__name__)
+# Completion polling interval: short, since a READ of a few MB finishes in about a millisecond.
+_POLL_S = 0.0002
+# How long past the pull's deadline a stream's thread may take to hand back its result: it
+# honours the deadline itself, so only a call stuck inside NIXL gets this far.
+_STREAM_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ReadPart:
+    """Runs of one remote rank's cache (``rdesc``) into runs of ours (``ldesc``), pairwise."""
+
+    remote: KVAgentHandle
+    rdesc: np.ndarray
+    ldesc: np.ndarray
+
+
+class NixlReader:
+    def __init__(self, name: str, cache: torch.Tensor, prog_thread: bool = False) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name
+        self.mem_type = "VRAM" if cache.is_cuda else "DRAM"
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog_thread,
+                                                        backends=["UCX"]))  # None once closed
+        self._reg = self.agent.register_memory(cache)
+        self.lock = threading.Lock()
+        self._remotes: dict[str, str] = {}  # agent name -> name NIXL knows it by
+
+    def connect(self, remote: KVAgentHandle) -> str:
+        """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held)."""
+        known = self._remotes.get(remote.agent_name)
+        if known is None:
+            known = self.agent.add_remote_agent(remote.metadata)
+            if isinstance(known, bytes):
+                known = known.decode()
+            self._remotes[remote.agent_name] = known
+        return known
+
+    def read(self, parts: list[ReadPart], deadline: float, notify: bytes = b"") -> None:
+        """Posts one READ per part, waits for all until ``deadline`` and releases them.
+        ``notify`` rides on the READ, so it reaches the owner once the data landed; it needs a
+        single part, since a notification on one READ says nothing about another."""
+        if notify and len(parts) != 1:
+            raise ValueError(f"a notification rides on a single READ, got {len(parts)} parts")
+        handles: list = []
+        try:
+            with self.lock:
+                if self.agent is None:
+                    raise TransferError(f"NIXL agent {self.name!r} is closed")
+                for p in parts:
+                    handles.append(self._start(p, notify))
+            self._wait(handles, deadline, [p.remote.agent_name for p in parts])
+        except TransferError as e:
+            # Releasing a running READ asks UCX to cancel it, but nothing confirms the cancel:
+            # a late completion could still write into blocks the caller is about to reuse.
+            e.writes_may_land = e.writes_may_land or self._any_in_flight(handles)
+            raise
+        finally:
+            self._release(handles)
+
+    def _start(self, part: ReadPart, msg: bytes):
+        remote = part.remote
+        try:
+            name = self.connect(remote)
+            h = self.agent.initialize_xfer(
+                "READ", self.agent.get_xfer_descs(part.ldesc, self.mem_type),
+                self.agent.get_xfer_descs(part.rdesc, remote.mem_type), name, msg)
+            state = self.agent.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise PeerGoneError(f"cannot read from NIXL agent {remote.agent_name!r}: {e}") from None
+        if state == "ERR":
+            self.agent.release_xfer_handle(h)
+            raise PeerGoneError(f"NIXL refused the read from {remote.agent_name!r}")
+        return h
+
+    def _wait(self, handles: list, deadline: float, names: list[str]) -> None:
+        pending = list(zip(handles, names))
+        while pending:
+            try:
+                with self.lock:
+                    states = [self.agent.check_xfer_state(h) for h, _ in pending]
+            except Exception as e:  # noqa: BLE001
+                raise PeerGoneError(f"a NIXL read from {names} failed: {e}") from None
+            for (_, name), s in zip(pending, states):
+                if s == "ERR":
+                    raise PeerGoneError(f"the NIXL read from {name!r} failed (is its owner "
+                                        "still alive?)")
+            pending = [p for p, s in zip(pending, states) if s != "DONE"]
+            if pending:
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"KV pull from {[n for _, n in pending]} did not "
+                                          "complete within its timeout")
+                time.sleep(_POLL_S)
+
+    def _any_in_flight(self, handles: list) -> bool:
+        with self.lock:
+            for h in handles:
+                try:
+                    if self.agent.check_xfer_state(h) not in ("DONE", "ERR"):
+                        return True
+                except Exception:  # noqa: BLE001 - unknown state: assume the worst
+                    return True
+        return False
+
+    def _release(self, handles: list) -> None:
+        # Releasing a handle whose READ is still running asks NIXL to abort it.
+        with self.lock:
+            for h in handles:
+                try:
+                    self.agent.release_xfer_handle(h)
+                except Exception as e:  # noqa: BLE001 - a stuck handle must not mask the error
+                    logger.warning("could not release a NIXL transfer handle: %s", e)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.agent is None:
+                return
+            for name in self._remotes.values():
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            self.agent.deregister_memory(self._reg)
+            self.agent = None
+
+
+class NixlStream:
+    """A reader-only second agent and the one thread that uses it: part of a large pull moves
+    through it while the caller's thread moves the rest. Never handed out as an owner."""
+
+    def __init__(self, name: str, cache: torch.Tensor) -> None:
+        self.reader = NixlReader(name, cache)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def submit(self, parts: list[ReadPart], deadline: float) -> concurrent.futures.Future:
+        return self._thread.submit(self.reader.read, parts, deadline)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)  # a running read ends by its deadline
+        self.reader.close()
+
+
+def join_streams(futures: list[concurrent.futures.Future], deadline: float,
+                 error: TransferError | None) -> TransferError | None:
+    """Waits for every stream's share of a pull; the first error, marked when any share's
+    bytes may still land. Never returns while a stream could still be writing unknowingly."""
+    for f in futures:
+        err: TransferError
+        try:
+            f.result(timeout=max(0.0, deadline - time.monotonic()) + _STREAM_GRACE_S)
+            continue
+        except TransferError as e:  # first: a TransferTimeout is a TimeoutError too
+            err = e
+        except concurrent.futures.TimeoutError:
+            # Its thread is stuck inside NIXL, the READ unreleased.
+            err = TransferTimeout("a parallel share of a KV pull did not finish",
+                                  writes_may_land=True)
+        except Exception as e:  # noqa: BLE001 - a bug in a share: its bytes are unknown
+            err = TransferError(f"a parallel share of a KV pull failed: {e!r}",
+                                writes_may_land=True)
+        if error is None:
+            error = err
+        else:
+            error.writes_may_land = error.writes_may_land or err.writes_may_land
+    return error
