@@ -5,7 +5,9 @@ All three run in the same process on the same weights and the same requests:
 (b) Hugging Face ``generate`` in static batches with left padding (every request in a batch
     decodes until the longest is done; only requested tokens count);
 (c) the roofline: the model's linear layers alone (no attention, no Python), replayed at the
-    exact per-step token counts the engine ran.
+    exact per-step token counts the engine ran, through the engine's own GEMM (oneDNN on packed
+    weights on the CPU); beside it the same replay through ``F.linear`` (MKL's sgemm on the
+    CPU), the GEMM the engine used before packing and HF uses, for comparison.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ class OfflineResult:
     roofline_tok_s: float
     ratio_vs_hf: float
     ratio_vs_roofline: float
+    # The same replay through F.linear on same-shaped weights.
+    f_linear_roofline_tok_s: float
+    ratio_vs_f_linear_roofline: float
     num_threads: int
     tensor_parallel_size: int = 1
     # TP > 1 only: rank 0's time inside all-reduce/all-gather over the engine's time, and the
@@ -95,37 +100,46 @@ def run_hf(path, reqs: OfflineRequests, dtype: torch.dtype, batch_size: int) -> 
 
 
 @torch.inference_mode()
-def run_roofline(llm, reqs: OfflineRequests) -> float:
-    """Times every linear layer's GEMM, through the layer's own matmul (the packed oneDNN
-    kernel where the engine packed it), at the engine's recorded step sizes."""
+def run_roofline(llm, reqs: OfflineRequests, f_linear: bool = False) -> float:
+    """Times every linear layer's GEMM at the engine's recorded step sizes: through the layer's
+    own matmul, or (``f_linear``) through F.linear on random weights of the same shapes."""
     from engine.layers import LinearBase, ParallelLMHead
 
     model = llm.engine.executor.runner.model
-    hidden = llm.engine.model_config.hidden_size
     device = llm.engine.device
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
-    lm_head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
-    dtype = lm_head.weight.dtype
-    sizes = list(zip(llm.engine.step_num_tokens, llm.engine.step_num_sampled))
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    dtype = head.weight.dtype
+    gemms = [(m.input_size, m.matmul) for m in layers]
+    lm_head = (head.weight.shape[1], head.matmul)
+    if f_linear:
+        gemms = [(m.input_size, _f_linear(m.output_size, m.input_size, dtype, device))
+                 for m in layers]
+        lm_head = (lm_head[0], _f_linear(head.weight.shape[0], lm_head[0], dtype, device))
     counts: dict[tuple[int, int], int] = {}
-    for s in sizes:
+    for s in zip(llm.engine.step_num_tokens, llm.engine.step_num_sampled):
         counts[s] = counts.get(s, 0) + 1
     total = 0.0
     for (n_tok, n_samp), count in counts.items():
         # One input per distinct input width (hidden, attention output, MLP intermediate).
-        xs_by_width = {m.input_size: torch.randn(n_tok, m.input_size, dtype=dtype, device=device)
-                       for m in layers}
-        xs = torch.randn(n_samp, hidden, dtype=dtype, device=device)
+        xs = {w: torch.randn(n_tok, w, dtype=dtype, device=device) for w, _ in gemms}
+        xs_head = torch.randn(n_samp, lm_head[0], dtype=dtype, device=device)
         best = float("inf")
         for _ in range(3):
             t0 = time.perf_counter()
-            for m in layers:
-                m.matmul(xs_by_width[m.input_size])
+            for width, gemm in gemms:
+                gemm(xs[width])
             if n_samp:
-                lm_head.matmul(xs)
+                lm_head[1](xs_head)
             best = min(best, time.perf_counter() - t0)
         total += best * count
     return total
+
+
+def _f_linear(out_features: int, in_features: int, dtype: torch.dtype, device):
+    # A weight of its own per layer, as the model has: one shared weight would stay in cache.
+    w = torch.randn(out_features, in_features, dtype=dtype, device=device)
+    return lambda x: torch.nn.functional.linear(x, w)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -145,7 +159,9 @@ def main(args: argparse.Namespace) -> int:
     log(f"engine:   {engine_s:8.2f} s (TP={tp})")
     # At TP > 1 this replays rank 0's weight shards: the per-rank matmul time.
     roof_s = run_roofline(llm, reqs)
-    log(f"roofline: {roof_s:8.2f} s")
+    log(f"roofline: {roof_s:8.2f} s (the engine's GEMM)")
+    roof_f_s = run_roofline(llm, reqs, f_linear=True)
+    log(f"roofline: {roof_f_s:8.2f} s (F.linear)")
     llm.shutdown()
     del llm
     tp1_s = None
@@ -158,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
     n = reqs.num_output_tokens
     res = OfflineResult(w.name, w.model, len(reqs.prompts), n, engine_s, hf_s, roof_s,
                         n / engine_s, n / hf_s, n / roof_s, hf_s / engine_s, roof_s / engine_s,
+                        n / roof_f_s, roof_f_s / engine_s,
                         torch.get_num_threads(), tp, comm_share,
                         None if tp1_s is None else n / tp1_s,
                         None if tp1_s is None else tp1_s / engine_s)
@@ -166,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"engine {res.engine_tok_s:.1f} tok/s | hf {res.hf_tok_s:.1f} tok/s | "
               f"roofline {res.roofline_tok_s:.1f} tok/s")
-        print(f"engine/hf = {res.ratio_vs_hf:.2f}   engine/roofline = {res.ratio_vs_roofline:.2f}")
+        print(f"engine/hf = {res.ratio_vs_hf:.2f}   engine/roofline = {res.ratio_vs_roofline:.2f}"
+              f"   engine/F.linear roofline = {res.ratio_vs_f_linear_roofline:.2f}")
         if tp > 1:
             print(f"TP={tp} {res.engine_tok_s:.1f} tok/s vs TP=1 {res.tp1_tok_s:.1f} tok/s: "
                   f"TP{tp}/TP1 = {res.ratio_vs_tp1:.2f}; communication "
