@@ -11,17 +11,30 @@ The plain-torch twin is ``F.linear(x, weight, bias)``, which the tests compare a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 BACKENDS = ("auto", "onednn", "torch")
 
 
+@functools.cache
 def onednn_available() -> bool:
-    """Whether this torch build has oneDNN and its packed linear ops."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether this torch build's oneDNN packed linear ops exist and compute F.linear. They
+    are torch internals (inductor's CPU path): probed once, so a torch whose ops changed falls
+    back to F.linear instead of failing mid-step."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.arange(12, dtype=torch.float32).view(3, 4) / 10
+        x = torch.arange(8, dtype=torch.float32).view(2, 4) / 10
+        b = torch.ones(3)
+        got = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(w), b, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w, b), atol=1e-5))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
