@@ -21,7 +21,8 @@ def _lib() -> ctypes.CDLL | None:
     lib = load_library(_LIB_NAME)
     if lib is not None and not getattr(lib, "_pdserve_typed", False):
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32]
+        lib.rms_norm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
+                                     i64, i64, f32, i32]
         lib.rotary_neox_f32.argtypes = [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64,
                                         i64, i32]
         for fn in (lib.rms_norm_f32, lib.rotary_neox_f32):
@@ -38,16 +39,23 @@ def fused_ops_usable(x: torch.Tensor) -> bool:
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
     if t.device.type != "cpu" or t.dtype != torch.float32:
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
-    if t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
-        raise ValueError(f"{name} must be [num_tokens, {width}] with contiguous rows, got "
-                         f"{tuple(t.shape)} strides {t.stride()}")
+    if t.dim() not in (2, 3) or t.shape[-1] != width or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be [num_tokens, ({width} | num_heads, {width})] with "
+                         f"contiguous rows, got {tuple(t.shape)} strides {t.stride()}")
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    # A 2-D tensor is [T, 1, hidden] to the kernel.
+    return (t.stride(0), t.stride(1) if t.dim() == 3 else 0)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [num_tokens, hidden] -> weight * r / rms(r), r = x (+ residual, written back into
-    ``residual``). ``out`` (may be ``x``) is allocated when None."""
+    """Every row of x ([num_tokens, hidden] or per head [num_tokens, num_heads, hidden], rows
+    contiguous, e.g. heads of a fused qkv row) -> weight * r / rms(r), r = the row (+ its
+    residual row, written back into ``residual``). ``out`` (may be ``x``) is allocated when
+    None."""
     hidden = weight.shape[0]
     if weight.dim() != 1 or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [hidden], got {tuple(weight.shape)}")
@@ -57,14 +65,16 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _check_rows("residual", residual, hidden)
         if residual.shape != x.shape:
             raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty(x.shape, dtype=x.dtype) if out is None else out
     _check_rows("out", out, hidden)
     if out.shape != x.shape:
         raise ValueError(f"out {tuple(out.shape)} must match x {tuple(x.shape)}")
+    n1 = x.shape[1] if x.dim() == 3 else 1
+    res_s = (0, 0) if residual is None else _row_strides(residual)
     _lib().rms_norm_f32(
-        x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
-        out.stride(0), x.shape[0], hidden, float(eps), torch.get_num_threads())
+        x.data_ptr(), *_row_strides(x), 0 if residual is None else residual.data_ptr(), *res_s,
+        weight.data_ptr(), out.data_ptr(), *_row_strides(out), x.shape[0], n1, hidden,
+        float(eps), torch.get_num_threads())
     return out
 
 

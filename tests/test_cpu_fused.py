@@ -42,14 +42,30 @@ def test_fused_add_rms_norm_in_place(num_tokens):
     torch.testing.assert_close(out, want)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 6, 200])
+def test_per_head_rms_norm_on_qkv_views(num_tokens):
+    # Qwen3's q/k norm: each head of a fused qkv row normed on its own, read in place.
+    g = torch.Generator().manual_seed(num_tokens)
+    norm = _norm(128, 3)
+    qkv = torch.randn(num_tokens, (16 + 2 * 8) * 128, generator=g)
+    q = qkv[:, :16 * 128].view(num_tokens, 16, 128)
+    k = qkv[:, 16 * 128:24 * 128].view(num_tokens, 8, 128)
+    for x in (q, k):
+        got = norm(x)
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, norm._norm(x))
+
+
 def test_rms_norm_refuses_bad_tensors():
     w = torch.ones(8)
     with pytest.raises(ValueError, match="float32"):
         rms_norm_cpu(torch.randn(2, 8, dtype=torch.float64), w, 1e-6)
     with pytest.raises(ValueError, match="contiguous rows"):
         rms_norm_cpu(torch.randn(8, 2).t(), w, 1e-6)
-    with pytest.raises(ValueError, match=r"\[num_tokens, 8\]"):
+    with pytest.raises(ValueError, match=r"\[num_tokens, \(8 \| num_heads, 8\)\]"):
         rms_norm_cpu(torch.randn(2, 9), w, 1e-6)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        rms_norm_cpu(torch.randn(2, 3, 8, 2)[..., 0], w, 1e-6)
     with pytest.raises(ValueError, match="residual"):
         rms_norm_cpu(torch.randn(2, 8), w, 1e-6, residual=torch.randn(3, 8))
 

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
 
         On the CPU in float32 one compiled pass does it in place: ``residual`` becomes the sum
         and ``x`` (a layer's fresh output, read by nobody else) the normed values."""
-        if x.dim() == 2 and x.stride(1) == 1 and fused_ops_usable(x):
+        if x.dim() in (2, 3) and x.stride(-1) == 1 and fused_ops_usable(x):
             if residual is None:
                 return rms_norm_cpu(x, self.weight, self.eps)
             return rms_norm_cpu(x, self.weight, self.eps, residual=residual, out=x), residual

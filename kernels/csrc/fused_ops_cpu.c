@@ -14,20 +14,24 @@
 /* Rows below this many elements in total run on one thread: waking the other costs more. */
 #define PARALLEL_MIN_ELEMS 16384
 
-/* out[t] = weight * (r[t] / sqrt(mean(r[t]^2) + eps)) with r = x, or, when residual is given,
- * r = x + residual, stored back into residual (the stream the next layer adds to). out may
- * be x itself. Statistics in float32, as Hugging Face computes them for float32 models. */
-void rms_norm_f32(const float *x, int64_t x_stride, float *residual, int64_t res_stride,
-                  const float *weight, float *out, int64_t out_stride, int64_t num_tokens,
-                  int64_t hidden, float eps, int num_threads) {
+/* out[t, h] = weight * (r / sqrt(mean(r^2) + eps)) for every row r = x[t, h] (hidden
+ * elements), or, when residual is given, r = x[t, h] + residual[t, h], stored back into
+ * residual (the stream the next layer adds to). Rows are addressed by two strides, so a
+ * per-head norm (Qwen3's q/k norm) reads the heads of a fused qkv row in place; 2-D callers
+ * pass n1 = 1. out may be x itself. Statistics in float32, as Hugging Face computes them. */
+void rms_norm_f32(const float *x, int64_t x_s0, int64_t x_s1, float *residual, int64_t res_s0,
+                  int64_t res_s1, const float *weight, float *out, int64_t out_s0,
+                  int64_t out_s1, int64_t n0, int64_t n1, int64_t hidden, float eps,
+                  int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (num_tokens * hidden >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *src = x + t * x_stride;
-        float *o = out + t * out_stride;
+    if (n0 * n1 * hidden >= PARALLEL_MIN_ELEMS)
+    for (int64_t row = 0; row < n0 * n1; row++) {
+        const int64_t t = row / n1, h = row % n1;
+        const float *src = x + t * x_s0 + h * x_s1;
+        float *o = out + t * out_s0 + h * out_s1;
         float ss = 0.0f;
         if (residual != NULL) {
-            float *r = residual + t * res_stride;
+            float *r = residual + t * res_s0 + h * res_s1;
 #pragma omp simd reduction(+ : ss)
             for (int64_t i = 0; i < hidden; i++) {
                 const float v = src[i] + r[i];
