@@ -113,21 +113,33 @@ class AsyncEngine:
                                  first_token_id: int, params: SamplingParams) -> KVAllocation:
         """Decode role: blocks for a prompt whose KV arrives from outside."""
         self._check_alive()
-        return await asyncio.to_thread(self.engine.add_prefilled_request, request_id,
-                                       prompt_token_ids, first_token_id, params)
+        return await self._off_loop(request_id, self.engine.add_prefilled_request, request_id,
+                                    prompt_token_ids, first_token_id, params)
 
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""
         self._check_alive()
         stream = self._open(request_id)
         try:
-            await asyncio.to_thread(self.engine.commit_prefilled, request_id)
+            await self._off_loop(request_id, self.engine.commit_prefilled, request_id)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         self._wake.set()
         async for out in self._drain(request_id, stream):
             yield out
+
+    async def _off_loop(self, request_id: str, fn: Callable, *args):
+        """``fn(*args)`` in the thread pool (it waits for the running step). A caller cancelled
+        meanwhile (client cancel, deadline) cannot stop it, so once it has allocated or admitted
+        the request, the request is aborted: no blocks stay held, no steps decode for nobody."""
+        job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                  or self.abort(request_id))
+            raise
 
     async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         try:

@@ -3,9 +3,11 @@
 Prefill role: every rank's cache is served by its rank's agent; release notifications that
 readers send after their pulls arrive at rank 0's agent and free the request's lease at once
 (a background thread polls, so releases apply even while the engine is idle; it also reclaims
-expired leases when no step runs). Decode role: ``pull`` writes a remote prompt's blocks into
-the blocks the engine allocated, on every local rank at once (ranks 1.. in their worker
-processes), without the engine's step lock: decode steps go on meanwhile.
+expired leases when no step runs). Only a prefill engine leases blocks, so only it polls
+often; in other roles the thread wakes just to end expired quarantines. Decode role: ``pull``
+writes a remote prompt's blocks into the blocks the engine allocated, on every local rank at
+once (ranks 1.. in their worker processes), without the engine's step lock: decode steps go on
+meanwhile.
 """
 from __future__ import annotations
 
@@ -22,7 +24,10 @@ from kvtransfer.plan import plan_pull
 logger = logging.getLogger(__name__)
 
 RELEASE_PREFIX = b"release:"
-_POLL_S = 0.005
+# A prefill engine's release polling: a lease outlives its read by up to this (its blocks stay
+# cached for prefix reuse anyway). Each wake-up takes the GIL from the engine thread, so not
+# more often than needed.
+_POLL_S = 0.02
 # Lease expiry is coarse (the lease timeout is tens of seconds): check twice a second.
 _EXPIRE_EVERY_S = 0.5
 # A worker rank's pull ends by its own timeout; this covers the reply's trip back.
@@ -113,9 +118,15 @@ class KVConnector:
         return KVConnectorCounters(c.transfers, c.bytes, c.failures, c.timeouts,
                                    self.num_released, self.engine.num_expired_leases)
 
+    def _poll_interval(self) -> float:
+        """Release notifications only reach an engine that leases blocks (the prefill role);
+        elsewhere only expiries are due, which are coarse."""
+        return _POLL_S if self.engine.config.role == "prefill" else _EXPIRE_EVERY_S
+
     def _poll_releases(self) -> None:
+        interval = self._poll_interval()
         next_expiry = time.monotonic() + _EXPIRE_EVERY_S
-        while not self._stop.wait(_POLL_S):
+        while not self._stop.wait(interval):
             try:
                 msgs = self.agent.poll_notifications()
             except Exception:  # noqa: BLE001 - the agent closed under us at shutdown

@@ -1,5 +1,6 @@
 """What the prefill and decode services share: the engine in its thread, admission control,
-worker info, gRPC status mapping, and presence in Redis (registry heartbeat, KV-cache events).
+worker info, gRPC status mapping, and presence in Redis (registry heartbeat; a prefill worker's
+KV-cache events for the prefix index).
 
 The services themselves are thin: they convert protos and drive their engine role.
 """
@@ -99,7 +100,8 @@ class WorkerRuntime:
         self.draining = False
         self.kv_bytes = 0
         self.kv_failures = 0
-        self._events: list = []
+        # Static for the engine's life: serialized once, not on every heartbeat.
+        self._layouts = [lay.to_json() for lay in engine.kv_cache_layouts()]
         self._presence = None  # router.presence.WorkerPresence once started with Redis
 
     @classmethod
@@ -137,8 +139,10 @@ class WorkerRuntime:
 
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:
-        events = engine.take_kv_events()
-        if events and self._presence is not None:
+        events = engine.take_kv_events()  # taken in every role, so they never pile up
+        # The router matches prompts against prefill workers only: a decode worker's blocks
+        # would cost a Redis round trip on its event loop (the engine's GIL) for nothing.
+        if events and self._presence is not None and self.config.role == "prefill":
             self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
 
     # --- info -----------------------------------------------------------------------------
@@ -151,7 +155,7 @@ class WorkerRuntime:
             tensor_parallel_size=cfg.tensor_parallel_size,
             kv_transfer_backend=cfg.kv_transfer_backend or "",
             max_model_len=self.llm.max_model_len,
-            kv_cache_layouts=[lay.to_json() for lay in self.llm.kv_cache_layouts()],
+            kv_cache_layouts=self._layouts,
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             num_waiting=s.num_waiting, num_running=s.num_running, num_leased=s.num_leased,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,

@@ -5,7 +5,8 @@ Key schema (``ns`` is the namespace, default "pdserve"):
 - ``{ns}:workers``              HASH  worker_id -> WorkerInfo (protobuf bytes, latest heartbeat)
 - ``{ns}:heartbeats``           ZSET  worker_id -> unix time of its last heartbeat
 - ``{ns}:drained``              SET   worker ids an admin drained (no new requests)
-- ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash
+- ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
+                                      workers only: prompts are routed by prefix to them alone)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
 
 A worker is live while its heartbeat is younger than the TTL; a stale worker drops out of

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
+import redis
 
 from client import (AsyncClient, Client, DeadlineExceededError, InvalidArgumentError)
 from engine import LLM, SamplingParams
@@ -121,3 +123,19 @@ def test_request_finished_by_prefill_never_reaches_decode(cluster, reference):
     assert chunks[0].finish_reason == "length"
     assert chunks[0].usage.completion_tokens == 1 and chunks[0].usage.decode_worker_id == ""
     wait_all_blocks_free(_workers(cluster))
+
+
+def test_only_prefill_workers_publish_their_blocks(cluster):
+    """The router matches prompts against prefill workers only; a decode worker's index entries
+    would cost a Redis round trip on its event loop per step for nothing."""
+    names = {p.name.split("-")[0]: p.name for p in cluster.procs if p.name != "router"}
+    with Client(cluster.router_address, timeout=60) as c:
+        c.complete(random_prompts(1, seed=13, lo=64, hi=64)[0], max_tokens=40,
+                   temperature=0.0, ignore_eos=True)
+    r = redis.Redis.from_url(cluster.redis_url)
+    deadline = time.monotonic() + 10
+    while not r.scard(f"pdserve:wblocks:{names['prefill']}"):
+        assert time.monotonic() < deadline, "the prefill worker's blocks never reached Redis"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a decode worker's events would be flushed by now
+    assert r.scard(f"pdserve:wblocks:{names['decode']}") == 0

@@ -1,0 +1,79 @@
+"""AsyncEngine, the engine behind each worker's event loop: a caller cancelled while its
+decode-role call waits for the engine leaves nothing behind."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+
+
+class _Engine:
+    """An LLMEngine whose decode-role calls block until ``gate`` opens (a long step)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.done: list[str] = []
+        self.aborted: list[str] = []
+
+    def get_stats(self):
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def step(self) -> list:
+        return []
+
+    def add_prefilled_request(self, request_id, *_):
+        self.gate.wait(10)
+        self.done.append(request_id)
+        return f"alloc-{request_id}"
+
+    def commit_prefilled(self, request_id) -> None:
+        self.gate.wait(10)
+        self.done.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def _cancel_while_blocked(make_call) -> _Engine:
+    engine = _Engine()
+    ae = AsyncEngine(engine)
+    try:
+        task = asyncio.ensure_future(make_call(ae))
+        await asyncio.sleep(0.05)  # the call is in the pool, waiting on the engine
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.aborted == []  # nothing to abort yet: the call has not landed
+        engine.gate.set()
+        deadline = time.monotonic() + 5
+        while not engine.aborted and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return engine
+    finally:
+        engine.gate.set()
+        ae.shutdown()
+
+
+def test_an_allocation_that_lands_after_its_caller_left_is_aborted():
+    engine = asyncio.run(_cancel_while_blocked(
+        lambda ae: ae.allocate_prefilled("r1", [1, 2, 3], 4, None)))
+    assert engine.done == ["r1"] and engine.aborted == ["r1"]
+
+
+def test_a_commit_that_lands_after_its_caller_left_is_aborted():
+    async def first_output(ae):
+        async for out in ae.commit_prefilled("r2"):
+            return out
+
+    engine = asyncio.run(_cancel_while_blocked(first_output))
+    assert engine.done == ["r2"] and engine.aborted == ["r2"]
