@@ -92,8 +92,12 @@ def make_rank_agent(spec: RankSpec, runner: ModelRunner):
     if backend is None:
         return None
     from kvtransfer import make_agent
-    streams = spec.config.kv_pull_streams if backend == "nixl" else None
-    return make_agent(backend, runner.kv_cache, runner.layout, pull_streams=streams)
+    if backend == "torch":
+        return make_agent(backend, runner.kv_cache, runner.layout)
+    # A decode engine only pulls: nobody reads from its cache.
+    return make_agent(backend, runner.kv_cache, runner.layout,
+                      pull_streams=spec.config.kv_pull_streams,
+                      serves_reads=spec.config.role != "decode")
 
 
 def make_executor(spec: RankSpec, model_config: ModelConfig) -> Executor:

@@ -13,16 +13,17 @@ from kvtransfer.types import TransferCounters, TransferStats
 
 def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
                name: str | None = None, host: str | None = None,
-               pull_streams: int | None = None) -> KVTransferAgent:
+               pull_streams: int | None = None, serves_reads: bool = True) -> KVTransferAgent:
     """An agent serving and pulling blocks of ``cache`` (this rank's KV cache).
 
     ``host`` is where a torch-backend owner listens (default $PDSERVE_KV_HOST or 127.0.0.1);
     NIXL finds its own addresses through UCX. ``pull_streams`` (NIXL only; default
     $PDSERVE_NIXL_PULL_STREAMS, else 1): threads a large pull's bytes are copied on.
+    ``serves_reads`` False (an agent that only pulls) lets NIXL's owner-side progress idle.
     """
     if backend == "nixl":
         from kvtransfer.nixl_agent import NixlKVAgent
-        return NixlKVAgent(cache, layout, name, pull_streams)
+        return NixlKVAgent(cache, layout, name, pull_streams, serves_reads)
     if backend == "torch":
         if pull_streams not in (None, 1):
             raise ValueError("pull_streams is a NIXL option; the torch backend has none")

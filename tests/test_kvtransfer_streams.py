@@ -172,12 +172,20 @@ def test_pull_streams_setting(monkeypatch):
         make_agent("torch", torch.zeros(BASE.shape), BASE, pull_streams=2)
 
 
-def test_engine_config_sets_the_agents_pull_streams(preset_path):
+def test_engine_config_sets_the_agents_streams_and_progress(preset_path):
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), num_gpu_blocks=16,
                                     role="decode", kv_transfer_backend="nixl", kv_pull_streams=2))
     try:
         assert engine.executor.kv_agent.pull_streams == 2
+        # Nobody reads a decode engine's cache: its owner-side progress idles.
+        assert engine.executor.kv_agent._progress_s == nixl_mod._READER_PROGRESS_S
+    finally:
+        engine.shutdown()
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), num_gpu_blocks=16,
+                                    role="prefill", kv_transfer_backend="nixl"))
+    try:
+        assert engine.executor.kv_agent._progress_s == nixl_mod._OWNER_PROGRESS_S
     finally:
         engine.shutdown()
