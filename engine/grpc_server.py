@@ -7,6 +7,7 @@ finish for up to ``drain_timeout_s``, then stop with a grace period.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -105,7 +106,9 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
-    """asyncio.run on uvloop when it is installed."""
+    """asyncio.run on uvloop when it is installed. SIGUSR1 dumps every thread's stack to
+    stderr (the launcher sends it to a process that outlives its shutdown grace)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         import uvloop
     except ImportError:  # uvloop is optional on platforms without it

@@ -156,6 +156,10 @@ class Cluster:
             try:
                 proc.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
+                # Stuck in its shutdown: its thread stacks (SIGUSR1, see grpc_server.run) on
+                # its stderr say where, before the kill.
+                proc.popen.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
                 proc.popen.kill()
                 proc.popen.wait()
         if proc in self.procs:

@@ -30,3 +30,38 @@ def test_bad_specs_are_refused():
         ClusterSpec(num_decode=0)
     with pytest.raises(ValueError, match="threads_per_rank"):
         ClusterSpec(threads_per_rank=0)
+
+
+_STUCK = """
+import asyncio, signal, sys
+from engine.grpc_server import run
+
+async def stuck_in_shutdown():
+    print("ready", flush=True)
+    await asyncio.sleep(60)
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a shutdown that never ends
+run(stuck_in_shutdown)
+"""
+
+
+def test_a_process_stuck_past_its_grace_dumps_its_stacks_then_dies():
+    import subprocess
+    import sys
+
+    from router.launcher import Cluster, Proc
+
+    popen = subprocess.Popen([sys.executable, "-c", _STUCK], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert popen.stdout.readline().strip() == "ready"
+        cluster = Cluster(ClusterSpec())
+        proc = Proc("stuck", "127.0.0.1:0", popen)
+        cluster.procs.append(proc)
+        assert cluster.stop_proc(proc, grace_s=0.5) == -9
+        assert proc not in cluster.procs
+        stderr = popen.stderr.read()
+        assert "thread 0x" in stderr and "grpc_server.py" in stderr  # faulthandler's dump
+    finally:
+        if popen.poll() is None:
+            popen.kill()
