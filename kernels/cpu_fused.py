@@ -9,6 +9,7 @@ dtypes or devices, no C compiler, ``PDSERVE_DISABLE_CPU_KERNELS=1``).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -17,9 +18,11 @@ from kernels.cpu_build import load_library
 _LIB_NAME = "fused_ops_cpu"
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL | None:
+    # Cached: every norm and RoPE call asks, several times per layer per step.
     lib = load_library(_LIB_NAME)
-    if lib is not None and not getattr(lib, "_pdserve_typed", False):
+    if lib is not None:
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         lib.rms_norm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
                                      i64, i64, f32, i32]
@@ -27,7 +30,6 @@ def _lib() -> ctypes.CDLL | None:
                                         i64, i32]
         for fn in (lib.rms_norm_f32, lib.rotary_neox_f32):
             fn.restype = None
-        lib._pdserve_typed = True
     return lib
 
 
