@@ -22,6 +22,7 @@ from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer, load_tokenizer
 from kernels import get_attention_backend
 from kernels.cpu_linear import resolve_linear_backend
+from kernels.host_malloc import tune_host_malloc
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_GIB = 1.0
@@ -130,6 +131,8 @@ def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
 def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     """This rank's shard of the model, its layers bound to ``group``."""
     device = spec.rank_device(group.rank)
+    if device.type == "cpu":  # activations live in host memory: reuse it step to step
+        tune_host_malloc()
     torch.manual_seed(spec.config.seed)
     backend = get_attention_backend(spec.config.attention_backend, device)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
