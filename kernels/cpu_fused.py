@@ -3,7 +3,7 @@
 Each checks what the C code relies on (float32 CPU tensors, rows contiguous in their last
 dimension, shapes that agree, positions inside the cos/sin table) and raises ValueError
 otherwise. Their plain-torch twins are the layers' own torch paths (engine/layers/norm.py,
-engine/layers/rotary.py), which run where ``fused_ops_usable`` says no (other
+engine/layers/rotary.py, engine/layers/activation.py), which run where ``fused_ops_usable`` says no (other
 dtypes or devices, no C compiler, ``PDSERVE_DISABLE_CPU_KERNELS=1``).
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ def _lib() -> ctypes.CDLL | None:
                                      i64, i64, f32, i32]
         lib.rotary_neox_f32.argtypes = [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64,
                                         i64, i32]
-        for fn in (lib.rms_norm_f32, lib.rotary_neox_f32):
+        lib.silu_and_mul_f32.argtypes = [ptr, i64, ptr, i64, i64, i64, i32]
+        for fn in (lib.rms_norm_f32, lib.rotary_neox_f32, lib.silu_and_mul_f32):
             fn.restype = None
     return lib
 
@@ -107,3 +108,16 @@ def rotary_neox_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
         positions.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), query.shape[1],
         key.data_ptr(), key.stride(0), key.stride(1), key.shape[1], cos_sin_cache.data_ptr(),
         head_size, num_tokens, torch.get_num_threads())
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, 2 * d] (gate then up, rows contiguous) -> silu(gate) * up [num_tokens, d]."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x must be [num_tokens, 2 * d], got {tuple(x.shape)}")
+    _check_rows("x", x, x.shape[1])
+    d = x.shape[1] // 2
+    out = torch.empty(x.shape[0], d, dtype=x.dtype)
+    if x.shape[0]:
+        _lib().silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                x.shape[0], d, torch.get_num_threads())
+    return out

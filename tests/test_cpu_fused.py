@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers import RMSNorm, RotaryEmbedding
-from kernels.cpu_fused import rms_norm_cpu, rotary_neox_cpu
+from engine.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from kernels.cpu_fused import rms_norm_cpu, rotary_neox_cpu, silu_and_mul_cpu
 from kernels.cpu_decode import cpu_kernels_available
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler")
@@ -103,3 +103,30 @@ def test_rotary_refuses_positions_outside_the_table():
         rotary_neox_cpu(torch.tensor([0, 1], dtype=torch.int32), q, k, rope.cos_sin_cache)
     with pytest.raises(ValueError, match="query must be"):
         rotary_neox_cpu(torch.tensor([0, 1]), torch.randn(2, 4, 32), k, rope.cos_sin_cache)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9, 700])
+@pytest.mark.parametrize("d", [16, 1408, 1000])
+def test_silu_and_mul_matches_torch(num_tokens, d):
+    g = torch.Generator().manual_seed(num_tokens + d)
+    # Large magnitudes both ways: the sigmoid's two branches and exp's flush to zero.
+    x = torch.randn(num_tokens, 2 * d, generator=g) * 8
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    act = SiluAndMul()
+    want = act.forward_torch(x)
+    torch.testing.assert_close(silu_and_mul_cpu(x), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(act(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_reads_strided_rows_and_refuses_bad_shapes():
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(5, 300, generator=g)
+    x = wide[:, :200]  # row stride 300: a view into a wider row
+    torch.testing.assert_close(silu_and_mul_cpu(x), SiluAndMul().forward_torch(x))
+    assert silu_and_mul_cpu(torch.empty(0, 8)).shape == (0, 4)
+    with pytest.raises(ValueError, match="2 \\* d"):
+        silu_and_mul_cpu(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="float32"):
+        silu_and_mul_cpu(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        silu_and_mul_cpu(torch.randn(8, 3).t())

@@ -8,12 +8,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead,
                            QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
-                           VocabParallelEmbedding, default_weight_loader)
+                           SiluAndMul, VocabParallelEmbedding, default_weight_loader)
 from engine.model_config import ModelConfig
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
@@ -24,11 +23,12 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter],
                                                        bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, inter / tp] each
-        return self.down_proj(F.silu(gate) * up)
+        # gate_up: [T, 2 * inter / tp], gate then up
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

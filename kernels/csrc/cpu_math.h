@@ -26,4 +26,34 @@ static inline float exp_nonpos(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
+/* exp_nonpos over VEC_WIDTH lanes, in GCC/clang vector extensions: plain loops around the
+ * scalar version are not vectorized by GCC (its clamp and flush are control flow to it), and
+ * intrinsics would tie the file to one instruction set. Lanes below -87 give exp(-87)
+ * (~1.6e-38) instead of 0. */
+#define VEC_WIDTH 16
+typedef float vfloat __attribute__((vector_size(4 * VEC_WIDTH)));
+typedef int32_t vint __attribute__((vector_size(4 * VEC_WIDTH)));
+
+static inline vfloat vsplat(float x) { return x - (vfloat){0}; }
+
+/* Lanes of a where mask is set (all ones), else lanes of b. */
+static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
+    return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
+}
+
+static inline vfloat exp_nonpos_vec(vfloat x) {
+    x = vselect(x < vsplat(-87.0f), vsplat(-87.0f), x);
+    const vint ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
+    const vfloat k = __builtin_convertvector(ki, vfloat);
+    const vfloat r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    vfloat p = vsplat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (vfloat)((ki + 127) << 23);
+}
+
 #endif
