@@ -316,6 +316,11 @@ class LLMEngine:
     # --- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         with self._lock:
+            # An abort, release or quarantine queued on an idle engine can miss its drain: its
+            # try-lock fails while another thread holds the lock briefly (the KV connector's
+            # poller), and that holder has drained already. Applied here, stats show every
+            # call that returned before this one.
+            self._drain_inbox()
             s = self.kv_manager.stats
             return EngineStats(
                 num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),

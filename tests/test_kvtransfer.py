@@ -22,6 +22,7 @@ from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, Trans
                         make_agent, plan_heads)
 from kvtransfer import plan as plan_mod
 from tests.kv_owner_proc import pull_concurrently, seeded_cache
+from tests.proc_signals import stop_process
 
 BACKENDS = ["nixl", "torch"]
 BASE = KVCacheLayout(num_layers=3, num_blocks=24, block_size=4, num_kv_heads=4, kv_head_start=0,
@@ -302,7 +303,7 @@ def test_stalled_owner_times_out_over_torch(owners):
     agent, _ = _reader(BASE, "torch")
     try:
         agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
-        os.kill(owner.proc.pid, signal.SIGSTOP)
+        stop_process(owner.proc)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             agent.pull([owner.handle], [2], [2], timeout_s=1.5)

@@ -16,6 +16,7 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvtransfer import KVAgentHandle, LayoutMismatchError, TransferError
+from tests.proc_signals import stop_process
 
 MAX_NEW = 8
 pytestmark = pytest.mark.timeout(240)
@@ -238,7 +239,7 @@ def test_a_read_left_in_flight_quarantines_its_blocks(model, monkeypatch):
         decode.pull_kv(alloc, prefill.handles, warm["block_ids"], 30.0)
         decode.abort("warm")
         lease = prefill.prefill("q", list(range(400, 600)))
-        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        stop_process(prefill.proc)  # stopped for sure: a live owner would serve the READ
         try:
             alloc = decode.add_prefilled_request("q", lease["prompt"], lease["first_token"],
                                                  params)

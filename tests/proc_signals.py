@@ -1,0 +1,22 @@
+"""Stopping a child process for a test, and knowing it is stopped (tests)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGSTOPs ``proc`` and returns only once every one of its threads has stopped.
+
+    ``kill`` returns as soon as the signal is queued. The kernel wakes one thread to start the
+    group stop and tells the others only once that thread runs: on a loaded host that takes
+    milliseconds, during which the other threads (a KV owner's UCX progress thread) keep
+    serving. The parent is told when the last thread stopped: wait for that report, without
+    reaping (``WNOWAIT``), so ``proc.wait`` still sees the exit later.
+    """
+    os.kill(proc.pid, signal.SIGSTOP)
+    info = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+    if info.si_code != os.CLD_STOPPED:
+        raise AssertionError(f"process {proc.pid} ended instead of stopping "
+                             f"(si_code {info.si_code}, status {info.si_status})")
