@@ -20,6 +20,15 @@ logger = logging.getLogger(__name__)
 
 # An idle engine still wakes this often: leases expire and releases apply only in a step.
 _IDLE_TICK_S = 0.2
+# Shutdown lets a step in flight end this long; then the engine stops under it: its TP workers
+# are told to quit and killed if they do not (engine.tp_executor: 5 s, then 2 s for the
+# kill), which also fails a collective stuck on one of them, and the thread gets this long to
+# unwind. A worker that is stopped or wedged never holds shutdown longer than that.
+_STEP_GRACE_S = 3.0
+_THREAD_EXIT_S = 2.0
+# What shutdown() takes at worst (the sum above). A service's stop is its drain, the gRPC
+# server's stop grace, then this: the launcher's stop grace (router.launcher) covers all three.
+SHUTDOWN_TIMEOUT_S = 12.0
 
 
 class EngineDeadError(RuntimeError):
@@ -62,7 +71,10 @@ class AsyncEngine:
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # a failed step must reach every waiting stream
-            logger.exception("engine thread died")
+            if self._stop.is_set():  # shutdown stopped the engine under its step: expected
+                logger.warning("the engine's last step failed during shutdown: %s", e)
+            else:
+                logger.exception("engine thread died")
             self.error = e
             if not self.loop.is_closed():
                 self.loop.call_soon_threadsafe(self._fail_all)
@@ -176,7 +188,14 @@ class AsyncEngine:
         return self.stats
 
     def shutdown(self) -> None:
+        """Stops the engine thread and the engine, within ``SHUTDOWN_TIMEOUT_S``."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=_STEP_GRACE_S)
+        if self._thread.is_alive():
+            logger.warning("a step is still running after %.0f s; stopping the engine under it",
+                           _STEP_GRACE_S)
         self.engine.shutdown()
+        self._thread.join(timeout=_THREAD_EXIT_S)
+        if self._thread.is_alive():  # a daemon thread: the process can still exit
+            logger.error("the engine thread did not end; leaving it behind")

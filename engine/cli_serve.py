@@ -14,13 +14,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--redis-url", default=None, help="registry and prefix index (redis://...)")
     p.add_argument("--namespace", default="pdserve")
-    p.add_argument("--worker-id", default="")
+    p.add_argument("--worker-id", default="",
+                   help="unique in the cluster; {port} in it becomes the bound port")
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl"])
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0)
     p.add_argument("--max-pending-requests", type=int, default=256)
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="an inherited pipe: HOST:PORT is written to it once serving (how "
+                        "pdserve up learns a port 0 choice)")
 
 
 def _worker_config(args: argparse.Namespace, role: str):
@@ -34,7 +38,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                           kv_transfer_timeout_s=args.kv_transfer_timeout_s,
                           kv_lease_timeout_s=args.kv_lease_timeout_s, **engine_kwargs(args))
     return WorkerConfig(engine=engine,
-                        server=ServerConfig(args.host, args.port, args.drain_timeout_s),
+                        server=ServerConfig(args.host, args.port, args.drain_timeout_s,
+                                             ready_fd=args.ready_fd),
                         worker_id=args.worker_id, redis_url=args.redis_url,
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
                         max_pending_requests=args.max_pending_requests)
@@ -65,6 +70,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-inflight-requests", type=int, default=1024)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="an inherited pipe: HOST:PORT is written to it once serving (how "
+                        "pdserve up learns a port 0 choice)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -74,7 +82,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     main(RouterConfig(model=args.model, redis_url=args.redis_url,
-                      server=ServerConfig(args.host, args.port, args.drain_timeout_s),
+                      server=ServerConfig(args.host, args.port, args.drain_timeout_s,
+                                          ready_fd=args.ready_fd),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests))
     return 0

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
+# gRPC binds with SO_REUSEPORT by default: a second server on a taken port binds without error
+# and the kernel splits connections between the two. A port in use must fail instead.
+_SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 @dataclass
@@ -34,12 +37,18 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # server.stop() grace: RPCs still running then are cancelled.
     grace_s: float = 5.0
+    # An inherited pipe to write "HOST:PORT\n" to once serving, then close: how a launcher
+    # that passed port 0 learns the port (router.launcher). None: nobody is told.
+    ready_fd: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.drain_timeout_s < 0 or self.grace_s < 0:
             raise ValueError("drain_timeout_s and grace_s must be >= 0")
+        if self.ready_fd is not None and not (isinstance(self.ready_fd, int)
+                                              and self.ready_fd >= 0):
+            raise ValueError(f"ready_fd must be a file descriptor, got {self.ready_fd!r}")
 
     @property
     def bind_address(self) -> str:
@@ -50,7 +59,7 @@ class GrpcServer:
     def __init__(self, config: ServerConfig, service_names: list[str]) -> None:
         self.config = config
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -66,6 +75,16 @@ class GrpcServer:
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    def report_address(self) -> None:
+        """Tells whoever passed ``ready_fd`` where this server listens (once serving)."""
+        if self.config.ready_fd is None:
+            return
+        try:
+            with open(self.config.ready_fd, "w", closefd=True) as f:
+                f.write(self.address + "\n")
+        except OSError as e:  # the launcher is gone: nobody to tell
+            logger.warning("could not report the address on fd %d: %s", self.config.ready_fd, e)
 
     async def start(self) -> None:
         await self.server.start()
@@ -97,6 +116,7 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
     server.install_signal_handlers()
     if on_started is not None:
         await on_started()
+    server.report_address()
     logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
     await server.stopping.wait()
     logger.info("stopping: draining %d requests", num_inflight())

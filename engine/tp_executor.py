@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import datetime
 import io
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -35,7 +37,15 @@ from engine.step_codec import encode_model_input
 from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
 
-_STOP_GRACE_S = 10.0
+logger = logging.getLogger(__name__)
+
+# At shutdown the workers told to quit get this long, all together, to exit (a clean exit takes
+# well under a second); the rest are killed. One that never answers (stopped, wedged in a
+# collective or in its own teardown) must not hold the engine's shutdown past the launcher's
+# grace (engine.async_engine's budget).
+_QUIT_GRACE_S = 5.0
+# SIGKILL ends even a stopped process; this covers its exit and reaping.
+_KILL_WAIT_S = 2.0
 _DEATH_REPORT_S = 5.0
 
 
@@ -63,6 +73,7 @@ class MultiprocExecutor(Executor):
         self._error: ExecutorError | None = None
         self._error_lock = threading.Lock()  # the monitor and a failing step race to report
         self._closing = False
+        self._step_in_flight = False  # rank 0 inside a forward: shutdown may have to unblock it
         self._kv_channel: KVChannelClient | None = None
         self._previous_threads = torch.get_num_threads()
         if device.type == "cpu":
@@ -109,12 +120,15 @@ class MultiprocExecutor(Executor):
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
         self._check_usable()
         msg = encode_model_input(inp)
+        self._step_in_flight = True
         try:
             for w in self.workers:
                 tp_comm.send(w.conn, tp_comm.OP_STEP, msg)
             return self.runner.run(inp)
         except (OSError, RuntimeError) as e:
             raise self._fail(f"the step failed: {e}") from None
+        finally:
+            self._step_in_flight = False
 
     def kv_cache_layouts(self) -> list[KVCacheLayout]:
         return list(self._layouts)
@@ -169,9 +183,15 @@ class MultiprocExecutor(Executor):
             if self._closing or self._error is not None:
                 return
             self._error = ExecutorError(f"tensor-parallel executor failed: {_describe(dead)}")
-        if self.group.backend is not None and self.runner.device.type == "cuda":
-            # NCCL waits forever on a dead peer; aborting unblocks rank 0's collective.
-            self.group.backend.abort()
+        self._abort_collectives()
+
+    def _abort_collectives(self) -> None:
+        group, runner = getattr(self, "group", None), getattr(self, "runner", None)
+        if group is not None and group.backend is not None and runner is not None and (
+                runner.device.type == "cuda"):
+            # NCCL waits forever on a dead peer; aborting unblocks rank 0's collective. (gloo
+            # sees a dead peer's closed socket by itself.)
+            group.backend.abort()
 
     # --- start-up and shutdown ------------------------------------------------------------
     def _expect(self, w: _Worker, op: bytes) -> bytes:
@@ -196,7 +216,11 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
-        self._finalizer()
+        self._finalizer()  # bounded: workers that do not quit in time are killed
+        if self._step_in_flight:
+            # The engine is stopping under a step (its thread did not finish in time): the
+            # workers are gone now, so the step's collective must fail rather than wait on them.
+            self._abort_collectives()
         if self._kv_channel is not None:
             self._kv_channel.close()
         if self.kv_agent is not None:
@@ -244,18 +268,43 @@ def _spawn_workers(spec: RankSpec, size: int, port: int) -> list[_Worker]:
 
 
 def _stop_workers(workers: list[_Worker]) -> None:
+    """Asks every worker to quit, kills those still running ``_QUIT_GRACE_S`` later, and reaps
+    them all: bounded however the workers behave, and no worker outlives the executor."""
     for w in workers:
-        try:
-            tp_comm.send(w.conn, tp_comm.OP_QUIT)
-        except OSError:
-            pass
+        _send_quit(w)
+    deadline = time.monotonic() + _QUIT_GRACE_S
     for w in workers:
-        try:
-            w.process.wait(_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
+        _wait_exit(w, deadline)
+    for w in workers:
+        if w.process.poll() is None:
+            logger.warning("tensor-parallel rank %d (pid %d) did not quit within %.0f s; "
+                           "killing it", w.rank, w.process.pid, _QUIT_GRACE_S)
             w.process.kill()
-            w.process.wait(_STOP_GRACE_S)
+    deadline = time.monotonic() + _KILL_WAIT_S
+    for w in workers:
+        if not _wait_exit(w, deadline):
+            logger.error("tensor-parallel rank %d (pid %d) survived SIGKILL for %.0f s",
+                         w.rank, w.process.pid, _KILL_WAIT_S)
         w.conn.close()
+
+
+def _send_quit(w: _Worker) -> None:
+    # Never blocks: a worker that stopped reading may have filled its pipe, and a worker that
+    # does not read the quit is killed anyway.
+    try:
+        os.set_blocking(w.conn.fileno(), False)
+        tp_comm.send(w.conn, tp_comm.OP_QUIT)
+    except OSError:
+        pass
+
+
+def _wait_exit(w: _Worker, deadline: float) -> bool:
+    """Whether the worker has exited (and is reaped) by ``deadline``."""
+    try:
+        w.process.wait(max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _describe(w: _Worker) -> str:

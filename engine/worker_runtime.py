@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 class WorkerConfig:
     engine: EngineConfig
     server: ServerConfig = field(default_factory=ServerConfig)
-    # Unique in the cluster; default "<role>-<host>-<port>".
+    # Unique in the cluster; default "<role>-<host>-<port>-<pid>". "{port}" in it becomes the
+    # bound port (a launcher that passes port 0 names its workers so).
     worker_id: str = ""
     # None: no registry and no prefix index (a worker driven directly, as in some tests).
     redis_url: str | None = None
@@ -115,6 +116,7 @@ class WorkerRuntime:
         if host in ("0.0.0.0", "::", "[::]"):
             address = f"{socket.gethostname()}:{port}"
         self.address = address
+        self.worker_id = self.worker_id.replace("{port}", port)
         if not self.worker_id:
             self.worker_id = f"{self.config.role}-{address.replace(':', '-')}-{os.getpid()}"
 

@@ -2,10 +2,21 @@
 
 ``Cluster`` is also what the end-to-end tests and ``pdserve bench serve`` use, so they run the
 same processes a user does. Readiness is the standard gRPC health check of each service.
+
+Ports: a service whose port the launcher chooses binds port 0 itself and writes the address it
+got to a pipe (``--ready-fd``) once serving. A port picked here and bound there later could be
+taken in between, by another service or another program (and gRPC would even share it
+silently). A port the user passed is used as given, never changed.
+
+Stop: SIGTERM, and the service stops itself in bounded time (drain, the gRPC stop grace, the
+engine's shutdown); a process still alive after the grace dumps its stacks and is killed, with
+every process it started: a TP worker its rank 0 could not stop must not outlive it.
 """
 from __future__ import annotations
 
+import io
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -15,7 +26,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router.redis_server import RedisServer, free_port
+from router.redis_server import RedisServer
+
+# How long a stopped service may take before it is killed. Within it: the drain below, the
+# gRPC server's stop grace (engine.grpc_server.ServerConfig.grace_s, 5 s) and the engine's
+# shutdown (engine.async_engine.SHUTDOWN_TIMEOUT_S, 12 s), with room to spare.
+STOP_GRACE_S = 30.0
+# Requests in flight a stopping service waits for (--drain-timeout-s of every service).
+DRAIN_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -32,6 +50,8 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 180.0
+    # Passed to every service as --drain-timeout-s: see STOP_GRACE_S.
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     # CPU threads per worker rank (OMP_NUM_THREADS); None shares this host's cores out among
     # the ranks the spec starts, since every worker busy on all cores at once oversubscribes
     # them. An OMP_NUM_THREADS already in the environment wins.
@@ -54,9 +74,14 @@ class ClusterSpec:
 
 @dataclass
 class Proc:
+    # "{port}" in a name stands for the port until the service reports it.
     name: str
-    address: str
+    address: str  # "" until the service reported it
     popen: subprocess.Popen
+    # The read end of the service's --ready-fd pipe, until it reported its address.
+    ready: io.BufferedReader | None = field(default=None, repr=False)
+    # pidfds of the processes it started (its TP workers), pinned when it is stopped.
+    family: list[int] | None = field(default=None, repr=False)
 
 
 class Cluster:
@@ -77,12 +102,7 @@ class Cluster:
                 self.add_worker("prefill", wait=False)
             for _ in range(self.spec.num_decode):
                 self.add_worker("decode", wait=False)
-            port = self.spec.router_port or free_port()
-            self.router_address = f"127.0.0.1:{port}"
-            self._spawn("router", self.router_address, [
-                "router", "--model", self.spec.model, "--port", str(port),
-                "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
-                *self.spec.router_args])
+            self.start_router(wait=False)
             for p in self.procs:
                 self._wait_healthy(p)
             self.wait_routable(self.spec.num_prefill, self.spec.num_decode)
@@ -91,29 +111,51 @@ class Cluster:
             raise
         return self
 
-    def add_worker(self, role: str, wait: bool = True, extra: list[str] | None = None) -> Proc:
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        args = [role, "--model", self.spec.model, "--port", str(port), "--redis-url",
-                self.redis_url, "--namespace", self.spec.namespace,
-                "--kv-transfer-backend", self.spec.kv_transfer_backend,
-                "--worker-id", f"{role}-{port}", *self.spec.worker_args, *(extra or [])]
-        if role == "prefill" and self.spec.prefill_tp > 1:
-            args += ["--tensor-parallel-size", str(self.spec.prefill_tp)]
-        proc = self._spawn(f"{role}-{port}", address, args, self.spec.worker_env())
+    def start_router(self, wait: bool = True) -> Proc:
+        """The router on ``spec.router_port``, or on a port it binds itself when that is 0."""
+        port = self.spec.router_port
+        proc = self._spawn("router", [
+            "router", "--model", self.spec.model, "--port", str(port),
+            "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
+            "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_args])
         if wait:
             self._wait_healthy(proc)
         return proc
 
-    def _spawn(self, name: str, address: str, args: list[str],
-               env: dict[str, str] | None = None) -> Proc:
-        popen = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], env=env)
-        proc = Proc(name, address, popen)
+    def add_worker(self, role: str, wait: bool = True, extra: list[str] | None = None) -> Proc:
+        """A worker on a port it binds itself; named and identified "<role>-<port>"."""
+        args = [role, "--model", self.spec.model, "--port", "0", "--redis-url",
+                self.redis_url, "--namespace", self.spec.namespace,
+                "--kv-transfer-backend", self.spec.kv_transfer_backend,
+                "--worker-id", f"{role}-{{port}}",
+                "--drain-timeout-s", str(self.spec.drain_timeout_s),
+                *self.spec.worker_args, *(extra or [])]
+        if role == "prefill" and self.spec.prefill_tp > 1:
+            args += ["--tensor-parallel-size", str(self.spec.prefill_tp)]
+        proc = self._spawn(f"{role}-{{port}}", args, self.spec.worker_env())
+        if wait:
+            self._wait_healthy(proc)
+        return proc
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        read_fd, write_fd = os.pipe()
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd)],
+                env=env, pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)  # the service holds the only write end: EOF once it is gone
+        proc = Proc(name, "", popen, ready=os.fdopen(read_fd, "rb"))
         self.procs.append(proc)
         return proc
 
     def _wait_healthy(self, proc: Proc) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
+        if proc.ready is not None:
+            self._wait_address(proc, deadline)
         with grpc.insecure_channel(proc.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
@@ -130,6 +172,30 @@ class Cluster:
                     raise RuntimeError(f"{proc.name} not healthy after "
                                        f"{self.spec.start_timeout_s:.0f}s")
                 time.sleep(0.2)
+
+    def _wait_address(self, proc: Proc, deadline: float) -> None:
+        """Reads the address the service reports once serving; names it after its port."""
+        try:
+            while not select.select([proc.ready], [], [], 0.5)[0]:
+                if proc.popen.poll() is not None:
+                    break  # its pipe may live on in a process it started: do not wait for EOF
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.name} not serving after "
+                                       f"{self.spec.start_timeout_s:.0f}s")
+            line = proc.ready.readline().decode().strip() if proc.popen.poll() is None else ""
+        finally:
+            proc.ready.close()
+            proc.ready = None
+        if not line:  # it closed the pipe without serving: it is exiting
+            try:
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} while starting")
+        proc.address = line
+        proc.name = proc.name.replace("{port}", line.rpartition(":")[2])
+        if proc.name == "router":
+            self.router_address = line
 
     def wait_routable(self, num_prefill: int, num_decode: int, timeout_s: float = 30.0) -> None:
         """Until the router's registry view has exactly these many live workers."""
@@ -149,24 +215,35 @@ class Cluster:
                 time.sleep(0.1)
 
     # --- stop -----------------------------------------------------------------------------
-    def stop_proc(self, proc: Proc, grace_s: float = 30.0) -> int:
-        """SIGTERM (drain, then stop), SIGKILL after the grace period; the exit code."""
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGTERM)
-            try:
-                proc.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                # Stuck in its shutdown: its thread stacks (SIGUSR1, see grpc_server.run) on
-                # its stderr say where, before the kill.
-                proc.popen.send_signal(signal.SIGUSR1)
-                time.sleep(1.0)
-                proc.popen.kill()
-                proc.popen.wait()
+    def stop_proc(self, proc: Proc, grace_s: float = STOP_GRACE_S) -> int:
+        """SIGTERM (drain, then stop), SIGKILL after the grace period; the exit code. Whatever
+        the service started and did not stop is killed too."""
+        _pin_family(proc)
+        try:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+                try:
+                    proc.popen.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    # Stuck in its shutdown: its thread stacks (SIGUSR1, see grpc_server.run) on
+                    # its stderr say where, before the kill.
+                    proc.popen.send_signal(signal.SIGUSR1)
+                    time.sleep(1.0)
+                    proc.popen.kill()
+                    proc.popen.wait()
+        finally:
+            _kill_family(proc)
+            if proc.ready is not None:
+                proc.ready.close()
+                proc.ready = None
         if proc in self.procs:
             self.procs.remove(proc)
         return proc.popen.returncode
 
     def stop(self) -> None:
+        # Families first: once a service exits, the workers it left behind are no one's child.
+        for proc in self.procs:
+            _pin_family(proc)
         # The router first, so no new work reaches workers that are going away.
         for proc in sorted(self.procs, key=lambda p: p.name != "router"):
             if proc.popen.poll() is None:
@@ -182,3 +259,50 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux's /proc children lists)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:  # the thread or process ended meanwhile
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _pin_family(proc: Proc) -> None:
+    """Holds a pidfd to each process the service started, while they are still its children:
+    a signal through a pidfd reaches that process even once its pid is reused."""
+    if proc.family is not None:
+        return
+    proc.family = []
+    if proc.popen.poll() is not None:
+        return
+    for pid in _descendants(proc.popen.pid):
+        try:
+            proc.family.append(os.pidfd_open(pid))
+        except OSError:  # it ended meanwhile
+            pass
+
+
+def _kill_family(proc: Proc) -> None:
+    for fd in proc.family or []:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:  # it exited (its parent stopped it): the usual case
+            pass
+        finally:
+            os.close(fd)
+    proc.family = []

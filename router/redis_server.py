@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import weakref
 
@@ -25,23 +26,44 @@ def find_redis_server() -> str:
     return REDIS_SERVER_PATH
 
 
+# A port picked for redis-server can be taken before it binds it: pick again this many times.
+_PORT_ATTEMPTS = 5
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. Nothing holds it: it can be taken before the caller binds it,
+    so only for a program that cannot bind port 0 itself and report its port, and with a
+    retry (as RedisServer does)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+class _PortTaken(RuntimeError):
+    """redis-server could not bind its port: someone else holds it."""
+
+
 class RedisServer:
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  start_timeout_s: float = 20.0) -> None:
+        """On ``port`` as given, else on a free port (picked again if it is taken first)."""
         self.host = host
-        self.port = port or free_port(host)
-        self.proc = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
-             "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self._finalizer = weakref.finalize(self, _stop, self.proc)
-        self._wait_ready(start_timeout_s)
+        for attempt in range(1 if port else _PORT_ATTEMPTS):
+            self.port = port or free_port(host)
+            # redis-server logs to stdout: kept in a file (a pipe nobody reads while it runs
+            # could fill and block it), read when it fails to start.
+            self._log = tempfile.TemporaryFile()
+            self.proc = subprocess.Popen(
+                [find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
+                 "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
+                stdout=self._log, stderr=subprocess.STDOUT)
+            self._finalizer = weakref.finalize(self, _stop, self.proc)
+            try:
+                self._wait_ready(start_timeout_s)
+                return
+            except _PortTaken as e:
+                if port or attempt == _PORT_ATTEMPTS - 1:
+                    raise RuntimeError(str(e)) from None
 
     @property
     def url(self) -> str:
@@ -49,16 +71,27 @@ class RedisServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err}")
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace").strip()[-2000:]
+                msg = f"redis-server exited with {self.proc.returncode}: {err}"
+                raise _PortTaken(msg) if "Address already in use" in err else RuntimeError(msg)
             try:
-                if redis.Redis(host=self.host, port=self.port, socket_timeout=1).ping():
+                # Whoever holds the port answers: only ours counts (another server there
+                # means ours is about to fail its bind). One try per round, no client
+                # retries: a holder that never answers must not delay seeing ours exit.
+                client = redis.Redis(host=self.host, port=self.port, socket_timeout=0.5,
+                                     socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+                with client:
+                    info = client.info("server")
+                if info.get("process_id") == self.proc.pid:
                     return
-            except redis.ConnectionError:
+            except redis.RedisError:  # nobody there yet, or something that is not redis
                 pass
             if time.monotonic() > deadline:
                 self.stop()

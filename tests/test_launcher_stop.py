@@ -1,0 +1,67 @@
+"""Stopping a service leaves none of the processes it started behind: not when it is killed
+past its grace, not when it exits and forgets one (a TP worker its rank 0 could not stop)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from router.launcher import Cluster, ClusterSpec, Proc
+
+pytestmark = pytest.mark.timeout(60)
+
+# A service that starts a child (its "TP worker") and stops it, then prints both pids.
+_SERVICE = textwrap.dedent("""
+    import faulthandler, signal, subprocess, sys, time
+    faulthandler.register(signal.SIGUSR1)  # as every service does (engine.grpc_server.run)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    child.send_signal(signal.SIGSTOP)  # wedged: it would not even see its parent go
+    {on_term}
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+_STUCK = "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a shutdown that never ends"
+_FORGETFUL = "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exits, child left over"
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for init to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("on_term, code", [(_STUCK, -9), (_FORGETFUL, 0)],
+                         ids=["stuck-past-its-grace", "exits-and-forgets-it"])
+def test_stopping_a_service_kills_what_it_left_behind(on_term, code):
+    popen = subprocess.Popen([sys.executable, "-c", _SERVICE.format(on_term=on_term)],
+                             stdout=subprocess.PIPE, text=True)
+    child = int(popen.stdout.readline())
+    try:
+        cluster = Cluster(ClusterSpec())
+        proc = Proc("service", "127.0.0.1:0", popen)
+        cluster.procs.append(proc)
+        assert cluster.stop_proc(proc, grace_s=2.0) == code
+        assert _wait_gone(child), "the service's child outlived it"
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
