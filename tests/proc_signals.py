@@ -1,9 +1,11 @@
-"""Stopping a child process for a test, and knowing it is stopped (tests)."""
+"""Stopping a child process for a test, knowing it is stopped, and waiting for a condition
+(tests)."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import time
 
 
 def stop_process(proc: subprocess.Popen) -> None:
@@ -20,3 +22,13 @@ def stop_process(proc: subprocess.Popen) -> None:
     if info.si_code != os.CLD_STOPPED:
         raise AssertionError(f"process {proc.pid} ended instead of stopping "
                              f"(si_code {info.si_code}, status {info.si_status})")
+
+
+def wait_until(pred, timeout_s: float = 30.0) -> bool:
+    """Polls ``pred`` every 10 ms; whether it held before ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.kv_connector import RELEASE_PREFIX, KVConnector
+from tests.proc_signals import wait_until
 
 
 class _Agent:
@@ -51,19 +52,10 @@ def connector():
         c.close()
 
 
-def _wait(pred, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_a_prefill_engine_applies_a_release_soon(connector):
     engine = connector("prefill")
     engine.executor.kv_agent.inbox.append(RELEASE_PREFIX + b"req-1")
-    assert _wait(lambda: engine.released == ["req-1"], 0.2)
+    assert wait_until(lambda: engine.released == ["req-1"], 0.2)
 
 
 @pytest.mark.parametrize("role", ["decode", None])
@@ -72,5 +64,5 @@ def test_engines_that_lease_nothing_poll_only_for_expiries(connector, role):
     time.sleep(0.3)
     assert engine.executor.kv_agent.polls == 0  # was one poll every 5 ms
     # Quarantines still end on an idle engine: the expiry check keeps its half-second beat.
-    assert _wait(lambda: engine.reclaims >= 1, 1.5)
+    assert wait_until(lambda: engine.reclaims >= 1, 1.5)
     assert engine.executor.kv_agent.polls <= 3

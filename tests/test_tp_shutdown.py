@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import SHUTDOWN_TIMEOUT_S, AsyncEngine
 from router.launcher import STOP_GRACE_S
-from tests.proc_signals import stop_process
+from tests.proc_signals import stop_process, wait_until
 
 # The launcher's grace (router.launcher) bounds the wait below: what a hang costs in a cluster
 # is a kill without cleanup. It is far above shutdown's own budget, so this is no timing test:
@@ -28,15 +27,6 @@ def _children(pid: int) -> set[int]:
         with open(f"/proc/{pid}/task/{tid}/children") as f:
             kids.update(int(c) for c in f.read().split())
     return kids
-
-
-def _wait_until(pred, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _stepping(engine: LLMEngine, request_id: str) -> bool:
@@ -59,7 +49,7 @@ def test_shutdown_under_a_step_stuck_on_a_stopped_worker_is_bounded(preset_path)
         async_engine._wake.set()
         # Rank 0 sent the step and waits in its collective for the stopped rank 1 (gloo
         # would wait minutes for a live peer).
-        assert _wait_until(lambda: _stepping(engine, "r"))
+        assert wait_until(lambda: _stepping(engine, "r"))
         done = threading.Event()
         stopper = threading.Thread(target=lambda: (async_engine.shutdown(), done.set()),
                                    daemon=True)
