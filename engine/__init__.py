@@ -1,5 +1,6 @@
 """pdserve's engine: the model, paged KV cache, scheduler and sampler that prefill and decode
 workers share."""
+import kernels  # noqa: F401  (first: it sets up oneMKL's dispatch before torch is imported)
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine, NoFreeBlocksError

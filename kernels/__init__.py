@@ -5,7 +5,12 @@ and importing ``kernels`` must work everywhere.
 """
 from __future__ import annotations
 
-import torch
+# Before torch loads oneMKL: see kernels/mkl_vendor.py.
+from kernels.mkl_vendor import enable_mkl_cpu_dispatch
+
+enable_mkl_cpu_dispatch()
+
+import torch  # noqa: E402
 
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 from kernels.torch_attention import TorchAttentionBackend

@@ -36,20 +36,30 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def load_library(name: str) -> ctypes.CDLL | None:
-    """``csrc/<name>.c`` compiled and loaded (once per process); None if it cannot be built."""
+def load_kernel(name: str) -> ctypes.CDLL | None:
+    """A compute kernel library: None when ``PDSERVE_DISABLE_CPU_KERNELS=1`` forces the
+    plain-torch paths."""
+    if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
+        return None
+    return load_library(name)
+
+
+def load_library(name: str, flags: tuple[str, ...] = FLAGS,
+                 global_symbols: bool = False) -> ctypes.CDLL | None:
+    """``csrc/<name>.c`` compiled with ``flags`` and loaded (once per process); None if it
+    cannot be built. ``global_symbols`` puts its symbols in the process's global scope
+    (RTLD_GLOBAL), where they take precedence over libraries loaded later."""
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _build_and_load(name)
+            _loaded[name] = _build_and_load(name, flags, global_symbols)
         return _loaded[name]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
-    if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
-        return None
+def _build_and_load(name: str, flags: tuple[str, ...],
+                    global_symbols: bool) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
-        logger.warning("no C compiler found: CPU attention runs on the plain-torch path")
+        logger.warning("no C compiler found: %s is not built (plain-torch paths instead)", name)
         return None
     source = CSRC / f"{name}.c"
     try:
@@ -58,23 +68,23 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         # The headers it may include count too: a changed header must rebuild every kernel.
         headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
         key = hashlib.sha256(source.read_bytes() + headers + version.encode()
-                             + " ".join(FLAGS).encode()).hexdigest()[:16]
+                             + " ".join(flags).encode()).hexdigest()[:16]
         target = cache_dir() / f"{name}-{key}.so"
         if not target.exists():
-            _compile(cc, source, target)
-        return ctypes.CDLL(str(target))
+            _compile(cc, source, target, flags)
+        return ctypes.CDLL(str(target),
+                           mode=ctypes.RTLD_GLOBAL if global_symbols else ctypes.DEFAULT_MODE)
     except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("could not build the CPU kernel %s (%s): using the plain-torch path",
-                       name, e)
+        logger.warning("could not build %s (%s): using the plain-torch path", name, e)
         return None
 
 
-def _compile(cc: str, source: Path, target: Path) -> None:
+def _compile(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise OSError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import load_kernel
 
 _LIB_NAME = "paged_decode_cpu"
 # The kernel keeps a [num_heads, head_size] accumulator and [num_heads, block_size] scores on
@@ -17,7 +17,7 @@ MAX_STACK_FLOATS = 1 << 16
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = load_library(_LIB_NAME)
+    lib = load_kernel(_LIB_NAME)
     if lib is not None and not getattr(lib, "_pdserve_typed", False):
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn = lib.paged_decode_attention_f32

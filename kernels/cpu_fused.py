@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import load_kernel
 
 _LIB_NAME = "fused_ops_cpu"
 
@@ -21,7 +21,7 @@ _LIB_NAME = "fused_ops_cpu"
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     # Cached: every norm and RoPE call asks, several times per layer per step.
-    lib = load_library(_LIB_NAME)
+    lib = load_kernel(_LIB_NAME)
     if lib is not None:
         i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         lib.rms_norm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import kernels  # noqa: F401  (before torch: oneMKL's dispatch, see kernels/mkl_vendor.py)
+
 # Built-in presets are generated once into a folder inside the checkout (git-ignored), so
 # the suite never writes to the user's home and reruns skip generation.
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent
