@@ -5,6 +5,7 @@ Its plain-torch twin is ``kernels.reference.paged_decode_attention_ref``.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -16,15 +17,16 @@ _LIB_NAME = "paged_decode_cpu"
 MAX_STACK_FLOATS = 1 << 16
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL | None:
+    # Cached: asked twice per layer per step.
     lib = load_kernel(_LIB_NAME)
-    if lib is not None and not getattr(lib, "_pdserve_typed", False):
+    if lib is not None:
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn = lib.paged_decode_attention_f32
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, ctypes.c_float, i32]
         fn.restype = None
-        lib._pdserve_typed = True
     return lib
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -35,6 +36,13 @@ logger = logging.getLogger(__name__)
 # How often an owner's UCX worker is progressed when nothing else touches it: connection
 # set-up from a new reader (and, over TCP, every READ) waits for the owner's progress.
 _OWNER_PROGRESS_S = 0.001
+# An owner that has received no notification for _OWNER_IDLE_AFTER_S polls every
+# _OWNER_IDLE_PROGRESS_S instead: 1 ms wake-ups cost an idle prefill worker ~5% of a core.
+# Reads over CMA (or RDMA) need no owner progress; what waits for an idle owner is a new
+# reader's connection set-up (once per pair), over TCP a first read, and release notices, each
+# by at most one idle interval, and the first notice puts the owner back on the fast loop.
+_OWNER_IDLE_AFTER_S = 1.0
+_OWNER_IDLE_PROGRESS_S = 0.02
 # An agent nobody reads from (a decode engine's: it only pulls) still wakes now and then, for
 # UCX housekeeping; every wake-up takes the GIL from its engine (a 1 ms loop measured 4-5% of
 # a decode worker's step time on one core).
@@ -43,6 +51,14 @@ _READER_PROGRESS_S = 0.05
 # up to 4 MB two threads measured no faster than one (from 16 MB on, 1.7-1.9x).
 SPLIT_MIN_BYTES = 8 << 20
 MAX_PULL_STREAMS = 16
+
+
+def progress_interval(serves_reads: bool, quiet_s: float) -> float:
+    """Seconds between progress polls for an agent whose last notification came ``quiet_s``
+    ago."""
+    if not serves_reads:
+        return _READER_PROGRESS_S
+    return _OWNER_PROGRESS_S if quiet_s < _OWNER_IDLE_AFTER_S else _OWNER_IDLE_PROGRESS_S
 
 
 def pull_streams_setting(pull_streams: int | None) -> int:
@@ -66,7 +82,7 @@ class NixlKVAgent(KVTransferAgent):
     def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, name: str | None = None,
                  pull_streams: int | None = None, serves_reads: bool = True) -> None:
         super().__init__(cache, layout, name)
-        self._progress_s = _OWNER_PROGRESS_S if serves_reads else _READER_PROGRESS_S
+        self._serves_reads = serves_reads
         self.pull_streams = pull_streams_setting(pull_streams)
         # NIXL's progress thread polls UCX with no delay: on a CPU host it takes half a core per
         # process (measured: serving throughput halved on 2 cores). Readers progress UCX in
@@ -147,7 +163,9 @@ class NixlKVAgent(KVTransferAgent):
 
     def _progress_loop(self) -> None:
         # Fetching notifications progresses the UCX worker, which serves remote readers.
-        while not self._closed.wait(self._progress_s):
+        last_notice = time.monotonic()  # an owner starts on the fast loop
+        interval = progress_interval(self._serves_reads, 0.0)
+        while not self._closed.wait(interval):
             with self._main.lock:
                 if self._main.agent is None:
                     return
@@ -156,7 +174,12 @@ class NixlKVAgent(KVTransferAgent):
                 except Exception:  # noqa: BLE001 - keep serving; the next poll retries
                     logger.exception("NIXL progress failed")
                     continue
-                self._notifs.extend(m for msgs in notifs.values() for m in msgs)
+                got = [m for msgs in notifs.values() for m in msgs]
+                self._notifs.extend(got)
+            now = time.monotonic()
+            if got:
+                last_notice = now
+            interval = progress_interval(self._serves_reads, now - last_notice)
 
     def _poll_notifications(self) -> list[bytes]:
         with self._main.lock:

@@ -311,3 +311,30 @@ def test_stalled_owner_times_out_over_torch(owners):
         assert agent.counters().timeouts == 1
     finally:
         agent.close()
+
+
+def test_owner_progress_slows_down_only_after_a_quiet_spell():
+    from kvtransfer.nixl_agent import (_OWNER_IDLE_AFTER_S, _OWNER_IDLE_PROGRESS_S,
+                                       _OWNER_PROGRESS_S, _READER_PROGRESS_S, progress_interval)
+
+    assert progress_interval(True, 0.0) == _OWNER_PROGRESS_S
+    assert progress_interval(True, _OWNER_IDLE_AFTER_S + 0.1) == _OWNER_IDLE_PROGRESS_S
+    assert _OWNER_PROGRESS_S < _OWNER_IDLE_PROGRESS_S <= _READER_PROGRESS_S
+    assert progress_interval(False, 0.0) == _READER_PROGRESS_S
+
+
+def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
+    from kvtransfer.nixl_agent import _OWNER_IDLE_AFTER_S
+
+    owner = owners(BASE, 4, "nixl")
+    time.sleep(_OWNER_IDLE_AFTER_S + 0.5)  # the owner is on its slow progress loop now
+    for round_ in range(2):  # a first reader connects to the idle owner; then a second one
+        agent, cache = _reader(BASE, "nixl")
+        try:
+            agent.pull([owner.handle], [1, 7], [2, 3], timeout_s=20.0,
+                       notify=f"release:idle-{round_}".encode())
+            assert torch.equal(cache[:, :, [2, 3]], owner.cache[:, :, [1, 7]])
+        finally:
+            agent.close()
+        assert owner.next_notification() == f"release:idle-{round_}"
+        time.sleep(_OWNER_IDLE_AFTER_S + 0.5)

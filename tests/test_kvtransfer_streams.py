@@ -180,12 +180,12 @@ def test_engine_config_sets_the_agents_streams_and_progress(preset_path):
     try:
         assert engine.executor.kv_agent.pull_streams == 2
         # Nobody reads a decode engine's cache: its owner-side progress idles.
-        assert engine.executor.kv_agent._progress_s == nixl_mod._READER_PROGRESS_S
+        assert not engine.executor.kv_agent._serves_reads
     finally:
         engine.shutdown()
     engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), num_gpu_blocks=16,
                                     role="prefill", kv_transfer_backend="nixl"))
     try:
-        assert engine.executor.kv_agent._progress_s == nixl_mod._OWNER_PROGRESS_S
+        assert engine.executor.kv_agent._serves_reads
     finally:
         engine.shutdown()
