@@ -94,6 +94,9 @@ class Cluster:
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> Cluster:
+        if self.procs:  # e.g. `with Cluster(spec).start()`: a second, competing set of services
+            raise RuntimeError("this cluster is already started: use `with Cluster(spec)` or "
+                               "`Cluster(spec).start()`, not both")
         try:
             if self.redis_url is None:
                 self.redis = RedisServer()

@@ -65,3 +65,21 @@ def test_a_process_stuck_past_its_grace_dumps_its_stacks_then_dies():
     finally:
         if popen.poll() is None:
             popen.kill()
+
+
+def test_starting_a_started_cluster_is_refused_and_stops_nothing():
+    import subprocess
+    import sys
+
+    from router.launcher import Cluster, Proc
+
+    cluster = Cluster(ClusterSpec())
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cluster.procs.append(Proc("router", "127.0.0.1:1", running))
+        with pytest.raises(RuntimeError, match="already started"):
+            cluster.start()
+        assert running.poll() is None and cluster.redis is None  # nothing stopped or started
+    finally:
+        running.kill()
+        running.wait()
