@@ -39,7 +39,8 @@ def _case(num_seqs, num_heads, num_kv_heads, head_size, block_size, lens, seed=0
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 4), (16, 2), (8, 1)])
-@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 8), (32, 32)])
+@pytest.mark.parametrize("head_size,block_size", [(64, 16), (128, 8), (32, 32), (96, 48),
+                                                  (80, 16)])
 def test_matches_reference(num_heads, num_kv_heads, head_size, block_size):
     # One token, exactly one block, block boundaries and a long context in one batch.
     lens = [1, block_size, block_size + 1, 3 * block_size, 3 * block_size - 1, 200]
