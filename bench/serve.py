@@ -42,6 +42,8 @@ class ServeConfig:
     prefix_requests: int = 8
     prefix_output_len: int = 8
     inprocess: bool = True
+    # Conditional disaggregation (router/local_prefill.py); None keeps the router's defaults.
+    max_local_prefill_length: int | None = None
 
 
 @dataclass
@@ -100,6 +102,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-requests", type=int, default=d.prefix_requests,
                    help="warm and cold requests each in the shared-prefix phase (0 skips it)")
     p.add_argument("--prefix-output-len", type=int, default=d.prefix_output_len)
+    p.add_argument("--max-local-prefill-length", type=int, default=None,
+                   help="the router's conditional-disaggregation flag (0: off, every prompt "
+                        "prefilled on a prefill worker); default: the router's own default")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -150,7 +155,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         output_len=_range(args.output_len, "output-len"), seed=args.seed,
         num_gpu_blocks=args.num_gpu_blocks, prefix_len=args.prefix_len,
         unique_len=args.unique_len, prefix_requests=args.prefix_requests,
-        prefix_output_len=args.prefix_output_len, inprocess=args.inprocess)
+        prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
+        max_local_prefill_length=args.max_local_prefill_length)
+    if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
+        raise ValueError("--max-local-prefill-length must be >= 0")
     if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:
         raise ValueError("nothing to run: no concurrency, request rate or prefix requests")
     return cfg
@@ -290,8 +298,11 @@ def run(cfg: ServeConfig) -> ServeReport:
 
     vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
     points = plan_points(cfg, vocab)
+    router_args = ([] if cfg.max_local_prefill_length is None
+                   else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
-                       worker_args=["--num-gpu-blocks", str(cfg.num_gpu_blocks)])
+                       worker_args=["--num-gpu-blocks", str(cfg.num_gpu_blocks)],
+                       router_args=router_args)
     _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, {cfg.model}")
     cluster = Cluster(spec)
     with _children_stdout_to_stderr():

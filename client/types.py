@@ -44,6 +44,8 @@ class Usage:
     timings: Timings
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    # True when the decode worker prefilled the prompt itself (then both ids name it).
+    local_prefill: bool = False
 
 
 @dataclass
@@ -106,7 +108,7 @@ def _usage(u) -> Usage:
     t = u.timings
     return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                  Timings(**{f: getattr(t, f) for f in Timings.__dataclass_fields__}),
-                 u.prefill_worker_id, u.decode_worker_id)
+                 u.prefill_worker_id, u.decode_worker_id, u.local_prefill)
 
 
 def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:

@@ -3,6 +3,7 @@
 Decode allocates blocks for the prompt (reusing the prefix this worker already caches), pulls
 the missing blocks from the prefill worker through kvtransfer, which also tells the prefill
 worker to release its lease, then admits the request into the continuous batch and streams.
+A ``local_prefill`` request skips the prefill worker: see decode_svc/local_prefill.py.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import grpc
 
+from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
@@ -36,6 +38,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise ValueError("request_id is empty")
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
+        if request.local_prefill:
+            check_local_prefill_request(request)
+            async with contextlib.aclosing(
+                    stream_local_prefill(self.rt.engine, rid, ids, params, _chunk)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids))
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params)

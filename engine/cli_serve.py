@@ -69,6 +69,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="pdserve")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-inflight-requests", type=int, default=1024)
+    p.add_argument("--max-local-prefill-length", type=int, default=0,
+                   help="conditional disaggregation: a prompt with at most this many tokens "
+                        "uncached on the chosen prefill worker may be prefilled on the decode "
+                        "worker; 0 (the default) turns local prefill off")
+    p.add_argument("--local-prefill-queue-threshold", type=int, default=2,
+                   help="prefill locally only while the chosen prefill worker has at least this "
+                        "many prefill requests in flight from this router (0: always)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
@@ -78,6 +85,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def cmd_router(args: argparse.Namespace) -> int:
     from engine.grpc_server import ServerConfig
     from router.config import RouterConfig
+    from router.local_prefill import LocalPrefillConfig
     from router.server import main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -85,7 +93,10 @@ def cmd_router(args: argparse.Namespace) -> int:
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                           ready_fd=args.ready_fd),
                       namespace=args.namespace, block_size=args.block_size,
-                      max_inflight_requests=args.max_inflight_requests))
+                      max_inflight_requests=args.max_inflight_requests,
+                      local_prefill=LocalPrefillConfig(
+                          max_local_prefill_length=args.max_local_prefill_length,
+                          local_prefill_queue_threshold=args.local_prefill_queue_threshold)))
     return 0
 
 

@@ -46,20 +46,22 @@ class RequestTimings(_message.Message):
     def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "timings", "prefill_worker_id", "decode_worker_id")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "timings", "prefill_worker_id", "decode_worker_id", "local_prefill")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     timings: RequestTimings
     prefill_worker_id: str
     decode_worker_id: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "usage")
@@ -114,7 +116,7 @@ class ClusterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched")
+    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched", "requests_prefilled_locally", "requests_prefilled_remotely")
     NUM_PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,8 @@ class ClusterStats(_message.Message):
     REQUESTS_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_ROUTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PREFILLED_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PREFILLED_REMOTELY_FIELD_NUMBER: _ClassVar[int]
     num_prefill_workers: int
     num_decode_workers: int
     requests_total: int
@@ -129,7 +133,9 @@ class ClusterStats(_message.Message):
     requests_failed: int
     prompt_tokens_routed: int
     prefix_tokens_matched: int
-    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ...) -> None: ...
+    requests_prefilled_locally: int
+    requests_prefilled_remotely: int
+    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ..., requests_prefilled_locally: _Optional[int] = ..., requests_prefilled_remotely: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "undrain")

@@ -211,7 +211,8 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Pulls the prompt KV named by the handle, then streams the rest of the output.
+        """Pulls the prompt KV named by the handle, then streams the rest of the output. With
+        local_prefill, runs the prompt here instead and streams every token, the first included.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -31,7 +31,9 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             num_decode_workers=sum(w.role == "decode" for w in workers),
             requests_total=s.requests_total, requests_in_flight=s.requests_in_flight,
             requests_failed=s.requests_failed, prompt_tokens_routed=s.prompt_tokens_routed,
-            prefix_tokens_matched=s.prefix_tokens_matched)
+            prefix_tokens_matched=s.prefix_tokens_matched,
+            requests_prefilled_locally=s.requests_prefilled_locally,
+            requests_prefilled_remotely=s.requests_prefilled_remotely)
 
     async def DrainWorker(self, request, context):
         known = {w.worker_id for w in await self.directory.registry.live_workers()}

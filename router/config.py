@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.grpc_server import ServerConfig
+from router.local_prefill import LocalPrefillConfig
 
 
 @dataclass
@@ -23,6 +24,8 @@ class RouterConfig:
     default_timeout_s: float | None = None
     # Without a client deadline, a prefill call that takes longer fails with UNAVAILABLE.
     prefill_timeout_s: float = 600.0
+    # When a decode worker prefills a short prompt itself (router/local_prefill.py).
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -40,3 +43,6 @@ class RouterConfig:
             raise ValueError("default_timeout_s must be > 0 or None")
         if not self.prefill_timeout_s > 0:
             raise ValueError("prefill_timeout_s must be > 0")
+        if not isinstance(self.local_prefill, LocalPrefillConfig):
+            raise ValueError("local_prefill must be a LocalPrefillConfig, "
+                             f"got {type(self.local_prefill).__name__}")

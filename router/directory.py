@@ -41,6 +41,9 @@ class WorkerHandle:
     decode_stub: worker_pb2_grpc.DecodeWorkerStub
     inflight: int = 0
     routed: int = 0
+    # Prompts this router sent a decode worker to prefill itself, not yet past their first
+    # token: the local-prefill policy weighs them against the prefill worker's queue.
+    prefilling: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -154,6 +157,17 @@ class WorkerDirectory:
             yield
         finally:
             worker.inflight -= 1
+
+
+@contextlib.contextmanager
+def prefilling(worker: WorkerHandle):
+    """Counts a local prefill on ``worker`` until the block exits (its first token came, or it
+    failed)."""
+    worker.prefilling += 1
+    try:
+        yield
+    finally:
+        worker.prefilling -= 1
 
 
 def _neg(s: str) -> tuple:

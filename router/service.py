@@ -1,4 +1,6 @@
 """The Router service: validate, tokenize, pick workers, prefill, stream the first token, decode.
+Short prompts under prefill-worker load may skip the prefill worker (router/local_prefill.py):
+the decode worker then runs the prompt and streams every token itself.
 
 Cancellation and deadlines: the client's deadline bounds both legs; when the client cancels or
 the deadline passes, the handler is cancelled, which cancels the Decode stream (the decode
@@ -18,7 +20,8 @@ import grpc
 from engine.block_hash import hash_request_tokens
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
-from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle
+from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
+from router.local_prefill import should_prefill_locally
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -121,8 +124,51 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         hashes = hash_request_tokens(ids, self.config.block_size)
         prefill, matched = await self.directory.pick_prefill(hashes, len(ids))
         self.directory.check_prompt_fits(len(ids))
-        self.stats.routed(len(ids), matched)
+        decode = await self._local_candidate(len(ids))
+        local = decode is not None and should_prefill_locally(
+            self.config.local_prefill, len(ids), matched, prefill.inflight, decode.prefilling)
+        # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
+        self.stats.routed(len(ids), 0 if local else matched)
+        self.stats.prefilled(local)
         t_route = time.monotonic()
+        if local:
+            chunks = self._local_prefill(rid, ids, request, decode, context, t0, t_route)
+        else:
+            chunks = self._remote_prefill(rid, ids, request, prefill, context, t0, t_route)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _local_candidate(self, num_tokens: int) -> WorkerHandle | None:
+        """The decode worker a local prefill would go to; None when local prefill is off or no
+        decode worker has room (the remote path then reports that after its prefill)."""
+        if not self.config.local_prefill.enabled:
+            return None
+        try:
+            return await self.directory.pick_decode(num_tokens + 1)
+        except NoWorkerError:
+            return None
+
+    async def _local_prefill(self, rid, ids, request, decode: WorkerHandle, context,
+                             t0: float, t_route: float):
+        """Conditional disaggregation: the decode worker runs the prompt and streams every
+        token, the first included; no prefill worker, no KV transfer, no lease to release."""
+        timings = router_pb2.RequestTimings(router_queue_s=t_route - t0)
+        # The decode worker did the prefill, so it is named in both roles.
+        usage = router_pb2.Usage(prompt_tokens=len(ids), completion_tokens=0,
+                                 prefill_worker_id=decode.worker_id,
+                                 decode_worker_id=decode.worker_id, local_prefill=True)
+        dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                        sampling=request.sampling, local_prefill=True)
+        # Counted as prefilling on the decode worker until its first token (or failure).
+        with contextlib.ExitStack() as in_prefill:
+            in_prefill.enter_context(prefilling(decode))
+            async for chunk in self._decode(dreq, decode, context, timings, usage, t0):
+                in_prefill.close()
+                yield chunk
+
+    async def _remote_prefill(self, rid, ids, request, prefill: WorkerHandle, context,
+                              t0: float, t_route: float):
         with self.directory.inflight(prefill):
             presp = await prefill.prefill_stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
@@ -148,8 +194,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield first
             decode = await self.directory.pick_decode(len(ids) + 1)
             usage.decode_worker_id = decode.worker_id
-            async for chunk in self._decode(rid, ids, presp, request, decode, context, timings,
-                                            usage, t0):
+            dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                            first_token_id=presp.first_token_id,
+                                            sampling=request.sampling, kv_handle=presp.kv_handle)
+            async for chunk in self._decode(dreq, decode, context, timings, usage, t0):
                 done = done or bool(chunk.finish_reason)
                 yield chunk
         finally:
@@ -158,22 +206,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # rather than when it expires. Idempotent on the worker.
                 self._release_later(prefill, rid)
 
-    async def _decode(self, rid, ids, presp, request, decode: WorkerHandle, context,
+    async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
                       timings, usage, t0):
-        call = decode.decode_stub.Decode(
-            worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                     first_token_id=presp.first_token_id,
-                                     sampling=request.sampling, kv_handle=presp.kv_handle),
-            timeout=self._timeout(context))
+        call = decode.decode_stub.Decode(dreq, timeout=self._timeout(context))
         with self.directory.inflight(decode):
             try:
+                first = True
                 async for d in call:
-                    if d.HasField("timings"):
-                        timings.kv_transfer_s = d.timings.kv_transfer_s
-                        timings.decode_queue_s = d.timings.queue_s
-                        timings.first_decode_step_s = d.timings.first_step_s
+                    if first:
+                        first = False
+                        _record_first_decode_chunk(d, dreq.local_prefill, timings, usage, t0)
                     usage.completion_tokens += len(d.token_ids)
-                    chunk = router_pb2.GenerateChunk(request_id=rid, token_ids=d.token_ids,
+                    chunk = router_pb2.GenerateChunk(request_id=dreq.request_id,
+                                                     token_ids=d.token_ids,
                                                      text_delta=d.text_delta, logprobs=d.logprobs)
                     if d.finish_reason:
                         _finish(chunk, d, timings, usage, t0)
@@ -190,6 +235,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool,
+                               timings: router_pb2.RequestTimings, usage: router_pb2.Usage,
+                               t0: float) -> None:
+    """Timings (and, for local prefill, the first token's time and cache hits) from the
+    decode worker's first chunk."""
+    if not local:
+        timings.kv_transfer_s = d.timings.kv_transfer_s
+        timings.decode_queue_s = d.timings.queue_s
+        timings.first_decode_step_s = d.timings.first_step_s
+        return
+    # The decode worker's queue and prefill are this request's prefill phases. No KV moved
+    # and no step decoded on its own before the first token, so kv_transfer_s, decode_queue_s
+    # and first_decode_step_s stay 0; cached_tokens is the decode worker's own prefix hits.
+    timings.prefill_queue_s = d.timings.queue_s
+    timings.prefill_compute_s = d.timings.first_step_s
+    timings.ttft_s = time.monotonic() - t0
+    usage.cached_tokens = d.num_cached_tokens
 
 
 def _finish(chunk: router_pb2.GenerateChunk, src, timings: router_pb2.RequestTimings,

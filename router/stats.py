@@ -15,6 +15,9 @@ class RouterStats:
     requests_failed: int = 0
     prompt_tokens_routed: int = 0
     prefix_tokens_matched: int = 0
+    # Where prompts ran: on a decode worker (conditional disaggregation) or a prefill worker.
+    requests_prefilled_locally: int = 0
+    requests_prefilled_remotely: int = 0
 
     @contextlib.contextmanager
     def track(self):
@@ -35,3 +38,9 @@ class RouterStats:
     def routed(self, prompt_tokens: int, matched_tokens: int) -> None:
         self.prompt_tokens_routed += prompt_tokens
         self.prefix_tokens_matched += matched_tokens
+
+    def prefilled(self, local: bool) -> None:
+        if local:
+            self.requests_prefilled_locally += 1
+        else:
+            self.requests_prefilled_remotely += 1

@@ -1,6 +1,7 @@
 """Shared pieces of the end-to-end serving tests."""
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -40,3 +41,23 @@ def wait_all_blocks_free(addresses: list[str], timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held: {busy}")
         time.sleep(0.1)
+
+
+def stream_greedy(router_address: str, prompts: list[list[int]], max_tokens: list[int]):
+    """Every prompt streamed at once through the router, greedy with ignore_eos: per prompt,
+    (all token ids, the final chunk)."""
+    from client import AsyncClient
+
+    async def one(client, prompt, m):
+        toks, final = [], None
+        async for chunk in client.generate(prompt, max_tokens=m, temperature=0.0,
+                                           ignore_eos=True):
+            toks += chunk.token_ids
+            final = chunk
+        return toks, final
+
+    async def run_all():
+        async with AsyncClient(router_address, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
+
+    return asyncio.run(run_all())

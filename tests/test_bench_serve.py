@@ -66,7 +66,8 @@ def test_summarize_pools_itl_and_counts_failures():
 
 @pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--concurrency", "a,b"),
                                          ("--request-rates", "-1"), ("--prompt-len", "50-10"),
-                                         ("--output-len", "x"), ("--num-prompts", "0")])
+                                         ("--output-len", "x"), ("--num-prompts", "0"),
+                                         ("--max-local-prefill-length", "-1")])
 def test_bad_arguments_are_value_errors(flag, value):
     p = argparse.ArgumentParser()
     serve.add_args(p)

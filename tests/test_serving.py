@@ -1,21 +1,24 @@
 """End to end through real processes: redis-server, router, a prefill and a decode worker."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 import redis
 
-from client import (AsyncClient, Client, DeadlineExceededError, InvalidArgumentError)
+from client import Client, DeadlineExceededError, InvalidArgumentError
 from engine import LLM, SamplingParams
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
+                                   wait_all_blocks_free)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with Cluster(ClusterSpec(worker_args=WORKER_ARGS)) as c:
+    # Local prefill off: these tests cover the remote path (prefill, KV transfer, decode)
+    # under load; tests/test_serving_local_prefill.py covers the other.
+    with Cluster(ClusterSpec(worker_args=WORKER_ARGS,
+                             router_args=["--max-local-prefill-length", "0"])) as c:
         yield c
 
 
@@ -35,19 +38,7 @@ def test_32_concurrent_streams_match_the_in_process_engine(cluster, reference):
     want = reference.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
                                                        ignore_eos=True) for m in max_tokens])
 
-    async def one(client: AsyncClient, prompt, m):
-        toks, final = [], None
-        async for chunk in client.generate(prompt, max_tokens=m, temperature=0.0,
-                                           ignore_eos=True):
-            toks += chunk.token_ids
-            final = chunk
-        return toks, final
-
-    async def run_all():
-        async with AsyncClient(cluster.router_address, timeout=120) as client:
-            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
-
-    got = asyncio.run(run_all())
+    got = stream_greedy(cluster.router_address, prompts, max_tokens)
     assert len({tuple(w.token_ids) for w in want}) > 16  # diverse outputs, not one repeated token
     for (toks, final), w, p in zip(got, want, prompts):
         assert toks == w.token_ids

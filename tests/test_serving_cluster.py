@@ -20,8 +20,10 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster():
+    # Local prefill off: these tests check which prefill worker ran each prompt.
     spec = ClusterSpec(num_prefill=2, num_decode=1, worker_args=WORKER_ARGS,
-                       router_args=["--max-inflight-requests", "6"])
+                       router_args=["--max-inflight-requests", "6",
+                                    "--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
 

@@ -1,0 +1,98 @@
+"""The router's conditional-disaggregation policy and its configuration."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.cli_serve import add_router_args
+from router.config import RouterConfig
+from router.local_prefill import LocalPrefillConfig, should_prefill_locally
+
+CFG = LocalPrefillConfig(max_local_prefill_length=100, local_prefill_queue_threshold=2)
+
+
+@pytest.mark.parametrize("prompt, cached, inflight, local", [
+    (100, 0, 2, True),     # at both limits
+    (101, 0, 2, False),    # one uncached token too many
+    (300, 200, 2, True),   # long, but the prefill worker holds all but 100 tokens
+    (300, 199, 5, False),
+    (50, 0, 1, False),     # the prefill worker is not busy enough: it is the faster place
+    (50, 0, 0, False),
+    (50, 80, 3, True),     # a match longer than the prompt counts as the whole prompt
+])
+def test_policy_needs_a_short_uncached_prompt_and_a_busy_prefill_worker(prompt, cached,
+                                                                         inflight, local):
+    assert should_prefill_locally(CFG, prompt, cached, inflight, 0) is local
+
+
+@pytest.mark.parametrize("inflight, decode_prefilling, local", [
+    (2, 0, True), (2, 1, True), (2, 2, False), (5, 4, True), (5, 9, False)])
+def test_the_decode_worker_takes_no_more_prompts_than_the_prefill_worker_has(
+        inflight, decode_prefilling, local):
+    # A burst must be shared between the two, not moved wholesale onto the decode worker.
+    assert should_prefill_locally(CFG, 10, 0, inflight, decode_prefilling) is local
+
+
+def test_threshold_zero_sends_every_short_prompt_local():
+    cfg = LocalPrefillConfig(max_local_prefill_length=64, local_prefill_queue_threshold=0)
+    assert should_prefill_locally(cfg, 64, 0, 0, 0)
+    assert should_prefill_locally(cfg, 64, 0, 0, 50)  # no balancing asked for
+    assert not should_prefill_locally(cfg, 65, 0, 0, 0)
+
+
+def test_length_zero_turns_local_prefill_off():
+    cfg = LocalPrefillConfig(max_local_prefill_length=0, local_prefill_queue_threshold=0)
+    assert not cfg.enabled
+    assert not should_prefill_locally(cfg, 1, 0, 100, 0)
+
+
+def test_defaults_leave_the_feature_off():
+    cfg = LocalPrefillConfig()
+    assert not cfg.enabled and cfg.max_local_prefill_length == 0
+    assert cfg.local_prefill_queue_threshold == 2
+    assert not should_prefill_locally(cfg, 1, 0, 100, 0)
+
+
+@pytest.mark.parametrize("kw", [
+    {"max_local_prefill_length": -1},
+    {"local_prefill_queue_threshold": -1},
+    {"max_local_prefill_length": 1.5},
+    {"local_prefill_queue_threshold": "2"},
+    {"max_local_prefill_length": True},
+])
+def test_bad_config_is_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        LocalPrefillConfig(**kw)
+
+
+def test_router_config_carries_the_policy():
+    cfg = RouterConfig(model="tiny-llama", redis_url="redis://localhost:6379")
+    assert cfg.local_prefill == LocalPrefillConfig()
+    with pytest.raises(ValueError, match="local_prefill"):
+        RouterConfig(model="tiny-llama", redis_url="redis://localhost:6379",
+                     local_prefill={"max_local_prefill_length": 10})
+
+
+def test_router_flags_default_to_the_config_defaults():
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = p.parse_args(["--redis-url", "redis://x"])
+    assert LocalPrefillConfig(args.max_local_prefill_length,
+                              args.local_prefill_queue_threshold) == LocalPrefillConfig()
+    args = p.parse_args(["--redis-url", "redis://x", "--max-local-prefill-length", "0",
+                         "--local-prefill-queue-threshold", "7"])
+    assert (args.max_local_prefill_length, args.local_prefill_queue_threshold) == (0, 7)
+
+
+def test_a_decode_workers_local_prefills_are_counted_until_they_end():
+    from router.directory import WorkerHandle, prefilling
+
+    w = WorkerHandle(info=None, channel=None, prefill_stub=None, decode_stub=None)
+    with prefilling(w):
+        with prefilling(w):
+            assert w.prefilling == 2
+        assert w.prefilling == 1
+    with pytest.raises(RuntimeError), prefilling(w):
+        raise RuntimeError("the stream failed before its first token")
+    assert w.prefilling == 0

@@ -1,0 +1,175 @@
+"""Conditional disaggregation end to end: the decode worker prefills short prompts itself.
+
+The router here sends every prompt of at most 64 tokens to local prefill (queue threshold 0),
+longer ones through the prefill worker, so one cluster runs both paths deterministically.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from client import Client, DeadlineExceededError
+from engine import LLM, SamplingParams
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
+                                   wait_all_blocks_free)
+
+LOCAL_MAX = 64
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = ClusterSpec(worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", str(LOCAL_MAX),
+                                    "--local-prefill-queue-threshold", "0"])
+    with Cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+        yield llm
+
+
+def _workers(cluster) -> list[str]:
+    return [p.address for p in cluster.procs if p.name != "router"]
+
+
+def _decode_address(cluster) -> str:
+    return next(p.address for p in cluster.procs if p.name.startswith("decode"))
+
+
+def _stats(cluster) -> router_pb2.ClusterStats:
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
+
+
+def _check_parity(got, want, prompts) -> None:
+    for (toks, final), w, p in zip(got, want, prompts):
+        assert toks == w.token_ids
+        assert final.finish_reason == "length"
+        u = final.usage
+        assert u.prompt_tokens == len(p) and u.completion_tokens == len(w.token_ids)
+        assert u.local_prefill is (len(p) <= LOCAL_MAX)
+        if u.local_prefill:
+            assert u.prefill_worker_id == u.decode_worker_id
+            assert u.decode_worker_id.startswith("decode-")
+            assert u.timings.kv_transfer_s == 0.0
+        else:
+            assert u.prefill_worker_id.startswith("prefill-")
+        assert u.timings.ttft_s > 0 and u.timings.e2e_s >= u.timings.ttft_s
+
+
+def test_concurrent_local_prefill_streams_match_the_in_process_engine(cluster, reference):
+    prompts = random_prompts(6, seed=31, lo=5, hi=LOCAL_MAX)
+    max_tokens = [6 + (i * 5) % 9 for i in range(len(prompts))]
+    want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
+                                        for m in max_tokens])
+    before = _stats(cluster)
+    got = stream_greedy(cluster.router_address, prompts, max_tokens)
+    _check_parity(got, want, prompts)
+    after = _stats(cluster)
+    assert after.requests_prefilled_locally - before.requests_prefilled_locally == len(prompts)
+    assert after.requests_prefilled_remotely == before.requests_prefilled_remotely
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_mixed_local_and_remote_prefill_match_and_are_counted(cluster, reference):
+    prompts = random_prompts(8, seed=41, lo=20, hi=120)
+    num_local = sum(len(p) <= LOCAL_MAX for p in prompts)
+    assert 0 < num_local < len(prompts)  # the seed gives both kinds
+    max_tokens = [5 + i % 4 for i in range(len(prompts))]
+    want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
+                                        for m in max_tokens])
+    before = _stats(cluster)
+    got = stream_greedy(cluster.router_address, prompts, max_tokens)
+    _check_parity(got, want, prompts)
+    after = _stats(cluster)
+    assert after.requests_prefilled_locally - before.requests_prefilled_locally == num_local
+    assert (after.requests_prefilled_remotely - before.requests_prefilled_remotely
+            == len(prompts) - num_local)
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_text_stop_string_and_logprobs_through_local_prefill(cluster, reference):
+    params = SamplingParams(max_tokens=10, **GREEDY, logprobs=2)
+    want = reference.generate(["Once upon a time"], params)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete("Once upon a time", max_tokens=10, logprobs=2, **GREEDY)
+    assert res.usage.local_prefill
+    assert res.token_ids == want.token_ids and res.text == want.text
+    assert [lp.sampled.token_id for lp in res.logprobs] == want.token_ids
+    for a, b in zip(res.logprobs, want.logprobs):
+        assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
+
+
+def test_local_prefill_reuses_the_decode_workers_prefix_cache(cluster):
+    prompt = random_prompts(1, seed=51, lo=40, hi=40)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        first = c.complete(prompt, max_tokens=3, **GREEDY)
+        again = c.complete(prompt, max_tokens=3, **GREEDY)
+    assert first.usage.local_prefill and again.usage.local_prefill
+    assert again.token_ids == first.token_ids
+    assert again.usage.cached_tokens == 32  # two full blocks of 16; the tail is recomputed
+
+
+def test_client_cancel_of_a_local_prefill_frees_every_block(cluster):
+    before = _stats(cluster)
+    with Client(cluster.router_address, timeout=60) as c:
+        stream = c.generate(random_prompts(1, seed=3, lo=30, hi=30)[0], max_tokens=400,
+                            **GREEDY)
+        got = [next(stream) for _ in range(3)]
+        stream.close()  # cancels the call
+    assert all(ch.finish_reason is None for ch in got)
+    assert _stats(cluster).requests_prefilled_locally == before.requests_prefilled_locally + 1
+    wait_all_blocks_free(_workers(cluster))
+
+
+def test_deadline_of_a_local_prefill_frees_every_block(cluster):
+    with Client(cluster.router_address) as c:
+        with pytest.raises(DeadlineExceededError):
+            for _ in c.generate(random_prompts(1, seed=4, lo=30, hi=30)[0], max_tokens=600,
+                                timeout=1.0, **GREEDY):
+                pass
+    wait_all_blocks_free(_workers(cluster))
+
+
+def _decode_direct(cluster, **fields) -> list[worker_pb2.DecodeChunk]:
+    req = worker_pb2.DecodeRequest(request_id=fields.pop("request_id", "direct"),
+                                   local_prefill=True, **fields)
+    with grpc.insecure_channel(_decode_address(cluster)) as ch:
+        return list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(req, timeout=60))
+
+
+def test_decode_worker_streams_the_first_token_of_a_local_prefill(cluster, reference):
+    prompt = random_prompts(1, seed=61, lo=25, hi=25)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=5, **GREEDY))[0]
+    chunks = _decode_direct(cluster, prompt_token_ids=prompt,
+                            sampling=common_pb2.SamplingParams(max_tokens=5, temperature=0.0,
+                                                               ignore_eos=True))
+    assert list(chunks[0].token_ids) == want.token_ids[:1]
+    assert chunks[0].HasField("timings") and chunks[0].timings.kv_transfer_s == 0.0
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert chunks[-1].finish_reason == "length"
+    wait_all_blocks_free(_workers(cluster))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"kv_handle": common_pb2.KVHandle(worker_id="p0")}, "must not carry a kv_handle"),
+    ({"kv_handle": common_pb2.KVHandle()}, "must not carry a kv_handle"),
+    ({"first_token_id": 5}, "must not carry a first_token_id"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1, 99999999]}, "outside the vocabulary"),
+    ({"request_id": ""}, "request_id is empty"),
+])
+def test_bad_local_prefill_requests_get_invalid_argument(cluster, fields, match):
+    fields.setdefault("prompt_token_ids", [1, 2, 3])
+    with pytest.raises(grpc.RpcError) as err:
+        _decode_direct(cluster, **fields)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in err.value.details()
+    wait_all_blocks_free(_workers(cluster))
