@@ -64,18 +64,24 @@ def _check_parity(got, want, prompts) -> None:
         assert u.timings.ttft_s > 0 and u.timings.e2e_s >= u.timings.ttft_s
 
 
-def test_concurrent_local_prefill_streams_match_the_in_process_engine(cluster, reference):
-    prompts = random_prompts(6, seed=31, lo=5, hi=LOCAL_MAX)
-    max_tokens = [6 + (i * 5) % 9 for i in range(len(prompts))]
+def _run_matched(cluster, reference, prompts, max_tokens) -> tuple[int, int]:
+    """Streams the prompts, checks them against the in-process engine and that every block is
+    freed after; returns how many the router prefilled (locally, remotely)."""
     want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
                                         for m in max_tokens])
     before = _stats(cluster)
     got = stream_greedy(cluster.router_address, prompts, max_tokens)
     _check_parity(got, want, prompts)
     after = _stats(cluster)
-    assert after.requests_prefilled_locally - before.requests_prefilled_locally == len(prompts)
-    assert after.requests_prefilled_remotely == before.requests_prefilled_remotely
     wait_all_blocks_free(_workers(cluster))
+    return (after.requests_prefilled_locally - before.requests_prefilled_locally,
+            after.requests_prefilled_remotely - before.requests_prefilled_remotely)
+
+
+def test_concurrent_local_prefill_streams_match_the_in_process_engine(cluster, reference):
+    prompts = random_prompts(6, seed=31, lo=5, hi=LOCAL_MAX)
+    max_tokens = [6 + (i * 5) % 9 for i in range(len(prompts))]
+    assert _run_matched(cluster, reference, prompts, max_tokens) == (len(prompts), 0)
 
 
 def test_mixed_local_and_remote_prefill_match_and_are_counted(cluster, reference):
@@ -83,16 +89,8 @@ def test_mixed_local_and_remote_prefill_match_and_are_counted(cluster, reference
     num_local = sum(len(p) <= LOCAL_MAX for p in prompts)
     assert 0 < num_local < len(prompts)  # the seed gives both kinds
     max_tokens = [5 + i % 4 for i in range(len(prompts))]
-    want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
-                                        for m in max_tokens])
-    before = _stats(cluster)
-    got = stream_greedy(cluster.router_address, prompts, max_tokens)
-    _check_parity(got, want, prompts)
-    after = _stats(cluster)
-    assert after.requests_prefilled_locally - before.requests_prefilled_locally == num_local
-    assert (after.requests_prefilled_remotely - before.requests_prefilled_remotely
-            == len(prompts) - num_local)
-    wait_all_blocks_free(_workers(cluster))
+    assert (_run_matched(cluster, reference, prompts, max_tokens)
+            == (num_local, len(prompts) - num_local))
 
 
 def test_text_stop_string_and_logprobs_through_local_prefill(cluster, reference):
