@@ -1,8 +1,8 @@
 """Builds the C kernels in ``kernels/csrc`` with the system C compiler on first use, and loads them.
 
 No build step at install time: the shared object is compiled for this very CPU
-(``-march=native``) into a cache folder keyed by the source, the compiler and the flags, so a
-later process loads it at once. The build writes a temporary file and renames it, so processes
+(``-march=native``) into a cache folder keyed by the source, the compiler, the flags and the
+CPU, so a later process loads it at once. The build writes a temporary file and renames it, so processes
 that start together (TP ranks, parallel tests) never load a half-written library. Where no
 compiler works the loader returns None and callers use the plain-torch path.
 """
@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -34,6 +35,23 @@ def cache_dir() -> Path:
 
 def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+# The /proc/cpuinfo fields that decide what ``-march=native`` emits (x86 and Arm spellings).
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "flags", "CPU implementer", "CPU part",
+               "Features")
+
+
+def cpu_identity() -> bytes:
+    """This CPU's model and instruction-set flags. Part of the cache key: a library built
+    with ``-march=native`` on another CPU (a home folder shared between hosts, a container
+    image moved) may hold instructions this one lacks, and would die of SIGILL, not fall back."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
+    except OSError:
+        return (platform.machine() + platform.processor()).encode()
+    return "\n".join(line for line in first.splitlines()
+                     if line.split(":", 1)[0].strip() in _CPU_FIELDS).encode()
 
 
 def load_kernel(name: str) -> ctypes.CDLL | None:
@@ -63,13 +81,7 @@ def _build_and_load(name: str, flags: tuple[str, ...],
         return None
     source = CSRC / f"{name}.c"
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        # The headers it may include count too: a changed header must rebuild every kernel.
-        headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
-        key = hashlib.sha256(source.read_bytes() + headers + version.encode()
-                             + " ".join(flags).encode()).hexdigest()[:16]
-        target = cache_dir() / f"{name}-{key}.so"
+        target = cache_dir() / f"{name}-{cache_key(cc, source, flags)}.so"
         if not target.exists():
             _compile(cc, source, target, flags)
         return ctypes.CDLL(str(target),
@@ -77,6 +89,15 @@ def _build_and_load(name: str, flags: tuple[str, ...],
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("could not build %s (%s): using the plain-torch path", name, e)
         return None
+
+
+def cache_key(cc: str, source: Path, flags: tuple[str, ...]) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    # The headers it may include count too: a changed header must rebuild every kernel.
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    return hashlib.sha256(source.read_bytes() + headers + version.encode()
+                          + " ".join(flags).encode() + cpu_identity()).hexdigest()[:16]
 
 
 def _compile(cc: str, source: Path, target: Path, flags: tuple[str, ...]) -> None:

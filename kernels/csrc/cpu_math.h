@@ -30,7 +30,16 @@ static inline float exp_nonpos(float x) {
  * scalar version are not vectorized by GCC (its clamp and flush are control flow to it), and
  * intrinsics would tie the file to one instruction set. Lanes below -87 give exp(-87)
  * (~1.6e-38) instead of 0. */
+/* The widest registers the target has: a vector wider than them is split by GCC, and some
+ * operations (the float/int conversions) then fall back to one lane at a time, which made
+ * this file's kernels 3x slower than torch on an AVX2-only CPU. */
+#if defined(__AVX512F__)
 #define VEC_WIDTH 16
+#elif defined(__AVX__)
+#define VEC_WIDTH 8
+#else
+#define VEC_WIDTH 4
+#endif
 typedef float vfloat __attribute__((vector_size(4 * VEC_WIDTH)));
 typedef int32_t vint __attribute__((vector_size(4 * VEC_WIDTH)));
 

@@ -23,6 +23,9 @@
 
 #include "cpu_math.h"
 
+/* Head sizes up to this take the vector P.V path (the accumulator row kept in registers). */
+#define MAX_VEC_HEAD 128
+
 
 /* Attends query heads [kvh0 * group, (kvh0 + nkv) * group) of one sequence: KV heads
  * [kvh0, kvh0 + nkv). With every KV head in one item a block is read as one contiguous run. */
@@ -120,9 +123,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
             const float *vh = v_cache + base + (h / group) * head_size;
             const float *ph = s + h * block_size;
             float *ah = acc + h * head_size;
-            if (head_size % VEC_WIDTH == 0 && head_size <= 8 * VEC_WIDTH) {
+            if (head_size % VEC_WIDTH == 0 && head_size <= MAX_VEC_HEAD) {
                 /* Explicit vectors: GCC reloads and stores a plain array row every token. */
-                vfloat av[8];
+                vfloat av[MAX_VEC_HEAD / VEC_WIDTH];
                 for (int i = 0; i < head_size / VEC_WIDTH; i++)
                     memcpy(&av[i], ah + i * VEC_WIDTH, sizeof av[i]);
                 for (int t = 0; t < ntok; t++) {
