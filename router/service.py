@@ -1,6 +1,7 @@
 """The Router service: validate, tokenize, pick workers, prefill, stream the first token, decode.
-Short prompts under prefill-worker load may skip the prefill worker (router/local_prefill.py):
-the decode worker then runs the prompt and streams every token itself.
+Short prompts under prefill-worker load, or when no prefill worker is up, may skip the prefill
+worker (router/local_prefill.py): the decode worker then runs the prompt and streams every token
+itself.
 
 Cancellation and deadlines: the client's deadline bounds both legs; when the client cancels or
 the deadline passes, the handler is cancelled, which cancels the Decode stream (the decode
@@ -122,11 +123,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         params.validate_vocab(self.vocab_size)
         ids = self._prompt_ids(request)
         hashes = hash_request_tokens(ids, self.config.block_size)
-        prefill, matched = await self.directory.pick_prefill(hashes, len(ids))
+        prefill, matched = await self._pick_prefill(hashes, len(ids))
         self.directory.check_prompt_fits(len(ids))
         decode = await self._local_candidate(len(ids))
-        local = decode is not None and should_prefill_locally(
-            self.config.local_prefill, len(ids), matched, prefill.inflight, decode.prefilling)
+        if prefill is None:
+            # No prefill worker at all: a decode worker that may prefill keeps short prompts
+            # served instead of failing every request.
+            limit = self.config.local_prefill.max_local_prefill_length
+            if decode is None:
+                raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is "
+                                    "available, nor a decode worker with room to prefill")
+            if len(ids) > limit:
+                raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
+                                    f"no prefill worker is available, and the {len(ids)}-token "
+                                    "prompt is longer than a decode worker prefills itself "
+                                    f"(--max-local-prefill-length {limit})")
+            local = True
+        else:
+            local = decode is not None and should_prefill_locally(
+                self.config.local_prefill, len(ids), matched, prefill.inflight,
+                decode.prefilling)
         # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
         self.stats.routed(len(ids), 0 if local else matched)
         self.stats.prefilled(local)
@@ -138,6 +154,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+
+    async def _pick_prefill(self, hashes: list[bytes],
+                            num_tokens: int) -> tuple[WorkerHandle | None, int]:
+        """The prefill worker and its cached prefix length; (None, 0) when there is none but
+        local prefill is on, so a decode worker may still take the prompt."""
+        try:
+            return await self.directory.pick_prefill(hashes, num_tokens)
+        except NoWorkerError:
+            if not self.config.local_prefill.enabled:
+                raise
+            return None, 0
 
     async def _local_candidate(self, num_tokens: int) -> WorkerHandle | None:
         """The decode worker a local prefill would go to; None when local prefill is off or no

@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from client import Client, DeadlineExceededError
+from client import Client, DeadlineExceededError, UnavailableError
 from engine import LLM, SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -171,3 +171,23 @@ def test_bad_local_prefill_requests_get_invalid_argument(cluster, fields, match)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert match in err.value.details()
     wait_all_blocks_free(_workers(cluster))
+
+
+def test_without_a_prefill_worker_short_prompts_are_prefilled_on_the_decode_worker(reference):
+    # The default threshold (2): with a prefill worker up, an idle one would take the prompt.
+    spec = ClusterSpec(worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", str(LOCAL_MAX)])
+    with Cluster(spec) as c:
+        prefill = next(p for p in c.procs if p.name.startswith("prefill"))
+        assert c.stop_proc(prefill) == 0
+        c.wait_routable(0, 1)
+        short = random_prompts(3, seed=71, lo=10, hi=LOCAL_MAX)
+        want = reference.generate(short, SamplingParams(max_tokens=6, **GREEDY))
+        got = stream_greedy(c.router_address, short, [6] * len(short))
+        for (toks, final), w in zip(got, want):
+            assert toks == w.token_ids and final.usage.local_prefill
+        with Client(c.router_address, timeout=60) as client:
+            with pytest.raises(UnavailableError, match="longer than a decode worker prefills"):
+                client.complete(random_prompts(1, seed=72, lo=LOCAL_MAX + 1, hi=100)[0],
+                                max_tokens=2, **GREEDY)
+        wait_all_blocks_free([p.address for p in c.procs if p.name.startswith("decode")])
