@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.layers.linear import check_shape
 from kernels.cpu_linear import pack_weight, packed_linear
+from kernels.cpu_small_linear import SMALL_LINEAR_MAX_ROWS, small_linear, small_linear_usable
 from engine.parallel_state import get_tp_group
 
 
@@ -59,6 +60,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits slice, no communication: [N, hidden] -> [N, vocab / tp]."""
         if self.packed_weight is not None:
+            if hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS and small_linear_usable(self.weight):
+                return small_linear(hidden, self.weight)
             return packed_linear(hidden, self.packed_weight, self.weight.shape[0])
         return F.linear(hidden, self.weight)
 
