@@ -39,3 +39,11 @@ def test_vector_width_matches_the_registers(tmp_path: Path):
                    check=True, capture_output=True, timeout=120)
     width = int(subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout)
     assert width == (16 if "avx512f" in flags else 8 if "avx" in flags else 4)
+
+
+@pytest.mark.parametrize("source", sorted(CSRC.glob("*.c")), ids=lambda p: p.stem)
+def test_every_kernel_compiles(source: Path, tmp_path: Path):
+    # Where a kernel fails to build the engine quietly takes the plain-torch path, and the
+    # kernel's own tests skip: a compile error has to fail here.
+    cpu_build._compile(compiler(), source, tmp_path / f"{source.stem}.so", cpu_build.FLAGS)
+    assert (tmp_path / f"{source.stem}.so").stat().st_size > 0

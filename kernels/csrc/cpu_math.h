@@ -8,28 +8,27 @@
 /* exp(x) for x <= 0 (scores minus their running max), written so the compiler vectorizes it:
  * libm's expf is a scalar call, and one per (token, head) costs more than reading the K/V.
  * x = k ln2 + r with |r| <= ln2 / 2; exp(r) by Cephes' degree-6 polynomial (relative error
- * about 1e-7); 2^k built in the exponent bits. Below -87 the result flushes to 0. */
+ * about 1e-7); 2^k built in the exponent bits. Below -87 the result flushes to 0.
+ *
+ * EXP_R(x, k) = x - k ln2 (ln2 in two parts, so the reduction stays exact) and EXP_POLY(r)
+ * = exp(r) hold for a float or a vector alike: the scalar and vector versions share them. */
+#define EXP_R(x, k) ((x) - (k) * 0.693359375f + (k) * 2.12194440e-4f)
+#define EXP_POLY(r) \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) \
+        + 4.1665795894e-2f) * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) \
+     + (r) + 1.0f)
+
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float k = (float)(int)(x * 1.44269504088896341f - 0.5f);  /* round half down */
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float r = EXP_R(x, k);
+    const float p = EXP_POLY(r);
     const int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
-/* exp_nonpos over VEC_WIDTH lanes, in GCC/clang vector extensions: plain loops around the
- * scalar version are not vectorized by GCC (its clamp and flush are control flow to it), and
- * intrinsics would tie the file to one instruction set. Lanes below -87 give exp(-87)
- * (~1.6e-38) instead of 0. */
 /* The widest registers the target has: a vector wider than them is split by GCC, and some
  * operations (the float/int conversions) then fall back to one lane at a time, which made
  * this file's kernels 3x slower than torch on an AVX2-only CPU. */
@@ -50,18 +49,16 @@ static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
     return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
 }
 
+/* exp_nonpos over VEC_WIDTH lanes, in GCC/clang vector extensions: plain loops around the
+ * scalar version are not vectorized by GCC (its clamp and flush are control flow to it), and
+ * intrinsics would tie the file to one instruction set. Lanes below -87 give exp(-87)
+ * (~1.6e-38) instead of 0. */
 static inline vfloat exp_nonpos_vec(vfloat x) {
     x = vselect(x < vsplat(-87.0f), vsplat(-87.0f), x);
     const vint ki = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vint);
     const vfloat k = __builtin_convertvector(ki, vfloat);
-    const vfloat r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    vfloat p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vfloat r = EXP_R(x, k);
+    const vfloat p = EXP_POLY(r);
     return p * (vfloat)((ki + 127) << 23);
 }
 
