@@ -52,12 +52,19 @@ def test_matches_reference(num_heads, num_kv_heads, head_size, block_size):
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_seqs", [1, 2, 3, 40])
-def test_small_and_large_batches_split_work_alike(num_seqs):
-    """Few sequences split per KV head across threads; many go whole-sequence per thread."""
+def test_small_and_large_batches_split_work_alike(num_seqs, threads):
+    """Few sequences split per KV head across threads; many (or any on one thread) go
+    whole-sequence per work item."""
     lens = [(37 * i) % 300 + 1 for i in range(num_seqs)]
     q, k, v, tables, seq_lens = _case(num_seqs, 8, 2, 64, 16, lens, seed=num_seqs)
-    out = paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.125)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = paged_decode_attention_cpu(q, k, v, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(out, paged_decode_attention_ref(q, k, v, tables, seq_lens, 0.125),
                                atol=2e-5, rtol=2e-5)
 

@@ -163,8 +163,10 @@ void paged_decode_attention_f32(const float *q, int64_t q_ss, int64_t q_sh,
                                 int num_seqs, int num_heads, int num_kv_heads, int head_size,
                                 int block_size, float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    /* Whole sequences per item when there are enough to share out; else one KV head each. */
-    const int per_item = num_seqs >= 2 * num_threads ? num_kv_heads : 1;
+    /* Whole sequences per item when there are enough to share out (or one thread: a block's
+     * rows then stream as one run, 1.3x faster for a lone sequence from DRAM); else one KV
+     * head each. */
+    const int per_item = num_threads == 1 || num_seqs >= 2 * num_threads ? num_kv_heads : 1;
     const int items_per_seq = num_kv_heads / per_item;
     const int64_t items = (int64_t)num_seqs * items_per_seq;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
