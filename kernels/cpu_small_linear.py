@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -30,9 +31,11 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def small_linear_usable(weight: torch.Tensor) -> bool:
-    """Whether layers with this weight may use the kernel (float32 CPU, a built library)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and _lib() is not None)
+    """Whether layers with this weight may use the kernel (float32 CPU, a built library).
+    ``PDSERVE_SMALL_LINEAR=0`` says no: packed layers then free their plain weights, which
+    halves their memory and leaves low-batch decode to oneDNN."""
+    return (os.environ.get("PDSERVE_SMALL_LINEAR") != "0" and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and _lib() is not None)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor,

@@ -118,3 +118,16 @@ def test_engine_packs_on_cpu_and_matches_the_torch_gemm(preset_path):
         llm.shutdown()
     assert outs["torch"] == outs["onednn"]
     assert len({t for ids in outs["torch"] for t in ids}) > 8  # diverse, not one token repeated
+
+
+@needs_onednn
+def test_small_linear_opt_out_frees_the_plain_weights(monkeypatch):
+    monkeypatch.setenv("PDSERVE_SMALL_LINEAR", "0")
+    g = torch.Generator().manual_seed(1)
+    layer = _loaded(RowParallelLinear(96, 64, bias=True), g)
+    x = torch.randn(3, 96, generator=g)
+    want = layer(x)
+    assert not small_linear_usable(layer.weight)
+    assert pack_linear_weights(torch.nn.ModuleList([layer])) == 1
+    assert layer.weight.numel() == 0  # 3 rows now go to the packed GEMM
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
