@@ -82,9 +82,12 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_neox_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                    cos_sin_cache: torch.Tensor) -> None:
+                    cos_sin_cache: torch.Tensor, positions_checked: bool = False) -> None:
     """Rotates query [T, num_heads, head_size] and key [T, num_kv_heads, head_size] in place
-    (neox style) by the cos_sin_cache [max_position, head_size] rows of positions [T] int64."""
+    (neox style) by the cos_sin_cache [max_position, head_size] rows of positions [T] int64.
+    Positions are range-checked (the C code indexes the table with them) unless the caller
+    already did for this very tensor: every layer of a step rotates by the same positions,
+    and the check's two reductions cost more than the rotation at batch 1."""
     head_size = cos_sin_cache.shape[1]
     _check_rows("cos_sin_cache", cos_sin_cache, head_size)
     if not cos_sin_cache.is_contiguous() or head_size % 2:
@@ -101,9 +104,11 @@ def rotary_neox_cpu(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
             raise ValueError(f"{name} must be float32 on the CPU with contiguous head rows")
     if num_tokens == 0:
         return
-    lo, hi = int(positions.min()), int(positions.max())
-    if lo < 0 or hi >= cos_sin_cache.shape[0]:
-        raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}), got [{lo}, {hi}]")
+    if not positions_checked:
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos_sin_cache.shape[0]:
+            raise ValueError(f"positions must be in [0, {cos_sin_cache.shape[0]}), "
+                             f"got [{lo}, {hi}]")
     _lib().rotary_neox_f32(
         positions.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), query.shape[1],
         key.data_ptr(), key.stride(0), key.stride(1), key.shape[1], cos_sin_cache.data_ptr(),

@@ -93,6 +93,25 @@ def test_rotary_matches_torch_on_qkv_views(num_tokens, heads):
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_size:], v_before)
 
 
+def test_rotary_layer_checks_each_new_positions_tensor_once(monkeypatch):
+    rope = RotaryEmbedding(64, max_position=16, base=10000.0)
+    q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)
+    checked = []
+    real = rotary_neox_cpu
+
+    def spy(positions, *args, positions_checked=False):
+        checked.append(positions_checked)
+        return real(positions, *args, positions_checked=positions_checked)
+
+    monkeypatch.setattr("engine.layers.rotary.rotary_neox_cpu", spy)
+    step = torch.tensor([3, 4])
+    for _ in range(3):  # three layers of one step: only the first checks
+        rope(step, q, k)
+    assert checked == [False, True, True]
+    with pytest.raises(ValueError, match=r"positions must be in \[0, 16\)"):
+        rope(torch.tensor([5, 16]), q, k)  # the next step's tensor is checked again
+
+
 def test_rotary_refuses_positions_outside_the_table():
     rope = RotaryEmbedding(64, max_position=16, base=10000.0)
     q, k = torch.randn(2, 4, 64), torch.randn(2, 2, 64)

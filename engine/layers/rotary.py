@@ -52,13 +52,17 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_size]
         self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device),
                              persistent=False)
+        self._checked_positions: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; query [T, num_heads, head_size]; key [T, num_kv_heads, head_size]
         if (query.stride(2) == 1 and key.stride(2) == 1 and fused_ops_usable(query)
                 and fused_ops_usable(key) and positions.device.type == "cpu"):
-            rotary_neox_cpu(positions, query, key, self.cos_sin_cache)  # in place
+            # Shared by all layers: the step's positions are range-checked by the first.
+            rotary_neox_cpu(positions, query, key, self.cos_sin_cache,  # in place
+                            positions_checked=positions is self._checked_positions)
+            self._checked_positions = positions
             return query, key
         return self.forward_torch(positions, query, key)
 
