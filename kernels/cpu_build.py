@@ -2,13 +2,14 @@
 
 No build step at install time: the shared object is compiled for this very CPU
 (``-march=native``) into a cache folder keyed by the source, the compiler, the flags and the
-CPU, so a later process loads it at once. The build writes a temporary file and renames it, so processes
-that start together (TP ranks, parallel tests) never load a half-written library. Where no
-compiler works the loader returns None and callers use the plain-torch path.
+CPU, so a later process loads it at once. The build writes a temporary file and renames it,
+so processes that start together (TP ranks, parallel tests) never load a half-written library.
+Where no compiler works the loader returns None and callers use the plain-torch path.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ _CPU_FIELDS = ("vendor_id", "cpu family", "model", "flags", "CPU implementer", "
                "Features")
 
 
+@functools.cache
 def cpu_identity() -> bytes:
     """This CPU's model and instruction-set flags. Part of the cache key: a library built
     with ``-march=native`` on another CPU (a home folder shared between hosts, a container

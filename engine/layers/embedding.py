@@ -50,17 +50,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; each rank computes its vocab slice."""
 
     packed_weight: torch.Tensor | None = None
+    # Set by pack(): calls of few rows go to the few-rows kernel on the plain weight.
+    use_small_linear: bool = False
 
     def pack(self) -> bool:
         """Reorders the weight for oneDNN (CPU). The plain copy stays: a tied head shares it
         with the embedding, which looks rows up in it. False where oneDNN cannot run the dtype."""
         self.packed_weight = pack_weight(self.weight.data)
+        self.use_small_linear = (self.packed_weight is not None
+                                 and small_linear_usable(self.weight.data))
         return self.packed_weight is not None
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits slice, no communication: [N, hidden] -> [N, vocab / tp]."""
         if self.packed_weight is not None:
-            if hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS and small_linear_usable(self.weight):
+            if self.use_small_linear and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
                 return small_linear(hidden, self.weight)
             return packed_linear(hidden, self.packed_weight, self.weight.shape[0])
         return F.linear(hidden, self.weight)

@@ -44,6 +44,13 @@ typedef int32_t vint __attribute__((vector_size(4 * VEC_WIDTH)));
 
 static inline vfloat vsplat(float x) { return x - (vfloat){0}; }
 
+/* The sum of v's lanes. */
+static inline float vsum_lanes(vfloat v) {
+    float s = 0.0f;
+    for (int i = 0; i < VEC_WIDTH; i++) s += v[i];
+    return s;
+}
+
 /* Lanes of a where mask is set (all ones), else lanes of b. */
 static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
     return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));

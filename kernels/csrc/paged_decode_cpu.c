@@ -106,8 +106,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
                 memcpy(sh + t, &x, sizeof x);
                 vsum += x;
             }
-            float sum = 0.0f;
-            for (int i = 0; i < VEC_WIDTH; i++) sum += vsum[i];
+            float sum = vsum_lanes(vsum);
             for (; t < ntok; t++) {
                 sh[t] = exp_nonpos(sh[t] - bmax);
                 sum += sh[t];
