@@ -41,7 +41,7 @@ class Executor(ABC):
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """Rank 0's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+        """Rank 0's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
         return self.runner.kv_cache
 
     def kv_handles(self) -> list:

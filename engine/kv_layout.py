@@ -1,9 +1,17 @@
 """What one rank's paged KV cache looks like: enough for a remote reader to address its bytes.
 
 The cache tensor of a rank is
-``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_size]``, contiguous, where
+``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_size]``, contiguous, where
 ``num_kv_heads`` are the heads ``[kv_head_start, kv_head_start + num_kv_heads)`` of the model's
 ``total_num_kv_heads``. KV transfer matches layouts before moving a byte.
+
+Block-major, so that everything a transfer moves for one block (all layers, K and V) is one
+contiguous run: a pull of n scattered blocks is n descriptors rather than
+``num_layers * 2 * n``, and the kernel's cross-process copy moves long runs (measured on the
+2-core VM: 0.42 -> 0.6 of an in-process memcpy at 16-256 MB). Each layer's K (or V) view,
+``cache[:, layer, 0]``, is ``[num_blocks, block_size, num_kv_heads, head_size]`` with a block
+stride of ``block_elems`` times ``2 * num_layers``; attention reads a block at a time, so the
+stride costs it nothing.
 """
 from __future__ import annotations
 
@@ -16,6 +24,9 @@ from engine.model_config import ModelConfig
 from engine.parallel_state import kv_head_range
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Named in every layout so that a peer built with another dimension order is refused by the
+# layout check instead of moving the wrong bytes.
+BLOCK_MAJOR = "block,layer,kv,token,head,dim"
 
 
 @dataclass(frozen=True)
@@ -30,10 +41,11 @@ class KVCacheLayout:
     dtype: str
     tp_rank: int
     tp_size: int
+    order: str = BLOCK_MAJOR
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
                 self.head_size)
 
     @property
@@ -50,12 +62,26 @@ class KVCacheLayout:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
+    def from_dict(cls, fields: dict) -> KVCacheLayout:
+        """From a peer's fields, every one required: a peer that does not name its dimension
+        order predates it, and its bytes are in another order."""
+        if not isinstance(fields, dict):
+            raise ValueError(f"not a KV cache layout: {type(fields).__name__}")
+        missing = sorted(set(cls.__dataclass_fields__) - set(fields))
+        if missing:
+            raise ValueError(f"not a KV cache layout: missing {missing}")
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise ValueError(f"not a KV cache layout: {e}") from None
+
+    @classmethod
     def from_json(cls, text: str | bytes) -> KVCacheLayout:
         try:
             fields = json.loads(text)
-            return cls(**fields)
-        except (ValueError, TypeError) as e:
+        except ValueError as e:
             raise ValueError(f"not a KV cache layout: {e}") from None
+        return cls.from_dict(fields)
 
 
 def make_layout(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -333,7 +333,7 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """Rank 0's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]."""
+        """Rank 0's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
         return self.executor.kv_cache
 
     def kv_cache_layouts(self) -> list[KVCacheLayout]:

@@ -36,7 +36,7 @@ class ModelRunner:
         self.model = model
         self.layout = layout
         self.device = device
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads_on_this_rank, head_size]
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads_on_this_rank, head_size]
         self.kv_cache = torch.zeros(layout.shape, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         # Captured after the cache exists: the graphs hold its address.

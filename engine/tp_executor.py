@@ -143,15 +143,16 @@ class MultiprocExecutor(Executor):
                                         timeout_s) for w in self.workers]
 
     def read_blocks(self, rank: int, block_ids: list[int]) -> torch.Tensor:
-        """kv_cache[:, :, block_ids] of ``rank`` as a CPU tensor (inspection and tests)."""
+        """kv_cache[block_ids] of ``rank`` as a CPU tensor (inspection and tests):
+        [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_size]."""
         self._check_usable()
         if rank == 0:
-            return self.runner.kv_cache[:, :, block_ids].cpu()
+            return self.runner.kv_cache[block_ids].cpu()
         w = self.workers[rank - 1]
         tp_comm.send_json(w.conn, tp_comm.OP_READ_BLOCKS, {"block_ids": list(block_ids)})
         raw = self._expect(w, tp_comm.OP_OK)
         layout = self._layouts[rank]
-        shape = (layout.num_layers, 2, len(block_ids), *layout.shape[3:])
+        shape = (len(block_ids), *layout.shape[1:])
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         return flat.view(self.runner.kv_cache.dtype).view(shape)
 

@@ -127,11 +127,11 @@ def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
 
 
 def read_blocks(runner: ModelRunner, payload: bytes) -> bytes:
-    """Raw bytes of kv_cache[:, :, block_ids] (for inspection and tests)."""
+    """Raw bytes of kv_cache[block_ids] (for inspection and tests)."""
     ids = tp_comm.parse_json(payload)["block_ids"]
     if not all(isinstance(i, int) and 0 <= i < runner.layout.num_blocks for i in ids):
         raise ValueError(f"block ids out of range [0, {runner.layout.num_blocks})")
-    blocks = runner.kv_cache[:, :, ids].contiguous().cpu()
+    blocks = runner.kv_cache[ids].contiguous().cpu()
     return blocks.view(torch.uint8).numpy().tobytes()
 
 

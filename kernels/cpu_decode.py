@@ -24,7 +24,7 @@ def _lib() -> ctypes.CDLL | None:
     if lib is not None:
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn = lib.paged_decode_attention_f32
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64,
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64,
                        i32, i32, i32, i32, i32, ctypes.c_float, i32]
         fn.restype = None
     return lib
@@ -35,10 +35,21 @@ def cpu_kernels_available() -> bool:
     return _lib() is not None
 
 
+def blocks_contiguous(cache: torch.Tensor) -> bool:
+    """Whether each block of a [num_blocks, block_size, num_kv_heads, head_size] cache is one
+    contiguous run (blocks themselves may sit any distance apart: the engine's layer views of
+    its block-major cache do)."""
+    _, block_size, heads, head_size = cache.shape
+    return (cache.stride(3) == 1 and cache.stride(2) == head_size
+            and cache.stride(1) == heads * head_size
+            and cache.stride(0) >= block_size * heads * head_size)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel handles these tensors (float32 on the CPU, a contiguous cache)."""
+    """Whether this kernel handles these tensors (float32 on the CPU, contiguous blocks)."""
     return (query.device.type == "cpu" and query.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and k_cache.dtype == torch.float32 and k_cache.dim() == 4
+            and blocks_contiguous(k_cache)
             and query.shape[1] * (k_cache.shape[3] + k_cache.shape[1]) <= MAX_STACK_FLOATS)
 
 
@@ -50,9 +61,10 @@ def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
     """query [num_seqs, num_heads, head_size] float32 (one token each, the last position of
     its context) over seq_lens [num_seqs] int32 tokens found through block_tables
     [num_seqs, max_num_blocks] int32 in k/v_cache [num_blocks, block_size, num_kv_heads,
-    head_size]. Returns ``out`` (allocated if None). Lengths and block ids are range-checked
-    (``check_ranges``), since the C code would read out of bounds, unless the caller already
-    did for these very tensors (a backend does it once per step, not once per layer)."""
+    head_size] (each block contiguous; both caches with the same strides). Returns ``out``
+    (allocated if None). Lengths and block ids are range-checked (``check_ranges``), since the
+    C code would read out of bounds, unless the caller already did for these very tensors (a
+    backend does it once per step, not once per layer)."""
     lib = _lib()
     if lib is None:
         raise ValueError("the CPU decode kernel is not available (no working C compiler)")
@@ -70,7 +82,7 @@ def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,
     _, block_size, num_kv_heads, _ = k_cache.shape
     lib.paged_decode_attention_f32(
         query.data_ptr(), query.stride(0), query.stride(1),
-        k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1),
         num_seqs, num_heads, num_kv_heads, head_size, block_size, float(scale),
@@ -87,8 +99,9 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_size], got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    if not blocks_contiguous(k_cache) or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache and v_cache must hold each block contiguously and share "
+                         f"strides, got {k_cache.stride()} and {v_cache.stride()}")
     _, _, num_kv_heads, head_size = k_cache.shape
     if query.dim() != 3 or query.shape[2] != head_size or query.stride(2) != 1:
         raise ValueError(f"query must be [num_seqs, num_heads, {head_size}] with a contiguous "

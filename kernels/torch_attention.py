@@ -48,9 +48,17 @@ class _PrefillSeq:
 class _StepPlan:
     # Rows of valid slots when some slots are negative (skipped); None: all tokens written.
     write_rows: torch.Tensor | None
-    slots: torch.Tensor  # [num_written] int64
+    # Where each written token goes, as (block, offset in block): [num_written] int64 each.
+    # A layer's cache view has a block stride wider than a block (the cache is block-major),
+    # so slots cannot index a flattened view.
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     decode_chunks: list[_DecodeChunk]
     prefills: list[_PrefillSeq]
+
+
+def _slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.div(slots, block_size, rounding_mode="floor"), slots.remainder(block_size)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -110,7 +118,8 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError("the first num_decodes sequences must have query length 1")
         decodes = (_plan_decodes(meta, block_tables, max(budget // token_bytes, 1), dtype)
                    if gather_decodes else [])
-        return _StepPlan(write_rows, slots, decodes, _plan_prefills(meta, block_tables, dtype))
+        return _StepPlan(write_rows, *_slot_index(slots, k_cache.shape[1]), decodes,
+                         _plan_prefills(meta, block_tables, dtype))
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -177,9 +186,9 @@ def _write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if plan.write_rows is not None:
         key = key.index_select(0, plan.write_rows)
         value = value.index_select(0, plan.write_rows)
-    # [num_blocks * block_size, num_kv_heads, head_size] views of the caches.
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slots, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slots, value)
+    index = (plan.slot_blocks, plan.slot_offsets)
+    k_cache.index_put_(index, key)  # k_cache[block, offset] = key[i]: [num_kv_heads, head_size]
+    v_cache.index_put_(index, value)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The agent interface every backend implements, and the checks they share.
 
 One agent per TP rank, over that rank's whole cache tensor
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``. An agent is both an
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]``. An agent is both an
 owner (remote readers pull its blocks; it receives their release notifications) and a reader
 (``pull`` copies remote blocks into its own cache). All validation happens here, before a
 backend moves a byte, so both backends refuse the same inputs with the same errors.

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from engine.kv_layout import KVCacheLayout
 
 BACKENDS = ("nixl", "torch")
-_VERSION = 1
+# 2: the cache became block-major (engine/kv_layout.py); a version-1 peer's bytes are in
+# another order.
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class KVAgentHandle:
                          metadata=base64.b64decode(d["metadata"], validate=True),
                          base_addr=int(d["base_addr"]), num_bytes=int(d["num_bytes"]),
                          device_id=int(d["device_id"]), mem_type=str(d["mem_type"]),
-                         layout=KVCacheLayout(**d["layout"]), address=str(d["address"]))
+                         layout=KVCacheLayout.from_dict(d["layout"]), address=str(d["address"]))
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"not a KV agent handle: {type(e).__name__}: {e}") from None
         handle.validate()
@@ -73,8 +75,7 @@ class KVAgentHandle:
                 "float32", "bfloat16", "float16") or not 0 <= lay.kv_head_start \
                 <= lay.total_num_kv_heads - lay.num_kv_heads or not 0 <= lay.tp_rank < lay.tp_size:
             raise ValueError(f"handle of {self.agent_name!r} has an invalid layout {lay}")
-        need = (lay.num_layers * 2 * lay.num_blocks * lay.block_size * lay.num_kv_heads
-                * lay.head_size * lay.element_size)
+        need = lay.num_blocks * lay.bytes_per_block
         if self.num_bytes != need or self.base_addr <= 0:
             raise ValueError(f"handle of {self.agent_name!r} describes {self.num_bytes} bytes at "
                              f"{self.base_addr:#x}; its layout needs {need}")

@@ -115,7 +115,10 @@ class NixlKVAgent(KVTransferAgent):
         r = job.remote
         rids, lids, runs = job.remote_ids, job.local_ids, None
         if job.whole_rows:  # neighbouring blocks on both sides move as one run
-            rids, lids, runs = block_runs(job.remote_ids, job.local_ids)
+            # A split pull needs runs to share out: none longer than a stream's share.
+            split = self._streams and job.num_bytes >= SPLIT_MIN_BYTES
+            share = -(-len(lids) // (1 + len(self._streams))) if split else None
+            rids, lids, runs = block_runs(job.remote_ids, job.local_ids, share)
         rdesc = descriptors(r.layout, r.base_addr, rids, job.head_start, job.num_heads,
                             r.device_id, not job.whole_rows, runs)
         ldesc = descriptors(self.layout, self.cache.data_ptr(), lids, job.head_start,

@@ -1,10 +1,11 @@
 """Which bytes move where: layout checks and the descriptor lists of a pull.
 
-A rank's cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``. When
-both sides hold the same KV heads, one (layer, K/V, block) is one contiguous run on each side,
-so a pull is ``num_layers * 2 * num_blocks`` descriptors. Under heterogeneous TP (prefill TP=k,
-decode TP=m) a remote rank holds a different head range than the local rank; its heads then
-land in a slice of each local token row, so the runs are per (layer, K/V, block, token).
+A rank's cache is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]``. When
+both sides hold the same KV heads, a block (every layer, K and V) is one contiguous run on each
+side, and so is a run of neighbouring blocks: a pull is at most ``num_blocks`` descriptors.
+Under heterogeneous TP (prefill TP=k, decode TP=m) a remote rank holds a different head range
+than the local rank; its heads then land in a slice of each local token row, so the runs are
+per (block, layer, K/V, token).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from engine.kv_layout import KVCacheLayout
 from kvtransfer.errors import LayoutMismatchError
 from kvtransfer.handle import KVAgentHandle
 
-_SHARED_FIELDS = ("num_layers", "block_size", "head_size", "dtype", "total_num_kv_heads")
+_SHARED_FIELDS = ("order", "num_layers", "block_size", "head_size", "dtype", "total_num_kv_heads")
 
 
 def check_compatible(local: KVCacheLayout, remote: KVCacheLayout) -> None:
@@ -115,16 +116,24 @@ def plan_pull(local: KVCacheLayout, backend: str, remotes: list[KVAgentHandle],
     return jobs
 
 
-def block_runs(remote_ids: np.ndarray,
-               local_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def block_runs(remote_ids: np.ndarray, local_ids: np.ndarray,
+               max_blocks: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Maximal runs where both sides' block ids step by one: (remote starts, local starts,
-    lengths). A fresh allocation hands out neighbouring blocks, so a prompt's blocks are often
-    one run on both sides, and one descriptor can then cover many blocks."""
+    lengths), no run longer than ``max_blocks`` (so a pull split over threads has runs to
+    share out). A fresh allocation hands out neighbouring blocks, so a prompt's blocks are
+    often one run on both sides, and one descriptor can then cover many blocks."""
     n = len(local_ids)
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     breaks = (np.diff(remote_ids) != 1) | (np.diff(local_ids) != 1)
+    if max_blocks is not None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+        # Position of each block inside its maximal run; a cut every max_blocks of them.
+        run_start = starts[np.searchsorted(starts, np.arange(n), side="right") - 1]
+        breaks = breaks | ((np.arange(1, n) - run_start[1:]) % max_blocks == 0)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.append(starts, n))
     return remote_ids[starts], local_ids[starts], lengths
@@ -133,26 +142,27 @@ def block_runs(remote_ids: np.ndarray,
 def descriptors(layout: KVCacheLayout, base: int, block_ids: np.ndarray, head_start: int,
                 num_heads: int, device_id: int, per_token: bool,
                 run_blocks: np.ndarray | None = None) -> np.ndarray:
-    """``[n, 3]`` uint64 (address, length, device) of the runs, in (layer, kv, block[, token])
-    order so both sides of a pull list matching runs at the same index. ``run_blocks``
-    (whole rows only): ``block_ids`` are run starts and each run spans that many blocks."""
+    """``[n, 3]`` uint64 (address, length, device) of the runs, in (block[, layer, kv, token])
+    order so both sides of a pull list matching runs at the same index. Whole rows: one run
+    per block (all its layers, K and V), or per run of ``run_blocks`` neighbouring blocks
+    starting at each of ``block_ids``. Per token: this rank's slice of heads in each token
+    row of each (block, layer, K/V)."""
     el = layout.element_size
     row = layout.num_kv_heads * layout.head_size * el  # one token of this rank's heads
-    block = layout.block_size * row
-    head_off = (head_start - layout.kv_head_start) * layout.head_size * el
-    planes = np.arange(layout.num_layers * 2, dtype=np.uint64) * np.uint64(
-        layout.num_blocks * block)
-    starts = planes[:, None] + block_ids.astype(np.uint64)[None, :] * np.uint64(block)
+    plane = layout.block_size * row  # one (layer, K/V) of one block
+    starts = block_ids.astype(np.uint64) * np.uint64(layout.bytes_per_block)
     if per_token:
+        head_off = (head_start - layout.kv_head_start) * layout.head_size * el
+        planes = np.arange(layout.num_layers * 2, dtype=np.uint64) * np.uint64(plane)
         tokens = np.arange(layout.block_size, dtype=np.uint64) * np.uint64(row)
-        starts = starts[:, :, None] + tokens[None, None, :]
+        starts = (starts[:, None, None] + planes[None, :, None] + tokens[None, None, :]
+                  + np.uint64(head_off))
         length = num_heads * layout.head_size * el
     elif run_blocks is not None:
-        length = np.broadcast_to(run_blocks.astype(np.uint64)[None, :] * np.uint64(block),
-                                 starts.shape).reshape(-1)
+        length = run_blocks.astype(np.uint64) * np.uint64(layout.bytes_per_block)
     else:
-        length = block
-    addrs = starts.reshape(-1) + np.uint64(base + head_off)
+        length = layout.bytes_per_block
+    addrs = starts.reshape(-1) + np.uint64(base)
     out = np.empty((addrs.size, 3), dtype=np.uint64)
     out[:, 0] = addrs
     out[:, 1] = length

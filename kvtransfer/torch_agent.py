@@ -162,7 +162,7 @@ class TorchKVAgent(KVTransferAgent):
                     raise ValueError(f"KV owner {current!r} refused the pull: "
                                      f"{reply.get('error')}")
                 lay = self.layout
-                buf = torch.empty((lay.num_layers, 2, len(job.local_ids), lay.block_size,
+                buf = torch.empty((len(job.local_ids), lay.num_layers, 2, lay.block_size,
                                    job.num_heads, lay.head_size), dtype=self.cache.dtype,
                                   device=self.cache.device)
                 works.append((job, buf, pair.pg.recv([buf], OWNER_RANK, tag)))
@@ -180,10 +180,10 @@ class TorchKVAgent(KVTransferAgent):
     def _scatter(self, job: PullJob, buf: torch.Tensor) -> None:
         index = torch.from_numpy(job.local_ids).to(self.cache.device)
         if job.whole_rows:
-            self.cache.index_copy_(2, index, buf)
+            self.cache.index_copy_(0, index, buf)
         else:
             lo = job.head_start - self.layout.kv_head_start
-            self.cache[:, :, index, :, lo:lo + job.num_heads] = buf
+            self.cache[index, ..., lo:lo + job.num_heads, :] = buf
 
     # --- notifications ------------------------------------------------------------------------
     def _send_notification(self, remote: KVAgentHandle, msg: bytes) -> None:

@@ -120,7 +120,7 @@ class TorchOwnerServer:
                   "sending KV blocks")
 
     def _gather(self, req: dict) -> torch.Tensor:
-        """[num_layers, 2, n, block_size, num_heads, head_size] of the requested blocks."""
+        """[n, num_layers, 2, block_size, num_heads, head_size] of the requested blocks."""
         lay = self.layout
         ids = check_block_ids(req["block_ids"], lay.num_blocks, "remote")
         start, num = int(req["head_start"]), int(req["num_heads"])
@@ -129,10 +129,10 @@ class TorchOwnerServer:
             raise ValueError(f"heads [{start}, {start + num}) are not on this rank "
                              f"([{lay.kv_head_start}, {lay.kv_head_start + lay.num_kv_heads}))")
         index = torch.from_numpy(ids).to(self.cache.device)
-        blocks = self.cache.index_select(2, index)
+        blocks = self.cache.index_select(0, index)
         if num == lay.num_kv_heads:
             return blocks
-        return blocks[:, :, :, :, lo:lo + num].contiguous()
+        return blocks[..., lo:lo + num, :].contiguous()
 
     def close(self) -> None:
         self._closed.set()

@@ -18,7 +18,7 @@ class PagedBatcher:
         self.model, self.block_size = model, block_size
         weight = model.lm_head.weight
         self.device = weight.device
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size,
+        self.kv_cache = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, dtype=weight.dtype,
                                     device=self.device)
         model.bind_kv_cache(self.kv_cache)

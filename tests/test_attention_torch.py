@@ -15,6 +15,7 @@ from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_build import compiler
 from kernels.cpu_decode import cpu_kernels_available
 from kernels.torch_attention import TorchAttentionBackend
+from tests.cache_views import block_major_views
 
 BLOCK_SIZE = 16
 HEAD_SIZE = 32
@@ -57,8 +58,9 @@ def random_inputs(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
     q = rand(t, num_heads, HEAD_SIZE)
     k, v = rand(t, num_kv_heads, HEAD_SIZE), rand(t, num_kv_heads, HEAD_SIZE)
     # The cached prefixes (and every unused slot) hold random values.
-    k_cache = rand(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
-    v_cache = rand(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_SIZE)
+    # Layer views of a block-major cache, as the engine passes them.
+    k_cache, v_cache = block_major_views(rand(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_SIZE),
+                                         rand(NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_SIZE))
     return q, k, v, k_cache, v_cache
 
 

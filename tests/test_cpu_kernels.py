@@ -16,6 +16,7 @@ from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_build import cache_dir
 from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kernels.reference import paged_decode_attention_ref
+from tests.cache_views import block_major_views
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler")
 
@@ -34,6 +35,7 @@ def _case(num_seqs, num_heads, num_kv_heads, head_size, block_size, lens, seed=0
         row = [ids.pop() for _ in range(n)]
         tables.append(row + [0] * (width - n))
     q = torch.randn(num_seqs, num_heads, head_size, generator=gen)
+    k, v = block_major_views(k, v)  # the strides the engine's layer views have
     return (q, k, v, torch.tensor(tables, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32))
 
@@ -93,6 +95,8 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="contiguous"):
         paged_decode_attention_cpu(q, k.transpose(0, 1).contiguous().transpose(0, 1), v,
                                    tables, lens, 0.1)
+    with pytest.raises(ValueError, match="share strides"):
+        paged_decode_attention_cpu(q, k, v.contiguous(), tables, lens, 0.1)
     with pytest.raises(ValueError, match="block_tables must be int32"):
         paged_decode_attention_cpu(q, k, v, tables.long(), lens, 0.1)
     with pytest.raises(ValueError, match="seq_lens must be"):

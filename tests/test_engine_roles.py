@@ -42,9 +42,9 @@ def _disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params):
         alloc = decode.add_prefilled_request(out.request_id, out.prompt_token_ids,
                                              out.token_ids[0], params)
         skip = alloc.num_cached_blocks
-        # [layers, 2, blocks, block_size, kv_heads, head_size]: copy only what decode lacks.
-        decode.kv_cache[:, :, alloc.block_ids_to_fill] = \
-            prefill.kv_cache[:, :, lease.block_ids[skip:len(alloc.block_ids)]]
+        # [blocks, layers, 2, block_size, kv_heads, head_size]: copy only what decode lacks.
+        decode.kv_cache[alloc.block_ids_to_fill] = \
+            prefill.kv_cache[lease.block_ids[skip:len(alloc.block_ids)]]
         decode.commit_prefilled(out.request_id)
         prefill.release_kv(out.request_id)
         results[out.request_id] = [out.token_ids[0]]
@@ -84,8 +84,8 @@ def test_decode_role_skips_prefix_it_holds(model):
     lease = _run_until(prefill, lambda o: any(x.kv_lease for x in o))[-1]
     alloc = decode.add_prefilled_request("x", prompts[1], lease.token_ids[0], params)
     assert alloc.num_cached_tokens == 32 and alloc.num_cached_blocks == 2
-    decode.kv_cache[:, :, alloc.block_ids_to_fill] = \
-        prefill.kv_cache[:, :, lease.kv_lease.block_ids[2:len(alloc.block_ids)]]
+    decode.kv_cache[alloc.block_ids_to_fill] = \
+        prefill.kv_cache[lease.kv_lease.block_ids[2:len(alloc.block_ids)]]
     decode.commit_prefilled("x")
     prefill.release_kv("x")
     out = _run_until(decode, lambda o: any(x.finished for x in o))[-1]

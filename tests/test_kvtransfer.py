@@ -96,7 +96,7 @@ def test_random_block_subsets_arrive_exactly(owners, backend):
             src = [rng.randrange(BASE.num_blocks) for _ in range(n)]  # repeats are fine remotely
             dst = rng.sample(range(BASE.num_blocks), n)
             stats = agent.pull([owner.handle], src, dst, timeout_s=20.0)
-            assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
+            assert torch.equal(cache[dst], owner.cache[src])
             assert (stats.num_blocks, stats.num_bytes) == (n, n * BASE.bytes_per_block)
             moved += stats.num_bytes
         agent.pull([owner.handle], [3], [5], timeout_s=20.0, notify=b"release:req-7")
@@ -109,7 +109,8 @@ def test_random_block_subsets_arrive_exactly(owners, backend):
 
 
 def test_neighbouring_blocks_move_as_runs(owners):
-    """Runs that step by one on both sides travel as one descriptor per (layer, K/V)."""
+    """Runs that step by one on both sides travel as one descriptor (every layer, K and V:
+    the cache is block-major)."""
     owner = owners(BASE, 3, "nixl")
     agent, cache = _reader(BASE, "nixl")
     # Runs [4..7]->[10..13], then [20]->[2] (a break on both sides), then [21..22]->[14..15]
@@ -119,10 +120,10 @@ def test_neighbouring_blocks_move_as_runs(owners):
         stats = agent.pull([owner.handle], src, dst, timeout_s=20.0)
     finally:
         agent.close()
-    assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
+    assert torch.equal(cache[dst], owner.cache[src])
     untouched = [b for b in range(BASE.num_blocks) if b not in dst]
-    assert not cache[:, :, untouched].any()
-    assert stats.num_descriptors == BASE.num_layers * 2 * 3
+    assert not cache[untouched].any()
+    assert stats.num_descriptors == 3
 
 
 def test_block_runs():
@@ -143,7 +144,7 @@ def test_many_concurrent_pulls_for_different_requests(owners, backend):
     errors = pull_concurrently(agent, [owner.handle], jobs, "c", timeout_s=60.0)
     assert errors == []
     for src, dst in jobs:
-        assert torch.equal(cache[:, :, dst], owner.cache[:, :, src])
+        assert torch.equal(cache[dst], owner.cache[src])
     assert sorted(owner.next_notification() for _ in jobs) == sorted(
         f"release:c{i}" for i in range(16))
 
@@ -159,8 +160,8 @@ def test_tp2_owner_into_tp1_reader_fills_each_head_slice(owners, backend):
         agent.close()
     for r, o in enumerate(ranks):
         heads = slice(2 * r, 2 * r + 2)
-        assert torch.equal(cache[:, :, [4, 5, 6], :, heads], o.cache[:, :, [0, 7, 9]])
-    assert not cache[:, :, [0, 1, 2, 3, 7]].any()
+        assert torch.equal(cache[[4, 5, 6]][..., heads, :], o.cache[[0, 7, 9]])
+    assert not cache[[0, 1, 2, 3, 7]].any()
     assert ranks[0].next_notification() == "release:tp2"  # to the owner's rank 0 only
 
 
@@ -173,7 +174,7 @@ def test_tp1_owner_into_tp2_reader_takes_its_heads(owners, backend):
         agent.pull([owner.handle], [2, 3], [0, 1], timeout_s=20.0)
     finally:
         agent.close()
-    assert torch.equal(cache[:, :, [0, 1]], owner.cache[:, :, [2, 3], :, 2:4])
+    assert torch.equal(cache[[0, 1]], owner.cache[[2, 3]][..., 2:4, :])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -182,7 +183,8 @@ def test_layout_mismatch_is_refused_before_any_transfer(owners, backend):
     for field, value, needle in [("head_size", 16, "head_size.*16.*8"),
                                  ("num_layers", 2, "num_layers.*2.*3"),
                                  ("block_size", 8, "block_size.*8.*4"),
-                                 ("dtype", "bfloat16", "dtype.*bfloat16.*float32")]:
+                                 ("dtype", "bfloat16", "dtype.*bfloat16.*float32"),
+                                 ("order", "layer,kv,block", "order.*layer,kv,block.*block,")]:
         other = replace(BASE, **{field: value})
         dtype = torch.bfloat16 if other.dtype == "bfloat16" else torch.float32
         cache = torch.zeros(other.shape, dtype=dtype)
@@ -241,6 +243,10 @@ def test_bad_handle_bytes_raise_value_error():
            json.dumps({**d, "metadata": "***"}).encode(),
            json.dumps({**d, "layout": {**d["layout"], "num_blocks": -1}}).encode(),
            json.dumps({**d, "layout": {**d["layout"], "kv_head_start": 3}}).encode(),
+           # A peer from before the block-major cache: its bytes are in another order.
+           json.dumps({**d, "version": 1}).encode(),
+           json.dumps({**d, "layout": {k: v for k, v in d["layout"].items()
+                                       if k != "order"}}).encode(),
            good.to_bytes()[:-7]]
     for raw in bad:
         with pytest.raises(ValueError, match="KV agent handle|handle of|unknown|invalid"):
@@ -333,8 +339,30 @@ def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
         try:
             agent.pull([owner.handle], [1, 7], [2, 3], timeout_s=20.0,
                        notify=f"release:idle-{round_}".encode())
-            assert torch.equal(cache[:, :, [2, 3]], owner.cache[:, :, [1, 7]])
+            assert torch.equal(cache[[2, 3]], owner.cache[[1, 7]])
         finally:
             agent.close()
         assert owner.next_notification() == f"release:idle-{round_}"
         time.sleep(_OWNER_IDLE_AFTER_S + 0.5)
+
+
+def test_layout_json_needs_every_field():
+    assert KVCacheLayout.from_json(BASE.to_json()) == BASE
+    fields = json.loads(BASE.to_json())
+    with pytest.raises(ValueError, match=r"missing \['order'\]"):
+        KVCacheLayout.from_json(json.dumps({k: v for k, v in fields.items() if k != "order"}))
+    for raw in ("[1]", "{nope", json.dumps({**fields, "colour": "red"})):
+        with pytest.raises(ValueError, match="not a KV cache layout"):
+            KVCacheLayout.from_json(raw)
+
+
+def test_a_block_is_one_run_of_every_layer():
+    """Block-major: block b's bytes (all layers, K and V) start at b * bytes_per_block."""
+    cache = torch.arange(BASE.num_blocks * BASE.bytes_per_block // 4,
+                         dtype=torch.float32).view(BASE.shape)
+    desc = plan_mod.descriptors(BASE, cache.data_ptr(), np.array([5, 2]), 0, 4, 0, False)
+    el = cache.element_size()
+    for (addr, length, _), block in zip(desc.tolist(), (5, 2)):
+        assert length == BASE.bytes_per_block
+        first = (addr - cache.data_ptr()) // el
+        assert torch.equal(cache.view(-1)[first:first + length // el], cache[block].flatten())

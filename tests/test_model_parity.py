@@ -242,7 +242,10 @@ def test_index_naming_missing_shard(tmp_path):
 def test_bind_kv_cache_checks_shape(tmp_path):
     model, cfg = load(save_hf(build_hf("llama-gqa"), tmp_path))
     with pytest.raises(ValueError, match="kv cache shape"):
-        model.bind_kv_cache(torch.zeros(cfg.num_hidden_layers, 2, 4, 16, 3, cfg.head_dim))
+        model.bind_kv_cache(torch.zeros(4, cfg.num_hidden_layers, 2, 16, 3, cfg.head_dim))
+    with pytest.raises(ValueError, match="kv cache shape"):  # the old layer-major order
+        model.bind_kv_cache(torch.zeros(cfg.num_hidden_layers, 2, 4, 16,
+                                        cfg.num_key_value_heads, cfg.head_dim))
 
 
 def test_config_round_trip_fields(tmp_path):

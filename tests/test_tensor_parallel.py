@@ -107,7 +107,7 @@ def test_each_rank_caches_its_own_heads(preset_path):
     prompt = _prompts(8000)[2]
     ref = LLMEngine(EngineConfig(path, role="prefill", num_gpu_blocks=32))
     ref_blocks = _lease_blocks(ref, prompt)
-    full = ref.kv_cache[:, :, ref_blocks]  # [layers, 2, blocks, block_size, 4, head_size]
+    full = ref.kv_cache[ref_blocks]  # [blocks, layers, 2, block_size, 4, head_size]
     with LLMEngine(EngineConfig(path, role="prefill", num_gpu_blocks=32,
                                 tensor_parallel_size=2)) as engine:
         blocks = _lease_blocks(engine, prompt)

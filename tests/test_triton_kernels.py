@@ -24,6 +24,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.cache_views import block_major_views  # noqa: E402
 from kernels import get_attention_backend  # noqa: E402
 from kernels.attention_backend import AttentionMetadata  # noqa: E402
 from kernels.torch_attention import TorchAttentionBackend  # noqa: E402
@@ -68,8 +69,11 @@ def randn(gen, *shape, dtype=torch.float32):
 
 def caches(gen, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.float32):
     # Random everywhere: a kernel reading an unused or padded slot shows up as a mismatch.
-    return (randn(gen, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype),
-            randn(gen, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype))
+    # Layer views of a block-major cache, as the engine passes them.
+    return block_major_views(randn(gen, num_blocks, block_size, num_kv_heads, head_size,
+                                   dtype=dtype),
+                             randn(gen, num_blocks, block_size, num_kv_heads, head_size,
+                                   dtype=dtype))
 
 
 def assert_close(out, expected, dtype):
@@ -96,9 +100,9 @@ def test_reshape_and_cache_matches_reference(dtype, slot_dtype):
     reshape_and_cache(key, value, k_cache, v_cache, slots)
     reshape_and_cache_ref(key, value, ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
-    flat_k = k_cache.view(-1, num_kv_heads, head_size)
+    flat_k = k_cache.flatten(0, 1)  # [num_blocks * block_size, ...] (a copy: strided blocks)
     assert torch.equal(flat_k[[0, 17, 95, 31]], key[[1, 2, 4, 5]])
-    changed = (k_cache != before).any(dim=(2, 3)).view(-1).nonzero().flatten().tolist()
+    changed = (k_cache != before).any(dim=(2, 3)).flatten().nonzero().flatten().tolist()
     assert changed == [0, 17, 31, 95]  # nothing else written
 
 

@@ -136,19 +136,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden).float()
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Layer i reads and writes kv_cache[i, 0] (keys) and kv_cache[i, 1] (values).
+        """Layer i reads and writes kv_cache[:, i, 0] (keys) and kv_cache[:, i, 1] (values).
 
-        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_on_this_rank, head_size]
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads_on_this_rank, head_size]
+        (block-major: engine/kv_layout.py)
         """
         attn0 = self.model.layers[0].self_attn
         layers = len(self.model.layers)
-        if (kv_cache.dim() != 6 or kv_cache.shape[0] != layers or kv_cache.shape[1] != 2
+        if (kv_cache.dim() != 6 or kv_cache.shape[1] != layers or kv_cache.shape[2] != 2
                 or kv_cache.shape[4] != attn0.num_kv_heads or kv_cache.shape[5] != attn0.head_dim):
             raise ValueError(
                 f"kv cache shape {tuple(kv_cache.shape)} does not match the model: expected "
-                f"[{layers}, 2, num_blocks, block_size, {attn0.num_kv_heads}, {attn0.head_dim}]")
+                f"[num_blocks, {layers}, 2, block_size, {attn0.num_kv_heads}, {attn0.head_dim}]")
         for i, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.bind_kv_cache(kv_cache[i, 0], kv_cache[i, 1])
+            layer.self_attn.attn.bind_kv_cache(kv_cache[:, i, 0], kv_cache[:, i, 1])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named full tensors; ValueError lists any missing or unexpected names."""

@@ -13,7 +13,9 @@
  *
  * Layouts (element strides, all rows contiguous in head_size):
  *   q, out        [num_seqs, num_heads, head_size]
- *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size] (contiguous)
+ *   k/v cache     [num_blocks, block_size, num_kv_heads, head_size], each block contiguous,
+ *                 blocks cache_bs elements apart (the engine's cache is block-major, so a
+ *                 layer's blocks sit 2 * num_layers blocks' worth apart)
  *   block_tables  [num_seqs, table_stride] int32
  *   seq_lens      [num_seqs] int32
  */
@@ -30,11 +32,10 @@
 /* Attends query heads [kvh0 * group, (kvh0 + nkv) * group) of one sequence: KV heads
  * [kvh0, kvh0 + nkv). With every KV head in one item a block is read as one contiguous run. */
 static inline __attribute__((always_inline)) void attend(const float *q, int64_t q_sh, const float *k_cache, const float *v_cache,
-                   const int32_t *table, int seq_len, int kvh0, int nkv, int group,
-                   int num_kv_heads, int head_size, int block_size, float scale, float *out,
-                   int64_t o_sh) {
+                   int64_t block_stride, const int32_t *table, int seq_len, int kvh0, int nkv,
+                   int group, int num_kv_heads, int head_size, int block_size, float scale,
+                   float *out, int64_t o_sh) {
     const int64_t row = (int64_t)num_kv_heads * head_size;  /* one token in the cache */
-    const int64_t block_stride = (int64_t)block_size * row;
     const int nh = nkv * group;  /* query heads in this item */
     float m[nh], l[nh];
     float s[nh * block_size];  /* [nh, block_size] scores, then probabilities */
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int64_t
 }
 
 void paged_decode_attention_f32(const float *q, int64_t q_ss, int64_t q_sh,
-                                const float *k_cache, const float *v_cache,
+                                const float *k_cache, const float *v_cache, int64_t cache_bs,
                                 const int32_t *block_tables, int64_t table_stride,
                                 const int32_t *seq_lens, float *out, int64_t o_ss, int64_t o_sh,
                                 int num_seqs, int num_heads, int num_kv_heads, int head_size,
@@ -179,15 +180,15 @@ void paged_decode_attention_f32(const float *q, int64_t q_ss, int64_t q_sh,
         /* Common head sizes as constants, so the compiler unrolls the head_size loops. */
         switch (head_size) {
         case 64:
-            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+            attend(qs, q_sh, k_cache, v_cache, cache_bs, table, seq_lens[seq], kvh0, per_item, group,
                    num_kv_heads, 64, block_size, scale, os, o_sh);
             break;
         case 128:
-            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+            attend(qs, q_sh, k_cache, v_cache, cache_bs, table, seq_lens[seq], kvh0, per_item, group,
                    num_kv_heads, 128, block_size, scale, os, o_sh);
             break;
         default:
-            attend(qs, q_sh, k_cache, v_cache, table, seq_lens[seq], kvh0, per_item, group,
+            attend(qs, q_sh, k_cache, v_cache, cache_bs, table, seq_lens[seq], kvh0, per_item, group,
                    num_kv_heads, head_size, block_size, scale, os, o_sh);
         }
     }
