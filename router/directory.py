@@ -7,7 +7,9 @@ and ``load`` counts requests queued there (its last heartbeat's waiting requests
 router's own requests in flight to it, which are fresher). A cached token saves its prefill;
 a queued request delays this one by roughly a prompt's prefill, hence the exchange rate.
 Decode: among workers with enough free blocks for the prompt, the fewest requests in flight,
-then the most free blocks. Ties go to the smaller worker id, so routing is deterministic.
+then the most free blocks; when no worker's last heartbeat shows enough, the workers are asked
+for their current free blocks before the request is refused. Ties go to the smaller worker id,
+so routing is deterministic.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from router.registry import Registry
 logger = logging.getLogger(__name__)
 
 LOAD_COST_TOKENS = 256
+# A decode worker asked for its current info before a RESOURCE_EXHAUSTED refusal answers
+# within this, or the refusal goes by its last heartbeat.
+FRESH_INFO_TIMEOUT_S = 1.0
 
 
 class NoWorkerError(Exception):
@@ -145,9 +150,29 @@ class WorkerDirectory:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         roomy = [w for w in cands if w.info.num_free_blocks >= need]
         if not roomy:
+            # The registry holds each worker's last heartbeat: blocks freed since then still
+            # read as taken. Ask the workers themselves before refusing.
+            await self._ask_fresh(cands)
+            roomy = [w for w in cands if w.info.num_free_blocks >= need]
+        if not roomy:
             raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no decode worker has {need} free KV blocks")
         return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
+
+    async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
+        """Each decode worker's own current info; one that does not answer keeps its view."""
+        async def ask(w: WorkerHandle) -> None:
+            try:
+                info = await w.decode_stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                                         timeout=FRESH_INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                logger.warning("worker %s did not report its info: %s", w.worker_id, e.code())
+                return
+            if info.worker_id == w.worker_id and info.role == w.info.role:
+                info.draining = info.draining or w.info.draining  # a drain set by an admin
+                w.info = info
+
+        await asyncio.gather(*(ask(w) for w in workers))
 
     @contextlib.contextmanager
     def inflight(self, worker: WorkerHandle):

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from engine.block_hash import hash_request_tokens
-from protos import common_pb2
+from protos import common_pb2, worker_pb2_grpc
 from router.directory import NoWorkerError, WorkerDirectory
 from router.redis_server import RedisServer
 from router.registry import Registry
@@ -46,5 +46,53 @@ def test_a_worker_registered_since_the_last_refresh_is_routed_to(redis_url):
             assert sorted(d.workers) == ["d1", "p1"]
         finally:
             await d.stop()
+
+    asyncio.run(body())
+
+
+class _DecodeInfo(worker_pb2_grpc.DecodeWorkerServicer):
+    """A decode worker that reports room its last heartbeat did not show."""
+
+    def __init__(self, info: common_pb2.WorkerInfo) -> None:
+        self.info = info
+        self.asked = 0
+
+    async def GetWorkerInfo(self, request, context):
+        self.asked += 1
+        return self.info
+
+
+def test_decode_room_is_asked_of_the_worker_before_a_refusal(redis_url):
+    async def body():
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        fresh = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
+                                      address=f"127.0.0.1:{port}", num_free_blocks=50)
+        servicer = _DecodeInfo(fresh)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+        await server.start()
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir2"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir2")
+        try:
+            stale = common_pb2.WorkerInfo()
+            stale.CopyFrom(fresh)
+            stale.num_free_blocks = 0  # its heartbeat, taken while its blocks were in use
+            await writer.heartbeat(stale)
+            await d.start()
+            assert (await d.pick_decode(33)).worker_id == "d1"
+            assert servicer.asked == 1 and d.workers["d1"].info.num_free_blocks == 50
+            assert (await d.pick_decode(33)).worker_id == "d1"
+            assert servicer.asked == 1  # room known: nobody asked
+            with pytest.raises(NoWorkerError) as err:  # really full: refused after asking
+                await d.pick_decode(51 * 16)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and servicer.asked == 2
+            await server.stop(0)
+            with pytest.raises(NoWorkerError):  # a worker that cannot answer keeps its view
+                await d.pick_decode(51 * 16)
+            assert d.workers["d1"].info.num_free_blocks == 50
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+            await server.stop(0)
 
     asyncio.run(body())
