@@ -44,6 +44,8 @@ class ServeConfig:
     inprocess: bool = True
     # Conditional disaggregation (router/local_prefill.py); None keeps the router's defaults.
     max_local_prefill_length: int | None = None
+    # Workers borrow idle workers' cores (router.launcher.ClusterSpec.share_cores).
+    share_cores: bool = True
 
 
 @dataclass
@@ -105,6 +107,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-local-prefill-length", type=int, default=None,
                    help="the router's conditional-disaggregation flag (0: off, every prompt "
                         "prefilled on a prefill worker); default: the router's own default")
+    p.add_argument("--no-core-share", dest="share_cores", action="store_false",
+                   help="fixed threads per worker: no borrowing of idle workers' cores")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -156,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         num_gpu_blocks=args.num_gpu_blocks, prefix_len=args.prefix_len,
         unique_len=args.unique_len, prefix_requests=args.prefix_requests,
         prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
-        max_local_prefill_length=args.max_local_prefill_length)
+        max_local_prefill_length=args.max_local_prefill_length,
+        share_cores=args.share_cores)
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
         raise ValueError("--max-local-prefill-length must be >= 0")
     if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:
@@ -302,7 +307,7 @@ def run(cfg: ServeConfig) -> ServeReport:
                    else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=["--num-gpu-blocks", str(cfg.num_gpu_blocks)],
-                       router_args=router_args)
+                       router_args=router_args, share_cores=cfg.share_cores)
     _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, {cfg.model}")
     cluster = Cluster(spec)
     with _children_stdout_to_stderr():

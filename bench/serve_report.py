@@ -67,7 +67,8 @@ def markdown(report) -> str:
     parts = [f"### pdserve bench serve: {c.model}, {c.num_prefill} prefill + {c.num_decode} "
              f"decode worker(s)\n\nPrompts {c.prompt_len[0]}-{c.prompt_len[1]} tokens, outputs "
              f"{c.output_len[0]}-{c.output_len[1]} tokens (uniform, greedy, ignore_eos), seed "
-             f"{c.seed}; {report.worker_threads} thread(s) per worker, "
+             f"{c.seed}; {report.worker_threads} thread(s) per worker"
+             f"{' (all cores while the others idle: core share)' if c.share_cores else ''}, "
              f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs.",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if report.ratios:

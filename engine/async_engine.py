@@ -12,6 +12,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
+from engine.core_share import CoreShare
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -43,11 +46,14 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop | None = None,
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine], None] | None = None,
+                 core_share: CoreShare | None = None) -> None:
         self.engine = engine
         self.loop = loop or asyncio.get_running_loop()
         # Called in the engine thread after every step (e.g. to publish KV-cache events).
         self.on_step = on_step
+        # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py).
+        self.core_share = core_share
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -62,8 +68,12 @@ class AsyncEngine:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
+                    if self.core_share is not None:
+                        self.core_share.idle()
                     self._wake.wait(_IDLE_TICK_S)
                     self._wake.clear()
+                if self.core_share is not None and self.engine.has_unfinished_requests():
+                    self._size_step(self.core_share)
                 outputs = self.engine.step()
                 self.stats = self.engine.get_stats()
                 if self.on_step is not None:
@@ -78,6 +88,12 @@ class AsyncEngine:
             self.error = e
             if not self.loop.is_closed():
                 self.loop.call_soon_threadsafe(self._fail_all)
+
+    @staticmethod
+    def _size_step(share: CoreShare) -> None:
+        threads = share.threads_for_step()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -197,5 +213,7 @@ class AsyncEngine:
                            _STEP_GRACE_S)
         self.engine.shutdown()
         self._thread.join(timeout=_THREAD_EXIT_S)
+        if self.core_share is not None and not self._thread.is_alive():
+            self.core_share.close()
         if self._thread.is_alive():  # a daemon thread: the process can still exit
             logger.error("the engine thread did not end; leaving it behind")

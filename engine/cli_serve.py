@@ -25,6 +25,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
+    p.add_argument("--core-share", default=None, metavar="PATH",
+                   help="a file co-located workers share: while the others are idle, this "
+                        "worker's steps borrow their cores (pdserve up sets it)")
+    p.add_argument("--core-share-cores", type=int, default=None,
+                   help="cores the --core-share group shares (default: this host's)")
 
 
 def _worker_config(args: argparse.Namespace, role: str):
@@ -42,7 +47,9 @@ def _worker_config(args: argparse.Namespace, role: str):
                                              ready_fd=args.ready_fd),
                         worker_id=args.worker_id, redis_url=args.redis_url,
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
-                        max_pending_requests=args.max_pending_requests)
+                        max_pending_requests=args.max_pending_requests,
+                        core_share_path=args.core_share,
+                        core_share_cores=args.core_share_cores)
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
+from engine.core_share import CoreShare, CoreShareConfig
 from engine.grpc_server import ServerConfig
 from engine.llm_engine import LLMEngine, NoFreeBlocksError
 from protos import common_pb2
@@ -38,6 +40,11 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     # Requests accepted and not finished beyond this get RESOURCE_EXHAUSTED at once.
     max_pending_requests: int = 256
+    # A file co-located workers share (engine/core_share.py): while the others are idle this
+    # worker's steps use all ``core_share_cores`` (default: the host's cores), else its own
+    # OMP_NUM_THREADS. None: a fixed thread count.
+    core_share_path: str | None = None
+    core_share_cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine.role not in ("prefill", "decode"):
@@ -49,6 +56,22 @@ class WorkerConfig:
             raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests!r}")
         if self.engine.kv_transfer_backend is None:
             raise ValueError("a prefill or decode worker needs kv_transfer_backend (nixl or torch)")
+        if self.core_share_path is not None and self.engine.tensor_parallel_size != 1:
+            # TP ranks are processes of their own with their own thread counts.
+            raise ValueError("core sharing needs --tensor-parallel-size 1")
+        if self.core_share_path is None and self.core_share_cores is not None:
+            raise ValueError("core_share_cores needs core_share_path")
+        cores = self.core_share_cores
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)
+                                  or cores < 1):
+            raise ValueError(f"core_share_cores must be a positive integer, got "
+                             f"{self.core_share_cores!r}")
+
+    def core_share_config(self, base_threads: int) -> CoreShareConfig | None:
+        if self.core_share_path is None:
+            return None
+        cores = self.core_share_cores or os.cpu_count() or 1
+        return CoreShareConfig(self.core_share_path, cores, min(base_threads, cores))
 
     @property
     def role(self) -> str:
@@ -94,7 +117,9 @@ class WorkerRuntime:
     def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
         self.config = config
         self.llm = engine
-        self.engine = AsyncEngine(engine, on_step=self._on_step)
+        share = config.core_share_config(torch.get_num_threads())
+        self.engine = AsyncEngine(engine, on_step=self._on_step,
+                                  core_share=CoreShare(share) if share else None)
         self.address = ""
         self.worker_id = config.worker_id
         self.inflight = 0

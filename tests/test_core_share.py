@@ -1,0 +1,210 @@
+"""Core sharing between co-located workers (engine/core_share.py): real processes holding
+slots in one shared file, the engine thread sizing its steps from it, and the launcher that
+sets it up."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core_share import MAX_SLOTS, CoreShare, CoreShareConfig
+from engine.worker_runtime import WorkerConfig
+from router.launcher import Cluster, ClusterSpec
+
+# A worker stand-in: holds a slot and obeys "busy" / "idle" lines, answering with its threads.
+_PEER = """
+import sys
+from engine.core_share import CoreShare, CoreShareConfig
+share = CoreShare(CoreShareConfig(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+print("slot", share._index, flush=True)
+for line in sys.stdin:
+    if line.strip() == "busy":
+        print("threads", share.threads_for_step(), flush=True)
+    else:
+        share.idle()
+        print("threads", 0, flush=True)
+"""
+
+
+class Peer:
+    def __init__(self, path: str, cores: int, base: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _PEER, path, str(cores), str(base)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.slot = int(self.proc.stdout.readline().split()[1])
+
+    def say(self, cmd: str) -> int:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline().split()[1])
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def share_path(tmp_path):
+    return str(tmp_path / "cores")
+
+
+def test_config_is_validated(share_path):
+    for kwargs, needle in [(dict(path=""), "file path"), (dict(num_cores=0), "num_cores"),
+                           (dict(base_threads=True), "base_threads"),
+                           (dict(base_threads=5), "exceeds")]:
+        with pytest.raises(ValueError, match=needle):
+            CoreShareConfig(**{"path": share_path, "num_cores": 4, "base_threads": 1, **kwargs})
+
+
+def test_a_busy_worker_borrows_what_the_others_leave(share_path):
+    me = CoreShare(CoreShareConfig(share_path, num_cores=4, base_threads=1))
+    peers = []
+    try:
+        assert me.threads_for_step() == 4  # alone in the group
+        me.idle()
+        peers.append(Peer(share_path, 4, 1))
+        assert peers[0].slot != me._index
+        assert peers[0].say("busy") == 4  # I am idle: every core
+        assert me.threads_for_step() == 1  # all taken: my own share, never less
+        assert peers[0].say("busy") == 3  # it shrinks to what I leave at its next step
+        assert me.threads_for_step() == 1
+        peers.append(Peer(share_path, 4, 2))
+        assert peers[1].say("busy") == 2  # its base share even on a full host
+        assert peers[0].say("idle") == 0
+        assert me.threads_for_step() == 2  # 4 cores - the 2 the second peer holds
+        assert me.others_busy_threads() == 2
+        dead_slot = peers[1].slot
+        peers[1].kill()  # died while busy: its threads no longer count
+        assert me.others_busy_threads() == 0
+        assert me.threads_for_step() == 4
+        peers.append(Peer(share_path, 4, 1))
+        assert peers[2].slot == dead_slot  # the dead process's slot is taken over
+    finally:
+        for p in peers:
+            if p.proc.poll() is None:
+                p.kill()
+        me.close()
+
+
+def test_slots_run_out_with_a_clear_error(share_path, monkeypatch):
+    me = CoreShare(CoreShareConfig(share_path, 2, 1))
+    try:
+        # Every other slot held by a live process (ours, the parent of this test).
+        me._slots[:, 0] = os.getppid()
+        me._slots[me._index, 0] = os.getpid()
+        monkeypatch.setattr(os, "getpid", lambda: 1)  # a newcomer: pid 1 is alive, never ours
+        with pytest.raises(RuntimeError, match=f"no free slot .{MAX_SLOTS} live"):
+            CoreShare(CoreShareConfig(share_path, 2, 1))
+    finally:
+        monkeypatch.undo()
+        me._slots[:, 0] = 0
+        me.close()
+
+
+class _CountingEngine:
+    """Steps ``work`` times, recording the torch threads each busy step ran with."""
+
+    def __init__(self) -> None:
+        self.work = 0
+        self.threads: list[int] = []
+        self.lock = threading.Lock()
+
+    def get_stats(self):
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        with self.lock:
+            return self.work > 0
+
+    def step(self) -> list:
+        with self.lock:
+            if self.work > 0:
+                self.work -= 1
+                self.threads.append(torch.get_num_threads())
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_engine_steps_use_the_cores_the_group_leaves(share_path):
+    before = torch.get_num_threads()
+    peer = Peer(share_path, 2, 1)
+    engine = _CountingEngine()
+    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+
+    async def run_steps(n: int) -> list[int]:
+        ae = AsyncEngine(engine, core_share=share)
+        try:
+            with engine.lock:
+                engine.work, engine.threads = n, []
+            ae._wake.set()
+            deadline = time.monotonic() + 10
+            while (engine.has_unfinished_requests() or share.threads) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return list(engine.threads)
+        finally:
+            ae._stop.set()
+            ae._wake.set()
+            ae._thread.join(5)
+
+    try:
+        assert asyncio.run(run_steps(3)) == [2, 2, 2]  # the peer is idle: both cores
+        assert share.threads == 0  # idle again once the work is done
+        assert peer.say("busy") == 2
+        assert asyncio.run(run_steps(3)) == [1, 1, 1]  # the peer holds both: own share
+        assert peer.say("idle") == 0
+        assert asyncio.run(run_steps(2)) == [2, 2]
+    finally:
+        peer.kill()
+        share.close()
+        torch.set_num_threads(before)
+
+
+def test_worker_config_checks_core_sharing():
+    engine = EngineConfig("tiny-llama", role="prefill", kv_transfer_backend="nixl")
+    cfg = WorkerConfig(engine=engine, core_share_path="/tmp/x", core_share_cores=3)
+    assert cfg.core_share_config(8) == CoreShareConfig("/tmp/x", 3, 3)
+    assert WorkerConfig(engine=engine).core_share_config(1) is None
+    with pytest.raises(ValueError, match="needs core_share_path"):
+        WorkerConfig(engine=engine, core_share_cores=2)
+    with pytest.raises(ValueError, match="core_share_cores must be"):
+        WorkerConfig(engine=engine, core_share_path="/tmp/x", core_share_cores=0)
+    tp2 = EngineConfig("tiny-llama", role="prefill", kv_transfer_backend="nixl",
+                       tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
+        WorkerConfig(engine=tp2, core_share_path="/tmp/x")
+
+
+def test_launcher_shares_cores_only_where_it_shares_them_out(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spec = ClusterSpec()
+    assert spec.cores_shared and spec.worker_env()["GOMP_SPINCOUNT"] == "20000"
+    for off in (ClusterSpec(share_cores=False), ClusterSpec(prefill_tp=2),
+                ClusterSpec(threads_per_rank=1)):
+        assert not off.cores_shared and "GOMP_SPINCOUNT" not in off.worker_env()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user chose the threads: leave them
+    assert not ClusterSpec().cores_shared
+
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cluster = Cluster(ClusterSpec(redis_url="redis://127.0.0.1:1"))
+    spawned: list[list[str]] = []
+    monkeypatch.setattr(cluster, "_spawn", lambda name, args, env=None: spawned.append(args))
+    cluster.add_worker("prefill", wait=False)
+    cluster.add_worker("decode", wait=False)
+    cluster.add_worker("prefill", wait=False, extra=["--tensor-parallel-size", "2"])
+    assert "--core-share" not in spawned.pop()  # its TP ranks keep their own threads
+    paths = [a[a.index("--core-share") + 1] for a in spawned]
+    assert paths[0] == paths[1] and os.path.isdir(os.path.dirname(paths[0]))
+    cluster.stop()
+    assert not os.path.exists(os.path.dirname(paths[0]))  # removed with the cluster
