@@ -52,8 +52,12 @@ class AsyncEngine:
         self.loop = loop or asyncio.get_running_loop()
         # Called in the engine thread after every step (e.g. to publish KV-cache events).
         self.on_step = on_step
-        # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py).
+        # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py),
+        # and between decoder layers gives back borrowed cores another worker now needs.
         self.core_share = core_share
+        if core_share is not None:
+            for layer in engine.decoder_layers():
+                layer.register_forward_pre_hook(self._give_back_cores)
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -88,6 +92,11 @@ class AsyncEngine:
             self.error = e
             if not self.loop.is_closed():
                 self.loop.call_soon_threadsafe(self._fail_all)
+
+    def _give_back_cores(self, module, args) -> None:
+        threads = self.core_share.recheck()
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     @staticmethod
     def _size_step(share: CoreShare) -> None:

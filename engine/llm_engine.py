@@ -336,6 +336,10 @@ class LLMEngine:
         """Rank 0's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
         return self.executor.kv_cache
 
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        """Rank 0's decoder layers, in order (for hooks that run between them)."""
+        return list(self.executor.runner.model.model.layers)
+
     def kv_cache_layouts(self) -> list[KVCacheLayout]:
         """Every TP rank's cache layout, in rank order (what KV transfer addresses)."""
         return self.executor.kv_cache_layouts()

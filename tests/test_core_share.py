@@ -109,13 +109,51 @@ def test_slots_run_out_with_a_clear_error(share_path, monkeypatch):
         me.close()
 
 
+def test_borrowed_cores_go_back_mid_step_when_another_worker_wakes(share_path):
+    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    peer = Peer(share_path, 2, 1)
+    try:
+        assert me.threads_for_step() == 2  # borrowing the idle peer's core
+        assert me.recheck() is None  # nobody woke up
+        assert peer.say("busy") == 1  # it wakes while my step runs: its own share
+        assert me.recheck() == 1  # give the borrowed core back
+        assert me.recheck() is None and me.others_busy_threads() == 1
+        me.idle()
+        assert peer.say("idle") == 0
+        assert me.threads_for_step() == 2
+        assert peer.say("busy") == 1
+        me.idle()
+        assert me.recheck() is None  # idle: nothing borrowed to give back
+    finally:
+        peer.kill()
+        me.close()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, engine: _CountingEngine, index: int) -> None:
+        super().__init__()
+        self.engine, self.index = engine, index
+
+    def forward(self, x):
+        self.engine.threads.append(torch.get_num_threads())
+        if self.index == 0 and self.engine.after_first_layer is not None:
+            self.engine.after_first_layer()
+        return x
+
+
 class _CountingEngine:
-    """Steps ``work`` times, recording the torch threads each busy step ran with."""
+    """Steps ``work`` times through three layers, recording the torch threads each layer of a
+    busy step ran with."""
 
     def __init__(self) -> None:
         self.work = 0
         self.threads: list[int] = []
         self.lock = threading.Lock()
+        self.layers = [_Layer(self, i) for i in range(3)]
+        self.after_first_layer = None
+
+    def decoder_layers(self):
+        return self.layers
 
     def get_stats(self):
         return None
@@ -128,7 +166,8 @@ class _CountingEngine:
         with self.lock:
             if self.work > 0:
                 self.work -= 1
-                self.threads.append(torch.get_num_threads())
+                for layer in self.layers:
+                    layer(torch.zeros(1))
         return []
 
     def shutdown(self) -> None:
@@ -158,12 +197,14 @@ def test_engine_steps_use_the_cores_the_group_leaves(share_path):
             ae._thread.join(5)
 
     try:
-        assert asyncio.run(run_steps(3)) == [2, 2, 2]  # the peer is idle: both cores
+        assert asyncio.run(run_steps(2)) == [2] * 6  # the peer is idle: both cores
         assert share.threads == 0  # idle again once the work is done
         assert peer.say("busy") == 2
-        assert asyncio.run(run_steps(3)) == [1, 1, 1]  # the peer holds both: own share
+        assert asyncio.run(run_steps(2)) == [1] * 6  # the peer holds both: own share
         assert peer.say("idle") == 0
-        assert asyncio.run(run_steps(2)) == [2, 2]
+        # The peer wakes during the first layer: the rest of the step runs on one core.
+        engine.after_first_layer = lambda: peer.say("busy")
+        assert asyncio.run(run_steps(1)) == [2, 1, 1]
     finally:
         peer.kill()
         share.close()
