@@ -117,6 +117,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="the router's port")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks per worker (default: from the memory budget)")
+    p.add_argument("--no-core-share", dest="share_cores", action="store_false",
+                   help="each worker keeps its own share of the cores, even while the others "
+                        "are idle (default: a busy worker borrows idle workers' cores)")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -125,7 +128,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
-                       router_port=args.port, worker_args=extra)
+                       router_port=args.port, worker_args=extra, share_cores=args.share_cores)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

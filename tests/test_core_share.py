@@ -249,3 +249,15 @@ def test_launcher_shares_cores_only_where_it_shares_them_out(monkeypatch):
     assert paths[0] == paths[1] and os.path.isdir(os.path.dirname(paths[0]))
     cluster.stop()
     assert not os.path.exists(os.path.dirname(paths[0]))  # removed with the cluster
+
+
+def test_cli_flags_reach_the_configs():
+    from engine.cli import build_parser
+    from engine.cli_serve import _worker_config
+
+    p = build_parser()
+    assert p.parse_args(["up"]).share_cores is True
+    assert p.parse_args(["up", "--no-core-share"]).share_cores is False
+    args = p.parse_args(["decode", "--core-share", "/tmp/x", "--core-share-cores", "2"])
+    cfg = _worker_config(args, "decode")
+    assert (cfg.core_share_path, cfg.core_share_cores) == ("/tmp/x", 2)
