@@ -85,6 +85,8 @@ class AsyncEngine:
                 if outputs:
                     self.loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as e:  # a failed step must reach every waiting stream
+            if self.core_share is not None:  # a dead engine computes nothing: lend the cores
+                self.core_share.idle()
             if self._stop.is_set():  # shutdown stopped the engine under its step: expected
                 logger.warning("the engine's last step failed during shutdown: %s", e)
             else:

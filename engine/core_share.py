@@ -66,7 +66,11 @@ class CoreShare:
 
     def __init__(self, config: CoreShareConfig) -> None:
         self.config = config
-        self._fd = os.open(config.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._fd = os.open(config.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise ValueError(f"cannot open the core share file {config.path!r}: "
+                             f"{e.strerror}") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:

@@ -261,3 +261,35 @@ def test_cli_flags_reach_the_configs():
     args = p.parse_args(["decode", "--core-share", "/tmp/x", "--core-share-cores", "2"])
     cfg = _worker_config(args, "decode")
     assert (cfg.core_share_path, cfg.core_share_cores) == ("/tmp/x", 2)
+
+
+def test_an_unusable_share_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot open the core share file"):
+        CoreShare(CoreShareConfig(str(tmp_path / "missing" / "cores"), 2, 1))
+
+
+def test_a_dead_engine_lends_its_cores(share_path):
+    class _Failing(_CountingEngine):
+        def step(self) -> list:
+            if self.has_unfinished_requests():
+                raise RuntimeError("a step failed")
+            return []
+
+    before = torch.get_num_threads()
+    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    engine = _Failing()
+
+    async def body() -> None:
+        ae = AsyncEngine(engine, core_share=share)
+        with engine.lock:
+            engine.work = 1
+        ae._wake.set()
+        ae._thread.join(5)
+        assert ae.error is not None and not ae.alive
+
+    try:
+        asyncio.run(body())
+        assert share.threads == 0  # it had claimed both cores for the step that failed
+    finally:
+        share.close()
+        torch.set_num_threads(before)
