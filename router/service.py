@@ -126,23 +126,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prefill, matched = await self._pick_prefill(hashes, len(ids))
         self.directory.check_prompt_fits(len(ids))
         decode = await self._local_candidate(len(ids))
-        if prefill is None:
-            # No prefill worker at all: a decode worker that may prefill keeps short prompts
-            # served instead of failing every request.
-            limit = self.config.local_prefill.max_local_prefill_length
-            if decode is None:
-                raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is "
-                                    "available, nor a decode worker with room to prefill")
-            if len(ids) > limit:
-                raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
-                                    f"no prefill worker is available, and the {len(ids)}-token "
-                                    "prompt is longer than a decode worker prefills itself "
-                                    f"(--max-local-prefill-length {limit})")
-            local = True
-        else:
-            local = decode is not None and should_prefill_locally(
-                self.config.local_prefill, len(ids), matched, prefill.inflight,
-                decode.prefilling)
+        local = self._prefill_locally(prefill, decode, len(ids), matched)
         # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
         self.stats.routed(len(ids), 0 if local else matched)
         self.stats.prefilled(local)
@@ -154,6 +138,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
+
+    def _prefill_locally(self, prefill: WorkerHandle | None, decode: WorkerHandle | None,
+                         num_tokens: int, matched: int) -> bool:
+        """Whether the decode worker runs the prompt itself (conditional disaggregation)."""
+        if prefill is not None:
+            return decode is not None and should_prefill_locally(
+                self.config.local_prefill, num_tokens, matched, prefill.inflight,
+                decode.prefilling)
+        # No prefill worker at all: a decode worker that may prefill keeps short prompts
+        # served instead of failing every request.
+        limit = self.config.local_prefill.max_local_prefill_length
+        if decode is None:
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available, "
+                                "nor a decode worker with room to prefill")
+        if num_tokens > limit:
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
+                                f"no prefill worker is available, and the {num_tokens}-token "
+                                "prompt is longer than a decode worker prefills itself "
+                                f"(--max-local-prefill-length {limit})")
+        return True
 
     async def _pick_prefill(self, hashes: list[bytes],
                             num_tokens: int) -> tuple[WorkerHandle | None, int]:

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import check_shape
-from kernels.cpu_linear import pack_weight, packed_linear
-from kernels.cpu_small_linear import SMALL_LINEAR_MAX_ROWS, small_linear, small_linear_usable
+from engine.layers.linear import check_shape, linear_forward
+from kernels.cpu_linear import pack_weight
+from kernels.cpu_small_linear import small_linear_usable
 from engine.parallel_state import get_tp_group
 
 
@@ -63,11 +63,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits slice, no communication: [N, hidden] -> [N, vocab / tp]."""
-        if self.packed_weight is not None:
-            if self.use_small_linear and hidden.shape[0] <= SMALL_LINEAR_MAX_ROWS:
-                return small_linear(hidden, self.weight)
-            return packed_linear(hidden, self.packed_weight, self.weight.shape[0])
-        return F.linear(hidden, self.weight)
+        return linear_forward(hidden, self.weight, self.packed_weight, self.weight.shape[0],
+                              None, self.use_small_linear)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab]

@@ -36,6 +36,18 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
     param.data.copy_(loaded_weight)
 
 
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
+                   out_features: int, bias: torch.Tensor | None,
+                   use_small_linear: bool) -> torch.Tensor:
+    """x W^T (+ bias) by the path a layer packed for: the few-rows kernel for calls of few
+    rows (low-batch decode), oneDNN's packed GEMM, or F.linear where nothing was packed."""
+    if packed_weight is None:
+        return F.linear(x, weight, bias)
+    if use_small_linear and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
+        return small_linear(x, weight, bias)
+    return packed_linear(x, packed_weight, out_features, bias)
+
+
 def _new_param(*shape: int, loader) -> nn.Parameter:
     # Inference only: no autograd bookkeeping. Values come from the checkpoint.
     param = nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -62,6 +74,8 @@ class LinearBase(nn.Module):
 
         # The weight in oneDNN's layout once pack() has run (CPU); None: F.linear.
         self.packed_weight: torch.Tensor | None = None
+        # Set by pack(): calls of few rows go to the few-rows kernel on the plain weight.
+        self.use_small_linear = False
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id: object = None) -> None:
@@ -76,17 +90,15 @@ class LinearBase(nn.Module):
         if packed is None:
             return False
         self.packed_weight = packed
-        if not small_linear_usable(self.weight.data):
+        self.use_small_linear = small_linear_usable(self.weight.data)
+        if not self.use_small_linear:
             self.weight.data = self.weight.data.new_empty(0)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's x W^T (+ bias), no communication: [T, input] -> [T, output]."""
-        if self.packed_weight is not None:
-            if x.shape[0] <= SMALL_LINEAR_MAX_ROWS and self.weight.numel():
-                return small_linear(x, self.weight, bias)
-            return packed_linear(x, self.packed_weight, self.output_size, bias)
-        return F.linear(x, self.weight, bias)
+        return linear_forward(x, self.weight, self.packed_weight, self.output_size, bias,
+                              self.use_small_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
