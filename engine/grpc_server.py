@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import logging
+import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -129,9 +131,34 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     """asyncio.run on uvloop when it is installed. SIGUSR1 dumps every thread's stack to
     stderr (the launcher sends it to a process that outlives its shutdown grace)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    async def main_then_bounded_exit() -> None:
+        try:
+            await main()
+        finally:
+            _exit_watchdog(EXIT_GRACE_S)
+
     try:
         import uvloop
     except ImportError:  # uvloop is optional on platforms without it
-        asyncio.run(main())
+        asyncio.run(main_then_bounded_exit())
         return
-    uvloop.run(main())
+    uvloop.run(main_then_bounded_exit())
+
+
+# After the service has stopped, the loop's executor and the interpreter join their threads.
+# One still blocked (in a lock of an engine that died under it, or in a native call) would hold
+# the exit forever: past this the stacks go to stderr and the process exits with status 1.
+EXIT_GRACE_S = 5.0
+
+
+def _exit_watchdog(grace_s: float) -> None:
+    def fire() -> None:
+        logger.error("the process has not exited %.0f s after the service stopped; "
+                     "stacks follow, exiting", grace_s)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    timer = threading.Timer(grace_s, fire)
+    timer.daemon = True
+    timer.start()

@@ -15,6 +15,8 @@ from router.registry import Registry
 
 logger = logging.getLogger(__name__)
 
+_STOP_STEP_S = 2.0
+
 
 class WorkerPresence:
     def __init__(self, redis_url: str, namespace: str, interval_s: float,
@@ -57,11 +59,16 @@ class WorkerPresence:
                 logger.warning("publishing %d KV events failed: %s", len(events), e)
 
     async def stop(self) -> None:
+        """Bounded: a Redis that does not answer costs at most ``_STOP_STEP_S`` per step, and
+        the worker then drops out of the registry when its heartbeat goes stale."""
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        try:
+            await asyncio.wait_for(self.registry.deregister(self.info().worker_id), _STOP_STEP_S)
+        except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires
+            logger.warning("leaving the registry failed: %r", e)
         with contextlib.suppress(Exception):
-            await self.registry.deregister(self.info().worker_id)
-        await self.registry.r.aclose()
+            await asyncio.wait_for(self.registry.r.aclose(), _STOP_STEP_S)

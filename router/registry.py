@@ -22,6 +22,7 @@ from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
 
 ROLES = ("prefill", "decode")
+REDIS_TIMEOUT_S = 5.0
 
 
 class Registry:
@@ -35,7 +36,10 @@ class Registry:
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
-        return cls(aioredis.from_url(url), namespace, ttl_s)
+        # Timeouts so a Redis that stopped answering fails a call (the callers retry or give
+        # up) instead of holding a heartbeat, a routing decision or a worker's stop forever.
+        return cls(aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                     socket_timeout=REDIS_TIMEOUT_S), namespace, ttl_s)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))

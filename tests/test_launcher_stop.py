@@ -65,3 +65,33 @@ def test_stopping_a_service_kills_what_it_left_behind(on_term, code):
             popen.wait()
         if not _gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+# A service whose work is done but whose loop executor still has a thread blocked (as one waiting
+# on the lock of an engine that died under it would be): asyncio would join it forever.
+_BLOCKED_EXECUTOR = textwrap.dedent("""
+    import asyncio, threading
+    from engine.grpc_server import run
+    async def main():
+        asyncio.get_running_loop().run_in_executor(None, threading.Event().wait)
+        await asyncio.sleep(0.1)
+        {after}
+    run(main)
+""")
+
+
+@pytest.mark.parametrize("after, code", [("pass", 1), ("raise SystemExit(3)", 1)],
+                         ids=["returned", "raised"])
+def test_a_thread_left_blocked_does_not_hold_the_exit(after, code):
+    proc = subprocess.run([sys.executable, "-c", _BLOCKED_EXECUTOR.format(after=after)],
+                          capture_output=True, text=True, timeout=45)
+    assert proc.returncode == code
+    assert "has not exited" in proc.stderr
+    assert "Event().wait" in proc.stderr or "threading.py" in proc.stderr  # the stacks
+
+
+def test_a_clean_service_exits_at_once_with_its_status():
+    code = "from engine.grpc_server import run\nasync def main(): pass\nrun(main)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=45)
+    assert proc.returncode == 0 and "has not exited" not in proc.stderr

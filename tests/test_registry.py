@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -75,3 +76,27 @@ def test_bad_inputs(redis_url):
         await reg.r.aclose()
 
     _run(body())
+
+
+def test_a_worker_stops_even_when_redis_stops_answering():
+    """A Redis that hangs (here: SIGSTOPped) must not hold a worker's stop: leaving the registry
+    gives up after its timeout and the heartbeat expires on its own."""
+    from router.presence import WorkerPresence
+
+    async def body(server):
+        presence = WorkerPresence(server.url, "t-stuck", 0.2, lambda: _info("w"))
+        await presence.start()
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(presence.stop(), 30)  # bounded by the presence, not here
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        patient = Registry.from_url(server.url, "t-stuck", ttl_s=60)
+        assert [w.worker_id for w in await patient.live_workers()] == ["w"]  # not deregistered
+        strict = Registry.from_url(server.url, "t-stuck", ttl_s=0.6)
+        assert await strict.live_workers() == []  # ... but its heartbeat is stale
+        for reg in (patient, strict):
+            await reg.r.aclose()
+
+    with RedisServer() as server:
+        _run(body(server))
