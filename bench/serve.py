@@ -67,6 +67,9 @@ class PrefixResult:
     cold_cached_tokens: float
     warm_cached_tokens: float
     ratio: float  # mean warm TTFT / mean cold TTFT
+    # Mean ms per request from the router's usage timings (bench.serve_metrics.BREAKDOWN_FIELDS).
+    cold_breakdown_ms: dict[str, float]
+    warm_breakdown_ms: dict[str, float]
 
 
 @dataclass
@@ -262,7 +265,7 @@ async def run_prefix(client, cfg: ServeConfig, vocab: int) -> PrefixResult:
                            f"failed: {'; '.join(c.errors + w.errors)}")
     res = PrefixResult(cfg.prefix_len, cfg.unique_len, cfg.prefix_output_len, len(cold),
                        c.ttft, w.ttft, c.mean_cached_tokens, w.mean_cached_tokens,
-                       w.ttft.mean / c.ttft.mean)
+                       w.ttft.mean / c.ttft.mean, c.breakdown_ms, w.breakdown_ms)
     _log(f"shared prefix: TTFT cold {c.ttft.mean:.1f} ms, warm {w.ttft.mean:.1f} ms")
     return res
 

@@ -37,14 +37,20 @@ def ratio_table(ratios) -> str:
     return "\n".join(rows)
 
 
-def breakdown_table(points: list[PointResult]) -> str:
+def _breakdown_rows(labelled) -> list[str]:
+    """``labelled``: (row label, mean TTFT ms, breakdown ms by field)."""
     names = [f.removesuffix("_s").replace("_", " ") for f in BREAKDOWN_FIELDS]
     rows = ["| load | TTFT | " + " | ".join(names) + " |",
             "|---" * (len(names) + 2) + "|"]
-    for p in points:
-        if p.breakdown_ms:
-            cells = " | ".join(_f(p.breakdown_ms[f]) for f in BREAKDOWN_FIELDS)
-            rows.append(f"| {_load(p)} | {_f(p.ttft.mean)} | {cells} |")
+    for label, ttft, breakdown in labelled:
+        if breakdown:
+            cells = " | ".join(_f(breakdown[f]) for f in BREAKDOWN_FIELDS)
+            rows.append(f"| {label} | {_f(ttft)} | {cells} |")
+    return rows
+
+
+def breakdown_table(points: list[PointResult]) -> str:
+    rows = _breakdown_rows((_load(p), p.ttft.mean, p.breakdown_ms) for p in points)
     return ("\n".join(rows) + "\n\nMean ms per request from the router's usage timings. The "
             "first token leaves after prefill compute; KV transfer, decode queue and the first "
             "decode step come after it (they delay the second token).")
@@ -59,7 +65,9 @@ def prefix_table(pr) -> str:
             f"{_f(pr.warm_cached_tokens)} | {_stats(pr.warm_ttft)} |"]
     return (f"Prompts: a {pr.prefix_len}-token prefix + {pr.unique_len} unique tokens, "
             f"{pr.output_len} output tokens, one request at a time.\n\n" + "\n".join(rows)
-            + f"\n\nTTFT warm / cold (means) = {_f(pr.ratio, 3)}")
+            + f"\n\nTTFT warm / cold (means) = {_f(pr.ratio, 3)}\n\n"
+            + "\n".join(_breakdown_rows([("cold", pr.cold_ttft.mean, pr.cold_breakdown_ms),
+                                         ("warm", pr.warm_ttft.mean, pr.warm_breakdown_ms)])))
 
 
 def markdown(report) -> str:

@@ -26,8 +26,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton"],
                    help="auto: Triton on CUDA, the compiled CPU kernels on CPU")
-    p.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
-                   help="auto: weights packed for oneDNN on the CPU (float32/bfloat16)")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "mkl", "torch"],
+                   help="auto: on the CPU, weights packed for oneDNN or oneMKL (float32), "
+                        "whichever runs this model's layers faster here (timed once per host)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: never capture or replay CUDA graphs")
     p.add_argument("--max-seq-len-to-capture", type=int, default=8192,

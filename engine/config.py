@@ -6,7 +6,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
 _KV_TRANSFER_BACKENDS = ("nixl", "torch")
-_LINEAR_BACKENDS = ("auto", "onednn", "torch")
+_LINEAR_BACKENDS = ("auto", "onednn", "mkl", "torch")
 
 
 @dataclass

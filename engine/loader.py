@@ -12,7 +12,9 @@ from torch import nn
 from engine.layers import LinearBase, ParallelLMHead
 from engine.model_config import ModelConfig
 from engine.models import build_model
+from engine.linear_tuning import choose_linear_kernels
 from kernels.attention_backend import AttentionBackend
+from kernels.cpu_linear import packed_kernels
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -21,8 +23,8 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend, linear_backend: str = "torch") -> nn.Module:
     """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode;
-    ``linear_backend`` "onednn" (a resolved name, see kernels.cpu_linear) packs its linear
-    layers for oneDNN once the weights are in."""
+    ``linear_backend`` (a resolved name, see kernels.cpu_linear) other than "torch" packs its
+    linear layers for that GEMM, or for the fastest one here ("auto"), once the weights are in."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     files = weight_files(folder)
@@ -31,15 +33,33 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         model.load_weights(iter_weights(files))
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
-    if linear_backend == "onednn":
-        pack_linear_weights(model)
+    if linear_backend != "torch":
+        pack_linear_weights(model, linear_backend)
     return model
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Packs every linear layer and LM head of ``model`` for oneDNN; how many took it."""
+def pack_linear_weights(model: nn.Module, backend: str = "onednn") -> int:
+    """Packs every linear layer and LM head of ``model`` for ``backend`` (a packed GEMM, or
+    "auto": the faster of them on this model's shapes here); how many took it."""
     layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-    return sum(m.pack() for m in layers)
+    few_rows = True
+    if backend == "auto":
+        weights = _distinct_shapes(layers)
+        if not weights:
+            return 0
+        choice = choose_linear_kernels(weights, packed_kernels(weights[0].device,
+                                                               weights[0].dtype))
+        backend, few_rows = choice.kernel, choice.few_rows_kernel
+    return sum(m.pack(backend, few_rows) for m in layers)
+
+
+def _distinct_shapes(layers: list[nn.Module]) -> list[torch.Tensor]:
+    """One weight of each linear shape (the first decoder layer's, for a transformer)."""
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    for m in layers:
+        if isinstance(m, LinearBase) and m.weight.numel():
+            seen.setdefault(tuple(m.weight.shape), m.weight.data)
+    return list(seen.values())
 
 
 def weight_files(folder: Path) -> list[Path]:

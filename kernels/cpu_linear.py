@@ -1,22 +1,31 @@
-"""Linear layers on the CPU through oneDNN with weights packed once at load time.
+"""Linear layers on the CPU through a GEMM library with weights packed once at load time.
 
-``F.linear`` in float32 goes to MKL's sgemm, which on AMD CPUs takes a generic code path: on
-the AVX-512 EPYC development VM a packed oneDNN GEMM is 2.3-3.4x faster at every batch size
-the engine runs (1 to 2048 rows; `pdserve bench offline` prints the roofline of both). oneDNN
-reorders the weight into its blocked layout once; each call then only streams activations.
-bfloat16 gains too at small batches. float16 needs AVX512-FP16 or AVX-NE-CONVERT, so packing
-fails on CPUs without them and the layer keeps ``F.linear``.
+oneDNN reorders the weight into its blocked layout once; each call then only streams
+activations. On the AVX-512 EPYC VM of the early sessions it ran 2.3-3.4x faster than
+``F.linear`` (MKL's plain sgemm, then on its generic AMD path) at every batch size the engine
+runs. bfloat16 gains too at small batches. float16 needs AVX512-FP16 or AVX-NE-CONVERT, so
+packing fails on CPUs without them and the layer keeps ``F.linear``.
+
+oneMKL's packed sgemm (kernels/cpu_mkl_linear.py) is the other packed GEMM, float32 only. On
+the AVX2 Zen 2 VM it beats oneDNN by 1.3-1.6x. ``PackedLinear`` holds a weight packed for
+either, and with ``--linear-backend auto`` the engine picks by timing both on the model's own
+layers (engine/linear_tuning.py).
 
 The plain-torch twin is ``F.linear(x, weight, bias)``, which the tests compare against.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "onednn", "torch")
+from kernels.cpu_mkl_linear import mkl_available, mkl_pack_weight, mkl_packed_linear
+
+# "auto": a packed GEMM on the CPU, oneDNN's or oneMKL's, whichever runs this model faster here.
+BACKENDS = ("auto", "onednn", "mkl", "torch")
+PACKED_KERNELS = ("onednn", "mkl")
 
 
 @functools.cache
@@ -38,18 +47,65 @@ def onednn_available() -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"onednn" or "torch" for ``name``; "auto" is oneDNN for float32/bfloat16 on the CPU."""
+    """"onednn", "mkl", "torch", or "auto" where more than one packed GEMM can run the dtype
+    on this device (the loader then times them on the model's layers)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown linear backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name == "torch":
         return "torch"
-    usable = device.type == "cpu" and onednn_available()
-    if name == "onednn" and not usable:
-        raise ValueError(f"linear backend 'onednn' needs the CPU and a torch built with oneDNN "
-                         f"(device {device})")
-    if name == "auto" and not (usable and dtype in (torch.float32, torch.bfloat16)):
-        return "torch"
-    return "onednn"
+    usable = packed_kernels(device, dtype)
+    if name == "auto":
+        return "auto" if len(usable) > 1 else (usable[0] if usable else "torch")
+    if name not in usable:
+        need = "float32" if name == "mkl" else "float32 or bfloat16"
+        raise ValueError(f"linear backend {name!r} needs the CPU, {need} and a torch built "
+                         f"with {'oneMKL' if name == 'mkl' else 'oneDNN'} (device {device}, "
+                         f"dtype {dtype})")
+    return name
+
+
+def packed_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The packed GEMMs that can run ``dtype`` on ``device``. (oneDNN's float16 needs CPU
+    features most lack, and a bfloat16 pack may still be refused: pack_linear says so.)"""
+    if device.type != "cpu":
+        return []
+    out = []
+    if dtype in (torch.float32, torch.bfloat16) and onednn_available():
+        out.append("onednn")
+    if dtype == torch.float32 and mkl_available():
+        out.append("mkl")
+    return out
+
+
+@dataclass
+class PackedLinear:
+    """A weight [out_features, in_features] packed for one GEMM library."""
+    kernel: str  # one of PACKED_KERNELS
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [num_tokens, in_features] @ W^T (+ bias) -> [num_tokens, out_features]."""
+        if self.kernel == "mkl":
+            return mkl_packed_linear(x, self.data, self.out_features, self.in_features, bias)
+        return packed_linear(x, self.data, self.out_features, bias)
+
+
+def pack_linear(weight: torch.Tensor, kernel: str) -> PackedLinear | None:
+    """``weight`` packed for ``kernel``; None where this CPU's library refuses the dtype."""
+    if kernel not in PACKED_KERNELS:
+        raise ValueError(f"unknown packed GEMM {kernel!r} (choose from {PACKED_KERNELS})")
+    out_features, in_features = weight.shape
+    if kernel == "mkl":
+        if weight.dtype != torch.float32:
+            return None
+        data = mkl_pack_weight(weight)
+    else:
+        data = pack_weight(weight)
+        if data is None:
+            return None
+    return PackedLinear(kernel, data, out_features, in_features)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,7 +1,7 @@
 """Launcher of the few-rows float32 linear kernel (kernels/csrc/small_linear_cpu.c).
 
 Decode at low batch multiplies 1-8 rows by every weight: the step streams the model's weights
-through memory, and oneDNN's packed GEMM (and MKL's) reach a third to a half of the streaming
+through memory, and oneDNN's packed GEMM (and MKL's plain sgemm) reach a third to a half of the streaming
 bandwidth there. Layers that keep their plain weight next to the packed one send such calls
 here. The plain-torch twin is ``F.linear(x, weight, bias)``, which the tests compare against.
 """

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import check_shape, linear_forward
-from kernels.cpu_linear import pack_weight
+from kernels.cpu_linear import PackedLinear, pack_linear
 from kernels.cpu_small_linear import small_linear_usable
 from engine.parallel_state import get_tp_group
 
@@ -49,22 +49,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits; each rank computes its vocab slice."""
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: PackedLinear | None = None
     # Set by pack(): calls of few rows go to the few-rows kernel on the plain weight.
     use_small_linear: bool = False
 
-    def pack(self) -> bool:
-        """Reorders the weight for oneDNN (CPU). The plain copy stays: a tied head shares it
-        with the embedding, which looks rows up in it. False where oneDNN cannot run the dtype."""
-        self.packed_weight = pack_weight(self.weight.data)
-        self.use_small_linear = (self.packed_weight is not None
+    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True) -> bool:
+        """Packs the weight for ``kernel`` (CPU). The plain copy stays: a tied head shares it
+        with the embedding, which looks rows up in it. False where ``kernel`` cannot run the
+        dtype."""
+        self.packed_weight = pack_linear(self.weight.data, kernel)
+        self.use_small_linear = (self.packed_weight is not None and few_rows_kernel
                                  and small_linear_usable(self.weight.data))
         return self.packed_weight is not None
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits slice, no communication: [N, hidden] -> [N, vocab / tp]."""
-        return linear_forward(hidden, self.weight, self.packed_weight, self.weight.shape[0],
-                              None, self.use_small_linear)
+        return linear_forward(hidden, self.weight, self.packed_weight, None,
+                              self.use_small_linear)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel_state import get_tp_group, get_tp_size, kv_head_range
-from kernels.cpu_linear import pack_weight, packed_linear
+from kernels.cpu_linear import PackedLinear, pack_linear
 from kernels.cpu_small_linear import SMALL_LINEAR_MAX_ROWS, small_linear, small_linear_usable
 
 
@@ -36,16 +36,16 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor,
     param.data.copy_(loaded_weight)
 
 
-def linear_forward(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None,
-                   out_features: int, bias: torch.Tensor | None,
-                   use_small_linear: bool) -> torch.Tensor:
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, packed_weight: PackedLinear | None,
+                   bias: torch.Tensor | None, use_small_linear: bool) -> torch.Tensor:
     """x W^T (+ bias) by the path a layer packed for: the few-rows kernel for calls of few
-    rows (low-batch decode), oneDNN's packed GEMM, or F.linear where nothing was packed."""
+    rows (low-batch decode), the packed GEMM (oneDNN's or oneMKL's), or F.linear where
+    nothing was packed."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
     if use_small_linear and x.shape[0] <= SMALL_LINEAR_MAX_ROWS:
         return small_linear(x, weight, bias)
-    return packed_linear(x, packed_weight, out_features, bias)
+    return packed_weight(x, bias)
 
 
 def _new_param(*shape: int, loader) -> nn.Parameter:
@@ -72,8 +72,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-        # The weight in oneDNN's layout once pack() has run (CPU); None: F.linear.
-        self.packed_weight: torch.Tensor | None = None
+        # The weight in a packed GEMM's layout once pack() has run (CPU); None: F.linear.
+        self.packed_weight: PackedLinear | None = None
         # Set by pack(): calls of few rows go to the few-rows kernel on the plain weight.
         self.use_small_linear = False
 
@@ -81,24 +81,24 @@ class LinearBase(nn.Module):
                       shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
-    def pack(self) -> bool:
-        """Reorders the loaded weight for oneDNN; False, changing nothing, where oneDNN cannot
-        run its dtype. The plain copy stays only where the few-rows kernel will read it
-        (float32 on the CPU): decode at low batch streams it at up to twice oneDNN's speed,
-        for twice the layer's weight memory. Elsewhere it is freed."""
-        packed = pack_weight(self.weight.data)
+    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True) -> bool:
+        """Packs the loaded weight for ``kernel`` (kernels.cpu_linear.PACKED_KERNELS); False,
+        changing nothing, where it cannot run the dtype. With ``few_rows_kernel`` the plain
+        copy stays where the few-rows kernel can read it (float32 on the CPU): at low-batch
+        decode it can beat a packed GEMM, for twice the layer's weight memory. Elsewhere it
+        is freed."""
+        packed = pack_linear(self.weight.data, kernel)
         if packed is None:
             return False
         self.packed_weight = packed
-        self.use_small_linear = small_linear_usable(self.weight.data)
+        self.use_small_linear = few_rows_kernel and small_linear_usable(self.weight.data)
         if not self.use_small_linear:
             self.weight.data = self.weight.data.new_empty(0)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's x W^T (+ bias), no communication: [T, input] -> [T, output]."""
-        return linear_forward(x, self.weight, self.packed_weight, self.output_size, bias,
-                              self.use_small_linear)
+        return linear_forward(x, self.weight, self.packed_weight, bias, self.use_small_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -1,0 +1,111 @@
+"""The loader's timed choice between packed GEMMs: what it picks, and that a host measures once."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import engine.linear_tuning as tuning
+from kernels.cpu_linear import onednn_available
+from kernels.cpu_mkl_linear import mkl_available
+from kernels.cpu_small_linear import small_linear_usable
+
+pytestmark = pytest.mark.skipif(not (onednn_available() and mkl_available()),
+                                reason="needs both oneDNN and oneMKL")
+KERNELS = ["onednn", "mkl"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(96, 64, generator=g), torch.randn(64, 160, generator=g)]
+
+
+def test_a_measured_choice_is_cached_for_the_host(cache, monkeypatch):
+    first = tuning.choose_linear_kernels(_weights(), KERNELS)
+    assert first.kernel in KERNELS
+    assert {f"{k}@32" for k in KERNELS} <= set(first.timings_ms)
+    assert all(t > 0 for t in first.timings_ms.values())
+
+    def no_second_measurement(*_):
+        raise AssertionError("measured again although the host's answer was cached")
+
+    monkeypatch.setattr(tuning, "_measure", no_second_measurement)
+    assert tuning.choose_linear_kernels(_weights(), KERNELS) == first
+    # Other shapes, other thread counts are other questions.
+    with pytest.raises(AssertionError, match="measured again"):
+        tuning.choose_linear_kernels(_weights()[:1], KERNELS)
+
+
+def test_an_unreadable_cache_entry_is_measured_again(cache):
+    first = tuning.choose_linear_kernels(_weights(), KERNELS)
+    (entry,) = (cache / "linear-choice").glob("*.json")
+    entry.write_text("{not json")
+    assert tuning.choose_linear_kernels(_weights(), KERNELS).kernel == first.kernel
+    assert entry.read_text().startswith("{\"kernel\"")
+
+
+@pytest.mark.parametrize("mkl_share, few_rows_ms, want_kernel, want_few", [
+    (0.5, 9.0, "mkl", False),  # clearly faster: taken; the few-rows kernel is slower
+    (0.99, 0.1, "onednn", True),  # within the noise margin: the default stays
+])
+def test_the_choice_follows_the_timings(monkeypatch, mkl_share, few_rows_ms, want_kernel,
+                                        want_few):
+    calls = []
+
+    def fake_time(fn, x):
+        calls.append(fn)
+        n = len(calls)
+        # Order of measurement: onednn@32, onednn@256, mkl@32, mkl@256, best@4, few-rows@4.
+        return {1: 1.0, 2: 8.0, 3: mkl_share, 4: 8.0 * mkl_share, 5: 1.0}.get(n, few_rows_ms)
+
+    monkeypatch.setattr(tuning, "_time", fake_time)
+    choice = tuning._measure(_weights(), KERNELS)
+    assert choice.kernel == want_kernel
+    assert choice.few_rows_kernel == (want_few and small_linear_usable(_weights()[0]))
+
+
+_RACER = textwrap.dedent("""
+    import sys, time, torch
+    import engine.linear_tuning as tuning
+    real = tuning._measure
+    def measure(weights, candidates):
+        open(sys.argv[1] + "/measured-" + sys.argv[2], "w").close()
+        time.sleep(1.0)  # long enough for the other process to reach the lock
+        return real(weights, candidates)
+    tuning._measure = measure
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(96, 64, generator=g), torch.randn(64, 160, generator=g)]
+    print(tuning.choose_linear_kernels(w, ["onednn", "mkl"]).kernel)
+""")
+
+
+def test_processes_starting_together_measure_once(cache, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(marks), str(i)],
+                              stdout=subprocess.PIPE, text=True) for i in range(2)]
+    answers = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(list(marks.iterdir())) == 1  # one measured, the other read its answer
+    assert answers[0] == answers[1] and answers[0] in KERNELS
+
+
+def test_the_engine_packs_with_the_hosts_choice(cache, preset_path):
+    from engine import LLM
+
+    with LLM(str(preset_path("tiny-llama")), max_model_len=128, linear_backend="auto") as llm:
+        model = llm.engine.executor.runner.model
+        (entry,) = (cache / "linear-choice").glob("*.json")
+        choice = tuning._read(entry)
+        for m in (model.model.layers[0].mlp.down_proj, model.lm_head):
+            assert m.packed_weight.kernel == choice.kernel
+            assert m.use_small_linear == choice.few_rows_kernel
