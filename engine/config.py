@@ -29,9 +29,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
-    # GEMMs of the linear layers: "auto" packs float32/bfloat16 weights for oneDNN on the CPU
-    # (2-3x MKL's sgemm on AMD CPUs), "onednn" insists on it, "torch" is F.linear.
+    # GEMMs of the linear layers: "auto" packs weights on the CPU for oneDNN or oneMKL, whichever
+    # runs this model faster here (engine/linear_tuning.py); "onednn" or "mkl" insist on one,
+    # "torch" is F.linear.
     linear_backend: str = "auto"
+    # CPU: the most threads a step may use, when more than torch's thread count at load (a
+    # worker that borrows idle cores, engine/core_share.py). oneMKL lays packed weights out for
+    # a thread count: a pack made for one thread never runs on two. None: torch's count.
+    max_cpu_threads: int | None = None
     seed: int = 0
     # combined: prefill and decode here; prefill: stop after the first token and lease the
     # blocks to a remote reader; decode: admit requests whose prompt KV arrives from outside.
@@ -66,6 +71,8 @@ class EngineConfig:
             raise ValueError("model must be a non-empty path or preset name")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_cpu_threads is not None:
+            _positive_int("max_cpu_threads", self.max_cpu_threads)
         if self.linear_backend not in _LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {_LINEAR_BACKENDS}, "
                              f"got {self.linear_backend!r}")

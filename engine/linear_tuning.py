@@ -50,10 +50,12 @@ class LinearChoice:
     timings_ms: dict[str, float]  # what the choice rests on, by "<kernel>@<rows>"
 
 
-def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str]) -> LinearChoice:
-    """The fastest of ``candidates`` on ``weights`` (one of each distinct linear shape), from
+def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str],
+                          pack_threads: int | None = None) -> LinearChoice:
+    """The fastest of ``candidates`` on ``weights`` (one of each distinct linear shape) at
+    torch's current thread count, packed for ``pack_threads`` (the most a call may use), from
     the host's cache when measured before, else measured now and cached."""
-    key = _cache_key(weights, candidates)
+    key = _cache_key(weights, candidates, pack_threads)
     folder = cache_dir() / "linear-choice"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{key}.json"
@@ -62,7 +64,7 @@ def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str]) ->
         cached = _read(path)
         if cached is not None:
             return cached
-        choice = _measure(weights, candidates)
+        choice = _measure(weights, candidates, pack_threads)
         _write(path, choice)
     logger.info("linear layers: %s GEMM%s (timed: %s)", choice.kernel,
                 ", few-rows kernel at low batch" if choice.few_rows_kernel else "",
@@ -70,7 +72,8 @@ def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str]) ->
     return choice
 
 
-def _measure(weights: list[torch.Tensor], candidates: list[str]) -> LinearChoice:
+def _measure(weights: list[torch.Tensor], candidates: list[str],
+             pack_threads: int | None = None) -> LinearChoice:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     rows = [max(_FEW_ROWS, min(r, int(_FLOP_BUDGET // flops_per_row))) for r in _ROWS]
     g = torch.Generator().manual_seed(0)
@@ -80,7 +83,7 @@ def _measure(weights: list[torch.Tensor], candidates: list[str]) -> LinearChoice
     scores: dict[str, float] = {}
     packs = {}
     for kernel in candidates:
-        packed = [pack_linear(w, kernel) for w in weights]
+        packed = [pack_linear(w, kernel, pack_threads) for w in weights]
         if any(p is None for p in packed):
             continue  # this CPU's library refuses the dtype
         packs[kernel] = packed
@@ -117,10 +120,12 @@ def _time(fn, x) -> float:
     return best * 1e3
 
 
-def _cache_key(weights: list[torch.Tensor], candidates: list[str]) -> str:
+def _cache_key(weights: list[torch.Tensor], candidates: list[str],
+               pack_threads: int | None) -> str:
     parts = [cpu_identity().decode(errors="replace"), torch.__version__, str(weights[0].dtype),
              repr([tuple(w.shape) for w in weights]), repr(candidates),
-             str(torch.get_num_threads()), str(enable_mkl_cpu_dispatch().applied),
+             str(torch.get_num_threads()), str(pack_threads),
+             str(enable_mkl_cpu_dispatch().applied),
              os.environ.get("PDSERVE_SMALL_LINEAR", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

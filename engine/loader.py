@@ -21,10 +21,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
-               attn_backend: AttentionBackend, linear_backend: str = "torch") -> nn.Module:
+               attn_backend: AttentionBackend, linear_backend: str = "torch",
+               pack_threads: int | None = None) -> nn.Module:
     """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode;
     ``linear_backend`` (a resolved name, see kernels.cpu_linear) other than "torch" packs its
-    linear layers for that GEMM, or for the fastest one here ("auto"), once the weights are in."""
+    linear layers for that GEMM, or for the fastest one here ("auto"), once the weights are in,
+    for calls of up to ``pack_threads`` threads (default: torch's count)."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     files = weight_files(folder)
@@ -34,23 +36,25 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
     if linear_backend != "torch":
-        pack_linear_weights(model, linear_backend)
+        pack_linear_weights(model, linear_backend, pack_threads)
     return model
 
 
-def pack_linear_weights(model: nn.Module, backend: str = "onednn") -> int:
+def pack_linear_weights(model: nn.Module, backend: str = "onednn",
+                        threads: int | None = None) -> int:
     """Packs every linear layer and LM head of ``model`` for ``backend`` (a packed GEMM, or
-    "auto": the faster of them on this model's shapes here); how many took it."""
+    "auto": the faster of them on this model's shapes here) and calls of up to ``threads``
+    threads; how many took it."""
     layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     few_rows = True
     if backend == "auto":
         weights = _distinct_shapes(layers)
         if not weights:
             return 0
-        choice = choose_linear_kernels(weights, packed_kernels(weights[0].device,
-                                                               weights[0].dtype))
+        choice = choose_linear_kernels(
+            weights, packed_kernels(weights[0].device, weights[0].dtype), threads)
         backend, few_rows = choice.kernel, choice.few_rows_kernel
-    return sum(m.pack(backend, few_rows) for m in layers)
+    return sum(m.pack(backend, few_rows, threads) for m in layers)
 
 
 def _distinct_shapes(layers: list[nn.Module]) -> list[torch.Tensor]:

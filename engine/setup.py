@@ -137,7 +137,8 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     backend = get_attention_backend(spec.config.attention_backend, device)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
     with tp_group_scope(group):
-        return load_model(spec.model_path, spec.torch_dtype, device, backend, linear)
+        return load_model(spec.model_path, spec.torch_dtype, device, backend, linear,
+                          spec.config.max_cpu_threads)
 
 
 _MAX_GRAPH_BATCH = 512

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -73,6 +74,14 @@ class WorkerConfig:
         cores = self.core_share_cores or os.cpu_count() or 1
         return CoreShareConfig(self.core_share_path, cores, min(base_threads, cores))
 
+    def engine_config(self) -> EngineConfig:
+        """The engine's config; with core sharing its steps may use every shared core, and
+        its packed weights must be laid out for that many threads."""
+        if self.core_share_path is None or self.engine.max_cpu_threads is not None:
+            return self.engine
+        cores = self.core_share_cores or os.cpu_count() or 1
+        return dataclasses.replace(self.engine, max_cpu_threads=cores)
+
     @property
     def role(self) -> str:
         return self.engine.role
@@ -133,7 +142,7 @@ class WorkerRuntime:
     @classmethod
     async def create(cls, config: WorkerConfig) -> WorkerRuntime:
         # Loading weights (and starting TP ranks) takes seconds: off the loop.
-        engine = await asyncio.to_thread(LLMEngine, config.engine)
+        engine = await asyncio.to_thread(LLMEngine, config.engine_config())
         return cls(config, engine)
 
     def bind(self, address: str) -> None:

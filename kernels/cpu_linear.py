@@ -92,15 +92,17 @@ class PackedLinear:
         return packed_linear(x, self.data, self.out_features, bias)
 
 
-def pack_linear(weight: torch.Tensor, kernel: str) -> PackedLinear | None:
-    """``weight`` packed for ``kernel``; None where this CPU's library refuses the dtype."""
+def pack_linear(weight: torch.Tensor, kernel: str,
+                threads: int | None = None) -> PackedLinear | None:
+    """``weight`` packed for ``kernel`` and at most ``threads`` threads (oneMKL splits its
+    packs by thread count; default: torch's); None where this CPU's library refuses the dtype."""
     if kernel not in PACKED_KERNELS:
         raise ValueError(f"unknown packed GEMM {kernel!r} (choose from {PACKED_KERNELS})")
     out_features, in_features = weight.shape
     if kernel == "mkl":
         if weight.dtype != torch.float32:
             return None
-        data = mkl_pack_weight(weight)
+        data = mkl_pack_weight(weight, threads)
     else:
         data = pack_weight(weight)
         if data is None:

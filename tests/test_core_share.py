@@ -216,6 +216,11 @@ def test_worker_config_checks_core_sharing():
     cfg = WorkerConfig(engine=engine, core_share_path="/tmp/x", core_share_cores=3)
     assert cfg.core_share_config(8) == CoreShareConfig("/tmp/x", 3, 3)
     assert WorkerConfig(engine=engine).core_share_config(1) is None
+    # The engine's packed weights are laid out for every core it may borrow.
+    assert cfg.engine_config().max_cpu_threads == 3
+    assert WorkerConfig(engine=engine).engine_config().max_cpu_threads is None
+    with pytest.raises(ValueError, match="max_cpu_threads"):
+        EngineConfig("tiny-llama", max_cpu_threads=0)
     with pytest.raises(ValueError, match="needs core_share_path"):
         WorkerConfig(engine=engine, core_share_cores=2)
     with pytest.raises(ValueError, match="core_share_cores must be"):

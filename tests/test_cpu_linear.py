@@ -75,6 +75,24 @@ def test_mkl_packed_linear_takes_strided_inputs_and_refuses_bad_ones():
         mkl_pack_weight(torch.randn(32, 16, dtype=torch.bfloat16))
 
 
+@needs_mkl
+def test_mkl_packs_for_a_thread_count_and_runs_at_any():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 64, generator=g), torch.randn(5, 64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        packed = mkl_pack_weight(w, threads=2)
+        assert torch.get_num_threads() == 1  # packing for 2 leaves the caller's count alone
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.testing.assert_close(mkl_packed_linear(x, packed, 200, 64), F.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="threads must be"):
+        mkl_pack_weight(w, threads=0)
+
+
 @needs_onednn
 def test_packed_linear_takes_strided_inputs_and_refuses_bad_ones():
     w = torch.randn(32, 16)

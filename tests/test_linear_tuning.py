@@ -77,10 +77,10 @@ _RACER = textwrap.dedent("""
     import sys, time, torch
     import engine.linear_tuning as tuning
     real = tuning._measure
-    def measure(weights, candidates):
+    def measure(weights, candidates, threads):
         open(sys.argv[1] + "/measured-" + sys.argv[2], "w").close()
         time.sleep(1.0)  # long enough for the other process to reach the lock
-        return real(weights, candidates)
+        return real(weights, candidates, threads)
     tuning._measure = measure
     g = torch.Generator().manual_seed(0)
     w = [torch.randn(96, 64, generator=g), torch.randn(64, 160, generator=g)]

@@ -53,11 +53,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     # Set by pack(): calls of few rows go to the few-rows kernel on the plain weight.
     use_small_linear: bool = False
 
-    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True) -> bool:
+    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True,
+             threads: int | None = None) -> bool:
         """Packs the weight for ``kernel`` (CPU). The plain copy stays: a tied head shares it
         with the embedding, which looks rows up in it. False where ``kernel`` cannot run the
         dtype."""
-        self.packed_weight = pack_linear(self.weight.data, kernel)
+        self.packed_weight = pack_linear(self.weight.data, kernel, threads)
         self.use_small_linear = (self.packed_weight is not None and few_rows_kernel
                                  and small_linear_usable(self.weight.data))
         return self.packed_weight is not None

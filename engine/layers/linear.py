@@ -81,13 +81,14 @@ class LinearBase(nn.Module):
                       shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
-    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True) -> bool:
+    def pack(self, kernel: str = "onednn", few_rows_kernel: bool = True,
+             threads: int | None = None) -> bool:
         """Packs the loaded weight for ``kernel`` (kernels.cpu_linear.PACKED_KERNELS); False,
         changing nothing, where it cannot run the dtype. With ``few_rows_kernel`` the plain
         copy stays where the few-rows kernel can read it (float32 on the CPU): at low-batch
         decode it can beat a packed GEMM, for twice the layer's weight memory. Elsewhere it
-        is freed."""
-        packed = pack_linear(self.weight.data, kernel)
+        is freed. ``threads``: the most a call may use (kernels.cpu_linear.pack_linear)."""
+        packed = pack_linear(self.weight.data, kernel, threads)
         if packed is None:
             return False
         self.packed_weight = packed
