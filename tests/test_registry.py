@@ -78,6 +78,30 @@ def test_bad_inputs(redis_url):
     _run(body())
 
 
+def test_long_chains_are_matched_across_round_trips(redis_url):
+    """Chains longer than one server-side walk (router.registry._MATCH_CHUNK blocks): a worker
+    that drops out exactly at a chunk's end, one in the next chunk, one that holds it all."""
+    from router.registry import _MATCH_CHUNK
+
+    async def body():
+        reg = Registry.from_url(redis_url, "t-long")
+        n = 2 * _MATCH_CHUNK + 10
+        hashes = hash_request_tokens(list(range(16 * n)), 16)
+        assert len(hashes) == n
+        await reg.publish_events("edge", [BlockStored(hashes[:_MATCH_CHUNK], None, None, 16)])
+        cut = _MATCH_CHUNK + 7
+        await reg.publish_events("mid", [BlockStored(hashes[:cut], None, None, 16)])
+        await reg.publish_events("all", [BlockStored(hashes, None, None, 16)])
+        want = {"edge": _MATCH_CHUNK, "mid": cut, "all": n, "none": 0}
+        assert await reg.match_prefix(hashes, ["edge", "mid", "all", "none"]) == want
+        # A repeated candidate is answered once; an empty chain matches nothing.
+        assert await reg.match_prefix(hashes, ["mid", "mid"]) == {"mid": cut}
+        assert await reg.match_prefix([], ["all"]) == {"all": 0}
+        await reg.r.aclose()
+
+    _run(body())
+
+
 def test_a_worker_stops_even_when_redis_stops_answering():
     """A Redis that hangs (here: SIGSTOPped) must not hold a worker's stop: leaving the registry
     gives up after its timeout and the heartbeat expires on its own."""
