@@ -57,15 +57,23 @@ def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str],
     the host's cache when measured before, else measured now and cached."""
     key = _cache_key(weights, candidates, pack_threads)
     folder = cache_dir() / "linear-choice"
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{key}.lock", "w")
+    except OSError as e:  # a read-only home, say: measure, just not once for the host
+        logger.warning("no linear-choice cache in %s (%s): measuring in this process", folder, e)
+        return _measure(weights, candidates, pack_threads)
     path = folder / f"{key}.json"
-    with open(folder / f"{key}.lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others read its answer
         cached = _read(path)
         if cached is not None:
             return cached
         choice = _measure(weights, candidates, pack_threads)
-        _write(path, choice)
+        try:
+            _write(path, choice)
+        except OSError as e:
+            logger.warning("could not cache the linear-layer choice in %s: %s", path, e)
     logger.info("linear layers: %s GEMM%s (timed: %s)", choice.kernel,
                 ", few-rows kernel at low batch" if choice.few_rows_kernel else "",
                 ", ".join(f"{k} {v:.2f} ms" for k, v in choice.timings_ms.items()))

@@ -109,3 +109,11 @@ def test_the_engine_packs_with_the_hosts_choice(cache, preset_path):
         for m in (model.model.layers[0].mlp.down_proj, model.lm_head):
             assert m.packed_weight.kernel == choice.kernel
             assert m.use_small_linear == choice.few_rows_kernel
+
+
+def test_an_unwritable_cache_still_gives_a_choice(tmp_path, monkeypatch):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(not_a_dir))  # mkdir under a file fails
+    choice = tuning.choose_linear_kernels(_weights(), KERNELS)
+    assert choice.kernel in KERNELS and choice.timings_ms
