@@ -45,6 +45,9 @@ class OfflineResult:
     comm_share: float | None = None
     tp1_tok_s: float | None = None
     ratio_vs_tp1: float | None = None
+    # The GEMM the linear layers ran on ("onednn", "mkl" or "torch": --linear-backend auto
+    # picks per host, so figures from two machines may compare two libraries).
+    linear_kernel: str = "torch"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -136,6 +139,14 @@ def run_roofline(llm, reqs: OfflineRequests, f_linear: bool = False) -> float:
     return total
 
 
+def _linear_kernel(llm) -> str:
+    from engine.layers import LinearBase
+
+    model = llm.engine.executor.runner.model
+    layer = next(m for m in model.modules() if isinstance(m, LinearBase))
+    return "torch" if layer.packed_weight is None else layer.packed_weight.kernel
+
+
 def _f_linear(out_features: int, in_features: int, dtype: torch.dtype, device):
     # A weight of its own per layer, as the model has: one shared weight would stay in cache.
     w = torch.randn(out_features, in_features, dtype=dtype, device=device)
@@ -158,6 +169,8 @@ def main(args: argparse.Namespace) -> int:
     comm_share = llm.engine.executor.comm_seconds / engine_s if tp > 1 else None
     log(f"engine:   {engine_s:8.2f} s (TP={tp})")
     # At TP > 1 this replays rank 0's weight shards: the per-rank matmul time.
+    linear_kernel = _linear_kernel(llm)
+    log(f"linear layers: {linear_kernel}")
     roof_s = run_roofline(llm, reqs)
     log(f"roofline: {roof_s:8.2f} s (the engine's GEMM)")
     roof_f_s = run_roofline(llm, reqs, f_linear=True)
@@ -177,7 +190,7 @@ def main(args: argparse.Namespace) -> int:
                         n / roof_f_s, roof_f_s / engine_s,
                         torch.get_num_threads(), tp, comm_share,
                         None if tp1_s is None else n / tp1_s,
-                        None if tp1_s is None else tp1_s / engine_s)
+                        None if tp1_s is None else tp1_s / engine_s, linear_kernel)
     if args.json:
         print(json.dumps(asdict(res)))
     else:

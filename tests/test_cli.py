@@ -47,3 +47,4 @@ def test_bench_offline_json(capsys):
     for key in ("engine_tok_s", "hf_tok_s", "roofline_tok_s", "ratio_vs_hf", "ratio_vs_roofline"):
         assert res[key] > 0
     assert res["ratio_vs_hf"] == res["hf_s"] / res["engine_s"]
+    assert res["linear_kernel"] in ("onednn", "mkl", "torch")
