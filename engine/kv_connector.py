@@ -69,6 +69,13 @@ class KVConnector:
                                         daemon=True)
         self._poller.start()
 
+    def preconnect(self, remotes: list[KVAgentHandle]) -> bool:
+        """Connects rank 0 to a peer engine's ranks before a pull needs them (ranks 1.. still
+        connect on their first pull); whether the backend had anything to set up. Refuses a
+        peer whose layout this engine could not read, as a pull would."""
+        plan_pull(self.agent.layout, self.agent.backend, list(remotes), [], [])
+        return all([self.agent.preconnect(r) for r in remotes])
+
     def pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
              remote_block_ids: list[int], timeout_s: float) -> TransferStats:
         """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``

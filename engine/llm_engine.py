@@ -361,6 +361,12 @@ class LLMEngine:
         timeout = self.config.kv_transfer_timeout_s if timeout_s is None else timeout_s
         return self.kv_connector.pull(alloc, remotes, remote_block_ids, timeout)
 
+    def preconnect_kv(self, remotes: list) -> bool:
+        """Decode role: connects to a prefill engine's ranks (kvtransfer.KVAgentHandle) ahead
+        of the first pull from them; whether there was anything to set up. Blocking."""
+        self._need_connector()
+        return self.kv_connector.preconnect(remotes)
+
     def kv_transfer_counters(self):
         """engine.kv_connector.KVConnectorCounters: bytes, transfers, failures, releases..."""
         self._need_connector()

@@ -138,6 +138,7 @@ class WorkerRuntime:
         # Static for the engine's life: serialized once, not on every heartbeat.
         self._layouts = [lay.to_json() for lay in engine.kv_cache_layouts()]
         self._presence = None  # router.presence.WorkerPresence once started with Redis
+        self._peers = None  # engine.kv_peers.KVPeerConnector: a decode worker's, with Redis
 
     @classmethod
     async def create(cls, config: WorkerConfig) -> WorkerRuntime:
@@ -197,7 +198,8 @@ class WorkerRuntime:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_expired_leases=s.num_expired_leases, num_preemptions=s.num_preemptions,
             num_inflight=self.inflight, draining=self.draining,
-            kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures)
+            kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures,
+            kv_peers_connected=self._peers.num_connected if self._peers is not None else 0)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start_presence(self) -> None:
@@ -207,11 +209,22 @@ class WorkerRuntime:
 
         self._presence = WorkerPresence(self.config.redis_url, self.config.namespace,
                                         self.config.heartbeat_interval_s, self.worker_info)
+        registry = self._presence.registry
+        if self.config.role == "prefill":  # before the first heartbeat makes it routable
+            await registry.set_kv_handles(self.worker_id, [
+                h.to_bytes() for h in self.llm.kv_transfer_handles()])
         await self._presence.start()
+        if self.config.role == "decode":
+            from engine.kv_peers import KVPeerConnector
+
+            self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s)
+            self._peers.start()
 
     async def stop_presence(self) -> None:
         """Leave the registry first, so the router stops sending work while we drain."""
         self.draining = True
+        if self._peers is not None:
+            await self._peers.stop()
         if self._presence is not None:
             await self._presence.stop()
             self._presence = None

@@ -65,6 +65,11 @@ class KVTransferAgent(ABC):
     def close(self) -> None:
         """Stops serving and frees the backend's resources; idempotent."""
 
+    def preconnect(self, remote: KVAgentHandle) -> bool:
+        """Sets up the connection to ``remote`` ahead of the first pull from it; whether this
+        backend has anything to set up (the default: no)."""
+        return False
+
     # --- the shared surface -------------------------------------------------------------------
     def pull(self, remotes: list[KVAgentHandle], remote_block_ids: list[int],
              local_block_ids: list[int], timeout_s: float,

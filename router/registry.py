@@ -107,7 +107,22 @@ class Registry:
                 p.hdel(self._k("workers"), wid)
                 p.zrem(self._k("heartbeats"), wid)
                 p.srem(self._k("drained"), wid)
+                p.delete(self._k("kvhandles", wid))
                 await p.execute()
+
+    # --- KV agents ------------------------------------------------------------------------
+    async def set_kv_handles(self, worker_id: str, handles: list[bytes]) -> None:
+        """A prefill worker's ranks' KV-agent handles (kvtransfer.KVAgentHandle bytes), so
+        decode workers can connect before their first pull; gone when the worker is purged."""
+        key = self._k("kvhandles", worker_id)
+        async with self.r.pipeline(transaction=True) as p:
+            p.delete(key)
+            if handles:
+                p.rpush(key, *handles)
+            await p.execute()
+
+    async def kv_handles(self, worker_id: str) -> list[bytes]:
+        return list(await self.r.lrange(self._k("kvhandles", worker_id), 0, -1))
 
     # --- prefix-block index ---------------------------------------------------------------
     async def publish_events(self, worker_id: str, events: list) -> None:

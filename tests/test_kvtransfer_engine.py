@@ -261,3 +261,25 @@ def test_a_read_left_in_flight_quarantines_its_blocks(model, monkeypatch):
     finally:
         decode.shutdown()
         prefill.close()
+
+
+def test_a_decode_engine_connects_to_a_prefill_engine_ahead_of_its_first_pull(model, expected,
+                                                                              prompts):
+    prefill = PrefillProc(model, 1, "nixl")
+    decode = _decode_engine(model, 1, "nixl")
+    other = _decode_engine(model, 1, "torch")
+    try:
+        reader = decode.kv_connector.agent._main
+        assert not reader._remotes
+        assert decode.preconnect_kv(prefill.handles) is True
+        assert set(reader._remotes) == {h.agent_name for h in prefill.handles}
+        assert decode.preconnect_kv(prefill.handles) is True  # again: already known, no harm
+        # The pull that follows uses that connection and moves the right bytes.
+        assert _disaggregate(prefill, decode, prompts[:2], concurrent=False)[0] == expected[:2]
+        # A handle of another backend is refused, as a pull from it would be.
+        with pytest.raises(ValueError, match="backend"):
+            other.preconnect_kv(prefill.handles)
+    finally:
+        other.shutdown()
+        decode.shutdown()
+        prefill.close()

@@ -78,6 +78,26 @@ def test_bad_inputs(redis_url):
     _run(body())
 
 
+def test_kv_handles_are_published_and_leave_with_their_worker(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "t-kvh", ttl_s=0.5)
+        await reg.set_kv_handles("p", [b"rank0\x00bytes", b"rank1"])
+        await reg.heartbeat(_info("p"))
+        assert await reg.kv_handles("p") == [b"rank0\x00bytes", b"rank1"]
+        await reg.set_kv_handles("p", [b"new"])  # a restart replaces, never appends
+        assert await reg.kv_handles("p") == [b"new"]
+        await reg.deregister("p")
+        assert await reg.kv_handles("p") == []
+        await reg.set_kv_handles("q", [b"x"])
+        await reg.heartbeat(_info("q"))
+        time.sleep(0.7)
+        assert await reg.live_workers() == []  # stale: purged with its handles
+        assert await reg.kv_handles("q") == []
+        await reg.r.aclose()
+
+    _run(body())
+
+
 def test_long_chains_are_matched_across_round_trips(redis_url):
     """Chains longer than one server-side walk (router.registry._MATCH_CHUNK blocks): a worker
     that drops out exactly at a chunk's end, one in the next chunk, one that holds it all."""

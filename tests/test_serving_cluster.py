@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.block_hash import hash_request_tokens
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
+from tests.proc_signals import wait_until
 from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -92,6 +93,8 @@ def test_a_decode_worker_joins_and_leaves(cluster):
     old = _by_role(cluster, "decode")[0]
     new = cluster.add_worker("decode")
     cluster.wait_routable(2, 2)
+    # Before any request, the newcomer connected to both prefill workers' KV agents.
+    assert wait_until(lambda: worker_info(new.address).kv_peers_connected == 2)
     _drain(cluster, old)
     prompt = random_prompts(1, seed=5)[0]
     with Client(cluster.router_address, timeout=60) as c:
