@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
 from engine.grpc_server import ServerConfig
+from engine.kv_peers import KVPeerConnector
 from engine.llm_engine import LLMEngine, NoFreeBlocksError
 from protos import common_pb2
 
@@ -68,10 +69,15 @@ class WorkerConfig:
             raise ValueError(f"core_share_cores must be a positive integer, got "
                              f"{self.core_share_cores!r}")
 
+    @property
+    def shared_cores(self) -> int:
+        """The cores the core-share group shares (with core sharing on)."""
+        return self.core_share_cores or os.cpu_count() or 1
+
     def core_share_config(self, base_threads: int) -> CoreShareConfig | None:
         if self.core_share_path is None:
             return None
-        cores = self.core_share_cores or os.cpu_count() or 1
+        cores = self.shared_cores
         return CoreShareConfig(self.core_share_path, cores, min(base_threads, cores))
 
     def engine_config(self) -> EngineConfig:
@@ -79,8 +85,7 @@ class WorkerConfig:
         its packed weights must be laid out for that many threads."""
         if self.core_share_path is None or self.engine.max_cpu_threads is not None:
             return self.engine
-        cores = self.core_share_cores or os.cpu_count() or 1
-        return dataclasses.replace(self.engine, max_cpu_threads=cores)
+        return dataclasses.replace(self.engine, max_cpu_threads=self.shared_cores)
 
     @property
     def role(self) -> str:
@@ -137,6 +142,9 @@ class WorkerRuntime:
         self.kv_failures = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
         self._layouts = [lay.to_json() for lay in engine.kv_cache_layouts()]
+        # This engine's ranks' KV-agent handles, serialized once (the agents live as long as
+        # the engine): prefill responses carry them and the registry publishes them.
+        self.kv_handle_bytes = [h.to_bytes() for h in engine.kv_transfer_handles()]
         self._presence = None  # router.presence.WorkerPresence once started with Redis
         self._peers = None  # engine.kv_peers.KVPeerConnector: a decode worker's, with Redis
 
@@ -211,12 +219,9 @@ class WorkerRuntime:
                                         self.config.heartbeat_interval_s, self.worker_info)
         registry = self._presence.registry
         if self.config.role == "prefill":  # before the first heartbeat makes it routable
-            await registry.set_kv_handles(self.worker_id, [
-                h.to_bytes() for h in self.llm.kv_transfer_handles()])
+            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
         await self._presence.start()
         if self.config.role == "decode":
-            from engine.kv_peers import KVPeerConnector
-
             self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s)
             self._peers.start()
 

@@ -19,8 +19,6 @@ from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
-        # Serialized once: the agents and their registrations live as long as the engine.
-        self.rank_handles = [h.to_bytes() for h in rt.llm.kv_transfer_handles()]
         # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
         self._leases: dict[str, float] = {}
 
@@ -62,7 +60,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._leases[rid] = lease.expires_at
         resp.kv_handle.CopyFrom(common_pb2.KVHandle(
             worker_id=self.rt.worker_id, worker_address=self.rt.address,
-            backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rank_handles,
+            backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
             block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
             lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0)))
         return resp
