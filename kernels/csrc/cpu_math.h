@@ -56,6 +56,41 @@ static inline vfloat vselect(vint mask, vfloat a, vfloat b) {
     return (vfloat)(((vint)a & mask) | ((vint)b & ~mask));
 }
 
+/* Lane i of the result: the sum of p[i]'s lanes, for VEC_WIDTH vectors p (overwritten).
+ * Each round adds neighbouring lanes of two vectors into one, halving the count: VEC_WIDTH
+ * horizontal sums for VEC_WIDTH - 1 adds and twice as many shuffles, where one sum at a time
+ * is a log2(VEC_WIDTH)-deep chain each. With 8 lanes the pairs are taken within 128-bit
+ * halves (one vshufps each) and the halves are combined last. */
+#if VEC_WIDTH == 8
+#define PAIR_LO 0, 2, 8, 10, 4, 6, 12, 14
+#define PAIR_HI 1, 3, 9, 11, 5, 7, 13, 15
+#elif VEC_WIDTH == 4
+#define PAIR_LO 0, 2, 4, 6
+#define PAIR_HI 1, 3, 5, 7
+#else
+#define PAIR_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define PAIR_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#endif
+static inline __attribute__((always_inline)) vfloat vsum_transpose(vfloat *p) {
+#if VEC_WIDTH == 8
+    for (int i = 0; i < 4; i++)  /* [p0 lo, lo, p1 lo, lo, p0 hi, hi, p1 hi, hi] partials */
+        p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_LO)
+               + __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_HI);
+    for (int i = 0; i < 2; i++)  /* [4 vectors' low-half sums, the same 4's high-half sums] */
+        p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_LO)
+               + __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_HI);
+    return __builtin_shufflevector(p[0], p[1], 0, 1, 2, 3, 8, 9, 10, 11)
+           + __builtin_shufflevector(p[0], p[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+    /* Even and odd lanes across the whole width: lane order comes out right by itself. */
+    for (int n = VEC_WIDTH; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_LO)
+                   + __builtin_shufflevector(p[2 * i], p[2 * i + 1], PAIR_HI);
+    return p[0];
+#endif
+}
+
 /* exp_nonpos over VEC_WIDTH lanes, in GCC/clang vector extensions: plain loops around the
  * scalar version are not vectorized by GCC (its clamp and flush are control flow to it), and
  * intrinsics would tie the file to one instruction set. Lanes below -87 give exp(-87)
