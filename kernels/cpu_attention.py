@@ -2,8 +2,9 @@
 
 Decode attention is memory-bound. The torch path copies every decode's blocks into a padded
 batch before SDPA reads them again; the compiled kernel (kernels/csrc/paged_decode_cpu.c)
-reads each block in place, once. Prefill chunks, the K/V write, and anything the kernel does
-not take (dtypes other than float32) stay on the torch path.
+reads each block in place, once. The K/V write is a compiled memcpy per row
+(kernels/csrc/kv_write_cpu.c). Prefill chunks, and anything the kernels do not take (dtypes
+other than float32), stay on the torch path.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from kernels.attention_backend import AttentionMetadata
 from kernels.cpu_decode import (check_ranges, cpu_kernels_available, paged_decode_attention_cpu,
                                 supports)
+from kernels.cpu_kv_write import check_slots, kv_write_supported, write_kv_cpu
 from kernels.torch_attention import TorchAttentionBackend, _StepPlan, _write_kv
 
 
@@ -24,7 +26,11 @@ class CPUAttentionBackend(TorchAttentionBackend):
         if not (supports(query, k_cache) and cpu_kernels_available()):
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
         plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
-        _write_kv(key, value, k_cache, v_cache, plan)
+        if _compiled_write(meta.slot_mapping) and kv_write_supported(key, k_cache):
+            # Slots were range-checked once for the step, in _make_plan.
+            write_kv_cpu(key, value, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
+        else:
+            _write_kv(key, value, k_cache, v_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
         nd = meta.num_decodes
         if nd:  # decodes come first, one token each: token row i is sequence i
@@ -41,4 +47,12 @@ class CPUAttentionBackend(TorchAttentionBackend):
         if not gather_decodes:
             check_ranges(meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[0],
                          k_cache.shape[1])
+        if _compiled_write(meta.slot_mapping):
+            check_slots(meta.slot_mapping, k_cache.shape[0], k_cache.shape[1])
         return super()._make_plan(meta, k_cache, dtype, gather_decodes)
+
+
+def _compiled_write(slot_mapping: torch.Tensor) -> bool:
+    # The model runner's slots; anything else (a hand-built metadata) takes the torch path.
+    return (slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+            and slot_mapping.dim() == 1 and slot_mapping.is_contiguous())
