@@ -13,7 +13,8 @@ from engine.kv_layout import KVCacheLayout, make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner
 from engine.parallel_state import TPGroup
-from engine.setup import RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks
+from engine.setup import (RankSpec, cpu_graph_enabled, cuda_graph_config, load_rank_model,
+                          rank_capacity_blocks)
 
 
 class ExecutorError(RuntimeError):
@@ -70,7 +71,8 @@ class UniProcExecutor(Executor):
         layout = make_layout(model_config, self.num_blocks, spec.config.block_size,
                              spec.torch_dtype)
         self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0),
-                                  cuda_graph_config(spec, model_config, self.num_blocks))
+                                  cuda_graph_config(spec, model_config, self.num_blocks),
+                                  cpu_graph=cpu_graph_enabled(spec, self.group.size))
         self.kv_agent = make_rank_agent(spec, self.runner)
         self._kv_handles = [self.kv_agent.handle()] if self.kv_agent is not None else []
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cpu_graph import CPUDecodeGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
 from engine.sampler import Sampler, SamplerOutput, make_generator
@@ -32,7 +33,8 @@ class ModelRunner:
     """One rank's model and its share of the paged KV cache."""
 
     def __init__(self, model: torch.nn.Module, layout: KVCacheLayout, dtype: torch.dtype,
-                 device: torch.device, graph_config: CUDAGraphConfig | None = None) -> None:
+                 device: torch.device, graph_config: CUDAGraphConfig | None = None,
+                 cpu_graph: bool = False) -> None:
         self.model = model
         self.layout = layout
         self.device = device
@@ -40,8 +42,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(layout.shape, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         # Captured after the cache exists: the graphs hold its address.
-        self.graphs = (DecodeGraphRunner(model, graph_config, device)
-                       if graph_config is not None else None)
+        self.graphs: DecodeGraphRunner | CPUDecodeGraph | None = None
+        if graph_config is not None:
+            self.graphs = DecodeGraphRunner(model, graph_config, device)
+        elif cpu_graph:  # None where the model has a piece the C graph does not reproduce
+            self.graphs = CPUDecodeGraph.build(model)
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor | None:

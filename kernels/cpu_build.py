@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_INCLUDE_C = re.compile(r'^#include "([\w.]+\.c)"', re.MULTILINE)
 _lock = threading.Lock()
 
 
@@ -96,9 +98,12 @@ def _build_and_load(name: str, flags: tuple[str, ...],
 def cache_key(cc: str, source: Path, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    # The headers it may include count too: a changed header must rebuild every kernel.
+    # The headers it may include count too: a changed header must rebuild every kernel. So do
+    # the other sources it includes (the decode graph compiles the kernels it chains).
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
-    return hashlib.sha256(source.read_bytes() + headers + version.encode()
+    included = b"".join((source.parent / name).read_bytes()
+                        for name in _INCLUDE_C.findall(source.read_text()))
+    return hashlib.sha256(source.read_bytes() + headers + included + version.encode()
                           + " ".join(flags).encode() + cpu_identity()).hexdigest()[:16]
 
 

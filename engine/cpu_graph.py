@@ -1,0 +1,204 @@
+"""Decode steps on the CPU as one compiled call per step (kernels/csrc/decode_graph_cpu.c).
+
+The CPU's stand-in for the captured CUDA graphs of engine/cuda_graph.py, with the same
+``bucket_for``/``run`` face for the model runner. The Python model launches ~10 kernels per
+layer; at decode batch sizes their Python side (module calls, views, allocations, launcher
+checks, ctypes) is a serial 3-4 ms of a ~30 ms tiny-llama step on 2 cores, while the second
+core idles. The C graph runs the same kernels in the same order and threads, so its hidden
+states equal the Python path's bit for bit; the checks the launchers made per call are made
+here once per step.
+
+It takes over only where every piece is one it reproduces: a float32 Llama-family model on
+the CPU at TP=1, the compiled attention backend, and every decoder linear layer on oneMKL's
+packed GEMM (the few-rows kernel where the layer kept its plain weight). Anything else, or
+``enforce_eager``, leaves the Python path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from engine.layers import LinearBase
+from engine.parallel_state import get_tp_size
+from kernels.attention_backend import AttentionMetadata
+from kernels.cpu_attention import CPUAttentionBackend
+from kernels.cpu_build import load_kernel
+from kernels.cpu_decode import blocks_contiguous, check_ranges
+from kernels.cpu_kv_write import check_slots
+from kernels.cpu_mkl_linear import _lib as _mkl_lib
+
+_LIB_NAME = "decode_graph_cpu"
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("packed", _p), ("plain", _p), ("bias", _p), ("n", _i64), ("k", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+                ("k_cache", _p), ("v_cache", _p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i32), ("hidden", _i32), ("num_heads", _i32),
+                ("num_kv_heads", _i32), ("head_size", _i32), ("inter", _i32), ("eps", _f32),
+                ("scale", _f32), ("cache_bs", _i64), ("block_size", _i32), ("cos_sin", _p),
+                ("final_norm", _p), ("gemm", _p), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _StepIn(ctypes.Structure):
+    _fields_ = [("num_tokens", _i32), ("positions", _p), ("slots", _p), ("block_tables", _p),
+                ("table_stride", _i64), ("seq_lens", _p)]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("residual", "h", "qkv", "qn", "kn", "attn", "gate_up",
+                                        "act")]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    lib = load_kernel(_LIB_NAME)
+    if lib is not None:
+        lib.decode_graph_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_StepIn), _p,
+                                         ctypes.POINTER(_Scratch), _i32]
+        lib.decode_graph_f32.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(layer: LinearBase) -> _Linear | None:
+    pw = layer.packed_weight
+    if pw is None or pw.kernel != "mkl" or layer.tp_size != 1:
+        return None
+    bias = layer.bias
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    plain = layer.weight.data if layer.use_small_linear else None
+    if plain is not None and not plain.is_contiguous():
+        return None
+    return _Linear(_ptr(pw.data), _ptr(plain), _ptr(bias), pw.out_features, pw.in_features)
+
+
+class CPUDecodeGraph:
+    """Runs a decode-only step's decoder layers in one C call; ``build`` says whether it can."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], model_w: _Model) -> None:
+        self.model = model
+        self._layers = (_Layer * len(layers))(*layers)  # kept alive: model_w points into it
+        model_w.layers = ctypes.cast(self._layers, ctypes.POINTER(_Layer))
+        self._model_w = model_w
+        self.cos_sin = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+        attn0 = model.model.layers[0].self_attn.attn
+        self.num_blocks, self.block_size = attn0.k_cache.shape[0], attn0.k_cache.shape[1]
+        self._scratch: dict[str, torch.Tensor] = {}
+        self._capacity = 0
+        self.num_replays = 0
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> CPUDecodeGraph | None:
+        """The graph for ``model`` (its KV cache bound), or None where some piece is not one
+        the C graph reproduces."""
+        inner = getattr(model, "model", None)
+        if (_lib() is None or _mkl_lib() is None or get_tp_size() != 1 or inner is None
+                or not hasattr(inner, "layers") or len(inner.layers) == 0):
+            return None
+        first = inner.layers[0]
+        if next(model.parameters()).dtype != torch.float32 or \
+                next(model.parameters()).device.type != "cpu":
+            return None
+        layers = []
+        for layer in inner.layers:
+            built = _layer(layer)
+            if built is None:
+                return None
+            layers.append(built)
+        sa = first.self_attn
+        cos_sin = sa.rotary_emb.cos_sin_cache
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+            return None
+        k0 = sa.attn.k_cache
+        gemm = ctypes.cast(_mkl_lib().cblas_sgemm_compute, _p).value
+        model_w = _Model(len(layers), inner.norm.weight.shape[0], sa.num_heads, sa.num_kv_heads,
+                         sa.head_dim, first.mlp.down_proj.input_size, first.input_layernorm.eps,
+                         sa.attn.scale, k0.stride(0), k0.shape[1], _ptr(cos_sin),
+                         _ptr(inner.norm.weight), gemm, None)
+        return cls(model, layers, model_w)
+
+    def bucket_for(self, meta: AttentionMetadata) -> int | None:
+        """The step's size when the graph runs it (one token per sequence, all decodes)."""
+        n = meta.num_seqs
+        if n == 0 or meta.num_decodes != n or meta.num_tokens != n:
+            return None
+        return n
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            bucket: int) -> torch.Tensor:
+        """[n, hidden] final hidden states of a decode step (``bucket`` from ``bucket_for``)."""
+        n = bucket
+        step = self._step_in(positions, meta, n)
+        hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [n, hidden]
+        scratch = self._buffers(n)
+        _lib().decode_graph_f32(ctypes.byref(self._model_w), ctypes.byref(step),
+                                hidden.data_ptr(), ctypes.byref(scratch),
+                                torch.get_num_threads())
+        self.num_replays += 1
+        return hidden
+
+    def _step_in(self, positions: torch.Tensor, meta: AttentionMetadata, n: int) -> _StepIn:
+        # What the Python path's launchers check per call, checked once for the step.
+        tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
+        for name, t, dtype, dims in (("positions", positions, torch.int64, 1),
+                                     ("slot_mapping", slots, torch.int64, 1),
+                                     ("seq_lens", lens, torch.int32, 1),
+                                     ("block_tables", tables, torch.int32, 2)):
+            if (t.dtype != dtype or t.dim() != dims or t.shape[0] != n
+                    or t.device.type != "cpu" or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor with {n} "
+                                 f"rows, got {t.dtype} {tuple(t.shape)}")
+        check_ranges(tables, lens, self.num_blocks, self.block_size)
+        check_slots(slots, self.num_blocks, self.block_size)
+        if int(positions.min()) < 0 or int(positions.max()) >= self.cos_sin.shape[0]:
+            raise ValueError(f"positions must be in [0, {self.cos_sin.shape[0]})")
+        return _StepIn(n, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                       tables.stride(0), lens.data_ptr())
+
+    def _buffers(self, n: int) -> _Scratch:
+        # Grown to the largest step seen; a step uses the first n rows of each.
+        if n > self._capacity:
+            m = self._model_w
+            q, kv = m.num_heads * m.head_size, m.num_kv_heads * m.head_size
+            widths = {"residual": m.hidden, "h": m.hidden, "qkv": q + 2 * kv,
+                      "qn": q, "kn": kv, "attn": q, "gate_up": 2 * m.inter, "act": m.inter}
+            self._scratch = {k: torch.empty(n, w) for k, w in widths.items()}
+            self._capacity = n
+        return _Scratch(*(t.data_ptr() for t in self._scratch.values()))
+
+
+def _layer(layer: torch.nn.Module) -> _Layer | None:
+    sa, mlp = layer.self_attn, layer.mlp
+    if not isinstance(sa.attn.backend, CPUAttentionBackend):
+        return None
+    linears = [_linear(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(lin is None for lin in linears):
+        return None
+    k, v = sa.attn.k_cache, sa.attn.v_cache
+    if (k.dim() != 4 or k.dtype != torch.float32 or not blocks_contiguous(k)
+            or v.stride() != k.stride()):
+        return None
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if sa.qk_norm:
+        norms += [sa.q_norm.weight, sa.k_norm.weight]
+    if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        return None
+    q_norm, k_norm = (norms[2], norms[3]) if sa.qk_norm else (None, None)
+    return _Layer(*linears, _ptr(norms[0]), _ptr(norms[1]), _ptr(q_norm), _ptr(k_norm),
+                  _ptr(k), _ptr(v))

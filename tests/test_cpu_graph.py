@@ -1,0 +1,104 @@
+"""Decode steps as one compiled call (engine/cpu_graph.py): the same hidden states as the
+Python model, bit for bit, for each model family; per-step checks; where it declines."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cpu_graph import CPUDecodeGraph
+from kernels.attention_backend import AttentionMetadata
+from kernels.cpu_mkl_linear import mkl_available
+
+pytestmark = pytest.mark.skipif(not mkl_available(), reason="no oneMKL in this torch")
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(5, 7000) for _ in range(rng.randint(3, 90))] for _ in range(n)]
+
+
+def _greedy(n: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _checked_graph(llm: LLM, seen: list[AttentionMetadata]) -> CPUDecodeGraph:
+    """The engine's graph, wrapped to run the Python model on each step too and compare."""
+    runner = llm.engine.executor.runner
+    graph = runner.graphs
+    assert isinstance(graph, CPUDecodeGraph)
+    run = graph.run
+
+    def both(input_ids, positions, meta, bucket):
+        # The Python path first: both write the same K/V into the same slots.
+        want = runner.model(input_ids, positions, meta).clone()
+        got = run(input_ids, positions, meta, bucket)
+        assert torch.equal(got, want), (got - want).abs().max()
+        seen.append(meta)
+        return got
+
+    graph.run = both
+    return graph
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("num_prompts", [3, 13])  # the few-rows kernel's rows, and past them
+def test_graph_equals_python_model_bit_for_bit(preset, num_prompts, preset_path):
+    llm = LLM(str(preset_path(preset)), linear_backend="mkl")
+    seen: list[AttentionMetadata] = []
+    graph = _checked_graph(llm, seen)
+    outs = llm.generate(_prompts(num_prompts), _greedy())
+    assert len(seen) >= 10 and graph.num_replays == len(seen)
+    assert max(m.num_seqs for m in seen) == num_prompts
+    # Varied tokens, or equal states would prove little.
+    assert len({t for o in outs for t in o.token_ids}) > 2 * 12
+
+
+def test_graph_tokens_equal_eager(preset_path):
+    path = str(preset_path("tiny-llama"))
+    prompts = _prompts(9, seed=3)
+    graph_llm = LLM(path, linear_backend="mkl")
+    eager = LLM(path, linear_backend="mkl", enforce_eager=True)
+    assert eager.engine.executor.runner.graphs is None
+    got = [o.token_ids for o in graph_llm.generate(prompts, _greedy(24))]
+    assert graph_llm.engine.executor.runner.graphs.num_replays >= 23
+    assert got == [o.token_ids for o in eager.generate(prompts, _greedy(24))]
+
+
+def test_bad_step_inputs_are_refused(preset_path):
+    llm = LLM(str(preset_path("tiny-llama")), linear_backend="mkl")
+    seen: list[AttentionMetadata] = []
+    graph = _checked_graph(llm, seen)
+    llm.generate(_prompts(2), _greedy(3))
+    meta = seen[-1]
+    ids, pos = torch.zeros(meta.num_seqs, dtype=torch.int64), meta.seq_lens.long() - 1
+    bad_cases = [
+        ({"slot_mapping": meta.slot_mapping.clone().fill_(graph.num_blocks * graph.block_size)},
+         "slots must be below"),
+        ({"block_tables": meta.block_tables.clone().fill_(graph.num_blocks)}, "block ids"),
+        ({"seq_lens": meta.seq_lens.long()}, "seq_lens must be"),
+    ]
+    for change, match in bad_cases:
+        bad = AttentionMetadata(**{**meta.__dict__, **change})
+        with pytest.raises(ValueError, match=match):
+            CPUDecodeGraph.run(graph, ids, pos, bad, meta.num_seqs)
+    with pytest.raises(ValueError, match="positions must be in"):
+        CPUDecodeGraph.run(graph, ids, pos + 10 ** 7, meta, meta.num_seqs)
+
+
+def test_declines_what_it_does_not_reproduce(preset_path):
+    path = str(preset_path("tiny-llama"))
+    assert LLM(path, linear_backend="torch").engine.executor.runner.graphs is None
+    assert LLM(path, linear_backend="mkl", enforce_eager=True).engine.executor.runner.graphs \
+        is None
+    llm = LLM(path, linear_backend="mkl")
+    graph = llm.engine.executor.runner.graphs
+    # Prefill steps (query length > 1) stay on the Python model.
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(3), query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        block_tables=torch.zeros(1, 1, dtype=torch.int32), query_lens_list=[3],
+        seq_lens_list=[3], max_query_len=3, max_seq_len=3, block_size=16, num_decodes=0)
+    assert graph.bucket_for(meta) is None
