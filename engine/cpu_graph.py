@@ -65,7 +65,7 @@ def _lib() -> ctypes.CDLL | None:
     lib = load_kernel(_LIB_NAME)
     if lib is not None:
         lib.decode_graph_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_StepIn), _p,
-                                         ctypes.POINTER(_Scratch), _i32]
+                                         ctypes.POINTER(_Scratch), _i32, _i32, _i32]
         lib.decode_graph_f32.restype = None
     return lib
 
@@ -144,12 +144,23 @@ class CPUDecodeGraph:
             bucket: int) -> torch.Tensor:
         """[n, hidden] final hidden states of a decode step (``bucket`` from ``bucket_for``)."""
         n = bucket
-        step = self._step_in(positions, meta, n)
+        step = ctypes.byref(self._step_in(positions, meta, n))
         hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [n, hidden]
-        scratch = self._buffers(n)
-        _lib().decode_graph_f32(ctypes.byref(self._model_w), ctypes.byref(step),
-                                hidden.data_ptr(), ctypes.byref(scratch),
-                                torch.get_num_threads())
+        args = (ctypes.byref(self._model_w), step, hidden.data_ptr(),
+                ctypes.byref(self._buffers(n)))
+        layers = self.model.model.layers
+        num_layers = len(layers)
+        if not any(layer._forward_pre_hooks for layer in layers):
+            _lib().decode_graph_f32(*args, 0, num_layers, torch.get_num_threads())
+        else:
+            # Layer by layer, each one's forward pre-hooks first, as the Python model runs
+            # them (called with no inputs: the step's tensors live in C). The core share
+            # gives borrowed cores back between layers this way; the thread count is read
+            # again for every layer.
+            for i, layer in enumerate(layers):
+                for hook in tuple(layer._forward_pre_hooks.values()):
+                    hook(layer, ())
+                _lib().decode_graph_f32(*args, i, i + 1, torch.get_num_threads())
         self.num_replays += 1
         return hidden
 

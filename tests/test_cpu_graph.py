@@ -102,3 +102,23 @@ def test_declines_what_it_does_not_reproduce(preset_path):
         block_tables=torch.zeros(1, 1, dtype=torch.int32), query_lens_list=[3],
         seq_lens_list=[3], max_query_len=3, max_seq_len=3, block_size=16, num_decodes=0)
     assert graph.bucket_for(meta) is None
+
+
+def test_layer_pre_hooks_run_between_layers(preset_path):
+    """A decoder layer's forward pre-hooks (the core share's give-back) still run before
+    every layer, and the states stay bit for bit the Python path's."""
+    llm = LLM(str(preset_path("tiny-qwen3")), linear_backend="mkl")
+    layers = llm.engine.decoder_layers()
+    calls: list[int] = []
+    handles = [layer.register_forward_pre_hook(lambda m, args, i=i: calls.append(i))
+               for i, layer in enumerate(layers)]
+    seen: list[AttentionMetadata] = []
+    _checked_graph(llm, seen)  # the Python path runs too: its hooks fire once per layer as well
+    llm.generate(_prompts(4, seed=5), _greedy(6))
+    for h in handles:
+        h.remove()
+    steps = len(seen)
+    assert steps >= 5
+    # Each decode step: once from the Python model, once from the graph, in layer order.
+    per_layer = {i: calls.count(i) for i in range(len(layers))}
+    assert set(per_layer.values()) == {per_layer[0]} and per_layer[0] >= 2 * steps

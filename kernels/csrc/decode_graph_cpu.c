@@ -111,14 +111,16 @@ static void attention(const struct model_w *m, const struct layer_w *l, const st
     linear(m->gemm, &l->o, s->attn, s->h, T, threads);
 }
 
-/* hidden [T, hidden]: the step's embeddings in, the final normed hidden states out. */
+/* Decoder layers [begin, end) of a step. hidden [T, hidden]: the step's embeddings in (when
+ * begin is 0), each layer's output between calls (the residual stream stays in s), the final
+ * normed hidden states out (when end is num_layers). */
 void decode_graph_f32(const struct model_w *m, const struct step_in *in, float *hidden,
-                      struct scratch *s, int threads) {
+                      struct scratch *s, int begin, int end, int threads) {
     const int T = in->num_tokens, H = m->hidden;
     float *x = hidden;  /* each layer's input, then its output */
-    /* Layer 0's residual is the embedding; its norm is written over the layer's input. */
-    memcpy(s->residual, hidden, (size_t)T * H * sizeof(float));
-    for (int i = 0; i < m->num_layers; i++) {
+    if (begin == 0)  /* layer 0's residual is the embedding; its norm goes over its input */
+        memcpy(s->residual, hidden, (size_t)T * H * sizeof(float));
+    for (int i = begin; i < end; i++) {
         const struct layer_w *l = &m->layers[i];
         rms_norm_f32(x, H, 0, i == 0 ? NULL : s->residual, H, 0, l->input_norm, x, H, 0, T, 1,
                      H, m->eps, threads);
@@ -130,5 +132,7 @@ void decode_graph_f32(const struct model_w *m, const struct step_in *in, float *
                          threads);
         linear(m->gemm, &l->down, s->act, x, T, threads);
     }
-    rms_norm_f32(x, H, 0, s->residual, H, 0, m->final_norm, x, H, 0, T, 1, H, m->eps, threads);
+    if (end == m->num_layers)
+        rms_norm_f32(x, H, 0, s->residual, H, 0, m->final_norm, x, H, 0, T, 1, H, m->eps,
+                     threads);
 }
