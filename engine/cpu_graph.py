@@ -1,12 +1,14 @@
-"""Decode steps on the CPU as one compiled call per step (kernels/csrc/decode_graph_cpu.c).
+"""Model steps on the CPU through compiled layer code (kernels/csrc/decode_graph_cpu.c).
 
 The CPU's stand-in for the captured CUDA graphs of engine/cuda_graph.py, with the same
 ``bucket_for``/``run`` face for the model runner. The Python model launches ~10 kernels per
 layer; at decode batch sizes their Python side (module calls, views, allocations, launcher
 checks, ctypes) is a serial 3-4 ms of a ~30 ms tiny-llama step on 2 cores, while the second
-core idles. The C graph runs the same kernels in the same order and threads, so its hidden
-states equal the Python path's bit for bit; the checks the launchers made per call are made
-here once per step.
+core idles. A decode-only step runs as one C call; a step with prefill rows runs each layer's
+parts before and after the attention in C and the attention itself through the Python
+backend (``CPUAttentionBackend.attend``: flash SDPA for the prefill rows). The same kernels
+run in the same order and threads, so the hidden states equal the Python path's bit for bit;
+the checks the launchers made per call are made here once per step.
 
 It takes over only where every piece is one it reproduces: a float32 Llama-family model on
 the CPU at TP=1, the compiled attention backend, and every decoder linear layer on oneMKL's
@@ -25,7 +27,7 @@ from engine.parallel_state import get_tp_size
 from kernels.attention_backend import AttentionMetadata
 from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_build import load_kernel
-from kernels.cpu_decode import blocks_contiguous, check_ranges
+from kernels.cpu_decode import blocks_contiguous, check_ranges, cpu_kernels_available, supports
 from kernels.cpu_kv_write import check_slots
 from kernels.cpu_mkl_linear import _lib as _mkl_lib
 
@@ -64,9 +66,13 @@ class _Scratch(ctypes.Structure):
 def _lib() -> ctypes.CDLL | None:
     lib = load_kernel(_LIB_NAME)
     if lib is not None:
-        lib.decode_graph_f32.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_StepIn), _p,
-                                         ctypes.POINTER(_Scratch), _i32, _i32, _i32]
-        lib.decode_graph_f32.restype = None
+        common = [ctypes.POINTER(_Model), ctypes.POINTER(_StepIn), _p, ctypes.POINTER(_Scratch)]
+        lib.decode_graph_f32.argtypes = common + [_i32, _i32, _i32]
+        lib.layer_pre_attention_f32.argtypes = common + [_i32, _i32]
+        lib.layer_post_attention_f32.argtypes = common + [_i32, _i32]
+        for fn in (lib.decode_graph_f32, lib.layer_pre_attention_f32,
+                   lib.layer_post_attention_f32):
+            fn.restype = None
     return lib
 
 
@@ -98,6 +104,7 @@ class CPUDecodeGraph:
         self.cos_sin = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
         attn0 = model.model.layers[0].self_attn.attn
         self.num_blocks, self.block_size = attn0.k_cache.shape[0], attn0.k_cache.shape[1]
+        self.qk_norm = model.model.layers[0].self_attn.qk_norm
         self._scratch: dict[str, torch.Tensor] = {}
         self._capacity = 0
         self.num_replays = 0
@@ -133,49 +140,72 @@ class CPUDecodeGraph:
         return cls(model, layers, model_w)
 
     def bucket_for(self, meta: AttentionMetadata) -> int | None:
-        """The step's size when the graph runs it (one token per sequence, all decodes)."""
-        n = meta.num_seqs
-        if n == 0 or meta.num_decodes != n or meta.num_tokens != n:
-            return None
-        return n
+        """The step's token count: the graph runs every step (decode-only ones whole, others
+        around the Python attention)."""
+        return meta.num_tokens or None
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             bucket: int) -> torch.Tensor:
-        """[n, hidden] final hidden states of a decode step (``bucket`` from ``bucket_for``)."""
+        """[num_tokens, hidden] final hidden states of a step (``bucket`` from ``bucket_for``)."""
         n = bucket
-        step = ctypes.byref(self._step_in(positions, meta, n))
+        decode_only = meta.num_decodes == meta.num_seqs == n
+        step = ctypes.byref(self._step_in(positions, meta, n, decode_only))
         hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [n, hidden]
         args = (ctypes.byref(self._model_w), step, hidden.data_ptr(),
                 ctypes.byref(self._buffers(n)))
         layers = self.model.model.layers
-        num_layers = len(layers)
-        if not any(layer._forward_pre_hooks for layer in layers):
-            _lib().decode_graph_f32(*args, 0, num_layers, torch.get_num_threads())
+        hooked = any(layer._forward_pre_hooks for layer in layers)
+        if decode_only and not hooked:
+            _lib().decode_graph_f32(*args, 0, len(layers), torch.get_num_threads())
         else:
-            # Layer by layer, each one's forward pre-hooks first, as the Python model runs
-            # them (called with no inputs: the step's tensors live in C). The core share
-            # gives borrowed cores back between layers this way; the thread count is read
-            # again for every layer.
+            attn = None if decode_only else self._attention_views(n)
             for i, layer in enumerate(layers):
+                # Each layer's forward pre-hooks first, as the Python model runs them (with no
+                # inputs: the step's tensors live in C). The core share gives borrowed cores
+                # back between layers this way; the thread count is read again per layer.
                 for hook in tuple(layer._forward_pre_hooks.values()):
                     hook(layer, ())
-                _lib().decode_graph_f32(*args, i, i + 1, torch.get_num_threads())
+                threads = torch.get_num_threads()
+                if attn is None:
+                    _lib().decode_graph_f32(*args, i, i + 1, threads)
+                    continue
+                _lib().layer_pre_attention_f32(*args, i, threads)
+                a = layer.self_attn.attn
+                a.backend.attend(*attn[:3], a.k_cache, a.v_cache, meta, a.scale, attn[3])
+                _lib().layer_post_attention_f32(*args, i, threads)
         self.num_replays += 1
         return hidden
 
-    def _step_in(self, positions: torch.Tensor, meta: AttentionMetadata, n: int) -> _StepIn:
+    def _attention_views(self, n: int) -> tuple[torch.Tensor, ...]:
+        """(q, k, v, out) over the scratch rows the C layer halves leave them in."""
+        m, sc = self._model_w, self._scratch
+        heads, kv_heads, d = m.num_heads, m.num_kv_heads, m.head_size
+        q_size, kv_size = heads * d, kv_heads * d
+        qkv = sc["qkv"][:n]
+        if self.qk_norm:
+            q, k = sc["qn"][:n].view(n, heads, d), sc["kn"][:n].view(n, kv_heads, d)
+        else:
+            q = qkv[:, :q_size].view(n, heads, d)
+            k = qkv[:, q_size:q_size + kv_size].view(n, kv_heads, d)
+        v = qkv[:, q_size + kv_size:].view(n, kv_heads, d)
+        return q, k, v, sc["attn"][:n].view(n, heads, d)
+
+    def _step_in(self, positions: torch.Tensor, meta: AttentionMetadata, n: int,
+                 decode_only: bool) -> _StepIn:
         # What the Python path's launchers check per call, checked once for the step.
         tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
-        for name, t, dtype, dims in (("positions", positions, torch.int64, 1),
-                                     ("slot_mapping", slots, torch.int64, 1),
-                                     ("seq_lens", lens, torch.int32, 1),
-                                     ("block_tables", tables, torch.int32, 2)):
-            if (t.dtype != dtype or t.dim() != dims or t.shape[0] != n
+        for name, t, dtype, dims, rows in (("positions", positions, torch.int64, 1, n),
+                                           ("slot_mapping", slots, torch.int64, 1, n),
+                                           ("seq_lens", lens, torch.int32, 1, meta.num_seqs),
+                                           ("block_tables", tables, torch.int32, 2,
+                                            meta.num_seqs)):
+            if (t.dtype != dtype or t.dim() != dims or t.shape[0] != rows
                     or t.device.type != "cpu" or not t.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor with {n} "
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor with {rows} "
                                  f"rows, got {t.dtype} {tuple(t.shape)}")
-        check_ranges(tables, lens, self.num_blocks, self.block_size)
+        if decode_only:  # the C graph's own attention reads these
+            check_ranges(tables, lens, self.num_blocks, self.block_size)
         check_slots(slots, self.num_blocks, self.block_size)
         if int(positions.min()) < 0 or int(positions.max()) >= self.cos_sin.shape[0]:
             raise ValueError(f"positions must be in [0, {self.cos_sin.shape[0]})")
@@ -203,7 +233,8 @@ def _layer(layer: torch.nn.Module) -> _Layer | None:
         return None
     k, v = sa.attn.k_cache, sa.attn.v_cache
     if (k.dim() != 4 or k.dtype != torch.float32 or not blocks_contiguous(k)
-            or v.stride() != k.stride()):
+            or v.stride() != k.stride() or not cpu_kernels_available()
+            or not supports(torch.empty(0, sa.num_heads, sa.head_dim), k)):
         return None
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if sa.qk_norm:

@@ -32,6 +32,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
         else:
             _write_kv(key, value, k_cache, v_cache, plan)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        return self.attend(query, key, value, k_cache, v_cache, meta, scale, out)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, out: torch.Tensor) -> torch.Tensor:
+        """``forward`` after the step's K/V are in the cache (the CPU graph writes them
+        itself), into ``out`` [num_tokens, num_heads, head_size]."""
+        plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
         nd = meta.num_decodes
         if nd:  # decodes come first, one token each: token row i is sequence i
             paged_decode_attention_cpu(query[:nd], k_cache, v_cache, meta.block_tables[:nd],

@@ -1,5 +1,6 @@
-"""Decode steps as one compiled call (engine/cpu_graph.py): the same hidden states as the
-Python model, bit for bit, for each model family; per-step checks; where it declines."""
+"""Model steps through the compiled layer code (engine/cpu_graph.py): the same hidden states as
+the Python model, bit for bit, for each model family, for decode-only steps and steps with
+prefill chunks (with and without a cached prefix); per-step checks; where it declines."""
 from __future__ import annotations
 
 import random
@@ -46,14 +47,22 @@ def _checked_graph(llm: LLM, seen: list[AttentionMetadata]) -> CPUDecodeGraph:
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 @pytest.mark.parametrize("num_prompts", [3, 13])  # the few-rows kernel's rows, and past them
 def test_graph_equals_python_model_bit_for_bit(preset, num_prompts, preset_path):
-    llm = LLM(str(preset_path(preset)), linear_backend="mkl")
+    # A 40-token budget: prompts split into chunks (the later ones over a cached prefix),
+    # mixed with decodes in one step.
+    llm = LLM(str(preset_path(preset)), linear_backend="mkl", max_num_batched_tokens=40)
     seen: list[AttentionMetadata] = []
     graph = _checked_graph(llm, seen)
-    outs = llm.generate(_prompts(num_prompts), _greedy())
+    outs = llm.generate(_prompts(num_prompts), _greedy(30))  # long enough to overlap
     assert len(seen) >= 10 and graph.num_replays == len(seen)
-    assert max(m.num_seqs for m in seen) == num_prompts
+    # Decode-only steps past the few-rows kernel's 8 rows when there are prompts for them.
+    widest = max(m.num_seqs for m in seen if m.num_decodes == m.num_seqs)
+    assert (widest > 8) == (num_prompts > 8)
+    kinds = {(m.num_decodes == m.num_seqs, m.num_decodes > 0) for m in seen}
+    assert kinds >= {(True, True), (False, True), (False, False)}  # decode, mixed, prefill
+    assert any(q < s for m in seen for q, s in zip(m.query_lens_list, m.seq_lens_list)
+               if q > 1)  # a chunk over its own cached prefix
     # Varied tokens, or equal states would prove little.
-    assert len({t for o in outs for t in o.token_ids}) > 2 * 12
+    assert len({t for o in outs for t in o.token_ids}) > 2 * 30
 
 
 def test_graph_tokens_equal_eager(preset_path):
@@ -93,15 +102,8 @@ def test_declines_what_it_does_not_reproduce(preset_path):
     assert LLM(path, linear_backend="torch").engine.executor.runner.graphs is None
     assert LLM(path, linear_backend="mkl", enforce_eager=True).engine.executor.runner.graphs \
         is None
-    llm = LLM(path, linear_backend="mkl")
-    graph = llm.engine.executor.runner.graphs
-    # Prefill steps (query length > 1) stay on the Python model.
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(3), query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
-        seq_lens=torch.tensor([3], dtype=torch.int32),
-        block_tables=torch.zeros(1, 1, dtype=torch.int32), query_lens_list=[3],
-        seq_lens_list=[3], max_query_len=3, max_seq_len=3, block_size=16, num_decodes=0)
-    assert graph.bucket_for(meta) is None
+    llm = LLM(path, linear_backend="mkl", attention_backend="torch")
+    assert llm.engine.executor.runner.graphs is None
 
 
 def test_layer_pre_hooks_run_between_layers(preset_path):

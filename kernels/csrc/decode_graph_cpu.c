@@ -7,7 +7,9 @@
  * the same threads, so the hidden states come out bit for bit as the Python path leaves them
  * (tests/test_cpu_graph.py); Python validates once per step (engine/cpu_graph.py).
  *
- * Decode-only steps, float32, one rank (no all-reduce between the GEMMs), every linear layer
+ * Whole decode-only steps (decode_graph_f32); steps with prefill rows run each layer's parts
+ * before and after the attention here and the attention in Python (the layer_*_attention_f32
+ * pair). float32, one rank (no all-reduce between the GEMMs), every linear layer
  * on oneMKL's packed GEMM (through the function pointer the caller resolved from torch's own
  * oneMKL) or, at up to MAX_ROWS rows where the layer kept its plain weight, the few-rows
  * kernel. Layouts as in the kernels included below; activations are contiguous rows.
@@ -83,12 +85,18 @@ static void linear(sgemm_compute_fn gemm, const struct linear_w *w, const float 
          w->packed, (int)w->k, w->bias != NULL ? 1.0f : 0.0f, y, (int)w->n);
 }
 
-/* Self-attention of one layer: x [T, hidden] (normed) -> s->h [T, hidden]. */
-static void attention(const struct model_w *m, const struct layer_w *l, const struct step_in *in,
-                      const float *x, struct scratch *s, int threads) {
-    const int T = in->num_tokens, D = m->head_size;
+/* Layer i up to its attention, over x [T, hidden] (the layer's input): the input norm (adding
+ * into the residual stream, except at layer 0), qkv, the q/k norms, RoPE, and the K/V write.
+ * q is left at s->qn when the layer has q/k norms, else in s->qkv (rows of the fused width);
+ * k likewise at s->kn or in s->qkv; v in s->qkv. */
+static void pre_attention(const struct model_w *m, int i, const struct step_in *in, float *x,
+                          struct scratch *s, int threads) {
+    const struct layer_w *l = &m->layers[i];
+    const int T = in->num_tokens, D = m->head_size, H = m->hidden;
     const int64_t q_size = (int64_t)m->num_heads * D, kv_size = (int64_t)m->num_kv_heads * D;
     const int64_t width = q_size + 2 * kv_size;
+    rms_norm_f32(x, H, 0, i == 0 ? NULL : s->residual, H, 0, l->input_norm, x, H, 0, T, 1, H,
+                 m->eps, threads);
     linear(m->gemm, &l->qkv, x, s->qkv, T, threads);
     float *q = s->qkv, *k = s->qkv + q_size;
     const float *v = s->qkv + q_size + kv_size;
@@ -104,35 +112,55 @@ static void attention(const struct model_w *m, const struct layer_w *l, const st
                     m->cos_sin, D, T, threads);
     write_kv_f32(k, k_s0, v, width, l->k_cache, l->v_cache, m->cache_bs, in->slots, T, kv_size,
                  m->block_size, threads);
-    paged_decode_attention_f32(q, q_s0, D, l->k_cache, l->v_cache, m->cache_bs,
-                               in->block_tables, in->table_stride, in->seq_lens, s->attn,
-                               q_size, D, T, m->num_heads, m->num_kv_heads, D, m->block_size,
-                               m->scale, threads);
-    linear(m->gemm, &l->o, s->attn, s->h, T, threads);
 }
 
-/* Decoder layers [begin, end) of a step. hidden [T, hidden]: the step's embeddings in (when
- * begin is 0), each layer's output between calls (the residual stream stays in s), the final
- * normed hidden states out (when end is num_layers). */
-void decode_graph_f32(const struct model_w *m, const struct step_in *in, float *hidden,
-                      struct scratch *s, int begin, int end, int threads) {
+/* Layer i after its attention (s->attn [T, heads * D]): o-proj, the post-attention norm, the
+ * MLP into x; after the last layer, the final norm over x. */
+static void post_attention(const struct model_w *m, int i, const struct step_in *in, float *x,
+                           struct scratch *s, int threads) {
+    const struct layer_w *l = &m->layers[i];
     const int T = in->num_tokens, H = m->hidden;
-    float *x = hidden;  /* each layer's input, then its output */
-    if (begin == 0)  /* layer 0's residual is the embedding; its norm goes over its input */
-        memcpy(s->residual, hidden, (size_t)T * H * sizeof(float));
-    for (int i = begin; i < end; i++) {
-        const struct layer_w *l = &m->layers[i];
-        rms_norm_f32(x, H, 0, i == 0 ? NULL : s->residual, H, 0, l->input_norm, x, H, 0, T, 1,
-                     H, m->eps, threads);
-        attention(m, l, in, x, s, threads);
-        rms_norm_f32(s->h, H, 0, s->residual, H, 0, l->post_norm, s->h, H, 0, T, 1, H, m->eps,
-                     threads);
-        linear(m->gemm, &l->gate_up, s->h, s->gate_up, T, threads);
-        silu_and_mul_f32(s->gate_up, 2 * (int64_t)m->inter, s->act, m->inter, T, m->inter,
-                         threads);
-        linear(m->gemm, &l->down, s->act, x, T, threads);
-    }
-    if (end == m->num_layers)
+    linear(m->gemm, &l->o, s->attn, s->h, T, threads);
+    rms_norm_f32(s->h, H, 0, s->residual, H, 0, l->post_norm, s->h, H, 0, T, 1, H, m->eps,
+                 threads);
+    linear(m->gemm, &l->gate_up, s->h, s->gate_up, T, threads);
+    silu_and_mul_f32(s->gate_up, 2 * (int64_t)m->inter, s->act, m->inter, T, m->inter, threads);
+    linear(m->gemm, &l->down, s->act, x, T, threads);
+    if (i == m->num_layers - 1)
         rms_norm_f32(x, H, 0, s->residual, H, 0, m->final_norm, x, H, 0, T, 1, H, m->eps,
                      threads);
+}
+
+/* hidden [T, hidden] is the step's embeddings before layer 0 (its copy starts the residual
+ * stream), each layer's output between layers, and the final normed hidden states after the
+ * last. Steps with prefill rows call these two around the Python attention backend. */
+void layer_pre_attention_f32(const struct model_w *m, const struct step_in *in, float *hidden,
+                             struct scratch *s, int layer, int threads) {
+    if (layer == 0)
+        memcpy(s->residual, hidden, (size_t)in->num_tokens * m->hidden * sizeof(float));
+    pre_attention(m, layer, in, hidden, s, threads);
+}
+
+void layer_post_attention_f32(const struct model_w *m, const struct step_in *in, float *hidden,
+                              struct scratch *s, int layer, int threads) {
+    post_attention(m, layer, in, hidden, s, threads);
+}
+
+/* Decoder layers [begin, end) of a decode-only step, attention included (one query token per
+ * sequence, in->block_tables and in->seq_lens). */
+void decode_graph_f32(const struct model_w *m, const struct step_in *in, float *hidden,
+                      struct scratch *s, int begin, int end, int threads) {
+    const int D = m->head_size;
+    const int64_t q_size = (int64_t)m->num_heads * D, kv_size = (int64_t)m->num_kv_heads * D;
+    for (int i = begin; i < end; i++) {
+        const struct layer_w *l = &m->layers[i];
+        layer_pre_attention_f32(m, in, hidden, s, i, threads);
+        const float *q = l->q_norm != NULL ? s->qn : s->qkv;
+        const int64_t q_s0 = l->q_norm != NULL ? q_size : q_size + 2 * kv_size;
+        paged_decode_attention_f32(q, q_s0, D, l->k_cache, l->v_cache, m->cache_bs,
+                                   in->block_tables, in->table_stride, in->seq_lens, s->attn,
+                                   q_size, D, in->num_tokens, m->num_heads, m->num_kv_heads, D,
+                                   m->block_size, m->scale, threads);
+        post_attention(m, i, in, hidden, s, threads);
+    }
 }
