@@ -29,7 +29,7 @@ from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_build import load_kernel
 from kernels.cpu_decode import blocks_contiguous, check_ranges, cpu_kernels_available, supports
 from kernels.cpu_kv_write import check_slots
-from kernels.cpu_mkl_linear import _lib as _mkl_lib
+from kernels.cpu_mkl_linear import mkl_available, mkl_compute_address
 
 _LIB_NAME = "decode_graph_cpu"
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -93,8 +93,9 @@ def _linear(layer: LinearBase) -> _Linear | None:
     return _Linear(_ptr(pw.data), _ptr(plain), _ptr(bias), pw.out_features, pw.in_features)
 
 
-class CPUDecodeGraph:
-    """Runs a decode-only step's decoder layers in one C call; ``build`` says whether it can."""
+class CPUModelGraph:
+    """Runs a step's decoder layers in compiled code (a decode-only step in one C call);
+    ``build`` says whether it can."""
 
     def __init__(self, model: torch.nn.Module, layers: list[_Layer], model_w: _Model) -> None:
         self.model = model
@@ -110,11 +111,11 @@ class CPUDecodeGraph:
         self.num_replays = 0
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> CPUDecodeGraph | None:
+    def build(cls, model: torch.nn.Module) -> CPUModelGraph | None:
         """The graph for ``model`` (its KV cache bound), or None where some piece is not one
         the C graph reproduces."""
         inner = getattr(model, "model", None)
-        if (_lib() is None or _mkl_lib() is None or get_tp_size() != 1 or inner is None
+        if (_lib() is None or not mkl_available() or get_tp_size() != 1 or inner is None
                 or not hasattr(inner, "layers") or len(inner.layers) == 0):
             return None
         first = inner.layers[0]
@@ -132,7 +133,11 @@ class CPUDecodeGraph:
         if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
             return None
         k0 = sa.attn.k_cache
-        gemm = ctypes.cast(_mkl_lib().cblas_sgemm_compute, _p).value
+        # One eps for every norm: the C graph passes one.
+        norms = [inner.norm] + [n for layer in inner.layers for n in _norms(layer)]
+        if len({n.eps for n in norms}) != 1:
+            return None
+        gemm = mkl_compute_address()
         model_w = _Model(len(layers), inner.norm.weight.shape[0], sa.num_heads, sa.num_kv_heads,
                          sa.head_dim, first.mlp.down_proj.input_size, first.input_layernorm.eps,
                          sa.attn.scale, k0.stride(0), k0.shape[1], _ptr(cos_sin),
@@ -236,11 +241,16 @@ def _layer(layer: torch.nn.Module) -> _Layer | None:
             or v.stride() != k.stride() or not cpu_kernels_available()
             or not supports(torch.empty(0, sa.num_heads, sa.head_dim), k)):
         return None
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    if sa.qk_norm:
-        norms += [sa.q_norm.weight, sa.k_norm.weight]
+    norms = [n.weight for n in _norms(layer)]
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return None
     q_norm, k_norm = (norms[2], norms[3]) if sa.qk_norm else (None, None)
     return _Layer(*linears, _ptr(norms[0]), _ptr(norms[1]), _ptr(q_norm), _ptr(k_norm),
                   _ptr(k), _ptr(v))
+
+
+def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A decoder layer's RMSNorms: input, post-attention, then q and k where it has them."""
+    sa = layer.self_attn
+    return ([layer.input_layernorm, layer.post_attention_layernorm]
+            + ([sa.q_norm, sa.k_norm] if sa.qk_norm else []))

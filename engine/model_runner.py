@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cpu_graph import CPUDecodeGraph
+from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
 from engine.sampler import Sampler, SamplerOutput, make_generator
@@ -42,11 +42,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(layout.shape, dtype=dtype, device=device)
         model.bind_kv_cache(self.kv_cache)
         # Captured after the cache exists: the graphs hold its address.
-        self.graphs: DecodeGraphRunner | CPUDecodeGraph | None = None
+        self.graphs: DecodeGraphRunner | CPUModelGraph | None = None
         if graph_config is not None:
             self.graphs = DecodeGraphRunner(model, graph_config, device)
         elif cpu_graph:  # None where the model has a piece the C graph does not reproduce
-            self.graphs = CPUDecodeGraph.build(model)
+            self.graphs = CPUModelGraph.build(model)
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor | None:

@@ -48,6 +48,13 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
+def mkl_compute_address() -> int | None:
+    """The address of oneMKL's ``cblas_sgemm_compute`` (for compiled callers that chain it
+    with other kernels: kernels/csrc/decode_graph_cpu.c), None without oneMKL."""
+    lib = _lib()
+    return None if lib is None else ctypes.cast(lib.cblas_sgemm_compute, ctypes.c_void_p).value
+
+
 @functools.cache
 def mkl_available() -> bool:
     """Whether oneMKL's packed sgemm is there and computes F.linear (probed once)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cpu_graph import CPUDecodeGraph
+from engine.cpu_graph import CPUModelGraph
 from kernels.attention_backend import AttentionMetadata
 from kernels.cpu_mkl_linear import mkl_available
 
@@ -25,11 +25,11 @@ def _greedy(n: int = 12) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def _checked_graph(llm: LLM, seen: list[AttentionMetadata]) -> CPUDecodeGraph:
+def _checked_graph(llm: LLM, seen: list[AttentionMetadata]) -> CPUModelGraph:
     """The engine's graph, wrapped to run the Python model on each step too and compare."""
     runner = llm.engine.executor.runner
     graph = runner.graphs
-    assert isinstance(graph, CPUDecodeGraph)
+    assert isinstance(graph, CPUModelGraph)
     run = graph.run
 
     def both(input_ids, positions, meta, bucket):
@@ -92,9 +92,9 @@ def test_bad_step_inputs_are_refused(preset_path):
     for change, match in bad_cases:
         bad = AttentionMetadata(**{**meta.__dict__, **change})
         with pytest.raises(ValueError, match=match):
-            CPUDecodeGraph.run(graph, ids, pos, bad, meta.num_seqs)
+            CPUModelGraph.run(graph, ids, pos, bad, meta.num_seqs)
     with pytest.raises(ValueError, match="positions must be in"):
-        CPUDecodeGraph.run(graph, ids, pos + 10 ** 7, meta, meta.num_seqs)
+        CPUModelGraph.run(graph, ids, pos + 10 ** 7, meta, meta.num_seqs)
 
 
 def test_declines_what_it_does_not_reproduce(preset_path):
@@ -104,6 +104,11 @@ def test_declines_what_it_does_not_reproduce(preset_path):
         is None
     llm = LLM(path, linear_backend="mkl", attention_backend="torch")
     assert llm.engine.executor.runner.graphs is None
+    # The C graph takes one eps for every norm.
+    model = LLM(path, linear_backend="mkl").engine.executor.runner.model
+    assert CPUModelGraph.build(model) is not None
+    model.model.layers[1].post_attention_layernorm.eps *= 2
+    assert CPUModelGraph.build(model) is None
 
 
 def test_layer_pre_hooks_run_between_layers(preset_path):
