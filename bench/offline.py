@@ -48,6 +48,9 @@ class OfflineResult:
     # The GEMM the linear layers ran on ("onednn", "mkl" or "torch": --linear-backend auto
     # picks per host, so figures from two machines may compare two libraries).
     linear_kernel: str = "torch"
+    # Whether the engine's steps ran through the CPU model graph (engine/cpu_graph.py) rather
+    # than the Python model, and how many steps did.
+    cpu_graph_steps: int = 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -147,6 +150,13 @@ def _linear_kernel(llm) -> str:
     return "torch" if layer.packed_weight is None else layer.packed_weight.kernel
 
 
+def _cpu_graph_steps(llm) -> int:
+    from engine.cpu_graph import CPUModelGraph
+
+    graphs = getattr(llm.engine.executor.runner, "graphs", None)
+    return graphs.num_replays if isinstance(graphs, CPUModelGraph) else 0
+
+
 def _f_linear(out_features: int, in_features: int, dtype: torch.dtype, device):
     # A weight of its own per layer, as the model has: one shared weight would stay in cache.
     w = torch.randn(out_features, in_features, dtype=dtype, device=device)
@@ -170,7 +180,8 @@ def main(args: argparse.Namespace) -> int:
     log(f"engine:   {engine_s:8.2f} s (TP={tp})")
     # At TP > 1 this replays rank 0's weight shards: the per-rank matmul time.
     linear_kernel = _linear_kernel(llm)
-    log(f"linear layers: {linear_kernel}")
+    graph_steps = _cpu_graph_steps(llm)
+    log(f"linear layers: {linear_kernel}; steps through the CPU model graph: {graph_steps}")
     roof_s = run_roofline(llm, reqs)
     log(f"roofline: {roof_s:8.2f} s (the engine's GEMM)")
     roof_f_s = run_roofline(llm, reqs, f_linear=True)
@@ -190,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
                         n / roof_f_s, roof_f_s / engine_s,
                         torch.get_num_threads(), tp, comm_share,
                         None if tp1_s is None else n / tp1_s,
-                        None if tp1_s is None else tp1_s / engine_s, linear_kernel)
+                        None if tp1_s is None else tp1_s / engine_s, linear_kernel, graph_steps)
     if args.json:
         print(json.dumps(asdict(res)))
     else:

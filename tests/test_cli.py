@@ -48,3 +48,7 @@ def test_bench_offline_json(capsys):
         assert res[key] > 0
     assert res["ratio_vs_hf"] == res["hf_s"] / res["engine_s"]
     assert res["linear_kernel"] in ("onednn", "mkl", "torch")
+    # The model graph runs every step where the layers are on oneMKL and C kernels build.
+    from kernels.cpu_decode import cpu_kernels_available
+    graph_expected = res["linear_kernel"] == "mkl" and cpu_kernels_available()
+    assert (res["cpu_graph_steps"] > 0) == graph_expected
