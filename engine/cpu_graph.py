@@ -80,6 +80,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _held(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors whose addresses a layer's _Layer holds: kept referenced by the graph, so a
+    re-pack or re-bind after it was built cannot free memory the C code reads."""
+    sa, mlp = layer.self_attn, layer.mlp
+    out = [sa.attn.k_cache, sa.attn.v_cache] + [n.weight for n in _norms(layer)]
+    for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        out += [t for t in (lin.packed_weight.data, lin.weight.data, lin.bias) if t is not None]
+    return out
+
+
 def _linear(layer: LinearBase) -> _Linear | None:
     pw = layer.packed_weight
     if pw is None or pw.kernel != "mkl" or layer.tp_size != 1:
@@ -106,6 +116,8 @@ class CPUModelGraph:
         attn0 = model.model.layers[0].self_attn.attn
         self.num_blocks, self.block_size = attn0.k_cache.shape[0], attn0.k_cache.shape[1]
         self.qk_norm = model.model.layers[0].self_attn.qk_norm
+        self._held = [t for layer in model.model.layers for t in _held(layer)]
+        self._held += [self.cos_sin, model.model.norm.weight]
         self._scratch: dict[str, torch.Tensor] = {}
         self._capacity = 0
         self.num_replays = 0
