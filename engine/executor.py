@@ -72,7 +72,7 @@ class UniProcExecutor(Executor):
                              spec.torch_dtype)
         self.runner = ModelRunner(model, layout, spec.torch_dtype, spec.rank_device(0),
                                   cuda_graph_config(spec, model_config, self.num_blocks),
-                                  cpu_graph=cpu_graph_enabled(spec, self.group.size))
+                                  cpu_graph=cpu_graph_enabled(spec))
         self.kv_agent = make_rank_agent(spec, self.runner)
         self._kv_handles = [self.kv_agent.handle()] if self.kv_agent is not None else []
 

@@ -160,11 +160,10 @@ def cuda_graph_config(spec: RankSpec, cfg: ModelConfig, num_blocks: int) -> CUDA
                            block_size=c.block_size)
 
 
-def cpu_graph_enabled(spec: RankSpec, tp_size: int) -> bool:
-    """Whether decode steps may run as one compiled call (engine/cpu_graph.py): on the CPU, at
-    TP=1, without ``enforce_eager``. The graph still declines models it does not cover."""
-    return (not spec.config.enforce_eager and spec.rank_device(0).type == "cpu"
-            and tp_size == 1)
+def cpu_graph_enabled(spec: RankSpec) -> bool:
+    """Whether a TP=1 rank's steps may run through compiled layer code (engine/cpu_graph.py):
+    on the CPU, without ``enforce_eager``. The graph still declines models it does not cover."""
+    return not spec.config.enforce_eager and spec.rank_device(0).type == "cpu"
 
 
 def rank_capacity_blocks(spec: RankSpec, cfg: ModelConfig, group: TPGroup) -> int:

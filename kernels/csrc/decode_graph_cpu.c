@@ -116,8 +116,8 @@ static void pre_attention(const struct model_w *m, int i, const struct step_in *
 
 /* Layer i after its attention (s->attn [T, heads * D]): o-proj, the post-attention norm, the
  * MLP into x; after the last layer, the final norm over x. */
-static void post_attention(const struct model_w *m, int i, const struct step_in *in, float *x,
-                           struct scratch *s, int threads) {
+void layer_post_attention_f32(const struct model_w *m, const struct step_in *in, float *x,
+                              struct scratch *s, int i, int threads) {
     const struct layer_w *l = &m->layers[i];
     const int T = in->num_tokens, H = m->hidden;
     linear(m->gemm, &l->o, s->attn, s->h, T, threads);
@@ -133,17 +133,13 @@ static void post_attention(const struct model_w *m, int i, const struct step_in 
 
 /* hidden [T, hidden] is the step's embeddings before layer 0 (its copy starts the residual
  * stream), each layer's output between layers, and the final normed hidden states after the
- * last. Steps with prefill rows call these two around the Python attention backend. */
+ * last. Steps with prefill rows call this and layer_post_attention_f32 around the Python
+ * attention backend. */
 void layer_pre_attention_f32(const struct model_w *m, const struct step_in *in, float *hidden,
                              struct scratch *s, int layer, int threads) {
     if (layer == 0)
         memcpy(s->residual, hidden, (size_t)in->num_tokens * m->hidden * sizeof(float));
     pre_attention(m, layer, in, hidden, s, threads);
-}
-
-void layer_post_attention_f32(const struct model_w *m, const struct step_in *in, float *hidden,
-                              struct scratch *s, int layer, int threads) {
-    post_attention(m, layer, in, hidden, s, threads);
 }
 
 /* Decoder layers [begin, end) of a decode-only step, attention included (one query token per
@@ -161,6 +157,6 @@ void decode_graph_f32(const struct model_w *m, const struct step_in *in, float *
                                    in->block_tables, in->table_stride, in->seq_lens, s->attn,
                                    q_size, D, in->num_tokens, m->num_heads, m->num_kv_heads, D,
                                    m->block_size, m->scale, threads);
-        post_attention(m, i, in, hidden, s, threads);
+        layer_post_attention_f32(m, in, hidden, s, i, threads);
     }
 }

@@ -65,16 +65,16 @@ static inline __attribute__((always_inline)) void scores_by_token(
     const int nh = nkv * group, nv = head_size / VEC_WIDTH;
     int koff[nh];  /* head h's K offset in a row: no division per dot */
     for (int h = 0; h < nh; h++) koff[h] = h / group * head_size;
-    /* The V loads and K prefetches are spread over the heads' dots, a share each: issued
-     * in one burst per token they were slower from DRAM. */
-    const int line = 64 / (int)sizeof(float);
-    const int share = (int)((row + (int64_t)nh * line - 1) / ((int64_t)nh * line)) * line;
+    /* The V loads and K prefetches (of this item's heads) are spread over the heads' dots, a
+     * share each: issued in one burst per token they were slower from DRAM. */
+    const int line = 64 / (int)sizeof(float), width = nkv * head_size;
+    const int share = (width + nh * line - 1) / (nh * line) * line;
     for (int t = 0; t < ntok; t++) {
         for (int h0 = 0; h0 < nh; h0 += VEC_WIDTH) {
             vfloat part[VEC_WIDTH];
             for (int hh = 0; hh < VEC_WIDTH; hh++) {
                 const int h = h0 + hh;
-                const int c0 = h * share, c1 = c0 + share < row ? c0 + share : (int)row;
+                const int c0 = h * share, c1 = c0 + share < width ? c0 + share : width;
                 for (int c = c0; c < c1; c += line) {
                     if (touch_v) touch_row(vb + t * row + c, 1);
                     if (next_k) __builtin_prefetch(next_k + t * row + c);
