@@ -76,21 +76,21 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+class _Pins:
+    """Takes tensors' addresses for the C structs and keeps every such tensor referenced, so a
+    re-pack or re-bind after the graph was built cannot free memory the C code reads."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def __call__(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        self.tensors.append(t)
+        return t.data_ptr()
 
 
-def _held(layer: torch.nn.Module) -> list[torch.Tensor]:
-    """The tensors whose addresses a layer's _Layer holds: kept referenced by the graph, so a
-    re-pack or re-bind after it was built cannot free memory the C code reads."""
-    sa, mlp = layer.self_attn, layer.mlp
-    out = [sa.attn.k_cache, sa.attn.v_cache] + [n.weight for n in _norms(layer)]
-    for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        out += [t for t in (lin.packed_weight.data, lin.weight.data, lin.bias) if t is not None]
-    return out
-
-
-def _linear(layer: LinearBase) -> _Linear | None:
+def _linear(layer: LinearBase, pin: _Pins) -> _Linear | None:
     pw = layer.packed_weight
     if pw is None or pw.kernel != "mkl" or layer.tp_size != 1:
         return None
@@ -100,14 +100,15 @@ def _linear(layer: LinearBase) -> _Linear | None:
     plain = layer.weight.data if layer.use_small_linear else None
     if plain is not None and not plain.is_contiguous():
         return None
-    return _Linear(_ptr(pw.data), _ptr(plain), _ptr(bias), pw.out_features, pw.in_features)
+    return _Linear(pin(pw.data), pin(plain), pin(bias), pw.out_features, pw.in_features)
 
 
 class CPUModelGraph:
     """Runs a step's decoder layers in compiled code (a decode-only step in one C call);
     ``build`` says whether it can."""
 
-    def __init__(self, model: torch.nn.Module, layers: list[_Layer], model_w: _Model) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[_Layer], model_w: _Model,
+                 pins: _Pins) -> None:
         self.model = model
         self._layers = (_Layer * len(layers))(*layers)  # kept alive: model_w points into it
         model_w.layers = ctypes.cast(self._layers, ctypes.POINTER(_Layer))
@@ -116,8 +117,7 @@ class CPUModelGraph:
         attn0 = model.model.layers[0].self_attn.attn
         self.num_blocks, self.block_size = attn0.k_cache.shape[0], attn0.k_cache.shape[1]
         self.qk_norm = model.model.layers[0].self_attn.qk_norm
-        self._held = [t for layer in model.model.layers for t in _held(layer)]
-        self._held += [self.cos_sin, model.model.norm.weight]
+        self._pinned = pins.tensors  # every tensor whose address the structs carry
         self._scratch: dict[str, torch.Tensor] = {}
         self._capacity = 0
         self.num_replays = 0
@@ -134,9 +134,10 @@ class CPUModelGraph:
         if next(model.parameters()).dtype != torch.float32 or \
                 next(model.parameters()).device.type != "cpu":
             return None
+        pin = _Pins()
         layers = []
         for layer in inner.layers:
-            built = _layer(layer)
+            built = _layer(layer, pin)
             if built is None:
                 return None
             layers.append(built)
@@ -152,9 +153,9 @@ class CPUModelGraph:
         gemm = mkl_compute_address()
         model_w = _Model(len(layers), inner.norm.weight.shape[0], sa.num_heads, sa.num_kv_heads,
                          sa.head_dim, first.mlp.down_proj.input_size, first.input_layernorm.eps,
-                         sa.attn.scale, k0.stride(0), k0.shape[1], _ptr(cos_sin),
-                         _ptr(inner.norm.weight), gemm, None)
-        return cls(model, layers, model_w)
+                         sa.attn.scale, k0.stride(0), k0.shape[1], pin(cos_sin),
+                         pin(inner.norm.weight), gemm, None)
+        return cls(model, layers, model_w, pin)
 
     def bucket_for(self, meta: AttentionMetadata) -> int | None:
         """The step's token count: the graph runs every step (decode-only ones whole, others
@@ -189,7 +190,8 @@ class CPUModelGraph:
                     continue
                 _lib().layer_pre_attention_f32(*args, i, threads)
                 a = layer.self_attn.attn
-                a.backend.attend(*attn[:3], a.k_cache, a.v_cache, meta, a.scale, attn[3])
+                a.backend.attend(*attn[:3], a.k_cache, a.v_cache, meta, a.scale, attn[3],
+                                 ranges_checked=True)
                 _lib().layer_post_attention_f32(*args, i, threads)
         self.num_replays += 1
         return hidden
@@ -221,8 +223,8 @@ class CPUModelGraph:
                     or t.device.type != "cpu" or not t.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor with {rows} "
                                  f"rows, got {t.dtype} {tuple(t.shape)}")
-        if decode_only:  # the C graph's own attention reads these
-            check_ranges(tables, lens, self.num_blocks, self.block_size)
+        # Every sequence's, prefill rows' too: the backend's attend relies on it.
+        check_ranges(tables, lens, self.num_blocks, self.block_size)
         check_slots(slots, self.num_blocks, self.block_size)
         if int(positions.min()) < 0 or int(positions.max()) >= self.cos_sin.shape[0]:
             raise ValueError(f"positions must be in [0, {self.cos_sin.shape[0]})")
@@ -241,11 +243,11 @@ class CPUModelGraph:
         return _Scratch(*(t.data_ptr() for t in self._scratch.values()))
 
 
-def _layer(layer: torch.nn.Module) -> _Layer | None:
+def _layer(layer: torch.nn.Module, pin: _Pins) -> _Layer | None:
     sa, mlp = layer.self_attn, layer.mlp
     if not isinstance(sa.attn.backend, CPUAttentionBackend):
         return None
-    linears = [_linear(m) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    linears = [_linear(m, pin) for m in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     if any(lin is None for lin in linears):
         return None
     k, v = sa.attn.k_cache, sa.attn.v_cache
@@ -257,8 +259,8 @@ def _layer(layer: torch.nn.Module) -> _Layer | None:
     if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
         return None
     q_norm, k_norm = (norms[2], norms[3]) if sa.qk_norm else (None, None)
-    return _Layer(*linears, _ptr(norms[0]), _ptr(norms[1]), _ptr(q_norm), _ptr(k_norm),
-                  _ptr(k), _ptr(v))
+    return _Layer(*linears, pin(norms[0]), pin(norms[1]), pin(q_norm), pin(k_norm),
+                  pin(k), pin(v))
 
 
 def _norms(layer: torch.nn.Module) -> list[torch.nn.Module]:

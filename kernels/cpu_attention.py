@@ -36,10 +36,12 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, out: torch.Tensor) -> torch.Tensor:
+               scale: float, out: torch.Tensor, ranges_checked: bool = False) -> torch.Tensor:
         """``forward`` after the step's K/V are in the cache (the CPU graph writes them
-        itself), into ``out`` [num_tokens, num_heads, head_size]."""
-        plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
+        itself), into ``out`` [num_tokens, num_heads, head_size]. ``ranges_checked``: the
+        caller checked the step's slots, block ids and lengths against the cache."""
+        plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False,
+                               ranges_checked=ranges_checked)
         nd = meta.num_decodes
         if nd:  # decodes come first, one token each: token row i is sequence i
             paged_decode_attention_cpu(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
@@ -49,15 +51,15 @@ class CPUAttentionBackend(TorchAttentionBackend):
         return out
 
     def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
-                   gather_decodes: bool) -> _StepPlan:
+                   gather_decodes: bool, ranges_checked: bool) -> _StepPlan:
         # Once per step, not per layer: every layer reads the same tables from same-shaped caches.
         nd = meta.num_decodes
-        if not gather_decodes:
+        if not (gather_decodes or ranges_checked):
             check_ranges(meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[0],
                          k_cache.shape[1])
-        if _compiled_write(meta.slot_mapping):
+        if _compiled_write(meta.slot_mapping) and not ranges_checked:
             check_slots(meta.slot_mapping, k_cache.shape[0], k_cache.shape[1])
-        return super()._make_plan(meta, k_cache, dtype, gather_decodes)
+        return super()._make_plan(meta, k_cache, dtype, gather_decodes, ranges_checked)
 
 
 def _compiled_write(slot_mapping: torch.Tensor) -> bool:

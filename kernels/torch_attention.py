@@ -13,6 +13,7 @@ build a new AttentionMetadata per step rather than mutate the previous one.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,17 +49,19 @@ class _PrefillSeq:
 class _StepPlan:
     # Rows of valid slots when some slots are negative (skipped); None: all tokens written.
     write_rows: torch.Tensor | None
-    # Where each written token goes, as (block, offset in block): [num_written] int64 each.
-    # A layer's cache view has a block stride wider than a block (the cache is block-major),
-    # so slots cannot index a flattened view.
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
+    slots: torch.Tensor  # [num_written] int64: the written tokens' cache slots
+    block_size: int
     decode_chunks: list[_DecodeChunk]
     prefills: list[_PrefillSeq]
 
-
-def _slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.div(slots, block_size, rounding_mode="floor"), slots.remainder(block_size)
+    @functools.cached_property
+    def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each written token goes, as (block, offset in block): [num_written] int64
+        each. A layer's cache view has a block stride wider than a block (the cache is
+        block-major), so slots cannot index a flattened view. Built on first use: a backend
+        that writes K/V with a compiled kernel never needs it."""
+        return (torch.div(self.slots, self.block_size, rounding_mode="floor"),
+                self.slots.remainder(self.block_size))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -87,17 +90,19 @@ class TorchAttentionBackend(AttentionBackend):
             _prefill_attention(query, key, value, k_cache, v_cache, seq, scale, out)
 
     def _step_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
-                   gather_decodes: bool) -> _StepPlan:
+                   gather_decodes: bool, ranges_checked: bool = False) -> _StepPlan:
         """The step's plan, built by its first layer; ``gather_decodes`` False leaves the
-        decodes to a kernel that reads the cache in place."""
+        decodes to a kernel that reads the cache in place; ``ranges_checked``: the caller
+        has checked the step's slots, block ids and lengths against the cache."""
         cached_meta, plan = self._cached
         if cached_meta is not meta or plan is None:
-            plan = self._make_plan(meta, k_cache, dtype, gather_decodes)
+            plan = self._make_plan(meta, k_cache, dtype, gather_decodes, ranges_checked)
             self._cached = (meta, plan)
         return plan
 
-    def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor,
-                   dtype: torch.dtype, gather_decodes: bool) -> _StepPlan:
+    def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
+                   gather_decodes: bool, ranges_checked: bool) -> _StepPlan:
+        # ranges_checked does not skip this path's own checks: torch indexing needs them.
         slots = meta.slot_mapping.long()
         write_rows = None
         if bool((slots < 0).any()):
@@ -118,7 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError("the first num_decodes sequences must have query length 1")
         decodes = (_plan_decodes(meta, block_tables, max(budget // token_bytes, 1), dtype)
                    if gather_decodes else [])
-        return _StepPlan(write_rows, *_slot_index(slots, k_cache.shape[1]), decodes,
+        return _StepPlan(write_rows, slots, k_cache.shape[1], decodes,
                          _plan_prefills(meta, block_tables, dtype))
 
 
@@ -186,9 +191,19 @@ def _write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if plan.write_rows is not None:
         key = key.index_select(0, plan.write_rows)
         value = value.index_select(0, plan.write_rows)
-    index = (plan.slot_blocks, plan.slot_offsets)
+    index = plan.slot_index
     k_cache.index_put_(index, key)  # k_cache[block, offset] = key[i]: [num_kv_heads, head_size]
     v_cache.index_put_(index, value)
+
+
+def write_kv_by_slots(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The torch path's K/V write for one slot mapping (negative slots skipped), outside a
+    step plan: the reference the compiled writes are tested against."""
+    slots = slot_mapping.long()
+    write_rows = torch.nonzero(slots >= 0).squeeze(1)
+    plan = _StepPlan(write_rows, slots.index_select(0, write_rows), k_cache.shape[1], [], [])
+    _write_kv(key, value, k_cache, v_cache, plan)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.torch_attention import _slot_index, _StepPlan, _write_kv
+from kernels.torch_attention import write_kv_by_slots
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -137,7 +137,4 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Plain-torch twin of ``reshape_and_cache``: the torch backend's own cache write."""
-    slots = slot_mapping.long()
-    write_rows = torch.nonzero(slots >= 0).squeeze(1)
-    index = _slot_index(slots.index_select(0, write_rows), k_cache.shape[1])
-    _write_kv(key, value, k_cache, v_cache, _StepPlan(write_rows, *index, [], []))
+    write_kv_by_slots(key, value, k_cache, v_cache, slot_mapping)

@@ -3,6 +3,7 @@ the Python model, bit for bit, for each model family, for decode-only steps and 
 prefill chunks (with and without a cached prefix); per-step checks; where it declines."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -95,6 +96,39 @@ def test_bad_step_inputs_are_refused(preset_path):
             CPUModelGraph.run(graph, ids, pos, bad, meta.num_seqs)
     with pytest.raises(ValueError, match="positions must be in"):
         CPUModelGraph.run(graph, ids, pos + 10 ** 7, meta, meta.num_seqs)
+    # A prefill step's block ids too (its attention runs in the backend, which trusts the graph).
+    first = seen[0]
+    assert first.num_decodes == 0
+    bad = AttentionMetadata(**{**first.__dict__,
+                               "block_tables": first.block_tables.clone().fill_(-1)})
+    n = first.slot_mapping.shape[0]
+    with pytest.raises(ValueError, match="block ids"):
+        CPUModelGraph.run(graph, torch.zeros(n, dtype=torch.int64),
+                          torch.arange(n, dtype=torch.int64), bad, n)
+
+
+def _addresses(struct) -> list[int]:
+    """The non-null data addresses a graph struct carries (not the GEMM's function pointer)."""
+    out = []
+    for name, kind in struct._fields_:
+        value = getattr(struct, name)
+        if kind is ctypes.c_void_p and name != "gemm" and value:
+            out.append(value)
+        elif isinstance(value, ctypes.Structure):
+            out += _addresses(value)
+    return out
+
+
+def test_every_address_the_graph_carries_is_pinned(preset_path):
+    """A re-pack or re-bind after the build must not free memory the C code reads: every
+    tensor behind an address in the structs stays referenced by the graph."""
+    graph = LLM(str(preset_path("tiny-qwen3")), linear_backend="mkl").engine.executor.runner.graphs
+    addrs = _addresses(graph._model_w)
+    for layer in graph._layers:
+        addrs += _addresses(layer)
+    # Per layer: 4 packed weights, 4 norms (qwen3 has q/k norms), K and V caches at least.
+    assert len(addrs) >= 2 + 10 * len(graph._layers)
+    assert set(addrs) <= {t.data_ptr() for t in graph._pinned}
 
 
 def test_declines_what_it_does_not_reproduce(preset_path):

@@ -8,7 +8,7 @@ import torch
 from kernels.attention_backend import AttentionMetadata
 from kernels.cpu_attention import CPUAttentionBackend
 from kernels.cpu_kv_write import kv_write_supported, write_kv_cpu
-from kernels.torch_attention import _slot_index, _StepPlan, _write_kv
+from kernels.torch_attention import write_kv_by_slots
 from tests.cache_views import block_major_views
 
 pytestmark = pytest.mark.skipif(
@@ -31,12 +31,6 @@ def _caches(num_blocks, block_size, kv_heads, head_size):
     return block_major_views(torch.zeros(shape), torch.zeros(shape))
 
 
-def _torch_write(key, value, k_cache, v_cache, slots):
-    rows = torch.nonzero(slots >= 0).squeeze(1)
-    blocks, offsets = _slot_index(slots.index_select(0, rows), k_cache.shape[1])
-    _write_kv(key, value, k_cache, v_cache, _StepPlan(rows, blocks, offsets, [], []))
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])  # 300: past the threshold for 2 threads
 def test_matches_index_put(num_tokens, threads):
@@ -53,7 +47,7 @@ def test_matches_index_put(num_tokens, threads):
         write_kv_cpu(key, value, got_k, got_v, slots)
     finally:
         torch.set_num_threads(before)
-    _torch_write(key, value, want_k, want_v, slots)
+    write_kv_by_slots(key, value, want_k, want_v, slots)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     assert int((got_k != 0).any(dim=(2, 3)).sum()) > 0  # something was written
 
