@@ -37,6 +37,13 @@ STOP_GRACE_S = 30.0
 # Requests in flight a stopping service waits for (--drain-timeout-s of every service).
 DRAIN_TIMEOUT_S = 10.0
 _SHARED_CORES_SPINCOUNT = "20000"
+# A prefill worker's step budget (--max-num-batched-tokens) where the workers share one host's
+# CPU cores, unless the worker flags set one. A 2048-token prefill step on such a host runs for
+# ~0.5-1 s, its working set spills the shared L3, and it gives borrowed cores back only between
+# decoder layers (~60-120 ms apart): the co-located decode worker's steps slow down meanwhile.
+# Measured on 2 cores (docs/benchmarks.md, session 12): 512 against 2048, four runs each,
+# decode TPOT at concurrency 32 -20% (27-30 -> 21-23 ms), concurrency 8 throughput +6%.
+_SHARED_CPU_PREFILL_BUDGET = 512
 
 
 @dataclass
@@ -74,6 +81,17 @@ class ClusterSpec:
     def cores_shared(self) -> bool:
         return (self.share_cores and self.prefill_tp == 1 and self.threads_per_rank is None
                 and "OMP_NUM_THREADS" not in os.environ)
+
+    def engine_args(self, role: str, extra: list[str]) -> list[str]:
+        """A worker's engine flags: the spec's, then ``extra``, then the defaults that depend on
+        where the workers run (a flag already given wins)."""
+        args = [*self.worker_args, *extra]
+        if role == "prefill" and self.prefill_tp > 1:
+            args += ["--tensor-parallel-size", str(self.prefill_tp)]
+        if (role == "prefill" and self.cores_shared and _on_cpu(args)
+                and _flag_value(args, "--max-num-batched-tokens") is None):
+            args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
+        return args
 
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -153,9 +171,7 @@ class Cluster:
                 "--kv-transfer-backend", self.spec.kv_transfer_backend,
                 "--worker-id", f"{role}-{{port}}",
                 "--drain-timeout-s", str(self.spec.drain_timeout_s),
-                *self.spec.worker_args, *(extra or [])]
-        if role == "prefill" and self.spec.prefill_tp > 1:
-            args += ["--tensor-parallel-size", str(self.spec.prefill_tp)]
+                *self.spec.engine_args(role, extra or [])]
         if self.spec.cores_shared and _tp_size(args) == 1:  # TP ranks keep their own threads
             if self._share_dir is None:
                 self._share_dir = tempfile.mkdtemp(prefix="pdserve-cores-")
@@ -292,16 +308,32 @@ class Cluster:
         self.stop()
 
 
-def _tp_size(args: list[str]) -> int:
-    """The tensor-parallel size a service's arguments ask for (the last flag wins)."""
-    size = 1
+def _flag_value(args: list[str], *names: str) -> str | None:
+    """The value a service's arguments give a flag (``--flag v`` or ``--flag=v``; the last
+    wins), or None."""
+    found = None
     for flag, value in zip(args, [*args[1:], ""]):
         flag, eq, attached = flag.partition("=")
-        if flag in ("--tensor-parallel-size", "-tp"):
-            value = attached if eq else value
-            if value.isdigit():
-                size = int(value)
-    return size
+        if flag in names:
+            found = attached if eq else value
+    return found
+
+
+def _tp_size(args: list[str]) -> int:
+    """The tensor-parallel size a service's arguments ask for."""
+    value = _flag_value(args, "--tensor-parallel-size", "-tp")
+    return int(value) if value is not None and value.isdigit() else 1
+
+
+def _on_cpu(args: list[str]) -> bool:
+    """Whether a worker with these arguments computes on the CPU (``--device``; "auto" takes a
+    GPU where torch sees one)."""
+    device = _flag_value(args, "--device") or "auto"
+    if device != "auto":
+        return device.startswith("cpu")
+    import torch  # only here: the launcher itself computes nothing
+
+    return not torch.cuda.is_available()
 
 
 def _descendants(pid: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""ClusterSpec: validation and the CPU threads each worker rank is given."""
+"""ClusterSpec: validation, the CPU threads each worker rank is given and the engine flags
+that depend on where the workers run."""
 from __future__ import annotations
 
 import os
@@ -23,6 +24,30 @@ def test_worker_ranks_share_the_cores(monkeypatch):
     assert worker_threads(2) == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "junk")
     assert worker_threads(4) == 4  # falls back to the cores
+
+
+def _budget(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "--max-num-batched-tokens"]
+
+
+def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = ["--device", "cpu"]
+    shared = ClusterSpec(worker_args=cpu)
+    assert _budget(shared.engine_args("prefill", [])) == ["512"]
+    assert _budget(shared.engine_args("decode", [])) == []
+    # A flag the user gave wins, from the spec's worker flags or a worker's own.
+    assert _budget(ClusterSpec(worker_args=[*cpu, "--max-num-batched-tokens", "4096"])
+                   .engine_args("prefill", [])) == ["4096"]
+    assert _budget(shared.engine_args("prefill", ["--max-num-batched-tokens=1024"])) == []
+    # Not where the cores are not shared, nor on a GPU, nor at TP > 1 (its own threads).
+    assert _budget(ClusterSpec(worker_args=cpu, share_cores=False).engine_args("prefill", [])) \
+        == []
+    assert _budget(ClusterSpec(worker_args=["--device", "cuda"]).engine_args("prefill", [])) \
+        == []
+    assert _budget(ClusterSpec(worker_args=cpu, prefill_tp=2).engine_args("prefill", [])) == []
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user placed the threads: not shared
+    assert _budget(shared.engine_args("prefill", [])) == []
 
 
 def test_bad_specs_are_refused():
