@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.gc_policy import freeze_startup_heap
+
 logger = logging.getLogger(__name__)
 
 # KV handles and long token lists are small, but a 1M-token prompt as int64s is 8+ MB.
@@ -118,6 +120,8 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
     server.install_signal_handlers()
     if on_started is not None:
         await on_started()
+    # Startup is over: full collections from now on skip its heap (engine/gc_policy.py).
+    freeze_startup_heap()
     server.report_address()
     logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
     await server.stopping.wait()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from engine import tp_comm
 from engine.executor import make_rank_agent
+from engine.gc_policy import freeze_startup_heap
 from engine.kv_layout import make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -104,6 +105,7 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
             # Decode role: this rank pulls its own heads when rank 0 asks, beside the steps.
             kv_server = WorkerKVServer(kv_conn, agent)
     group.all_reduce(torch.zeros(1, device=device))  # connect while everyone is known alive
+    freeze_startup_heap()  # engine/gc_policy.py: later full collections skip the model
     try:
         _loop(runner, conn, device)
     finally:
