@@ -88,7 +88,8 @@ class ClusterSpec:
         args = [*self.worker_args, *extra]
         if role == "prefill" and self.prefill_tp > 1:
             args += ["--tensor-parallel-size", str(self.prefill_tp)]
-        if (role == "prefill" and self.cores_shared and _on_cpu(args)
+        # Only workers that join the core share (one process each); TP ranks keep their own.
+        if (role == "prefill" and self.cores_shared and _tp_size(args) == 1 and _on_cpu(args)
                 and _flag_value(args, "--max-num-batched-tokens") is None):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
         return args
