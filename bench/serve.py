@@ -77,6 +77,9 @@ class ServeReport:
     config: ServeConfig
     torch_threads: int  # the in-process engine's
     worker_threads: int  # each worker rank's (OMP_NUM_THREADS the cluster gave it)
+    # --max-num-batched-tokens of the prefill workers and of the in-process engine
+    prefill_step_tokens: int
+    inprocess_step_tokens: int
     cpu_count: int
     points: list[PointResult]
     ratios: list[ThroughputRatio]
@@ -300,6 +303,7 @@ def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
 def run(cfg: ServeConfig) -> ServeReport:
     import torch
 
+    from engine.config import EngineConfig
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
     from router.launcher import Cluster, ClusterSpec
@@ -323,8 +327,9 @@ def run(cfg: ServeConfig) -> ServeReport:
     if cfg.inprocess and cfg.concurrency:
         results += run_inprocess(cfg, points)
     return ServeReport(cfg, torch.get_num_threads(),
-                       int(spec.worker_env()["OMP_NUM_THREADS"]), os.cpu_count() or 0, results,
-                       throughput_ratios(results), prefix)
+                       int(spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
+                       EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default,
+                       os.cpu_count() or 0, results, throughput_ratios(results), prefix)
 
 
 @contextlib.contextmanager

@@ -77,7 +77,9 @@ def markdown(report) -> str:
              f"{c.output_len[0]}-{c.output_len[1]} tokens (uniform, greedy, ignore_eos), seed "
              f"{c.seed}; {report.worker_threads} thread(s) per worker"
              f"{' (all cores while the others idle: core share)' if c.share_cores else ''}, "
-             f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs.",
+             f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs. "
+             f"Steps of up to {report.prefill_step_tokens} tokens on the prefill workers, "
+             f"{report.inprocess_step_tokens} on the in-process engine.",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if report.ratios:
         parts.append("#### Disaggregated vs in-process engine (same requests, closed loop)\n\n"

@@ -90,9 +90,18 @@ class ClusterSpec:
             args += ["--tensor-parallel-size", str(self.prefill_tp)]
         # Only workers that join the core share (one process each); TP ranks keep their own.
         if (role == "prefill" and self.cores_shared and _tp_size(args) == 1 and _on_cpu(args)
-                and _flag_value(args, "--max-num-batched-tokens") is None):
+                and flag_value(args, "--max-num-batched-tokens") is None):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
         return args
+
+    def step_budget(self, role: str) -> int:
+        """The --max-num-batched-tokens a ``role`` worker of this spec runs with."""
+        value = flag_value(self.engine_args(role, []), "--max-num-batched-tokens")
+        if value is None:
+            from engine.config import EngineConfig  # the engine's own default
+
+            return EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
+        return int(value)
 
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -309,7 +318,7 @@ class Cluster:
         self.stop()
 
 
-def _flag_value(args: list[str], *names: str) -> str | None:
+def flag_value(args: list[str], *names: str) -> str | None:
     """The value a service's arguments give a flag (``--flag v`` or ``--flag=v``; the last
     wins), or None."""
     found = None
@@ -322,14 +331,14 @@ def _flag_value(args: list[str], *names: str) -> str | None:
 
 def _tp_size(args: list[str]) -> int:
     """The tensor-parallel size a service's arguments ask for."""
-    value = _flag_value(args, "--tensor-parallel-size", "-tp")
+    value = flag_value(args, "--tensor-parallel-size", "-tp")
     return int(value) if value is not None and value.isdigit() else 1
 
 
 def _on_cpu(args: list[str]) -> bool:
     """Whether a worker with these arguments computes on the CPU (``--device``; "auto" takes a
     GPU where torch sees one)."""
-    device = _flag_value(args, "--device") or "auto"
+    device = flag_value(args, "--device") or "auto"
     if device != "auto":
         return device.startswith("cpu")
     import torch  # only here: the launcher itself computes nothing

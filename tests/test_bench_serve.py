@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
+import torch
 
 from bench import serve
 from bench.serve_metrics import BREAKDOWN_FIELDS, RequestRecord, Stats, percentile, summarize
@@ -82,8 +84,12 @@ def test_tiny_run_end_to_end(capsys):
                    "--unique-len", "8", "--prefix-output-len", "2"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
-    assert set(report) == {"config", "torch_threads", "worker_threads", "cpu_count", "points",
-                           "ratios", "shared_prefix"}
+    assert set(report) == {"config", "torch_threads", "worker_threads", "prefill_step_tokens",
+                           "inprocess_step_tokens", "cpu_count", "points", "ratios",
+                           "shared_prefix"}
+    assert report["inprocess_step_tokens"] == 2048
+    shared_cpu = "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available()
+    assert report["prefill_step_tokens"] == (512 if shared_cpu else 2048)
     loads = [(p["system"], p["mode"]) for p in report["points"]]
     assert loads == [("disagg", "concurrency"), ("disagg", "poisson"),
                      ("inprocess", "concurrency")]

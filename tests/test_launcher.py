@@ -49,6 +49,10 @@ def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
     assert _budget(shared.engine_args("prefill", ["--tensor-parallel-size", "2"])) == []
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user placed the threads: not shared
     assert _budget(shared.engine_args("prefill", [])) == []
+    assert shared.step_budget("decode") == 2048  # the engine's default
+    assert ClusterSpec(worker_args=cpu).step_budget("prefill") == 2048
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert shared.step_budget("prefill") == 512
 
 
 def test_bad_specs_are_refused():
