@@ -88,9 +88,11 @@ class ClusterSpec:
         args = [*self.worker_args, *extra]
         if role == "prefill" and self.prefill_tp > 1:
             args += ["--tensor-parallel-size", str(self.prefill_tp)]
-        # Only workers that join the core share (one process each); TP ranks keep their own.
+        # Only workers that join the core share (one process each; TP ranks keep their own
+        # threads), and only with chunked prefill: without it the budget caps the prompt length.
         if (role == "prefill" and self.cores_shared and _tp_size(args) == 1 and _on_cpu(args)
-                and flag_value(args, "--max-num-batched-tokens") is None):
+                and flag_value(args, "--max-num-batched-tokens") is None
+                and "--no-enable-chunked-prefill" not in args):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
         return args
 

@@ -47,6 +47,8 @@ def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
         == []
     assert _budget(ClusterSpec(worker_args=cpu, prefill_tp=2).engine_args("prefill", [])) == []
     assert _budget(shared.engine_args("prefill", ["--tensor-parallel-size", "2"])) == []
+    # Without chunked prefill the budget would cap the prompt length: left alone.
+    assert _budget(shared.engine_args("prefill", ["--no-enable-chunked-prefill"])) == []
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user placed the threads: not shared
     assert _budget(shared.engine_args("prefill", [])) == []
     assert shared.step_budget("decode") == 2048  # the engine's default

@@ -89,6 +89,34 @@ def test_tp2_prefill_worker_matches_the_in_process_engine(cluster):
     cluster.wait_routable(2, 1)
 
 
+def test_prompts_longer_than_a_prefill_step_match_the_in_process_engine(cluster):
+    """A prefill worker that takes a prompt in several chunked steps (as the 512-token steps
+    pdserve up gives prefill workers on shared CPU cores do for longer prompts) hands over the
+    same KV: greedy outputs equal the in-process engine's."""
+    small = cluster.add_worker("prefill", extra=["--max-num-batched-tokens", "256"])
+    others = [p for p in _by_role(cluster, "prefill") if p is not small]
+    for p in others:
+        _drain(cluster, p)
+    try:
+        cluster.wait_routable(3, 1)
+        prompts = random_prompts(2, seed=23, lo=600, hi=900)  # 3-4 steps each
+        with LLM("tiny-llama", num_gpu_blocks=256) as ref:
+            want = ref.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+        assert len({tuple(w.token_ids) for w in want}) == 2
+        with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(lambda p: c.complete(p, max_tokens=8, **GREEDY), prompts))
+        for g, w, p in zip(got, want, prompts):
+            assert g.token_ids == w.token_ids
+            assert g.usage.prefill_worker_id == small.name
+            assert g.usage.prompt_tokens == len(p)
+        wait_all_blocks_free([small.address] + [p.address for p in _by_role(cluster, "decode")])
+    finally:
+        for p in others:
+            _drain(cluster, p, undrain=True)
+        assert cluster.stop_proc(small) == 0
+    cluster.wait_routable(2, 1)
+
+
 def test_a_decode_worker_joins_and_leaves(cluster):
     old = _by_role(cluster, "decode")[0]
     new = cluster.add_worker("decode")
