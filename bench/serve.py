@@ -303,7 +303,7 @@ def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
 def run(cfg: ServeConfig) -> ServeReport:
     import torch
 
-    from engine.config import EngineConfig
+    from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
     from router.launcher import Cluster, ClusterSpec
@@ -328,7 +328,7 @@ def run(cfg: ServeConfig) -> ServeReport:
         results += run_inprocess(cfg, points)
     return ServeReport(cfg, torch.get_num_threads(),
                        int(spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
-                       EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default,
+                       DEFAULT_MAX_NUM_BATCHED_TOKENS,
                        os.cpu_count() or 0, results, throughput_ratios(results), prefix)
 
 

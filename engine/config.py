@@ -7,6 +7,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
 _KV_TRANSFER_BACKENDS = ("nixl", "torch")
 _LINEAR_BACKENDS = ("auto", "onednn", "mkl", "torch")
+# Tokens one engine step may schedule, where the config does not say.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -23,7 +25,7 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -168,7 +168,7 @@ class CPUModelGraph:
         """[num_tokens, hidden] final hidden states of a step (``bucket`` from ``bucket_for``)."""
         n = bucket
         decode_only = meta.num_decodes == meta.num_seqs == n
-        step = ctypes.byref(self._step_in(positions, meta, n, decode_only))
+        step = ctypes.byref(self._step_in(positions, meta, n))
         hidden = self.model.model.embed_tokens(input_ids).contiguous()  # [n, hidden]
         args = (ctypes.byref(self._model_w), step, hidden.data_ptr(),
                 ctypes.byref(self._buffers(n)))
@@ -210,8 +210,7 @@ class CPUModelGraph:
         v = qkv[:, q_size + kv_size:].view(n, kv_heads, d)
         return q, k, v, sc["attn"][:n].view(n, heads, d)
 
-    def _step_in(self, positions: torch.Tensor, meta: AttentionMetadata, n: int,
-                 decode_only: bool) -> _StepIn:
+    def _step_in(self, positions: torch.Tensor, meta: AttentionMetadata, n: int) -> _StepIn:
         # What the Python path's launchers check per call, checked once for the step.
         tables, lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
         for name, t, dtype, dims, rows in (("positions", positions, torch.int64, 1, n),

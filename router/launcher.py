@@ -100,9 +100,9 @@ class ClusterSpec:
         """The --max-num-batched-tokens a ``role`` worker of this spec runs with."""
         value = flag_value(self.engine_args(role, []), "--max-num-batched-tokens")
         if value is None:
-            from engine.config import EngineConfig  # the engine's own default
+            from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-            return EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
         return int(value)
 
     def worker_env(self) -> dict[str, str]:

@@ -3,6 +3,7 @@ workers joining and leaving, drain, and load shedding."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 
 import grpc
 import pytest
@@ -66,55 +67,55 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster):
     assert stats.prefix_tokens_matched >= 192
 
 
-def test_tp2_prefill_worker_matches_the_in_process_engine(cluster):
-    tp2 = cluster.add_worker("prefill", extra=["--tensor-parallel-size", "2"])
-    others = [p for p in _by_role(cluster, "prefill") if p is not tp2]
+@contextlib.contextmanager
+def _sole_prefill_worker(cluster, extra):
+    """A prefill worker started with ``extra`` flags, the others drained while it is in use;
+    stopped (SIGTERM: drain and a clean exit) afterwards."""
+    worker = cluster.add_worker("prefill", extra=extra)
+    others = [p for p in _by_role(cluster, "prefill") if p is not worker]
     for p in others:
         _drain(cluster, p)
     try:
         cluster.wait_routable(3, 1)
-        prompts = random_prompts(5, seed=21)
-        with LLM("tiny-llama", num_gpu_blocks=256) as ref:
-            want = ref.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
-        with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(5) as ex:
-            got = list(ex.map(lambda p: c.complete(p, max_tokens=10, **GREEDY), prompts))
-        for g, w in zip(got, want):
-            assert g.token_ids == w.token_ids
-            assert g.usage.prefill_worker_id == tp2.name
-        wait_all_blocks_free([tp2.address] + [p.address for p in _by_role(cluster, "decode")])
+        yield worker
+        wait_all_blocks_free([worker.address] + [p.address for p in _by_role(cluster, "decode")])
     finally:
         for p in others:
             _drain(cluster, p, undrain=True)
-        assert cluster.stop_proc(tp2) == 0  # SIGTERM: drain and a clean exit
+        assert cluster.stop_proc(worker) == 0
     cluster.wait_routable(2, 1)
+
+
+def _complete_all(cluster, prompts, max_tokens):
+    """The in-process engine's greedy results, and the cluster's, for ``prompts``."""
+    with LLM("tiny-llama", num_gpu_blocks=256) as ref:
+        want = ref.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    with Client(cluster.router_address, timeout=120) as c, \
+            cf.ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(lambda p: c.complete(p, max_tokens=max_tokens, **GREEDY), prompts))
+    return want, got
+
+
+def test_tp2_prefill_worker_matches_the_in_process_engine(cluster):
+    with _sole_prefill_worker(cluster, ["--tensor-parallel-size", "2"]) as tp2:
+        want, got = _complete_all(cluster, random_prompts(5, seed=21), 10)
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids
+            assert g.usage.prefill_worker_id == tp2.name
 
 
 def test_prompts_longer_than_a_prefill_step_match_the_in_process_engine(cluster):
     """A prefill worker that takes a prompt in several chunked steps (as the 512-token steps
     pdserve up gives prefill workers on shared CPU cores do for longer prompts) hands over the
     same KV: greedy outputs equal the in-process engine's."""
-    small = cluster.add_worker("prefill", extra=["--max-num-batched-tokens", "256"])
-    others = [p for p in _by_role(cluster, "prefill") if p is not small]
-    for p in others:
-        _drain(cluster, p)
-    try:
-        cluster.wait_routable(3, 1)
+    with _sole_prefill_worker(cluster, ["--max-num-batched-tokens", "256"]) as small:
         prompts = random_prompts(2, seed=23, lo=600, hi=900)  # 3-4 steps each
-        with LLM("tiny-llama", num_gpu_blocks=256) as ref:
-            want = ref.generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
+        want, got = _complete_all(cluster, prompts, 8)
         assert len({tuple(w.token_ids) for w in want}) == 2
-        with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(2) as ex:
-            got = list(ex.map(lambda p: c.complete(p, max_tokens=8, **GREEDY), prompts))
         for g, w, p in zip(got, want, prompts):
             assert g.token_ids == w.token_ids
             assert g.usage.prefill_worker_id == small.name
             assert g.usage.prompt_tokens == len(p)
-        wait_all_blocks_free([small.address] + [p.address for p in _by_role(cluster, "decode")])
-    finally:
-        for p in others:
-            _drain(cluster, p, undrain=True)
-        assert cluster.stop_proc(small) == 0
-    cluster.wait_routable(2, 1)
 
 
 def test_a_decode_worker_joins_and_leaves(cluster):
