@@ -1,9 +1,11 @@
-"""``pdserve bench serve``: online serving through the router vs the in-process engine.
+"""``pdserve bench serve``: online serving through the router vs two baselines.
 
 A real cluster (redis, router, prefill and decode workers as separate processes, started by
 ``router.launcher.Cluster``) serves closed loops at each concurrency and Poisson arrivals at each
-rate; then, with the cluster stopped so it has the machine to itself, an in-process ``LLMEngine``
-serves the same closed loops on the same requests. Also a shared-prefix phase: TTFT when the
+rate. Then, each with the machine to itself, the same closed loops on the same requests run on
+an aggregated cluster (the same router and client, one decode worker that prefills every prompt
+itself: what disaggregation costs, serving stack aside) and on an in-process ``LLMEngine``
+stepped directly (no gRPC, no router, no client). Also a shared-prefix phase: TTFT when the
 prompt's prefix is already cached on the prefill worker vs a fresh prefix.
 
 Metric definitions follow vLLM's ``benchmark_serving`` (see ``bench.serve_metrics``).
@@ -42,6 +44,7 @@ class ServeConfig:
     prefix_requests: int = 8
     prefix_output_len: int = 8
     inprocess: bool = True
+    aggregated: bool = True
     # Conditional disaggregation (router/local_prefill.py); None keeps the router's defaults.
     max_local_prefill_length: int | None = None
     # Workers borrow idle workers' cores (router.launcher.ClusterSpec.share_cores).
@@ -52,8 +55,11 @@ class ServeConfig:
 class ThroughputRatio:
     concurrency: int
     disagg_tok_s: float
-    inprocess_tok_s: float
-    ratio: float
+    # None where that baseline did not run
+    inprocess_tok_s: float | None
+    ratio: float | None  # disagg / in-process
+    agg_tok_s: float | None
+    ratio_vs_agg: float | None  # disagg / aggregated
 
 
 @dataclass
@@ -77,6 +83,7 @@ class ServeReport:
     config: ServeConfig
     torch_threads: int  # the in-process engine's
     worker_threads: int  # each worker rank's (OMP_NUM_THREADS the cluster gave it)
+    aggregated_worker_threads: int  # the aggregated cluster's one worker's
     # --max-num-batched-tokens of the prefill workers and of the in-process engine
     prefill_step_tokens: int
     inprocess_step_tokens: int
@@ -117,6 +124,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fixed threads per worker: no borrowing of idle workers' cores")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
+    p.add_argument("--no-aggregated", dest="aggregated", action="store_false",
+                   help="skip the aggregated cluster comparison (one decode worker that "
+                        "prefills every prompt, behind the same router)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -166,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         num_gpu_blocks=args.num_gpu_blocks, prefix_len=args.prefix_len,
         unique_len=args.unique_len, prefix_requests=args.prefix_requests,
         prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
+        aggregated=args.aggregated,
         max_local_prefill_length=args.max_local_prefill_length,
         share_cores=args.share_cores)
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
@@ -230,8 +241,8 @@ def _log(*a) -> None:
     print("[bench serve]", *a, file=sys.stderr, flush=True)
 
 
-async def run_disagg(address: str, cfg: ServeConfig, points: list[Point],
-                     vocab: int) -> tuple[list[PointResult], PrefixResult | None]:
+async def run_cluster(address: str, cfg: ServeConfig, points: list[Point], vocab: int,
+                      system: str, prefix: bool) -> tuple[list[PointResult], PrefixResult | None]:
     from client import AsyncClient
 
     results = []
@@ -244,13 +255,13 @@ async def run_disagg(address: str, cfg: ServeConfig, points: list[Point],
                 run = await closed_loop(client, pt.reqs, int(pt.load))
             else:
                 run = await poisson(client, pt.reqs, pt.load, cfg.seed * 1000 + k)
-            res = summarize("disagg", pt.mode, pt.load, run.records, run.duration_s)
-            _log(f"disagg {pt.mode} {pt.load:g}: {res.output_tok_s:.1f} out tok/s, "
+            res = summarize(system, pt.mode, pt.load, run.records, run.duration_s)
+            _log(f"{system} {pt.mode} {pt.load:g}: {res.output_tok_s:.1f} out tok/s, "
                  f"TTFT mean {res.ttft.mean:.1f} ms, {res.failed} failed"
                  + (f" ({'; '.join(res.errors)})" if res.errors else ""))
             results.append(res)
-        prefix = await run_prefix(client, cfg, vocab) if cfg.prefix_requests else None
-    return results, prefix
+        prefix_res = await run_prefix(client, cfg, vocab) if prefix else None
+    return results, prefix_res
 
 
 async def run_prefix(client, cfg: ServeConfig, vocab: int) -> PrefixResult:
@@ -290,13 +301,23 @@ def run_inprocess(cfg: ServeConfig, points: list[Point]) -> list[PointResult]:
 
 
 def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
-    inproc = {p.load: p for p in points if p.system == "inprocess"}
+    """Per closed-loop concurrency: disaggregated throughput against each baseline that ran."""
+    def tok_s(system: str) -> dict[float, float]:
+        return {p.load: p.output_tok_s for p in points
+                if p.system == system and p.mode == "concurrency"}
+
+    inproc, agg = tok_s("inprocess"), tok_s("agg")
     out = []
-    for p in points:
-        if p.system == "disagg" and p.mode == "concurrency" and p.load in inproc:
-            q = inproc[p.load].output_tok_s
-            out.append(ThroughputRatio(int(p.load), p.output_tok_s, q, p.output_tok_s / q))
+    for load, x in tok_s("disagg").items():
+        q, a = inproc.get(load), agg.get(load)
+        if q is None and a is None:
+            continue
+        out.append(ThroughputRatio(int(load), x, q, _ratio(x, q), a, _ratio(x, a)))
     return out
+
+
+def _ratio(x: float, base: float | None) -> float | None:
+    return None if base is None else (x / base if base > 0 else math.nan)
 
 
 # --- main ---------------------------------------------------------------------------------
@@ -306,30 +327,45 @@ def run(cfg: ServeConfig) -> ServeReport:
     from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
-    from router.launcher import Cluster, ClusterSpec
+    from router.launcher import ClusterSpec
 
     vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
     points = plan_points(cfg, vocab)
     router_args = ([] if cfg.max_local_prefill_length is None
                    else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
+    blocks = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
-                       worker_args=["--num-gpu-blocks", str(cfg.num_gpu_blocks)],
-                       router_args=router_args, share_cores=cfg.share_cores)
+                       worker_args=blocks, router_args=router_args, share_cores=cfg.share_cores)
     _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, {cfg.model}")
+    results, prefix = _serve_on(spec, cfg, points, vocab, "disagg", bool(cfg.prefix_requests))
+    # Each baseline runs once the cluster before it is down, with the machine to itself.
+    agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=blocks,
+                           share_cores=cfg.share_cores)
+    closed = [pt for pt in points if pt.mode == "concurrency"]
+    if cfg.aggregated and closed:
+        _log(f"starting an aggregated cluster: 1 decode worker prefilling itself, {cfg.model}")
+        results += _serve_on(agg_spec, cfg, closed, vocab, "agg", False)[0]
+    if cfg.inprocess and closed:
+        results += run_inprocess(cfg, closed)
+    return ServeReport(cfg, torch.get_num_threads(),
+                       int(spec.worker_env()["OMP_NUM_THREADS"]),
+                       int(agg_spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
+                       DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                       os.cpu_count() or 0, results, throughput_ratios(results), prefix)
+
+
+def _serve_on(spec, cfg: ServeConfig, points: list[Point], vocab: int, system: str,
+              prefix: bool) -> tuple[list[PointResult], PrefixResult | None]:
+    from router.launcher import Cluster
+
     cluster = Cluster(spec)
     with _children_stdout_to_stderr():
         cluster.start()
     try:
-        results, prefix = asyncio.run(run_disagg(cluster.router_address, cfg, points, vocab))
+        return asyncio.run(run_cluster(cluster.router_address, cfg, points, vocab, system,
+                                       prefix))
     finally:
         cluster.stop()
-    # The cluster is down by now, so the in-process engine has the machine to itself.
-    if cfg.inprocess and cfg.concurrency:
-        results += run_inprocess(cfg, points)
-    return ServeReport(cfg, torch.get_num_threads(),
-                       int(spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
-                       DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                       os.cpu_count() or 0, results, throughput_ratios(results), prefix)
 
 
 @contextlib.contextmanager

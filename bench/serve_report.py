@@ -29,12 +29,15 @@ def latency_table(points: list[PointResult]) -> str:
 
 
 def ratio_table(ratios) -> str:
-    rows = ["| concurrency | disagg out tok/s | in-process out tok/s | disagg / in-process |",
-            "|---|---|---|---|"]
+    rows = ["| concurrency | disagg out tok/s | aggregated out tok/s | in-process out tok/s | "
+            "disagg / aggregated | disagg / in-process |",
+            "|---|---|---|---|---|---|"]
     for r in ratios:
-        rows.append(f"| {r.concurrency} | {_f(r.disagg_tok_s)} | {_f(r.inprocess_tok_s)} | "
-                    f"{_f(r.ratio, 2)} |")
-    return "\n".join(rows)
+        rows.append(f"| {r.concurrency} | {_f(r.disagg_tok_s)} | {_f(r.agg_tok_s)} | "
+                    f"{_f(r.inprocess_tok_s)} | {_f(r.ratio_vs_agg, 2)} | {_f(r.ratio, 2)} |")
+    return "\n".join(rows) + ("\n\nAggregated: the same router and client in front of one "
+                              "decode worker that prefills every prompt itself. In-process: "
+                              "the engine stepped directly, no gRPC, router or client.")
 
 
 def _breakdown_rows(labelled) -> list[str]:
@@ -77,12 +80,14 @@ def markdown(report) -> str:
              f"{c.output_len[0]}-{c.output_len[1]} tokens (uniform, greedy, ignore_eos), seed "
              f"{c.seed}; {report.worker_threads} thread(s) per worker"
              f"{' (all cores while the others idle: core share)' if c.share_cores else ''}, "
+             f"{report.aggregated_worker_threads} for the aggregated cluster's worker, "
              f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs. "
              f"Steps of up to {report.prefill_step_tokens} tokens on the prefill workers, "
-             f"{report.inprocess_step_tokens} on the in-process engine.",
+             f"{report.inprocess_step_tokens} on the in-process engine and the aggregated worker.",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if report.ratios:
-        parts.append("#### Disaggregated vs in-process engine (same requests, closed loop)\n\n"
+        parts.append("#### Disaggregated vs aggregated and in-process (same requests, closed "
+                     "loop)\n\n"
                      + ratio_table(report.ratios))
     disagg = [p for p in report.points if p.system == "disagg"]
     parts.append("#### TTFT breakdown (disaggregated)\n\n" + breakdown_table(disagg))

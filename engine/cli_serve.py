@@ -109,7 +109,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers; 0 runs aggregated: the decode workers prefill every "
+                        "prompt themselves, behind the same router")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="TP ranks per prefill worker")
@@ -133,8 +135,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with Cluster(spec) as cluster:
-        print(f"pdserve up: router on {cluster.router_address} ({args.prefill} prefill, "
-              f"{args.decode} decode, model {args.model}); Ctrl-C stops everything", flush=True)
+        workers = (f"{args.decode} decode, aggregated: no prefill workers" if spec.aggregated
+                   else f"{args.prefill} prefill, {args.decode} decode")
+        print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
+              f"{args.model}); Ctrl-C stops everything", flush=True)
         while not stop.is_set():
             dead = [p for p in cluster.procs if p.popen.poll() is not None]
             if dead:

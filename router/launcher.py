@@ -1,5 +1,10 @@
 """``pdserve up``: Redis, the router and N prefill + M decode workers as separate processes.
 
+With no prefill worker (``num_prefill=0``) the cluster is aggregated: the router sends every
+prompt to a decode worker, which prefills it in its own steps (the local prefill of
+router/local_prefill.py, with no length limit but the model's). The same router, SDK and
+decode workers serve, so it is also the baseline that tells what disaggregation itself costs.
+
 ``Cluster`` is also what the end-to-end tests and ``pdserve bench serve`` use, so they run the
 same processes a user does. Readiness is the standard gRPC health check of each service.
 
@@ -36,7 +41,7 @@ from router.redis_server import RedisServer
 STOP_GRACE_S = 30.0
 # Requests in flight a stopping service waits for (--drain-timeout-s of every service).
 DRAIN_TIMEOUT_S = 10.0
-_SHARED_CORES_SPINCOUNT = "20000"
+_SPINCOUNT = "20000"
 # A prefill worker's step budget (--max-num-batched-tokens) where the workers share one host's
 # CPU cores, unless the worker flags set one. A 2048-token prefill step on such a host runs for
 # ~0.5-1 s, its working set spills the shared L3, and it gives borrowed cores back only between
@@ -49,6 +54,7 @@ _SHARED_CPU_PREFILL_BUDGET = 512
 @dataclass
 class ClusterSpec:
     model: str = "tiny-llama"
+    # 0: aggregated (see above)
     num_prefill: int = 1
     num_decode: int = 1
     prefill_tp: int = 1
@@ -72,15 +78,38 @@ class ClusterSpec:
     share_cores: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(f"a cluster needs at least one decode worker and 0 or more prefill "
+                             f"workers (0: aggregated), got {self.num_prefill} prefill and "
+                             f"{self.num_decode} decode")
+        limit = flag_value(self.router_args, "--max-local-prefill-length")
+        if self.aggregated and limit is not None and limit.isdigit() and int(limit) == 0:
+            raise ValueError("with no prefill worker the decode workers prefill every prompt: "
+                             "--max-local-prefill-length 0 would leave nothing to serve it")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
 
     @property
+    def aggregated(self) -> bool:
+        return self.num_prefill == 0
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_prefill * self.prefill_tp + self.num_decode
+
+    @property
     def cores_shared(self) -> bool:
+        # A lone worker has every core already: there is nobody to borrow from.
         return (self.share_cores and self.prefill_tp == 1 and self.threads_per_rank is None
-                and "OMP_NUM_THREADS" not in os.environ)
+                and "OMP_NUM_THREADS" not in os.environ and self.num_ranks > 1)
+
+    def router_flags(self) -> list[str]:
+        """The router's flags: the spec's, and for an aggregated cluster a local-prefill limit
+        of the model's whole context unless one was given."""
+        args = list(self.router_args)
+        if self.aggregated and flag_value(args, "--max-local-prefill-length") is None:
+            args += ["--max-local-prefill-length", str(_max_position(self.model))]
+        return args
 
     def engine_args(self, role: str, extra: list[str]) -> list[str]:
         """A worker's engine flags: the spec's, then ``extra``, then the defaults that depend on
@@ -108,16 +137,16 @@ class ClusterSpec:
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
         if "OMP_NUM_THREADS" not in env:
-            ranks = self.num_prefill * self.prefill_tp + self.num_decode
-            per = self.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+            per = self.threads_per_rank or max(1, (os.cpu_count() or 1) // self.num_ranks)
             env["OMP_NUM_THREADS"] = str(per)
-        if self.cores_shared:
-            # GNU OpenMP's idle threads spin 300k rounds (milliseconds) before they sleep: on
-            # cores shared between workers, a worker that just went idle would spin on the
-            # core the next busy one borrows (a 460+50-token prompt with a cached prefix
-            # prefilled in 44 ms instead of 37). 20k rounds still spans the gaps between one
-            # step's kernels.
-            env.setdefault("GOMP_SPINCOUNT", _SHARED_CORES_SPINCOUNT)
+        # GNU OpenMP's idle threads spin 300k rounds (milliseconds) before they sleep. Here the
+        # cores are never a worker's alone: the router, the client's streams, each worker's
+        # event loop and, with a core share, the other workers run on them too, and a spinning
+        # thread keeps them off a core (measured on 2 cores, an aggregated cluster at
+        # concurrency 32: 430 -> 529 tok/s with 20k; and a prompt whose prefill borrowed the
+        # core of a decode worker that just went idle: 44 -> 37 ms). 20k rounds still span the
+        # gaps between one step's kernels. A setting in the environment wins.
+        env.setdefault("GOMP_SPINCOUNT", _SPINCOUNT)
         return env
 
 
@@ -171,7 +200,7 @@ class Cluster:
         proc = self._spawn("router", [
             "router", "--model", self.spec.model, "--port", str(port),
             "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
-            "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_args])
+            "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_flags()])
         if wait:
             self._wait_healthy(proc)
         return proc
@@ -346,6 +375,14 @@ def _on_cpu(args: list[str]) -> bool:
     import torch  # only here: the launcher itself computes nothing
 
     return not torch.cuda.is_available()
+
+
+def _max_position(model: str) -> int:
+    """The model's context length, from its config.json (a preset is built first)."""
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+
+    return ModelConfig.from_pretrained(resolve_model(model)).max_position_embeddings
 
 
 def _descendants(pid: int) -> list[int]:

@@ -66,6 +66,21 @@ def test_summarize_pools_itl_and_counts_failures():
     assert res.breakdown_ms == pytest.approx({f: 10.0 for f in BREAKDOWN_FIELDS})
 
 
+def test_ratios_compare_each_concurrency_against_the_baselines_that_ran():
+    def point(system, load, tokens, mode="concurrency"):
+        rec = _record(0.0, [(0.1, tokens)], 0.2)
+        return summarize(system, mode, load, [rec], duration_s=1.0)
+
+    points = [point("disagg", 1, 8), point("disagg", 8, 30), point("disagg", 2, 5, "poisson"),
+              point("agg", 1, 10), point("agg", 8, 40), point("inprocess", 8, 60)]
+    r1, r8 = serve.throughput_ratios(points)  # the Poisson point has no baseline: no row
+    assert (r1.concurrency, r1.disagg_tok_s, r1.agg_tok_s) == (1, 8.0, 10.0)
+    assert r1.ratio_vs_agg == pytest.approx(0.8)
+    assert r1.inprocess_tok_s is None and r1.ratio is None
+    assert (r8.ratio_vs_agg, r8.ratio) == pytest.approx((0.75, 0.5))
+    assert serve.throughput_ratios([point("disagg", 1, 8)]) == []
+
+
 @pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--concurrency", "a,b"),
                                          ("--request-rates", "-1"), ("--prompt-len", "50-10"),
                                          ("--output-len", "x"), ("--num-prompts", "0"),
@@ -84,14 +99,15 @@ def test_tiny_run_end_to_end(capsys):
                    "--unique-len", "8", "--prefix-output-len", "2"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
-    assert set(report) == {"config", "torch_threads", "worker_threads", "prefill_step_tokens",
+    assert set(report) == {"config", "torch_threads", "worker_threads",
+                           "aggregated_worker_threads", "prefill_step_tokens",
                            "inprocess_step_tokens", "cpu_count", "points", "ratios",
                            "shared_prefix"}
     assert report["inprocess_step_tokens"] == 2048
     shared_cpu = "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available()
     assert report["prefill_step_tokens"] == (512 if shared_cpu else 2048)
     loads = [(p["system"], p["mode"]) for p in report["points"]]
-    assert loads == [("disagg", "concurrency"), ("disagg", "poisson"),
+    assert loads == [("disagg", "concurrency"), ("disagg", "poisson"), ("agg", "concurrency"),
                      ("inprocess", "concurrency")]
     for p in report["points"]:
         assert (p["num_requests"], p["completed"], p["failed"]) == (4, 4, 0)
@@ -101,10 +117,14 @@ def test_tiny_run_end_to_end(capsys):
             assert set(p[metric]) == {"mean", "p50", "p90", "p99"}
             assert 0 < p[metric]["p50"] <= p[metric]["p99"]
         assert p["ttft"]["mean"] <= p["e2e"]["mean"]
-        assert set(p["breakdown_ms"]) == (set(BREAKDOWN_FIELDS) if p["system"] == "disagg"
-                                          else set())
+        assert set(p["breakdown_ms"]) == (set() if p["system"] == "inprocess"
+                                          else set(BREAKDOWN_FIELDS))
     [ratio] = report["ratios"]
-    assert ratio["concurrency"] == 2 and ratio["ratio"] > 0
+    by_system = {p["system"]: p["output_tok_s"] for p in report["points"]
+                 if p["mode"] == "concurrency"}
+    assert ratio["concurrency"] == 2
+    assert ratio["ratio"] == pytest.approx(by_system["disagg"] / by_system["inprocess"])
+    assert ratio["ratio_vs_agg"] == pytest.approx(by_system["disagg"] / by_system["agg"])
     pre = report["shared_prefix"]
     assert pre["num_requests"] == 2
     assert pre["cold_cached_tokens"] == 0 and pre["warm_cached_tokens"] == 64

@@ -57,9 +57,29 @@ def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
     assert shared.step_budget("prefill") == 512
 
 
+def test_an_aggregated_spec_lets_its_decode_workers_prefill_any_prompt(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    agg = ClusterSpec(num_prefill=0, num_decode=1)
+    assert agg.aggregated and agg.num_ranks == 1
+    # The model's whole context (tiny-llama: 2048 positions), unless the user set a limit.
+    assert agg.router_flags() == ["--max-local-prefill-length", "2048"]
+    assert ClusterSpec(num_prefill=0, router_args=["--max-local-prefill-length", "300"]) \
+        .router_flags() == ["--max-local-prefill-length", "300"]
+    assert ClusterSpec(router_args=["--x"]).router_flags() == ["--x"]  # disaggregated: as given
+    # A lone worker has both cores and no core share to borrow through.
+    assert agg.worker_env()["OMP_NUM_THREADS"] == "2" and not agg.cores_shared
+    assert ClusterSpec(num_prefill=0, num_decode=2).cores_shared
+
+
 def test_bad_specs_are_refused():
-    with pytest.raises(ValueError, match="at least one prefill and one decode"):
+    with pytest.raises(ValueError, match="at least one decode worker"):
         ClusterSpec(num_decode=0)
+    with pytest.raises(ValueError, match="0 or more prefill"):
+        ClusterSpec(num_prefill=-1)
+    # Aggregated with local prefill off: nothing could prefill a prompt.
+    with pytest.raises(ValueError, match="nothing to serve"):
+        ClusterSpec(num_prefill=0, router_args=["--max-local-prefill-length", "0"])
     with pytest.raises(ValueError, match="threads_per_rank"):
         ClusterSpec(threads_per_rank=0)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from client import Client, DeadlineExceededError, UnavailableError
+from client import Client, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from engine import LLM, SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -190,4 +190,34 @@ def test_without_a_prefill_worker_short_prompts_are_prefilled_on_the_decode_work
             with pytest.raises(UnavailableError, match="longer than a decode worker prefills"):
                 client.complete(random_prompts(1, seed=72, lo=LOCAL_MAX + 1, hi=100)[0],
                                 max_tokens=2, **GREEDY)
+        wait_all_blocks_free([p.address for p in c.procs if p.name.startswith("decode")])
+
+
+def test_an_aggregated_cluster_serves_every_prompt_on_its_decode_worker(reference):
+    """``num_prefill=0``: no prefill worker, and the launcher lifts the local-prefill limit to
+    the model's context, so prompts several steps long are prefilled (in chunks) by the decode
+    worker and match the in-process engine."""
+    spec = ClusterSpec(num_prefill=0, worker_args=[*WORKER_ARGS, "--max-num-batched-tokens",
+                                                   "96"])
+    with Cluster(spec) as c:
+        assert [p.name.split("-")[0] for p in c.procs] == ["decode", "router"]
+        prompts = random_prompts(6, seed=73, lo=40, hi=250)
+        assert max(map(len, prompts)) > 2 * 96  # several chunked steps, past LOCAL_MAX too
+        lens = [5, 9, 3, 12, 7, 4]
+        want = reference.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY)
+                                            for n in lens])
+        got = stream_greedy(c.router_address, prompts, lens)
+        for (toks, final), w, p in zip(got, want, prompts):
+            assert toks == w.token_ids
+            u = final.usage
+            assert u.local_prefill and u.prompt_tokens == len(p)
+            assert u.prefill_worker_id == u.decode_worker_id
+        assert len({tuple(w.token_ids) for w in want}) == len(want)  # not one repeated token
+        stats = _stats(c)
+        assert (stats.num_prefill_workers, stats.num_decode_workers) == (0, 1)
+        # Past the workers' context (--max-model-len 1024): refused as a bad request.
+        with Client(c.router_address, timeout=60) as client:
+            with pytest.raises(InvalidArgumentError, match="max_model_len"):
+                client.complete(random_prompts(1, seed=74, lo=1100, hi=1100)[0], max_tokens=2,
+                                **GREEDY)
         wait_all_blocks_free([p.address for p in c.procs if p.name.startswith("decode")])
