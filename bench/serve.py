@@ -13,18 +13,13 @@ Metric definitions follow vLLM's ``benchmark_serving`` (see ``bench.serve_metric
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import math
-import os
 import random
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from bench.serve_load import (LoadRequests, closed_loop, inprocess_closed_loop, one_request,
-                              poisson, sequential)
-from bench.serve_metrics import PointResult, Stats, summarize
+from bench.serve_load import LoadRequests
+from bench.serve_metrics import PointResult, Stats
 
 
 @dataclass
@@ -45,6 +40,10 @@ class ServeConfig:
     prefix_output_len: int = 8
     inprocess: bool = True
     aggregated: bool = True
+    # Closed loops run this many times per system on fresh prompts, the systems alternating
+    # (disagg, agg, in-process, then in reverse): this VM's speed drifts by 10-30% within
+    # minutes, which one pass after another would count as a difference between the systems.
+    rounds: int = 2
     # Conditional disaggregation (router/local_prefill.py); None keeps the router's defaults.
     max_local_prefill_length: int | None = None
     # Workers borrow idle workers' cores (router.launcher.ClusterSpec.share_cores).
@@ -60,6 +59,9 @@ class ThroughputRatio:
     ratio: float | None  # disagg / in-process
     agg_tok_s: float | None
     ratio_vs_agg: float | None  # disagg / aggregated
+    # The same ratios round by round (each round's systems ran minutes apart at most).
+    ratio_rounds: list[float] = field(default_factory=list)
+    ratio_vs_agg_rounds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +103,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=d.num_decode, help="decode workers")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
                    help="requests per load point (closed loops send at least 2x concurrency)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="closed-loop passes per system, alternating the systems (figures "
+                        "pool the rounds)")
     p.add_argument("--concurrency", default=",".join(map(str, d.concurrency)),
                    help="closed-loop concurrencies, comma-separated ('' for none)")
     p.add_argument("--request-rates", default=",".join(f"{r:g}" for r in d.request_rates),
@@ -162,7 +167,8 @@ def _range(s: str, name: str) -> tuple[int, int]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    for name in ("prefill", "decode", "num_prompts", "num_gpu_blocks", "prefix_output_len"):
+    for name in ("prefill", "decode", "num_prompts", "num_gpu_blocks", "prefix_output_len",
+                 "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefix_requests < 0 or args.prefix_len < 1 or args.unique_len < 1:
@@ -176,7 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         num_gpu_blocks=args.num_gpu_blocks, prefix_len=args.prefix_len,
         unique_len=args.unique_len, prefix_requests=args.prefix_requests,
         prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
-        aggregated=args.aggregated,
+        aggregated=args.aggregated, rounds=args.rounds,
         max_local_prefill_length=args.max_local_prefill_length,
         share_cores=args.share_cores)
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
@@ -203,15 +209,15 @@ def _requests(cfg: ServeConfig, vocab: int, n: int, seed: int) -> LoadRequests:
     return LoadRequests(r.prompts, r.output_lens)
 
 
-def plan_points(cfg: ServeConfig, vocab: int) -> list[Point]:
-    """Each point gets its own prompts (seeded by its index), so no point finds the previous
-    one's prompts in a prefix cache; the in-process run reuses the same points."""
+def plan_points(cfg: ServeConfig, vocab: int, round_index: int = 0) -> list[Point]:
+    """Each point of each round gets its own prompts (seeded by both), so no point finds an
+    earlier one's prompts in a prefix cache; every system runs the same points."""
     loads = [("concurrency", float(c)) for c in cfg.concurrency]
     loads += [("poisson", r) for r in cfg.request_rates]
     points = []
     for k, (mode, load) in enumerate(loads):
         n = max(cfg.num_prompts, 2 * int(load)) if mode == "concurrency" else cfg.num_prompts
-        base = cfg.seed * 1000 + 10 * k
+        base = cfg.seed * 1000 + 10 * k + 100_000 * round_index
         points.append(Point(mode, load, _requests(cfg, vocab, n, base),
                             _requests(cfg, vocab, 1, base + 1)))
     return points
@@ -236,75 +242,20 @@ def prefix_requests(cfg: ServeConfig,
             LoadRequests(cold, [out] * n), LoadRequests(warm, [out] * n))
 
 
-# --- runs ---------------------------------------------------------------------------------
-def _log(*a) -> None:
-    print("[bench serve]", *a, file=sys.stderr, flush=True)
-
-
-async def run_cluster(address: str, cfg: ServeConfig, points: list[Point], vocab: int,
-                      system: str, prefix: bool) -> tuple[list[PointResult], PrefixResult | None]:
-    from client import AsyncClient
-
-    results = []
-    async with AsyncClient(address, timeout=600.0) as client:
-        await client.wait_ready()
-        for k, pt in enumerate(points):
-            # The first KV transfer to a peer pays connection set-up; keep it out of the point.
-            await sequential(client, pt.warmup)
-            if pt.mode == "concurrency":
-                run = await closed_loop(client, pt.reqs, int(pt.load))
-            else:
-                run = await poisson(client, pt.reqs, pt.load, cfg.seed * 1000 + k)
-            res = summarize(system, pt.mode, pt.load, run.records, run.duration_s)
-            _log(f"{system} {pt.mode} {pt.load:g}: {res.output_tok_s:.1f} out tok/s, "
-                 f"TTFT mean {res.ttft.mean:.1f} ms, {res.failed} failed"
-                 + (f" ({'; '.join(res.errors)})" if res.errors else ""))
-            results.append(res)
-        prefix_res = await run_prefix(client, cfg, vocab) if prefix else None
-    return results, prefix_res
-
-
-async def run_prefix(client, cfg: ServeConfig, vocab: int) -> PrefixResult:
-    warmup, cold, warm = prefix_requests(cfg, vocab)
-    await sequential(client, warmup)
-    cold_recs, warm_recs = [], []
-    # Alternate, so drift in machine load hits both sides alike.
-    for i in range(len(cold)):
-        cold_recs.append(await one_request(client, cold.prompts[i], cold.output_lens[i]))
-        warm_recs.append(await one_request(client, warm.prompts[i], warm.output_lens[i]))
-    c = summarize("disagg", "prefix-cold", 1, cold_recs, 1.0)
-    w = summarize("disagg", "prefix-warm", 1, warm_recs, 1.0)
-    if c.failed or w.failed:
-        raise RuntimeError(f"shared-prefix phase: {c.failed} cold and {w.failed} warm requests "
-                           f"failed: {'; '.join(c.errors + w.errors)}")
-    res = PrefixResult(cfg.prefix_len, cfg.unique_len, cfg.prefix_output_len, len(cold),
-                       c.ttft, w.ttft, c.mean_cached_tokens, w.mean_cached_tokens,
-                       w.ttft.mean / c.ttft.mean, c.breakdown_ms, w.breakdown_ms)
-    _log(f"shared prefix: TTFT cold {c.ttft.mean:.1f} ms, warm {w.ttft.mean:.1f} ms")
-    return res
-
-
-def run_inprocess(cfg: ServeConfig, points: list[Point]) -> list[PointResult]:
-    from engine import LLM
-
-    results = []
-    with LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks) as llm:
-        for pt in points:
-            if pt.mode != "concurrency":
-                continue
-            inprocess_closed_loop(llm.engine, pt.warmup, 1)
-            run = inprocess_closed_loop(llm.engine, pt.reqs, int(pt.load))
-            res = summarize("inprocess", pt.mode, pt.load, run.records, run.duration_s)
-            _log(f"inprocess concurrency {pt.load:g}: {res.output_tok_s:.1f} out tok/s")
-            results.append(res)
-    return results
-
-
-def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
-    """Per closed-loop concurrency: disaggregated throughput against each baseline that ran."""
+# --- ratios -------------------------------------------------------------------------------
+def throughput_ratios(points: list[PointResult],
+                      rounds: dict[tuple[str, float], list[float]] | None = None,
+                      ) -> list[ThroughputRatio]:
+    """Per closed-loop concurrency: disaggregated throughput against each baseline that ran
+    (``points``: pooled over the rounds), and round by round (``rounds``: out tok/s per round,
+    by (system, concurrency))."""
     def tok_s(system: str) -> dict[float, float]:
         return {p.load: p.output_tok_s for p in points
                 if p.system == system and p.mode == "concurrency"}
+
+    def per_round(load: float, base: str) -> list[float]:
+        xs, bs = (rounds or {}).get(("disagg", load), []), (rounds or {}).get((base, load), [])
+        return [_ratio(x, b) for x, b in zip(xs, bs)]
 
     inproc, agg = tok_s("inprocess"), tok_s("agg")
     out = []
@@ -312,7 +263,8 @@ def throughput_ratios(points: list[PointResult]) -> list[ThroughputRatio]:
         q, a = inproc.get(load), agg.get(load)
         if q is None and a is None:
             continue
-        out.append(ThroughputRatio(int(load), x, q, _ratio(x, q), a, _ratio(x, a)))
+        out.append(ThroughputRatio(int(load), x, q, _ratio(x, q), a, _ratio(x, a),
+                                   per_round(load, "inprocess"), per_round(load, "agg")))
     return out
 
 
@@ -321,67 +273,6 @@ def _ratio(x: float, base: float | None) -> float | None:
 
 
 # --- main ---------------------------------------------------------------------------------
-def run(cfg: ServeConfig) -> ServeReport:
-    import torch
-
-    from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
-    from engine.model_config import ModelConfig
-    from engine.presets import resolve_model
-    from router.launcher import ClusterSpec
-
-    vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
-    points = plan_points(cfg, vocab)
-    router_args = ([] if cfg.max_local_prefill_length is None
-                   else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
-    blocks = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
-    spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
-                       worker_args=blocks, router_args=router_args, share_cores=cfg.share_cores)
-    _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, {cfg.model}")
-    results, prefix = _serve_on(spec, cfg, points, vocab, "disagg", bool(cfg.prefix_requests))
-    # Each baseline runs once the cluster before it is down, with the machine to itself.
-    agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=blocks,
-                           share_cores=cfg.share_cores)
-    closed = [pt for pt in points if pt.mode == "concurrency"]
-    if cfg.aggregated and closed:
-        _log(f"starting an aggregated cluster: 1 decode worker prefilling itself, {cfg.model}")
-        results += _serve_on(agg_spec, cfg, closed, vocab, "agg", False)[0]
-    if cfg.inprocess and closed:
-        results += run_inprocess(cfg, closed)
-    return ServeReport(cfg, torch.get_num_threads(),
-                       int(spec.worker_env()["OMP_NUM_THREADS"]),
-                       int(agg_spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
-                       DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                       os.cpu_count() or 0, results, throughput_ratios(results), prefix)
-
-
-def _serve_on(spec, cfg: ServeConfig, points: list[Point], vocab: int, system: str,
-              prefix: bool) -> tuple[list[PointResult], PrefixResult | None]:
-    from router.launcher import Cluster
-
-    cluster = Cluster(spec)
-    with _children_stdout_to_stderr():
-        cluster.start()
-    try:
-        return asyncio.run(run_cluster(cluster.router_address, cfg, points, vocab, system,
-                                       prefix))
-    finally:
-        cluster.stop()
-
-
-@contextlib.contextmanager
-def _children_stdout_to_stderr():
-    """The services print to the stdout they inherit; the bench's stdout is for the report
-    alone (``--json`` promises one object)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def _no_nan(x):
     """JSON has no NaN: undefined statistics (e.g. TPOT of one-token outputs) become null."""
     if isinstance(x, float) and math.isnan(x):
@@ -395,6 +286,7 @@ def _no_nan(x):
 
 def main(args: argparse.Namespace) -> int:
     from bench.serve_report import markdown
+    from bench.serve_runs import run
 
     report = run(config_from_args(args))
     if args.json:

@@ -28,16 +28,23 @@ def latency_table(points: list[PointResult]) -> str:
     return "\n".join(rows) + "\n\nLatencies: mean / p50 / p90 / p99."
 
 
+def _with_rounds(pooled: float | None, rounds: list[float]) -> str:
+    cell = _f(pooled, 2)
+    return f"**{cell}** ({', '.join(_f(x, 2) for x in rounds)})" if len(rounds) > 1 else cell
+
+
 def ratio_table(ratios) -> str:
     rows = ["| concurrency | disagg out tok/s | aggregated out tok/s | in-process out tok/s | "
             "disagg / aggregated | disagg / in-process |",
             "|---|---|---|---|---|---|"]
     for r in ratios:
+        vs_agg = _with_rounds(r.ratio_vs_agg, r.ratio_vs_agg_rounds)
         rows.append(f"| {r.concurrency} | {_f(r.disagg_tok_s)} | {_f(r.agg_tok_s)} | "
-                    f"{_f(r.inprocess_tok_s)} | {_f(r.ratio_vs_agg, 2)} | {_f(r.ratio, 2)} |")
+                    f"{_f(r.inprocess_tok_s)} | {vs_agg} | {_with_rounds(r.ratio, r.ratio_rounds)} |")
     return "\n".join(rows) + ("\n\nAggregated: the same router and client in front of one "
                               "decode worker that prefills every prompt itself. In-process: "
-                              "the engine stepped directly, no gRPC, router or client.")
+                              "the engine stepped directly, no gRPC, router or client. Pooled "
+                              "over the rounds, each round's own ratio in brackets.")
 
 
 def _breakdown_rows(labelled) -> list[str]:
@@ -78,7 +85,8 @@ def markdown(report) -> str:
     parts = [f"### pdserve bench serve: {c.model}, {c.num_prefill} prefill + {c.num_decode} "
              f"decode worker(s)\n\nPrompts {c.prompt_len[0]}-{c.prompt_len[1]} tokens, outputs "
              f"{c.output_len[0]}-{c.output_len[1]} tokens (uniform, greedy, ignore_eos), seed "
-             f"{c.seed}; {report.worker_threads} thread(s) per worker"
+             f"{c.seed}; closed loops in {c.rounds} round(s), the systems alternating; "
+             f"{report.worker_threads} thread(s) per worker"
              f"{' (all cores while the others idle: core share)' if c.share_cores else ''}, "
              f"{report.aggregated_worker_threads} for the aggregated cluster's worker, "
              f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs. "

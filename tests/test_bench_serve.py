@@ -79,12 +79,16 @@ def test_ratios_compare_each_concurrency_against_the_baselines_that_ran():
     assert r1.inprocess_tok_s is None and r1.ratio is None
     assert (r8.ratio_vs_agg, r8.ratio) == pytest.approx((0.75, 0.5))
     assert serve.throughput_ratios([point("disagg", 1, 8)]) == []
+    # Round by round, where the rounds' figures are given.
+    [r1, _] = serve.throughput_ratios(points, {("disagg", 1): [8.0, 6.0], ("agg", 1): [10.0, 4.0]})
+    assert r1.ratio_vs_agg_rounds == pytest.approx([0.8, 1.5]) and r1.ratio_rounds == []
 
 
 @pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--concurrency", "a,b"),
                                          ("--request-rates", "-1"), ("--prompt-len", "50-10"),
                                          ("--output-len", "x"), ("--num-prompts", "0"),
-                                         ("--max-local-prefill-length", "-1")])
+                                         ("--max-local-prefill-length", "-1"),
+                                         ("--rounds", "0")])
 def test_bad_arguments_are_value_errors(flag, value):
     p = argparse.ArgumentParser()
     serve.add_args(p)
@@ -94,6 +98,7 @@ def test_bad_arguments_are_value_errors(flag, value):
 
 def test_tiny_run_end_to_end(capsys):
     rc = cli_main(["bench", "serve", "--json", "--concurrency", "2", "--request-rates", "50",
+                   "--rounds", "2",
                    "--num-prompts", "4", "--prompt-len", "16-48", "--output-len", "6",
                    "--num-gpu-blocks", "128", "--prefix-requests", "2", "--prefix-len", "64",
                    "--unique-len", "8", "--prefix-output-len", "2"])
@@ -110,8 +115,10 @@ def test_tiny_run_end_to_end(capsys):
     assert loads == [("disagg", "concurrency"), ("disagg", "poisson"), ("agg", "concurrency"),
                      ("inprocess", "concurrency")]
     for p in report["points"]:
-        assert (p["num_requests"], p["completed"], p["failed"]) == (4, 4, 0)
-        assert p["output_tokens"] == 4 * 6  # ignore_eos: exactly what was asked
+        # Closed loops pool both rounds' requests; the Poisson point runs once.
+        n = 4 if p["mode"] == "poisson" else 8
+        assert (p["num_requests"], p["completed"], p["failed"]) == (n, n, 0)
+        assert p["output_tokens"] == n * 6  # ignore_eos: exactly what was asked
         assert p["output_tok_s"] > 0 and p["request_s"] > 0
         for metric in ("ttft", "tpot", "itl", "e2e"):
             assert set(p[metric]) == {"mean", "p50", "p90", "p99"}
@@ -125,6 +132,8 @@ def test_tiny_run_end_to_end(capsys):
     assert ratio["concurrency"] == 2
     assert ratio["ratio"] == pytest.approx(by_system["disagg"] / by_system["inprocess"])
     assert ratio["ratio_vs_agg"] == pytest.approx(by_system["disagg"] / by_system["agg"])
+    assert len(ratio["ratio_rounds"]) == len(ratio["ratio_vs_agg_rounds"]) == 2
+    assert all(x > 0 for x in ratio["ratio_rounds"] + ratio["ratio_vs_agg_rounds"])
     pre = report["shared_prefix"]
     assert pre["num_requests"] == 2
     assert pre["cold_cached_tokens"] == 0 and pre["warm_cached_tokens"] == 64
