@@ -82,6 +82,9 @@ class ClusterSpec:
             raise ValueError(f"a cluster needs at least one decode worker and 0 or more prefill "
                              f"workers (0: aggregated), got {self.num_prefill} prefill and "
                              f"{self.num_decode} decode")
+        if self.aggregated and self.prefill_tp > 1:
+            raise ValueError(f"-tp {self.prefill_tp} sets the prefill workers' tensor-parallel "
+                             "size, and an aggregated cluster (no prefill worker) has none")
         limit = flag_value(self.router_args, "--max-local-prefill-length")
         if self.aggregated and limit is not None and limit.isdigit() and int(limit) == 0:
             raise ValueError("with no prefill worker the decode workers prefill every prompt: "

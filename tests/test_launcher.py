@@ -80,6 +80,8 @@ def test_bad_specs_are_refused():
     # Aggregated with local prefill off: nothing could prefill a prompt.
     with pytest.raises(ValueError, match="nothing to serve"):
         ClusterSpec(num_prefill=0, router_args=["--max-local-prefill-length", "0"])
+    with pytest.raises(ValueError, match="has none"):
+        ClusterSpec(num_prefill=0, prefill_tp=2)
     with pytest.raises(ValueError, match="threads_per_rank"):
         ClusterSpec(threads_per_rank=0)
 
