@@ -2,11 +2,12 @@
 
 A real cluster (redis, router, prefill and decode workers as separate processes, started by
 ``router.launcher.Cluster``) serves closed loops at each concurrency and Poisson arrivals at each
-rate. Then, each with the machine to itself, the same closed loops on the same requests run on
-an aggregated cluster (the same router and client, one decode worker that prefills every prompt
-itself: what disaggregation costs, serving stack aside) and on an in-process ``LLMEngine``
-stepped directly (no gRPC, no router, no client). Also a shared-prefix phase: TTFT when the
-prompt's prefix is already cached on the prefill worker vs a fresh prefix.
+rate. The same closed loops on the same requests also run on two baselines: an aggregated
+cluster (the same router and client, one decode worker that prefills every prompt itself: what
+disaggregation costs, serving stack aside) and an in-process ``LLMEngine`` stepped directly (no
+gRPC, no router, no client); the systems take turns, round by round (``bench.serve_runs``).
+Also a shared-prefix phase: TTFT when the prompt's prefix is already cached on the prefill
+worker vs a fresh prefix.
 
 Metric definitions follow vLLM's ``benchmark_serving`` (see ``bench.serve_metrics``).
 """
