@@ -221,3 +221,12 @@ def test_an_aggregated_cluster_serves_every_prompt_on_its_decode_worker(referenc
                 client.complete(random_prompts(1, seed=74, lo=1100, hi=1100)[0], max_tokens=2,
                                 **GREEDY)
         wait_all_blocks_free([p.address for p in c.procs if p.name.startswith("decode")])
+        # Scaling out: a prefill worker joins the running cluster, nothing restarts, and an
+        # idle prefill worker takes the next prompt (the local-prefill balancing rule).
+        c.add_worker("prefill")
+        c.wait_routable(1, 1)
+        [(toks, final)] = stream_greedy(c.router_address, prompts[:1], lens[:1])
+        assert toks == want[0].token_ids
+        assert not final.usage.local_prefill
+        assert final.usage.prefill_worker_id.startswith("prefill-")
+        wait_all_blocks_free(_workers(c))
