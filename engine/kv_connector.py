@@ -64,6 +64,8 @@ class KVConnector:
         self.agent = engine.executor.kv_agent
         self.handles: list[KVAgentHandle] = engine.executor.kv_handles()
         self.num_released = 0
+        if engine.config.role == "prefill":  # readers pull only while blocks are leased
+            self.agent.expect_reads(lambda: engine.num_leases > 0)
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_releases, name="pdserve-kv-release",
                                         daemon=True)

@@ -189,6 +189,11 @@ class LLMEngine:
         self._inbox.put(("admit", req))
 
     # --- stepping -------------------------------------------------------------------------
+    @property
+    def num_leases(self) -> int:
+        """Requests whose blocks are leased to a reader (prefill role); safe from any thread."""
+        return len(self._leases)
+
     def has_unfinished_requests(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_unfinished()
                 or bool(self._aborted_outputs))

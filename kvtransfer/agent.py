@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -42,6 +43,7 @@ class KVTransferAgent(ABC):
         self.device_id = (cache.device.index or 0) if cache.is_cuda else 0
         self._counters = TransferCounters()
         self._counters_lock = threading.Lock()
+        self._reads_due: Callable[[], bool] | None = None
 
     # --- what backends implement ------------------------------------------------------------
     @abstractmethod
@@ -64,6 +66,17 @@ class KVTransferAgent(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stops serving and frees the backend's resources; idempotent."""
+
+    def expect_reads(self, reads_due: Callable[[], bool] | None) -> None:
+        """Tells an owner when remote reads of its blocks are due (a prefill engine: while it
+        holds leased blocks), called from the agent's own threads; a backend that must serve
+        reads actively (NIXL over TCP) then does so promptly only meanwhile. None: it guesses
+        from the notifications it receives."""
+        self._reads_due = reads_due
+
+    def _reads_due_now(self) -> bool | None:
+        due = self._reads_due
+        return None if due is None else bool(due())
 
     def preconnect(self, remote: KVAgentHandle) -> bool:
         """Sets up the connection to ``remote`` ahead of the first pull from it; whether this

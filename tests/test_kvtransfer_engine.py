@@ -283,3 +283,27 @@ def test_a_decode_engine_connects_to_a_prefill_engine_ahead_of_its_first_pull(mo
         other.shutdown()
         decode.shutdown()
         prefill.close()
+
+
+def test_a_prefill_engines_owner_expects_reads_only_while_it_leases_blocks(model):
+    """The owner's fast NIXL progress loop runs while a lease is out, and its slow one
+    otherwise: a release notice alone no longer keeps it fast for a second."""
+    from kvtransfer.nixl_agent import _OWNER_IDLE_PROGRESS_S, _OWNER_PROGRESS_S, progress_interval
+
+    engine = LLMEngine(EngineConfig(model, role="prefill", num_gpu_blocks=64,
+                                    kv_transfer_backend="nixl"))
+    try:
+        agent = engine.executor.kv_agent
+        assert agent._reads_due_now() is False
+        engine.add_request("r0", list(range(100, 140)),
+                           SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        [out] = engine.step()
+        assert out.kv_lease is not None and agent._reads_due_now() is True
+        engine.release_kv("r0")
+        engine.step()
+        assert engine.num_leases == 0 and agent._reads_due_now() is False
+    finally:
+        engine.shutdown()
+    # A fresh notice with no read due: the idle interval; a lease out: the fast one.
+    assert progress_interval(True, 0.0, reads_due=False) == _OWNER_IDLE_PROGRESS_S
+    assert progress_interval(True, 10.0, reads_due=True) == _OWNER_PROGRESS_S
