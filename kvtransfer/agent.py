@@ -69,9 +69,9 @@ class KVTransferAgent(ABC):
 
     def expect_reads(self, reads_due: Callable[[], bool] | None) -> None:
         """Tells an owner when remote reads of its blocks are due (a prefill engine: while it
-        holds leased blocks), called from the agent's own threads; a backend that must serve
-        reads actively (NIXL over TCP) then does so promptly only meanwhile. None: it guesses
-        from the notifications it receives."""
+        holds leased blocks). A backend that must serve reads actively (NIXL over TCP) then
+        does so promptly only meanwhile. The agent's own threads call ``reads_due``, so it must
+        be cheap and thread-safe; None: the agent guesses from the notifications it receives."""
         self._reads_due = reads_due
 
     def _reads_due_now(self) -> bool | None:
