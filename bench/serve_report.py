@@ -39,8 +39,9 @@ def ratio_table(ratios) -> str:
             "|---|---|---|---|---|---|"]
     for r in ratios:
         vs_agg = _with_rounds(r.ratio_vs_agg, r.ratio_vs_agg_rounds)
+        vs_inproc = _with_rounds(r.ratio, r.ratio_rounds)
         rows.append(f"| {r.concurrency} | {_f(r.disagg_tok_s)} | {_f(r.agg_tok_s)} | "
-                    f"{_f(r.inprocess_tok_s)} | {vs_agg} | {_with_rounds(r.ratio, r.ratio_rounds)} |")
+                    f"{_f(r.inprocess_tok_s)} | {vs_agg} | {vs_inproc} |")
     return "\n".join(rows) + ("\n\nAggregated: the same router and client in front of one "
                               "decode worker that prefills every prompt itself. In-process: "
                               "the engine stepped directly, no gRPC, router or client. Pooled "
