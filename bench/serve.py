@@ -87,9 +87,11 @@ class ServeReport:
     torch_threads: int  # the in-process engine's
     worker_threads: int  # each worker rank's (OMP_NUM_THREADS the cluster gave it)
     aggregated_worker_threads: int  # the aggregated cluster's one worker's
-    # --max-num-batched-tokens of the prefill workers and of the in-process engine
+    # --max-num-batched-tokens of the prefill workers, the in-process engine and the
+    # aggregated cluster's worker
     prefill_step_tokens: int
     inprocess_step_tokens: int
+    aggregated_step_tokens: int
     cpu_count: int
     points: list[PointResult]
     ratios: list[ThroughputRatio]

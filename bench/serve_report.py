@@ -92,7 +92,8 @@ def markdown(report) -> str:
              f"{report.aggregated_worker_threads} for the aggregated cluster's worker, "
              f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs. "
              f"Steps of up to {report.prefill_step_tokens} tokens on the prefill workers, "
-             f"{report.inprocess_step_tokens} on the in-process engine and the aggregated worker.",
+             f"{report.inprocess_step_tokens} on the in-process engine, "
+             f"{report.aggregated_step_tokens} on the aggregated worker.",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if report.ratios:
         parts.append("#### Disaggregated vs aggregated and in-process (same requests, closed "

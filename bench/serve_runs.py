@@ -149,7 +149,8 @@ def run(cfg: ServeConfig) -> ServeReport:
     return ServeReport(cfg, torch.get_num_threads(),
                        int(spec.worker_env()["OMP_NUM_THREADS"]),
                        int(agg_spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
-                       DEFAULT_MAX_NUM_BATCHED_TOKENS, os.cpu_count() or 0, points,
+                       DEFAULT_MAX_NUM_BATCHED_TOKENS, agg_spec.step_budget("decode"),
+                       os.cpu_count() or 0, points,
                        throughput_ratios(points, per_round), prefix)
 
 

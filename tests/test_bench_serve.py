@@ -106,9 +106,9 @@ def test_tiny_run_end_to_end(capsys):
     report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
     assert set(report) == {"config", "torch_threads", "worker_threads",
                            "aggregated_worker_threads", "prefill_step_tokens",
-                           "inprocess_step_tokens", "cpu_count", "points", "ratios",
-                           "shared_prefix"}
-    assert report["inprocess_step_tokens"] == 2048
+                           "inprocess_step_tokens", "aggregated_step_tokens", "cpu_count",
+                           "points", "ratios", "shared_prefix"}
+    assert report["inprocess_step_tokens"] == report["aggregated_step_tokens"] == 2048
     shared_cpu = "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available()
     assert report["prefill_step_tokens"] == (512 if shared_cpu else 2048)
     loads = [(p["system"], p["mode"]) for p in report["points"]]
