@@ -46,6 +46,9 @@ class Usage:
     decode_worker_id: str = ""
     # True when the decode worker prefilled the prompt itself (then both ids name it).
     local_prefill: bool = False
+    # Times a worker failed under the request and the router continued it elsewhere; the
+    # worker ids above name the last ones.
+    migrations: int = 0
 
 
 @dataclass
@@ -108,7 +111,7 @@ def _usage(u) -> Usage:
     t = u.timings
     return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
                  Timings(**{f: getattr(t, f) for f in Timings.__dataclass_fields__}),
-                 u.prefill_worker_id, u.decode_worker_id, u.local_prefill)
+                 u.prefill_worker_id, u.decode_worker_id, u.local_prefill, u.migrations)
 
 
 def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:

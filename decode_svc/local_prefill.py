@@ -33,11 +33,13 @@ def check_local_prefill_request(request: worker_pb2.DecodeRequest) -> None:
 async def stream_local_prefill(engine: AsyncEngine, request_id: str, prompt_token_ids: list[int],
                                params: SamplingParams,
                                to_chunk: Callable[[RequestOutput], worker_pb2.DecodeChunk],
+                               resume_token_ids: list[int] = (),
                                ) -> AsyncIterator[worker_pb2.DecodeChunk]:
     """Runs the prompt here and streams every output; the first chunk carries the first token,
     the prompt tokens this worker's prefix cache served, and the timings."""
     arrival = time.monotonic()
-    async with contextlib.aclosing(engine.generate(request_id, prompt_token_ids, params)) as outs:
+    outs = engine.generate(request_id, prompt_token_ids, params, resume_token_ids)
+    async with contextlib.aclosing(outs) as outs:
         first = True
         async for out in outs:
             chunk = to_chunk(out)

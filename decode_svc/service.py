@@ -38,16 +38,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise ValueError("request_id is empty")
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
+        resume = convert.check_token_ids(request.resume_token_ids, "resume")
         if request.local_prefill:
             check_local_prefill_request(request)
-            async with contextlib.aclosing(
-                    stream_local_prefill(self.rt.engine, rid, ids, params, _chunk)) as chunks:
+            chunks = stream_local_prefill(self.rt.engine, rid, ids, params, _chunk, resume)
+            async with contextlib.aclosing(chunks) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
-        remotes = self._check_handle(request.kv_handle, len(ids))
-        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params)
+        remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
+        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume)
         t0 = time.monotonic()
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), context)
         t1 = time.monotonic()
@@ -66,7 +67,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     chunk.num_cached_tokens = alloc.num_cached_tokens
                 yield chunk
 
-    def _check_handle(self, h: common_pb2.KVHandle, num_prompt_tokens: int) -> list[KVAgentHandle]:
+    def _check_handle(self, h: common_pb2.KVHandle, num_tokens: int) -> list[KVAgentHandle]:
+        """The handle's ranks, once it matches this worker and covers ``num_tokens`` (the
+        prompt's, and a migrated request's resumed output)."""
         cfg = self.rt.config.engine
         if not h.rank_handles:
             raise ValueError("kv_handle has no rank handles")
@@ -76,13 +79,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if h.block_size != cfg.block_size:
             raise ValueError(f"kv_handle block_size {h.block_size} != this worker's "
                              f"{cfg.block_size}")
-        if h.num_tokens != num_prompt_tokens:
-            raise ValueError(f"kv_handle holds {h.num_tokens} tokens but the prompt has "
-                             f"{num_prompt_tokens}")
-        need = -(-num_prompt_tokens // cfg.block_size)
+        if h.num_tokens != num_tokens:
+            raise ValueError(f"kv_handle holds {h.num_tokens} tokens but the request has "
+                             f"{num_tokens} before its first token")
+        need = -(-num_tokens // cfg.block_size)
         if len(h.block_ids) != need:
             raise ValueError(f"kv_handle has {len(h.block_ids)} block ids; "
-                             f"{num_prompt_tokens} tokens need {need}")
+                             f"{num_tokens} tokens need {need}")
         return [KVAgentHandle.from_bytes(b) for b in h.rank_handles]
 
     async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],

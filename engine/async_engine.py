@@ -135,12 +135,14 @@ class AsyncEngine:
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queues a request and yields its outputs; leaving early aborts it (blocks freed)."""
+                       params: SamplingParams,
+                       resume_token_ids: list[int] = ()) -> AsyncIterator[RequestOutput]:
+        """Queues a request and yields its outputs; leaving early aborts it (blocks freed).
+        ``resume_token_ids``: see ``LLMEngine.add_request``."""
         self._check_alive()
         stream = self._open(request_id)
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -149,11 +151,12 @@ class AsyncEngine:
             yield out
 
     async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
-                                 first_token_id: int, params: SamplingParams) -> KVAllocation:
+                                 first_token_id: int, params: SamplingParams,
+                                 resume_token_ids: list[int] = ()) -> KVAllocation:
         """Decode role: blocks for a prompt whose KV arrives from outside."""
         self._check_alive()
         return await self._off_loop(request_id, self.engine.add_prefilled_request, request_id,
-                                    prompt_token_ids, first_token_id, params)
+                                    prompt_token_ids, first_token_id, params, resume_token_ids)
 
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""

@@ -83,6 +83,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-queue-threshold", type=int, default=2,
                    help="prefill locally only while the chosen prefill worker has at least this "
                         "many prefill requests in flight from this router (0: always)")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="times a request may move to other workers when its worker fails "
+                        "under it, continuing from the tokens already streamed (0: fail it)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
@@ -101,6 +104,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                                           ready_fd=args.ready_fd),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
+                      migration_limit=args.migration_limit,
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold)))

@@ -110,14 +110,30 @@ class LLMEngine:
         params.validate_vocab(vocab)
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> list[int]:
-        """Validates and queues a request; returns its prompt token ids."""
+                    params: SamplingParams | None = None,
+                    resume_token_ids: list[int] = ()) -> list[int]:
+        """Validates and queues a request; returns its prompt token ids.
+
+        ``resume_token_ids`` continues a request that already produced those output tokens
+        elsewhere (a migration): their KV is recomputed with the prompt's, as after a
+        preemption, and sampling goes on from output number ``len(resume_token_ids)``.
+        """
         params = params if params is not None else SamplingParams()
         token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids, params)
+        resume = self.validate_resume(token_ids, resume_token_ids, params)
         self._claim_id(request_id)
-        self._inbox.put(("add", Request(request_id, token_ids, params)))
+        self._inbox.put(("add", Request(request_id, token_ids, params, output_token_ids=resume)))
         return token_ids
+
+    def validate_resume(self, prompt_token_ids: list[int], resume_token_ids,
+                        params: SamplingParams) -> list[int]:
+        """Validates a prompt and the output it resumes from (possibly none)."""
+        resume = list(resume_token_ids)
+        self.validate_prompt(list(prompt_token_ids) + resume, params)
+        if resume and len(resume) >= params.max_tokens:
+            raise ValueError(f"{len(resume)} resumed output tokens leave nothing to generate "
+                             f"(max_tokens={params.max_tokens})")
+        return resume
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now when the engine is idle, else at the next step."""
@@ -156,22 +172,25 @@ class LLMEngine:
 
     # --- decode role ----------------------------------------------------------------------
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
-                              first_token_id: int, params: SamplingParams) -> KVAllocation:
+                              first_token_id: int, params: SamplingParams,
+                              resume_token_ids: list[int] = ()) -> KVAllocation:
         """Allocates blocks for a prompt whose KV will be written from outside.
 
         Leading blocks this engine already holds in its prefix cache are reused; the caller
-        fills ``block_ids_to_fill`` and then calls ``commit_prefilled`` (or ``abort``).
+        fills ``block_ids_to_fill`` and then calls ``commit_prefilled`` (or ``abort``). A
+        migrated request's ``resume_token_ids`` follow the prompt in the KV written.
         """
-        self.validate_prompt(list(prompt_token_ids) + [first_token_id], params)
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id])
+        resume = self.validate_resume(prompt_token_ids, list(resume_token_ids) + [first_token_id],
+                                      params)
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume)
         self._claim_id(request_id)
-        n = req.num_prompt_tokens
+        n = req.num_tokens - 1  # everything before first_token_id
         with self._lock:
             computed = self.kv_manager.get_computed_blocks(req)
             cached = min(computed.num_computed_tokens, n)
             if self.kv_manager.allocate_slots(req, n - cached, computed, cache_blocks=False) is None:
                 self._release_id(request_id)
-                raise NoFreeBlocksError(f"no room for {n} prompt tokens "
+                raise NoFreeBlocksError(f"no room for {n} tokens "
                                         f"({self.kv_manager.num_free_blocks} free blocks)")
             req.num_cached_tokens = cached
             self._awaiting_kv[request_id] = req
@@ -184,8 +203,8 @@ class LLMEngine:
             req = self._awaiting_kv.pop(request_id, None)
             if req is None:
                 raise ValueError(f"request {request_id!r} is not waiting for KV")
-            req.num_computed_tokens = req.num_prompt_tokens
-            self.kv_manager.cache_blocks(req, req.num_prompt_tokens)
+            req.num_computed_tokens = req.num_tokens - 1
+            self.kv_manager.cache_blocks(req, req.num_computed_tokens)
         self._inbox.put(("admit", req))
 
     # --- stepping -------------------------------------------------------------------------
@@ -244,7 +263,7 @@ class LLMEngine:
     def _lease(self, req: Request) -> RequestOutput:
         self.scheduler.finish(req, RequestStatus.LEASED, free_blocks=False)
         lease = KVLease(req.request_id, list(self.kv_manager.get_block_ids(req.request_id)),
-                        req.num_prompt_tokens, self.block_size,
+                        req.num_tokens - 1, self.block_size,
                         time.monotonic() + self.config.kv_lease_timeout_s)
         self._leases[req.request_id] = _Lease(req, lease)
         out = self.outputs.make_output(req, finished=False, kv_lease=lease)

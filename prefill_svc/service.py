@@ -36,7 +36,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         ids = convert.check_token_ids(request.prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids is empty")
-        async with contextlib.aclosing(self.rt.engine.generate(rid, ids, params)) as outs:
+        resume = convert.check_token_ids(request.resume_token_ids, "resume")
+        async with contextlib.aclosing(self.rt.engine.generate(rid, ids, params, resume)) as outs:
             async for out in outs:
                 first_token_time = time.monotonic()
                 break

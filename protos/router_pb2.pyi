@@ -46,7 +46,7 @@ class RequestTimings(_message.Message):
     def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "timings", "prefill_worker_id", "decode_worker_id", "local_prefill")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "timings", "prefill_worker_id", "decode_worker_id", "local_prefill", "migrations")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class Usage(_message.Message):
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -61,7 +62,8 @@ class Usage(_message.Message):
     prefill_worker_id: str
     decode_worker_id: str
     local_prefill: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., local_prefill: _Optional[bool] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "usage")
@@ -116,7 +118,7 @@ class ClusterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched", "requests_prefilled_locally", "requests_prefilled_remotely")
+    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched", "requests_prefilled_locally", "requests_prefilled_remotely", "requests_migrated", "migrations_exhausted")
     NUM_PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,8 @@ class ClusterStats(_message.Message):
     PREFIX_TOKENS_MATCHED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PREFILLED_LOCALLY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PREFILLED_REMOTELY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     num_prefill_workers: int
     num_decode_workers: int
     requests_total: int
@@ -135,7 +139,9 @@ class ClusterStats(_message.Message):
     prefix_tokens_matched: int
     requests_prefilled_locally: int
     requests_prefilled_remotely: int
-    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ..., requests_prefilled_locally: _Optional[int] = ..., requests_prefilled_remotely: _Optional[int] = ...) -> None: ...
+    requests_migrated: int
+    migrations_exhausted: int
+    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ..., requests_prefilled_locally: _Optional[int] = ..., requests_prefilled_remotely: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., migrations_exhausted: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "undrain")

@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"l\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"4\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\x9f\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"M\n\rDecodeTimings\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x03 \x01(\x01\"\xec\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.DecodeTimings2\xe5\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x96\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x86\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x03\"4\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\x9f\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xdd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x03\"M\n\rDecodeTimings\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x03 \x01(\x01\"\xec\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.DecodeTimings2\xe5\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\x96\x01\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=56
-  _globals['_PREFILLREQUEST']._serialized_end=164
-  _globals['_PREFILLTIMINGS']._serialized_start=166
-  _globals['_PREFILLTIMINGS']._serialized_end=218
-  _globals['_PREFILLRESPONSE']._serialized_start=221
-  _globals['_PREFILLRESPONSE']._serialized_end=508
-  _globals['_RELEASEKVREQUEST']._serialized_start=510
-  _globals['_RELEASEKVREQUEST']._serialized_end=548
-  _globals['_RELEASEKVRESPONSE']._serialized_start=550
-  _globals['_RELEASEKVRESPONSE']._serialized_end=587
-  _globals['_DECODEREQUEST']._serialized_start=590
-  _globals['_DECODEREQUEST']._serialized_end=785
-  _globals['_DECODETIMINGS']._serialized_start=787
-  _globals['_DECODETIMINGS']._serialized_end=864
-  _globals['_DECODECHUNK']._serialized_start=867
-  _globals['_DECODECHUNK']._serialized_end=1103
-  _globals['_PREFILLWORKER']._serialized_start=1106
-  _globals['_PREFILLWORKER']._serialized_end=1335
-  _globals['_DECODEWORKER']._serialized_start=1338
-  _globals['_DECODEWORKER']._serialized_end=1488
+  _globals['_PREFILLREQUEST']._serialized_start=57
+  _globals['_PREFILLREQUEST']._serialized_end=191
+  _globals['_PREFILLTIMINGS']._serialized_start=193
+  _globals['_PREFILLTIMINGS']._serialized_end=245
+  _globals['_PREFILLRESPONSE']._serialized_start=248
+  _globals['_PREFILLRESPONSE']._serialized_end=535
+  _globals['_RELEASEKVREQUEST']._serialized_start=537
+  _globals['_RELEASEKVREQUEST']._serialized_end=575
+  _globals['_RELEASEKVRESPONSE']._serialized_start=577
+  _globals['_RELEASEKVRESPONSE']._serialized_end=614
+  _globals['_DECODEREQUEST']._serialized_start=617
+  _globals['_DECODEREQUEST']._serialized_end=838
+  _globals['_DECODETIMINGS']._serialized_start=840
+  _globals['_DECODETIMINGS']._serialized_end=917
+  _globals['_DECODECHUNK']._serialized_start=920
+  _globals['_DECODECHUNK']._serialized_end=1156
+  _globals['_PREFILLWORKER']._serialized_start=1159
+  _globals['_PREFILLWORKER']._serialized_end=1388
+  _globals['_DECODEWORKER']._serialized_start=1391
+  _globals['_DECODEWORKER']._serialized_end=1541
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,8 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             requests_failed=s.requests_failed, prompt_tokens_routed=s.prompt_tokens_routed,
             prefix_tokens_matched=s.prefix_tokens_matched,
             requests_prefilled_locally=s.requests_prefilled_locally,
-            requests_prefilled_remotely=s.requests_prefilled_remotely)
+            requests_prefilled_remotely=s.requests_prefilled_remotely,
+            requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted)
 
     async def DrainWorker(self, request, context):
         known = {w.worker_id for w in await self.directory.registry.live_workers()}

@@ -26,6 +26,10 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     # When a decode worker prefills a short prompt itself (router/local_prefill.py).
     local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
+    # A request whose worker fails under it (UNAVAILABLE: crashed, unreachable, draining)
+    # moves to other workers with the tokens it has so far, at most this many times; 0 fails
+    # it at once (router/migration.py).
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -43,6 +47,10 @@ class RouterConfig:
             raise ValueError("default_timeout_s must be > 0 or None")
         if not self.prefill_timeout_s > 0:
             raise ValueError("prefill_timeout_s must be > 0")
+        if not isinstance(self.migration_limit, int) or isinstance(self.migration_limit, bool) \
+                or self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be an integer >= 0, got "
+                             f"{self.migration_limit!r}")
         if not isinstance(self.local_prefill, LocalPrefillConfig):
             raise ValueError("local_prefill must be a LocalPrefillConfig, "
                              f"got {type(self.local_prefill).__name__}")

@@ -10,12 +10,18 @@ Decode: among workers with enough free blocks for the prompt, the fewest request
 then the most free blocks; when no worker's last heartbeat shows enough, the workers are asked
 for their current free blocks before the request is refused. Ties go to the smaller worker id,
 so routing is deterministic.
+
+Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
+does not answer, or answers that it is draining, no request is routed to it until the registry
+would have dropped it (the heartbeat TTL) or it registers anew. A migrating request also
+prefers workers other than the ones that failed it (router/migration.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -30,6 +36,8 @@ LOAD_COST_TOKENS = 256
 # A decode worker asked for its current info before a RESOURCE_EXHAUSTED refusal answers
 # within this, or the refusal goes by its last heartbeat.
 FRESH_INFO_TIMEOUT_S = 1.0
+# A worker that failed a request must answer a probe within this to keep receiving requests.
+PROBE_TIMEOUT_S = 1.0
 
 
 class NoWorkerError(Exception):
@@ -64,6 +72,10 @@ class WorkerDirectory:
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
     _refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # worker id -> (address, monotonic time until which it gets no requests): failed probes.
+    _down: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # One probe per worker at a time: the requests a crash failed together share it.
+    _probes: dict[str, asyncio.Future] = field(default_factory=dict)
 
     async def start(self) -> None:
         await self.refresh()
@@ -110,7 +122,42 @@ class WorkerDirectory:
 
     def _candidates(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
-                if w.info.role == role and not w.info.draining and w.info.block_size == self.block_size]
+                if w.info.role == role and not w.info.draining
+                and w.info.block_size == self.block_size and not self.is_down(w)]
+
+    def is_down(self, w: WorkerHandle) -> bool:
+        """Failed its last probe, and has not registered anew (another address) since."""
+        mark = self._down.get(w.worker_id)
+        if mark is None:
+            return False
+        address, until = mark
+        if address != w.info.address or time.monotonic() >= until:
+            del self._down[w.worker_id]
+            return False
+        return True
+
+    async def probe(self, w: WorkerHandle) -> bool:
+        """After ``w`` failed a request: whether it still serves. One that does not answer in
+        time, or is draining, takes no requests until the registry drops it or it restarts."""
+        probe = self._probes.get(w.worker_id)
+        if probe is None:
+            probe = self._probes[w.worker_id] = asyncio.ensure_future(self._probe(w))
+            probe.add_done_callback(lambda _: self._probes.pop(w.worker_id, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, w: WorkerHandle) -> bool:
+        stub = w.prefill_stub if w.info.role == "prefill" else w.decode_stub
+        try:
+            info = await stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                            timeout=PROBE_TIMEOUT_S)
+            alive = info.worker_id == w.worker_id and not info.draining
+        except grpc.aio.AioRpcError:
+            alive = False
+        if not alive:
+            logger.warning("worker %s (%s) stops receiving requests: it failed a request and "
+                           "its probe", w.worker_id, w.info.address)
+            self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
+        return alive
 
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
@@ -127,10 +174,11 @@ class WorkerDirectory:
             raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {min(lens)} "
                              "(room for at least one output token is needed)")
 
-    async def pick_prefill(self, block_hashes: list[bytes],
-                           num_tokens: int) -> tuple[WorkerHandle, int]:
-        """The prefill worker for a prompt, and how many of its tokens that worker has cached."""
-        cands = await self._candidates_now("prefill")
+    async def pick_prefill(self, block_hashes: list[bytes], num_tokens: int,
+                           avoid: frozenset[str] = frozenset()) -> tuple[WorkerHandle, int]:
+        """The prefill worker for a prompt, and how many of its tokens that worker has cached.
+        Workers in ``avoid`` are taken only when no other is available."""
+        cands = _prefer(await self._candidates_now("prefill"), avoid)
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
         matched = await self.registry.match_prefix(block_hashes, [w.worker_id for w in cands])
@@ -143,9 +191,10 @@ class WorkerDirectory:
         best = max(cands, key=score)
         return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
 
-    async def pick_decode(self, num_tokens: int) -> WorkerHandle:
+    async def pick_decode(self, num_tokens: int,
+                          avoid: frozenset[str] = frozenset()) -> WorkerHandle:
         need = -(-num_tokens // self.block_size)
-        cands = await self._candidates_now("decode")
+        cands = _prefer(await self._candidates_now("decode"), avoid)
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         roomy = [w for w in cands if w.info.num_free_blocks >= need]
@@ -193,6 +242,12 @@ def prefilling(worker: WorkerHandle):
         yield
     finally:
         worker.prefilling -= 1
+
+
+def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHandle]:
+    """The candidates not in ``avoid``, or all of them when that leaves none."""
+    kept = [w for w in cands if w.worker_id not in avoid]
+    return kept or cands
 
 
 def _neg(s: str) -> tuple:

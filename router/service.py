@@ -23,6 +23,7 @@ from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.local_prefill import should_prefill_locally
+from router.migration import RequestRun, is_migratable
 from router.stats import RouterStats
 
 logger = logging.getLogger(__name__)
@@ -121,20 +122,63 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.vocab_size)
-        ids = self._prompt_ids(request)
+        run = RequestRun(rid, self._prompt_ids(request), t0)
+        run.usage.prompt_tokens = len(run.prompt_token_ids)
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(run, request, context)) as chunks:
+                    async for chunk in chunks:
+                        run.emitted.extend(chunk.token_ids)
+                        yield chunk
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
+                if not await self._migrate(run, e, context):
+                    raise
+
+    async def _migrate(self, run: RequestRun, e: Exception, context) -> bool:
+        """After attempt ``e``: whether the request goes on elsewhere (router/migration.py)."""
+        if not is_migratable(e) or not run.workers:
+            return False
+        failed = run.workers[-1]
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return False
+        if run.migrations >= self.config.migration_limit:
+            self.stats.migrations_exhausted += 1
+            return False
+        # Every worker of the attempt is asked: the one that answered UNAVAILABLE is avoided
+        # by this request anyway, and any that is gone by every request.
+        alive = await asyncio.gather(*(self.directory.probe(w) for w in run.workers))
+        run.failed.add(failed.worker_id)
+        run.failed.update(w.worker_id for w, ok in zip(run.workers, alive) if not ok)
+        run.migrations += 1
+        self.stats.requests_migrated += 1
+        logger.warning("request %s: worker %s failed (%s); continuing elsewhere after %d "
+                       "tokens (migration %d of at most %d)", run.request_id, failed.worker_id,
+                       e.details(), len(run.emitted), run.migrations,
+                       self.config.migration_limit)
+        return True
+
+    async def _attempt(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
+        """One try at the request (or its continuation, after ``run.emitted``)."""
+        ids = run.all_token_ids
+        avoid = frozenset(run.failed)
+        run.workers.clear()
         hashes = hash_request_tokens(ids, self.config.block_size)
-        prefill, matched = await self._pick_prefill(hashes, len(ids))
+        prefill, matched = await self._pick_prefill(hashes, len(ids), avoid)
         self.directory.check_prompt_fits(len(ids))
-        decode = await self._local_candidate(len(ids))
+        decode = await self._local_candidate(len(ids), avoid)
         local = self._prefill_locally(prefill, decode, len(ids), matched)
-        # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
-        self.stats.routed(len(ids), 0 if local else matched)
-        self.stats.prefilled(local)
-        t_route = time.monotonic()
+        if not run.started:
+            # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
+            self.stats.routed(len(ids), 0 if local else matched)
+            self.stats.prefilled(local)
+            run.timings.router_queue_s = time.monotonic() - run.t0
+        run.usage.local_prefill = local
         if local:
-            chunks = self._local_prefill(rid, ids, request, decode, context, t0, t_route)
+            chunks = self._local_prefill(run, request, decode, context)
         else:
-            chunks = self._remote_prefill(rid, ids, request, prefill, context, t0, t_route)
+            chunks = self._remote_prefill(run, request, prefill, avoid, context)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
@@ -159,76 +203,82 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 f"(--max-local-prefill-length {limit})")
         return True
 
-    async def _pick_prefill(self, hashes: list[bytes],
-                            num_tokens: int) -> tuple[WorkerHandle | None, int]:
+    async def _pick_prefill(self, hashes: list[bytes], num_tokens: int,
+                            avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
         """The prefill worker and its cached prefix length; (None, 0) when there is none but
         local prefill is on, so a decode worker may still take the prompt."""
         try:
-            return await self.directory.pick_prefill(hashes, num_tokens)
+            return await self.directory.pick_prefill(hashes, num_tokens, avoid)
         except NoWorkerError:
             if not self.config.local_prefill.enabled:
                 raise
             return None, 0
 
-    async def _local_candidate(self, num_tokens: int) -> WorkerHandle | None:
+    async def _local_candidate(self, num_tokens: int,
+                               avoid: frozenset[str]) -> WorkerHandle | None:
         """The decode worker a local prefill would go to; None when local prefill is off or no
         decode worker has room (the remote path then reports that after its prefill)."""
         if not self.config.local_prefill.enabled:
             return None
         try:
-            return await self.directory.pick_decode(num_tokens + 1)
+            return await self.directory.pick_decode(num_tokens + 1, avoid)
         except NoWorkerError:
             return None
 
-    async def _local_prefill(self, rid, ids, request, decode: WorkerHandle, context,
-                             t0: float, t_route: float):
+    async def _local_prefill(self, run: RequestRun, request, decode: WorkerHandle, context):
         """Conditional disaggregation: the decode worker runs the prompt and streams every
         token, the first included; no prefill worker, no KV transfer, no lease to release."""
-        timings = router_pb2.RequestTimings(router_queue_s=t_route - t0)
         # The decode worker did the prefill, so it is named in both roles.
-        usage = router_pb2.Usage(prompt_tokens=len(ids), completion_tokens=0,
-                                 prefill_worker_id=decode.worker_id,
-                                 decode_worker_id=decode.worker_id, local_prefill=True)
-        dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+        run.usage.prefill_worker_id = run.usage.decode_worker_id = decode.worker_id
+        dreq = worker_pb2.DecodeRequest(request_id=run.attempt_id,
+                                        prompt_token_ids=run.prompt_token_ids,
+                                        resume_token_ids=run.emitted,
                                         sampling=request.sampling, local_prefill=True)
         # Counted as prefilling on the decode worker until its first token (or failure).
         with contextlib.ExitStack() as in_prefill:
             in_prefill.enter_context(prefilling(decode))
-            async for chunk in self._decode(dreq, decode, context, timings, usage, t0):
+            async for chunk in self._decode(dreq, decode, context, run):
                 in_prefill.close()
                 yield chunk
 
-    async def _remote_prefill(self, rid, ids, request, prefill: WorkerHandle, context,
-                              t0: float, t_route: float):
+    async def _remote_prefill(self, run: RequestRun, request, prefill: WorkerHandle,
+                              avoid: frozenset[str], context):
+        resume = list(run.emitted)
+        rid = run.attempt_id
+        run.calls(prefill)
         with self.directory.inflight(prefill):
             presp = await prefill.prefill_stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids,
-                                          sampling=request.sampling),
+                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
+                                          resume_token_ids=resume, sampling=request.sampling),
                 timeout=min(self._timeout(context), self.config.prefill_timeout_s))
-        t_first = time.monotonic()
-        timings = router_pb2.RequestTimings(
-            router_queue_s=t_route - t0, prefill_queue_s=presp.timings.queue_s,
-            prefill_compute_s=presp.timings.compute_s, ttft_s=t_first - t0)
-        usage = router_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1,
-                                 cached_tokens=presp.num_cached_tokens,
-                                 prefill_worker_id=prefill.worker_id)
-        first = router_pb2.GenerateChunk(request_id=rid, token_ids=[presp.first_token_id],
+        timings, usage = run.timings, run.usage
+        if not run.started:
+            timings.prefill_queue_s = presp.timings.queue_s
+            timings.prefill_compute_s = presp.timings.compute_s
+            timings.ttft_s = time.monotonic() - run.t0
+            usage.cached_tokens = presp.num_cached_tokens
+        usage.completion_tokens += 1
+        usage.prefill_worker_id = prefill.worker_id
+        first = router_pb2.GenerateChunk(request_id=run.request_id,
+                                         token_ids=[presp.first_token_id],
                                          text_delta=presp.text_delta)
         if presp.HasField("logprobs"):
             first.logprobs.append(presp.logprobs)
         if presp.finish_reason:
-            _finish(first, presp, timings, usage, t0)
+            _finish(first, presp, run)
             yield first
             return
         done = False
         try:
             yield first
-            decode = await self.directory.pick_decode(len(ids) + 1)
+            decode = await self.directory.pick_decode(len(resume) + len(run.prompt_token_ids) + 1,
+                                                      avoid)
             usage.decode_worker_id = decode.worker_id
-            dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+            dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
+                                            resume_token_ids=resume,
                                             first_token_id=presp.first_token_id,
                                             sampling=request.sampling, kv_handle=presp.kv_handle)
-            async for chunk in self._decode(dreq, decode, context, timings, usage, t0):
+            async for chunk in self._decode(dreq, decode, context, run):
                 done = done or bool(chunk.finish_reason)
                 yield chunk
         finally:
@@ -238,7 +288,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release_later(prefill, rid)
 
     async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
-                      timings, usage, t0):
+                      run: RequestRun):
+        run.calls(decode)
         call = decode.decode_stub.Decode(dreq, timeout=self._timeout(context))
         with self.directory.inflight(decode):
             try:
@@ -246,13 +297,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for d in call:
                     if first:
                         first = False
-                        _record_first_decode_chunk(d, dreq.local_prefill, timings, usage, t0)
-                    usage.completion_tokens += len(d.token_ids)
-                    chunk = router_pb2.GenerateChunk(request_id=dreq.request_id,
+                        if not run.started:
+                            _record_first_decode_chunk(d, dreq.local_prefill, run)
+                    run.usage.completion_tokens += len(d.token_ids)
+                    chunk = router_pb2.GenerateChunk(request_id=run.request_id,
                                                      token_ids=d.token_ids,
                                                      text_delta=d.text_delta, logprobs=d.logprobs)
                     if d.finish_reason:
-                        _finish(chunk, d, timings, usage, t0)
+                        _finish(chunk, d, run)
                     yield chunk
             finally:
                 call.cancel()  # no-op when finished; otherwise the decode worker aborts
@@ -268,11 +320,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task.add_done_callback(self._release_tasks.discard)
 
 
-def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool,
-                               timings: router_pb2.RequestTimings, usage: router_pb2.Usage,
-                               t0: float) -> None:
+def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:
     """Timings (and, for local prefill, the first token's time and cache hits) from the
     decode worker's first chunk."""
+    timings = run.timings
     if not local:
         timings.kv_transfer_s = d.timings.kv_transfer_s
         timings.decode_queue_s = d.timings.queue_s
@@ -283,16 +334,16 @@ def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool,
     # and first_decode_step_s stay 0; cached_tokens is the decode worker's own prefix hits.
     timings.prefill_queue_s = d.timings.queue_s
     timings.prefill_compute_s = d.timings.first_step_s
-    timings.ttft_s = time.monotonic() - t0
-    usage.cached_tokens = d.num_cached_tokens
+    timings.ttft_s = time.monotonic() - run.t0
+    run.usage.cached_tokens = d.num_cached_tokens
 
 
-def _finish(chunk: router_pb2.GenerateChunk, src, timings: router_pb2.RequestTimings,
-            usage: router_pb2.Usage, t0: float) -> None:
+def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
     """Marks ``chunk`` final: the worker's finish and stop reasons, then timings and usage."""
     chunk.finish_reason = src.finish_reason
     if src.HasField("stop_reason"):
         chunk.stop_reason.CopyFrom(src.stop_reason)
-    timings.e2e_s = time.monotonic() - t0
-    usage.timings.CopyFrom(timings)
-    chunk.usage.CopyFrom(usage)
+    run.timings.e2e_s = time.monotonic() - run.t0
+    run.usage.migrations = run.migrations
+    run.usage.timings.CopyFrom(run.timings)
+    chunk.usage.CopyFrom(run.usage)

@@ -18,6 +18,10 @@ class RouterStats:
     # Where prompts ran: on a decode worker (conditional disaggregation) or a prefill worker.
     requests_prefilled_locally: int = 0
     requests_prefilled_remotely: int = 0
+    # Migrations after a worker failed under a request, and requests failed once
+    # --migration-limit was spent.
+    requests_migrated: int = 0
+    migrations_exhausted: int = 0
 
     @contextlib.contextmanager
     def track(self):

@@ -96,3 +96,47 @@ def test_decode_room_is_asked_of_the_worker_before_a_refusal(redis_url):
             await server.stop(0)
 
     asyncio.run(body())
+
+
+def test_a_worker_that_fails_its_probe_gets_no_requests_until_it_returns(redis_url):
+    async def body():
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        infos = [common_pb2.WorkerInfo(worker_id=w, role="decode", block_size=16,
+                                       address=f"127.0.0.1:{port}", num_free_blocks=50)
+                 for w in ("d1", "d2")]
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_DecodeInfo(infos[0]), server)
+        await server.start()
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir3"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir3")
+        try:
+            for info in infos:
+                await writer.heartbeat(info)
+            await d.start()
+            assert (await d.pick_decode(33)).worker_id == "d1"  # the tie-break
+            # A request that failed on d1 prefers another worker, d1 itself being fine.
+            assert (await d.pick_decode(33, avoid=frozenset({"d1"}))).worker_id == "d2"
+            assert await d.probe(d.workers["d1"])
+            assert (await d.pick_decode(33)).worker_id == "d1"
+            # d2 answers as d1 (say, its address was reused): that is not d2 serving.
+            assert not await d.probe(d.workers["d2"])
+            await server.stop(0)
+            # Several requests failing together share one probe; d1 no longer answers.
+            assert await asyncio.gather(*(d.probe(d.workers["d1"]) for _ in range(4))) == \
+                [False] * 4
+            with pytest.raises(NoWorkerError) as err:
+                await d.pick_decode(33)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            # Registered again at another address (a restart): routable at once.
+            infos[1].address = "127.0.0.1:2"
+            await writer.heartbeat(infos[1])
+            await d.refresh()
+            assert (await d.pick_decode(33)).worker_id == "d2"
+            # Avoiding every candidate still routes: the avoided one is better than none.
+            assert (await d.pick_decode(33, avoid=frozenset({"d2"}))).worker_id == "d2"
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+            await server.stop(0)
+
+    asyncio.run(body())

@@ -140,3 +140,55 @@ def test_seeded_sampling_continues_across_roles_and_preemption(model):
     prefill = LLMEngine(EngineConfig(model, role="prefill"))
     decode = LLMEngine(EngineConfig(model, role="decode"))
     assert _disaggregated(prefill, decode, prompts, params) == expected
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_migrated_request_continues_where_it_stopped(model, params):
+    """A request resumed with the output it already produced elsewhere goes on exactly as the
+    uninterrupted one: on one engine, and through the prefill and decode roles."""
+    prompts = _prompts(6, [9, 37, 60])
+    expected = [o.token_ids for o in LLM(model).generate(prompts, params)]
+    assert len({t for e in expected for t in e}) > 20  # diverse, not one repeated token
+    cut = [1, 9, 23]  # resumed after 1, 9 and 23 of 24 tokens
+    one = LLMEngine(EngineConfig(model))
+    for i, (p, k) in enumerate(zip(prompts, cut)):
+        one.add_request(f"m{i}", p, params, resume_token_ids=expected[i][:k])
+    done = {o.request_id: o for o in _run_until(
+        one, lambda o: sum(x.finished for x in o) == 3) if o.finished}
+    assert [done[f"m{i}"].token_ids for i in range(3)] == expected
+    assert _free(one)
+    prefill = LLMEngine(EngineConfig(model, role="prefill", max_num_batched_tokens=32))
+    decode = LLMEngine(EngineConfig(model, role="decode"))
+    for i, (p, k) in enumerate(zip(prompts, cut)):
+        prefill.add_request(f"r{i}", p, params, resume_token_ids=expected[i][:k])
+        lease = _run_until(prefill, lambda o: bool(o))[-1]
+        if k + 1 == params.max_tokens:  # its last token: the prefill worker finishes it
+            assert lease.finished and lease.kv_lease is None
+            assert lease.token_ids == expected[i] and lease.new_token_ids == [expected[i][k]]
+            continue
+        assert lease.kv_lease.num_tokens == len(p) + k  # the resumed tokens' KV came along
+        assert lease.new_token_ids == [expected[i][k]]
+        alloc = decode.add_prefilled_request(f"r{i}", p, lease.new_token_ids[0], params,
+                                             resume_token_ids=expected[i][:k])
+        decode.kv_cache[alloc.block_ids_to_fill] = \
+            prefill.kv_cache[lease.kv_lease.block_ids[alloc.num_cached_blocks:len(alloc.block_ids)]]
+        decode.commit_prefilled(f"r{i}")
+        prefill.release_kv(f"r{i}")
+    done = {o.request_id: o for o in _run_until(
+        decode, lambda o: sum(x.finished for x in o) == 2) if o.finished}
+    assert [done[f"r{i}"].token_ids for i in range(2)] == expected[:2]
+    prefill.step()
+    assert _free(prefill) and _free(decode)
+
+
+def test_a_resume_that_leaves_nothing_to_generate_is_refused(model):
+    engine = LLMEngine(EngineConfig(model))
+    params = SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match="nothing to generate"):
+        engine.add_request("a", [5, 6, 7], params, resume_token_ids=[8, 9, 10])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("a", [5, 6, 7], params, resume_token_ids=[10**7])
+    assert not engine.has_unfinished_requests()

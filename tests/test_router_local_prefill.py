@@ -96,3 +96,18 @@ def test_a_decode_workers_local_prefills_are_counted_until_they_end():
     with pytest.raises(RuntimeError), prefilling(w):
         raise RuntimeError("the stream failed before its first token")
     assert w.prefilling == 0
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "2"])
+def test_a_bad_migration_limit_is_refused(limit):
+    with pytest.raises(ValueError, match="migration_limit"):
+        RouterConfig(model="tiny-llama", redis_url="redis://localhost:6379",
+                     migration_limit=limit)
+
+
+def test_the_migration_limit_flag_reaches_the_config():
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    assert p.parse_args(["--redis-url", "redis://x"]).migration_limit == \
+        RouterConfig(model="m", redis_url="redis://x").migration_limit
+    assert p.parse_args(["--redis-url", "redis://x", "--migration-limit", "0"]).migration_limit == 0

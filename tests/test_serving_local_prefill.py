@@ -163,6 +163,9 @@ def test_decode_worker_streams_the_first_token_of_a_local_prefill(cluster, refer
     ({"prompt_token_ids": []}, "empty"),
     ({"prompt_token_ids": [1, 99999999]}, "outside the vocabulary"),
     ({"request_id": ""}, "request_id is empty"),
+    ({"resume_token_ids": [4, 99999999]}, "outside the vocabulary"),
+    ({"resume_token_ids": [-4]}, "resume token id -4 is out of range"),
+    ({"resume_token_ids": [4] * 16}, "leave nothing to generate"),
 ])
 def test_bad_local_prefill_requests_get_invalid_argument(cluster, fields, match):
     fields.setdefault("prompt_token_ids", [1, 2, 3])

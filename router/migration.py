@@ -1,0 +1,70 @@
+"""Request migration: a request whose worker fails under it goes on elsewhere.
+
+A worker that crashes, becomes unreachable or starts draining answers the router with
+UNAVAILABLE, whether it was running the request's prefill, pulling its KV or streaming its
+tokens. Nothing the client already holds is lost: the router sends the request again, to other
+workers when there are any, as a *continuation*: the prompt plus the output tokens already
+streamed (``resume_token_ids``). The new worker recomputes their KV (as after a preemption) and
+samples from output number ``len(resume_token_ids)`` on, so max_tokens, stop conditions and
+seeded sampling (keyed by seed and output index) continue where they stopped, and greedy output
+equals the uninterrupted run's. The client sees one unbroken stream; its final usage counts the
+``migrations``.
+
+Only UNAVAILABLE moves a request: INVALID_ARGUMENT would fail again anywhere,
+RESOURCE_EXHAUSTED is the cluster's back-pressure, and DEADLINE_EXCEEDED and CANCELLED are the
+client's own. ``--migration-limit`` bounds the moves per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import router_pb2
+from router.directory import WorkerHandle
+
+
+@dataclass
+class RequestRun:
+    """One client request across its attempts: what was streamed and what it cost."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    t0: float
+    # Output tokens streamed to the client so far, over every attempt.
+    emitted: list[int] = field(default_factory=list)
+    migrations: int = 0
+    # Workers that failed this request: a continuation goes elsewhere when it can.
+    failed: set[str] = field(default_factory=set)
+    # The workers the current attempt called, in order; the last is the one that answered
+    # UNAVAILABLE, though the cause may be an earlier one (a decode worker cannot pull the KV
+    # from a prefill worker that died).
+    workers: list[WorkerHandle] = field(default_factory=list)
+    timings: router_pb2.RequestTimings = field(default_factory=router_pb2.RequestTimings)
+    usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
+
+    @property
+    def attempt_id(self) -> str:
+        """The id workers know this attempt by: a failed attempt's id may still be held
+        (a lease not yet released, a stream not yet torn down) on a worker that is fine."""
+        if self.migrations == 0:
+            return self.request_id
+        return f"{self.request_id}~m{self.migrations}"
+
+    def calls(self, worker: WorkerHandle) -> WorkerHandle:
+        self.workers.append(worker)
+        return worker
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.emitted
+
+    @property
+    def started(self) -> bool:
+        """True once the client has a token: the first token's timings are set for good."""
+        return bool(self.emitted)
+
+
+def is_migratable(exc: BaseException) -> bool:
+    """A worker's failure another worker may recover from."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE

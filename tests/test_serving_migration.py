@@ -1,0 +1,162 @@
+"""Request migration across real processes: workers killed (SIGKILL) under running requests.
+
+The clients' streams go on, on the surviving workers, from the tokens already streamed, and
+end token for token where the in-process engine ends (greedy and seeded sampling). Once a
+request's --migration-limit is spent, its client gets UNAVAILABLE rather than a hang.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from client import AsyncClient, UnavailableError
+from engine import LLM, SamplingParams
+from protos import router_pb2, router_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+SEEDED = dict(temperature=1.0, top_p=0.9, seed=23, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # Local prefill off: every continuation goes through a prefill worker and a KV transfer.
+    spec = ClusterSpec(num_prefill=2, num_decode=2, worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", "0", "--migration-limit", "1"])
+    with Cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+        yield llm
+
+
+def _stats(cluster) -> router_pb2.ClusterStats:
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
+
+
+def _live(cluster, role):
+    return sorted((p for p in cluster.procs if p.name.startswith(role)
+                   and p.popen.poll() is None), key=lambda p: p.name)
+
+
+def _kill(proc) -> None:
+    proc.popen.kill()
+    proc.popen.wait(timeout=10)
+
+
+async def _stream(client, prompt, params: dict, got: list):
+    """Streams one request, appending its token ids to ``got`` as they come; the final chunk."""
+    final = None
+    async for chunk in client.generate(prompt, **params):
+        got.extend(chunk.token_ids)
+        final = chunk
+    return final
+
+
+async def _until(pred, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
+    prompts = random_prompts(10, seed=31, lo=20, hi=90)
+    params = [dict(max_tokens=48, **(SEEDED if i % 5 == 4 else GREEDY)) for i in range(10)]
+    want = reference.generate(prompts, [SamplingParams(**p) for p in params])
+    assert len({t for w in want for t in w.token_ids}) > 50  # diverse outputs
+    victim, survivor = _live(cluster, "decode")
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, kw, g))
+                     for p, kw, g in zip(prompts, params, got)]
+            # Every stream is decoding (past its first tokens) when the worker dies.
+            await _until(lambda: all(len(g) >= 4 for g in got))
+            assert not any(t.done() for t in tasks)
+            _kill(victim)
+            return got, await asyncio.gather(*tasks)
+
+    got, finals = asyncio.run(run())
+    moved = [f for f in finals if f.usage.migrations]
+    assert moved, "no stream was on the killed worker"
+    for g, f, w in zip(got, finals, want):
+        assert g == w.token_ids  # nothing lost, nothing repeated, the same tokens
+        assert f.finish_reason == "length" and f.usage.completion_tokens == len(w.token_ids)
+        assert f.usage.decode_worker_id in (victim.name, survivor.name)
+        if f.usage.migrations:
+            assert f.usage.migrations == 1 and f.usage.decode_worker_id == survivor.name
+    assert _stats(cluster).requests_migrated == len(moved)
+    # The dead worker gets no more requests, and the survivors hold nothing.
+    prompt = random_prompts(1, seed=32)[0]
+
+    async def after():
+        async with AsyncClient(cluster.router_address, timeout=60) as client:
+            return await client.complete(prompt, max_tokens=4, **GREEDY)
+
+    assert asyncio.run(after()).usage.decode_worker_id == survivor.name
+    wait_all_blocks_free([p.address for p in cluster.procs
+                          if p.name != "router" and p.popen.poll() is None])
+
+
+def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference):
+    # Long prompts queue on both prefill workers; one dies with some of them queued there,
+    # in its step, or leased to a decode worker that is pulling their KV.
+    prompts = random_prompts(12, seed=41, lo=300, hi=500)
+    params = dict(max_tokens=6, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+    victim, survivor = _live(cluster, "prefill")
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
+                     for p, g in zip(prompts, got)]
+            await _until(lambda: any(got))  # the first prompt is through: the rest are queued
+            _kill(victim)
+            return got, await asyncio.gather(*tasks)
+
+    got, finals = asyncio.run(run())
+    assert [g for g in got] == [w.token_ids for w in want]
+    moved = [f for f in finals if f.usage.migrations]
+    assert moved and all(f.usage.prefill_worker_id == survivor.name for f in moved)
+    assert _stats(cluster).requests_migrated >= len(moved)
+    wait_all_blocks_free([p.address for p in cluster.procs
+                          if p.name != "router" and p.popen.poll() is None])
+
+
+def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, reference):
+    cluster.add_worker("decode")
+    first, second = _live(cluster, "decode")
+    cluster.wait_routable(1, 2)
+    prompt = random_prompts(1, seed=51, lo=30, hi=30)[0]
+    exhausted = _stats(cluster).migrations_exhausted
+
+    async def run():
+        got = []
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            task = asyncio.ensure_future(_stream(client, prompt, dict(max_tokens=400, **GREEDY),
+                                                 got))
+            await _until(lambda: len(got) >= 4)
+            on = next(p for p in (first, second) if worker_info(p.address).num_running)
+            _kill(on)
+            n = len(got)
+            await _until(lambda: len(got) >= n + 4)  # moved (its one migration) and streaming
+            _kill(second if on is first else first)
+            with pytest.raises(UnavailableError):
+                await task
+            return got
+
+    got = asyncio.run(run())
+    want = reference.generate([prompt], SamplingParams(max_tokens=400, **GREEDY))[0].token_ids
+    assert got == want[:len(got)]  # what did arrive was right, up to the failure
+    assert _stats(cluster).migrations_exhausted == exhausted + 1
