@@ -31,10 +31,16 @@ class OutputProcessor:
         if self.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=req.sampling_params.skip_special_tokens)
-            if req.output_token_ids:
-                # Decode role: the first token's text was streamed by the prefill worker;
-                # feed it for context and drop its delta.
-                detok.update(req.output_token_ids)
+            # Output produced elsewhere (the decode role's first token, streamed by the prefill
+            # worker; a migrated request's output so far) was streamed already. Replaying it
+            # one token at a time, as it was produced, leaves exactly the text the client has
+            # not received yet pending: in one batch, a tail held back there (an unfinished
+            # character, a possible stop string) would differ from what was held here.
+            params = req.sampling_params
+            for token_id in req.output_token_ids:
+                detok.update([token_id])
+                if params.stop:
+                    detok.check_stop(params.stop, params.include_stop_str_in_output)
                 detok.take_delta()
             self.detokenizers[req.request_id] = detok
 

@@ -192,3 +192,40 @@ def test_a_resume_that_leaves_nothing_to_generate_is_refused(model):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("a", [5, 6, 7], params, resume_token_ids=[10**7])
     assert not engine.has_unfinished_requests()
+
+
+def _stream_deltas(engine: LLMEngine, rid: str) -> tuple[list[str], list[int]]:
+    """The text deltas and token ids ``rid`` streams, step by step, to its end."""
+    deltas, ids = [], []
+    for out in _run_until(engine, lambda o: any(x.finished and x.request_id == rid for x in o)):
+        if out.request_id == rid:
+            deltas.append(out.text_delta)
+            ids.extend(out.new_token_ids)
+    return deltas, ids
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_a_migrated_request_streams_exactly_the_text_not_yet_streamed(model, with_stop):
+    """Wherever a stream is cut, what was streamed before plus what the continuation streams
+    is the uninterrupted text: nothing repeated or lost (unfinished characters and possible
+    stop strings held back at the cut included)."""
+    prompt = _prompts(8, [30])[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(EngineConfig(model))
+    engine.add_request("full", prompt, params)
+    deltas, ids = _stream_deltas(engine, "full")
+    text = "".join(deltas)
+    assert len(deltas) == len(ids) == 40
+    if with_stop:  # a stop string late in the text, found nowhere earlier
+        i = next(i for i in range(len(text) - 3, 0, -1) if text.find(text[i:i + 3]) == i)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                stop=[text[i:i + 3]])
+        engine.add_request("stopped", prompt, params)
+        deltas, ids = _stream_deltas(engine, "stopped")
+        text = "".join(deltas)
+    for k in range(1, len(ids)):
+        engine.add_request(f"k{k}", prompt, params, resume_token_ids=ids[:k])
+        rest, rest_ids = _stream_deltas(engine, f"k{k}")
+        assert ids[:k] + rest_ids == ids
+        assert "".join(deltas[:k]) + "".join(rest) == text, f"cut after {k} tokens"
+    assert _free(engine)

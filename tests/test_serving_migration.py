@@ -53,11 +53,14 @@ def _kill(proc) -> None:
 
 
 async def _stream(client, prompt, params: dict, got: list):
-    """Streams one request, appending its token ids to ``got`` as they come; the final chunk."""
-    final = None
+    """Streams one request, appending its token ids to ``got`` as they come; the final chunk,
+    with the whole streamed text as ``text``."""
+    final, text = None, []
     async for chunk in client.generate(prompt, **params):
         got.extend(chunk.token_ids)
+        text.append(chunk.text)
         final = chunk
+    final.text = "".join(text)
     return final
 
 
@@ -91,6 +94,7 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
     assert moved, "no stream was on the killed worker"
     for g, f, w in zip(got, finals, want):
         assert g == w.token_ids  # nothing lost, nothing repeated, the same tokens
+        assert f.text == w.text  # the text too: a continuation resumes its detokenizer
         assert f.finish_reason == "length" and f.usage.completion_tokens == len(w.token_ids)
         assert f.usage.decode_worker_id in (victim.name, survivor.name)
         if f.usage.migrations:
