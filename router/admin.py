@@ -1,5 +1,11 @@
-"""RouterAdmin: list workers, cluster stats, drain and undrain a worker."""
+"""RouterAdmin: list workers, cluster stats, drain and undrain a worker.
+
+Cluster stats come from the router's own view, so they answer while Redis is away; listing
+and draining workers read and write the registry, so they answer UNAVAILABLE then.
+"""
 from __future__ import annotations
+
+import contextlib
 
 import grpc
 
@@ -18,12 +24,13 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         if request.role and request.role not in ROLES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"role must be one of {ROLES} or empty, got {request.role!r}")
-        workers = await self.directory.registry.live_workers(request.role or None)
+        async with _registry(context):
+            workers = await self.directory.registry.live_workers(request.role or None)
         return router_pb2.ListWorkersResponse(workers=workers)
 
     async def GetClusterStats(self, request, context):
         # The routing view itself, refreshed: a worker counted here is one requests can reach.
-        await self.directory.refresh()
+        await self.directory.refresh_if_reachable()
         workers = [w.info for w in self.directory.workers.values()]
         s = self.stats
         return router_pb2.ClusterStats(
@@ -37,10 +44,22 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted)
 
     async def DrainWorker(self, request, context):
-        known = {w.worker_id for w in await self.directory.registry.live_workers()}
+        async with _registry(context):
+            known = {w.worker_id for w in await self.directory.registry.live_workers()}
         if request.worker_id not in known:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no live worker {request.worker_id!r}")
-        await self.directory.registry.set_drained(request.worker_id, not request.undrain)
-        await self.directory.refresh()
+        async with _registry(context):
+            await self.directory.registry.set_drained(request.worker_id, not request.undrain)
+            await self.directory.refresh()
         return router_pb2.DrainWorkerResponse(draining=not request.undrain)
+
+
+@contextlib.asynccontextmanager
+async def _registry(context):
+    """A registry call; Redis failing becomes UNAVAILABLE rather than INTERNAL."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")

@@ -11,6 +11,12 @@ then the most free blocks; when no worker's last heartbeat shows enough, the wor
 for their current free blocks before the request is refused. Ties go to the smaller worker id,
 so routing is deterministic.
 
+Redis is the registry and the prefix index, not a dependency of the request path: while it
+fails or hangs, requests route on the last view of the workers, by load alone (no prefix
+hits), and after a failed read the request path leaves Redis alone for ``REGISTRY_RETRY_S``
+so a hung Redis costs one request its timeout, not every request. The periodic refresh keeps
+trying and takes the view up again when Redis answers.
+
 Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
 does not answer, or answers that it is draining, no request is routed to it until the registry
 would have dropped it (the heartbeat TTL) or it registers anew. A migrating request also
@@ -38,6 +44,8 @@ LOAD_COST_TOKENS = 256
 FRESH_INFO_TIMEOUT_S = 1.0
 # A worker that failed a request must answer a probe within this to keep receiving requests.
 PROBE_TIMEOUT_S = 1.0
+# After a failed Redis read, the request path skips Redis for this long.
+REGISTRY_RETRY_S = 2.0
 
 
 class NoWorkerError(Exception):
@@ -76,6 +84,8 @@ class WorkerDirectory:
     _down: dict[str, tuple[str, float]] = field(default_factory=dict)
     # One probe per worker at a time: the requests a crash failed together share it.
     _probes: dict[str, asyncio.Future] = field(default_factory=dict)
+    # Until when (monotonic) the request path routes without reading Redis.
+    _registry_skip_until: float = 0.0
 
     async def start(self) -> None:
         await self.refresh()
@@ -97,7 +107,31 @@ class WorkerDirectory:
             try:
                 await self.refresh()
             except Exception as e:  # noqa: BLE001 - Redis hiccup: keep the last view
-                logger.warning("registry refresh failed: %s", e)
+                self._registry_failed("the periodic registry refresh", e)
+            else:
+                self._registry_skip_until = 0.0
+
+    @property
+    def registry_ok(self) -> bool:
+        """False while the request path leaves a failing Redis alone."""
+        return time.monotonic() >= self._registry_skip_until
+
+    def _registry_failed(self, what: str, e: Exception) -> None:
+        if self.registry_ok:  # once per outage window, not once per request
+            logger.warning("%s failed (%s: %s); routing on the last view of the workers, "
+                           "without prefix hits, until Redis answers", what, type(e).__name__, e)
+        self._registry_skip_until = time.monotonic() + REGISTRY_RETRY_S
+
+    async def refresh_if_reachable(self) -> bool:
+        """A refresh for the request path: False (the last view stands) when Redis fails."""
+        if not self.registry_ok:
+            return False
+        try:
+            await self.refresh()
+        except Exception as e:  # noqa: BLE001 - any Redis failure: the last view stands
+            self._registry_failed("a registry refresh", e)
+            return False
+        return True
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
@@ -163,8 +197,7 @@ class WorkerDirectory:
         """Candidates, re-reading the registry when the cached view has none: a worker that
         registered since the last periodic refresh takes the request instead of a refusal."""
         cands = self._candidates(role)
-        if not cands:
-            await self.refresh()
+        if not cands and await self.refresh_if_reachable():
             cands = self._candidates(role)
         return cands
 
@@ -181,7 +214,7 @@ class WorkerDirectory:
         cands = _prefer(await self._candidates_now("prefill"), avoid)
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
-        matched = await self.registry.match_prefix(block_hashes, [w.worker_id for w in cands])
+        matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
 
         def score(w: WorkerHandle) -> tuple:
             cached = min(matched.get(w.worker_id, 0) * self.block_size, num_tokens)
@@ -190,6 +223,15 @@ class WorkerDirectory:
 
         best = max(cands, key=score)
         return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
+
+    async def _match_prefix(self, block_hashes: list[bytes],
+                            worker_ids: list[str]) -> dict[str, int]:
+        if self.registry_ok:
+            try:
+                return await self.registry.match_prefix(block_hashes, worker_ids)
+            except Exception as e:  # noqa: BLE001 - routing goes on without prefix hits
+                self._registry_failed("the prefix lookup", e)
+        return {}
 
     async def pick_decode(self, num_tokens: int,
                           avoid: frozenset[str] = frozenset()) -> WorkerHandle:
