@@ -84,6 +84,10 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()
 
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache now (to rebuild an index that lost events)."""
+        return list(self.pool.cached_blocks)
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

@@ -337,6 +337,11 @@ class LLMEngine:
         with self._lock:
             return self.kv_manager.take_events()
 
+    def cached_block_hashes(self) -> list:
+        """The prefix cache's block hashes now; under the step lock, like the events."""
+        with self._lock:
+            return self.kv_manager.cached_block_hashes()
+
     # --- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         with self._lock:

@@ -215,8 +215,9 @@ class WorkerRuntime:
             return
         from router.presence import WorkerPresence
 
-        self._presence = WorkerPresence(self.config.redis_url, self.config.namespace,
-                                        self.config.heartbeat_interval_s, self.worker_info)
+        self._presence = WorkerPresence(
+            self.config.redis_url, self.config.namespace, self.config.heartbeat_interval_s,
+            self.worker_info, self._republish if self.config.role == "prefill" else None)
         registry = self._presence.registry
         if self.config.role == "prefill":  # before the first heartbeat makes it routable
             await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
@@ -224,6 +225,13 @@ class WorkerRuntime:
         if self.config.role == "decode":
             self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s)
             self._peers.start()
+
+    async def _republish(self, registry) -> None:
+        """After a Redis outage: this prefill worker's KV handles, and its whole prefix cache
+        in place of whatever the index kept of it (events were lost; Redis may be new)."""
+        await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
+        hashes = await asyncio.to_thread(self.llm.cached_block_hashes)
+        await registry.set_worker_blocks(self.worker_id, hashes)
 
     async def stop_presence(self) -> None:
         """Leave the registry first, so the router stops sending work while we drain."""

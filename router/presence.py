@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from protos import common_pb2
 from router.registry import Registry
@@ -20,7 +20,11 @@ _STOP_STEP_S = 2.0
 
 class WorkerPresence:
     def __init__(self, redis_url: str, namespace: str, interval_s: float,
-                 info: Callable[[], common_pb2.WorkerInfo]) -> None:
+                 info: Callable[[], common_pb2.WorkerInfo],
+                 republish: Callable[[Registry], Awaitable[None]] | None = None) -> None:
+        """``republish`` puts back what the worker keeps in Redis besides its heartbeat (its
+        KV handles, its cached blocks) once Redis answers again after failing: events lost
+        meanwhile, or a new empty Redis, would leave the prefix index wrong for good."""
         # Stale after a few missed beats, so a killed worker drops out within seconds.
         self.registry = Registry.from_url(redis_url, namespace, ttl_s=max(3 * interval_s, 1.0))
         self.interval_s = interval_s
@@ -28,6 +32,8 @@ class WorkerPresence:
         self._events: list = []
         self._have_events = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.republish = republish
+        self._lost = False  # a heartbeat failed since the last one that went through
 
     async def start(self) -> None:
         info = self.info()
@@ -44,8 +50,14 @@ class WorkerPresence:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.registry.heartbeat(self.info())
+                if self._lost and self.republish is not None:
+                    await self.republish(self.registry)
+                    logger.info("Redis answers again: registry entries republished")
+                self._lost = False
             except Exception as e:  # noqa: BLE001 - Redis away: keep serving, retry next beat
-                logger.warning("heartbeat failed: %s", e)
+                if not self._lost:
+                    logger.warning("heartbeat failed: %s", e)
+                self._lost = True
 
     async def _flush(self) -> None:
         wid = self.info().worker_id

@@ -143,6 +143,18 @@ class Registry:
                     p.srem(wkey, *hexes)
             await p.execute()
 
+    async def set_worker_blocks(self, worker_id: str, block_hashes: list[bytes]) -> None:
+        """Replaces what the index says ``worker_id`` holds with exactly ``block_hashes``."""
+        await self._forget_blocks(worker_id)
+        if not block_hashes:
+            return
+        hexes = [h.hex() for h in block_hashes]
+        async with self.r.pipeline(transaction=False) as p:
+            for hx in hexes:
+                p.sadd(self._k("block", hx), worker_id)
+            p.sadd(self._k("wblocks", worker_id), *hexes)
+            await p.execute()
+
     async def clear_worker_blocks(self, worker_id: str) -> None:
         """A worker (re)starting with an empty cache drops whatever it held before."""
         await self._forget_blocks(worker_id)

@@ -1,6 +1,7 @@
 """A Redis outage across real processes: the cluster keeps serving on the router's last view
 while Redis hangs (SIGSTOP) or is gone (SIGKILL), and takes the registry and the prefix index
-up again when a new Redis comes back on the same address."""
+up again when a new Redis comes back on the same address: the prefill worker republishes its
+whole prefix cache, so prefixes cached before the outage are found again."""
 from __future__ import annotations
 
 import signal
@@ -61,6 +62,9 @@ def _prefix_hit_routes(cluster) -> bool:
 
 def test_serving_survives_redis_hanging_dying_and_coming_back(cluster, reference):
     assert wait_until(lambda: _prefix_hit_routes(cluster), timeout_s=30)
+    old_prefix = random_prompts(1, seed=99, lo=128, hi=128)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        c.complete(old_prefix + [5], max_tokens=2, **GREEDY)  # cached before the outage
     redis = cluster.redis
     redis.proc.send_signal(signal.SIGSTOP)
     try:
@@ -86,6 +90,14 @@ def test_serving_survives_redis_hanging_dying_and_coming_back(cluster, reference
                                                timeout=30).workers) == 2
 
     assert wait_until(registered, timeout_s=30)
+
+    def old_prefix_routes() -> bool:
+        before = _matched(cluster)
+        with Client(cluster.router_address, timeout=60) as c:
+            c.complete(old_prefix + [6], max_tokens=2, **GREEDY)
+        return _matched(cluster) - before == 128  # its 8 full blocks, from the new index
+
+    assert wait_until(old_prefix_routes, timeout_s=30)
     assert wait_until(lambda: _prefix_hit_routes(cluster), timeout_s=30)
     _serves(cluster, reference, seed=4)
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
