@@ -160,12 +160,13 @@ class WorkerDirectory:
                 and w.info.block_size == self.block_size and not self.is_down(w)]
 
     def is_down(self, w: WorkerHandle) -> bool:
-        """Failed its last probe, and has not registered anew (another address) since."""
+        """Failed its last probe, and has not registered anew (another address) since. While
+        Redis fails, the registry cannot drop a dead worker, so the mark does not expire."""
         mark = self._down.get(w.worker_id)
         if mark is None:
             return False
         address, until = mark
-        if address != w.info.address or time.monotonic() >= until:
+        if address != w.info.address or (time.monotonic() >= until and self.registry_ok):
             del self._down[w.worker_id]
             return False
         return True
