@@ -21,7 +21,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0)
     p.add_argument("--max-pending-requests", type=int, default=256)
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
-    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="after SIGTERM: how long requests in flight may run before stopping")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="then gRPC's stop grace; calls still running after it are cut (the "
+                        "router moves cut requests to other workers)")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
@@ -44,7 +48,7 @@ def _worker_config(args: argparse.Namespace, role: str):
                           kv_lease_timeout_s=args.kv_lease_timeout_s, **engine_kwargs(args))
     return WorkerConfig(engine=engine,
                         server=ServerConfig(args.host, args.port, args.drain_timeout_s,
-                                             ready_fd=args.ready_fd),
+                                             args.shutdown_grace_s, ready_fd=args.ready_fd),
                         worker_id=args.worker_id, redis_url=args.redis_url,
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
                         max_pending_requests=args.max_pending_requests,
@@ -86,7 +90,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="after SIGTERM: how long requests in flight may run before stopping")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="then gRPC's stop grace; calls still running after it are cut (the "
+                        "router moves cut requests to other workers)")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
@@ -101,7 +109,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     main(RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
-                                          ready_fd=args.ready_fd),
+                                          args.shutdown_grace_s, ready_fd=args.ready_fd),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit,

@@ -138,6 +138,37 @@ def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference)
                           if p.name != "router" and p.popen.poll() is None])
 
 
+def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):
+    """Scale-down: a decode worker told to stop (SIGTERM) drains, and a stream still running
+    when its drain and grace end continues on another worker instead of being cut."""
+    survivor = _live(cluster, "decode")[0]
+    leaving = cluster.add_worker("decode", extra=["--drain-timeout-s", "0.5",
+                                                  "--shutdown-grace-s", "0.5"])
+    cluster.wait_routable(1, 2)
+    admin = router_pb2_grpc.RouterAdminStub(grpc.insecure_channel(cluster.router_address))
+    drain = router_pb2.DrainWorkerRequest(worker_id=survivor.name)
+    admin.DrainWorker(drain, timeout=10)  # so the stream starts on the leaving worker
+    prompt = random_prompts(1, seed=61, lo=30, hi=30)[0]
+    params = dict(max_tokens=900, **GREEDY)
+
+    async def run():
+        got = []
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            task = asyncio.ensure_future(_stream(client, prompt, params, got))
+            await _until(lambda: len(got) >= 4)
+            drain.undrain = True
+            admin.DrainWorker(drain, timeout=10)
+            stopping = asyncio.get_running_loop().run_in_executor(
+                None, cluster.stop_proc, leaving)
+            final = await task
+            assert await stopping == 0  # it stopped cleanly, not killed
+            return got, final
+
+    got, final = asyncio.run(run())
+    assert got == reference.generate([prompt], SamplingParams(**params))[0].token_ids
+    assert final.usage.migrations == 1 and final.usage.decode_worker_id == survivor.name
+
+
 def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, reference):
     cluster.add_worker("decode")
     first, second = _live(cluster, "decode")
