@@ -119,6 +119,8 @@ BENCHMARKS = [
     ("serve", "online serving through the router vs the in-process engine: TTFT, TPOT, ITL, "
               "throughput, shared-prefix TTFT"),
     ("kvtransfer", "KV block transfer between processes vs memcpy"),
+    ("failover", "a worker SIGKILLed under running streams: migrated streams' stall vs the "
+                 "undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
     ("gpu", "GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs on/off, decode-kernel "
             "bandwidth vs copy"),

@@ -1,0 +1,190 @@
+"""``pdserve bench failover``: what a worker crash costs the streams running on it.
+
+A cluster (``pdserve up``'s processes) serves two sets of concurrent greedy streams with the
+same prompt and output lengths (fresh prompts each, so neither finds the other's prefixes
+cached): one undisturbed (the baseline), one with a worker SIGKILLed under it (a decode worker
+once every stream is past its first tokens, or a prefill worker as soon as the first prompt is
+through). The router migrates the failed requests (router/migration.py). Reported: how many
+streams moved, whether every stream's tokens equal the in-process engine's, and the stall the
+moved streams saw (their longest gap between tokens, or their TTFT after a prefill crash)
+beside the same slots' figure in the baseline, with the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from client import AsyncClient
+from engine import LLM, SamplingParams
+from protos import common_pb2, worker_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+
+
+@dataclass
+class Stream:
+    start: float
+    times: list[float] = field(default_factory=list)  # one per token
+    token_ids: list[int] = field(default_factory=list)
+    migrations: int = 0
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.times[0] - self.start) * 1e3
+
+    @property
+    def max_gap_ms(self) -> float:
+        gaps = [b - a for a, b in zip(self.times, self.times[1:])]
+        return max(gaps, default=0.0) * 1e3
+
+
+@dataclass
+class FailoverReport:
+    kill: str
+    streams: int
+    max_tokens: int
+    migrated: int
+    identical: int  # failover-run streams whose tokens equal the in-process engine's
+    # Over the migrated streams: the failover run's figure, the same streams' in the baseline.
+    stall_metric: str
+    stall_ms_mean: float
+    baseline_ms_mean: float
+    stall_ms_max: float
+    baseline_ms_max: float
+    duration_s: float
+    baseline_duration_s: float
+
+    @property
+    def stall_ratio(self) -> float:
+        return self.stall_ms_mean / self.baseline_ms_mean if self.baseline_ms_mean else 0.0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--kill", choices=["decode", "prefill"], default="decode",
+                   help="the role of the worker killed under the streams")
+    p.add_argument("--streams", type=int, default=16, help="concurrent streams")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.streams < 1 or args.max_tokens < 8:
+        raise ValueError("--streams must be >= 1 and --max-tokens >= 8")
+    rng = random.Random(args.seed)
+    lens = [rng.randint(32, 128) for _ in range(args.streams)]
+    base_prompts, prompts = ([[rng.randrange(10, 8000) for _ in range(n)] for n in lens]
+                             for _ in range(2))
+    with LLM(args.model) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+            max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))]
+    two = args.kill  # the role that gets two workers, one of which dies
+    spec = ClusterSpec(model=args.model, num_prefill=2 if two == "prefill" else 1,
+                       num_decode=2 if two == "decode" else 1,
+                       router_args=["--max-local-prefill-length", "0"])
+    with Cluster(spec) as cluster:
+        warm = [[t + 1 for t in p] for p in prompts[:2]]
+        asyncio.run(_run(cluster, warm, args.max_tokens, None))
+        t0 = time.perf_counter()
+        base = asyncio.run(_run(cluster, base_prompts, args.max_tokens, None))
+        base_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hit = asyncio.run(_run(cluster, prompts, args.max_tokens, two))
+        hit_s = time.perf_counter() - t0
+    report = _report(args, base, hit, want, base_s, hit_s)
+    if args.json:
+        print(json.dumps({**asdict(report), "stall_ratio": report.stall_ratio}, indent=2))
+    else:
+        print(_format(report))
+    return 0
+
+
+async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
+               kill: str | None) -> list[Stream]:
+    """The streams, all at once; with ``kill``, a worker of that role dies under them."""
+    streams = [Stream(time.perf_counter()) for _ in prompts]
+
+    async def one(client: AsyncClient, prompt: list[int], s: Stream) -> None:
+        async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True):
+            now = time.perf_counter()
+            s.times.extend([now] * len(chunk.token_ids))
+            s.token_ids.extend(chunk.token_ids)
+            if chunk.usage is not None:
+                s.migrations = chunk.usage.migrations
+
+    async with AsyncClient(cluster.router_address, timeout=600) as client:
+        tasks = [asyncio.ensure_future(one(client, p, s)) for p, s in zip(prompts, streams)]
+        if kill is not None:
+            # A decode worker dies with every stream decoding; a prefill worker with the first
+            # prompt through and the rest queued.
+            def ready() -> bool:
+                if kill == "decode":
+                    return all(len(s.token_ids) >= 4 for s in streams)
+                return any(s.token_ids for s in streams)
+
+            while not ready():
+                await asyncio.sleep(0.002)
+            await asyncio.to_thread(_kill, cluster, kill)
+        await asyncio.gather(*tasks)
+    return streams
+
+
+def _kill(cluster: Cluster, role: str) -> None:
+    """SIGKILLs the worker of ``role`` with the most requests running or queued."""
+    procs = [p for p in cluster.procs if p.name.startswith(role) and p.popen.poll() is None]
+
+    def load(p) -> int:
+        with grpc.insecure_channel(p.address) as ch:
+            stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
+                    else worker_pb2_grpc.DecodeWorkerStub)(ch)
+            info = stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
+            return info.num_running + info.num_waiting
+
+    victim = max(procs, key=load)
+    victim.popen.kill()
+    victim.popen.wait()
+
+
+def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], base_s: float,
+            hit_s: float) -> FailoverReport:
+    moved = [i for i, s in enumerate(hit) if s.migrations]
+    metric = "ttft" if args.kill == "prefill" else "max_gap"
+
+    def fig(s: Stream) -> float:
+        return s.ttft_ms if metric == "ttft" else s.max_gap_ms
+
+    stall = [fig(hit[i]) for i in moved] or [0.0]
+    calm = [fig(base[i]) for i in moved] or [0.0]
+    return FailoverReport(
+        kill=args.kill, streams=len(hit), max_tokens=args.max_tokens, migrated=len(moved),
+        identical=sum(h.token_ids == w for h, w in zip(hit, want)),
+        stall_metric=metric, stall_ms_mean=statistics.mean(stall),
+        baseline_ms_mean=statistics.mean(calm), stall_ms_max=max(stall),
+        baseline_ms_max=max(calm), duration_s=hit_s, baseline_duration_s=base_s)
+
+
+def _format(r: FailoverReport) -> str:
+    what = "TTFT" if r.stall_metric == "ttft" else "longest gap between tokens"
+    return "\n".join([
+        f"Failover: a {r.kill} worker SIGKILLed under {r.streams} greedy streams of "
+        f"{r.max_tokens} tokens",
+        "",
+        f"streams migrated: {r.migrated} of {r.streams}; tokens identical to the in-process "
+        f"engine's: {r.identical} of {r.streams}",
+        "",
+        f"| migrated streams' {what} | failover run | undisturbed run | ratio |",
+        "|---|---|---|---|",
+        f"| mean ms | {r.stall_ms_mean:.1f} | {r.baseline_ms_mean:.1f} | {r.stall_ratio:.2f} |",
+        f"| max ms | {r.stall_ms_max:.1f} | {r.baseline_ms_max:.1f} | "
+        f"{(r.stall_ms_max / r.baseline_ms_max if r.baseline_ms_max else 0):.2f} |",
+        f"| all streams done, s | {r.duration_s:.2f} | {r.baseline_duration_s:.2f} | "
+        f"{r.duration_s / r.baseline_duration_s:.2f} |",
+    ])
