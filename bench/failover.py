@@ -3,8 +3,7 @@
 A cluster (``pdserve up``'s processes) serves two sets of concurrent greedy streams with the
 same prompt and output lengths (fresh prompts each, so neither finds the other's prefixes
 cached): one undisturbed (the baseline), one with a worker SIGKILLed under it (a decode worker
-once every stream is past its first tokens, or a prefill worker as soon as the first prompt is
-through). The router migrates the failed requests (router/migration.py). Reported: how many
+once every stream is past its first tokens, or a prefill worker while it computes prompts). The router migrates the failed requests (router/migration.py). Reported: how many
 streams moved, whether every stream's tokens equal the in-process engine's, and the stall the
 moved streams saw (their longest gap between tokens, or their TTFT after a prefill crash)
 beside the same slots' figure in the baseline, with the ratio.
@@ -123,14 +122,9 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
     async with AsyncClient(cluster.router_address, timeout=600) as client:
         tasks = [asyncio.ensure_future(one(client, p, s)) for p, s in zip(prompts, streams)]
         if kill is not None:
-            # A decode worker dies with every stream decoding; a prefill worker with the first
-            # prompt through and the rest queued.
-            def ready() -> bool:
-                if kill == "decode":
-                    return all(len(s.token_ids) >= 4 for s in streams)
-                return any(s.token_ids for s in streams)
-
-            while not ready():
+            # A decode worker dies with every stream decoding; a prefill worker as soon as it
+            # holds prompts (_kill waits for that).
+            while kill == "decode" and not all(len(s.token_ids) >= 4 for s in streams):
                 await asyncio.sleep(0.002)
             await asyncio.to_thread(_kill, cluster, kill)
         await asyncio.gather(*tasks)
@@ -138,7 +132,8 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
 
 
 def _kill(cluster: Cluster, role: str) -> None:
-    """SIGKILLs the worker of ``role`` with the most requests running or queued."""
+    """SIGKILLs the worker of ``role`` with the most requests running or queued, once one
+    has any."""
     procs = [p for p in cluster.procs if p.name.startswith(role) and p.popen.poll() is None]
 
     def load(p) -> int:
@@ -148,7 +143,12 @@ def _kill(cluster: Cluster, role: str) -> None:
             info = stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
             return info.num_running + info.num_waiting
 
-    victim = max(procs, key=load)
+    deadline = time.monotonic() + 60
+    while True:
+        loads = {p.name: load(p) for p in procs}
+        victim = max(procs, key=lambda p: loads[p.name])
+        if loads[victim.name] or time.monotonic() > deadline:
+            break
     victim.popen.kill()
     victim.popen.wait()
 

@@ -27,11 +27,12 @@ def test_bad_arguments_are_refused(argv):
         failover.main(p.parse_args(argv))
 
 
-def test_a_killed_decode_worker_moves_its_streams_with_the_same_tokens(capsys):
-    assert cli_main(["bench", "failover", "--streams", "4", "--max-tokens", "24",
-                     "--json"]) == 0
+@pytest.mark.parametrize("role, metric", [("decode", "max_gap"), ("prefill", "ttft")])
+def test_a_killed_worker_moves_its_streams_with_the_same_tokens(capsys, role, metric):
+    assert cli_main(["bench", "failover", "--kill", role, "--streams", "4", "--max-tokens",
+                     "24", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["kill"] == "decode" and r["streams"] == 4
-    assert r["migrated"] >= 1  # the killed worker ran at least half the streams
+    assert r["kill"] == role and r["streams"] == 4
+    assert r["migrated"] >= 1  # the killed worker held at least one stream
     assert r["identical"] == 4  # every stream, moved or not, equals the in-process engine
-    assert r["stall_metric"] == "max_gap" and r["stall_ms_max"] >= r["stall_ms_mean"] > 0
+    assert r["stall_metric"] == metric and r["stall_ms_max"] >= r["stall_ms_mean"] > 0
