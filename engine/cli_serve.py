@@ -134,11 +134,17 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="each worker keeps its own share of the cores, even while the others "
                         "are idle (default: a busy worker borrows idle workers' cores)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a service that crashes is started again, up to this many crashes "
+                        "per role within 10 minutes; then, or with 0, everything stops")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from router.launcher import Cluster, ClusterSpec
+    from router.supervisor import Supervisor
 
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
@@ -151,12 +157,12 @@ def cmd_up(args: argparse.Namespace) -> int:
                    else f"{args.prefill} prefill, {args.decode} decode")
         print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
               f"{args.model}); Ctrl-C stops everything", flush=True)
+        supervisor = Supervisor(cluster, args.max_restarts,
+                                say=lambda line: print(line, file=sys.stderr, flush=True))
         while not stop.is_set():
-            dead = [p for p in cluster.procs if p.popen.poll() is not None]
-            if dead:
-                print(f"pdserve up: {dead[0].name} exited with {dead[0].popen.returncode}; "
-                      "stopping", file=sys.stderr)
-                return 1
+            code = supervisor.check()
+            if code is not None:
+                return code
             stop.wait(0.5)
         print("pdserve up: stopping", flush=True)
     return 0

@@ -163,6 +163,15 @@ class Proc:
     ready: io.BufferedReader | None = field(default=None, repr=False)
     # pidfds of the processes it started (its TP workers), pinned when it is stopped.
     family: list[int] | None = field(default=None, repr=False)
+    # How it was started (the name before "{port}" became the port): how to start it again.
+    template: str = ""
+    args: list[str] = field(default_factory=list, repr=False)
+    env: dict[str, str] | None = field(default=None, repr=False)
+
+    @property
+    def role(self) -> str:
+        """"router", "prefill" or "decode"."""
+        return self.template.partition("-")[0]
 
 
 class Cluster:
@@ -236,9 +245,26 @@ class Cluster:
             raise
         finally:
             os.close(write_fd)  # the service holds the only write end: EOF once it is gone
-        proc = Proc(name, "", popen, ready=os.fdopen(read_fd, "rb"))
+        proc = Proc(name, "", popen, ready=os.fdopen(read_fd, "rb"), template=name, args=args,
+                    env=env)
         self.procs.append(proc)
         return proc
+
+    def respawn(self, proc: Proc) -> Proc:
+        """A service that died, started again as it was first started, once healthy: a worker
+        on a new port, so under a new name; the router on the port it had, so clients keep its
+        address. What the dead one left behind is killed first."""
+        self.stop_proc(proc)
+        args = list(proc.args)
+        if proc.role == "router" and proc.address:
+            args[args.index("--port") + 1] = proc.address.rpartition(":")[2]
+        new = self._spawn(proc.template, args, proc.env)
+        try:
+            self._wait_healthy(new)
+        except BaseException:
+            self.stop_proc(new)
+            raise
+        return new
 
     def _wait_healthy(self, proc: Proc) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s

@@ -24,6 +24,8 @@ def test_compose_services_and_commands():
     parser = build_parser()
     roles = set()
     for name, svc in services.items():
+        # Crashed services come back (as `pdserve up` brings them back); clean stops do not.
+        assert svc["restart"] == ("unless-stopped" if name == "redis" else "on-failure")
         if name == "redis":
             continue
         args = parser.parse_args([_expand(a) for a in svc["command"]])
