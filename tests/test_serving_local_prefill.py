@@ -156,6 +156,22 @@ def test_decode_worker_streams_the_first_token_of_a_local_prefill(cluster, refer
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_a_local_prefill_resumes_a_migrated_request(cluster, reference):
+    """A continuation (router/migration.py) sent to a decode worker that prefills it itself:
+    the prompt and the output so far are recomputed here, and the rest streams as it would
+    have, text included."""
+    prompt = random_prompts(1, seed=62, lo=40, hi=40)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0]
+    done = reference.generate([prompt], SamplingParams(max_tokens=5, **GREEDY))[0]
+    chunks = _decode_direct(cluster, prompt_token_ids=prompt, resume_token_ids=done.token_ids,
+                            sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0.0,
+                                                               ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids[5:]
+    assert done.text + "".join(c.text_delta for c in chunks) == want.text
+    assert chunks[-1].finish_reason == "length"
+    wait_all_blocks_free(_workers(cluster))
+
+
 @pytest.mark.parametrize("fields, match", [
     ({"kv_handle": common_pb2.KVHandle(worker_id="p0")}, "must not carry a kv_handle"),
     ({"kv_handle": common_pb2.KVHandle()}, "must not carry a kv_handle"),
