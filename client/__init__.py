@@ -3,10 +3,11 @@ from client.async_client import AsyncClient
 from client.errors import (CancelledError, DeadlineExceededError, InternalError,
                            InvalidArgumentError, NotFoundError, PdserveError,
                            ResourceExhaustedError, UnavailableError)
+from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.types import Completion, GenerationChunk, Timings, TokenLogprobs, Usage
 
-__all__ = ["AsyncClient", "Client", "Completion", "GenerationChunk", "Usage", "Timings",
+__all__ = ["AsyncClient", "Client", "FailoverPolicy", "Completion", "GenerationChunk", "Usage", "Timings",
            "TokenLogprobs", "PdserveError", "InvalidArgumentError", "ResourceExhaustedError",
            "UnavailableError", "DeadlineExceededError", "CancelledError", "NotFoundError",
            "InternalError"]

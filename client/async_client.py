@@ -1,11 +1,14 @@
-"""The asyncio client: one channel, reused for every call, until close()."""
+"""The asyncio client: one channel per router, reused for every call, until close()."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from client.errors import error_from_rpc
+from client.errors import DeadlineExceededError, error_from_rpc
+from client.failover import Attempts, FailoverPolicy, attempt_request, check_addresses
 from client.types import (Completion, GenerationChunk, build_request, chunk_from_proto,
                           completion_from_proto)
 from protos import router_pb2_grpc
@@ -19,55 +22,82 @@ class AsyncClient:
 
     ``timeout`` (seconds) is a per-call deadline that the router passes on to the workers;
     leaving a ``generate`` loop early cancels the call, and the workers free its KV blocks.
+    Several router addresses spread requests over the routers, and a request whose router
+    fails goes on on another (client/failover.py); ``failover`` tunes or (max_retries=0) stops
+    that.
     """
 
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
+                 failover: FailoverPolicy = FailoverPolicy()) -> None:
+        self.addresses = check_addresses(address)
+        self.address = self.addresses[0]
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self.failover = failover
+        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+                          for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._next = itertools.count()
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
+                        timeout if timeout is not None else self.timeout)
 
     async def generate(self, prompt: str | list[int], *, request_id: str | None = None,
                        timeout: float | None = None, **sampling) -> AsyncIterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)
-        call = self._stub.Generate(req, timeout=timeout if timeout is not None else self.timeout)
-        try:
-            async for msg in call:
-                yield chunk_from_proto(msg)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        finally:
-            call.cancel()  # a no-op once the stream ended; frees the request when cut short
+        tries = self._attempts(timeout)
+        received: list[int] = []
+        while True:
+            call = self._stubs[tries.router].Generate(
+                attempt_request(req, received, tries.retries), timeout=tries.remaining())
+            try:
+                async for msg in call:
+                    chunk = chunk_from_proto(msg)
+                    received.extend(chunk.token_ids)
+                    if chunk.usage is not None:
+                        chunk.usage.migrations += tries.retries
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                delay = tries.after(e)
+                if delay is None:
+                    raise error_from_rpc(e) from None
+            finally:
+                call.cancel()  # a no-op once the stream ended; frees the request when cut short
+            await asyncio.sleep(delay)
 
     async def complete(self, prompt: str | list[int], *, request_id: str | None = None,
                        timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
-        try:
-            msg = await self._stub.Complete(
-                req, timeout=timeout if timeout is not None else self.timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        return completion_from_proto(msg)
+        tries = self._attempts(timeout)
+        while True:
+            try:
+                msg = await self._stubs[tries.router].Complete(
+                    attempt_request(req, [], tries.retries), timeout=tries.remaining())
+            except grpc.RpcError as e:
+                delay = tries.after(e)
+                if delay is None:
+                    raise error_from_rpc(e) from None
+                await asyncio.sleep(delay)
+                continue
+            done = completion_from_proto(msg)
+            done.usage.migrations += tries.retries
+            return done
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
-        """Waits until the router's channel connects (raises DeadlineExceededError)."""
-        import asyncio
-
+        """Waits until the first router's channel connects (raises DeadlineExceededError)."""
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+            await asyncio.wait_for(self._channels[0].channel_ready(), timeout)
         except asyncio.TimeoutError:
-            from client.errors import DeadlineExceededError
             raise DeadlineExceededError(f"router {self.address} not reachable in {timeout}s") \
                 from None
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-

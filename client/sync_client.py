@@ -1,12 +1,15 @@
-"""The blocking client: the same calls as AsyncClient, on a plain gRPC channel."""
+"""The blocking client: the same calls as AsyncClient, on plain gRPC channels."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+import time
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from client.async_client import CHANNEL_OPTIONS
 from client.errors import DeadlineExceededError, error_from_rpc
+from client.failover import Attempts, FailoverPolicy, attempt_request, check_addresses
 from client.types import (Completion, GenerationChunk, build_request, chunk_from_proto,
                           completion_from_proto)
 from protos import router_pb2_grpc
@@ -16,48 +19,78 @@ class Client:
     """``with Client("host:port") as c: for chunk in c.generate("Hi"): ...``
 
     Closing the iterator of ``generate`` early (``break`` or ``.close()``) cancels the call.
+    Several router addresses, and failover, as in AsyncClient.
     """
 
-    def __init__(self, address: str, *, timeout: float | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
+                 failover: FailoverPolicy = FailoverPolicy()) -> None:
+        self.addresses = check_addresses(address)
+        self.address = self.addresses[0]
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self.failover = failover
+        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS)
+                          for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._next = itertools.count()
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
+                        timeout if timeout is not None else self.timeout)
 
     def generate(self, prompt: str | list[int], *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
-        call = self._stub.Generate(req, timeout=timeout if timeout is not None else self.timeout)
-        return self._stream(call)
+        return self._stream(req, self._attempts(timeout))
 
-    @staticmethod
-    def _stream(call) -> Iterator[GenerationChunk]:
-        try:
-            for msg in call:
-                yield chunk_from_proto(msg)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        finally:
-            call.cancel()
+    def _stream(self, req, tries: Attempts) -> Iterator[GenerationChunk]:
+        received: list[int] = []
+        while True:
+            call = self._stubs[tries.router].Generate(
+                attempt_request(req, received, tries.retries), timeout=tries.remaining())
+            try:
+                for msg in call:
+                    chunk = chunk_from_proto(msg)
+                    received.extend(chunk.token_ids)
+                    if chunk.usage is not None:
+                        chunk.usage.migrations += tries.retries
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                delay = tries.after(e)
+                if delay is None:
+                    raise error_from_rpc(e) from None
+            finally:
+                call.cancel()
+            time.sleep(delay)
 
     def complete(self, prompt: str | list[int], *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
-        try:
-            msg = self._stub.Complete(req, timeout=timeout if timeout is not None else self.timeout)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-        return completion_from_proto(msg)
+        tries = self._attempts(timeout)
+        while True:
+            try:
+                msg = self._stubs[tries.router].Complete(
+                    attempt_request(req, [], tries.retries), timeout=tries.remaining())
+            except grpc.RpcError as e:
+                delay = tries.after(e)
+                if delay is None:
+                    raise error_from_rpc(e) from None
+                time.sleep(delay)
+                continue
+            done = completion_from_proto(msg)
+            done.usage.migrations += tries.retries
+            return done
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(self._channels[0]).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise DeadlineExceededError(f"router {self.address} not reachable in {timeout}s") \
                 from None
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self

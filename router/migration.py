@@ -33,6 +33,9 @@ class RequestRun:
     t0: float
     # Output tokens streamed to the client so far, over every attempt.
     emitted: list[int] = field(default_factory=list)
+    # Output the client had before this call (GenerateRequest.resume_token_ids: a client that
+    # lost its router continues on another).
+    resumed: list[int] = field(default_factory=list)
     migrations: int = 0
     # Workers that failed this request: a continuation goes elsewhere when it can.
     failed: set[str] = field(default_factory=set)
@@ -56,12 +59,17 @@ class RequestRun:
         return worker
 
     @property
+    def output_so_far(self) -> list[int]:
+        """What a continuation resumes from: the client's output before this call and since."""
+        return self.resumed + self.emitted
+
+    @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.emitted
+        return self.prompt_token_ids + self.output_so_far
 
     @property
     def started(self) -> bool:
-        """True once the client has a token: the first token's timings are set for good."""
+        """True once this call streamed a token: the first token's timings are set for good."""
         return bool(self.emitted)
 
 

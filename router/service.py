@@ -110,6 +110,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                              f"(size {self.vocab_size})")
         return ids
 
+    def _resume_ids(self, request: router_pb2.GenerateRequest, params) -> list[int]:
+        ids = convert.check_token_ids(request.resume_token_ids, "resume")
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"resume token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        if ids and len(ids) >= params.max_tokens:
+            raise ValueError(f"{len(ids)} resumed output tokens leave nothing to generate "
+                             f"(max_tokens={params.max_tokens})")
+        return ids
+
     def _timeout(self, context) -> float:
         remaining = context.time_remaining()
         if remaining is None:
@@ -122,8 +133,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.vocab_size)
-        run = RequestRun(rid, self._prompt_ids(request), t0)
+        run = RequestRun(rid, self._prompt_ids(request), t0,
+                         resumed=self._resume_ids(request, params))
         run.usage.prompt_tokens = len(run.prompt_token_ids)
+        run.usage.completion_tokens = len(run.resumed)
         while True:
             try:
                 async with contextlib.aclosing(self._attempt(run, request, context)) as chunks:
@@ -160,7 +173,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return True
 
     async def _attempt(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
-        """One try at the request (or its continuation, after ``run.emitted``)."""
+        """One try at the request (or its continuation, after ``run.output_so_far``)."""
         ids = run.all_token_ids
         avoid = frozenset(run.failed)
         run.workers.clear()
@@ -232,7 +245,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         run.usage.prefill_worker_id = run.usage.decode_worker_id = decode.worker_id
         dreq = worker_pb2.DecodeRequest(request_id=run.attempt_id,
                                         prompt_token_ids=run.prompt_token_ids,
-                                        resume_token_ids=run.emitted,
+                                        resume_token_ids=run.output_so_far,
                                         sampling=request.sampling, local_prefill=True)
         # Counted as prefilling on the decode worker until its first token (or failure).
         with contextlib.ExitStack() as in_prefill:
@@ -243,7 +256,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _remote_prefill(self, run: RequestRun, request, prefill: WorkerHandle,
                               avoid: frozenset[str], context):
-        resume = list(run.emitted)
+        resume = run.output_so_far
         rid = run.attempt_id
         run.calls(prefill)
         with self.directory.inflight(prefill):

@@ -1,0 +1,95 @@
+"""Router failover for the SDK: several routers, and requests that survive losing one.
+
+A client built with several router addresses sends each new request to the next one in turn.
+A call that fails with UNAVAILABLE (the router is down or restarting, or it has no worker to
+offer right now) is tried again, on the next router, after a short back-off once every router
+was tried: from scratch when nothing had arrived, else as a continuation of the prompt and the
+tokens already received (``GenerateRequest.resume_token_ids``), so the stream the caller reads
+goes on without a gap or a repeat. The caller's deadline bounds every attempt together. Other
+statuses are the caller's to see at once.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from protos import router_pb2
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    # Attempts after the first, per request; 0 turns failover off.
+    max_retries: int = 3
+    # Waited before a round of attempts that starts again at the first router tried (a lone
+    # router restarting needs a moment), doubling up to max_backoff_s.
+    backoff_s: float = 0.5
+    max_backoff_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if not 0 <= self.backoff_s <= self.max_backoff_s:
+            raise ValueError("backoff_s must be in [0, max_backoff_s]")
+
+
+def check_addresses(address: str | Sequence[str]) -> list[str]:
+    if isinstance(address, str):
+        addresses = [address]
+    elif isinstance(address, Sequence):
+        addresses = list(address)
+    else:
+        addresses = []
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise ValueError(f"router address(es) must be non-empty strings, got {address!r}")
+    return addresses
+
+
+class Attempts:
+    """One request's attempts: which router, how long is left, whether to go on."""
+
+    def __init__(self, policy: FailoverPolicy, num_routers: int, first: int,
+                 timeout: float | None) -> None:
+        self.policy = policy
+        self.num_routers = num_routers
+        self.first = first
+        self.retries = 0
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    @property
+    def router(self) -> int:
+        return (self.first + self.retries) % self.num_routers
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def after(self, error: grpc.RpcError) -> float | None:
+        """After a failed attempt: seconds to wait before the next one, or None to give up."""
+        if error.code() not in RETRYABLE or self.retries >= self.policy.max_retries:
+            return None
+        self.retries += 1
+        rounds = self.retries // self.num_routers  # whole rounds of routers tried so far
+        delay = 0.0 if self.retries % self.num_routers else min(
+            self.policy.backoff_s * 2 ** max(rounds - 1, 0), self.policy.max_backoff_s)
+        left = self.remaining()
+        if left is not None and delay >= left:
+            return None
+        return delay
+
+
+def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
+                    retries: int) -> router_pb2.GenerateRequest:
+    """The request for attempt ``retries``: the original, then continuations. A caller's
+    request id gets a suffix, since a failed attempt's may still be held downstream."""
+    if not retries:
+        return req
+    again = router_pb2.GenerateRequest()
+    again.CopyFrom(req)
+    again.resume_token_ids.extend(received)
+    if req.request_id:
+        again.request_id = f"{req.request_id}~r{retries}"
+    return again

@@ -1,0 +1,145 @@
+"""The SDK's router failover: the retry policy on its own, then two real routers in front of
+one cluster, one of them SIGKILLed under running streams."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from client import AsyncClient, FailoverPolicy
+from client.failover import Attempts, attempt_request, check_addresses
+from engine import LLM, SamplingParams
+from protos import common_pb2, router_pb2, router_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+class _Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+
+UNAVAILABLE = _Failed(grpc.StatusCode.UNAVAILABLE)
+
+
+def test_one_router_is_retried_after_a_growing_pause():
+    tries = Attempts(FailoverPolicy(max_retries=3, backoff_s=0.5), 1, 0, None)
+    assert [tries.after(UNAVAILABLE) for _ in range(4)] == [0.5, 1.0, 2.0, None]
+    assert tries.router == 0
+
+
+def test_the_next_router_is_tried_at_once_then_the_round_starts_over_after_a_pause():
+    tries = Attempts(FailoverPolicy(max_retries=4, backoff_s=0.5), 2, 1, None)
+    seen = []
+    for _ in range(4):
+        seen.append((tries.after(UNAVAILABLE), tries.router))
+    assert seen == [(0.0, 0), (0.5, 1), (0.0, 0), (1.0, 1)]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.CANCELLED])
+def test_only_unavailable_is_retried(code):
+    assert Attempts(FailoverPolicy(), 2, 0, None).after(_Failed(code)) is None
+
+
+def test_no_pause_outlasts_the_deadline_and_no_retries_means_none():
+    assert Attempts(FailoverPolicy(backoff_s=0.5), 1, 0, 0.2).after(UNAVAILABLE) is None
+    assert Attempts(FailoverPolicy(max_retries=0), 2, 0, None).after(UNAVAILABLE) is None
+
+
+def test_a_continuation_carries_what_arrived_under_its_own_id():
+    req = router_pb2.GenerateRequest(request_id="abc")
+    req.token_ids.ids.extend([1, 2])
+    assert attempt_request(req, [9], 0) is req
+    again = attempt_request(req, [7, 8], 2)
+    assert list(again.resume_token_ids) == [7, 8] and again.request_id == "abc~r2"
+    assert list(again.token_ids.ids) == [1, 2] and not req.resume_token_ids
+
+
+@pytest.mark.parametrize("bad", [[], [""], 5])
+def test_bad_addresses_and_policies_are_refused(bad):
+    with pytest.raises(ValueError):
+        check_addresses(bad)
+    with pytest.raises(ValueError):
+        FailoverPolicy(max_retries=-1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = ClusterSpec(num_decode=1, worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", "0"])
+    with Cluster(spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+        yield llm
+
+
+def _generate_raw(cluster, prompt, resume, max_tokens):
+    req = router_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True), resume_token_ids=resume)
+    req.token_ids.ids.extend(prompt)
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60))
+
+
+def test_a_router_continues_from_resume_tokens(cluster, reference):
+    prompt = random_prompts(1, seed=71, lo=30, hi=30)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    chunks = _generate_raw(cluster, prompt, want.token_ids[:4], 10)
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids[4:]
+    assert chunks[-1].usage.completion_tokens == 10  # the resumed ones count
+    for resume, match in [([10**8], "outside the vocabulary"), ([5] * 10, "nothing to generate")]:
+        with pytest.raises(grpc.RpcError) as err:
+            _generate_raw(cluster, prompt, resume, 10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert match in err.value.details()
+
+
+def test_streams_survive_their_router_killed_under_them(cluster, reference):
+    first = next(p for p in cluster.procs if p.role == "router")
+    second = cluster.start_router()
+    addresses = [first.address, second.address]
+    prompts = random_prompts(6, seed=72, lo=20, hi=60)
+    params = dict(max_tokens=40, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+
+    async def stream(client, prompt, got):
+        final, text = None, []
+        async for chunk in client.generate(prompt, **params):
+            got.extend(chunk.token_ids)
+            text.append(chunk.text)
+            final = chunk
+        return final, "".join(text)
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(addresses, timeout=120) as client:
+            tasks = [asyncio.ensure_future(stream(client, p, g)) for p, g in zip(prompts, got)]
+            while not all(len(g) >= 4 for g in got):
+                await asyncio.sleep(0.005)
+            first.popen.kill()  # half the streams came through it (round robin)
+            results = await asyncio.gather(*tasks)
+            after = await client.complete(prompts[0], **params)  # the dead one is skipped
+        return got, results, after
+
+    got, results, after = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    assert [text for _, text in results] == [w.text for w in want]
+    moved = [final for final, _ in results if final.usage.migrations]
+    assert len(moved) == 3
+    assert all(f.usage.completion_tokens == 40 for f, _ in results)
+    assert after.token_ids == want[0].token_ids
+    wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
