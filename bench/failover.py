@@ -3,7 +3,8 @@
 A cluster (``pdserve up``'s processes) serves two sets of concurrent greedy streams with the
 same prompt and output lengths (fresh prompts each, so neither finds the other's prefixes
 cached): one undisturbed (the baseline), one with a worker SIGKILLed under it (a decode worker
-once every stream is past its first tokens, or a prefill worker while it computes prompts). The router migrates the failed requests (router/migration.py). Reported: how many
+once every stream is past its first tokens, or a prefill worker as soon as the router has
+every prompt in flight; then prompts are 256-512 tokens, so it dies computing them). The router migrates the failed requests (router/migration.py). Reported: how many
 streams moved, whether every stream's tokens equal the in-process engine's, and the stall the
 moved streams saw (their longest gap between tokens, or their TTFT after a prefill crash)
 beside the same slots' figure in the baseline, with the ratio.
@@ -22,7 +23,7 @@ import grpc
 
 from client import AsyncClient
 from engine import LLM, SamplingParams
-from protos import common_pb2, worker_pb2_grpc
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 
 
@@ -78,7 +79,9 @@ def main(args: argparse.Namespace) -> int:
     if args.streams < 1 or args.max_tokens < 8:
         raise ValueError("--streams must be >= 1 and --max-tokens >= 8")
     rng = random.Random(args.seed)
-    lens = [rng.randint(32, 128) for _ in range(args.streams)]
+    # Prompts long enough that a prefill worker is still computing them when it dies.
+    lo, hi = (256, 512) if args.kill == "prefill" else (32, 128)
+    lens = [rng.randint(lo, hi) for _ in range(args.streams)]
     base_prompts, prompts = ([[rng.randrange(10, 8000) for _ in range(n)] for n in lens]
                              for _ in range(2))
     with LLM(args.model) as llm:
@@ -121,36 +124,39 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
 
     async with AsyncClient(cluster.router_address, timeout=600) as client:
         tasks = [asyncio.ensure_future(one(client, p, s)) for p, s in zip(prompts, streams)]
-        if kill is not None:
-            # A decode worker dies with every stream decoding; a prefill worker as soon as it
-            # holds prompts (_kill waits for that).
-            while kill == "decode" and not all(len(s.token_ids) >= 4 for s in streams):
+        if kill == "decode":  # every stream decoding
+            while not all(len(s.token_ids) >= 4 for s in streams):
                 await asyncio.sleep(0.002)
-            await asyncio.to_thread(_kill, cluster, kill)
+            await asyncio.to_thread(_kill_busiest_decode, cluster)
+        elif kill == "prefill":  # every prompt with the prefill workers: half on the victim
+            while await asyncio.to_thread(_in_flight, cluster) < len(prompts):
+                await asyncio.sleep(0.002)
+            _kill(next(p for p in cluster.procs if p.role == "prefill"))
         await asyncio.gather(*tasks)
     return streams
 
 
-def _kill(cluster: Cluster, role: str) -> None:
-    """SIGKILLs the worker of ``role`` with the most requests running or queued, once one
-    has any."""
-    procs = [p for p in cluster.procs if p.name.startswith(role) and p.popen.poll() is None]
+def _in_flight(cluster: Cluster) -> int:
+    """Requests the router has in flight (its own count: no worker is asked)."""
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        stats = router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
+    return stats.requests_in_flight
 
+
+def _kill_busiest_decode(cluster: Cluster) -> None:
     def load(p) -> int:
         with grpc.insecure_channel(p.address) as ch:
-            stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
-                    else worker_pb2_grpc.DecodeWorkerStub)(ch)
-            info = stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
-            return info.num_running + info.num_waiting
+            info = worker_pb2_grpc.DecodeWorkerStub(ch).GetWorkerInfo(
+                common_pb2.WorkerInfoRequest(), timeout=10)
+        return info.num_running + info.num_waiting
 
-    deadline = time.monotonic() + 60
-    while True:
-        loads = {p.name: load(p) for p in procs}
-        victim = max(procs, key=lambda p: loads[p.name])
-        if loads[victim.name] or time.monotonic() > deadline:
-            break
-    victim.popen.kill()
-    victim.popen.wait()
+    _kill(max((p for p in cluster.procs if p.role == "decode"), key=load))
+
+
+def _kill(proc) -> None:
+    proc.popen.kill()
+    proc.popen.wait()
 
 
 def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], base_s: float,

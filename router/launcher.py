@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.proc_family import kill_family, pin_family
 from router.redis_server import RedisServer
 
 # How long a stopped service may take before it is killed. Within it: the drain below, the
@@ -332,7 +333,7 @@ class Cluster:
     def stop_proc(self, proc: Proc, grace_s: float = STOP_GRACE_S) -> int:
         """SIGTERM (drain, then stop), SIGKILL after the grace period; the exit code. Whatever
         the service started and did not stop is killed too."""
-        _pin_family(proc)
+        pin_family(proc)
         try:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)
@@ -346,7 +347,7 @@ class Cluster:
                     proc.popen.kill()
                     proc.popen.wait()
         finally:
-            _kill_family(proc)
+            kill_family(proc)
             if proc.ready is not None:
                 proc.ready.close()
                 proc.ready = None
@@ -357,7 +358,7 @@ class Cluster:
     def stop(self) -> None:
         # Families first: once a service exits, the workers it left behind are no one's child.
         for proc in self.procs:
-            _pin_family(proc)
+            pin_family(proc)
         # The router first, so no new work reaches workers that are going away.
         for proc in sorted(self.procs, key=lambda p: p.name != "router"):
             if proc.popen.poll() is None:
@@ -412,50 +413,3 @@ def _max_position(model: str) -> int:
     from engine.presets import resolve_model
 
     return ModelConfig.from_pretrained(resolve_model(model)).max_position_embeddings
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (Linux's /proc children lists)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:  # the thread or process ended meanwhile
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def _pin_family(proc: Proc) -> None:
-    """Holds a pidfd to each process the service started, while they are still its children:
-    a signal through a pidfd reaches that process even once its pid is reused."""
-    if proc.family is not None:
-        return
-    proc.family = []
-    if proc.popen.poll() is not None:
-        return
-    for pid in _descendants(proc.popen.pid):
-        try:
-            proc.family.append(os.pidfd_open(pid))
-        except OSError:  # it ended meanwhile
-            pass
-
-
-def _kill_family(proc: Proc) -> None:
-    for fd in proc.family or []:
-        try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except ProcessLookupError:  # it exited (its parent stopped it): the usual case
-            pass
-        finally:
-            os.close(fd)
-    proc.family = []
