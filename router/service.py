@@ -6,6 +6,10 @@ itself.
 Cancellation and deadlines: the client's deadline bounds both legs; when the client cancels or
 the deadline passes, the handler is cancelled, which cancels the Decode stream (the decode
 worker aborts and frees its blocks) and releases the prefill lease.
+
+Failures: a request whose worker answers UNAVAILABLE goes on elsewhere from the tokens already
+streamed (router/migration.py); a client that lost its router sends ``resume_token_ids``, and
+the request continues the same way from those.
 """
 from __future__ import annotations
 
