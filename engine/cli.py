@@ -147,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate text for one prompt (offline engine, or "
                        "through a running router with --router)")
     _add_engine_args(p)
-    p.add_argument("--router", default=None, help="HOST:PORT of a running router")
+    p.add_argument("--router", default=None,
+                   help="HOST:PORT of a running router; several, comma-separated, fail over "
+                        "(a stream whose router dies goes on on the next)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -176,7 +176,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
                     top_p=args.top_p, seed=args.seed)
     t0 = time.perf_counter()
     try:
-        with Client(args.router) as c:
+        with Client([a.strip() for a in args.router.split(",") if a.strip()]) as c:
             for chunk in c.generate(args.prompt, **sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

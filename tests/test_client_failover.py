@@ -143,3 +143,18 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     assert all(f.usage.completion_tokens == 40 for f, _ in results)
     assert after.token_ids == want[0].token_ids
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
+
+
+def test_the_blocking_client_skips_a_router_that_is_down(cluster, reference):
+    from client import Client
+    from router.redis_server import free_port
+
+    prompt = random_prompts(1, seed=73, lo=20, hi=20)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with Client([down, cluster.router_address], timeout=60) as c:
+        chunks = list(c.generate(prompt, max_tokens=6, **GREEDY))  # tried on `down` first
+        assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
+        assert chunks[-1].usage.migrations == 1
+        done = c.complete(prompt, max_tokens=6, **GREEDY)  # the next in turn: the live one
+        assert done.token_ids == want.token_ids and done.usage.migrations == 0
