@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         cli_serve.add_worker_args(p)
         p.set_defaults(func=getattr(cli_serve, f"cmd_{role}"))
 
+    from engine import cli_admin
+
+    p = sub.add_parser("admin", help="a running router's admin endpoints: workers, stats, "
+                       "drain/undrain a worker")
+    cli_admin.add_args(p)
+    p.set_defaults(func=cli_admin.cmd_admin)
+
     p = sub.add_parser("make-model", help="write a built-in preset as an HF folder")
     p.add_argument("preset")
     p.add_argument("--out", required=True)

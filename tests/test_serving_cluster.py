@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import json
 
 import grpc
 import pytest
@@ -144,3 +145,32 @@ def test_more_load_than_allowed_is_refused_not_queued(cluster):
     served = [o for o in outcomes if not isinstance(o, Exception)]
     assert refused and served and len(refused) + len(served) == 16
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
+
+
+def test_the_admin_command_lists_counts_and_drains(cluster, capsys):
+    from engine.cli import main as cli_main
+
+    addr = cluster.router_address
+    names = sorted(p.name for p in cluster.procs if p.name != "router")
+    assert cli_main(["admin", "--router", addr, "workers"]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].startswith("worker") and all(n in table for n in names)
+    assert cli_main(["admin", "--router", addr, "workers", "--role", "decode", "--json"]) == 0
+    decodes = json.loads(capsys.readouterr().out)
+    assert [w["worker_id"] for w in decodes] == [n for n in names if n.startswith("decode")]
+    assert cli_main(["admin", "--router", addr, "stats", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["num_prefill_workers"] == 2 and "requests_migrated" in stats
+    victim = _by_role(cluster, "prefill")[0].name
+    assert cli_main(["admin", "--router", addr, "drain", victim]) == 0
+    assert capsys.readouterr().out.strip() == f"{victim}: draining"
+    assert worker_info_of(cluster, victim).draining
+    assert cli_main(["admin", "--router", addr, "undrain", victim]) == 0
+    assert not worker_info_of(cluster, victim).draining
+    assert cli_main(["admin", "--router", addr, "drain", "nobody"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def worker_info_of(cluster, worker_id):
+    workers = _admin(cluster).ListWorkers(router_pb2.ListWorkersRequest(), timeout=10).workers
+    return next(w for w in workers if w.worker_id == worker_id)

@@ -1,0 +1,83 @@
+"""``pdserve admin``: the router's admin endpoints (RouterAdmin) from the command line.
+
+    pdserve admin --router HOST:PORT workers [--role prefill|decode] [--json]
+    pdserve admin --router HOST:PORT stats [--json]
+    pdserve admin --router HOST:PORT drain|undrain WORKER_ID
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from protos import router_pb2, router_pb2_grpc
+
+# (header, WorkerInfo field) for the workers table.
+_COLUMNS = [("worker", "worker_id"), ("role", "role"), ("address", "address"),
+            ("tp", "tensor_parallel_size"), ("free/total blocks", None),
+            ("running", "num_running"), ("waiting", "num_waiting"), ("leased", "num_leased"),
+            ("in flight", "num_inflight"), ("draining", "draining")]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", required=True, help="HOST:PORT of a running router")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    sub = p.add_subparsers(dest="admin", required=True)
+    w = sub.add_parser("workers", help="the live workers and their load")
+    w.add_argument("--role", choices=["prefill", "decode"], default="")
+    w.add_argument("--json", action="store_true")
+    s = sub.add_parser("stats", help="the router's counters and the workers it routes to")
+    s.add_argument("--json", action="store_true")
+    for verb, text in (("drain", "stop routing requests to a worker (it keeps serving what "
+                                 "it has)"), ("undrain", "route requests to it again")):
+        d = sub.add_parser(verb, help=text)
+        d.add_argument("worker_id")
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.router) as ch:
+        stub = router_pb2_grpc.RouterAdminStub(ch)
+        try:
+            return _run(stub, args)
+        except grpc.RpcError as e:
+            print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+
+
+def _run(stub, args: argparse.Namespace) -> int:
+    if args.admin == "workers":
+        resp = stub.ListWorkers(router_pb2.ListWorkersRequest(role=args.role),
+                                timeout=args.timeout)
+        if args.json:
+            print(json.dumps([_dict(w) for w in resp.workers], indent=2))
+        else:
+            print(_table(resp.workers))
+        return 0
+    if args.admin == "stats":
+        stats = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=args.timeout)
+        d = _dict(stats)
+        print(json.dumps(d, indent=2) if args.json
+              else "\n".join(f"{k}: {v}" for k, v in d.items()))
+        return 0
+    resp = stub.DrainWorker(router_pb2.DrainWorkerRequest(
+        worker_id=args.worker_id, undrain=args.admin == "undrain"), timeout=args.timeout)
+    print(f"{args.worker_id}: {'draining' if resp.draining else 'routable'}")
+    return 0
+
+
+def _dict(msg) -> dict:
+    # Every field, zeros included, under its proto name: scripts can rely on the keys.
+    return MessageToDict(msg, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+
+
+def _table(workers) -> str:
+    rows = [[h for h, _ in _COLUMNS]]
+    for w in workers:
+        rows.append([f"{w.num_free_blocks}/{w.num_total_blocks}" if f is None
+                     else str(getattr(w, f)) for _, f in _COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows)
