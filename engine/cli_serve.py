@@ -19,6 +19,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl"])
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0)
+    p.add_argument("--kv-quarantine-s", type=float, default=60.0,
+                   help="decode: blocks a failed KV pull may still be writing into stay out of "
+                        "use this long")
     p.add_argument("--max-pending-requests", type=int, default=256)
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
@@ -45,7 +48,8 @@ def _worker_config(args: argparse.Namespace, role: str):
     engine = EngineConfig(model=args.model, role=role,
                           kv_transfer_backend=args.kv_transfer_backend,
                           kv_transfer_timeout_s=args.kv_transfer_timeout_s,
-                          kv_lease_timeout_s=args.kv_lease_timeout_s, **engine_kwargs(args))
+                          kv_lease_timeout_s=args.kv_lease_timeout_s,
+                          kv_quarantine_s=args.kv_quarantine_s, **engine_kwargs(args))
     return WorkerConfig(engine=engine,
                         server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                              args.shutdown_grace_s, ready_fd=args.ready_fd),

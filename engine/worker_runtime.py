@@ -205,6 +205,7 @@ class WorkerRuntime:
             num_waiting=s.num_waiting, num_running=s.num_running, num_leased=s.num_leased,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_expired_leases=s.num_expired_leases, num_preemptions=s.num_preemptions,
+            num_quarantined=s.num_quarantined,
             num_inflight=self.inflight, draining=self.draining,
             kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures,
             kv_peers_connected=self._peers.num_connected if self._peers is not None else 0)

@@ -44,6 +44,8 @@ class RequestRun:
     # from a prefill worker that died).
     workers: list[WorkerHandle] = field(default_factory=list)
     timings: router_pb2.RequestTimings = field(default_factory=router_pb2.RequestTimings)
+    # Whether a decode leg reported its timings (the first one does; continuations do not).
+    decode_timed: bool = False
     usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
 
     @property

@@ -314,8 +314,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for d in call:
                     if first:
                         first = False
-                        if not run.started:
-                            _record_first_decode_chunk(d, dreq.local_prefill, run)
+                        _record_first_decode_chunk(d, dreq.local_prefill, run)
                     run.usage.completion_tokens += len(d.token_ids)
                     chunk = router_pb2.GenerateChunk(request_id=run.request_id,
                                                      token_ids=d.token_ids,
@@ -338,9 +337,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:
-    """Timings (and, for local prefill, the first token's time and cache hits) from the
-    decode worker's first chunk."""
+    """Timings (and, for local prefill, the first token's time and cache hits) from a decode
+    worker's first chunk. The request's first decode leg sets them; a continuation's leaves
+    them."""
     timings = run.timings
+    if run.decode_timed or (local and run.started):
+        return
+    run.decode_timed = True
     if not local:
         timings.kv_transfer_s = d.timings.kv_transfer_s
         timings.decode_queue_s = d.timings.queue_s
