@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from client.types import GenerationChunk, chunk_from_proto
 from protos import router_pb2
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -93,3 +94,14 @@ def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
     if req.request_id:
         again.request_id = f"{req.request_id}~r{retries}"
     return again
+
+
+def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
+               tries: Attempts) -> GenerationChunk:
+    """A streamed chunk, its tokens noted for a continuation; the final usage counts the
+    client's own moves beside the router's."""
+    chunk = chunk_from_proto(msg)
+    received.extend(chunk.token_ids)
+    if chunk.usage is not None:
+        chunk.usage.migrations += tries.retries
+    return chunk

@@ -9,9 +9,9 @@ import grpc
 
 from client.async_client import CHANNEL_OPTIONS
 from client.errors import DeadlineExceededError, error_from_rpc
-from client.failover import Attempts, FailoverPolicy, attempt_request, check_addresses
-from client.types import (Completion, GenerationChunk, build_request, chunk_from_proto,
-                          completion_from_proto)
+from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
+                             take_chunk)
+from client.types import Completion, GenerationChunk, build_request, completion_from_proto
 from protos import router_pb2_grpc
 
 
@@ -49,11 +49,7 @@ class Client:
                 attempt_request(req, received, tries.retries), timeout=tries.remaining())
             try:
                 for msg in call:
-                    chunk = chunk_from_proto(msg)
-                    received.extend(chunk.token_ids)
-                    if chunk.usage is not None:
-                        chunk.usage.migrations += tries.retries
-                    yield chunk
+                    yield take_chunk(msg, received, tries)
                 return
             except grpc.RpcError as e:
                 delay = tries.after(e)

@@ -25,6 +25,15 @@ def preset_path():
 
     return resolve_model
 
+
+@pytest.fixture(scope="module")
+def reference():
+    """The in-process engine the serving tests compare a cluster's output with."""
+    from engine import LLM
+
+    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+        yield llm
+
 # CI runs must be reproducible: hypothesis explores a fixed set of examples unless a developer
 # asks for another (HYPOTHESIS_PROFILE=explore, or pytest --hypothesis-profile=explore).
 try:

@@ -9,7 +9,7 @@ import pytest
 
 from client import AsyncClient, FailoverPolicy
 from client.failover import Attempts, attempt_request, check_addresses
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
@@ -78,12 +78,6 @@ def cluster():
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
-        yield llm
 
 
 def _generate_raw(cluster, prompt, resume, max_tokens):

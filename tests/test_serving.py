@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from client import Client, DeadlineExceededError, InvalidArgumentError
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
                                    wait_all_blocks_free)
@@ -24,12 +24,6 @@ def cluster():
 
 def _workers(cluster) -> list[str]:
     return [p.address for p in cluster.procs if p.name != "router"]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
-        yield llm
 
 
 def test_32_concurrent_streams_match_the_in_process_engine(cluster, reference):

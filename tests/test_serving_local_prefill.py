@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from client import Client, DeadlineExceededError, InvalidArgumentError, UnavailableError
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
@@ -26,12 +26,6 @@ def cluster():
                                     "--local-prefill-queue-threshold", "0"])
     with Cluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
-        yield llm
 
 
 def _workers(cluster) -> list[str]:

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from client import AsyncClient, UnavailableError
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
@@ -31,12 +31,6 @@ def cluster():
                        router_args=["--max-local-prefill-length", "0", "--migration-limit", "1"])
     with Cluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
-        yield llm
 
 
 def _stats(cluster) -> router_pb2.ClusterStats:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from client import Client
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.redis_server import RedisServer
@@ -25,12 +25,6 @@ def cluster():
     spec = ClusterSpec(worker_args=WORKER_ARGS, router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
-        yield llm
 
 
 def _admin(cluster):
