@@ -49,6 +49,8 @@ class ServeConfig:
     max_local_prefill_length: int | None = None
     # Workers borrow idle workers' cores (router.launcher.ClusterSpec.share_cores).
     share_cores: bool = True
+    # The routers' --decode-stream (router/config.py), in both clusters.
+    decode_stream: str = "multiplexed"
 
 
 @dataclass
@@ -130,6 +132,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "prefilled on a prefill worker); default: the router's own default")
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="fixed threads per worker: no borrowing of idle workers' cores")
+    p.add_argument("--decode-stream", default=d.decode_stream,
+                   choices=("multiplexed", "per-request"),
+                   help="the routers' --decode-stream: how requests reach decode workers")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--no-aggregated", dest="aggregated", action="store_false",
@@ -187,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
         aggregated=args.aggregated, rounds=args.rounds,
         max_local_prefill_length=args.max_local_prefill_length,
-        share_cores=args.share_cores)
+        share_cores=args.share_cores, decode_stream=args.decode_stream)
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
         raise ValueError("--max-local-prefill-length must be >= 0")
     if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:

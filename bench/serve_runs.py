@@ -112,13 +112,14 @@ def run(cfg: ServeConfig) -> ServeReport:
     from router.launcher import ClusterSpec
 
     vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
-    router_args = ([] if cfg.max_local_prefill_length is None
-                   else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
+    stream = ["--decode-stream", cfg.decode_stream]
+    router_args = stream + ([] if cfg.max_local_prefill_length is None
+                            else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     blocks = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=blocks, router_args=router_args, share_cores=cfg.share_cores)
     agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=blocks,
-                           share_cores=cfg.share_cores)
+                           router_args=stream, share_cores=cfg.share_cores)
     rounds = ([[pt for pt in plan_points(cfg, vocab, r) if pt.mode == "concurrency"]
                for r in range(cfg.rounds)] if cfg.concurrency else [])
     open_points = [(k, pt) for k, pt in enumerate(plan_points(cfg, vocab))
@@ -127,11 +128,11 @@ def run(cfg: ServeConfig) -> ServeReport:
     with contextlib.ExitStack() as stack:
         _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, "
              f"{cfg.model}")
-        disagg = stack.enter_context(_cluster(spec))
+        disagg = stack.enter_context(quiet_cluster(spec))
         runners: dict[str, Runner] = {"disagg": _cluster_runner(disagg.router_address)}
         if cfg.aggregated and rounds:
             _log("starting an aggregated cluster: 1 decode worker prefilling itself")
-            runners["agg"] = _cluster_runner(stack.enter_context(_cluster(agg_spec))
+            runners["agg"] = _cluster_runner(stack.enter_context(quiet_cluster(agg_spec))
                                              .router_address)
         if cfg.inprocess and rounds:
             llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks))
@@ -173,7 +174,8 @@ def _pooled(runs: dict[tuple[str, float], list[LoadRun]], system: str) -> list[P
 
 
 @contextlib.contextmanager
-def _cluster(spec) -> Iterator:
+def quiet_cluster(spec) -> Iterator:
+    """A started ``Cluster(spec)`` whose services print to stderr, not the report's stdout."""
     from router.launcher import Cluster
 
     cluster = Cluster(spec)

@@ -4,16 +4,19 @@ Decode allocates blocks for the prompt (reusing the prefix this worker already c
 the missing blocks from the prefill worker through kvtransfer, which also tells the prefill
 worker to release its lease, then admits the request into the continuous batch and streams.
 A ``local_prefill`` request skips the prefill worker: see decode_svc/local_prefill.py.
+``DecodeMany`` runs the same requests, many on one stream: see decode_svc/mux.py.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import grpc
 
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
+from decode_svc.mux import serve_decode_many
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
@@ -27,12 +30,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
             with self.rt.admit():
-                async for chunk in self._decode(request, context):
+                async for chunk in self.decode(request, context.time_remaining):
                     yield chunk
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await abort_for(context, e)
 
-    async def _decode(self, request: worker_pb2.DecodeRequest, context):
+    async def DecodeMany(self, request_iterator, context):
+        async for batch in serve_decode_many(self, request_iterator, context):
+            yield batch
+
+    async def decode(self, request: worker_pb2.DecodeRequest,
+                     time_remaining: Callable[[], float | None]):
+        """One request's chunks (both RPCs). ``time_remaining``: seconds left to its deadline,
+        or None for none. The caller holds ``rt.admit()``."""
         rid = request.request_id
         if not rid:
             raise ValueError("request_id is empty")
@@ -50,7 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume)
         t0 = time.monotonic()
-        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), context)
+        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining())
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         async with contextlib.aclosing(self.rt.engine.commit_prefilled(rid)) as outs:
@@ -89,9 +99,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return [KVAgentHandle.from_bytes(b) for b in h.rank_handles]
 
     async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
-                    remote_block_ids: list[int], context) -> None:
+                    remote_block_ids: list[int], remaining: float | None) -> None:
         timeout = self.rt.config.engine.kv_transfer_timeout_s
-        remaining = context.time_remaining()
         if remaining is not None:
             timeout = max(min(timeout, remaining), 0.001)
         pull = asyncio.ensure_future(asyncio.to_thread(

@@ -119,6 +119,8 @@ BENCHMARKS = [
     ("serve", "online serving through the router vs the in-process engine: TTFT, TPOT, ITL, "
               "throughput, shared-prefix TTFT"),
     ("kvtransfer", "KV block transfer between processes vs memcpy"),
+    ("streams", "the router's multiplexed decode stream vs a Decode call per request: "
+                "throughput and CPU per token of each process"),
     ("failover", "a worker SIGKILLed under running streams: migrated streams' stall vs the "
                  "undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),

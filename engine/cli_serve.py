@@ -91,6 +91,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-queue-threshold", type=int, default=2,
                    help="prefill locally only while the chosen prefill worker has at least this "
                         "many prefill requests in flight from this router (0: always)")
+    p.add_argument("--decode-stream", default="multiplexed",
+                   choices=("multiplexed", "per-request"),
+                   help="multiplexed: one DecodeMany stream per decode worker carries every "
+                        "request, one message per engine step; per-request: a Decode call per "
+                        "request, one message per token")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
@@ -116,7 +121,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                                           args.shutdown_grace_s, ready_fd=args.ready_fd),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
-                      migration_limit=args.migration_limit,
+                      migration_limit=args.migration_limit, decode_stream=args.decode_stream,
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold)))

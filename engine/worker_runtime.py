@@ -117,12 +117,20 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """``status_for(exc)`` and the message the caller reads; internal errors are logged here
+    with their traceback, and reach the caller as their type and text only."""
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("internal error", exc_info=exc)
-    await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL
-                        else str(exc))
+        return code, f"{type(exc).__name__}: {exc}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not str(exc):
+        return code, "deadline exceeded"
+    return code, str(exc)
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    await context.abort(*status_and_message(exc))
 
 
 class WorkerRuntime:

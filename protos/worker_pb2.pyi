@@ -104,3 +104,43 @@ class DecodeChunk(_message.Message):
     num_cached_tokens: int
     timings: DecodeTimings
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[DecodeTimings, _Mapping]] = ...) -> None: ...
+
+class DecodeStart(_message.Message):
+    __slots__ = ("request", "timeout_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    timeout_s: float
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DecodeControl(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class DecodeError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DecodeEvent(_message.Message):
+    __slots__ = ("request_id", "chunk", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: DecodeChunk
+    error: DecodeError
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...

@@ -200,6 +200,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.DecodeMany = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/DecodeMany',
+                request_serializer=protos_dot_worker__pb2.DecodeControl.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.GetWorkerInfo = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/GetWorkerInfo',
                 request_serializer=protos_dot_common__pb2.WorkerInfoRequest.SerializeToString,
@@ -218,6 +223,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeMany(self, request_iterator, context):
+        """Many requests on one stream: the router opens one per decode worker and starts and
+        cancels requests on it; each engine step's outputs for all of them come back as one
+        DecodeBatch, so the per-message cost is paid per step, not per token per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWorkerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -231,6 +245,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.DecodeChunk.SerializeToString,
+            ),
+            'DecodeMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeMany,
+                    request_deserializer=protos_dot_worker__pb2.DecodeControl.FromString,
+                    response_serializer=protos_dot_worker__pb2.DecodeBatch.SerializeToString,
             ),
             'GetWorkerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerInfo,
@@ -265,6 +284,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Decode',
             protos_dot_worker__pb2.DecodeRequest.SerializeToString,
             protos_dot_worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/DecodeMany',
+            protos_dot_worker__pb2.DecodeControl.SerializeToString,
+            protos_dot_worker__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,

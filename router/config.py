@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from engine.grpc_server import ServerConfig
 from router.local_prefill import LocalPrefillConfig
 
+DECODE_STREAMS = ("multiplexed", "per-request")
+
 
 @dataclass
 class RouterConfig:
@@ -30,6 +32,10 @@ class RouterConfig:
     # moves to other workers with the tokens it has so far, at most this many times; 0 fails
     # it at once (router/migration.py).
     migration_limit: int = 3
+    # How requests reach a decode worker: "multiplexed", all of them on one DecodeMany stream
+    # per worker with one message per engine step (router/decode_mux.py), or "per-request",
+    # a Decode call each with one message per token.
+    decode_stream: str = "multiplexed"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -51,6 +57,9 @@ class RouterConfig:
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "
                              f"{self.migration_limit!r}")
+        if self.decode_stream not in DECODE_STREAMS:
+            raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
+                             f"got {self.decode_stream!r}")
         if not isinstance(self.local_prefill, LocalPrefillConfig):
             raise ValueError("local_prefill must be a LocalPrefillConfig, "
                              f"got {type(self.local_prefill).__name__}")

@@ -34,6 +34,7 @@ import grpc
 
 from engine.grpc_server import GRPC_OPTIONS
 from protos import common_pb2, worker_pb2_grpc
+from router.decode_mux import DecodeMux
 from router.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -65,10 +66,23 @@ class WorkerHandle:
     # Prompts this router sent a decode worker to prefill itself, not yet past their first
     # token: the local-prefill policy weighs them against the prefill worker's queue.
     prefilling: int = 0
+    _mux: DecodeMux | None = None
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def mux(self) -> DecodeMux:
+        """This decode worker's shared DecodeMany stream (router/decode_mux.py)."""
+        if self._mux is None:
+            self._mux = DecodeMux(self.decode_stub, self.worker_id)
+        return self._mux
+
+    async def close(self) -> None:
+        if self._mux is not None:
+            await self._mux.close()
+        await self.channel.close()
 
 
 @dataclass
@@ -97,7 +111,7 @@ class WorkerDirectory:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for w in self.workers.values():
-            await w.channel.close()
+            await w.close()
         self.workers.clear()
         await self.registry.r.aclose()
 
@@ -143,7 +157,7 @@ class WorkerDirectory:
             gone = self.workers.pop(wid)
             # Requests in flight keep their own reference; close once they are done.
             if gone.inflight == 0:
-                await gone.channel.close()
+                await gone.close()
         for wid, info in live.items():
             handle = self.workers.get(wid)
             if handle is not None and handle.info.address == info.address:

@@ -307,11 +307,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
                       run: RequestRun):
         run.calls(decode)
-        call = decode.decode_stub.Decode(dreq, timeout=self._timeout(context))
+        timeout = self._timeout(context)
+        if self.config.decode_stream == "multiplexed":
+            chunks = decode.mux.decode(dreq, timeout)
+        else:
+            chunks = _decode_call(decode, dreq, timeout)
+        # Leaving early (cancel, deadline, a failed client write) cancels the request on the
+        # decode worker, which aborts it and frees its blocks.
         with self.directory.inflight(decode):
-            try:
+            async with contextlib.aclosing(chunks):
                 first = True
-                async for d in call:
+                async for d in chunks:
                     if first:
                         first = False
                         _record_first_decode_chunk(d, dreq.local_prefill, run)
@@ -322,8 +328,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     if d.finish_reason:
                         _finish(chunk, d, run)
                     yield chunk
-            finally:
-                call.cancel()  # no-op when finished; otherwise the decode worker aborts
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
         async def release() -> None:
@@ -334,6 +338,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+async def _decode_call(decode: WorkerHandle, dreq: worker_pb2.DecodeRequest, timeout: float):
+    """``--decode-stream per-request``: a Decode call of its own."""
+    call = decode.decode_stub.Decode(dreq, timeout=timeout)
+    try:
+        async for d in call:
+            yield d
+    finally:
+        call.cancel()  # no-op when finished; otherwise the decode worker aborts
 
 
 def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:

@@ -111,3 +111,16 @@ def test_the_migration_limit_flag_reaches_the_config():
     assert p.parse_args(["--redis-url", "redis://x"]).migration_limit == \
         RouterConfig(model="m", redis_url="redis://x").migration_limit
     assert p.parse_args(["--redis-url", "redis://x", "--migration-limit", "0"]).migration_limit == 0
+
+
+def test_a_bad_decode_stream_is_refused_and_the_flag_matches_the_config():
+    with pytest.raises(ValueError, match="decode_stream must be one of"):
+        RouterConfig(model="m", redis_url="redis://x", decode_stream="shared")
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    assert p.parse_args(["--redis-url", "redis://x"]).decode_stream == \
+        RouterConfig(model="m", redis_url="redis://x").decode_stream == "multiplexed"
+    for mode in ("multiplexed", "per-request"):
+        args = p.parse_args(["--redis-url", "redis://x", "--decode-stream", mode])
+        assert RouterConfig(model="m", redis_url="redis://x",
+                            decode_stream=args.decode_stream).decode_stream == mode

@@ -21,9 +21,12 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster():
+    # The other serving tests' routers use the default multiplexed decode stream; this one
+    # keeps the per-request Decode calls covered (parity, cancel, deadline, errors).
     spec = ClusterSpec(worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", str(LOCAL_MAX),
-                                    "--local-prefill-queue-threshold", "0"])
+                                    "--local-prefill-queue-threshold", "0",
+                                    "--decode-stream", "per-request"])
     with Cluster(spec) as c:
         yield c
 

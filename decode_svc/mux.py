@@ -1,0 +1,117 @@
+"""``DecodeMany``: many decode requests on one bidirectional stream.
+
+The router keeps one such stream open per decode worker. Starting a request is one message on
+it, cancelling one another; the outputs of an engine step, for every request on the stream,
+leave as one ``DecodeBatch``. With a ``Decode`` call per request the worker sends a gRPC
+message per token per request: at batch 32 that is 32 messages a step, each paid for on this
+worker's event loop (and, through the GIL, by its engine thread) and again on the router.
+
+Each request runs exactly as a ``Decode`` call does (``DecodeServicer.decode``): the same
+admission, validation, KV pull, deadline and abort when it is left early, and it fails alone,
+with the status its ``Decode`` call would have ended with. The stream ends once the caller has
+closed its side and every request on it is done; when the stream is cancelled (the caller went
+away, or this server is stopping) every request on it is aborted and its blocks freed.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+from engine.worker_runtime import status_and_message
+from protos import worker_pb2
+
+
+async def serve_decode_many(servicer, request_iterator,
+                            context) -> AsyncIterator[worker_pb2.DecodeBatch]:
+    """The body of ``DecodeWorker.DecodeMany`` for ``servicer`` (a ``DecodeServicer``)."""
+    mux = _DecodeMux(servicer)
+    reader = asyncio.create_task(mux.read(request_iterator))
+    try:
+        async for batch in mux.batches():
+            yield batch
+    finally:
+        reader.cancel()
+        mux.cancel_all()
+
+
+class _DecodeMux:
+    def __init__(self, servicer) -> None:
+        self.servicer = servicer
+        self.tasks: dict[str, asyncio.Task] = {}
+        # Events not sent yet: the writer takes the whole batch each time it wakes, so every
+        # request a step woke lands in one message.
+        self.pending = worker_pb2.DecodeBatch()
+        self.ready = asyncio.Event()
+        self.reading = True
+
+    # --- the caller's side ----------------------------------------------------------------
+    async def read(self, request_iterator) -> None:
+        try:
+            async for ctl in request_iterator:
+                kind = ctl.WhichOneof("kind")
+                if kind == "start":
+                    self._start(ctl.start)
+                elif kind == "cancel":
+                    task = self.tasks.get(ctl.cancel)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            self.reading = False
+            self.ready.set()
+
+    def _start(self, start: worker_pb2.DecodeStart) -> None:
+        rid = start.request.request_id
+        if not rid:
+            self._fail(rid, ValueError("request_id is empty"))
+        elif rid in self.tasks:
+            self._fail(rid, ValueError(f"request {rid} is already running on this stream"))
+        elif not math.isfinite(start.timeout_s) or start.timeout_s < 0:
+            self._fail(rid, ValueError(f"timeout_s must be a finite number >= 0 (0: none), "
+                                       f"got {start.timeout_s}"))
+        else:
+            self.tasks[rid] = asyncio.create_task(self._run(rid, start))
+
+    async def _run(self, rid: str, start: worker_pb2.DecodeStart) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + start.timeout_s if start.timeout_s > 0 else None
+
+        def time_remaining() -> float | None:
+            return None if deadline is None else deadline - loop.time()
+
+        try:
+            async with asyncio.timeout_at(deadline):
+                with self.servicer.rt.admit():
+                    async for chunk in self.servicer.decode(start.request, time_remaining):
+                        self.pending.events.add(request_id=rid).chunk.CopyFrom(chunk)
+                        self.ready.set()
+        except asyncio.CancelledError:
+            pass  # cancelled by the caller or with the stream: decode() aborted the request
+        except Exception as e:  # noqa: BLE001 - every failure becomes this request's status
+            self._fail(rid, e)
+        finally:
+            self.tasks.pop(rid, None)
+            self.ready.set()
+
+    def _fail(self, rid: str, exc: Exception) -> None:
+        code, message = status_and_message(exc)
+        ev = self.pending.events.add(request_id=rid)
+        ev.error.code = code.value[0]
+        ev.error.message = message
+        self.ready.set()
+
+    def cancel_all(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+
+    # --- the stream back ------------------------------------------------------------------
+    async def batches(self) -> AsyncIterator[worker_pb2.DecodeBatch]:
+        while True:
+            if self.pending.events:
+                batch, self.pending = self.pending, worker_pb2.DecodeBatch()
+                yield batch
+            elif not self.reading and not self.tasks:
+                return
+            else:
+                await self.ready.wait()
+                self.ready.clear()

@@ -1,0 +1,139 @@
+"""The router's end of ``DecodeMany`` (decode_svc/mux.py): one stream per decode worker, shared
+by every request the router sends it.
+
+A request starts with a message on the stream and reads its chunks from a queue the stream's
+reader fills; leaving early (client cancel, deadline, failure) sends a cancel. To the code above
+it, a request here behaves as a ``Decode`` call would: its chunks, then the end, or an
+``AioRpcError`` with the status its ``Decode`` call would have ended with. When the stream
+itself breaks (the worker crashed, or stopped with requests still on it) every request on it
+fails with UNAVAILABLE, which migrates them (router/migration.py); the next request opens a new
+stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+_DEADLINE = object()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary-stream call ending with ``code`` raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+@dataclass
+class _Stream:
+    call: grpc.aio.StreamStreamCall
+    # Controls to send; None ends the request side (close()).
+    outbox: asyncio.Queue
+    # request_id -> its events (DecodeEvent; the stream's failure as an AioRpcError; _DEADLINE).
+    requests: dict[str, asyncio.Queue] = field(default_factory=dict)
+    broken: bool = False
+    reader: asyncio.Task | None = None
+
+
+class DecodeMux:
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, worker_id: str) -> None:
+        self.stub = stub
+        self.worker_id = worker_id
+        self._stream: _Stream | None = None
+
+    def _open(self) -> _Stream:
+        s = self._stream
+        if s is not None and not s.broken:
+            return s
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def controls() -> AsyncIterator[worker_pb2.DecodeControl]:
+            while (ctl := await outbox.get()) is not None:
+                yield ctl
+
+        s = _Stream(self.stub.DecodeMany(controls()), outbox)
+        s.reader = asyncio.get_running_loop().create_task(self._read(s))
+        self._stream = s
+        return s
+
+    async def _read(self, s: _Stream) -> None:
+        why = "the stream ended"
+        try:
+            async for batch in s.call:
+                for ev in batch.events:
+                    queue = s.requests.get(ev.request_id)
+                    if queue is not None:
+                        queue.put_nowait(ev)
+        except grpc.aio.AioRpcError as e:
+            why = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            why = "the router closed the stream"
+            raise
+        finally:
+            s.broken = True
+            s.outbox.put_nowait(None)  # ends the controls() generator with the call
+            if s.requests:
+                err = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                f"decode worker {self.worker_id}: {why}")
+                for queue in s.requests.values():
+                    queue.put_nowait(err)
+
+    async def decode(self, dreq: worker_pb2.DecodeRequest,
+                     timeout: float) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        """``dreq``'s chunks, as a ``Decode(dreq, timeout=timeout)`` call would stream them."""
+        s = self._open()
+        rid = dreq.request_id
+        if rid in s.requests:
+            raise ValueError(f"request {rid} is already decoding on worker {self.worker_id}")
+        events: asyncio.Queue = asyncio.Queue()
+        s.requests[rid] = events
+        s.outbox.put_nowait(worker_pb2.DecodeControl(
+            start=worker_pb2.DecodeStart(request=dreq, timeout_s=timeout)))
+        # The deadline arrives as an event: no timer task per chunk, and nothing fires while
+        # the caller is away with a chunk (as a timeout scope across a yield would).
+        expiry = asyncio.get_running_loop().call_later(timeout, events.put_nowait, _DEADLINE)
+        ended = False
+        try:
+            while True:
+                ev = await events.get()
+                if ev is _DEADLINE:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                if isinstance(ev, BaseException):  # the stream broke
+                    raise ev
+                if ev.HasField("error"):
+                    ended = True
+                    raise rpc_error(_STATUS_BY_VALUE.get(ev.error.code, grpc.StatusCode.UNKNOWN),
+                                    ev.error.message)
+                ended = bool(ev.chunk.finish_reason)
+                yield ev.chunk
+                if ended:
+                    return
+        finally:
+            expiry.cancel()
+            s.requests.pop(rid, None)
+            if not ended and not s.broken:
+                s.outbox.put_nowait(worker_pb2.DecodeControl(cancel=rid))
+
+    @property
+    def num_requests(self) -> int:
+        s = self._stream
+        return 0 if s is None or s.broken else len(s.requests)
+
+    async def close(self) -> None:
+        s, self._stream = self._stream, None
+        if s is None:
+            return
+        s.outbox.put_nowait(None)
+        s.call.cancel()
+        if s.reader is not None:
+            s.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await s.reader

@@ -1,0 +1,32 @@
+"""``pdserve bench streams``: argument checks and a tiny run of both decode-stream modes through
+real clusters (counts and shape only; no timing asserts)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import streams
+from engine.cli import main as cli_main
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--concurrency", "0"],
+                                  ["--output-len", "9-3"]])
+def test_bad_arguments_are_refused(argv):
+    p = argparse.ArgumentParser()
+    streams.add_args(p)
+    with pytest.raises(ValueError):
+        streams.main(p.parse_args(argv))
+
+
+def test_both_modes_serve_the_same_load(capsys):
+    assert cli_main(["bench", "streams", "--rounds", "1", "--concurrency", "4",
+                     "--num-prompts", "8", "--output-len", "8-16", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert sorted(run["mode"] for run in r["runs"]) == ["multiplexed", "per-request"]
+    for run in r["runs"]:
+        assert run["failed"] == 0 and run["tok_s"] > 0
+        assert set(run["cpu_ms_per_token"]) == {"router", "prefill", "decode"}
+        assert all(v > 0 for v in run["cpu_ms_per_token"].values())
+    assert r["tok_s_ratio"] > 0 and set(r["cpu_ratio"]) == {"router", "prefill", "decode"}

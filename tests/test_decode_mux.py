@@ -1,0 +1,283 @@
+"""DecodeMany: many requests on one stream to a real decode worker (decode_svc/mux.py), and the
+router's end of it (router/decode_mux.py).
+
+The requests are local prefills (the decode worker runs the prompt itself), so a decode worker
+alone serves them; the cluster is an aggregated one (no prefill worker). The cluster tests in
+test_serving*.py drive the same stream through the router, KV pulls and migration included.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from router.decode_mux import DecodeMux
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS)) as c:
+        yield c
+
+
+def _decode_address(cluster) -> str:
+    return next(p.address for p in cluster.procs if p.name.startswith("decode"))
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int, **fields) -> worker_pb2.DecodeRequest:
+    return worker_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=prompt, local_prefill=True,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                           ignore_eos=True), **fields)
+
+
+def _start(req: worker_pb2.DecodeRequest, timeout_s: float = 60.0) -> worker_pb2.DecodeControl:
+    return worker_pb2.DecodeControl(start=worker_pb2.DecodeStart(request=req, timeout_s=timeout_s))
+
+
+class _Stream:
+    """A raw DecodeMany stream: controls in, every event out, grouped by request."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.call = worker_pb2_grpc.DecodeWorkerStub(self.channel).DecodeMany(self._controls())
+        self.batches: list[worker_pb2.DecodeBatch] = []
+        self.by_rid: dict[str, list[worker_pb2.DecodeEvent]] = {}
+
+    async def _controls(self):
+        while (ctl := await self.outbox.get()) is not None:
+            yield ctl
+
+    def send(self, ctl: worker_pb2.DecodeControl) -> None:
+        self.outbox.put_nowait(ctl)
+
+    def close_sending(self) -> None:
+        self.outbox.put_nowait(None)
+
+    async def read_until(self, done) -> dict[str, list[worker_pb2.DecodeEvent]]:
+        """Reads batches until ``done(events_by_request)`` or the stream's end; returns every
+        event read so far, by request."""
+        async for batch in self.call:
+            self.batches.append(batch)
+            for ev in batch.events:
+                self.by_rid.setdefault(ev.request_id, []).append(ev)
+            if done(self.by_rid):
+                break
+        return self.by_rid
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await self.channel.close()
+
+
+def _ended(events: list[worker_pb2.DecodeEvent]) -> bool:
+    return bool(events) and (events[-1].HasField("error") or bool(events[-1].chunk.finish_reason))
+
+
+def _tokens(events: list[worker_pb2.DecodeEvent]) -> list[int]:
+    return [t for ev in events for t in ev.chunk.token_ids]
+
+
+def test_requests_on_one_stream_match_the_in_process_engine_and_share_messages(cluster,
+                                                                                 reference):
+    prompts = random_prompts(6, seed=71, lo=10, hi=60)
+    max_tokens = [12, 20, 16, 9, 24, 14]
+    want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
+                                        for m in max_tokens])
+    assert len({tuple(w.token_ids) for w in want}) == len(want)  # diverse outputs
+
+    async def run():
+        s = _Stream(_decode_address(cluster))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            s.send(_start(_request(f"r{i}", p, m)))
+        s.close_sending()  # the worker ends the stream once every request is done
+        by_rid = await s.read_until(lambda _: False)
+        await s.close()
+        return s.batches, by_rid
+
+    batches, by_rid = asyncio.run(run())
+    for i, w in enumerate(want):
+        events = by_rid[f"r{i}"]
+        assert _tokens(events) == w.token_ids
+        assert "".join(ev.chunk.text_delta for ev in events) == w.text
+        assert events[-1].chunk.finish_reason == "length"
+        assert events[0].chunk.HasField("timings")
+    # One engine step's outputs for several requests travel in one message.
+    assert max(len(b.events) for b in batches) >= 2
+    assert len(batches) < sum(len(b.events) for b in batches)
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+@pytest.mark.parametrize("start, code, match", [
+    (_start(_request("", [1, 2, 3], 4)), grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"),
+    (_start(_request("bad-vocab", [1, 99999999], 4)), grpc.StatusCode.INVALID_ARGUMENT,
+     "outside the vocabulary"),
+    (_start(_request("bad-timeout", [1, 2, 3], 4), timeout_s=-1.0),
+     grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be"),
+    (_start(_request("bad-timeout", [1, 2, 3], 4), timeout_s=float("nan")),
+     grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be"),
+    (_start(_request("bad-handle", [1, 2, 3], 4, first_token_id=5)),
+     grpc.StatusCode.INVALID_ARGUMENT, "must not carry a first_token_id"),
+    (_start(_request("slow", list(range(10, 400)), 200), timeout_s=0.05),
+     grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),
+])
+def test_a_failing_request_ends_alone_with_its_status(cluster, reference, start, code, match):
+    prompt = random_prompts(1, seed=72, lo=30, hi=30)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    bad = start.start.request.request_id
+
+    async def run():
+        s = _Stream(_decode_address(cluster))
+        s.send(_start(_request("good", prompt, 10)))
+        s.send(start)
+        s.close_sending()
+        by_rid = await s.read_until(lambda _: False)
+        await s.close()
+        return by_rid
+
+    by_rid = asyncio.run(run())
+    (err,) = by_rid[bad]
+    assert err.error.code == code.value[0] and match in err.error.message
+    assert _tokens(by_rid["good"]) == want.token_ids
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(cluster, reference):
+    prompt = random_prompts(1, seed=73, lo=30, hi=30)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0]
+
+    async def run():
+        s = _Stream(_decode_address(cluster))
+        s.send(_start(_request("dup", prompt, 30)))
+        s.send(_start(_request("dup", [1, 2, 3], 4)))
+        s.close_sending()
+        by_rid = await s.read_until(lambda _: False)
+        await s.close()
+        return by_rid["dup"]
+
+    events = asyncio.run(run())
+    errors = [ev for ev in events if ev.HasField("error")]
+    assert len(errors) == 1 and "already running on this stream" in errors[0].error.message
+    assert _tokens(events) == want.token_ids
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+def test_cancel_aborts_one_request_and_frees_its_blocks(cluster, reference):
+    prompts = random_prompts(2, seed=74, lo=40, hi=40)
+    want = reference.generate([prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0]
+
+    async def run():
+        s = _Stream(_decode_address(cluster))
+        s.send(_start(_request("cut", prompts[0], 900)))
+        s.send(_start(_request("kept", prompts[1], 40)))
+        await s.read_until(lambda by: len(by.get("cut", [])) >= 3)
+        s.send(worker_pb2.DecodeControl(cancel="cut"))
+        s.send(worker_pb2.DecodeControl(cancel="never-started"))  # ignored
+        by_rid = await s.read_until(lambda by: _ended(by.get("kept", [])))
+        await s.close()
+        return by_rid
+
+    by_rid = asyncio.run(run())
+    assert _tokens(by_rid["kept"]) == want.token_ids
+    assert not any(ev.chunk.finish_reason or ev.HasField("error") for ev in by_rid.get("cut", []))
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+def test_dropping_the_stream_aborts_every_request_on_it(cluster):
+    prompts = random_prompts(3, seed=75, lo=20, hi=50)
+
+    async def run():
+        s = _Stream(_decode_address(cluster))
+        for i, p in enumerate(prompts):
+            s.send(_start(_request(f"d{i}", p, 900)))
+        await s.read_until(lambda by: len(by) == 3)
+        await s.close()  # the router went away: no half-close, the call is cancelled
+
+    asyncio.run(run())
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+# --- the router's end ---------------------------------------------------------------------
+def test_router_mux_streams_cancels_and_times_out(cluster, reference):
+    prompts = random_prompts(3, seed=76, lo=20, hi=50)
+    want = reference.generate(prompts, SamplingParams(max_tokens=15, **GREEDY))
+
+    async def run():
+        channel = grpc.aio.insecure_channel(_decode_address(cluster))
+        mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), "decode-under-test")
+
+        async def collect(i: int) -> list[int]:
+            return [t async for c in mux.decode(_request(f"m{i}", prompts[i], 15), 60.0)
+                    for t in c.token_ids]
+
+        got = await asyncio.gather(*(collect(i) for i in range(3)))
+        # Leaving after the first chunk cancels the request on the worker.
+        chunks = mux.decode(_request("left", prompts[0], 900), 60.0)
+        first = await anext(chunks)
+        await chunks.aclose()
+        # The deadline ends a request that runs longer with DEADLINE_EXCEEDED.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in mux.decode(_request("late", list(range(10, 400)), 300), 0.3):
+                pass
+        # A worker-side failure arrives as the status a Decode call would end with.
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            async for _ in mux.decode(_request("bad", [1, 99999999], 4), 60.0):
+                pass
+        n_open = mux.num_requests
+        await mux.close()
+        await channel.close()
+        return got, first, err.value, bad.value, n_open
+
+    got, first, err, bad, n_open = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    assert list(first.token_ids) == want[0].token_ids[:1]
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in bad.details()
+    assert n_open == 0
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
+def test_router_mux_fails_open_requests_with_unavailable_when_the_stream_breaks(cluster):
+    """A decode worker that goes away under the stream: every request on it gets UNAVAILABLE
+    (which migrates them), and the next request opens a new stream. Stopping the worker would
+    take the module's cluster down, so a plain gRPC server that accepts the stream and dies
+    plays the worker."""
+
+    class Dying(worker_pb2_grpc.DecodeWorkerServicer):
+        async def DecodeMany(self, request_iterator, context):
+            async for _ in request_iterator:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+
+    async def run():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(Dying(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), "dying")
+
+        async def one(i: int):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in mux.decode(_request(f"x{i}", [1, 2, 3], 4), 30.0):
+                    pass
+            return e.value
+
+        first = await asyncio.gather(*(one(i) for i in range(3)))
+        again = await one(9)  # a new stream after the broken one
+        await mux.close()
+        await channel.close()
+        await server.stop(0)
+        return first + [again]
+
+    errors = asyncio.run(run())
+    assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 4
+    assert all("decode worker dying" in e.details() for e in errors)
