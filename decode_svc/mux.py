@@ -21,6 +21,9 @@ from collections.abc import AsyncIterator
 from engine.worker_runtime import status_and_message
 from protos import worker_pb2
 
+# At most this many events per DecodeBatch (a chunk with 20 top logprobs per token is ~1 KB).
+MAX_EVENTS_PER_BATCH = 1024
+
 
 async def serve_decode_many(servicer, request_iterator,
                             context) -> AsyncIterator[worker_pb2.DecodeBatch]:
@@ -107,7 +110,14 @@ class _DecodeMux:
     # --- the stream back ------------------------------------------------------------------
     async def batches(self) -> AsyncIterator[worker_pb2.DecodeBatch]:
         while True:
-            if self.pending.events:
+            if len(self.pending.events) > MAX_EVENTS_PER_BATCH:
+                # A caller that stopped reading for a while must not get one message the size
+                # of everything since: gRPC refuses messages over its limit.
+                batch = worker_pb2.DecodeBatch()
+                batch.events.extend(self.pending.events[:MAX_EVENTS_PER_BATCH])
+                del self.pending.events[:MAX_EVENTS_PER_BATCH]
+                yield batch
+            elif self.pending.events:
                 batch, self.pending = self.pending, worker_pb2.DecodeBatch()
                 yield batch
             elif not self.reading and not self.tasks:

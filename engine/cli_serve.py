@@ -29,6 +29,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=5.0,
                    help="then gRPC's stop grace; calls still running after it are cut (the "
                         "router moves cut requests to other workers)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port); default: none")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
@@ -52,7 +55,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                           kv_quarantine_s=args.kv_quarantine_s, **engine_kwargs(args))
     return WorkerConfig(engine=engine,
                         server=ServerConfig(args.host, args.port, args.drain_timeout_s,
-                                             args.shutdown_grace_s, ready_fd=args.ready_fd),
+                                             args.shutdown_grace_s, ready_fd=args.ready_fd,
+                                             metrics_port=args.metrics_port),
                         worker_id=args.worker_id, redis_url=args.redis_url,
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
                         max_pending_requests=args.max_pending_requests,
@@ -104,6 +108,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=5.0,
                    help="then gRPC's stop grace; calls still running after it are cut (the "
                         "router moves cut requests to other workers)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port); default: none")
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
@@ -118,7 +125,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     main(RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
-                                          args.shutdown_grace_s, ready_fd=args.ready_fd),
+                                          args.shutdown_grace_s, ready_fd=args.ready_fd,
+                                          metrics_port=args.metrics_port),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit, decode_stream=args.decode_stream,
@@ -143,6 +151,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="each worker keeps its own share of the cores, even while the others "
                         "are idle (default: a busy worker borrows idle workers' cores)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router serves Prometheus metrics, its own and every worker's "
+                        "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -157,7 +168,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
-                       router_port=args.port, worker_args=extra, share_cores=args.share_cores)
+                       router_port=args.port, worker_args=extra, share_cores=args.share_cores,
+                       router_args=([] if args.metrics_port is None
+                                    else ["--metrics-port", str(args.metrics_port)]))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

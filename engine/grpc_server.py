@@ -44,10 +44,18 @@ class ServerConfig:
     # An inherited pipe to write "HOST:PORT\n" to once serving, then close: how a launcher
     # that passed port 0 learns the port (router.launcher). None: nobody is told.
     ready_fd: int | None = None
+    # Serve Prometheus metrics at http://host:metrics_port/metrics (engine/metrics.py); 0 picks
+    # a free port, None serves none.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.metrics_port is not None and (
+                isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                or not 0 <= self.metrics_port <= 65535):
+            raise ValueError(f"metrics_port must be in [0, 65535] or None, "
+                             f"got {self.metrics_port!r}")
         if self.drain_timeout_s < 0 or self.grace_s < 0:
             raise ValueError("drain_timeout_s and grace_s must be >= 0")
         if self.ready_fd is not None and not (isinstance(self.ready_fd, int)
@@ -114,21 +122,40 @@ class GrpcServer:
 
 async def serve(server: GrpcServer, num_inflight: Callable[[], int],
                 on_started: Callable[[], Awaitable[None]] | None = None,
-                on_stopping: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Runs ``server`` until SIGTERM/SIGINT (or ``server.stopping`` is set), then drains."""
-    await server.start()
-    server.install_signal_handlers()
-    if on_started is not None:
-        await on_started()
-    # Startup is over: full collections from now on skip its heap (engine/gc_policy.py).
-    freeze_startup_heap()
-    server.report_address()
-    logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
-    await server.stopping.wait()
-    logger.info("stopping: draining %d requests", num_inflight())
-    if on_stopping is not None:
-        await on_stopping()
-    await server.drain_and_stop(num_inflight)
+                on_stopping: Callable[[], Awaitable[None]] | None = None,
+                metrics: Callable[[], list] | None = None) -> None:
+    """Runs ``server`` until SIGTERM/SIGINT (or ``server.stopping`` is set), then drains.
+    ``metrics``: the service's ``MetricFamily`` list, served at ``metrics_port`` if set."""
+    exporter = _start_metrics(server.config, metrics)
+    try:
+        await server.start()
+        server.install_signal_handlers()
+        if on_started is not None:
+            await on_started()
+        # Startup is over: full collections from now on skip its heap (engine/gc_policy.py).
+        freeze_startup_heap()
+        server.report_address()
+        logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
+        await server.stopping.wait()
+        logger.info("stopping: draining %d requests", num_inflight())
+        if on_stopping is not None:
+            await on_stopping()
+        await server.drain_and_stop(num_inflight)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+
+
+def _start_metrics(config: ServerConfig, metrics: Callable[[], list] | None):
+    if config.metrics_port is None or metrics is None:
+        return None
+    from engine.metrics import MetricsServer
+
+    exporter = MetricsServer(config.host, config.metrics_port, metrics,
+                             asyncio.get_running_loop())
+    exporter.start()
+    logger.info("serving metrics on %s", exporter.url)
+    return exporter
 
 
 def run(main: Callable[[], Awaitable[None]]) -> None:

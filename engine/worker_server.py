@@ -5,6 +5,7 @@ import logging
 from collections.abc import Callable
 
 from engine.grpc_server import GrpcServer, serve
+from engine.worker_metrics import worker_metrics
 from engine.worker_runtime import WorkerConfig, WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ async def run_worker(config: WorkerConfig, service_name: str,
                   flush=True)
 
         await serve(server, lambda: rt.inflight, on_started=started,
-                    on_stopping=rt.stop_presence)
+                    on_stopping=rt.stop_presence,
+                    metrics=lambda: worker_metrics(rt.worker_info()))
     finally:
         rt.shutdown()

@@ -9,6 +9,7 @@ from protos import router_pb2, router_pb2_grpc
 from router.admin import RouterAdminServicer
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
+from router.metrics import router_metrics
 from router.registry import Registry
 from router.service import RouterServicer
 from router.stats import RouterStats
@@ -43,7 +44,8 @@ async def serve_router(config: RouterConfig) -> None:
         async def started() -> None:
             print(f"pdserve router serving on {server.address}", flush=True)
 
-        await serve(server, lambda: stats.requests_in_flight, on_started=started)
+        await serve(server, lambda: stats.requests_in_flight, on_started=started,
+                    metrics=lambda: router_metrics(stats, directory))
     finally:
         await directory.stop()
 

@@ -146,6 +146,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async with contextlib.aclosing(self._attempt(run, request, context)) as chunks:
                     async for chunk in chunks:
                         run.emitted.extend(chunk.token_ids)
+                        self.stats.generation_tokens += len(chunk.token_ids)
+                        if chunk.finish_reason:
+                            self.stats.request_finished(chunk.finish_reason, chunk.usage)
                         yield chunk
                 return
             except Exception as e:  # noqa: BLE001 - re-raised unless the request can move

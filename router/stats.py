@@ -1,10 +1,22 @@
-"""The router's counters (served by RouterAdmin.GetClusterStats)."""
+"""The router's counters (served by RouterAdmin.GetClusterStats) and latency histograms
+(with the counters, at ``--metrics-port``: router/metrics.py)."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import grpc
+
+from engine.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, Histogram
+
+# RequestTimings fields observed per finished request, by their metric label.
+PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue",
+          "first_decode_step")
+
+
+def _latency() -> Histogram:
+    return Histogram(LATENCY_BUCKETS)
 
 
 @dataclass
@@ -22,6 +34,15 @@ class RouterStats:
     # --migration-limit was spent.
     requests_migrated: int = 0
     migrations_exhausted: int = 0
+    # Output tokens streamed to clients.
+    generation_tokens: int = 0
+    # Finished requests by finish reason, and their latencies (seconds).
+    finished: Counter = field(default_factory=Counter)
+    ttft: Histogram = field(default_factory=_latency)
+    tpot: Histogram = field(default_factory=lambda: Histogram(TOKEN_LATENCY_BUCKETS))
+    e2e: Histogram = field(default_factory=_latency)
+    phases: dict[str, Histogram] = field(
+        default_factory=lambda: {p: _latency() for p in PHASES})
 
     @contextlib.contextmanager
     def track(self):
@@ -48,3 +69,14 @@ class RouterStats:
             self.requests_prefilled_locally += 1
         else:
             self.requests_prefilled_remotely += 1
+
+    def request_finished(self, finish_reason: str, usage) -> None:
+        """A request's final chunk (``usage``: its router_pb2.Usage)."""
+        t = usage.timings
+        self.finished[finish_reason] += 1
+        self.ttft.observe(t.ttft_s)
+        self.e2e.observe(t.e2e_s)
+        if usage.completion_tokens > 1:
+            self.tpot.observe((t.e2e_s - t.ttft_s) / (usage.completion_tokens - 1))
+        for phase in PHASES:
+            self.phases[phase].observe(getattr(t, f"{phase}_s"))

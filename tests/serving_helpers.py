@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
+import socket
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 
@@ -61,3 +65,44 @@ def stream_greedy(router_address: str, prompts: list[list[int]], max_tokens: lis
             return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
 
     return asyncio.run(run_all())
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(?:,|$)')
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    """A Prometheus text exposition as {(name, frozenset of label pairs): value}. Fails on a
+    line that is not a comment or a well-formed sample, or a sample whose family has no TYPE."""
+    typed: set[str] = set()
+    out: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"malformed sample line: {line!r}"
+        name, labels, value = m.groups()
+        family = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in typed or family in typed, f"no TYPE for {name}"
+        pairs = _LABEL.findall(labels or "")
+        assert ",".join(f'{k}="{v}"' for k, v in pairs) == (labels or ""), line
+        out[(name, frozenset(pairs))] = float(value)
+    return out
+
+
+def scrape(port: int, path: str = "/metrics") -> tuple[int, str, str]:
+    """(status, content type, body) of GET http://127.0.0.1:port/path."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

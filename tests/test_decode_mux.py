@@ -281,3 +281,20 @@ def test_router_mux_fails_open_requests_with_unavailable_when_the_stream_breaks(
     errors = asyncio.run(run())
     assert [e.code() for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 4
     assert all("decode worker dying" in e.details() for e in errors)
+
+
+def test_a_backlog_leaves_in_batches_of_bounded_size(monkeypatch):
+    """Events that piled up while the caller did not read go out in several messages, in
+    order, none over the cap (gRPC refuses messages over its size limit)."""
+    from decode_svc import mux
+
+    monkeypatch.setattr(mux, "MAX_EVENTS_PER_BATCH", 2)
+
+    async def run():
+        m = mux._DecodeMux(servicer=None)
+        for i in range(5):
+            m._fail(f"r{i}", ValueError(f"bad {i}"))
+        m.reading = False  # the caller half-closed and nothing runs: the stream then ends
+        return [[ev.request_id for ev in b.events] async for b in m.batches()]
+
+    assert asyncio.run(run()) == [["r0", "r1"], ["r2", "r3"], ["r4"]]

@@ -9,16 +9,19 @@ import redis
 from client import Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
-                                   wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, free_port, parse_metrics, random_prompts,
+                                   scrape, stream_greedy, wait_all_blocks_free)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     # Local prefill off: these tests cover the remote path (prefill, KV transfer, decode)
     # under load; tests/test_serving_local_prefill.py covers the other.
+    port = free_port()
     with Cluster(ClusterSpec(worker_args=WORKER_ARGS,
-                             router_args=["--max-local-prefill-length", "0"])) as c:
+                             router_args=["--max-local-prefill-length", "0",
+                                          "--metrics-port", str(port)])) as c:
+        c.metrics_port = port
         yield c
 
 
@@ -127,3 +130,46 @@ def test_only_prefill_workers_publish_their_blocks(cluster):
         time.sleep(0.05)
     time.sleep(0.5)  # a decode worker's events would be flushed by now
     assert r.scard(f"pdserve:wblocks:{names['decode']}") == 0
+
+
+def test_prometheus_metrics_from_the_router_and_from_a_worker(cluster):
+    def router_metrics():
+        status, ctype, body = scrape(cluster.metrics_port)
+        assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+        return parse_metrics(body)
+
+    before = router_metrics()
+    got = stream_greedy(cluster.router_address, random_prompts(4, seed=31), [5, 6, 7, 8])
+    assert [len(toks) for toks, _ in got] == [5, 6, 7, 8]
+    after = router_metrics()
+
+    def delta(name, **labels):
+        key = (name, frozenset(labels.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert delta("pdserve_router_requests_total") == 4
+    assert delta("pdserve_router_generation_tokens_total") == 26
+    assert delta("pdserve_router_requests_finished_total", finish_reason="length") == 4
+    assert delta("pdserve_router_time_to_first_token_seconds_count") == 4
+    assert delta("pdserve_router_time_to_first_token_seconds_sum") > 0
+    assert delta("pdserve_router_request_phase_seconds_count", phase="kv_transfer") == 4
+    assert delta("pdserve_router_requests_prefilled_total", where="remote") == 4
+    # The cluster as the router sees it, from the workers' heartbeats.
+    for role in ("prefill", "decode"):
+        assert after[("pdserve_router_workers",
+                      frozenset({("role", role), ("state", "routable")}))] == 1
+        (proc,) = [p for p in cluster.procs if p.name.startswith(role)]
+        assert after[("pdserve_router_worker_kv_cache_blocks_total",
+                      frozenset({("worker_id", proc.name), ("role", role)}))] == 128
+
+    # A worker serves its own, labelled with its id and role.
+    port = free_port()
+    worker = cluster.add_worker("prefill", extra=["--metrics-port", str(port)])
+    try:
+        own = {dict(labels)["worker_id"]: value for (name, labels), value
+               in parse_metrics(scrape(port)[2]).items()
+               if name == "pdserve_worker_kv_cache_blocks_total"}
+        assert own == {worker.name: 128}
+        assert scrape(port, "/")[0] == 404
+    finally:
+        assert cluster.stop_proc(worker) == 0

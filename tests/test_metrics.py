@@ -1,0 +1,152 @@
+"""Prometheus metrics: the exposition format, histograms, the HTTP exporter on a real socket,
+and the router's and a worker's metric families from real stats objects. The cluster-level
+scrape is in test_serving.py."""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+
+from engine.grpc_server import ServerConfig
+from engine.metrics import (CONTENT_TYPE, Histogram, MetricFamily, MetricsServer, render)
+from engine.worker_metrics import worker_metrics
+from protos import common_pb2, router_pb2
+from router.stats import PHASES, RouterStats
+from tests.serving_helpers import parse_metrics, scrape
+
+
+def test_histogram_buckets_are_cumulative_with_sum_and_count():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0, float("nan")):
+        h.observe(v)
+    m = parse_metrics(render([MetricFamily("lat_seconds", "histogram", "x").add(h, phase="a")]))
+    assert m[("lat_seconds_bucket", frozenset({("phase", "a"), ("le", "0.1")}))] == 2
+    assert m[("lat_seconds_bucket", frozenset({("phase", "a"), ("le", "1.0")}))] == 3
+    assert m[("lat_seconds_bucket", frozenset({("phase", "a"), ("le", "+Inf")}))] == 4
+    assert m[("lat_seconds_count", frozenset({("phase", "a")}))] == 4  # NaN is dropped
+    assert m[("lat_seconds_sum", frozenset({("phase", "a")}))] == pytest.approx(3.65)
+
+
+def test_render_escapes_labels_and_writes_help_and_type():
+    text = render([MetricFamily("odd_total", "counter", 'a "help"\nline')
+                   .add(3, worker_id='w"1\\x\ny'),
+                   MetricFamily("g", "gauge", "g").add(float("inf")).add(0.25, k="v")])
+    assert '# HELP odd_total a "help"\\nline' in text
+    assert "# TYPE odd_total counter" in text
+    assert 'odd_total{worker_id="w\\"1\\\\x\\ny"} 3' in text
+    m = parse_metrics(text)
+    assert m[("g", frozenset())] == math.inf and m[("g", frozenset({("k", "v")}))] == 0.25
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(name="requests", kind="counter"), "ends with _total"),
+    (dict(name="x", kind="summary"), "kind must be one of"),
+])
+def test_bad_families_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MetricFamily(help="h", **kwargs)
+
+
+@pytest.mark.parametrize("buckets", [(), (1.0, 0.5), (1.0, 1.0)])
+def test_bad_buckets_are_refused(buckets):
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Histogram(buckets)
+
+
+@pytest.mark.parametrize("port", [-1, 70000, True, "9090", 1.5])
+def test_a_bad_metrics_port_is_refused(port):
+    with pytest.raises(ValueError, match="metrics_port"):
+        ServerConfig(metrics_port=port)
+
+
+class _Loop:
+    """An event loop running in a thread, as a service's is while the exporter serves."""
+
+    def __enter__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self.loop
+
+    def __exit__(self, *exc):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+def test_the_exporter_serves_metrics_404s_elsewhere_and_500s_a_failed_collection():
+    calls = []
+
+    def collect():
+        calls.append(threading.current_thread())
+        if len(calls) == 2:
+            raise RuntimeError("stats are gone")
+        return [MetricFamily("up_total", "counter", "scrapes").add(len(calls))]
+
+    with _Loop() as loop:
+        server = MetricsServer("127.0.0.1", 0, collect, loop)
+        server.start()
+        try:
+            status, ctype, body = scrape(server.port)
+            assert status == 200 and ctype == CONTENT_TYPE
+            assert parse_metrics(body) == {("up_total", frozenset()): 1.0}
+            assert calls[0] is not threading.current_thread()  # collected on the loop's thread
+            status, _, body = scrape(server.port)
+            assert status == 500 and "stats are gone" in body
+            assert scrape(server.port, "/other")[0] == 404
+            assert scrape(server.port, "/metrics?x=1")[0] == 200  # a query string is fine
+            with pytest.raises(ValueError, match="cannot serve metrics"):
+                MetricsServer("127.0.0.1", server.port, collect, loop)  # port taken
+        finally:
+            server.stop()
+
+
+def test_router_families_count_finished_requests_and_their_phases():
+    from router.metrics import router_metrics
+
+    stats = RouterStats(max_inflight=8, requests_total=3, requests_failed=1,
+                        generation_tokens=11, requests_prefilled_remotely=2)
+    usage = router_pb2.Usage(completion_tokens=5, timings=router_pb2.RequestTimings(
+        ttft_s=0.2, e2e_s=0.6, prefill_compute_s=0.15, kv_transfer_s=0.01))
+    stats.request_finished("length", usage)
+    stats.request_finished("stop", router_pb2.Usage(completion_tokens=1))
+
+    class _Dir:  # no workers known yet
+        workers: dict = {}
+
+        def is_down(self, w):
+            return False
+
+    m = parse_metrics(render(router_metrics(stats, _Dir())))
+    assert m[("pdserve_router_requests_total", frozenset())] == 3
+    assert m[("pdserve_router_requests_failed_total", frozenset())] == 1
+    assert m[("pdserve_router_generation_tokens_total", frozenset())] == 11
+    assert m[("pdserve_router_requests_finished_total",
+              frozenset({("finish_reason", "length")}))] == 1
+    assert m[("pdserve_router_time_to_first_token_seconds_count", frozenset())] == 2
+    # TPOT only where there is a second token: (0.6 - 0.2) / 4.
+    assert m[("pdserve_router_time_per_output_token_seconds_count", frozenset())] == 1
+    assert m[("pdserve_router_time_per_output_token_seconds_sum", frozenset())] == \
+        pytest.approx(0.1)
+    for phase in PHASES:
+        assert m[("pdserve_router_request_phase_seconds_count",
+                  frozenset({("phase", phase)}))] == 2
+    assert m[("pdserve_router_request_phase_seconds_sum",
+              frozenset({("phase", "prefill_compute")}))] == pytest.approx(0.15)
+    assert m[("pdserve_router_workers",
+              frozenset({("role", "decode"), ("state", "routable")}))] == 0
+
+
+def test_worker_families_carry_its_labels_and_usage():
+    info = common_pb2.WorkerInfo(worker_id="decode-1", role="decode", model="tiny",
+                                 num_free_blocks=96, num_total_blocks=128, num_running=3,
+                                 prefix_cache_hits=7, kv_bytes_transferred=4096, draining=True)
+    m = parse_metrics(render(worker_metrics(info)))
+    labels = frozenset({("worker_id", "decode-1"), ("role", "decode"), ("model", "tiny")})
+    assert m[("pdserve_worker_kv_cache_usage_ratio", labels)] == 0.25
+    assert m[("pdserve_worker_requests_running", labels)] == 3
+    assert m[("pdserve_worker_prefix_cache_hits_total", labels)] == 7
+    assert m[("pdserve_worker_kv_transfer_bytes_total", labels)] == 4096
+    assert m[("pdserve_worker_draining", labels)] == 1
