@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from client.keepalive import check_keepalive, keepalive_options
 from client.types import GenerationChunk, chunk_from_proto
 from protos import router_pb2
 
@@ -30,12 +31,27 @@ class FailoverPolicy:
     # router restarting needs a moment), doubling up to max_backoff_s.
     backoff_s: float = 0.5
     max_backoff_s: float = 4.0
+    # Every router connection is pinged this often, and one that leaves a ping unanswered for
+    # keepalive_timeout_s is closed: a router that hangs without closing the connection (a
+    # stopped process, a host gone) then fails its calls with UNAVAILABLE, which fail over,
+    # instead of holding them until their deadlines. None: no pings.
+    keepalive_time_s: float | None = 10.0
+    keepalive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
         if not 0 <= self.backoff_s <= self.max_backoff_s:
             raise ValueError("backoff_s must be in [0, max_backoff_s]")
+        if self.keepalive_time_s is not None:
+            check_keepalive("keepalive_time_s", self.keepalive_time_s)
+        check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """The keepalive part of every router channel's options (client/keepalive.py)."""
+        if self.keepalive_time_s is None:
+            return []
+        return keepalive_options(self.keepalive_time_s, self.keepalive_timeout_s)
 
 
 def check_addresses(address: str | Sequence[str]) -> list[str]:

@@ -28,7 +28,8 @@ class Client:
         self.address = self.addresses[0]
         self.timeout = timeout
         self.failover = failover
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS + failover.channel_options()
+        self._channels = [grpc.insecure_channel(a, options=options)
                           for a in self.addresses]
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._next = itertools.count()

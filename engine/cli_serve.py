@@ -100,6 +100,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="multiplexed: one DecodeMany stream per decode worker carries every "
                         "request, one message per engine step; per-request: a Decode call per "
                         "request, one message per token")
+    p.add_argument("--keepalive-time-s", type=float, default=10.0,
+                   help="seconds between keepalive pings on each worker connection")
+    p.add_argument("--keepalive-timeout-s", type=float, default=5.0,
+                   help="a worker that leaves a ping unanswered this long is cut off and its "
+                        "requests move to other workers (how a hung worker is found)")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
@@ -130,6 +135,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit, decode_stream=args.decode_stream,
+                      keepalive_time_s=args.keepalive_time_s,
+                      keepalive_timeout_s=args.keepalive_timeout_s,
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold)))

@@ -29,7 +29,15 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
 # gRPC binds with SO_REUSEPORT by default: a second server on a taken port binds without error
 # and the kernel splits connections between the two. A port in use must fail instead.
-_SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+# Callers ping every connection (client/keepalive.py) to find a peer that hangs without
+# closing it; by default a server answers pings more often than every 5 minutes while it sends
+# nothing (a long prefill, a stalled stream) with GOAWAY, which would fail every call on the
+# connection. Pings are accepted at any rate, with or without calls.
+_SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0),
+                                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
+                                  ("grpc.http2.max_ping_strikes", 0),
+                                  ("grpc.keepalive_permit_without_calls", 1)]
+
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from client.keepalive import check_keepalive
 from engine.grpc_server import ServerConfig
 from router.local_prefill import LocalPrefillConfig
 
@@ -36,6 +37,11 @@ class RouterConfig:
     # per worker with one message per engine step (router/decode_mux.py), or "per-request",
     # a Decode call each with one message per token.
     decode_stream: str = "multiplexed"
+    # The router pings every worker connection this often, and a worker that leaves a ping
+    # unanswered this long is cut off: its calls fail with UNAVAILABLE and migrate. A hung
+    # worker (stopped, or its host gone without closing the connection) is found this way.
+    keepalive_time_s: float = 10.0
+    keepalive_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +63,8 @@ class RouterConfig:
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "
                              f"{self.migration_limit!r}")
+        check_keepalive("keepalive_time_s", self.keepalive_time_s)
+        check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")

@@ -90,6 +90,8 @@ class WorkerDirectory:
     registry: Registry
     block_size: int
     refresh_interval_s: float = 0.5
+    # Options of the channel to each worker (engine.grpc_server.keepalive_options' among them).
+    channel_options: list = field(default_factory=lambda: list(GRPC_OPTIONS))
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
@@ -163,7 +165,7 @@ class WorkerDirectory:
             if handle is not None and handle.info.address == info.address:
                 handle.info = info
                 continue
-            channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS)
+            channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
             self.workers[wid] = WorkerHandle(info, channel,
                                              worker_pb2_grpc.PrefillWorkerStub(channel),
                                              worker_pb2_grpc.DecodeWorkerStub(channel))

@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from engine.config import EngineConfig
-from engine.grpc_server import GrpcServer, run, serve
+from client.keepalive import keepalive_options
+from engine.grpc_server import GRPC_OPTIONS, GrpcServer, run, serve
 from protos import router_pb2, router_pb2_grpc
 from router.admin import RouterAdminServicer
 from router.config import RouterConfig
@@ -31,7 +32,9 @@ def _load_tokenizer(model: str):
 async def serve_router(config: RouterConfig) -> None:
     tokenizer, vocab = await asyncio.to_thread(_load_tokenizer, config.model)
     directory = WorkerDirectory(Registry.from_url(config.redis_url, config.namespace),
-                                config.block_size, config.refresh_interval_s)
+                                config.block_size, config.refresh_interval_s,
+                                GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
+                                                                 config.keepalive_timeout_s))
     await directory.start()
     stats = RouterStats(config.max_inflight_requests)
     try:

@@ -3,6 +3,8 @@ one cluster, one of them SIGKILLed under running streams."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import grpc
 import pytest
@@ -137,6 +139,54 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     assert all(f.usage.completion_tokens == 40 for f, _ in results)
     assert after.token_ids == want[0].token_ids
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
+
+
+def test_streams_survive_their_router_hanging_under_them(cluster, reference):
+    """A router that stops answering but keeps its connections open (SIGSTOP) is found by the
+    client's keepalive pings; its streams go on on the other router."""
+    hung = cluster.start_router()
+    live = cluster.start_router()  # last: cluster.router_address, for the tests after
+    prompts = random_prompts(4, seed=74, lo=20, hi=60)
+    params = dict(max_tokens=40, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+    policy = FailoverPolicy(keepalive_time_s=1.0, keepalive_timeout_s=1.0)
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient([hung.address, live.address], timeout=300,
+                               failover=policy) as client:
+            async def stream(prompt, g):
+                final = None
+                async for chunk in client.generate(prompt, **params):
+                    g.extend(chunk.token_ids)
+                    final = chunk
+                return final
+
+            tasks = [asyncio.ensure_future(stream(p, g)) for p, g in zip(prompts, got)]
+            while not all(len(g) >= 4 for g in got):
+                await asyncio.sleep(0.005)
+            os.kill(hung.popen.pid, signal.SIGSTOP)
+            try:
+                return got, await asyncio.gather(*tasks)
+            finally:
+                os.kill(hung.popen.pid, signal.SIGCONT)
+
+    got, finals = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    assert sum(bool(f.usage.migrations) for f in finals) == 2  # round robin: half were on it
+    # Resumed, the router finds its clients gone and cancels their requests on the workers.
+    wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
+    assert cluster.stop_proc(hung) == 0
+
+
+def test_keepalive_settings_are_checked_and_reach_the_channel_options():
+    assert FailoverPolicy(keepalive_time_s=None).channel_options() == []
+    opts = dict(FailoverPolicy(keepalive_time_s=2.5, keepalive_timeout_s=0.5).channel_options())
+    assert opts["grpc.keepalive_time_ms"] == 2500 and opts["grpc.keepalive_timeout_ms"] == 500
+    for bad in (dict(keepalive_time_s=0), dict(keepalive_timeout_s=-1.0),
+                dict(keepalive_timeout_s=None), dict(keepalive_time_s=True)):
+        with pytest.raises(ValueError, match="keepalive"):
+            FailoverPolicy(**bad)
 
 
 def test_the_blocking_client_skips_a_router_that_is_down(cluster, reference):

@@ -124,3 +124,23 @@ def test_a_bad_decode_stream_is_refused_and_the_flag_matches_the_config():
         args = p.parse_args(["--redis-url", "redis://x", "--decode-stream", mode])
         assert RouterConfig(model="m", redis_url="redis://x",
                             decode_stream=args.decode_stream).decode_stream == mode
+
+
+@pytest.mark.parametrize("field, value", [("keepalive_time_s", 0), ("keepalive_timeout_s", -1.0),
+                                          ("keepalive_time_s", True),
+                                          ("keepalive_timeout_s", "5")])
+def test_bad_keepalive_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(model="m", redis_url="redis://x", **{field: value})
+
+
+def test_the_keepalive_flags_reach_the_config():
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    args = p.parse_args(["--redis-url", "redis://x", "--keepalive-time-s", "2",
+                         "--keepalive-timeout-s", "0.5"])
+    assert (args.keepalive_time_s, args.keepalive_timeout_s) == (2.0, 0.5)
+    default = p.parse_args(["--redis-url", "redis://x"])
+    cfg = RouterConfig(model="m", redis_url="redis://x")
+    assert (default.keepalive_time_s, default.keepalive_timeout_s) == \
+        (cfg.keepalive_time_s, cfg.keepalive_timeout_s)

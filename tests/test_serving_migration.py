@@ -7,6 +7,8 @@ request's --migration-limit is spent, its client gets UNAVAILABLE rather than a 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import grpc
 import pytest
@@ -28,7 +30,8 @@ def cluster():
     # tests can see every block come back.
     spec = ClusterSpec(num_prefill=2, num_decode=2,
                        worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1"],
-                       router_args=["--max-local-prefill-length", "0", "--migration-limit", "1"])
+                       router_args=["--max-local-prefill-length", "0", "--migration-limit", "1",
+                                    "--keepalive-time-s", "1", "--keepalive-timeout-s", "1"])
     with Cluster(spec) as c:
         yield c
 
@@ -108,6 +111,40 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
     assert asyncio.run(after()).usage.decode_worker_id == survivor.name
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
+
+
+def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, reference):
+    """A worker that stops answering but keeps its connections open (SIGSTOP: a hung process;
+    a host gone without closing its sockets looks the same) is found by the router's keepalive
+    pings, and its streams move on instead of waiting for their deadlines."""
+    survivor = _live(cluster, "decode")[0]
+    hung = cluster.add_worker("decode")
+    cluster.wait_routable(2, 2)
+    prompts = random_prompts(8, seed=35, lo=20, hi=60)
+    params = dict(max_tokens=40, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
+                     for p, g in zip(prompts, got)]
+            await _until(lambda: all(len(g) >= 4 for g in got))
+            os.kill(hung.popen.pid, signal.SIGSTOP)
+            try:
+                return got, await asyncio.gather(*tasks)
+            finally:
+                os.kill(hung.popen.pid, signal.SIGCONT)
+
+    got, finals = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    moved = [f for f in finals if f.usage.migrations]
+    assert moved, "no stream was on the hung worker"
+    assert all(f.usage.decode_worker_id == survivor.name for f in moved)
+    # Resumed, the hung worker finds its streams cancelled and frees their blocks.
+    wait_all_blocks_free([p.address for p in cluster.procs
+                          if p.name != "router" and p.popen.poll() is None])
+    assert cluster.stop_proc(hung) == 0
 
 
 def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference):
