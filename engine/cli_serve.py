@@ -100,6 +100,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="multiplexed: one DecodeMany stream per decode worker carries every "
                         "request, one message per engine step; per-request: a Decode call per "
                         "request, one message per token")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="send clients one chunk per N output tokens (the first at once): "
+                        "fewer messages per token for the router and the client")
     p.add_argument("--keepalive-time-s", type=float, default=10.0,
                    help="seconds between keepalive pings on each worker connection")
     p.add_argument("--keepalive-timeout-s", type=float, default=5.0,
@@ -137,6 +140,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                       migration_limit=args.migration_limit, decode_stream=args.decode_stream,
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
+                      stream_interval=args.stream_interval,
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold)))

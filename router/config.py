@@ -42,6 +42,9 @@ class RouterConfig:
     # worker (stopped, or its host gone without closing the connection) is found this way.
     keepalive_time_s: float = 10.0
     keepalive_timeout_s: float = 5.0
+    # A client stream gets one chunk per this many output tokens (the first at once; see
+    # router/stream_interval.py); 1 sends every token as it comes.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -65,6 +68,10 @@ class RouterConfig:
                              f"{self.migration_limit!r}")
         check_keepalive("keepalive_time_s", self.keepalive_time_s)
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or not 1 <= self.stream_interval <= 1024:
+            raise ValueError(f"stream_interval must be an integer in [1, 1024], "
+                             f"got {self.stream_interval!r}")
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")

@@ -207,13 +207,15 @@ class Cluster:
             raise
         return self
 
-    def start_router(self, wait: bool = True) -> Proc:
-        """The router on ``spec.router_port``, or on a port it binds itself when that is 0."""
+    def start_router(self, wait: bool = True, extra: list[str] | None = None) -> Proc:
+        """The router on ``spec.router_port``, or on a port it binds itself when that is 0;
+        ``extra`` flags after the spec's."""
         port = self.spec.router_port
         proc = self._spawn("router", [
             "router", "--model", self.spec.model, "--port", str(port),
             "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
-            "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_flags()])
+            "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_flags(),
+            *(extra or [])])
         if wait:
             self._wait_healthy(proc)
         return proc

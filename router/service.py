@@ -29,6 +29,7 @@ from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefi
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
 from router.stats import RouterStats
+from router.stream_interval import every_n_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         try:
             with self.stats.track():
-                async for chunk in self._generate(request, context, time.monotonic()):
-                    yield chunk
+                chunks = self._generate(request, context, time.monotonic())
+                if self.config.stream_interval > 1:
+                    chunks = every_n_tokens(chunks, self.config.stream_interval)
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await self._abort(context, e)
 

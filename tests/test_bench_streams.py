@@ -12,7 +12,7 @@ from engine.cli import main as cli_main
 
 
 @pytest.mark.parametrize("argv", [["--rounds", "0"], ["--concurrency", "0"],
-                                  ["--output-len", "9-3"]])
+                                  ["--output-len", "9-3"], ["--stream-interval", "0"]])
 def test_bad_arguments_are_refused(argv):
     p = argparse.ArgumentParser()
     streams.add_args(p)
@@ -20,13 +20,16 @@ def test_bad_arguments_are_refused(argv):
         streams.main(p.parse_args(argv))
 
 
-def test_both_modes_serve_the_same_load(capsys):
+def test_every_setting_serves_the_same_load(capsys):
     assert cli_main(["bench", "streams", "--rounds", "1", "--concurrency", "4",
-                     "--num-prompts", "8", "--output-len", "8-16", "--json"]) == 0
+                     "--num-prompts", "8", "--output-len", "8-16", "--stream-interval", "4",
+                     "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert sorted(run["mode"] for run in r["runs"]) == ["multiplexed", "per-request"]
+    settings = ["multiplexed", "multiplexed, interval 4", "per-request"]
+    assert sorted(run["mode"] for run in r["runs"]) == settings
     for run in r["runs"]:
         assert run["failed"] == 0 and run["tok_s"] > 0
         assert set(run["cpu_ms_per_token"]) == {"router", "prefill", "decode"}
         assert all(v > 0 for v in run["cpu_ms_per_token"].values())
-    assert r["tok_s_ratio"] > 0 and set(r["cpu_ratio"]) == {"router", "prefill", "decode"}
+    assert set(r["tok_s_ratio"]) == set(r["cpu_ratio"]) == set(settings) - {"per-request"}
+    assert all(v > 0 for v in r["tok_s_ratio"].values())

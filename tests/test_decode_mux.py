@@ -8,12 +8,14 @@ test_serving*.py drive the same stream through the router, KV pulls and migratio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 
+from client import Client
 from engine import SamplingParams
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
@@ -298,3 +300,56 @@ def test_a_backlog_leaves_in_batches_of_bounded_size(monkeypatch):
         return [[ev.request_id for ev in b.events] async for b in m.batches()]
 
     assert asyncio.run(run()) == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+# --- the router's --stream-interval ---------------------------------------------------------
+def _chunk(tokens, text="", finish=""):
+    c = router_pb2.GenerateChunk(token_ids=tokens, text_delta=text, finish_reason=finish)
+    if finish:
+        c.usage.completion_tokens = 99
+    return c
+
+
+def test_every_n_tokens_sends_the_first_at_once_then_groups_with_the_final_merged():
+    from router.stream_interval import every_n_tokens
+
+    async def source(chunks, fail=False):
+        for c in chunks:
+            yield c
+        if fail:
+            raise RuntimeError("worker gone")
+
+    async def collect(chunks, n, fail=False):
+        out = []
+        with contextlib.suppress(RuntimeError):
+            async for c in every_n_tokens(source(chunks, fail), n):
+                out.append(c)
+        return out
+
+    chunks = [_chunk([i], str(i)) for i in range(7)] + [_chunk([7], "7", "length")]
+    out = asyncio.run(collect(chunks, 3))
+    assert [list(c.token_ids) for c in out] == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert [c.text_delta for c in out] == ["0", "123", "456", "7"]
+    assert out[-1].finish_reason == "length" and out[-1].usage.completion_tokens == 99
+    out = asyncio.run(collect([_chunk([i]) for i in range(5)] + [_chunk([5], "", "stop")], 4))
+    assert [list(c.token_ids) for c in out] == [[0], [1, 2, 3, 4], [5]]
+    # Held tokens go out before the error, so a client failing over resumes from all of them.
+    out = asyncio.run(collect([_chunk([i]) for i in range(3)], 4, fail=True))
+    assert [list(c.token_ids) for c in out] == [[0], [1, 2]]
+
+
+def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(cluster,
+                                                                                 reference):
+    router = cluster.start_router(extra=["--stream-interval", "4"])
+    prompts = random_prompts(3, seed=77, lo=20, hi=40)
+    want = reference.generate(prompts, SamplingParams(max_tokens=14, **GREEDY))
+    try:
+        with Client(router.address, timeout=60) as c:
+            for p, w in zip(prompts, want):
+                chunks = list(c.generate(p, max_tokens=14, **GREEDY))
+                assert [len(ch.token_ids) for ch in chunks] == [1, 4, 4, 4, 1]
+                assert [t for ch in chunks for t in ch.token_ids] == w.token_ids
+                assert "".join(ch.text for ch in chunks) == w.text
+                assert chunks[-1].usage.completion_tokens == 14
+    finally:
+        assert cluster.stop_proc(router) == 0

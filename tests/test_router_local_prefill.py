@@ -144,3 +144,17 @@ def test_the_keepalive_flags_reach_the_config():
     cfg = RouterConfig(model="m", redis_url="redis://x")
     assert (default.keepalive_time_s, default.keepalive_timeout_s) == \
         (cfg.keepalive_time_s, cfg.keepalive_timeout_s)
+
+
+@pytest.mark.parametrize("value", [0, 1025, True, 2.0])
+def test_a_bad_stream_interval_is_refused(value):
+    with pytest.raises(ValueError, match="stream_interval"):
+        RouterConfig(model="m", redis_url="redis://x", stream_interval=value)
+
+
+def test_the_stream_interval_flag_reaches_the_config():
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    assert p.parse_args(["--redis-url", "redis://x"]).stream_interval == \
+        RouterConfig(model="m", redis_url="redis://x").stream_interval == 1
+    assert p.parse_args(["--redis-url", "redis://x", "--stream-interval", "8"]).stream_interval == 8
