@@ -2,7 +2,7 @@
 from client.async_client import AsyncClient
 from client.errors import (CancelledError, DeadlineExceededError, InternalError,
                            InvalidArgumentError, NotFoundError, PdserveError,
-                           ResourceExhaustedError, UnavailableError)
+                           ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.types import Completion, GenerationChunk, Timings, TokenLogprobs, Usage
@@ -10,4 +10,4 @@ from client.types import Completion, GenerationChunk, Timings, TokenLogprobs, Us
 __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Completion", "GenerationChunk", "Usage", "Timings",
            "TokenLogprobs", "PdserveError", "InvalidArgumentError", "ResourceExhaustedError",
            "UnavailableError", "DeadlineExceededError", "CancelledError", "NotFoundError",
-           "InternalError"]
+           "InternalError", "UnauthenticatedError"]

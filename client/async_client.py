@@ -7,14 +7,12 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
 from client.types import Completion, GenerationChunk, build_request, completion_from_proto
 from protos import router_pb2_grpc
-
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                   ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
 
 class AsyncClient:
@@ -24,18 +22,20 @@ class AsyncClient:
     leaving a ``generate`` loop early cancels the call, and the workers free its KV blocks.
     Several router addresses spread requests over the routers, and a request whose router
     fails goes on on another (client/failover.py); ``failover`` tunes or (max_retries=0) stops
-    that.
+    that. ``api_key``: the router's ``--api-key``; ``tls`` (or ``root_certificates``, PEM bytes
+    of the CA that signed the router's certificate) connects over TLS (client/channels.py).
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
-                 failover: FailoverPolicy = FailoverPolicy()) -> None:
+                 failover: FailoverPolicy = FailoverPolicy(), api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
         self.addresses = check_addresses(address)
         self.address = self.addresses[0]
         self.timeout = timeout
         self.failover = failover
-        options = CHANNEL_OPTIONS + failover.channel_options()
-        self._channels = [grpc.aio.insecure_channel(a, options=options)
-                          for a in self.addresses]
+        self._metadata = call_metadata(api_key)
+        self._channels = open_channels(self.addresses, failover, tls, root_certificates,
+                                       aio=True)
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._next = itertools.count()
 
@@ -50,7 +50,8 @@ class AsyncClient:
         received: list[int] = []
         while True:
             call = self._stubs[tries.router].Generate(
-                attempt_request(req, received, tries.retries), timeout=tries.remaining())
+                attempt_request(req, received, tries.retries), timeout=tries.remaining(),
+                metadata=self._metadata)
             try:
                 async for msg in call:
                     yield take_chunk(msg, received, tries)
@@ -70,7 +71,8 @@ class AsyncClient:
         while True:
             try:
                 msg = await self._stubs[tries.router].Complete(
-                    attempt_request(req, [], tries.retries), timeout=tries.remaining())
+                    attempt_request(req, [], tries.retries), timeout=tries.remaining(),
+                    metadata=self._metadata)
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:

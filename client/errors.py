@@ -44,9 +44,15 @@ class InternalError(PdserveError):
     code = grpc.StatusCode.INTERNAL
 
 
+class UnauthenticatedError(PdserveError, PermissionError):
+    """The router wants an API key (``api_key=``) and got none, or another."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedError,
                                       UnavailableError, DeadlineExceededError, CancelledError,
-                                      NotFoundError, InternalError)}
+                                      NotFoundError, InternalError, UnauthenticatedError)}
 
 
 def error_from_rpc(e: grpc.RpcError) -> PdserveError:

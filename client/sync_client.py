@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from client.async_client import CHANNEL_OPTIONS
+from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
@@ -23,14 +23,15 @@ class Client:
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
-                 failover: FailoverPolicy = FailoverPolicy()) -> None:
+                 failover: FailoverPolicy = FailoverPolicy(), api_key: str | None = None,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
         self.addresses = check_addresses(address)
         self.address = self.addresses[0]
         self.timeout = timeout
         self.failover = failover
-        options = CHANNEL_OPTIONS + failover.channel_options()
-        self._channels = [grpc.insecure_channel(a, options=options)
-                          for a in self.addresses]
+        self._metadata = call_metadata(api_key)
+        self._channels = open_channels(self.addresses, failover, tls, root_certificates,
+                                       aio=False)
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._next = itertools.count()
 
@@ -47,7 +48,8 @@ class Client:
         received: list[int] = []
         while True:
             call = self._stubs[tries.router].Generate(
-                attempt_request(req, received, tries.retries), timeout=tries.remaining())
+                attempt_request(req, received, tries.retries), timeout=tries.remaining(),
+                metadata=self._metadata)
             try:
                 for msg in call:
                     yield take_chunk(msg, received, tries)
@@ -67,7 +69,8 @@ class Client:
         while True:
             try:
                 msg = self._stubs[tries.router].Complete(
-                    attempt_request(req, [], tries.retries), timeout=tries.remaining())
+                    attempt_request(req, [], tries.retries), timeout=tries.remaining(),
+                    metadata=self._metadata)
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default=None,
                    help="HOST:PORT of a running router; several, comma-separated, fail over "
                         "(a stream whose router dies goes on on the next)")
+    from engine import cli_admin
+
+    cli_admin.add_connection_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -173,8 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
         _add_engine_args(p)
         cli_serve.add_worker_args(p)
         p.set_defaults(func=getattr(cli_serve, f"cmd_{role}"))
-
-    from engine import cli_admin
 
     p = sub.add_parser("admin", help="a running router's admin endpoints: workers, stats, "
                        "drain/undrain a worker")

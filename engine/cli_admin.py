@@ -3,15 +3,21 @@
     pdserve admin --router HOST:PORT workers [--role prefill|decode] [--json]
     pdserve admin --router HOST:PORT stats [--json]
     pdserve admin --router HOST:PORT drain|undrain WORKER_ID
+
+A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or $PDSERVE_API_KEY).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+
+from client.channels import call_metadata, open_channels
+from client.failover import FailoverPolicy
 
 from protos import router_pb2, router_pb2_grpc
 
@@ -22,8 +28,33 @@ _COLUMNS = [("worker", "worker_id"), ("role", "role"), ("address", "address"),
             ("in flight", "num_inflight"), ("draining", "draining")]
 
 
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """How to reach a router that serves TLS or wants an API key (router/auth.py)."""
+    p.add_argument("--api-key", default=None,
+                   help="the router's --api-key (default: $PDSERVE_API_KEY, else none)")
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS, verifying the router against the system's roots")
+    p.add_argument("--tls-ca-file", default=None,
+                   help="PEM CA certificate(s) to verify the router's TLS certificate (implies "
+                        "--tls)")
+
+
+def connection_kwargs(args: argparse.Namespace) -> dict:
+    """Client(...) keyword arguments from add_connection_args' flags."""
+    roots = None
+    if args.tls_ca_file is not None:
+        try:
+            with open(args.tls_ca_file, "rb") as f:
+                roots = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --tls-ca-file: {e}") from None
+    return dict(api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
+                tls=args.tls, root_certificates=roots)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="HOST:PORT of a running router")
+    add_connection_args(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="admin", required=True)
     w = sub.add_parser("workers", help="the live workers and their load")
@@ -38,32 +69,38 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.router) as ch:
+    conn = connection_kwargs(args)
+    md = call_metadata(conn["api_key"])
+    (ch,) = open_channels([args.router], FailoverPolicy(), conn["tls"],
+                          conn["root_certificates"], aio=False)
+    with ch:
         stub = router_pb2_grpc.RouterAdminStub(ch)
         try:
-            return _run(stub, args)
+            return _run(stub, args, md)
         except grpc.RpcError as e:
             print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
 
 
-def _run(stub, args: argparse.Namespace) -> int:
+def _run(stub, args: argparse.Namespace, md) -> int:
     if args.admin == "workers":
         resp = stub.ListWorkers(router_pb2.ListWorkersRequest(role=args.role),
-                                timeout=args.timeout)
+                                timeout=args.timeout, metadata=md)
         if args.json:
             print(json.dumps([_dict(w) for w in resp.workers], indent=2))
         else:
             print(_table(resp.workers))
         return 0
     if args.admin == "stats":
-        stats = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=args.timeout)
+        stats = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=args.timeout,
+                                     metadata=md)
         d = _dict(stats)
         print(json.dumps(d, indent=2) if args.json
               else "\n".join(f"{k}: {v}" for k, v in d.items()))
         return 0
     resp = stub.DrainWorker(router_pb2.DrainWorkerRequest(
-        worker_id=args.worker_id, undrain=args.admin == "undrain"), timeout=args.timeout)
+        worker_id=args.worker_id, undrain=args.admin == "undrain"), timeout=args.timeout,
+        metadata=md)
     print(f"{args.worker_id}: {'draining' if resp.draining else 'routable'}")
     return 0
 

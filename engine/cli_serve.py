@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -100,6 +101,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="multiplexed: one DecodeMany stream per decode worker carries every "
                         "request, one message per engine step; per-request: a Decode call per "
                         "request, one message per token")
+    p.add_argument("--tls-cert-file", default=None,
+                   help="PEM certificate (chain): serve clients over TLS, with --tls-key-file")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--api-key", default=None,
+                   help="callers of the Router and RouterAdmin services must send "
+                        "'authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send clients one chunk per N output tokens (the first at once): "
                         "fewer messages per token for the router and the client")
@@ -134,7 +141,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     main(RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                           args.shutdown_grace_s, ready_fd=args.ready_fd,
-                                          metrics_port=args.metrics_port),
+                                          metrics_port=args.metrics_port,
+                                          tls_cert_file=args.tls_cert_file,
+                                          tls_key_file=args.tls_key_file),
+                      api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit, decode_stream=args.decode_stream,
@@ -165,6 +175,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router serves Prometheus metrics, its own and every worker's "
                         "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
+    p.add_argument("--tls-cert-file", default=None,
+                   help="the router serves clients over TLS with this PEM certificate...")
+    p.add_argument("--tls-key-file", default=None, help="...and this PEM key")
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (router --api-key; default: $PDSERVE_API_KEY)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -180,8 +195,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
-                       router_args=([] if args.metrics_port is None
-                                    else ["--metrics-port", str(args.metrics_port)]))
+                       router_args=_up_router_args(args))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -201,15 +215,26 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_router_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     """Streams one prompt through a running router."""
     from client import Client, PdserveError
+    from engine.cli_admin import connection_kwargs
 
     sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     t0 = time.perf_counter()
     try:
-        with Client([a.strip() for a in args.router.split(",") if a.strip()]) as c:
+        with Client([a.strip() for a in args.router.split(",") if a.strip()],
+                    **connection_kwargs(args)) as c:
             for chunk in c.generate(args.prompt, **sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

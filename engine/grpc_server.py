@@ -55,6 +55,9 @@ class ServerConfig:
     # Serve Prometheus metrics at http://host:metrics_port/metrics (engine/metrics.py); 0 picks
     # a free port, None serves none.
     metrics_port: int | None = None
+    # PEM files: with both, the port serves TLS (gRPC's own, so health and reflection too).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -70,22 +73,41 @@ class ServerConfig:
                                               and self.ready_fd >= 0):
             raise ValueError(f"ready_fd must be a file descriptor, got {self.ready_fd!r}")
 
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        for f in (self.tls_cert_file, self.tls_key_file):
+            if f is not None and not os.path.isfile(f):
+                raise ValueError(f"TLS file {f!r} does not exist")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        with open(self.tls_key_file, "rb") as k, open(self.tls_cert_file, "rb") as c:
+            return grpc.ssl_server_credentials([(k.read(), c.read())])
+
     @property
     def bind_address(self) -> str:
         return f"{self.host}:{self.port}"
 
 
 class GrpcServer:
-    def __init__(self, config: ServerConfig, service_names: list[str]) -> None:
+    def __init__(self, config: ServerConfig, service_names: list[str],
+                 interceptors: list | None = None) -> None:
         self.config = config
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         try:
-            self.port = self.server.add_insecure_port(config.bind_address)
+            if config.tls:
+                self.port = self.server.add_secure_port(config.bind_address,
+                                                        config.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(config.bind_address)
         except RuntimeError as e:
             raise ValueError(f"cannot listen on {config.bind_address}: {e}") from None
         if self.port == 0:

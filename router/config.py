@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from client.keepalive import check_keepalive
 from engine.grpc_server import ServerConfig
+from router.auth import check_api_key
 from router.local_prefill import LocalPrefillConfig
 
 DECODE_STREAMS = ("multiplexed", "per-request")
@@ -45,6 +46,8 @@ class RouterConfig:
     # A client stream gets one chunk per this many output tokens (the first at once; see
     # router/stream_interval.py); 1 sends every token as it comes.
     stream_interval: int = 1
+    # Callers of Router and RouterAdmin must send it (router/auth.py); None: no key.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -72,6 +75,7 @@ class RouterConfig:
                 or not 1 <= self.stream_interval <= 1024:
             raise ValueError(f"stream_interval must be an integer in [1, 1024], "
                              f"got {self.stream_interval!r}")
+        check_api_key(self.api_key)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")

@@ -273,7 +273,7 @@ class Cluster:
         deadline = time.monotonic() + self.spec.start_timeout_s
         if proc.ready is not None:
             self._wait_address(proc, deadline)
-        with grpc.insecure_channel(proc.address) as ch:
+        with _channel(proc.args, proc.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
                 if proc.popen.poll() is not None:
@@ -319,10 +319,12 @@ class Cluster:
         from protos import router_pb2, router_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.router_address) as ch:
+        flags = self.spec.router_flags()
+        with _channel(flags, self.router_address) as ch:
             stub = router_pb2_grpc.RouterAdminStub(ch)
             while True:
-                s = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=5.0)
+                s = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=5.0,
+                                         metadata=_metadata(flags))
                 if (s.num_prefill_workers, s.num_decode_workers) == (num_prefill, num_decode):
                     return
                 if time.monotonic() > deadline:
@@ -379,6 +381,22 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _channel(args: list[str], address: str) -> grpc.Channel:
+    """A channel to the service started with ``args``: TLS when it serves TLS, trusting its
+    own certificate (a local cluster's is typically self-signed)."""
+    cert = flag_value(args, "--tls-cert-file")
+    if cert is None:
+        return grpc.insecure_channel(address)
+    with open(cert, "rb") as f:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+
+
+def _metadata(args: list[str]):
+    """The router's API key, from its flags or the environment it inherited."""
+    key = flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
+    return None if not key else (("authorization", f"Bearer {key}"),)
 
 
 def flag_value(args: list[str], *names: str) -> str | None:

@@ -8,6 +8,7 @@ from client.keepalive import keepalive_options
 from engine.grpc_server import GRPC_OPTIONS, GrpcServer, run, serve
 from protos import router_pb2, router_pb2_grpc
 from router.admin import RouterAdminServicer
+from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.metrics import router_metrics
@@ -38,7 +39,8 @@ async def serve_router(config: RouterConfig) -> None:
     await directory.start()
     stats = RouterStats(config.max_inflight_requests)
     try:
-        server = GrpcServer(config.server, SERVICE_NAMES)
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
+        server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(
             RouterServicer(config, directory, tokenizer, vocab, stats), server.server)
         router_pb2_grpc.add_RouterAdminServicer_to_server(

@@ -1,0 +1,38 @@
+"""How the SDK connects to routers: plain or TLS channels (with the failover policy's
+keepalive), and the API key each call carries."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from client.failover import FailoverPolicy
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+def open_channels(addresses: Sequence[str], failover: FailoverPolicy, tls: bool,
+                  root_certificates: bytes | None, aio: bool) -> list:
+    """A channel per router. ``tls`` (implied by ``root_certificates``) verifies the router's
+    certificate against ``root_certificates``, or the system's roots when None."""
+    options = CHANNEL_OPTIONS + failover.channel_options()
+    mod = grpc.aio if aio else grpc
+    if not (tls or root_certificates is not None):
+        return [mod.insecure_channel(a, options=options) for a in addresses]
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise ValueError("root_certificates must be PEM bytes")
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return [mod.secure_channel(a, creds, options=options) for a in addresses]
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call sends: the router's API key, when it has one."""
+    if api_key is None:
+        return None
+    if not isinstance(api_key, str) or not api_key or not api_key.isprintable() \
+            or " " in api_key:
+        raise ValueError("api_key must be a non-empty string of printable characters "
+                         "without spaces")
+    return (("authorization", f"Bearer {api_key}"),)

@@ -1,0 +1,59 @@
+"""API keys for the router's services: ``--api-key`` (or ``PDSERVE_API_KEY``).
+
+Callers of ``Router`` and ``RouterAdmin`` send ``authorization: Bearer <key>`` metadata (the
+SDK's ``api_key=``); a call without it, or with another key, ends with UNAUTHENTICATED before
+it reaches the service. The health and reflection services stay open, so load balancers and
+orchestrators can probe the router without the key. Keys are compared in constant time. With
+``--tls-cert-file`` the key travels encrypted; without, only use it on a trusted network.
+"""
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+PROTECTED_PREFIXES = ("/pdserve.v1.Router/", "/pdserve.v1.RouterAdmin/")
+
+
+def check_api_key(key: str | None) -> None:
+    if key is None:
+        return
+    if not isinstance(key, str) or not key or not key.isprintable() or key != key.strip() \
+            or " " in key:
+        raise ValueError("api_key must be a non-empty string of printable characters without "
+                         "spaces")
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, api_key: str) -> None:
+        check_api_key(api_key)
+        self._expected = f"Bearer {api_key}".encode()
+        self._deny = _deny_handlers()
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if not details.method.startswith(PROTECTED_PREFIXES):
+            return await continuation(details)
+        given = next((v for k, v in (details.invocation_metadata or ())
+                      if k == "authorization"), "")
+        if isinstance(given, str):
+            given = given.encode()
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return self._deny["stream" if handler.response_streaming else "unary"]
+
+
+def _deny_handlers() -> dict[str, grpc.RpcMethodHandler]:
+    message = "a valid API key is required (authorization: Bearer <key>)"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as a server-streaming handler is
+
+    return {"unary": grpc.unary_unary_rpc_method_handler(unary),
+            "stream": grpc.unary_stream_rpc_method_handler(stream)}
