@@ -47,11 +47,15 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop | None = None,
                  on_step: Callable[[LLMEngine], None] | None = None,
-                 core_share: CoreShare | None = None) -> None:
+                 core_share: CoreShare | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.loop = loop or asyncio.get_running_loop()
         # Called in the engine thread after every step (e.g. to publish KV-cache events).
         self.on_step = on_step
+        # Called on the loop once the engine thread died of a failed step (not at shutdown),
+        # after every waiting stream got EngineDeadError.
+        self.on_dead = on_dead
         # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py),
         # and between decoder layers gives back borrowed cores another worker now needs.
         self.core_share = core_share
@@ -76,6 +80,8 @@ class AsyncEngine:
                         self.core_share.idle()
                     self._wake.wait(_IDLE_TICK_S)
                     self._wake.clear()
+                    # An idle step runs no model: a dead TP rank shows only here.
+                    self.engine.check_health()
                 if self.core_share is not None and self.engine.has_unfinished_requests():
                     self._size_step(self.core_share)
                 outputs = self.engine.step()
@@ -94,6 +100,8 @@ class AsyncEngine:
             self.error = e
             if not self.loop.is_closed():
                 self.loop.call_soon_threadsafe(self._fail_all)
+                if self.on_dead is not None and not self._stop.is_set():
+                    self.loop.call_soon_threadsafe(self.on_dead, e)
 
     def _give_back_cores(self, module, args) -> None:
         threads = self.core_share.recheck()

@@ -40,6 +40,11 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stops the workers (if any); idempotent."""
 
+    def check_health(self) -> None:
+        """Raises ExecutorError once the executor can no longer run steps (a TP worker died),
+        so an idle engine finds out before the next request does. One process: nothing to
+        lose but itself."""
+
     @property
     def kv_cache(self) -> torch.Tensor:
         """Rank 0's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""

@@ -213,6 +213,10 @@ class LLMEngine:
         """Requests whose blocks are leased to a reader (prefill role); safe from any thread."""
         return len(self._leases)
 
+    def check_health(self) -> None:
+        """Raises once this engine can no longer step (engine.executor.Executor.check_health)."""
+        self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_unfinished()
                 or bool(self._aborted_outputs))

@@ -157,6 +157,9 @@ class MultiprocExecutor(Executor):
         return flat.view(self.runner.kv_cache.dtype).view(shape)
 
     # --- failure --------------------------------------------------------------------------
+    def check_health(self) -> None:
+        self._check_usable()
+
     def _check_usable(self) -> None:
         if self._error is not None:
             raise self._error

@@ -141,7 +141,13 @@ class WorkerRuntime:
         self.llm = engine
         share = config.core_share_config(torch.get_num_threads())
         self.engine = AsyncEngine(engine, on_step=self._on_step,
-                                  core_share=CoreShare(share) if share else None)
+                                  core_share=CoreShare(share) if share else None,
+                                  on_dead=self._engine_died)
+        # Set once a step failed: the engine cannot serve again (a TP rank died, a CUDA
+        # error), so the worker stops and exits non-zero for its supervisor to restart it.
+        self.engine_failure: BaseException | None = None
+        # Called when the engine dies; run_worker points it at the server's stop.
+        self.on_fatal = None
         self.address = ""
         self.worker_id = config.worker_id
         self.inflight = 0
@@ -189,6 +195,14 @@ class WorkerRuntime:
             yield
         finally:
             self.inflight -= 1
+
+    def _engine_died(self, exc: BaseException) -> None:
+        self.engine_failure = exc
+        logger.critical("worker %s: the engine died (%r); leaving the registry, failing its "
+                        "requests (they move to other workers) and exiting", self.worker_id,
+                        exc)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:

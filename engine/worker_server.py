@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 async def run_worker(config: WorkerConfig, service_name: str,
                      make_servicer: Callable[[WorkerRuntime], object],
                      add_to_server: Callable[[object, object], None]) -> None:
-    """Serves until SIGTERM/SIGINT; then leaves the registry, drains and stops."""
+    """Serves until SIGTERM/SIGINT, or until its engine dies; then leaves the registry, drains
+    and stops. A dead engine ends the process with a non-zero status."""
     rt = await WorkerRuntime.create(config)
     try:
         server = GrpcServer(config.server, [service_name])
@@ -27,8 +28,13 @@ async def run_worker(config: WorkerConfig, service_name: str,
             print(f"pdserve {config.role} worker {rt.worker_id} serving on {rt.address}",
                   flush=True)
 
+        rt.on_fatal = server.stopping.set
         await serve(server, lambda: rt.inflight, on_started=started,
                     on_stopping=rt.stop_presence,
                     metrics=lambda: worker_metrics(rt.worker_info()))
     finally:
         rt.shutdown()
+    if rt.engine_failure is not None:
+        # A non-zero exit: `pdserve up`, compose and orchestrators restart the worker.
+        raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died: "
+                         f"{rt.engine_failure!r}")

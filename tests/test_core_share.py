@@ -162,6 +162,9 @@ class _CountingEngine:
         with self.lock:
             return self.work > 0
 
+    def check_health(self) -> None:
+        pass
+
     def step(self) -> list:
         with self.lock:
             if self.work > 0:

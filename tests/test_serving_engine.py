@@ -18,12 +18,17 @@ class _Engine:
         self.gate = threading.Event()
         self.done: list[str] = []
         self.aborted: list[str] = []
+        self.broken: BaseException | None = None  # what check_health raises, once set
 
     def get_stats(self):
         return None
 
     def has_unfinished_requests(self) -> bool:
         return False
+
+    def check_health(self) -> None:
+        if self.broken is not None:
+            raise self.broken
 
     def step(self) -> list:
         return []
@@ -77,3 +82,32 @@ def test_a_commit_that_lands_after_its_caller_left_is_aborted():
 
     engine = asyncio.run(_cancel_while_blocked(first_output))
     assert engine.done == ["r2"] and engine.aborted == ["r2"]
+
+
+def test_an_idle_engine_that_cannot_step_any_more_dies_and_says_so():
+    """A TP rank that died while no request ran shows only in check_health: the engine thread
+    stops, a waiting stream gets EngineDeadError, and on_dead hears of it once (the worker
+    then leaves the cluster and exits non-zero: engine/worker_server.py)."""
+    from engine.async_engine import EngineDeadError
+    from engine.executor import ExecutorError
+
+    async def run():
+        engine = _Engine()
+        engine.gate.set()
+        deaths = []
+        ae = AsyncEngine(engine, on_dead=deaths.append)
+        try:
+            stream = ae.commit_prefilled("r3")
+            waiting = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.05)
+            assert not waiting.done() and ae.alive
+            engine.broken = ExecutorError("tensor-parallel rank 1 died")
+            with pytest.raises(EngineDeadError, match="rank 1 died"):
+                await asyncio.wait_for(waiting, 5)
+            await asyncio.sleep(0.05)
+            return deaths, ae.alive
+        finally:
+            ae.shutdown()
+
+    deaths, alive = asyncio.run(run())
+    assert [str(e) for e in deaths] == ["tensor-parallel rank 1 died"] and not alive

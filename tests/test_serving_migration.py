@@ -17,6 +17,7 @@ from client import AsyncClient, UnavailableError
 from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
+from router.proc_family import _descendants
 from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -145,6 +146,36 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
     assert cluster.stop_proc(hung) == 0
+
+
+def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference):
+    """A tensor-parallel rank of a prefill worker dies under its requests: the worker's engine
+    can never step again, so the worker leaves the registry, its requests move to the other
+    prefill workers, and it exits with status 1 for its supervisor (pdserve up, compose, an
+    orchestrator) to start it again."""
+    tp2 = cluster.add_worker("prefill", extra=["--tensor-parallel-size", "2"])
+    cluster.wait_routable(3, 1)
+    (rank1,) = [pid for pid in _descendants(tp2.popen.pid)
+                if b"engine.tp_worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    prompts = random_prompts(9, seed=37, lo=150, hi=250)
+    params = dict(max_tokens=6, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
+                     for p, g in zip(prompts, got)]
+            while not (await asyncio.to_thread(worker_info, tp2.address)).num_inflight:
+                await asyncio.sleep(0.01)
+            os.kill(rank1, signal.SIGKILL)
+            return got, await asyncio.gather(*tasks)
+
+    got, finals = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    assert tp2.popen.wait(timeout=60) == 1
+    assert any(f.usage.migrations for f in finals)  # what it held moved on
+    cluster.wait_routable(2, 1)  # and the router no longer counts it
 
 
 def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference):
