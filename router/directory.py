@@ -90,7 +90,7 @@ class WorkerDirectory:
     registry: Registry
     block_size: int
     refresh_interval_s: float = 0.5
-    # Options of the channel to each worker (engine.grpc_server.keepalive_options' among them).
+    # Options of the channel to each worker (client/keepalive.py's pings among them).
     channel_options: list = field(default_factory=lambda: list(GRPC_OPTIONS))
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None

@@ -31,7 +31,7 @@ async def every_n_tokens(chunks: AsyncIterator[router_pb2.GenerateChunk],
             if c.finish_reason or len(held.token_ids) >= n:
                 out, held = held, None
                 yield out
-    except BaseException:
+    except Exception:  # a failure, not a cancel: the caller is still there to read them
         if held is not None:
             yield held
         raise

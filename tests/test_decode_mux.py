@@ -353,3 +353,25 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
                 assert chunks[-1].usage.completion_tokens == 14
     finally:
         assert cluster.stop_proc(router) == 0
+
+
+def test_a_cancelled_stream_with_held_tokens_stays_cancelled():
+    """A client cancel or deadline (CancelledError) while tokens are held must end the stream:
+    flushing them then would swallow the cancel."""
+    from router.stream_interval import every_n_tokens
+
+    async def source():
+        for i in range(3):
+            yield _chunk([i])
+        await asyncio.Event().wait()  # the worker is slow: the next token never comes
+
+    async def run():
+        out = every_n_tokens(source(), 4)
+        assert list((await anext(out)).token_ids) == [0]
+        pending = asyncio.ensure_future(anext(out))  # holds [1, 2], waits for more
+        await asyncio.sleep(0.05)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+
+    asyncio.run(run())
