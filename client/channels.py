@@ -27,12 +27,16 @@ def open_channels(addresses: Sequence[str], failover: FailoverPolicy, tls: bool,
     return [mod.secure_channel(a, creds, options=options) for a in addresses]
 
 
-def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The metadata every call sends: the router's API key, when it has one."""
-    if api_key is None:
-        return None
-    if not isinstance(api_key, str) or not api_key or not api_key.isprintable() \
-            or " " in api_key:
+def check_api_key(key: str | None) -> None:
+    """What both ends accept as an API key (None: no key)."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key or not key.isprintable() or " " in key:
         raise ValueError("api_key must be a non-empty string of printable characters "
                          "without spaces")
-    return (("authorization", f"Bearer {api_key}"),)
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call sends: the router's API key, when it has one."""
+    check_api_key(api_key)
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)

@@ -12,16 +12,9 @@ import hmac
 
 import grpc
 
+from client.channels import check_api_key
+
 PROTECTED_PREFIXES = ("/pdserve.v1.Router/", "/pdserve.v1.RouterAdmin/")
-
-
-def check_api_key(key: str | None) -> None:
-    if key is None:
-        return
-    if not isinstance(key, str) or not key or not key.isprintable() or key != key.strip() \
-            or " " in key:
-        raise ValueError("api_key must be a non-empty string of printable characters without "
-                         "spaces")
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

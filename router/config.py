@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from client.channels import check_api_key
 from client.keepalive import check_keepalive
 from engine.grpc_server import ServerConfig
-from router.auth import check_api_key
 from router.local_prefill import LocalPrefillConfig
 
 DECODE_STREAMS = ("multiplexed", "per-request")

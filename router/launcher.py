@@ -395,8 +395,10 @@ def _channel(args: list[str], address: str) -> grpc.Channel:
 
 def _metadata(args: list[str]):
     """The router's API key, from its flags or the environment it inherited."""
-    key = flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
-    return None if not key else (("authorization", f"Bearer {key}"),)
+    from client.channels import call_metadata
+
+    return call_metadata(flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
+                         or None)
 
 
 def flag_value(args: list[str], *names: str) -> str | None:

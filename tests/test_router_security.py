@@ -10,11 +10,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client, FailoverPolicy, UnauthenticatedError, UnavailableError
-from client.channels import call_metadata
+from client.channels import call_metadata, check_api_key
 from engine import SamplingParams
 from engine.cli import main as cli_main
 from engine.grpc_server import ServerConfig
-from router.auth import check_api_key
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import WORKER_ARGS, random_prompts
 
