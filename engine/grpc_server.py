@@ -168,12 +168,51 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
         logger.info("serving %s on %s", ", ".join(server.service_names), server.address)
         await server.stopping.wait()
         logger.info("stopping: draining %d requests", num_inflight())
-        if on_stopping is not None:
-            await on_stopping()
-        await server.drain_and_stop(num_inflight)
+        await _bounded_stop(server, num_inflight, on_stopping)
     finally:
         if exporter is not None:
             exporter.stop()
+
+
+# Stopping past the drain and the grace by this much is a bug somewhere; the process exits.
+STOP_SLACK_S = 10.0
+
+
+async def _bounded_stop(server: GrpcServer, num_inflight: Callable[[], int],
+                        on_stopping: Callable[[], Awaitable[None]] | None) -> None:
+    """``on_stopping``, then drain and stop, within the drain timeout, the grace and a slack.
+    A step that never ends would keep the process up until its supervisor kills it; past the
+    bound, the stacks of the coroutines still pending go to the log and the stop goes on."""
+    async def stop() -> None:
+        if on_stopping is not None:
+            await on_stopping()
+        await server.drain_and_stop(num_inflight)
+
+    bound = server.config.drain_timeout_s + server.config.grace_s + STOP_SLACK_S
+    task = asyncio.ensure_future(stop())
+    done, _ = await asyncio.wait({task}, timeout=bound)
+    if done:
+        task.result()
+        return
+    logger.error("the service has not stopped %.1f s after SIGTERM; pending coroutines "
+                 "follow, then the process exits", bound)
+    for t in asyncio.all_tasks():
+        if t is not asyncio.current_task():
+            logger.error("pending: %s", _await_chain(t.get_coro()))
+    task.cancel()
+    # Cut every call now; a stop stuck in gRPC itself gets the slack once more, no longer.
+    await asyncio.wait({asyncio.ensure_future(server.server.stop(0))}, timeout=STOP_SLACK_S)
+
+
+def _await_chain(coro) -> str:
+    """Where a pending coroutine waits: its chain of awaited coroutines, outermost first."""
+    parts = []
+    while coro is not None and len(parts) < 32:
+        frame = getattr(coro, "cr_frame", None)
+        where = f" ({frame.f_code.co_filename}:{frame.f_lineno})" if frame is not None else ""
+        parts.append(f"{getattr(coro, '__qualname__', type(coro).__name__)}{where}")
+        coro = getattr(coro, "cr_await", None)
+    return " -> ".join(parts)
 
 
 def _start_metrics(config: ServerConfig, metrics: Callable[[], list] | None):

@@ -110,10 +110,12 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+    # Before the timeouts: a KV pull that timed out (TransferTimeout) is its source worker's
+    # failure, which a retry elsewhere recovers from, not the caller's deadline.
     if isinstance(exc, (EngineDeadError, TransferError, ConnectionError)):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.INTERNAL
 
 

@@ -111,3 +111,21 @@ def test_an_idle_engine_that_cannot_step_any_more_dies_and_says_so():
 
     deaths, alive = asyncio.run(run())
     assert [str(e) for e in deaths] == ["tensor-parallel rank 1 died"] and not alive
+
+
+def test_failures_map_to_the_status_that_tells_the_caller_what_to_do():
+    """A KV pull that timed out is its source worker's failure: UNAVAILABLE, which the router
+    migrates; DEADLINE_EXCEEDED is left to the caller's own deadline."""
+    import grpc
+
+    from engine.llm_engine import NoFreeBlocksError
+    from engine.worker_runtime import RejectError, status_for
+    from kvtransfer import PeerGoneError, TransferTimeout
+
+    assert status_for(TransferTimeout("KV pull")) == grpc.StatusCode.UNAVAILABLE
+    assert status_for(PeerGoneError("gone")) == grpc.StatusCode.UNAVAILABLE
+    assert status_for(asyncio.TimeoutError()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert status_for(NoFreeBlocksError("full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(ValueError("bad")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(RejectError(grpc.StatusCode.ABORTED, "x")) == grpc.StatusCode.ABORTED
+    assert status_for(KeyError("bug")) == grpc.StatusCode.INTERNAL
