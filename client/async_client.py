@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Sequence
 
@@ -11,6 +12,7 @@ from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
+from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
 from client.types import Completion, GenerationChunk, build_request, completion_from_proto
 from protos import router_pb2_grpc
 
@@ -24,6 +26,8 @@ class AsyncClient:
     fails goes on on another (client/failover.py); ``failover`` tunes or (max_retries=0) stops
     that. ``api_key``: the router's ``--api-key``; ``tls`` (or ``root_certificates``, PEM bytes
     of the CA that signed the router's certificate) connects over TLS (client/channels.py).
+    A router with calls on it that stops answering health checks has them cut, and they fail
+    over (client/liveness.py).
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
@@ -37,7 +41,20 @@ class AsyncClient:
         self._channels = open_channels(self.addresses, failover, tls, root_certificates,
                                        aio=True)
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
         self._next = itertools.count()
+        self._checks: asyncio.Task | None = None
+
+    def _watch(self, i: int) -> Peer:
+        """Router ``i``, with the health checks of busy routers running on this event loop."""
+        interval = self.failover.health_check_interval_s
+        loop = asyncio.get_running_loop()
+        if interval and (self._checks is None or self._checks.done()
+                         or self._checks.get_loop() is not loop):
+            self._checks = loop.create_task(check_loop(
+                interval, self.failover.health_check_misses,
+                lambda: [r for r in self._routers if len(r.calls)], cut_router))
+        return self._routers[i]
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
@@ -52,16 +69,17 @@ class AsyncClient:
             call = self._stubs[tries.router].Generate(
                 attempt_request(req, received, tries.retries), timeout=tries.remaining(),
                 metadata=self._metadata)
+            # Leaving early cancels the call, which frees the request on the router.
+            msgs = watched_stream(self._watch(tries.router).calls, call)
             try:
-                async for msg in call:
-                    yield take_chunk(msg, received, tries)
+                async with contextlib.aclosing(msgs):
+                    async for msg in msgs:
+                        yield take_chunk(msg, received, tries)
                 return
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
-            finally:
-                call.cancel()  # a no-op once the stream ended; frees the request when cut short
             await asyncio.sleep(delay)
 
     async def complete(self, prompt: str | list[int], *, request_id: str | None = None,
@@ -70,9 +88,11 @@ class AsyncClient:
         tries = self._attempts(timeout)
         while True:
             try:
-                msg = await self._stubs[tries.router].Complete(
-                    attempt_request(req, [], tries.retries), timeout=tries.remaining(),
-                    metadata=self._metadata)
+                msg = await watched_unary(self._watch(tries.router).calls,
+                                          self._stubs[tries.router].Complete(
+                                              attempt_request(req, [], tries.retries),
+                                              timeout=tries.remaining(),
+                                              metadata=self._metadata))
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
@@ -92,6 +112,12 @@ class AsyncClient:
                 from None
 
     async def close(self) -> None:
+        checks, self._checks = self._checks, None
+        if checks is not None:
+            checks.cancel()
+            if checks.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await checks
         for channel in self._channels:
             await channel.close()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from client.keepalive import check_keepalive, keepalive_options
+from client.liveness import check_health_checks
 from client.types import GenerationChunk, chunk_from_proto
 from protos import router_pb2
 
@@ -37,6 +38,11 @@ class FailoverPolicy:
     # instead of holding them until their deadlines. None: no pings.
     keepalive_time_s: float | None = 10.0
     keepalive_timeout_s: float = 5.0
+    # A router with calls on it is asked for its health this often (0: never), and one that
+    # leaves health_check_misses checks in a row unanswered is taken as hung: its calls are
+    # cut and fail over (client/liveness.py). Keepalive alone was measured to take ~60 s.
+    health_check_interval_s: float = 2.0
+    health_check_misses: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
@@ -46,6 +52,7 @@ class FailoverPolicy:
         if self.keepalive_time_s is not None:
             check_keepalive("keepalive_time_s", self.keepalive_time_s)
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
+        check_health_checks(self.health_check_interval_s, self.health_check_misses)
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The keepalive part of every router channel's options (client/keepalive.py)."""

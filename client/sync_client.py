@@ -11,6 +11,7 @@ from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
+from client.liveness import CheckThread, Peer, cut_router
 from client.types import Completion, GenerationChunk, build_request, completion_from_proto
 from protos import router_pb2_grpc
 
@@ -19,7 +20,8 @@ class Client:
     """``with Client("host:port") as c: for chunk in c.generate("Hi"): ...``
 
     Closing the iterator of ``generate`` early (``break`` or ``.close()``) cancels the call.
-    Several router addresses, and failover, as in AsyncClient.
+    Several router addresses, failover and health checks of busy routers (from a thread of
+    the client's own), as in AsyncClient.
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
@@ -33,7 +35,13 @@ class Client:
         self._channels = open_channels(self.addresses, failover, tls, root_certificates,
                                        aio=False)
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
         self._next = itertools.count()
+        self._checks = None
+        if failover.health_check_interval_s:
+            self._checks = CheckThread(failover.health_check_interval_s,
+                                       failover.health_check_misses, self._routers, cut_router)
+            self._checks.start()
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
@@ -51,9 +59,15 @@ class Client:
                 attempt_request(req, received, tries.retries), timeout=tries.remaining(),
                 metadata=self._metadata)
             try:
-                for msg in call:
-                    yield take_chunk(msg, received, tries)
-                return
+                with self._routers[tries.router].calls.watch(call) as cut:
+                    try:
+                        for msg in call:
+                            yield take_chunk(msg, received, tries)
+                        return
+                    except grpc.RpcError:
+                        if cut.reason is not None:  # cancelled by the health checks
+                            raise cut.error() from None
+                        raise
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
@@ -67,10 +81,17 @@ class Client:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
         while True:
+            fut = self._stubs[tries.router].Complete.future(
+                attempt_request(req, [], tries.retries), timeout=tries.remaining(),
+                metadata=self._metadata)
             try:
-                msg = self._stubs[tries.router].Complete(
-                    attempt_request(req, [], tries.retries), timeout=tries.remaining(),
-                    metadata=self._metadata)
+                with self._routers[tries.router].calls.watch(fut) as cut:
+                    try:
+                        msg = fut.result()
+                    except grpc.FutureCancelledError:
+                        if cut.reason is None:
+                            raise
+                        raise cut.error() from None
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
@@ -89,6 +110,8 @@ class Client:
                 from None
 
     def close(self) -> None:
+        if self._checks is not None:
+            self._checks.stop()
         for channel in self._channels:
             channel.close()
 

@@ -116,6 +116,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a worker that leaves a ping unanswered this long is cut off and its "
                         "requests move to other workers (how a hung worker is found; gRPC "
                         "1.85 was measured to wait ~60 s whatever this says)")
+    p.add_argument("--health-check-interval-s", type=float, default=2.0,
+                   help="seconds between health checks of each worker the router has calls "
+                        "on (0: none)")
+    p.add_argument("--health-check-misses", type=int, default=3,
+                   help="a worker that leaves this many health checks in a row unanswered is "
+                        "taken as hung: its requests move to other workers")
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
@@ -135,6 +141,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def cmd_router(args: argparse.Namespace) -> int:
     from engine.grpc_server import ServerConfig
     from router.config import RouterConfig
+    from router.liveness import LivenessConfig
     from router.local_prefill import LocalPrefillConfig
     from router.server import main
 
@@ -152,6 +159,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval,
+                      liveness=LivenessConfig(args.health_check_interval_s,
+                                              args.health_check_misses),
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold)))

@@ -41,7 +41,8 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             prefix_tokens_matched=s.prefix_tokens_matched,
             requests_prefilled_locally=s.requests_prefilled_locally,
             requests_prefilled_remotely=s.requests_prefilled_remotely,
-            requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted)
+            requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted,
+            worker_hangs=self.directory.worker_hangs)
 
     async def DrainWorker(self, request, context):
         async with _registry(context):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from client.channels import check_api_key
 from client.keepalive import check_keepalive
 from engine.grpc_server import ServerConfig
+from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
 
 DECODE_STREAMS = ("multiplexed", "per-request")
@@ -43,6 +44,9 @@ class RouterConfig:
     # worker (stopped, or its host gone without closing the connection) is found this way.
     keepalive_time_s: float = 10.0
     keepalive_timeout_s: float = 5.0
+    # Health checks of the workers with calls on them: one that leaves several unanswered is
+    # taken as hung and its calls migrate (router/liveness.py); keepalive alone takes ~60 s.
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
     # A client stream gets one chunk per this many output tokens (the first at once; see
     # router/stream_interval.py); 1 sends every token as it comes.
     stream_interval: int = 1
@@ -79,6 +83,9 @@ class RouterConfig:
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")
+        if not isinstance(self.liveness, LivenessConfig):
+            raise ValueError(f"liveness must be a LivenessConfig, got "
+                             f"{type(self.liveness).__name__}")
         if not isinstance(self.local_prefill, LocalPrefillConfig):
             raise ValueError("local_prefill must be a LocalPrefillConfig, "
                              f"got {type(self.local_prefill).__name__}")

@@ -20,16 +20,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
+from client.liveness import WatchedCalls, rpc_error
 
 logger = logging.getLogger(__name__)
 
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _DEADLINE = object()
-
-
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a unary-stream call ending with ``code`` raises."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 @dataclass
@@ -41,12 +37,18 @@ class _Stream:
     requests: dict[str, asyncio.Queue] = field(default_factory=dict)
     broken: bool = False
     reader: asyncio.Task | None = None
+    # Set when the liveness checks cut the stream (router/liveness.py): the worker hung.
+    cut_reason: str | None = None
+    watch_key: int | None = None
 
 
 class DecodeMux:
-    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, worker_id: str) -> None:
+    def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, worker_id: str,
+                 calls: WatchedCalls | None = None) -> None:
         self.stub = stub
         self.worker_id = worker_id
+        # The worker's watched calls: a liveness cut breaks the stream, as a crash would.
+        self.calls = calls if calls is not None else WatchedCalls()
         self._stream: _Stream | None = None
 
     def _open(self) -> _Stream:
@@ -60,6 +62,7 @@ class DecodeMux:
                 yield ctl
 
         s = _Stream(self.stub.DecodeMany(controls()), outbox)
+        s.watch_key, _ = self.calls.add(lambda reason: self._cut(s, reason))
         s.reader = asyncio.get_running_loop().create_task(self._read(s))
         self._stream = s
         return s
@@ -79,6 +82,8 @@ class DecodeMux:
             raise
         finally:
             s.broken = True
+            self.calls.remove(s.watch_key)
+            why = s.cut_reason or why
             s.outbox.put_nowait(None)  # ends the controls() generator with the call
             if s.requests:
                 err = rpc_error(grpc.StatusCode.UNAVAILABLE,
@@ -121,6 +126,11 @@ class DecodeMux:
             s.requests.pop(rid, None)
             if not ended and not s.broken:
                 s.outbox.put_nowait(worker_pb2.DecodeControl(cancel=rid))
+
+    @staticmethod
+    def _cut(s: _Stream, reason: str) -> None:
+        s.cut_reason = reason
+        s.call.cancel()  # the reader then fails every request on the stream
 
     @property
     def num_requests(self) -> int:

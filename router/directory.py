@@ -19,7 +19,8 @@ trying and takes the view up again when Redis answers.
 
 Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
 does not answer, or answers that it is draining, no request is routed to it until the registry
-would have dropped it (the heartbeat TTL) or it registers anew. A migrating request also
+would have dropped it (the heartbeat TTL) or it registers anew. A worker with calls on it that
+stops answering health checks (router/liveness.py) has its calls cut and is marked the same. A migrating request also
 prefers workers other than the ones that failed it (router/migration.py).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ import grpc
 from engine.grpc_server import GRPC_OPTIONS
 from protos import common_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
+from router.liveness import LivenessConfig, WatchedCalls, check_loop
 from router.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ FRESH_INFO_TIMEOUT_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 # After a failed Redis read, the request path skips Redis for this long.
 REGISTRY_RETRY_S = 2.0
+# A dropped worker's channel is closed this long after its last call ended.
+RETIRE_AFTER_S = 30.0
 
 
 class NoWorkerError(Exception):
@@ -55,7 +59,7 @@ class NoWorkerError(Exception):
         self.code = code
 
 
-@dataclass
+@dataclass(eq=False)
 class WorkerHandle:
     info: common_pb2.WorkerInfo
     channel: grpc.aio.Channel
@@ -66,6 +70,10 @@ class WorkerHandle:
     # Prompts this router sent a decode worker to prefill itself, not yet past their first
     # token: the local-prefill policy weighs them against the prefill worker's queue.
     prefilling: int = 0
+    # The calls in flight to this worker, which a liveness cut fails (router/liveness.py),
+    # and how many holders want it health-checked (its calls, and KV pulls from it).
+    calls: WatchedCalls = field(default_factory=WatchedCalls)
+    watchers: int = 0
     _mux: DecodeMux | None = None
 
     @property
@@ -76,7 +84,7 @@ class WorkerHandle:
     def mux(self) -> DecodeMux:
         """This decode worker's shared DecodeMany stream (router/decode_mux.py)."""
         if self._mux is None:
-            self._mux = DecodeMux(self.decode_stub, self.worker_id)
+            self._mux = DecodeMux(self.decode_stub, self.worker_id, self.calls)
         return self._mux
 
     async def close(self) -> None:
@@ -92,6 +100,7 @@ class WorkerDirectory:
     refresh_interval_s: float = 0.5
     # Options of the channel to each worker (client/keepalive.py's pings among them).
     channel_options: list = field(default_factory=lambda: list(GRPC_OPTIONS))
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
@@ -102,16 +111,27 @@ class WorkerDirectory:
     _probes: dict[str, asyncio.Future] = field(default_factory=dict)
     # Until when (monotonic) the request path routes without reading Redis.
     _registry_skip_until: float = 0.0
+    # Workers with calls in flight (by id(): a worker the registry dropped may still have some).
+    _busy: dict[int, WorkerHandle] = field(default_factory=dict)
+    _liveness_task: asyncio.Task | None = None
+    # Workers found hung by the liveness checks, counted since start.
+    worker_hangs: int = 0
+    _closing: set[asyncio.Task] = field(default_factory=set)
 
     async def start(self) -> None:
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
+        if self.liveness.enabled:
+            self._liveness_task = asyncio.create_task(
+                check_loop(self.liveness.interval_s, self.liveness.misses,
+                           lambda: list(self._busy.values()), self._hung))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._liveness_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for w in self.workers.values():
             await w.close()
         self.workers.clear()
@@ -157,9 +177,9 @@ class WorkerDirectory:
         live = {i.worker_id: i for i in await self.registry.live_workers()}
         for wid in [w for w in self.workers if w not in live]:
             gone = self.workers.pop(wid)
-            # Requests in flight keep their own reference; close once they are done.
-            if gone.inflight == 0:
-                await gone.close()
+            # Requests in flight keep their own reference; closed once they are done.
+            if gone.watchers == 0:
+                self._retire(gone)
         for wid, info in live.items():
             handle = self.workers.get(wid)
             if handle is not None and handle.info.address == info.address:
@@ -209,6 +229,16 @@ class WorkerDirectory:
                            "its probe", w.worker_id, w.info.address)
             self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
         return alive
+
+    def _hung(self, w: WorkerHandle, reason: str) -> None:
+        """A worker with calls on it stopped answering health checks: its calls fail with
+        UNAVAILABLE (and migrate), and it takes no requests until the registry drops it or it
+        registers anew."""
+        n = w.calls.cut_all(f"worker {w.worker_id} ({w.info.address}) hung: {reason}")
+        logger.warning("worker %s (%s) hung (%s): %d call(s) on it cut, and it stops "
+                       "receiving requests", w.worker_id, w.info.address, reason, n)
+        self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
+        self.worker_hangs += 1
 
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
@@ -287,9 +317,36 @@ class WorkerDirectory:
         worker.inflight += 1
         worker.routed += 1
         try:
-            yield
+            with self.watched(worker):
+                yield
         finally:
             worker.inflight -= 1
+
+    @contextlib.contextmanager
+    def watched(self, worker: WorkerHandle):
+        """Health-checks ``worker`` while the block runs (router/liveness.py): it has calls in
+        flight, or a decode worker is pulling a request's KV from it."""
+        worker.watchers += 1
+        self._busy[id(worker)] = worker
+        try:
+            yield
+        finally:
+            worker.watchers -= 1
+            if worker.watchers == 0:
+                self._busy.pop(id(worker), None)
+                if self.workers.get(worker.worker_id) is not worker:
+                    self._retire(worker)  # dropped from the registry while its calls ran
+
+    def _retire(self, w: WorkerHandle) -> None:
+        """Closes the channel of a worker the registry dropped, once nothing uses it. Not at
+        once: a failed request's probe and a lease release may still be on their way."""
+        def close() -> None:
+            if w.watchers == 0 and self.workers.get(w.worker_id) is not w:
+                task = asyncio.get_running_loop().create_task(w.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+
+        asyncio.get_running_loop().call_later(RETIRE_AFTER_S, close)
 
 
 @contextlib.contextmanager

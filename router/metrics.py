@@ -76,7 +76,9 @@ def _cluster_metrics(directory: WorkerDirectory) -> list[MetricFamily]:
         count.add(len(mine) - len(down) - len(draining), role=role, state="routable")
         count.add(len(draining), role=role, state="draining")
         count.add(len(down), role=role, state="down")
-    fams = [count]
+    fams = [count, MetricFamily("pdserve_router_worker_hangs_total", "counter",
+                                "Times a worker with calls on it stopped answering health "
+                                "checks and had its calls cut.").add(directory.worker_hangs)]
     for name, attr, doc in _WORKER_GAUGES:
         fam = MetricFamily(f"pdserve_router_worker_{name}", "gauge",
                            f"{doc} From the worker's last heartbeat.")

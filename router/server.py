@@ -35,7 +35,8 @@ async def serve_router(config: RouterConfig) -> None:
     directory = WorkerDirectory(Registry.from_url(config.redis_url, config.namespace),
                                 config.block_size, config.refresh_interval_s,
                                 GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
-                                                                 config.keepalive_timeout_s))
+                                                                 config.keepalive_timeout_s),
+                                config.liveness)
     await directory.start()
     stats = RouterStats(config.max_inflight_requests)
     try:

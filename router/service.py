@@ -26,6 +26,7 @@ from engine.block_hash import hash_request_tokens
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
+from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
 from router.stats import RouterStats
@@ -272,10 +273,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = run.attempt_id
         run.calls(prefill)
         with self.directory.inflight(prefill):
-            presp = await prefill.prefill_stub.Prefill(
+            presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
                                           resume_token_ids=resume, sampling=request.sampling),
-                timeout=min(self._timeout(context), self.config.prefill_timeout_s))
+                timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
         timings, usage = run.timings, run.usage
         if not run.started:
             timings.prefill_queue_s = presp.timings.queue_s
@@ -303,9 +304,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             resume_token_ids=resume,
                                             first_token_id=presp.first_token_id,
                                             sampling=request.sampling, kv_handle=presp.kv_handle)
-            async for chunk in self._decode(dreq, decode, context, run):
-                done = done or bool(chunk.finish_reason)
-                yield chunk
+            chunks = self._decode(dreq, decode, context, run)
+            async with contextlib.aclosing(chunks):
+                # Until its first chunk the decode worker is pulling the KV from the prefill
+                # worker, which is health-checked meanwhile: a hung one fails the leg at once.
+                with self.directory.watched(prefill):
+                    chunk = await first_while_watched(prefill.calls, chunks)
+                while chunk is not None:
+                    done = done or bool(chunk.finish_reason)
+                    yield chunk
+                    chunk = await anext(chunks, None)
         finally:
             if not done:
                 # Cancel, deadline or failure before decode pulled the KV: free the lease now
@@ -319,7 +327,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.config.decode_stream == "multiplexed":
             chunks = decode.mux.decode(dreq, timeout)
         else:
-            chunks = _decode_call(decode, dreq, timeout)
+            # A Decode call of its own; leaving early cancels it.
+            chunks = watched_stream(decode.calls, decode.decode_stub.Decode(dreq, timeout=timeout))
         # Leaving early (cancel, deadline, a failed client write) cancels the request on the
         # decode worker, which aborts it and frees its blocks.
         with self.directory.inflight(decode):
@@ -346,16 +355,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
-
-
-async def _decode_call(decode: WorkerHandle, dreq: worker_pb2.DecodeRequest, timeout: float):
-    """``--decode-stream per-request``: a Decode call of its own."""
-    call = decode.decode_stub.Decode(dreq, timeout=timeout)
-    try:
-        async for d in call:
-            yield d
-    finally:
-        call.cancel()  # no-op when finished; otherwise the decode worker aborts
 
 
 def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:

@@ -141,18 +141,15 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
 
 
-# ~70 s: this gRPC version times an unanswered keepalive ping out after its 60 s ping
-# timeout, whatever --keepalive-timeout-s says (see the README's worker failures).
-@pytest.mark.slow
 def test_streams_survive_their_router_hanging_under_them(cluster, reference):
     """A router that stops answering but keeps its connections open (SIGSTOP) is found by the
-    client's keepalive pings; its streams go on on the other router."""
+    client's health checks (client/liveness.py); its streams go on on the other router."""
     hung = cluster.start_router()
     live = cluster.start_router()  # last: cluster.router_address, for the tests after
     prompts = random_prompts(4, seed=74, lo=20, hi=60)
     params = dict(max_tokens=40, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
-    policy = FailoverPolicy(keepalive_time_s=1.0, keepalive_timeout_s=1.0)
+    policy = FailoverPolicy(health_check_interval_s=1.0)
 
     async def run():
         got = [[] for _ in prompts]

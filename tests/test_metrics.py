@@ -115,6 +115,7 @@ def test_router_families_count_finished_requests_and_their_phases():
 
     class _Dir:  # no workers known yet
         workers: dict = {}
+        worker_hangs = 2
 
         def is_down(self, w):
             return False
@@ -122,6 +123,7 @@ def test_router_families_count_finished_requests_and_their_phases():
     m = parse_metrics(render(router_metrics(stats, _Dir())))
     assert m[("pdserve_router_requests_total", frozenset())] == 3
     assert m[("pdserve_router_requests_failed_total", frozenset())] == 1
+    assert m[("pdserve_router_worker_hangs_total", frozenset())] == 2
     assert m[("pdserve_router_generation_tokens_total", frozenset())] == 11
     assert m[("pdserve_router_requests_finished_total",
               frozenset({("finish_reason", "length")}))] == 1

@@ -32,7 +32,7 @@ def cluster():
     spec = ClusterSpec(num_prefill=2, num_decode=2,
                        worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1"],
                        router_args=["--max-local-prefill-length", "0", "--migration-limit", "1",
-                                    "--keepalive-time-s", "1", "--keepalive-timeout-s", "1"])
+                                    "--health-check-interval-s", "1"])
     with Cluster(spec) as c:
         yield c
 
@@ -114,13 +114,12 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
                           if p.name != "router" and p.popen.poll() is None])
 
 
-# ~70 s: this gRPC version times an unanswered keepalive ping out after its 60 s ping
-# timeout, whatever --keepalive-timeout-s says (see the README's worker failures).
-@pytest.mark.slow
 def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, reference):
     """A worker that stops answering but keeps its connections open (SIGSTOP: a hung process;
-    a host gone without closing its sockets looks the same) is found by the router's keepalive
-    pings, and its streams move on instead of waiting for their deadlines."""
+    a host gone without closing its sockets looks the same) is found by the router's health
+    checks (router/liveness.py), and its streams move on instead of waiting for their
+    deadlines (keepalive alone took ~60 s)."""
+    hangs = _stats(cluster).worker_hangs
     survivor = _live(cluster, "decode")[0]
     hung = cluster.add_worker("decode")
     cluster.wait_routable(2, 2)
@@ -145,7 +144,44 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no stream was on the hung worker"
     assert all(f.usage.decode_worker_id == survivor.name for f in moved)
+    assert _stats(cluster).worker_hangs == hangs + 1
     # Resumed, the hung worker finds its streams cancelled and frees their blocks.
+    wait_all_blocks_free([p.address for p in cluster.procs
+                          if p.name != "router" and p.popen.poll() is None])
+    assert cluster.stop_proc(hung) == 0
+
+
+def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, reference):
+    """A prefill worker that hangs with prompts on it: the router's health checks cut its
+    Prefill calls, and the prompts are prefilled by the other prefill workers."""
+    hangs = _stats(cluster).worker_hangs
+    hung = cluster.add_worker("prefill")
+    cluster.wait_routable(3, len(_live(cluster, "decode")))
+    # Long prompts: each prefill takes a while, so the worker is caught with some on it.
+    prompts = random_prompts(9, seed=39, lo=400, hi=600)
+    params = dict(max_tokens=6, **GREEDY)
+    want = reference.generate(prompts, SamplingParams(**params))
+
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
+                     for p, g in zip(prompts, got)]
+            while not (await asyncio.to_thread(worker_info, hung.address)).num_inflight:
+                assert not all(t.done() for t in tasks), "no prompt reached the worker"
+                await asyncio.sleep(0.01)
+            os.kill(hung.popen.pid, signal.SIGSTOP)
+            try:
+                return got, await asyncio.gather(*tasks)
+            finally:
+                os.kill(hung.popen.pid, signal.SIGCONT)
+
+    got, finals = asyncio.run(run())
+    assert got == [w.token_ids for w in want]
+    moved = [f for f in finals if f.usage.migrations]
+    assert moved, "no prompt was on the hung worker"
+    assert all(f.usage.prefill_worker_id != hung.name for f in moved)
+    assert _stats(cluster).worker_hangs == hangs + 1
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
     assert cluster.stop_proc(hung) == 0
@@ -170,6 +206,7 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
             tasks = [asyncio.ensure_future(_stream(client, p, params, g))
                      for p, g in zip(prompts, got)]
             while not (await asyncio.to_thread(worker_info, tp2.address)).num_inflight:
+                assert not all(t.done() for t in tasks), "no prompt reached the worker"
                 await asyncio.sleep(0.01)
             os.kill(rank1, signal.SIGKILL)
             return got, await asyncio.gather(*tasks)

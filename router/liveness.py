@@ -1,0 +1,56 @@
+"""The router's health checks of its workers (client/liveness.py has the why and the how).
+
+A worker with calls on it, or with a request's KV being pulled from it, is checked every
+``interval_s``; one that leaves ``misses`` checks in a row unanswered is taken as hung: the
+calls on it fail with UNAVAILABLE, which migrates them (router/migration.py), and it gets no
+new requests until the registry drops it or it registers anew (router/directory.py). Idle
+workers are left to the registry's heartbeats.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from client.liveness import (WatchedCalls, check_health_checks, check_loop, watched_stream,
+                             watched_unary)
+
+__all__ = ["LivenessConfig", "WatchedCalls", "check_loop", "first_while_watched",
+           "watched_stream", "watched_unary"]
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    # Seconds between health checks of a worker with calls on it (each check's timeout too);
+    # 0 turns the checks off (a hung worker is then found by keepalive, ~60 s).
+    interval_s: float = 2.0
+    # Checks in a row left unanswered before the worker is taken as hung.
+    misses: int = 3
+
+    def __post_init__(self) -> None:
+        check_health_checks(self.interval_s, self.misses)
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval_s > 0
+
+
+async def first_while_watched(calls: WatchedCalls, chunks: AsyncIterator):
+    """The first item of ``chunks`` (None if it ends first), or UNAVAILABLE when ``calls``
+    are cut meanwhile. For a decode leg pulling its KV from that worker: a pull from a hung
+    worker would wait out its whole timeout. Leaving early cancels the wait for the item."""
+    lost = asyncio.get_running_loop().create_future()
+    key, cut = calls.add(lambda _reason: lost.done() or lost.set_result(None))
+    first = asyncio.ensure_future(anext(chunks, None))
+    try:
+        await asyncio.wait((first, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        calls.remove(key)
+        if not first.done():
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first  # the leg's cleanup (its cancel to the decode worker) runs
+    if cut.reason is not None and first.cancelled():
+        raise cut.error()
+    return first.result()

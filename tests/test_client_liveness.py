@@ -1,0 +1,116 @@
+"""The SDK's health checks of its routers (client/liveness.py): a router that hangs under a call
+(here a real gRPC server on loopback whose calls and health checks never answer) has the call
+cut, and the request fails over to the next router, for both clients and both calls. The
+cluster test of the same, with a SIGSTOPped real router, is in test_client_failover.py."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import AsyncClient, Client, FailoverPolicy
+from protos import router_pb2, router_pb2_grpc
+
+POLICY = FailoverPolicy(health_check_interval_s=0.1, health_check_misses=3, backoff_s=0.0)
+
+
+class _Router(router_pb2_grpc.RouterServicer, health_pb2_grpc.HealthServicer):
+    """``hung``: streams one token, then neither its calls nor its health checks answer.
+    Otherwise: streams the rest of the output (tokens 8, 9) after what the client resumes."""
+
+    def __init__(self, hung: bool) -> None:
+        self.hung = hung
+        self.release = threading.Event()  # lets blocked handlers go at the end
+        self.resumed: list[list[int]] = []
+
+    def Check(self, request, context):
+        if self.hung:
+            self.release.wait()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    def Generate(self, request, context):
+        if self.hung:
+            yield router_pb2.GenerateChunk(request_id="r", token_ids=[7])
+            self.release.wait()
+            return
+        self.resumed.append(list(request.resume_token_ids))
+        yield router_pb2.GenerateChunk(request_id="r", token_ids=[8, 9], finish_reason="length",
+                                       usage=router_pb2.Usage(completion_tokens=3))
+
+    def Complete(self, request, context):
+        if self.hung:
+            self.release.wait()
+        self.resumed.append(list(request.resume_token_ids))
+        return router_pb2.CompleteResponse(request_id="r", token_ids=[8, 9],
+                                           finish_reason="length",
+                                           usage=router_pb2.Usage(completion_tokens=2))
+
+
+@pytest.fixture()
+def routers():
+    servers, routers = [], []
+    for hung in (True, False):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+        r = _Router(hung)
+        router_pb2_grpc.add_RouterServicer_to_server(r, server)
+        health_pb2_grpc.add_HealthServicer_to_server(r, server)
+        r.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        server.start()
+        servers.append(server)
+        routers.append(r)
+    yield routers
+    for r, server in zip(routers, servers):
+        r.release.set()
+        server.stop(0)
+
+
+def _check(routers, streamed, done, again) -> None:
+    hung, ok = routers
+    # Round robin: the stream and the third call start on the hung router, the second on the
+    # other; the stream resumes from the token the hung router sent.
+    assert [t for c in streamed for t in c.token_ids] == [7, 8, 9]
+    assert streamed[-1].usage.migrations == 1
+    assert done.token_ids == [8, 9] and done.usage.migrations == 0
+    assert again.token_ids == [8, 9] and again.usage.migrations == 1
+    assert ok.resumed == [[7], [], []]
+
+
+def test_the_blocking_client_cuts_a_hung_router_and_fails_over(routers):
+    with Client([r.address for r in routers], timeout=60, failover=POLICY) as c:
+        streamed = list(c.generate([1, 2, 3], max_tokens=3))
+        done = c.complete([1, 2, 3], max_tokens=2)
+        again = c.complete([1, 2, 3], max_tokens=2)
+    _check(routers, streamed, done, again)
+
+
+def test_the_asyncio_client_cuts_a_hung_router_and_fails_over(routers):
+    async def run():
+        async with AsyncClient([r.address for r in routers], timeout=60, failover=POLICY) as c:
+            streamed = [chunk async for chunk in c.generate([1, 2, 3], max_tokens=3)]
+            done = await c.complete([1, 2, 3], max_tokens=2)
+            again = await c.complete([1, 2, 3], max_tokens=2)
+        return streamed, done, again
+
+    _check(routers, *asyncio.run(run()))
+
+
+def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(routers):
+    from client import DeadlineExceededError
+
+    off = FailoverPolicy(health_check_interval_s=0, keepalive_time_s=None)
+    with Client([r.address for r in routers], timeout=1.0, failover=off) as c:
+        with pytest.raises(DeadlineExceededError):
+            list(c.generate([1, 2, 3], max_tokens=3))
+    assert routers[1].resumed == []
+
+
+@pytest.mark.parametrize("bad", [dict(health_check_interval_s=-1),
+                                 dict(health_check_misses=0),
+                                 dict(health_check_interval_s=None)])
+def test_health_check_settings_are_checked(bad):
+    with pytest.raises(ValueError, match="health-check"):
+        FailoverPolicy(**bad)
