@@ -28,6 +28,8 @@ _IDLE_TICK_S = 0.2
 # kill), which also fails a collective stuck on one of them, and the thread gets this long to
 # unwind. A worker that is stopped or wedged never holds shutdown longer than that.
 _STEP_GRACE_S = 3.0
+# How long fresh_stats() waits for a running step before answering with the last step's stats.
+FRESH_STATS_WAIT_S = 0.25
 _THREAD_EXIT_S = 2.0
 # What shutdown() takes at worst (the sum above). A service's stop is its drain, the gRPC
 # server's stop grace, then this: the launcher's stop grace (router.launcher) covers all three.
@@ -220,10 +222,17 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
-    async def fresh_stats(self) -> EngineStats:
-        """Stats taken now (waits for a running step to end, off the loop)."""
-        self.stats = await asyncio.to_thread(self.engine.get_stats)
-        return self.stats
+    async def fresh_stats(self, wait_s: float = FRESH_STATS_WAIT_S) -> EngineStats:
+        """Stats taken now, off the loop; when a running step holds the engine longer than
+        ``wait_s``, the last step's. A caller asking whether this worker still serves (the
+        router's probe, with a 1 s timeout) must not wait out a long prefill step."""
+        def take() -> EngineStats:
+            self.stats = self.engine.get_stats()
+            return self.stats
+
+        fresh = asyncio.ensure_future(asyncio.to_thread(take))
+        done, _ = await asyncio.wait({fresh}, timeout=wait_s)
+        return fresh.result() if done else self.stats
 
     def shutdown(self) -> None:
         """Stops the engine thread and the engine, within ``SHUTDOWN_TIMEOUT_S``."""

@@ -129,3 +129,34 @@ def test_failures_map_to_the_status_that_tells_the_caller_what_to_do():
     assert status_for(ValueError("bad")) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_for(RejectError(grpc.StatusCode.ABORTED, "x")) == grpc.StatusCode.ABORTED
     assert status_for(KeyError("bug")) == grpc.StatusCode.INTERNAL
+
+
+def test_fresh_stats_answer_with_the_last_steps_while_a_long_step_holds_the_engine():
+    """The router's probe asks a worker for its info with a 1 s timeout; a worker in a long
+    prefill step must still answer, or a healthy worker is marked down."""
+    class _Busy(_Engine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def get_stats(self):
+            self.calls += 1
+            if self.calls > 1:  # the constructor's call passes; later ones wait for the step
+                self.gate.wait(10)
+            return self.calls
+
+    async def run():
+        engine = _Busy()
+        ae = AsyncEngine(engine)
+        try:
+            during = await asyncio.wait_for(ae.fresh_stats(wait_s=0.05), 2)
+            engine.gate.set()
+            after = await ae.fresh_stats(wait_s=5)
+            return during, after
+        finally:
+            engine.gate.set()
+            ae.shutdown()
+
+    during, after = asyncio.run(run())
+    assert during == 1  # the last stats, not a wait for the step
+    assert after > 1  # taken now once the engine is free
