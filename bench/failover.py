@@ -1,20 +1,25 @@
-"""``pdserve bench failover``: what a worker crash costs the streams running on it.
+"""``pdserve bench failover``: what a worker crash or hang costs the streams running on it.
 
 A cluster (``pdserve up``'s processes) serves two sets of concurrent greedy streams with the
 same prompt and output lengths (fresh prompts each, so neither finds the other's prefixes
-cached): one undisturbed (the baseline), one with a worker SIGKILLed under it (a decode worker
+cached): one undisturbed (the baseline), one with a worker failing under it (a decode worker
 once every stream is past its first tokens, or a prefill worker as soon as the router has
-every prompt in flight; then prompts are 256-512 tokens, so it dies computing them). The router migrates the failed requests (router/migration.py). Reported: how many
-streams moved, whether every stream's tokens equal the in-process engine's, and the stall the
-moved streams saw (their longest gap between tokens, or their TTFT after a prefill crash)
-beside the same slots' figure in the baseline, with the ratio.
+every prompt in flight; then prompts are 256-512 tokens, so it fails computing them). The
+fault is a crash (SIGKILL: its connections close) or, with ``--fault hang``, a hang (SIGSTOP:
+its connections stay open and silent, found by the router's health checks; resumed once the
+streams are done). The router migrates the failed requests (router/migration.py). Reported:
+how many streams moved, whether every stream's tokens equal the in-process engine's, and the
+stall the moved streams saw (their longest gap between tokens, or their TTFT after a prefill
+failure) beside the same slots' figure in the baseline, with the ratio.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,6 +52,8 @@ class Stream:
 @dataclass
 class FailoverReport:
     kill: str
+    fault: str  # "kill" (SIGKILL) or "hang" (SIGSTOP)
+    health_check_interval_s: float
     streams: int
     max_tokens: int
     migrated: int
@@ -68,7 +75,12 @@ class FailoverReport:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--kill", choices=["decode", "prefill"], default="decode",
-                   help="the role of the worker killed under the streams")
+                   help="the role of the worker that fails under the streams")
+    p.add_argument("--fault", choices=["kill", "hang"], default="kill",
+                   help="kill: SIGKILL (a crash); hang: SIGSTOP (a process that stops "
+                        "answering with its connections open), SIGCONT after the streams")
+    p.add_argument("--health-check-interval-s", type=float, default=2.0,
+                   help="the router's --health-check-interval-s (0: keepalive pings only)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -78,6 +90,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.streams < 1 or args.max_tokens < 8:
         raise ValueError("--streams must be >= 1 and --max-tokens >= 8")
+    if not (args.health_check_interval_s == 0 or args.health_check_interval_s >= 0.05):
+        raise ValueError("--health-check-interval-s must be 0 or >= 0.05")
     rng = random.Random(args.seed)
     # Prompts long enough that a prefill worker is still computing them when it dies.
     lo, hi = (256, 512) if args.kill == "prefill" else (32, 128)
@@ -90,15 +104,16 @@ def main(args: argparse.Namespace) -> int:
     two = args.kill  # the role that gets two workers, one of which dies
     spec = ClusterSpec(model=args.model, num_prefill=2 if two == "prefill" else 1,
                        num_decode=2 if two == "decode" else 1,
-                       router_args=["--max-local-prefill-length", "0"])
+                       router_args=["--max-local-prefill-length", "0", "--health-check-interval-s",
+                                    str(args.health_check_interval_s)])
     with Cluster(spec) as cluster:
         warm = [[t + 1 for t in p] for p in prompts[:2]]
-        asyncio.run(_run(cluster, warm, args.max_tokens, None))
+        asyncio.run(_run(cluster, warm, args.max_tokens, None, args.fault))
         t0 = time.perf_counter()
-        base = asyncio.run(_run(cluster, base_prompts, args.max_tokens, None))
+        base = asyncio.run(_run(cluster, base_prompts, args.max_tokens, None, args.fault))
         base_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        hit = asyncio.run(_run(cluster, prompts, args.max_tokens, two))
+        hit = asyncio.run(_run(cluster, prompts, args.max_tokens, two, args.fault))
         hit_s = time.perf_counter() - t0
     report = _report(args, base, hit, want, base_s, hit_s)
     if args.json:
@@ -109,8 +124,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
-               kill: str | None) -> list[Stream]:
-    """The streams, all at once; with ``kill``, a worker of that role dies under them."""
+               kill: str | None, fault: str) -> list[Stream]:
+    """The streams, all at once; with ``kill``, a worker of that role fails under them."""
     streams = [Stream(time.perf_counter()) for _ in prompts]
 
     async def one(client: AsyncClient, prompt: list[int], s: Stream) -> None:
@@ -122,17 +137,24 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
             if chunk.usage is not None:
                 s.migrations = chunk.usage.migrations
 
+    victim = None
     async with AsyncClient(cluster.router_address, timeout=600) as client:
         tasks = [asyncio.ensure_future(one(client, p, s)) for p, s in zip(prompts, streams)]
-        if kill == "decode":  # every stream decoding
-            while not all(len(s.token_ids) >= 4 for s in streams):
-                await asyncio.sleep(0.002)
-            await asyncio.to_thread(_kill_busiest_decode, cluster)
-        elif kill == "prefill":  # every prompt with the prefill workers: half on the victim
-            while await asyncio.to_thread(_in_flight, cluster) < len(prompts):
-                await asyncio.sleep(0.002)
-            _kill(next(p for p in cluster.procs if p.role == "prefill"))
-        await asyncio.gather(*tasks)
+        try:
+            if kill == "decode":  # every stream decoding
+                while not all(len(s.token_ids) >= 4 for s in streams):
+                    await asyncio.sleep(0.002)
+                victim = await asyncio.to_thread(_busiest_decode, cluster)
+            elif kill == "prefill":  # every prompt with the prefill workers: half on the victim
+                while await asyncio.to_thread(_in_flight, cluster) < len(prompts):
+                    await asyncio.sleep(0.002)
+                victim = next(p for p in cluster.procs if p.role == "prefill")
+            if victim is not None:
+                _fail(victim, fault)
+            await asyncio.gather(*tasks)
+        finally:
+            if victim is not None and fault == "hang":
+                os.kill(victim.popen.pid, signal.SIGCONT)  # it stops with the cluster
     return streams
 
 
@@ -144,19 +166,22 @@ def _in_flight(cluster: Cluster) -> int:
     return stats.requests_in_flight
 
 
-def _kill_busiest_decode(cluster: Cluster) -> None:
+def _busiest_decode(cluster: Cluster):
     def load(p) -> int:
         with grpc.insecure_channel(p.address) as ch:
             info = worker_pb2_grpc.DecodeWorkerStub(ch).GetWorkerInfo(
                 common_pb2.WorkerInfoRequest(), timeout=10)
         return info.num_running + info.num_waiting
 
-    _kill(max((p for p in cluster.procs if p.role == "decode"), key=load))
+    return max((p for p in cluster.procs if p.role == "decode"), key=load)
 
 
-def _kill(proc) -> None:
-    proc.popen.kill()
-    proc.popen.wait()
+def _fail(proc, fault: str) -> None:
+    if fault == "kill":
+        proc.popen.kill()
+        proc.popen.wait()
+    else:
+        os.kill(proc.popen.pid, signal.SIGSTOP)
 
 
 def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], base_s: float,
@@ -170,7 +195,8 @@ def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], 
     stall = [fig(hit[i]) for i in moved] or [0.0]
     calm = [fig(base[i]) for i in moved] or [0.0]
     return FailoverReport(
-        kill=args.kill, streams=len(hit), max_tokens=args.max_tokens, migrated=len(moved),
+        kill=args.kill, fault=args.fault, health_check_interval_s=args.health_check_interval_s,
+        streams=len(hit), max_tokens=args.max_tokens, migrated=len(moved),
         identical=sum(h.token_ids == w for h, w in zip(hit, want)),
         stall_metric=metric, stall_ms_mean=statistics.mean(stall),
         baseline_ms_mean=statistics.mean(calm), stall_ms_max=max(stall),
@@ -179,8 +205,11 @@ def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], 
 
 def _format(r: FailoverReport) -> str:
     what = "TTFT" if r.stall_metric == "ttft" else "longest gap between tokens"
+    how = "SIGKILLed" if r.fault == "kill" else (
+        f"SIGSTOPped (router health checks every {r.health_check_interval_s:g} s)"
+        if r.health_check_interval_s else "SIGSTOPped (no health checks: keepalive only)")
     return "\n".join([
-        f"Failover: a {r.kill} worker SIGKILLed under {r.streams} greedy streams of "
+        f"Failover: a {r.kill} worker {how} under {r.streams} greedy streams of "
         f"{r.max_tokens} tokens",
         "",
         f"streams migrated: {r.migrated} of {r.streams}; tokens identical to the in-process "

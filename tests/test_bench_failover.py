@@ -19,7 +19,8 @@ def test_stream_stall_metrics():
     assert Stream(start=0.0, times=[0.1]).max_gap_ms == 0.0
 
 
-@pytest.mark.parametrize("argv", [["--streams", "0"], ["--max-tokens", "4"]])
+@pytest.mark.parametrize("argv", [["--streams", "0"], ["--max-tokens", "4"],
+                                  ["--health-check-interval-s", "0.01"]])
 def test_bad_arguments_are_refused(argv):
     p = argparse.ArgumentParser()
     failover.add_args(p)
@@ -27,12 +28,15 @@ def test_bad_arguments_are_refused(argv):
         failover.main(p.parse_args(argv))
 
 
-@pytest.mark.parametrize("role, metric", [("decode", "max_gap"), ("prefill", "ttft")])
-def test_a_killed_worker_moves_its_streams_with_the_same_tokens(capsys, role, metric):
-    assert cli_main(["bench", "failover", "--kill", role, "--streams", "4", "--max-tokens",
-                     "24", "--json"]) == 0
+@pytest.mark.parametrize("role, metric, fault", [("decode", "max_gap", "kill"),
+                                                 ("prefill", "ttft", "kill"),
+                                                 ("decode", "max_gap", "hang")])
+def test_a_failed_worker_moves_its_streams_with_the_same_tokens(capsys, role, metric, fault):
+    """A crash, or a hang the router's health checks find (SIGSTOP)."""
+    assert cli_main(["bench", "failover", "--kill", role, "--fault", fault, "--streams", "4",
+                     "--max-tokens", "24", "--health-check-interval-s", "0.5", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["kill"] == role and r["streams"] == 4
+    assert r["kill"] == role and r["fault"] == fault and r["streams"] == 4
     assert r["migrated"] >= 1  # the killed worker held at least one stream
     assert r["identical"] == 4  # every stream, moved or not, equals the in-process engine
     assert r["stall_metric"] == metric and r["stall_ms_max"] >= r["stall_ms_mean"] > 0
