@@ -11,15 +11,24 @@ admission, validation, KV pull, deadline and abort when it is left early, and it
 with the status its ``Decode`` call would have ended with. The stream ends once the caller has
 closed its side and every request on it is done; when the stream is cancelled (the caller went
 away, or this server is stopping) every request on it is aborted and its blocks freed.
+
+A caller that hangs with the stream open (a stopped router, a host gone without closing its
+connection) would leave its requests decoding for nobody until they finish: gRPC's buffers take
+minutes of tokens before a write blocks. So a caller that sends heartbeats (the router does,
+every --health-check-interval-s) is watched: after ``misses`` intervals without a control
+message, every request on the stream is aborted and the stream ends.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator
 
 from engine.worker_runtime import status_and_message
 from protos import worker_pb2
+
+logger = logging.getLogger(__name__)
 
 # At most this many events per DecodeBatch (a chunk with 20 top logprobs per token is ~1 KB).
 MAX_EVENTS_PER_BATCH = 1024
@@ -30,11 +39,13 @@ async def serve_decode_many(servicer, request_iterator,
     """The body of ``DecodeWorker.DecodeMany`` for ``servicer`` (a ``DecodeServicer``)."""
     mux = _DecodeMux(servicer)
     reader = asyncio.create_task(mux.read(request_iterator))
+    watch = asyncio.create_task(mux.watch_caller())
     try:
         async for batch in mux.batches():
             yield batch
     finally:
         reader.cancel()
+        watch.cancel()
         mux.cancel_all()
 
 
@@ -47,13 +58,20 @@ class _DecodeMux:
         self.pending = worker_pb2.DecodeBatch()
         self.ready = asyncio.Event()
         self.reading = True
+        # The caller's heartbeat (interval_s, misses) once it sent one; when it last spoke.
+        self.heartbeat: worker_pb2.DecodeHeartbeat | None = None
+        self.heard = asyncio.get_running_loop().time()
+        self._heard_first = asyncio.Event()
 
     # --- the caller's side ----------------------------------------------------------------
     async def read(self, request_iterator) -> None:
         try:
             async for ctl in request_iterator:
+                self.heard = asyncio.get_running_loop().time()
                 kind = ctl.WhichOneof("kind")
-                if kind == "start":
+                if kind == "heartbeat":
+                    self._heartbeat(ctl.heartbeat)
+                elif kind == "start":
                     self._start(ctl.start)
                 elif kind == "cancel":
                     task = self.tasks.get(ctl.cancel)
@@ -62,6 +80,31 @@ class _DecodeMux:
         finally:
             self.reading = False
             self.ready.set()
+
+    def _heartbeat(self, hb: worker_pb2.DecodeHeartbeat) -> None:
+        if not (math.isfinite(hb.interval_s) and 0.01 <= hb.interval_s <= 3600
+                and 1 <= hb.misses <= 100):
+            return  # not a promise this worker can hold the caller to: not watched
+        self.heartbeat = hb
+        self._heard_first.set()
+
+    async def watch_caller(self) -> None:
+        """Ends the stream, its requests aborted, once a caller that sends heartbeats has been
+        silent for ``misses`` intervals."""
+        await self._heard_first.wait()
+        loop = asyncio.get_running_loop()
+        while self.reading:
+            limit = self.heartbeat.interval_s * self.heartbeat.misses
+            silent = loop.time() - self.heard
+            if silent >= limit:
+                logger.warning("DecodeMany caller silent for %.1f s (heartbeats every %g s): "
+                               "taken as hung; its %d request(s) are aborted", silent,
+                               self.heartbeat.interval_s, len(self.tasks))
+                self.cancel_all()
+                self.reading = False
+                self.ready.set()
+                return
+            await asyncio.sleep(limit - silent)
 
     def _start(self, start: worker_pb2.DecodeStart) -> None:
         rid = start.request.request_id

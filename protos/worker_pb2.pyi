@@ -114,12 +114,22 @@ class DecodeStart(_message.Message):
     def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class DecodeControl(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "heartbeat")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     start: DecodeStart
     cancel: str
-    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+    heartbeat: DecodeHeartbeat
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., cancel: _Optional[str] = ..., heartbeat: _Optional[_Union[DecodeHeartbeat, _Mapping]] = ...) -> None: ...
+
+class DecodeHeartbeat(_message.Message):
+    __slots__ = ("interval_s", "misses")
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    misses: int
+    def __init__(self, interval_s: _Optional[float] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class DecodeError(_message.Message):
     __slots__ = ("code", "message")

@@ -7,7 +7,8 @@ it, a request here behaves as a ``Decode`` call would: its chunks, then the end,
 ``AioRpcError`` with the status its ``Decode`` call would have ended with. When the stream
 itself breaks (the worker crashed, or stopped with requests still on it) every request on it
 fails with UNAVAILABLE, which migrates them (router/migration.py); the next request opens a new
-stream.
+stream. The router sends a heartbeat on every stream each health-check interval, by which the
+worker tells a hung router from a quiet one (decode_svc/mux.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from client.liveness import WatchedCalls, rpc_error
+from router.liveness import LivenessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +42,16 @@ class _Stream:
     # Set when the liveness checks cut the stream (router/liveness.py): the worker hung.
     cut_reason: str | None = None
     watch_key: int | None = None
+    heartbeats: asyncio.Task | None = None
 
 
 class DecodeMux:
     def __init__(self, stub: worker_pb2_grpc.DecodeWorkerStub, worker_id: str,
-                 calls: WatchedCalls | None = None) -> None:
+                 calls: WatchedCalls | None = None,
+                 liveness: LivenessConfig | None = None) -> None:
         self.stub = stub
         self.worker_id = worker_id
+        self.liveness = liveness
         # The worker's watched calls: a liveness cut breaks the stream, as a crash would.
         self.calls = calls if calls is not None else WatchedCalls()
         self._stream: _Stream | None = None
@@ -63,9 +68,20 @@ class DecodeMux:
 
         s = _Stream(self.stub.DecodeMany(controls()), outbox)
         s.watch_key, _ = self.calls.add(lambda reason: self._cut(s, reason))
-        s.reader = asyncio.get_running_loop().create_task(self._read(s))
+        loop = asyncio.get_running_loop()
+        s.reader = loop.create_task(self._read(s))
+        if self.liveness is not None and self.liveness.enabled:
+            s.heartbeats = loop.create_task(self._beat(s, self.liveness))
         self._stream = s
         return s
+
+    @staticmethod
+    async def _beat(s: _Stream, liveness: LivenessConfig) -> None:
+        hb = worker_pb2.DecodeControl(heartbeat=worker_pb2.DecodeHeartbeat(
+            interval_s=liveness.interval_s, misses=liveness.misses))
+        while not s.broken:
+            s.outbox.put_nowait(hb)
+            await asyncio.sleep(liveness.interval_s)
 
     async def _read(self, s: _Stream) -> None:
         why = "the stream ended"
@@ -82,6 +98,8 @@ class DecodeMux:
             raise
         finally:
             s.broken = True
+            if s.heartbeats is not None:
+                s.heartbeats.cancel()
             self.calls.remove(s.watch_key)
             why = s.cut_reason or why
             s.outbox.put_nowait(None)  # ends the controls() generator with the call
@@ -141,6 +159,9 @@ class DecodeMux:
         s, self._stream = self._stream, None
         if s is None:
             return
+        s.broken = True
+        if s.heartbeats is not None:
+            s.heartbeats.cancel()
         s.outbox.put_nowait(None)
         s.call.cancel()
         if s.reader is not None:

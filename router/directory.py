@@ -74,6 +74,8 @@ class WorkerHandle:
     # and how many holders want it health-checked (its calls, and KV pulls from it).
     calls: WatchedCalls = field(default_factory=WatchedCalls)
     watchers: int = 0
+    # The router's health checks, which also set the heartbeats on this worker's DecodeMany.
+    liveness: LivenessConfig | None = None
     _mux: DecodeMux | None = None
 
     @property
@@ -84,7 +86,7 @@ class WorkerHandle:
     def mux(self) -> DecodeMux:
         """This decode worker's shared DecodeMany stream (router/decode_mux.py)."""
         if self._mux is None:
-            self._mux = DecodeMux(self.decode_stub, self.worker_id, self.calls)
+            self._mux = DecodeMux(self.decode_stub, self.worker_id, self.calls, self.liveness)
         return self._mux
 
     async def close(self) -> None:
@@ -188,7 +190,8 @@ class WorkerDirectory:
             channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
             self.workers[wid] = WorkerHandle(info, channel,
                                              worker_pb2_grpc.PrefillWorkerStub(channel),
-                                             worker_pb2_grpc.DecodeWorkerStub(channel))
+                                             worker_pb2_grpc.DecodeWorkerStub(channel),
+                                             liveness=self.liveness)
 
     def _candidates(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values()

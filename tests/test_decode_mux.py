@@ -207,6 +207,45 @@ def test_dropping_the_stream_aborts_every_request_on_it(cluster):
     wait_all_blocks_free([_decode_address(cluster)])
 
 
+def _heartbeat(interval_s: float, misses: int = 3) -> worker_pb2.DecodeControl:
+    return worker_pb2.DecodeControl(
+        heartbeat=worker_pb2.DecodeHeartbeat(interval_s=interval_s, misses=misses))
+
+
+def test_a_caller_that_stops_its_heartbeats_is_taken_as_hung(cluster, reference):
+    """A router that hangs keeps its stream open and silent: once `misses` heartbeat intervals
+    pass without a control message, the worker aborts the stream's requests (blocks freed) and
+    ends it, instead of decoding for nobody. A caller that keeps beating keeps its requests."""
+    prompts = random_prompts(2, seed=78, lo=20, hi=40)
+    want = reference.generate([prompts[1]], SamplingParams(max_tokens=200, **GREEDY))[0]
+
+    async def run():
+        hung, kept = _Stream(_decode_address(cluster)), _Stream(_decode_address(cluster))
+        for s, rid, prompt, n in ((hung, "h", prompts[0], 900), (kept, "k", prompts[1], 200)):
+            s.send(_heartbeat(0.2))
+            s.send(_start(_request(rid, prompt, n)))
+
+        async def beat():
+            while True:
+                await asyncio.sleep(0.1)
+                kept.send(_heartbeat(0.2))
+
+        beating = asyncio.ensure_future(beat())
+        # The hung caller's stream ends on its own: read_until returns at the stream's end.
+        hung_events = await asyncio.wait_for(hung.read_until(lambda by: False), 60)
+        kept_events = await kept.read_until(lambda by: _ended(by.get("k", [])))
+        beating.cancel()
+        await hung.close()
+        await kept.close()
+        return hung_events, kept_events
+
+    hung_events, kept_events = asyncio.run(run())
+    assert hung_events.get("h")  # it had started decoding
+    assert not any(ev.chunk.finish_reason or ev.HasField("error") for ev in hung_events["h"])
+    assert _tokens(kept_events["k"]) == want.token_ids  # 200 tokens: many intervals long
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
 # --- the router's end ---------------------------------------------------------------------
 def test_router_mux_streams_cancels_and_times_out(cluster, reference):
     prompts = random_prompts(3, seed=76, lo=20, hi=50)
