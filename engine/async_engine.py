@@ -7,8 +7,10 @@ runs in the default thread pool, so a long forward never stalls a stream or a he
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -40,6 +42,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised, or the engine was shut down)."""
 
 
+class EngineStepTimeout(RuntimeError):
+    """A step ran past the step timeout: the engine is taken as wedged (a hung device or
+    collective) and dies as if the step had raised."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -50,7 +57,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop | None = None,
                  on_step: Callable[[LLMEngine], None] | None = None,
                  core_share: CoreShare | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 step_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.loop = loop or asyncio.get_running_loop()
         # Called in the engine thread after every step (e.g. to publish KV-cache events).
@@ -69,13 +77,18 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.get_stats()
+        # A step that runs longer than this kills the engine (None: steps may run forever).
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic start of the running step
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
+        if step_timeout_s:
+            self.loop.call_soon_threadsafe(self._watch_steps)
 
     # --- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.error is None:
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     if self.core_share is not None:
@@ -86,7 +99,9 @@ class AsyncEngine:
                     self.engine.check_health()
                 if self.core_share is not None and self.engine.has_unfinished_requests():
                     self._size_step(self.core_share)
+                self._step_started = time.monotonic()
                 outputs = self.engine.step()
+                self._step_started = None
                 self.stats = self.engine.get_stats()
                 if self.on_step is not None:
                     self.on_step(self.engine)
@@ -104,6 +119,29 @@ class AsyncEngine:
                 self.loop.call_soon_threadsafe(self._fail_all)
                 if self.on_dead is not None and not self._stop.is_set():
                     self.loop.call_soon_threadsafe(self.on_dead, e)
+
+    # --- step watchdog (on the loop) ---------------------------------------------------------
+    def _watch_steps(self) -> None:
+        if self.error is not None or self._stop.is_set() or not self._thread.is_alive():
+            return
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.step_timeout_s:
+            self._wedged(time.monotonic() - started)
+            return
+        self.loop.call_later(min(1.0, self.step_timeout_s / 4), self._watch_steps)
+
+    def _wedged(self, running_s: float) -> None:
+        """A step that never ends (a hung GPU kernel or collective) would keep the worker up,
+        answering health checks, with every request on it stuck: it dies instead, so its
+        requests move on and its supervisor restarts it."""
+        e = EngineStepTimeout(f"an engine step has run {running_s:.0f} s, past the step "
+                              f"timeout of {self.step_timeout_s:g} s: the engine is wedged")
+        logger.error("%s; the engine thread's stack follows", e)
+        faulthandler.dump_traceback(all_threads=True)
+        self.error = e
+        self._fail_all()
+        if self.on_dead is not None:
+            self.on_dead(e)
 
     def _give_back_cores(self, module, args) -> None:
         threads = self.core_share.recheck()

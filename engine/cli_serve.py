@@ -25,6 +25,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "use this long")
     p.add_argument("--max-pending-requests", type=int, default=256)
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument("--engine-step-timeout-s", type=float, default=120.0,
+                   help="an engine step running longer is taken as wedged (a hung device or "
+                        "collective): the worker leaves, its requests move on, and it exits "
+                        "non-zero for its supervisor to restart it (0: no limit)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="after SIGTERM: how long requests in flight may run before stopping")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0,
@@ -62,7 +66,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
                         max_pending_requests=args.max_pending_requests,
                         core_share_path=args.core_share,
-                        core_share_cores=args.core_share_cores)
+                        core_share_cores=args.core_share_cores,
+                        engine_step_timeout_s=args.engine_step_timeout_s or None)
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:

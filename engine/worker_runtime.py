@@ -47,6 +47,9 @@ class WorkerConfig:
     # OMP_NUM_THREADS. None: a fixed thread count.
     core_share_path: str | None = None
     core_share_cores: int | None = None
+    # An engine step running longer than this is taken as wedged (a hung device or
+    # collective): the engine dies, the worker leaves and exits non-zero. None: no limit.
+    engine_step_timeout_s: float | None = 120.0
 
     def __post_init__(self) -> None:
         if self.engine.role not in ("prefill", "decode"):
@@ -63,6 +66,11 @@ class WorkerConfig:
             raise ValueError("core sharing needs --tensor-parallel-size 1")
         if self.core_share_path is None and self.core_share_cores is not None:
             raise ValueError("core_share_cores needs core_share_path")
+        t = self.engine_step_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 1 <= t <= 86400):
+            raise ValueError(f"engine_step_timeout_s must be seconds in [1, 86400] or None, "
+                             f"got {t!r}")
         cores = self.core_share_cores
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)
                                   or cores < 1):
@@ -144,7 +152,8 @@ class WorkerRuntime:
         share = config.core_share_config(torch.get_num_threads())
         self.engine = AsyncEngine(engine, on_step=self._on_step,
                                   core_share=CoreShare(share) if share else None,
-                                  on_dead=self._engine_died)
+                                  on_dead=self._engine_died,
+                                  step_timeout_s=config.engine_step_timeout_s)
         # Set once a step failed: the engine cannot serve again (a TP rank died, a CUDA
         # error), so the worker stops and exits non-zero for its supervisor to restart it.
         self.engine_failure: BaseException | None = None

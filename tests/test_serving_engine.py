@@ -160,3 +160,54 @@ def test_fresh_stats_answer_with_the_last_steps_while_a_long_step_holds_the_engi
     during, after = asyncio.run(run())
     assert during == 1  # the last stats, not a wait for the step
     assert after > 1  # taken now once the engine is free
+
+
+def test_a_step_that_never_ends_kills_the_engine_and_says_where_it_hangs(capfd):
+    """A wedged step (a hung device or collective) would leave a worker that answers health
+    checks with every request stuck: past the step timeout the engine dies, waiting streams get
+    EngineDeadError, on_dead hears of it, and the engine thread's stack goes to stderr."""
+    from engine.async_engine import EngineDeadError, EngineStepTimeout
+
+    class _Wedged(_Engine):
+        def has_unfinished_requests(self) -> bool:
+            return True
+
+        def step(self) -> list:
+            self.gate.wait(30)  # the step that never ends
+            return []
+
+        def add_request(self, *args) -> None:
+            pass
+
+    async def run():
+        engine = _Wedged()
+        deaths = []
+        ae = AsyncEngine(engine, on_dead=deaths.append, step_timeout_s=0.3)
+        try:
+            stream = ae.generate("r4", [1, 2, 3], None)
+            with pytest.raises(EngineDeadError, match="step timeout"):
+                await asyncio.wait_for(anext(stream), 10)
+            return deaths, ae.alive
+        finally:
+            engine.gate.set()
+            ae.shutdown()
+
+    deaths, alive = asyncio.run(run())
+    assert len(deaths) == 1 and isinstance(deaths[0], EngineStepTimeout)
+    assert not alive
+    assert "in step" in capfd.readouterr().err  # where the engine thread was stuck
+
+
+def test_the_step_timeout_flag_reaches_the_worker_config():
+    from engine.cli import build_parser
+    from engine.cli_serve import _worker_config
+
+    def cfg(*extra):
+        args = build_parser().parse_args(["decode", "--model", "tiny-llama", *extra])
+        return _worker_config(args, "decode")
+
+    assert cfg().engine_step_timeout_s == 120.0
+    assert cfg("--engine-step-timeout-s", "30").engine_step_timeout_s == 30.0
+    assert cfg("--engine-step-timeout-s", "0").engine_step_timeout_s is None
+    with pytest.raises(ValueError, match="engine_step_timeout_s"):
+        cfg("--engine-step-timeout-s", "0.5")
