@@ -20,8 +20,9 @@ trying and takes the view up again when Redis answers.
 Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
 does not answer, or answers that it is draining, no request is routed to it until the registry
 would have dropped it (the heartbeat TTL) or it registers anew. A worker with calls on it that
-stops answering health checks (router/liveness.py) has its calls cut and is marked the same. A migrating request also
-prefers workers other than the ones that failed it (router/migration.py).
+stops answering health checks (router/liveness.py) has its calls cut and is marked the same.
+A migrating request also prefers workers other than the ones that failed it
+(router/migration.py).
 """
 from __future__ import annotations
 
@@ -113,8 +114,8 @@ class WorkerDirectory:
     _probes: dict[str, asyncio.Future] = field(default_factory=dict)
     # Until when (monotonic) the request path routes without reading Redis.
     _registry_skip_until: float = 0.0
-    # Workers with calls in flight (by id(): a worker the registry dropped may still have some).
-    _busy: dict[int, WorkerHandle] = field(default_factory=dict)
+    # Workers with calls in flight (a worker the registry dropped may still have some).
+    _busy: set[WorkerHandle] = field(default_factory=set)
     _liveness_task: asyncio.Task | None = None
     # Workers found hung by the liveness checks, counted since start.
     worker_hangs: int = 0
@@ -126,7 +127,7 @@ class WorkerDirectory:
         if self.liveness.enabled:
             self._liveness_task = asyncio.create_task(
                 check_loop(self.liveness.interval_s, self.liveness.misses,
-                           lambda: list(self._busy.values()), self._hung))
+                           lambda: list(self._busy), self._hung))
 
     async def stop(self) -> None:
         for task in (self._task, self._liveness_task):
@@ -230,7 +231,7 @@ class WorkerDirectory:
         if not alive:
             logger.warning("worker %s (%s) stops receiving requests: it failed a request and "
                            "its probe", w.worker_id, w.info.address)
-            self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
+            self._mark_down(w)
         return alive
 
     def _hung(self, w: WorkerHandle, reason: str) -> None:
@@ -240,8 +241,13 @@ class WorkerDirectory:
         n = w.calls.cut_all(f"worker {w.worker_id} ({w.info.address}) hung: {reason}")
         logger.warning("worker %s (%s) hung (%s): %d call(s) on it cut, and it stops "
                        "receiving requests", w.worker_id, w.info.address, reason, n)
-        self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
+        self._mark_down(w)
         self.worker_hangs += 1
+
+    def _mark_down(self, w: WorkerHandle) -> None:
+        """No requests for ``w`` until the registry would have dropped it, or it registers at
+        another address (is_down)."""
+        self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
 
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
@@ -330,13 +336,13 @@ class WorkerDirectory:
         """Health-checks ``worker`` while the block runs (router/liveness.py): it has calls in
         flight, or a decode worker is pulling a request's KV from it."""
         worker.watchers += 1
-        self._busy[id(worker)] = worker
+        self._busy.add(worker)
         try:
             yield
         finally:
             worker.watchers -= 1
             if worker.watchers == 0:
-                self._busy.pop(id(worker), None)
+                self._busy.discard(worker)
                 if self.workers.get(worker.worker_id) is not worker:
                     self._retire(worker)  # dropped from the registry while its calls ran
 

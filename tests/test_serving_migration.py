@@ -65,6 +65,29 @@ async def _stream(client, prompt, params: dict, got: list):
     return final
 
 
+def _fault_when_busy(cluster, worker_address: str, prompts, params: dict, fault,
+                     undo=None):
+    """Streams every prompt at once; calls ``fault()`` once the worker at ``worker_address``
+    has one of them in flight, and ``undo()`` after every stream ended. The streamed token
+    ids per prompt, and the final chunks."""
+    async def run():
+        got = [[] for _ in prompts]
+        async with AsyncClient(cluster.router_address, timeout=300) as client:
+            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
+                     for p, g in zip(prompts, got)]
+            while not (await asyncio.to_thread(worker_info, worker_address)).num_inflight:
+                assert not all(t.done() for t in tasks), "no prompt reached the worker"
+                await asyncio.sleep(0.01)
+            fault()
+            try:
+                return got, await asyncio.gather(*tasks)
+            finally:
+                if undo is not None:
+                    undo()
+
+    return asyncio.run(run())
+
+
 async def _until(pred, timeout_s: float = 60.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pred():
@@ -161,22 +184,9 @@ def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, referen
     prompts = random_prompts(9, seed=39, lo=400, hi=600)
     params = dict(max_tokens=6, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
-
-    async def run():
-        got = [[] for _ in prompts]
-        async with AsyncClient(cluster.router_address, timeout=300) as client:
-            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
-                     for p, g in zip(prompts, got)]
-            while not (await asyncio.to_thread(worker_info, hung.address)).num_inflight:
-                assert not all(t.done() for t in tasks), "no prompt reached the worker"
-                await asyncio.sleep(0.01)
-            os.kill(hung.popen.pid, signal.SIGSTOP)
-            try:
-                return got, await asyncio.gather(*tasks)
-            finally:
-                os.kill(hung.popen.pid, signal.SIGCONT)
-
-    got, finals = asyncio.run(run())
+    got, finals = _fault_when_busy(cluster, hung.address, prompts, params,
+                                   lambda: os.kill(hung.popen.pid, signal.SIGSTOP),
+                                   lambda: os.kill(hung.popen.pid, signal.SIGCONT))
     assert got == [w.token_ids for w in want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no prompt was on the hung worker"
@@ -199,19 +209,8 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
     prompts = random_prompts(9, seed=37, lo=150, hi=250)
     params = dict(max_tokens=6, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
-
-    async def run():
-        got = [[] for _ in prompts]
-        async with AsyncClient(cluster.router_address, timeout=300) as client:
-            tasks = [asyncio.ensure_future(_stream(client, p, params, g))
-                     for p, g in zip(prompts, got)]
-            while not (await asyncio.to_thread(worker_info, tp2.address)).num_inflight:
-                assert not all(t.done() for t in tasks), "no prompt reached the worker"
-                await asyncio.sleep(0.01)
-            os.kill(rank1, signal.SIGKILL)
-            return got, await asyncio.gather(*tasks)
-
-    got, finals = asyncio.run(run())
+    got, finals = _fault_when_busy(cluster, tp2.address, prompts, params,
+                                   lambda: os.kill(rank1, signal.SIGKILL))
     assert got == [w.token_ids for w in want]
     assert tp2.popen.wait(timeout=60) == 1
     assert any(f.usage.migrations for f in finals)  # what it held moved on
