@@ -1,13 +1,14 @@
 """pdserve's client SDK: ``from client import AsyncClient, Client``."""
 from client.async_client import AsyncClient
-from client.errors import (CancelledError, DeadlineExceededError, InternalError,
-                           InvalidArgumentError, NotFoundError, PdserveError,
+from client.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError,
+                           InternalError, InvalidArgumentError, NotFoundError, PdserveError,
                            ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
-from client.types import Completion, GenerationChunk, Timings, TokenLogprobs, Usage
+from client.types import Chat, Completion, GenerationChunk, Timings, TokenLogprobs, Usage
 
-__all__ = ["AsyncClient", "Client", "FailoverPolicy", "Completion", "GenerationChunk", "Usage", "Timings",
-           "TokenLogprobs", "PdserveError", "InvalidArgumentError", "ResourceExhaustedError",
-           "UnavailableError", "DeadlineExceededError", "CancelledError", "NotFoundError",
-           "InternalError", "UnauthenticatedError"]
+__all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Completion", "GenerationChunk",
+           "Usage", "Timings", "TokenLogprobs", "PdserveError", "InvalidArgumentError",
+           "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
+           "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",
+           "FailedPreconditionError"]

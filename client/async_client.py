@@ -13,7 +13,8 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
-from client.types import Completion, GenerationChunk, build_request, completion_from_proto
+from client.types import (Completion, GenerationChunk, Prompt, build_request,
+                          completion_from_proto)
 from protos import router_pb2_grpc
 
 
@@ -27,7 +28,9 @@ class AsyncClient:
     that. ``api_key``: the router's ``--api-key``; ``tls`` (or ``root_certificates``, PEM bytes
     of the CA that signed the router's certificate) connects over TLS (client/channels.py).
     A router with calls on it that stops answering health checks has them cut, and they fail
-    over (client/liveness.py).
+    over (client/liveness.py). A prompt is text, token ids, or a conversation (a list of
+    ``{"role": ..., "content": ...}`` messages, or a ``Chat``) that the router renders with
+    the model's chat template.
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
@@ -60,7 +63,7 @@ class AsyncClient:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
                         timeout if timeout is not None else self.timeout)
 
-    async def generate(self, prompt: str | list[int], *, request_id: str | None = None,
+    async def generate(self, prompt: Prompt, *, request_id: str | None = None,
                        timeout: float | None = None, **sampling) -> AsyncIterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
@@ -82,7 +85,7 @@ class AsyncClient:
                     raise error_from_rpc(e) from None
             await asyncio.sleep(delay)
 
-    async def complete(self, prompt: str | list[int], *, request_id: str | None = None,
+    async def complete(self, prompt: Prompt, *, request_id: str | None = None,
                        timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)

@@ -40,6 +40,13 @@ class NotFoundError(PdserveError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPreconditionError(PdserveError):
+    """The router cannot serve this kind of request as configured (a chat prompt for a model
+    without a chat template)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class InternalError(PdserveError):
     code = grpc.StatusCode.INTERNAL
 
@@ -52,7 +59,8 @@ class UnauthenticatedError(PdserveError, PermissionError):
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedError,
                                       UnavailableError, DeadlineExceededError, CancelledError,
-                                      NotFoundError, InternalError, UnauthenticatedError)}
+                                      NotFoundError, InternalError, UnauthenticatedError,
+                                      FailedPreconditionError)}
 
 
 def error_from_rpc(e: grpc.RpcError) -> PdserveError:

@@ -12,7 +12,8 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
-from client.types import Completion, GenerationChunk, build_request, completion_from_proto
+from client.types import (Completion, GenerationChunk, Prompt, build_request,
+                          completion_from_proto)
 from protos import router_pb2_grpc
 
 
@@ -47,7 +48,7 @@ class Client:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
                         timeout if timeout is not None else self.timeout)
 
-    def generate(self, prompt: str | list[int], *, request_id: str | None = None,
+    def generate(self, prompt: Prompt, *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
         return self._stream(req, self._attempts(timeout))
@@ -76,7 +77,7 @@ class Client:
                 call.cancel()
             time.sleep(delay)
 
-    def complete(self, prompt: str | list[int], *, request_id: str | None = None,
+    def complete(self, prompt: Prompt, *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)

@@ -1,6 +1,7 @@
 """What the SDK hands back: plain dataclasses, no protobuf in user code."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protos import common_pb2, router_pb2
@@ -74,7 +75,36 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-def build_request(prompt: str | list[int], request_id: str | None,
+@dataclass
+class Chat:
+    """A conversation as the prompt: the router renders it with the model's chat template and
+    the model answers as the assistant. A plain list of messages is the same as ``Chat(list)``;
+    ``continue_final_message`` leaves the last message open for the model to continue (an
+    assistant reply the caller has begun) instead of opening a new assistant turn."""
+
+    messages: Sequence[Mapping[str, str]]  # [{"role": "user", "content": "Hi"}, ...]
+    continue_final_message: bool = False
+
+
+# What generate() and complete() take as the prompt.
+Prompt = str | list[int] | list[Mapping[str, str]] | Chat
+
+
+def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
+    msgs = chat.messages
+    if isinstance(msgs, (str, bytes, Mapping)) or not isinstance(msgs, Sequence):
+        raise TypeError("Chat.messages must be a list of {'role': ..., 'content': ...} dicts")
+    out = router_pb2.ChatPrompt(continue_final_message=bool(chat.continue_final_message))
+    for i, m in enumerate(msgs):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise TypeError(f"chat message {i} must be a dict with str 'role' and 'content', "
+                            f"got {m!r}")
+        out.messages.add(role=m["role"], content=m["content"])
+    return out
+
+
+def build_request(prompt: Prompt, request_id: str | None,
                   sampling: dict) -> router_pb2.GenerateRequest:
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
@@ -86,10 +116,17 @@ def build_request(prompt: str | list[int], request_id: str | None,
     req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
     if isinstance(prompt, str):
         req.text = prompt
+    elif isinstance(prompt, Chat):
+        req.chat.SetInParent()  # an empty conversation still says it is one
+        req.chat.CopyFrom(_chat_prompt(prompt))
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
+                                                               for m in prompt):
+        req.chat.CopyFrom(_chat_prompt(Chat(prompt)))
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         req.token_ids.ids.extend(prompt)
     else:
-        raise TypeError("prompt must be a str or a list of token ids")
+        raise TypeError("prompt must be a str, a list of token ids, a list of chat messages "
+                        "or a Chat")
     return req
 
 

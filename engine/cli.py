@@ -35,6 +35,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs cover decode steps whose contexts fit this many tokens")
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -156,12 +164,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_admin.add_connection_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(p, max_tokens=64)
     p.set_defaults(func=cmd_generate)
+
+    from engine import cli_chat
+
+    p = sub.add_parser("chat", help="a conversation on the terminal, rendered with the model's "
+                       "chat template (the in-process engine, or a running router with --router)")
+    _add_engine_args(p)
+    p.add_argument("--router", default=None,
+                   help="HOST:PORT of a running router (several, comma-separated, fail over)")
+    cli_admin.add_connection_args(p)
+    cli_chat.add_args(p)
+    _add_sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cli_chat.cmd_chat)
 
     from engine import cli_serve
 

@@ -112,6 +112,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="callers of the Router and RouterAdmin services must send "
                         "'authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="render chat prompts with this Jinja template (a file, or the template "
+                        "itself) instead of the model's own; needed for models without one")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send clients one chunk per N output tokens (the first at once): "
                         "fewer messages per token for the router and the client")
@@ -163,7 +166,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                       migration_limit=args.migration_limit, decode_stream=args.decode_stream,
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
-                      stream_interval=args.stream_interval,
+                      stream_interval=args.stream_interval, chat_template=args.chat_template,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(
@@ -195,6 +198,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", default=None, help="...and this PEM key")
     p.add_argument("--api-key", default=None,
                    help="the router's API key (router --api-key; default: $PDSERVE_API_KEY)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the router renders chat prompts with this template (router "
+                        "--chat-template; default: the model's own)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -206,6 +212,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.chat_template is not None:
+        from engine.chat_template import load_chat_template
+
+        load_chat_template(args.chat_template)  # a bad one fails here, before anything starts
+        if os.path.isfile(args.chat_template):
+            args.chat_template = os.path.abspath(args.chat_template)
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
@@ -232,7 +244,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
-    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key"):
+    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
+                 "--chat-template"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

@@ -1,8 +1,8 @@
-"""The offline API: ``LLM(model, **config).generate(prompts, params)``."""
+"""The offline API: ``LLM(model, **config).generate(prompts, params)``, ``.chat(messages)``."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -54,6 +54,26 @@ class LLM:
                 if out.finished and out.request_id in order:
                     final[order[out.request_id]] = out
         return final  # type: ignore[return-value]
+
+    def chat(self, messages: Sequence[Mapping[str, str]], params: SamplingParams | None = None,
+             *, continue_final_message: bool = False,
+             chat_template: str | None = None) -> RequestOutput:
+        """One assistant reply to a conversation (``[{"role": ..., "content": ...}, ...]``)
+        rendered with the model's chat template, or ``chat_template`` (its text)."""
+        return self.generate([self.chat_prompt(messages, continue_final_message, chat_template)],
+                             params)[0]
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]],
+                    continue_final_message: bool = False,
+                    chat_template: str | None = None) -> list[int]:
+        """The prompt token ids chat() sends (engine/chat_template.py)."""
+        from engine.chat_template import chat_prompt_ids
+
+        if self.tokenizer is None:
+            raise ValueError("the model has no tokenizer, so no chat template")
+        return chat_prompt_ids(self.tokenizer, messages,
+                               continue_final_message=continue_final_message,
+                               chat_template=chat_template)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields one prompt's outputs as tokens arrive."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from engine.tokenizer_builder import DEFAULT_VOCAB_SIZE, TokenizerInfo, build_tokenizer
 
 # Bump when the generated files change for the same spec, so cached folders are rebuilt.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the tokenizer has a chat template
 _MARKER = ".pdserve-preset.json"
 
 

@@ -24,6 +24,21 @@ BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+# Turns as "### role" headers, each message closed by eos. Written with the special tokens the
+# vocabulary already has, so adding it changed no token id. Strict about roles, as real
+# templates are, so that a conversation the template refuses is exercised too.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) -}}"
+    "{%- elif message['role'] == 'system' and not loop.first -%}"
+    "{{- raise_exception('only the first message may be a system message') -}}"
+    "{%- endif -%}"
+    "{{- '### ' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '### assistant\\n' -}}{%- endif -%}"
+)
 DEFAULT_VOCAB_SIZE = 8192
 
 _CORPUS_SEED = 20240611
@@ -150,7 +165,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE,
     """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir.
 
     The folder then loads with ``transformers.AutoTokenizer.from_pretrained(out_dir)`` offline.
-    Encoding adds bos (through the post-processor); there is no chat template.
+    Encoding adds bos (through the post-processor); the chat template is ``CHAT_TEMPLATE``.
     """
     if vocab_size < 512:
         raise ValueError(f"vocab_size must be >= 512 for a byte-level tokenizer, got {vocab_size}")
@@ -169,6 +184,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE,
         # Cleanup would rewrite " ." as "." and break incremental detokenization.
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out / "tokenizer_config.json", config)
     _write_json(out / "special_tokens_map.json", specials)

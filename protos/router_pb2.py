@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\x03\x42\x08\n\x06prompt\"\xc7\x01\n\x0eRequestTimings\x12\x16\n\x0erouter_queue_s\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x02 \x01(\x01\x12\x19\n\x11prefill_compute_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\"\xdd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12+\n\x07timings\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x12\n\nmigrations\x18\x08 \x01(\x05\"\xdd\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xda\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"\x15\n\x13\x43lusterStatsRequest\"\xe9\x02\n\x0c\x43lusterStats\x12\x1b\n\x13num_prefill_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\x03\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x03\x12\x1c\n\x14prompt_tokens_routed\x18\x06 \x01(\x03\x12\x1d\n\x15prefix_tokens_matched\x18\x07 \x01(\x03\x12\"\n\x1arequests_prefilled_locally\x18\x08 \x01(\x03\x12#\n\x1brequests_prefilled_remotely\x18\t \x01(\x03\x12\x19\n\x11requests_migrated\x18\n \x01(\x03\x12\x1c\n\x14migrations_exhausted\x18\x0b \x01(\x03\x12\x14\n\x0cworker_hangs\x18\x0c \x01(\x03\"8\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"\'\n\x13\x44rainWorkerResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\x95\x01\n\x06Router\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse2\xfb\x01\n\x0bRouterAdmin\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12L\n\x0fGetClusterStats\x12\x1f.pdserve.v1.ClusterStatsRequest\x1a\x18.pdserve.v1.ClusterStats\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"W\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\x03\x42\x08\n\x06prompt\"\xc7\x01\n\x0eRequestTimings\x12\x16\n\x0erouter_queue_s\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_queue_s\x18\x02 \x01(\x01\x12\x19\n\x11prefill_compute_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\x05 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x06 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\"\xdd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12+\n\x07timings\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.RequestTimings\x12\x19\n\x11prefill_worker_id\x18\x05 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x06 \x01(\t\x12\x15\n\rlocal_prefill\x18\x07 \x01(\x08\x12\x12\n\nmigrations\x18\x08 \x01(\x05\"\xdd\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\ntext_delta\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xda\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12+\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\"\n\x12ListWorkersRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\">\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.WorkerInfo\"\x15\n\x13\x43lusterStatsRequest\"\xe9\x02\n\x0c\x43lusterStats\x12\x1b\n\x13num_prefill_workers\x18\x01 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\x02 \x01(\x05\x12\x16\n\x0erequests_total\x18\x03 \x01(\x03\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\x03\x12\x17\n\x0frequests_failed\x18\x05 \x01(\x03\x12\x1c\n\x14prompt_tokens_routed\x18\x06 \x01(\x03\x12\x1d\n\x15prefix_tokens_matched\x18\x07 \x01(\x03\x12\"\n\x1arequests_prefilled_locally\x18\x08 \x01(\x03\x12#\n\x1brequests_prefilled_remotely\x18\t \x01(\x03\x12\x19\n\x11requests_migrated\x18\n \x01(\x03\x12\x1c\n\x14migrations_exhausted\x18\x0b \x01(\x03\x12\x14\n\x0cworker_hangs\x18\x0c \x01(\x03\"8\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"\'\n\x13\x44rainWorkerResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\x95\x01\n\x06Router\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse2\xfb\x01\n\x0bRouterAdmin\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12L\n\x0fGetClusterStats\x12\x1f.pdserve.v1.ClusterStatsRequest\x1a\x18.pdserve.v1.ClusterStats\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,30 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
-  _globals['_GENERATEREQUEST']._serialized_start=82
-  _globals['_GENERATEREQUEST']._serialized_end=260
-  _globals['_REQUESTTIMINGS']._serialized_start=263
-  _globals['_REQUESTTIMINGS']._serialized_end=462
-  _globals['_USAGE']._serialized_start=465
-  _globals['_USAGE']._serialized_end=686
-  _globals['_GENERATECHUNK']._serialized_start=689
-  _globals['_GENERATECHUNK']._serialized_end=910
-  _globals['_COMPLETERESPONSE']._serialized_start=913
-  _globals['_COMPLETERESPONSE']._serialized_end=1131
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1133
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1167
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1169
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1231
-  _globals['_CLUSTERSTATSREQUEST']._serialized_start=1233
-  _globals['_CLUSTERSTATSREQUEST']._serialized_end=1254
-  _globals['_CLUSTERSTATS']._serialized_start=1257
-  _globals['_CLUSTERSTATS']._serialized_end=1618
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1620
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1676
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=1678
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=1717
-  _globals['_ROUTER']._serialized_start=1720
-  _globals['_ROUTER']._serialized_end=1869
-  _globals['_ROUTERADMIN']._serialized_start=1872
-  _globals['_ROUTERADMIN']._serialized_end=2123
+  _globals['_CHATMESSAGE']._serialized_start=81
+  _globals['_CHATMESSAGE']._serialized_end=125
+  _globals['_CHATPROMPT']._serialized_start=127
+  _globals['_CHATPROMPT']._serialized_end=214
+  _globals['_GENERATEREQUEST']._serialized_start=217
+  _globals['_GENERATEREQUEST']._serialized_end=435
+  _globals['_REQUESTTIMINGS']._serialized_start=438
+  _globals['_REQUESTTIMINGS']._serialized_end=637
+  _globals['_USAGE']._serialized_start=640
+  _globals['_USAGE']._serialized_end=861
+  _globals['_GENERATECHUNK']._serialized_start=864
+  _globals['_GENERATECHUNK']._serialized_end=1085
+  _globals['_COMPLETERESPONSE']._serialized_start=1088
+  _globals['_COMPLETERESPONSE']._serialized_end=1306
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1308
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1342
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1344
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1406
+  _globals['_CLUSTERSTATSREQUEST']._serialized_start=1408
+  _globals['_CLUSTERSTATSREQUEST']._serialized_end=1429
+  _globals['_CLUSTERSTATS']._serialized_start=1432
+  _globals['_CLUSTERSTATS']._serialized_end=1793
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1795
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1851
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1853
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=1892
+  _globals['_ROUTER']._serialized_start=1895
+  _globals['_ROUTER']._serialized_end=2044
+  _globals['_ROUTERADMIN']._serialized_start=2047
+  _globals['_ROUTERADMIN']._serialized_end=2298
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from client.channels import check_api_key
 from client.keepalive import check_keepalive
+from engine.chat_template import load_chat_template
 from engine.grpc_server import ServerConfig
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
@@ -52,6 +53,11 @@ class RouterConfig:
     stream_interval: int = 1
     # Callers of Router and RouterAdmin must send it (router/auth.py); None: no key.
     api_key: str | None = field(default=None, repr=False)
+    # Chat prompts are rendered with this Jinja template (a file, or the template inline)
+    # instead of the model's own; None: the model's (engine/chat_template.py).
+    chat_template: str | None = None
+    # The template text chat_template names, read when the config is built.
+    chat_template_text: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -80,6 +86,7 @@ class RouterConfig:
             raise ValueError(f"stream_interval must be an integer in [1, 1024], "
                              f"got {self.stream_interval!r}")
         check_api_key(self.api_key)
+        self.chat_template_text = load_chat_template(self.chat_template)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")

@@ -23,6 +23,7 @@ import uuid
 import grpc
 
 from engine.block_hash import hash_request_tokens
+from engine.chat_template import ChatMessage, ChatTemplateMissing, chat_prompt_ids
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
@@ -110,8 +111,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             ids = self.tokenizer.encode(request.text)
         elif which == "token_ids":
             ids = convert.check_token_ids(request.token_ids.ids)
+        elif which == "chat":
+            ids = self._chat_ids(request.chat)
         else:
-            raise ValueError("the request has no prompt (set text or token_ids)")
+            raise ValueError("the request has no prompt (set text, token_ids or chat)")
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if t >= self.vocab_size]
@@ -119,6 +122,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"(size {self.vocab_size})")
         return ids
+
+    def _chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
+        try:
+            return chat_prompt_ids(self.tokenizer,
+                                   [ChatMessage(m.role, m.content) for m in chat.messages],
+                                   continue_final_message=chat.continue_final_message,
+                                   chat_template=self.config.chat_template_text)
+        except ChatTemplateMissing as e:
+            raise RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
 
     def _resume_ids(self, request: router_pb2.GenerateRequest, params) -> list[int]:
         ids = convert.check_token_ids(request.resume_token_ids, "resume")

@@ -6,7 +6,7 @@ import time
 import pytest
 import redis
 
-from client import Client, DeadlineExceededError, InvalidArgumentError
+from client import Chat, Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import (WORKER_ARGS, free_port, parse_metrics, random_prompts,
@@ -60,6 +60,24 @@ def test_text_prompt_complete_matches_offline_text(cluster, reference):
     assert res.usage.decode_worker_id.startswith("decode-")
 
 
+def test_chat_prompts_match_the_in_process_chat(cluster, reference):
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about paged attention."}]
+    begun = chat + [{"role": "assistant", "content": "Paged attention is"}]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = reference.chat(chat, params)
+    want_begun = reference.chat(begun, params, continue_final_message=True)
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete(chat, max_tokens=12, temperature=0.0, ignore_eos=True)
+        chunks = list(c.generate(Chat(begun, continue_final_message=True), max_tokens=12,
+                                 temperature=0.0, ignore_eos=True))
+    assert res.token_ids == want.token_ids and res.text == want.text
+    assert res.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert [t for ch in chunks for t in ch.token_ids] == want_begun.token_ids
+    assert chunks[-1].usage.prompt_tokens == len(want_begun.prompt_token_ids)
+    assert want.token_ids != want_begun.token_ids
+
+
 def test_client_cancel_mid_stream_frees_every_block(cluster):
     with Client(cluster.router_address, timeout=60) as c:
         stream = c.generate(random_prompts(1, seed=3)[0], max_tokens=400, temperature=0.0,
@@ -85,6 +103,10 @@ def test_client_deadline_frees_every_block(cluster):
     ("hello", {"temperature": -1.0}, "temperature"),
     ("hello", {"top_p": 0.0}, "top_p"),
     ([5] * 1100, {}, "max_model_len"),
+    ([{"role": "bot", "content": "hi"}], {}, "roles must be system, user or assistant"),
+    (Chat([]), {}, "the chat has no messages"),
+    (Chat([{"role": "user", "content": ""}], continue_final_message=True), {},
+     "final message with content"),
 ])
 def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
     with Client(cluster.router_address, timeout=30) as c:

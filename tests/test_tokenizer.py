@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine import tokenizer_builder
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from engine.tokenizer_builder import BOS_TOKEN, EOS_TOKEN, build_tokenizer
+from engine.tokenizer_builder import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, build_tokenizer
 
 FFFD = "\ufffd"
 PROPERTY = settings(max_examples=150, deadline=None,
@@ -106,7 +106,7 @@ def test_autotokenizer_loads_the_folder_offline(tok_dir, monkeypatch):
     hf = AutoTokenizer.from_pretrained(str(tok_dir))
     assert hf.bos_token == BOS_TOKEN and hf.eos_token == EOS_TOKEN and hf.pad_token_id == 8191
     assert hf.decode(hf("naïve 日本")["input_ids"], skip_special_tokens=True) == "naïve 日本"
-    assert getattr(hf, "chat_template", None) is None
+    assert hf.chat_template == CHAT_TEMPLATE
 
 
 def test_training_is_deterministic(tmp_path, tok_dir):

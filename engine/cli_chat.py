@@ -1,0 +1,119 @@
+"""``pdserve chat``: a conversation on the terminal, through a running router (``--router``)
+or the in-process engine. Each line read is a user turn; the reply streams back and joins
+the history, which the model's chat template renders into every next prompt.
+``/reset`` starts over (the system message stays), ``/exit`` or end of input quits."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+# A reply in progress: text deltas, then the usage line for stderr.
+Replier = Callable[[list[dict]], Iterator[tuple[str, str | None]]]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="a system message to open the conversation")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="in-process only: render with this Jinja template instead of the "
+                        "model's (a router uses its own --chat-template)")
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from client import PdserveError
+
+    if args.router and args.chat_template:
+        raise ValueError("--chat-template applies to the in-process engine; a router renders "
+                         "with its own --chat-template")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+    interactive = sys.stdin.isatty()
+    with _replier(args) as reply:
+        while True:
+            if interactive:
+                print("you> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("/exit", "/quit"):
+                return 0
+            text = line.rstrip("\n")
+            if text.strip() == "/reset":
+                history = list(system)
+                print("(conversation cleared)", flush=True)
+                continue
+            if not text.strip():
+                continue
+            history.append({"role": "user", "content": text})
+            parts = []
+            try:
+                for delta, usage in reply(history):
+                    parts.append(delta)
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+                    if usage is not None:
+                        print(f"\n[{usage}]", file=sys.stderr, flush=True)
+            except (PdserveError, ValueError) as e:
+                history.pop()  # the turn failed: the next one starts from before it
+                code = getattr(e, "code", None)
+                print(f"\npdserve: error: {f'{code.name}: ' if code else ''}{e}",
+                      file=sys.stderr, flush=True)
+                continue
+            print(flush=True)
+            history.append({"role": "assistant", "content": "".join(parts)})
+
+
+class _replier:
+    """The reply function for args' mode, and what it holds open (a client or an engine)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        self._close = lambda: None
+
+    def __enter__(self) -> Replier:
+        return self._remote() if self.args.router else self._local()
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+
+    def _remote(self) -> Replier:
+        from client import Chat, Client
+        from engine.cli_admin import connection_kwargs
+
+        client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
+                        **connection_kwargs(self.args))
+        self._close = client.close
+
+        def reply(history: list[dict]):
+            t0 = time.perf_counter()
+            for chunk in client.generate(Chat(history), **self.sampling):
+                u = chunk.usage
+                yield chunk.text, None if u is None else (
+                    f"{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, total "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms, {u.prompt_tokens} prompt tokens, "
+                    f"{u.cached_tokens} cached")
+        return reply
+
+    def _local(self) -> Replier:
+        from engine import LLM, SamplingParams
+        from engine.chat_template import load_chat_template
+        from engine.cli import engine_kwargs
+
+        template = load_chat_template(self.args.chat_template)
+        llm = LLM(self.args.model, **engine_kwargs(self.args))
+        self._close = llm.shutdown
+        params = SamplingParams(**self.sampling)
+
+        def reply(history: list[dict]):
+            t0 = time.perf_counter()
+            ids = llm.chat_prompt(history, chat_template=template)
+            n = 0
+            first = None
+            for out in llm.stream(ids, params):
+                n += len(out.new_token_ids)
+                first = first or time.perf_counter() - t0
+                yield out.text_delta, None if not out.finished else (
+                    f"{n} tokens, TTFT {first * 1e3:.1f} ms, total "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms, {len(ids)} prompt tokens")
+        return reply

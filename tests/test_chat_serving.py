@@ -1,0 +1,78 @@
+"""Chat through a cluster whose router renders with the operator's template (``pdserve up
+--chat-template``), and ``pdserve chat --router`` keeping a conversation, against the
+in-process engine on the same rendered prompts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from client import Client
+from engine import SamplingParams
+from engine.chat_template import load_chat_template
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS
+
+# Different turn markers from the model's own template, so the tokens show which one ran.
+TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}"
+            "{{- '<' + m['role'] + '> ' + m['content'] + '\\n' -}}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<assistant> ' -}}{%- endif -%}")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "turns.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(template_file):
+    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS,
+                       router_args=["--chat-template", template_file])
+    with Cluster(spec) as c:
+        yield c
+
+
+def _reply(reference, history, max_tokens, **kw):
+    ids = reference.chat_prompt(history, chat_template=load_chat_template(TEMPLATE))
+    return reference.generate([ids], SamplingParams(max_tokens=max_tokens, **kw))[0]
+
+
+def test_the_operators_template_renders_the_prompt(cluster, reference):
+    chat = [{"role": "user", "content": "What is a KV cache?"}]
+    want = _reply(reference, chat, 10, **GREEDY)
+    assert reference.tokenizer.decode(want.prompt_token_ids) == \
+        "<user> What is a KV cache?\n<assistant> "
+    assert want.token_ids != reference.chat(chat, SamplingParams(max_tokens=10, **GREEDY)).token_ids
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete(chat, max_tokens=10, **GREEDY)
+    assert res.token_ids == want.token_ids
+    assert res.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_pdserve_chat_through_the_router_keeps_the_conversation(cluster, reference):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "chat", "--router", cluster.router_address,
+         "--system", "Be brief.", "--max-tokens", "8"],
+        input="Hello\n\nAnd then?\n/exit\nnever sent\n", capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = _reply(reference, history, 8, temperature=0.0).text
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    second = _reply(reference, history, 8, temperature=0.0)
+    assert proc.stdout == f"{first}\n{second.text}\n"
+    assert proc.stderr.count("tokens, TTFT") == 2
+    assert f"{len(second.prompt_token_ids)} prompt tokens" in proc.stderr
+
+
+def test_pdserve_chat_reports_a_refused_turn_and_goes_on(cluster):
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "chat", "--router", cluster.router_address,
+         "--max-tokens", "4", "--temperature", "-1"],
+        input="Hello\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "INVALID_ARGUMENT" in proc.stderr and "temperature" in proc.stderr

@@ -1,0 +1,178 @@
+"""Chat prompts (engine/chat_template.py): rendering against Hugging Face's own
+apply_chat_template, what is refused, the operator's template, the offline LLM.chat and
+``pdserve chat`` against HF generate, and the SDK's request building."""
+from __future__ import annotations
+
+import io
+
+import grpc
+import pytest
+
+from client import Chat, FailedPreconditionError
+from client.errors import error_from_rpc
+from client.types import build_request
+from engine import SamplingParams
+from engine.chat_template import (ChatMessage, ChatTemplateMissing, chat_prompt_ids,
+                                  check_messages, load_chat_template)
+from engine.tokenizer import load_tokenizer
+from engine.tokenizer_builder import CHAT_TEMPLATE
+from router.config import RouterConfig
+from tests.hf_oracle import hf_greedy
+
+CHATS = [
+    [{"role": "user", "content": "Hello there, who are you?"}],
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "Name three colours."},
+     {"role": "assistant", "content": "Red, green and blue."},
+     {"role": "user", "content": "Ünïcödé, 漢字 and emoji 🎉 too?"}],
+    [{"role": "user", "content": ""}],
+]
+QA_TEMPLATE = ("{%- for m in messages -%}{{ 'Q: ' if m['role'] == 'user' else 'A: ' }}"
+               "{{ m['content'] + '\\n' }}{%- endfor -%}"
+               "{%- if add_generation_prompt -%}A:{%- endif -%}")
+
+
+@pytest.fixture(scope="module")
+def tok(preset_path):
+    return load_tokenizer(preset_path("tiny-llama"))
+
+
+@pytest.mark.parametrize("chat", CHATS)
+def test_prompt_ids_equal_hugging_faces(tok, chat):
+    assert tok.hf.chat_template == CHAT_TEMPLATE
+    want = tok.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+    got = chat_prompt_ids(tok, chat)
+    assert got == want
+    assert got[0] == tok.bos_token_id and got.count(tok.bos_token_id) == 1
+    assert tok.decode(got, skip_special_tokens=False).endswith("### assistant\n")
+
+
+def test_continue_final_message_leaves_the_reply_open(tok):
+    chat = CHATS[1][:3]
+    want = tok.hf.apply_chat_template(chat, continue_final_message=True, tokenize=True,
+                                      return_dict=False)
+    got = chat_prompt_ids(tok, chat, continue_final_message=True)
+    assert got == want
+    assert tok.decode(got, skip_special_tokens=False).endswith("### assistant\nRed, green and blue.")
+    with pytest.raises(ValueError, match="final message with content"):
+        chat_prompt_ids(tok, [{"role": "assistant", "content": ""}], continue_final_message=True)
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], "no messages"),
+    ("hello", "list of"),
+    ([{"role": "user"}], "exactly the keys"),
+    ([{"role": "user", "content": "x", "name": "bob"}], "exactly the keys"),
+    ([{"role": "", "content": "x"}], "role must be a non-empty"),
+    ([{"role": "user", "content": 5}], "content must be a string"),
+    ([{"role": "bot", "content": "x"}], "refused the conversation: roles must be"),
+    ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}],
+     "only the first message may be a system"),
+    ([{"role": "user", "content": "x"}] * 4097, "more than 4096"),
+])
+def test_bad_conversations_are_refused(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        chat_prompt_ids(tok, messages)
+
+
+def test_a_model_without_a_template_needs_the_operators(preset_path, tmp_path):
+    tok = load_tokenizer(preset_path("tiny-llama"))
+    tok.hf.chat_template = None
+    with pytest.raises(ChatTemplateMissing, match="--chat-template"):
+        chat_prompt_ids(tok, CHATS[0])
+    path = tmp_path / "qa.jinja"
+    path.write_text(QA_TEMPLATE)
+    for source in (QA_TEMPLATE, str(path)):
+        ids = chat_prompt_ids(tok, CHATS[1][1:3], chat_template=load_chat_template(source))
+        assert tok.decode(ids) == "Q: Name three colours.\nA: Red, green and blue.\nA:"
+
+
+def test_load_chat_template_checks_the_operators_template(tmp_path):
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="does not exist"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        load_chat_template("{% for m in messages %}{{ m }")
+    with pytest.raises(ValueError, match="file path or a Jinja template"):
+        load_chat_template("  ")
+    config = RouterConfig(model="tiny-llama", redis_url="redis://x", chat_template=QA_TEMPLATE)
+    assert config.chat_template_text == QA_TEMPLATE
+    with pytest.raises(ValueError, match="does not exist"):
+        RouterConfig(model="tiny-llama", redis_url="redis://x", chat_template="nope.jinja")
+
+
+def test_check_messages_takes_messages_and_mappings():
+    msgs = check_messages([ChatMessage("user", "a"), {"role": "assistant", "content": "b"}])
+    assert msgs == [ChatMessage("user", "a"), ChatMessage("assistant", "b")]
+
+
+def test_llm_chat_equals_hf_generate_on_the_rendered_prompt(reference, preset_path):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [reference.chat(chat, params) for chat in CHATS[:2]]
+    for chat, out in zip(CHATS, outs):
+        ids = reference.tokenizer.hf.apply_chat_template(chat, add_generation_prompt=True,
+                                                         tokenize=True, return_dict=False)
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == hf_greedy(preset_path("tiny-llama"), ids, 12)
+    assert outs[0].token_ids != outs[1].token_ids
+
+
+def test_pdserve_chat_offline_keeps_the_conversation(reference, monkeypatch, capsys):
+    from engine.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAnd then?\n/reset\nHello\n"))
+    assert main(["chat", "--system", "Be brief.", "--max-tokens", "6", "--num-gpu-blocks",
+                 "64"]) == 0
+    out = capsys.readouterr()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    first = reference.chat(history, params).text
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "And then?"}]
+    second = reference.chat(history, params).text
+    assert out.out == f"{first}\n{second}\n(conversation cleared)\n{first}\n"
+    assert out.err.count("tokens, TTFT") == 3
+
+
+def test_sdk_builds_chat_requests():
+    chat = [{"role": "user", "content": "Hi"}]
+    req = build_request(chat, None, {"max_tokens": 3})
+    assert req.WhichOneof("prompt") == "chat"
+    assert [(m.role, m.content) for m in req.chat.messages] == [("user", "Hi")]
+    assert not req.chat.continue_final_message
+    req = build_request(Chat(chat, continue_final_message=True), "r1", {})
+    assert req.chat.continue_final_message and req.request_id == "r1"
+    with pytest.raises(TypeError, match="chat message 0"):
+        build_request([{"role": "user", "content": 3}], None, {})
+    with pytest.raises(TypeError, match="Chat.messages"):
+        build_request(Chat("hello"), None, {})
+
+
+def test_router_answers_failed_precondition_without_a_template(preset_path):
+    from router.service import RouterRejectError, RouterServicer
+
+    tok = load_tokenizer(preset_path("tiny-llama"))
+    tok.hf.chat_template = None
+    config = RouterConfig(model="tiny-llama", redis_url="redis://x")
+    servicer = RouterServicer(config, None, tok, tok.vocab_size, None)
+    req = build_request(CHATS[0], None, {})
+    with pytest.raises(RouterRejectError, match="no chat template") as e:
+        servicer._prompt_ids(req)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    servicer.config = RouterConfig(model="tiny-llama", redis_url="redis://x",
+                                   chat_template=QA_TEMPLATE)
+    assert tok.decode(servicer._prompt_ids(req)) == "Q: Hello there, who are you?\nA:"
+    assert build_request(Chat([]), None, {}).WhichOneof("prompt") == "chat"
+
+
+class _RpcError(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self):
+        return "no chat template"
+
+
+def test_failed_precondition_has_its_own_sdk_error():
+    err = error_from_rpc(_RpcError())
+    assert isinstance(err, FailedPreconditionError) and err.details == "no chat template"
