@@ -41,6 +41,19 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or output")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from tokens the output has, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence in the output, in [-2, 2]")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """SamplingParams (or SDK) keyword arguments from _add_sampling_args' flags."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -103,8 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(**sampling_kwargs(args))
     with LLM(args.model, **engine_kwargs(args)) as llm:
         for out in llm.stream(args.prompt, params):
             sys.stdout.write(out.text_delta)

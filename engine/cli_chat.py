@@ -67,8 +67,9 @@ class _replier:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+        from engine.cli import sampling_kwargs
+
+        self.sampling = sampling_kwargs(args)
         self._close = lambda: None
 
     def __enter__(self) -> Replier:

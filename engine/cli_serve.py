@@ -255,10 +255,10 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     """Streams one prompt through a running router."""
     from client import Client, PdserveError
+    from engine.cli import sampling_kwargs
     from engine.cli_admin import connection_kwargs
 
-    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)
+    sampling = sampling_kwargs(args)
     t0 = time.perf_counter()
     try:
         with Client([a.strip() for a in args.router.split(",") if a.strip()],

@@ -13,6 +13,7 @@ import torch
 from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
+from engine.penalties import PenaltyState
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import SchedulerOutput
 from kernels.attention_backend import AttentionMetadata
@@ -69,7 +70,20 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
     """One token per row of ``logits`` ([num_sampled, vocab]) for the requests that sample."""
     reqs = [s.request for s in sched.scheduled if s.samples]
     gens = [request_generator(r, device) for r in reqs]
-    return sampler(logits, [r.sampling_params for r in reqs], gens)
+    states = None
+    if any(r.sampling_params.has_penalties for r in reqs):
+        states = [request_penalty_state(r, logits.shape[1], logits.device)
+                  if r.sampling_params.has_penalties else None for r in reqs]
+    return sampler(logits, [r.sampling_params for r in reqs], gens, states)
+
+
+def request_penalty_state(req, vocab_size: int, device: torch.device) -> PenaltyState:
+    """The request's penalty counts, made at its first sampled step and brought up to date
+    with the tokens it has output since its last."""
+    if req.penalty_state is None:
+        req.penalty_state = PenaltyState.for_prompt(req.prompt_token_ids, vocab_size, device)
+    req.penalty_state.update(req.output_token_ids)
+    return req.penalty_state
 
 
 def request_generator(req, device: torch.device) -> torch.Generator | None:

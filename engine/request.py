@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch stays out of the request's import
+    from engine.penalties import PenaltyState
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +47,8 @@ class Request:
     num_preemptions: int = 0
     # Logprobs per output token, filled when sampling_params.logprobs is set.
     logprobs: list = field(default_factory=list)
+    # Token counts for the penalties (engine/penalties.py), once it has sampled with them.
+    penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""Batched next-token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched next-token sampling: penalties, greedy, temperature, top-k, top-p, min-p, seeds,
+logprobs.
 
 One call samples one token for every request of the step. The work is batched: greedy rows
 share one argmax, random rows share one temperature division, one threshold per row that
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.penalties import PenaltyState, apply_penalties
 from engine.sampling_params import SamplingParams
 
 
@@ -65,12 +67,16 @@ def _is_greedy(params: SamplingParams) -> bool:
 class Sampler:
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
-        """Samples one token per row of ``logits`` [num_reqs, vocab]."""
+                 generators: list[torch.Generator | None],
+                 penalty_states: list[PenaltyState | None] | None = None) -> SamplerOutput:
+        """Samples one token per row of ``logits`` [num_reqs, vocab]; rows whose params have
+        penalties need their request's ``PenaltyState`` in ``penalty_states``."""
         _check_inputs(logits, params, generators)
         num_reqs = logits.shape[0]
         if num_reqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
+        raw = logits  # logprobs describe the model, before penalties too
+        logits = _penalised(logits, params, penalty_states)
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not random_rows:
@@ -83,7 +89,25 @@ class Sampler:
             token_ids[rows] = _sample_random(logits[rows], [params[i] for i in random_rows],
                                              [generators[i] for i in random_rows])
         return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_compute_logprobs(logits, token_ids, params))
+                             logprobs=_compute_logprobs(raw, token_ids, params))
+
+
+def _penalised(logits: torch.Tensor, params: list[SamplingParams],
+               states: list[PenaltyState | None] | None) -> torch.Tensor:
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    if states is None or len(states) != len(params) or any(states[i] is None for i in rows):
+        raise ValueError("rows with penalties need their requests' penalty states")
+    sub = [params[i] for i in rows]
+    args = ([p.repetition_penalty for p in sub], [p.presence_penalty for p in sub],
+            [p.frequency_penalty for p in sub], [states[i] for i in rows])
+    if len(rows) == len(params):
+        return apply_penalties(logits, *args)
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.float().clone()
+    out[index] = apply_penalties(logits[index], *args)
+    return out
 
 
 def _check_inputs(logits: torch.Tensor, params: list[SamplingParams],

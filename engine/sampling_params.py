@@ -23,6 +23,11 @@ class SamplingParams:
     # Keep the stop string in the returned text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # engine/penalties.py: > 1 discourages tokens already in the prompt or output (1: off);
+    # subtracted once per token the output has / per occurrence there, in [-2, 2] (0: off).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,12 +54,24 @@ class SamplingParams:
                                           or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:

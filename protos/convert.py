@@ -13,7 +13,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Engine SamplingParams; unset optional fields keep the engine defaults. ValueError if bad."""
     kw: dict = {}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
-                 "skip_special_tokens"):
+                 "skip_special_tokens", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     kw["stop"] = list(msg.stop)
@@ -28,7 +29,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         min_p=p.min_p, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=p.skip_special_tokens)
+        skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -78,6 +78,22 @@ def test_chat_prompts_match_the_in_process_chat(cluster, reference):
     assert want.token_ids != want_begun.token_ids
 
 
+def test_penalties_carry_from_the_prefill_worker_to_the_decode_worker(cluster, reference):
+    from tests.test_penalties import GREEDY, PROMPTS
+
+    penalties = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.0, presence_penalty=0.5)]
+    with Client(cluster.router_address, timeout=60) as c:
+        for prompt in PROMPTS:
+            for kw in penalties:
+                want = reference.generate([prompt], SamplingParams(**kw, **GREEDY))[0]
+                got = [t for ch in c.generate(prompt, **kw, **GREEDY) for t in ch.token_ids]
+                assert got == want.token_ids, kw
+    plain = reference.generate(PROMPTS, SamplingParams(**GREEDY))
+    assert plain[0].token_ids != reference.generate(
+        PROMPTS[:1], SamplingParams(**penalties[1], **GREEDY))[0].token_ids
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_client_cancel_mid_stream_frees_every_block(cluster):
     with Client(cluster.router_address, timeout=60) as c:
         stream = c.generate(random_prompts(1, seed=3)[0], max_tokens=400, temperature=0.0,
@@ -105,6 +121,8 @@ def test_client_deadline_frees_every_block(cluster):
     ([5] * 1100, {}, "max_model_len"),
     ([{"role": "bot", "content": "hi"}], {}, "roles must be system, user or assistant"),
     (Chat([]), {}, "the chat has no messages"),
+    ("hello", {"repetition_penalty": 0.0}, "repetition_penalty"),
+    ("hello", {"frequency_penalty": 2.5}, "frequency_penalty"),
     (Chat([{"role": "user", "content": ""}], continue_final_message=True), {},
      "final message with content"),
 ])

@@ -1,0 +1,157 @@
+"""Repetition, presence and frequency penalties (engine/penalties.py): the batched code
+against a per-token Python reference, the sampler around it, and the engine's greedy output
+against Hugging Face (its own repetition penalty, and its logits with the OpenAI formula for
+the other two), also across a resumed request."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.penalties import PenaltyState, apply_penalties
+from engine.sampler import Sampler
+from tests.hf_oracle import hf_model
+from tests.serving_helpers import random_prompts
+
+VOCAB = 50
+
+
+def _reference(logits: list[float], prompt: list[int], output: list[int], rep: float,
+               pres: float, freq: float) -> list[float]:
+    """One row, token by token, straight from the definitions."""
+    out = []
+    for tok, x in enumerate(logits):
+        if tok in prompt or tok in output:
+            x = x / rep if x > 0 else x * rep
+        n = output.count(tok)
+        out.append(x - freq * n - (pres if n else 0.0))
+    return out
+
+
+def _state(prompt, output, in_steps=1):
+    s = PenaltyState.for_prompt(prompt, VOCAB, torch.device("cpu"))
+    step = max(1, len(output) // in_steps)
+    for end in range(step, len(output) + step, step):  # as the engine does, step by step
+        s.update(output[:end])
+    return s
+
+
+def test_batched_penalties_equal_the_definitions():
+    rng = random.Random(0)
+    rows = []
+    for i in range(6):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))]
+        output = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 30))]
+        rows.append((prompt, output, rng.choice([1.0, 1.3, 0.7]), rng.choice([0.0, 0.5, -1.0]),
+                     rng.choice([0.0, 0.25, 2.0])))
+    logits = torch.randn(len(rows), VOCAB) * 3
+    states = [_state(p, o, in_steps=3) for p, o, *_ in rows]
+    got = apply_penalties(logits, [r[2] for r in rows], [r[3] for r in rows],
+                          [r[4] for r in rows], states)
+    for i, (prompt, output, rep, pres, freq) in enumerate(rows):
+        want = _reference(logits[i].tolist(), prompt, output, rep, pres, freq)
+        assert got[i].tolist() == pytest.approx(want, abs=1e-5)
+        assert states[i].output_counts.sum().item() == len(output)
+    assert not torch.equal(got, logits)
+
+
+def test_penalty_state_counts_only_new_tokens():
+    s = _state([1, 2], [])
+    s.update([3, 3])
+    s.update([3, 3])  # nothing new
+    s.update([3, 3, 4])
+    assert s.output_counts[3].item() == 2 and s.output_counts[4].item() == 1
+    assert s.prompt_mask[[1, 2]].all() and not s.prompt_mask[3]
+
+
+def test_apply_penalties_checks_its_inputs():
+    with pytest.raises(ValueError, match="as many"):
+        apply_penalties(torch.zeros(2, VOCAB), [1.0], [0.0], [0.0], [_state([1], [])])
+    with pytest.raises(ValueError, match="penalty state"):
+        apply_penalties(torch.zeros(1, VOCAB + 1), [1.0], [0.0], [0.0], [_state([1], [])])
+
+
+def test_sampler_penalises_only_its_rows_and_reports_raw_logprobs():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 5.0
+    logits[:, 8] = 4.0
+    plain = SamplingParams(temperature=0.0, logprobs=1)
+    penalised = SamplingParams(temperature=0.0, logprobs=1, frequency_penalty=2.0)
+    out = Sampler()(logits, [plain, penalised], [None, None], [None, _state([1], [7])])
+    assert out.token_ids == [7, 8]  # 7 once in the output: 5 - 2 < 4
+    raw = torch.log_softmax(logits[1], dim=-1)
+    assert out.logprobs[1].sampled.logprob == pytest.approx(raw[8].item())
+    assert out.logprobs[1].sampled.rank == 2
+    with pytest.raises(ValueError, match="penalty states"):
+        Sampler()(logits, [plain, penalised], [None, None])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty="1"), "frequency_penalty"),
+])
+def test_sampling_params_validate_penalties(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+# The random model rarely repeats itself: of these, the first one's unpenalised greedy output
+# has a repeated token and the second's a token of its prompt, so the penalties change them.
+PROMPTS = [random_prompts(12, seed=5, lo=5, hi=40)[i] for i in (3, 10)]
+GREEDY = dict(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@torch.inference_mode()
+def test_repetition_penalty_equals_hugging_faces(reference, preset_path):
+    model = hf_model(str(preset_path("tiny-llama")))
+    got = reference.generate(PROMPTS, SamplingParams(repetition_penalty=1.8, **GREEDY))
+    plain = reference.generate(PROMPTS, SamplingParams(**GREEDY))
+    for prompt, out in zip(PROMPTS, got):
+        ids = torch.tensor([prompt])
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == want[0, len(prompt):].tolist()
+    assert set(plain[1].token_ids) & set(PROMPTS[1])  # a prompt token, which the penalty...
+    assert got[1].token_ids != plain[1].token_ids     # ...made the model avoid
+
+
+@torch.inference_mode()
+def _hf_penalised_greedy(path, prompt, n, rep, pres, freq) -> list[int]:
+    model = hf_model(str(path))
+    output: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + output])).logits[0, -1].float().tolist()
+        x = _reference(logits, prompt, output, rep, pres, freq)
+        output.append(max(range(len(x)), key=x.__getitem__))
+    return output
+
+
+def test_presence_and_frequency_penalties_equal_the_definitions_on_hf(reference, preset_path):
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.1,
+                            **GREEDY)
+    got = reference.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, got):
+        assert out.token_ids == _hf_penalised_greedy(preset_path("tiny-llama"), prompt, 32,
+                                                     1.1, 0.5, 1.0)
+    plain = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0].token_ids
+    assert len(set(plain)) < len(plain) and len(set(got[0].token_ids)) == len(plain)
+
+
+def test_a_resumed_request_keeps_penalising_its_earlier_output(reference):
+    params = SamplingParams(frequency_penalty=1.5, repetition_penalty=1.2, **GREEDY)
+    whole = reference.generate([PROMPTS[0]], params)[0].token_ids
+    assert whole != reference.generate([PROMPTS[0]], SamplingParams(**GREEDY))[0].token_ids
+    engine = reference.engine
+    engine.add_request("resumed", PROMPTS[0], params, resume_token_ids=whole[:8])
+    rest = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "resumed" and out.finished:
+                rest = out.token_ids
+    assert rest == whole
