@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -47,13 +48,27 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="subtracted from tokens the output has, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted per occurrence in the output, in [-2, 2]")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no eos, stop token or stop string ends the output before this many")
+    p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
+                   help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    try:
+        raw = json.loads(text)
+        return {int(k): float(v) for k, v in raw.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise argparse.ArgumentTypeError(
+            'a JSON object of token id to bias, e.g. {"42": 5.0}') from None
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """SamplingParams (or SDK) keyword arguments from _add_sampling_args' flags."""
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                min_tokens=args.min_tokens, logit_bias=args.logit_bias or {})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

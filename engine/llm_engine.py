@@ -60,7 +60,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_manager)
-        self.sampler = Sampler()
+        self.sampler = Sampler(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
                                        self.max_model_len, config.detokenize)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -74,7 +74,9 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
     if any(r.sampling_params.has_penalties for r in reqs):
         states = [request_penalty_state(r, logits.shape[1], logits.device)
                   if r.sampling_params.has_penalties else None for r in reqs]
-    return sampler(logits, [r.sampling_params for r in reqs], gens, states)
+    lengths = ([r.num_output_tokens for r in reqs]
+               if any(r.sampling_params.min_tokens for r in reqs) else None)
+    return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths)
 
 
 def request_penalty_state(req, vocab_size: int, device: torch.device) -> PenaltyState:

@@ -37,10 +37,10 @@ class OutputProcessor:
             # not received yet pending: in one batch, a tail held back there (an unfinished
             # character, a possible stop string) would differ from what was held here.
             params = req.sampling_params
-            for token_id in req.output_token_ids:
+            for n, token_id in enumerate(req.output_token_ids, 1):
                 detok.update([token_id])
                 if params.stop:
-                    detok.check_stop(params.stop, params.include_stop_str_in_output)
+                    _check_stop_strings(detok, params, n)
                 detok.take_delta()
             self.detokenizers[req.request_id] = detok
 
@@ -62,7 +62,7 @@ class OutputProcessor:
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return StopDecision(RequestStatus.FINISHED_STOPPED, None)
         if detok is not None and params.stop:
-            hit = detok.check_stop(params.stop, params.include_stop_str_in_output)
+            hit = _check_stop_strings(detok, params, req.num_output_tokens)
             if hit is not None:
                 return StopDecision(RequestStatus.FINISHED_STOPPED, hit)
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
@@ -94,3 +94,12 @@ class OutputProcessor:
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
         )
+
+
+def _check_stop_strings(detok: IncrementalDetokenizer, params, num_output_tokens: int) -> str | None:
+    """The stop string the newest text completes, once the output is past min_tokens (as in
+    vLLM, the token that may end it is number min_tokens + 1, as for stop tokens)."""
+    if num_output_tokens <= params.min_tokens:
+        detok.skip_stop_check()
+        return None
+    return detok.check_stop(params.stop, params.include_stop_str_in_output)

@@ -1,5 +1,5 @@
-"""Batched next-token sampling: penalties, greedy, temperature, top-k, top-p, min-p, seeds,
-logprobs.
+"""Batched next-token sampling: penalties, logit bias, min_tokens, greedy, temperature, top-k,
+top-p, min-p, seeds, logprobs.
 
 One call samples one token for every request of the step. The work is batched: greedy rows
 share one argmax, random rows share one temperature division, one threshold per row that
@@ -65,18 +65,25 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 
 class Sampler:
+    def __init__(self, eos_token_ids: list[int] = ()) -> None:
+        # What min_tokens holds back besides each request's stop_token_ids.
+        self.eos_token_ids = list(eos_token_ids)
+
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 penalty_states: list[PenaltyState | None] | None = None) -> SamplerOutput:
-        """Samples one token per row of ``logits`` [num_reqs, vocab]; rows whose params have
-        penalties need their request's ``PenaltyState`` in ``penalty_states``."""
+                 penalty_states: list[PenaltyState | None] | None = None,
+                 num_output_tokens: list[int] | None = None) -> SamplerOutput:
+        """Samples one token per row of ``logits`` [num_reqs, vocab]. Rows whose params have
+        penalties need their request's ``PenaltyState``, and rows with ``min_tokens`` their
+        output length so far (``num_output_tokens``)."""
         _check_inputs(logits, params, generators)
         num_reqs = logits.shape[0]
         if num_reqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
-        raw = logits  # logprobs describe the model, before penalties too
+        raw = logits  # logprobs describe the model: before penalties, bias and bans
         logits = _penalised(logits, params, penalty_states)
+        logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens))
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not random_rows:
@@ -90,6 +97,39 @@ class Sampler:
                                              [generators[i] for i in random_rows])
         return SamplerOutput(token_ids=token_ids.tolist(),
                              logprobs=_compute_logprobs(raw, token_ids, params))
+
+    def _banned(self, params: list[SamplingParams],
+                num_output_tokens: list[int] | None) -> list[list[int]] | None:
+        """Per row, the stop tokens min_tokens still holds back; None when no row has any."""
+        rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        if not rows:
+            return None
+        if num_output_tokens is None or len(num_output_tokens) != len(params):
+            raise ValueError("rows with min_tokens need their output lengths")
+        banned: list[list[int]] = [[] for _ in params]
+        for i in rows:
+            p = params[i]
+            if num_output_tokens[i] < p.min_tokens:
+                banned[i] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+        return banned if any(banned) else None
+
+
+def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
+                       banned: list[list[int]] | None) -> torch.Tensor:
+    """logits plus each row's logit_bias, with its banned tokens at -inf (a copy when any)."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased and banned is None:
+        return logits
+    out = logits.float().clone()  # [num_rows, vocab]
+    for i in biased:
+        bias = params[i].logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
+        out[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=out.dtype,
+                                               device=out.device))
+    for i, ids in enumerate(banned or ()):
+        if ids:
+            out[i, ids] = -math.inf
+    return out
 
 
 def _penalised(logits: torch.Tensor, params: list[SamplingParams],

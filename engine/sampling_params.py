@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass
@@ -28,12 +29,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Until the output has this many tokens, eos and stop_token_ids cannot be sampled and
+    # stop strings do not end the request.
+    min_tokens: int = 0
+    # Added to these token ids' logits before sampling (OpenAI's logit_bias), in [-100, 100].
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id to bias, "
+                             f"got {type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -61,6 +71,18 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, more than "
+                             f"{MAX_LOGIT_BIAS}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+            if not _is_number(b) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
@@ -82,6 +104,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary (size {vocab_size})")
+        for t in self.logit_bias:
+            if t >= vocab_size:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary "
+                                 f"(size {vocab_size})")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
 

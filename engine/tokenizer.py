@@ -225,6 +225,13 @@ class IncrementalDetokenizer:
         self.stop_str = s
         return s
 
+    def skip_stop_check(self) -> None:
+        """Marks the text so far as searched without searching it (min_tokens: stop strings
+        cannot end the output yet, and what has been produced meanwhile never will)."""
+        if self.stop_str is None:
+            self._checked = len(self.output_text)
+            self._stop_holdback = 0
+
     def take_delta(self) -> str:
         """Text not handed out yet that can no longer change or turn into a stop string."""
         limit = len(self.output_text)

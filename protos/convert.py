@@ -14,13 +14,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw: dict = {}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
                  "skip_special_tokens", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "min_tokens"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
     kw["ignore_eos"] = msg.ignore_eos
     kw["include_stop_str_in_output"] = msg.include_stop_str_in_output
+    kw["logit_bias"] = dict(msg.logit_bias)
     return SamplingParams(**kw)
 
 
@@ -30,7 +31,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_p=p.min_p, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens, logit_bias=p.logit_bias)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from engine.cli import main
 
 
@@ -31,6 +33,23 @@ def test_demo_streams_text(capsys):
 def test_generate(capsys):
     assert main(["generate", "--prompt", "hi there", "--max-tokens", "6"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_generate_sampling_rule_flags_reach_the_engine(capsys):
+    from engine import LLM, SamplingParams
+
+    argv = ["generate", "--prompt", "hi there", "--max-tokens", "8", "--num-gpu-blocks", "64"]
+    rules = ["--logit-bias", '{"1234": 100}', "--min-tokens", "2", "--repetition-penalty",
+             "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.5"]
+    assert main(argv + rules) == 0
+    out = capsys.readouterr().out
+    with LLM("tiny-llama", num_gpu_blocks=64) as llm:
+        want = llm.generate(["hi there"], SamplingParams(
+            max_tokens=8, temperature=0.0, logit_bias={1234: 100.0}, min_tokens=2,
+            repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5))[0]
+    assert out == want.text + "\n" and want.token_ids[0] == 1234
+    with pytest.raises(SystemExit):
+        main(argv + ["--logit-bias", "[1]"])
 
 
 def test_generate_tensor_parallel_matches_tp1(capsys):

@@ -78,13 +78,19 @@ def test_chat_prompts_match_the_in_process_chat(cluster, reference):
     assert want.token_ids != want_begun.token_ids
 
 
-def test_penalties_carry_from_the_prefill_worker_to_the_decode_worker(cluster, reference):
-    from tests.test_penalties import GREEDY, PROMPTS
+def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(cluster, reference):
+    from tests.test_sampling_rules import GREEDY, PROMPTS
 
+    first = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0].token_ids[0]
     penalties = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.0, presence_penalty=0.5)]
+    rules = penalties + [
+        dict(logit_bias={17: 3.0, 4321: 7.5}),
+        # The prefill worker samples the first token, the one the model wants to stop at.
+        dict(min_tokens=6, stop_token_ids=[first]),
+    ]
     with Client(cluster.router_address, timeout=60) as c:
         for prompt in PROMPTS:
-            for kw in penalties:
+            for kw in rules:
                 want = reference.generate([prompt], SamplingParams(**kw, **GREEDY))[0]
                 got = [t for ch in c.generate(prompt, **kw, **GREEDY) for t in ch.token_ids]
                 assert got == want.token_ids, kw

@@ -1,9 +1,11 @@
-"""Repetition, presence and frequency penalties (engine/penalties.py): the batched code
-against a per-token Python reference, the sampler around it, and the engine's greedy output
-against Hugging Face (its own repetition penalty, and its logits with the OpenAI formula for
-the other two), also across a resumed request."""
+"""What the sampler does to logits besides temperature and filters: repetition, presence and
+frequency penalties (engine/penalties.py), logit_bias and min_tokens. The batched code against
+per-token Python references, the sampler around them, and the engine's greedy output against
+Hugging Face (its own repetition penalty; its logits with the definitions applied in Python
+for the rest), also across a resumed request."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -122,14 +124,20 @@ def test_repetition_penalty_equals_hugging_faces(reference, preset_path):
 
 
 @torch.inference_mode()
-def _hf_penalised_greedy(path, prompt, n, rep, pres, freq) -> list[int]:
+def _hf_greedy_with(path, prompt, n, adjust, stop_ids=()) -> list[int]:
+    """Greedy on HF's logits after ``adjust(logits, output)``, ending at a stop id."""
     model = hf_model(str(path))
     output: list[int] = []
-    for _ in range(n):
+    while len(output) < n and not (output and output[-1] in stop_ids):
         logits = model(torch.tensor([prompt + output])).logits[0, -1].float().tolist()
-        x = _reference(logits, prompt, output, rep, pres, freq)
+        x = adjust(logits, output)
         output.append(max(range(len(x)), key=x.__getitem__))
     return output
+
+
+def _hf_penalised_greedy(path, prompt, n, rep, pres, freq) -> list[int]:
+    return _hf_greedy_with(path, prompt, n,
+                           lambda x, out: _reference(x, prompt, out, rep, pres, freq))
 
 
 def test_presence_and_frequency_penalties_equal_the_definitions_on_hf(reference, preset_path):
@@ -155,3 +163,77 @@ def test_a_resumed_request_keeps_penalising_its_earlier_output(reference):
             if out.request_id == "resumed" and out.finished:
                 rest = out.token_ids
     assert rest == whole
+
+
+def test_min_tokens_holds_back_stop_tokens_until_then(reference, preset_path):
+    prompt = PROMPTS[1]
+    plain = reference.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    stop = plain[2]  # the model wants it third
+    early = reference.generate([prompt], SamplingParams(stop_token_ids=[stop], max_tokens=32,
+                                                        temperature=0.0))[0]
+    assert early.token_ids == plain[:3] and early.stop_reason == stop
+    held = reference.generate([prompt], SamplingParams(stop_token_ids=[stop], min_tokens=12,
+                                                       max_tokens=32, temperature=0.0))[0]
+
+    def ban_early(x, out):
+        return [-math.inf if (t == stop and len(out) < 12) else v for t, v in enumerate(x)]
+
+    want = _hf_greedy_with(preset_path("tiny-llama"), prompt, 32, ban_early, stop_ids=(stop,))
+    assert held.token_ids == want and len(held.token_ids) > 12
+    assert stop not in held.token_ids[:12]
+
+
+def test_min_tokens_defers_stop_strings(reference):
+    prompt = PROMPTS[1]
+    plain = reference.generate([prompt], SamplingParams(**GREEDY))[0]
+    stop = reference.tokenizer.decode(plain.token_ids[1:2]).strip()
+    assert stop and stop in reference.tokenizer.decode(plain.token_ids[:2])
+    early = reference.generate([prompt], SamplingParams(stop=[stop], **GREEDY))[0]
+    assert len(early.token_ids) <= 3 and early.stop_reason == stop  # found within a token
+    held = reference.generate([prompt], SamplingParams(stop=[stop], min_tokens=10, **GREEDY))[0]
+    assert held.token_ids == plain.token_ids[:len(held.token_ids)]
+    assert len(held.token_ids) > 10 and held.text.startswith(early.text + stop)
+
+
+def test_logit_bias_equals_the_definition_on_hf(reference, preset_path):
+    prompt = PROMPTS[0]
+    plain = reference.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    bias = {plain[3]: -5.0, 4321: 7.5, 17: 3.0}
+    got = reference.generate([prompt], SamplingParams(logit_bias=bias, **GREEDY))[0].token_ids
+
+    def add_bias(x, out):
+        return [v + bias.get(t, 0.0) for t, v in enumerate(x)]
+
+    assert got == _hf_greedy_with(preset_path("tiny-llama"), prompt, 32, add_bias)
+    assert got != plain
+
+
+def test_sampler_bias_and_bans_leave_logprobs_raw():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 5] = 4.0
+    eos = 5
+    rows = [SamplingParams(temperature=0.0, min_tokens=2, logprobs=0),
+            SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[9]),
+            SamplingParams(temperature=0.0, logit_bias={6: 4.5})]
+    out = Sampler([eos])(logits, rows, [None] * 3, num_output_tokens=[1, 1, 0])
+    assert out.token_ids[0] != eos and out.token_ids[1] == eos and out.token_ids[2] == 6
+    assert out.logprobs[0].sampled.logprob == pytest.approx(
+        torch.log_softmax(logits[0], -1)[out.token_ids[0]].item())
+    assert Sampler([eos])(logits[:1], rows[:1], [None], num_output_tokens=[2]).token_ids == [eos]
+    with pytest.raises(ValueError, match="output lengths"):
+        Sampler([eos])(logits, rows, [None] * 3)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"),
+    (dict(logit_bias={3: 101.0}), "logit_bias values"),
+    (dict(logit_bias={-3: 1.0}), "logit_bias keys"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "more than 1024"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+])
+def test_sampling_params_validate_min_tokens_and_bias(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingParams(logit_bias={VOCAB: 1.0}).validate_vocab(VOCAB)
