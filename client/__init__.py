@@ -1,8 +1,9 @@
 """pdserve's client SDK: ``from client import AsyncClient, Client``."""
 from client.async_client import AsyncClient
-from client.errors import (CancelledError, DeadlineExceededError, FailedPreconditionError,
-                           InternalError, InvalidArgumentError, NotFoundError, PdserveError,
-                           ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
+                           FailedPreconditionError, InternalError, InvalidArgumentError,
+                           NotFoundError, PdserveError, ResourceExhaustedError,
+                           UnauthenticatedError, UnavailableError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.types import Chat, Completion, GenerationChunk, Timings, TokenLogprobs, Usage
@@ -11,4 +12,4 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Completion", "Gen
            "Usage", "Timings", "TokenLogprobs", "PdserveError", "InvalidArgumentError",
            "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
            "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",
-           "FailedPreconditionError"]
+           "FailedPreconditionError", "AlreadyExistsError"]

@@ -47,6 +47,12 @@ class FailedPreconditionError(PdserveError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class AlreadyExistsError(PdserveError):
+    """A request with this request_id is already in flight on the router."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class InternalError(PdserveError):
     code = grpc.StatusCode.INTERNAL
 
@@ -60,7 +66,7 @@ class UnauthenticatedError(PdserveError, PermissionError):
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedError,
                                       UnavailableError, DeadlineExceededError, CancelledError,
                                       NotFoundError, InternalError, UnauthenticatedError,
-                                      FailedPreconditionError)}
+                                      FailedPreconditionError, AlreadyExistsError)}
 
 
 def error_from_rpc(e: grpc.RpcError) -> PdserveError:

@@ -3,6 +3,8 @@
     pdserve admin --router HOST:PORT workers [--role prefill|decode] [--json]
     pdserve admin --router HOST:PORT stats [--json]
     pdserve admin --router HOST:PORT drain|undrain WORKER_ID
+    pdserve admin --router HOST:PORT requests [--json]
+    pdserve admin --router HOST:PORT cancel REQUEST_ID
 
 A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or $PDSERVE_API_KEY).
 """
@@ -26,6 +28,11 @@ _COLUMNS = [("worker", "worker_id"), ("role", "role"), ("address", "address"),
             ("tp", "tensor_parallel_size"), ("free/total blocks", None),
             ("running", "num_running"), ("waiting", "num_waiting"), ("leased", "num_leased"),
             ("in flight", "num_inflight"), ("draining", "draining")]
+# ... and for the requests table.
+_REQUEST_COLUMNS = [("request", "request_id"), ("age s", "age_s"), ("phase", "phase"),
+                    ("prefill", "prefill_worker_id"), ("decode", "decode_worker_id"),
+                    ("prompt", "prompt_tokens"), ("output", "output_tokens"),
+                    ("migrations", "migrations")]
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +73,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                  "it has)"), ("undrain", "route requests to it again")):
         d = sub.add_parser(verb, help=text)
         d.add_argument("worker_id")
+    r = sub.add_parser("requests", help="the requests in flight on this router, oldest first")
+    r.add_argument("--json", action="store_true")
+    c = sub.add_parser("cancel", help="cancel a request in flight on this router (its client "
+                                      "gets CANCELLED; both workers free its blocks)")
+    c.add_argument("request_id")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -89,7 +101,7 @@ def _run(stub, args: argparse.Namespace, md) -> int:
         if args.json:
             print(json.dumps([_dict(w) for w in resp.workers], indent=2))
         else:
-            print(_table(resp.workers))
+            print(_table(resp.workers, _COLUMNS))
         return 0
     if args.admin == "stats":
         stats = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=args.timeout,
@@ -97,6 +109,17 @@ def _run(stub, args: argparse.Namespace, md) -> int:
         d = _dict(stats)
         print(json.dumps(d, indent=2) if args.json
               else "\n".join(f"{k}: {v}" for k, v in d.items()))
+        return 0
+    if args.admin == "requests":
+        resp = stub.ListRequests(router_pb2.ListRequestsRequest(), timeout=args.timeout,
+                                 metadata=md)
+        print(json.dumps([_dict(r) for r in resp.requests], indent=2) if args.json
+              else _table(resp.requests, _REQUEST_COLUMNS))
+        return 0
+    if args.admin == "cancel":
+        stub.CancelRequest(router_pb2.CancelRequestRequest(request_id=args.request_id),
+                           timeout=args.timeout, metadata=md)
+        print(f"{args.request_id}: cancelled")
         return 0
     resp = stub.DrainWorker(router_pb2.DrainWorkerRequest(
         worker_id=args.worker_id, undrain=args.admin == "undrain"), timeout=args.timeout,
@@ -111,10 +134,16 @@ def _dict(msg) -> dict:
                          always_print_fields_with_no_presence=True)
 
 
-def _table(workers) -> str:
-    rows = [[h for h, _ in _COLUMNS]]
-    for w in workers:
-        rows.append([f"{w.num_free_blocks}/{w.num_total_blocks}" if f is None
-                     else str(getattr(w, f)) for _, f in _COLUMNS])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+def _table(msgs, columns) -> str:
+    rows = [[h for h, _ in columns]]
+    for m in msgs:
+        rows.append([_cell(m, f) for _, f in columns])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows)
+
+
+def _cell(msg, field: str | None) -> str:
+    if field is None:  # a worker's blocks
+        return f"{msg.num_free_blocks}/{msg.num_total_blocks}"
+    value = getattr(msg, field)
+    return f"{value:.1f}" if isinstance(value, float) else str(value)

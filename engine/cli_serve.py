@@ -115,6 +115,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="render chat prompts with this Jinja template (a file, or the template "
                         "itself) instead of the model's own; needed for models without one")
+    p.add_argument("--generation-config", default="auto", metavar="auto|engine|FOLDER",
+                   help="sampling defaults for fields a request leaves unset: the model's "
+                        "generation_config.json (auto), none (engine), or another folder's")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send clients one chunk per N output tokens (the first at once): "
                         "fewer messages per token for the router and the client")
@@ -167,6 +170,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
+                      generation_config=args.generation_config,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(
@@ -201,6 +205,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the router renders chat prompts with this template (router "
                         "--chat-template; default: the model's own)")
+    p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
+                   help="the router's sampling defaults (router --generation-config; default: "
+                        "auto, the model's generation_config.json)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -218,6 +225,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         load_chat_template(args.chat_template)  # a bad one fails here, before anything starts
         if os.path.isfile(args.chat_template):
             args.chat_template = os.path.abspath(args.chat_template)
+    if args.generation_config not in (None, "auto", "engine"):
+        from engine.generation_defaults import check_generation_config
+
+        args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
@@ -245,7 +256,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
-                 "--chat-template"):
+                 "--chat-template", "--generation-config"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

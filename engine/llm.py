@@ -5,6 +5,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 from engine.config import EngineConfig
+from engine.generation_defaults import check_generation_config, load_sampling_defaults
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -13,9 +14,23 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **config) -> None:
+    """``generation_config``: where requests without SamplingParams take their defaults from
+    (engine/generation_defaults.py): "auto", the model's generation_config.json; "engine",
+    the engine's SamplingParams() defaults; or another folder's file."""
+
+    def __init__(self, model: str, generation_config: str = "auto", **config) -> None:
+        check_generation_config(generation_config)
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._ids = itertools.count()
+        try:
+            self._defaults = load_sampling_defaults(generation_config, self.engine.model_path)
+        except ValueError:
+            self.engine.shutdown()
+            raise
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams a call without any uses: the model's recommended defaults."""
+        return SamplingParams(**self._defaults)
 
     @property
     def tokenizer(self):
@@ -36,7 +51,7 @@ class LLM:
         """Runs every prompt to completion; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         # Validate everything before queueing anything, so a bad prompt queues nothing.
@@ -78,7 +93,7 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields one prompt's outputs as tokens arrive."""
         rid = f"offline-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params or SamplingParams())
+        self.engine.add_request(rid, prompt, params or self.default_sampling_params())
         finished = False
         try:
             while not finished:

@@ -25,6 +25,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(**kw)
 
 
+def fill_sampling_defaults(msg: common_pb2.SamplingParams, defaults: dict) -> None:
+    """Sets the fields msg leaves unset to ``defaults`` (the model's, engine/generation_defaults.py)."""
+    for name, value in defaults.items():
+        if not msg.HasField(name):
+            setattr(msg, name, value)
+
+
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,

@@ -178,3 +178,43 @@ class DrainWorkerResponse(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     draining: bool
     def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "age_s", "phase", "prefill_worker_id", "decode_worker_id", "prompt_tokens", "output_tokens", "migrations")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    age_s: float
+    phase: str
+    prefill_worker_id: str
+    decode_worker_id: str
+    prompt_tokens: int
+    output_tokens: int
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., age_s: _Optional[float] = ..., phase: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class CancelRequestRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelRequestResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -166,6 +166,16 @@ class RouterAdminStub:
                 request_serializer=protos_dot_router__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/ListRequests',
+                request_serializer=protos_dot_router__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.CancelRequest = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/CancelRequest',
+                request_serializer=protos_dot_router__pb2.CancelRequestRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.CancelRequestResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -190,6 +200,21 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """The requests this router has in flight, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelRequest(self, request, context):
+        """Ends a request in flight on this router as if its client had cancelled it (both legs are
+        cancelled, every block freed); its client gets CANCELLED. NOT_FOUND when it has none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -207,6 +232,16 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=protos_dot_router__pb2.DrainWorkerRequest.FromString,
                     response_serializer=protos_dot_router__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=protos_dot_router__pb2.ListRequestsRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'CancelRequest': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelRequest,
+                    request_deserializer=protos_dot_router__pb2.CancelRequestRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.CancelRequestResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -290,6 +325,60 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/DrainWorker',
             protos_dot_router__pb2.DrainWorkerRequest.SerializeToString,
             protos_dot_router__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/ListRequests',
+            protos_dot_router__pb2.ListRequestsRequest.SerializeToString,
+            protos_dot_router__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelRequest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/CancelRequest',
+            protos_dot_router__pb2.CancelRequestRequest.SerializeToString,
+            protos_dot_router__pb2.CancelRequestResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,5 @@
-"""RouterAdmin: list workers, cluster stats, drain and undrain a worker.
+"""RouterAdmin: list workers, cluster stats, drain and undrain a worker; list and cancel
+the requests in flight (router/inflight.py).
 
 Cluster stats come from the router's own view, so they answer while Redis is away; listing
 and draining workers read and write the registry, so they answer UNAVAILABLE then.
@@ -11,14 +12,17 @@ import grpc
 
 from protos import router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory
+from router.inflight import InflightRequests
 from router.registry import ROLES
 from router.stats import RouterStats
 
 
 class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
-    def __init__(self, directory: WorkerDirectory, stats: RouterStats) -> None:
+    def __init__(self, directory: WorkerDirectory, stats: RouterStats,
+                 inflight: InflightRequests) -> None:
         self.directory = directory
         self.stats = stats
+        self.inflight = inflight
 
     async def ListWorkers(self, request, context):
         if request.role and request.role not in ROLES:
@@ -54,6 +58,15 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             await self.directory.registry.set_drained(request.worker_id, not request.undrain)
             await self.directory.refresh()
         return router_pb2.DrainWorkerResponse(draining=not request.undrain)
+
+    async def ListRequests(self, request, context):
+        return router_pb2.ListRequestsResponse(requests=self.inflight.list())
+
+    async def CancelRequest(self, request, context):
+        if not self.inflight.cancel(request.request_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no request {request.request_id!r} in flight on this router")
+        return router_pb2.CancelRequestResponse()
 
 
 @contextlib.asynccontextmanager

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from client.channels import check_api_key
 from client.keepalive import check_keepalive
 from engine.chat_template import load_chat_template
+from engine.generation_defaults import check_generation_config
 from engine.grpc_server import ServerConfig
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
@@ -56,6 +57,9 @@ class RouterConfig:
     # Chat prompts are rendered with this Jinja template (a file, or the template inline)
     # instead of the model's own; None: the model's (engine/chat_template.py).
     chat_template: str | None = None
+    # Defaults for the sampling fields a request leaves unset: "auto", the model folder's
+    # generation_config.json; "engine", none (the engine's own); or another folder's file.
+    generation_config: str = "auto"
     # The template text chat_template names, read when the config is built.
     chat_template_text: str | None = field(default=None, init=False, repr=False)
 
@@ -87,6 +91,7 @@ class RouterConfig:
                              f"got {self.stream_interval!r}")
         check_api_key(self.api_key)
         self.chat_template_text = load_chat_template(self.chat_template)
+        check_generation_config(self.generation_config)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "
                              f"got {self.decode_stream!r}")

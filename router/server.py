@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from engine.config import EngineConfig
 from client.keepalive import keepalive_options
@@ -16,22 +17,29 @@ from router.registry import Registry
 from router.service import RouterServicer
 from router.stats import RouterStats
 
+logger = logging.getLogger(__name__)
+
 SERVICE_NAMES = [router_pb2.DESCRIPTOR.services_by_name[n].full_name
                  for n in ("Router", "RouterAdmin")]
 
 
-def _load_tokenizer(model: str):
-    """The workers' tokenizer and vocabulary size (the router validates against them)."""
+def _load_model_files(config: RouterConfig):
+    """The workers' tokenizer, vocabulary size (the router validates against them) and the
+    model's sampling defaults."""
+    from engine.generation_defaults import load_sampling_defaults
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
     from engine.tokenizer import load_tokenizer
 
-    path = resolve_model(EngineConfig(model=model).model)
-    return load_tokenizer(path), ModelConfig.from_pretrained(path).vocab_size
+    path = resolve_model(EngineConfig(model=config.model).model)
+    return (load_tokenizer(path), ModelConfig.from_pretrained(path).vocab_size,
+            load_sampling_defaults(config.generation_config, path))
 
 
 async def serve_router(config: RouterConfig) -> None:
-    tokenizer, vocab = await asyncio.to_thread(_load_tokenizer, config.model)
+    tokenizer, vocab, defaults = await asyncio.to_thread(_load_model_files, config)
+    if defaults:
+        logger.info("sampling defaults from the model's generation config: %s", defaults)
     directory = WorkerDirectory(Registry.from_url(config.redis_url, config.namespace),
                                 config.block_size, config.refresh_interval_s,
                                 GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
@@ -42,10 +50,10 @@ async def serve_router(config: RouterConfig) -> None:
     try:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
-        router_pb2_grpc.add_RouterServicer_to_server(
-            RouterServicer(config, directory, tokenizer, vocab, stats), server.server)
+        router = RouterServicer(config, directory, tokenizer, vocab, stats, defaults)
+        router_pb2_grpc.add_RouterServicer_to_server(router, server.server)
         router_pb2_grpc.add_RouterAdminServicer_to_server(
-            RouterAdminServicer(directory, stats), server.server)
+            RouterAdminServicer(directory, stats, router.inflight), server.server)
 
         async def started() -> None:
             print(f"pdserve router serving on {server.address}", flush=True)

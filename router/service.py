@@ -27,6 +27,8 @@ from engine.chat_template import ChatMessage, ChatTemplateMissing, chat_prompt_i
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
+from router.errors import RouterRejectError
+from router.inflight import InflightRequests
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
@@ -36,16 +38,13 @@ from router.stream_interval import every_n_tokens
 logger = logging.getLogger(__name__)
 
 
-class RouterRejectError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, directory: WorkerDirectory, tokenizer,
-                 vocab_size: int, stats: RouterStats) -> None:
+                 vocab_size: int, stats: RouterStats, sampling_defaults: dict | None = None) -> None:
         self.config = config
+        # The model's generation-config defaults for fields a request leaves unset.
+        self.sampling_defaults = sampling_defaults or {}
+        self.inflight = InflightRequests()
         self.directory = directory
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -153,25 +152,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        # Filled in the request itself, so that the workers get the same values.
+        convert.fill_sampling_defaults(request.sampling, self.sampling_defaults)
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.vocab_size)
         run = RequestRun(rid, self._prompt_ids(request), t0,
                          resumed=self._resume_ids(request, params))
         run.usage.prompt_tokens = len(run.prompt_token_ids)
         run.usage.completion_tokens = len(run.resumed)
-        while True:
-            try:
-                async with contextlib.aclosing(self._attempt(run, request, context)) as chunks:
-                    async for chunk in chunks:
-                        run.emitted.extend(chunk.token_ids)
-                        self.stats.generation_tokens += len(chunk.token_ids)
-                        if chunk.finish_reason:
-                            self.stats.request_finished(chunk.finish_reason, chunk.usage)
-                        yield chunk
-                return
-            except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
-                if not await self._migrate(run, e, context):
-                    raise
+        with self.inflight.track(run) as entry:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._attempt(run, request,
+                                                                 context)) as chunks:
+                        async for chunk in chunks:
+                            run.emitted.extend(chunk.token_ids)
+                            self.stats.generation_tokens += len(chunk.token_ids)
+                            if chunk.finish_reason:
+                                self.stats.request_finished(chunk.finish_reason, chunk.usage)
+                            yield chunk
+                    return
+                except asyncio.CancelledError:
+                    if not entry.cancelled:
+                        raise
+                    # RouterAdmin.CancelRequest: both legs are cancelled by now (the attempt
+                    # closed); the client learns why.
+                    entry.task.uncancel()
+                    raise RouterRejectError(grpc.StatusCode.CANCELLED,
+                                            "cancelled by the router's operator") from None
+                except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
+                    if not await self._migrate(run, e, context):
+                        raise
 
     async def _migrate(self, run: RequestRun, e: Exception, context) -> bool:
         """After attempt ``e``: whether the request goes on elsewhere (router/migration.py)."""

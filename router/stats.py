@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, Histogram
+from router.errors import RouterRejectError
 
 # RequestTimings fields observed per finished request, by their metric label.
 PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue",
@@ -47,8 +48,6 @@ class RouterStats:
     @contextlib.contextmanager
     def track(self):
         """Counts a request; refuses it at once when the router is full."""
-        from router.service import RouterRejectError
-
         if self.requests_in_flight >= self.max_inflight:
             raise RouterRejectError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"the router has {self.requests_in_flight} requests in "

@@ -100,6 +100,60 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     wait_all_blocks_free(_workers(cluster))
 
 
+def _admin(cluster, *argv) -> str:
+    import io
+    from contextlib import redirect_stdout
+
+    from engine.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["admin", "--router", cluster.router_address, *argv]) == 0
+    return out.getvalue()
+
+
+def test_admin_lists_and_cancels_requests_in_flight(cluster):
+    import json
+    import threading
+
+    from client import AlreadyExistsError, CancelledError
+
+    prompt = random_prompts(1, seed=31)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        stream = c.generate(prompt, request_id="long-1", max_tokens=900, temperature=0.0,
+                            ignore_eos=True)
+        got = [next(stream) for _ in range(3)]
+        (info,) = [r for r in json.loads(_admin(cluster, "requests", "--json"))
+                   if r["request_id"] == "long-1"]
+        assert info["phase"] == "decode" and info["prompt_tokens"] == len(prompt)
+        assert info["prefill_worker_id"].startswith("prefill-")
+        assert info["decode_worker_id"].startswith("decode-")
+        assert info["output_tokens"] >= sum(len(ch.token_ids) for ch in got)
+        assert "long-1" in _admin(cluster, "requests")  # the table
+        with pytest.raises(AlreadyExistsError, match="already in flight"):
+            c.complete(prompt, request_id="long-1", max_tokens=2)
+        assert _admin(cluster, "cancel", "long-1").strip() == "long-1: cancelled"
+        with pytest.raises(CancelledError):
+            for _ in stream:
+                pass
+        # A unary call learns who cancelled it.
+        errors = []
+        thread = threading.Thread(target=lambda: errors.append(pytest.raises(
+            CancelledError, c.complete, prompt, request_id="long-2", max_tokens=900,
+            temperature=0.0, ignore_eos=True)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while "long-2" not in _admin(cluster, "requests") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _admin(cluster, "cancel", "long-2")
+        thread.join(30)
+        assert "operator" in str(errors[0].value)
+    assert json.loads(_admin(cluster, "requests", "--json")) == []
+    from engine.cli import main
+    assert main(["admin", "--router", cluster.router_address, "cancel", "nope"]) == 1
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_client_cancel_mid_stream_frees_every_block(cluster):
     with Client(cluster.router_address, timeout=60) as c:
         stream = c.generate(random_prompts(1, seed=3)[0], max_tokens=400, temperature=0.0,

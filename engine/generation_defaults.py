@@ -1,0 +1,52 @@
+"""The sampling defaults a checkpoint recommends, from its ``generation_config.json``.
+
+Instruct models ship the temperature, top-p, top-k (and sometimes min-p, repetition penalty
+and a token budget) they were tuned for; Qwen3's are temperature 0.6, top-p 0.95, top-k 20.
+As in vLLM (``--generation-config auto``), those become the defaults of every request that
+leaves the field unset; a field the request sets wins. ``engine`` ignores the file and keeps
+the engine's own defaults (temperature 1.0, ...); a folder takes the file from there instead.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.sampling_params import SamplingParams
+
+# generation_config.json key -> SamplingParams field.
+_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def check_generation_config(value: str) -> str:
+    """``auto``, ``engine`` or a folder with a generation_config.json; ValueError otherwise."""
+    if value in ("auto", "engine"):
+        return value
+    if not isinstance(value, str) or not (Path(value) / "generation_config.json").is_file():
+        raise ValueError(f"generation_config must be 'auto', 'engine' or a folder holding a "
+                         f"generation_config.json, got {value!r}")
+    return value
+
+
+def load_sampling_defaults(generation_config: str, model_folder: str | Path) -> dict:
+    """The SamplingParams fields the checkpoint sets (possibly none), validated."""
+    if check_generation_config(generation_config) == "engine":
+        return {}
+    folder = Path(model_folder if generation_config == "auto" else generation_config)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    defaults = {field: raw[key] for key, field in _KEYS.items() if raw.get(key) is not None}
+    if defaults.get("top_k") == 0:
+        defaults["top_k"] = -1  # HF's "off"
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return defaults

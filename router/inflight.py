@@ -1,0 +1,74 @@
+"""The requests a router has in flight, for its operator: RouterAdmin.ListRequests shows them,
+RouterAdmin.CancelRequest ends one. Also where a request id already in flight is refused
+(ALREADY_EXISTS), since the workers key every request by it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from protos import router_pb2
+from router.errors import RouterRejectError
+from router.migration import RequestRun
+
+
+@dataclass(eq=False)
+class InflightRequest:
+    run: RequestRun
+    # The RPC handler's task: cancelling it is what a client's cancel does.
+    task: asyncio.Task
+    received: float  # time.monotonic()
+    cancelled: bool = False  # by CancelRequest
+
+    def info(self, now: float) -> router_pb2.RequestInfo:
+        run = self.run
+        info = router_pb2.RequestInfo(
+            request_id=run.request_id, age_s=now - self.received, phase="routing",
+            prompt_tokens=len(run.prompt_token_ids), output_tokens=len(run.output_so_far),
+            migrations=run.migrations)
+        for worker in run.workers:  # the current attempt's, in call order
+            info.phase = worker.info.role
+            if worker.info.role == "prefill":
+                info.prefill_worker_id = worker.info.worker_id
+            else:
+                info.decode_worker_id = worker.info.worker_id
+        return info
+
+
+class InflightRequests:
+    def __init__(self) -> None:
+        self._by_id: dict[str, InflightRequest] = {}
+
+    @contextlib.contextmanager
+    def track(self, run: RequestRun) -> Iterator[InflightRequest]:
+        """Registers the request for the current task's lifetime in this block."""
+        if run.request_id in self._by_id:
+            raise RouterRejectError(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request id {run.request_id!r} is already in flight")
+        entry = InflightRequest(run, asyncio.current_task(), time.monotonic())
+        self._by_id[run.request_id] = entry
+        try:
+            yield entry
+        finally:
+            del self._by_id[run.request_id]
+
+    def list(self) -> list[router_pb2.RequestInfo]:
+        now = time.monotonic()
+        entries = sorted(self._by_id.values(), key=lambda e: e.received)
+        return [e.info(now) for e in entries]
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels the request's handler; False when no such request is in flight."""
+        entry = self._by_id.get(request_id)
+        if entry is None:
+            return False
+        entry.cancelled = True
+        entry.task.cancel()
+        return True
+
+    def __len__(self) -> int:
+        return len(self._by_id)
