@@ -8,9 +8,9 @@ the engine's own defaults (temperature 1.0, ...); a folder takes the file from t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from engine.model_config import read_generation_config
 from engine.sampling_params import SamplingParams
 
 # generation_config.json key -> SamplingParams field.
@@ -33,20 +33,12 @@ def load_sampling_defaults(generation_config: str, model_folder: str | Path) -> 
     if check_generation_config(generation_config) == "engine":
         return {}
     folder = Path(model_folder if generation_config == "auto" else generation_config)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+    raw = read_generation_config(folder)
     defaults = {field: raw[key] for key, field in _KEYS.items() if raw.get(key) is not None}
     if defaults.get("top_k") == 0:
         defaults["top_k"] = -1  # HF's "off"
     try:
         SamplingParams(**defaults)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+        raise ValueError(f"{folder / 'generation_config.json'}: {e}") from None
     return defaults

@@ -108,17 +108,23 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return raw
 
 
-def _generation_eos(folder: Path) -> list[int]:
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """The folder's generation_config.json ({} when it has none); ValueError when broken."""
     path = folder / "generation_config.json"
     if not path.is_file():
-        return []
+        return {}
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
-    return _parse_eos(raw.get("eos_token_id"), str(path))
+    return raw
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    raw = read_generation_config(folder)
+    return _parse_eos(raw.get("eos_token_id"), str(folder / "generation_config.json"))
 
 
 def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
