@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -13,9 +13,10 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
-from client.types import (Completion, GenerationChunk, Prompt, build_request,
-                          completion_from_proto)
-from protos import router_pb2_grpc
+from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
+                          build_request, completion_from_proto, detokenize_request,
+                          model_info_from_proto, tokenize_request)
+from protos import router_pb2, router_pb2_grpc
 
 
 class AsyncClient:
@@ -89,22 +90,44 @@ class AsyncClient:
                        timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
+        msg = await self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
+        done = completion_from_proto(msg)
+        done.usage.migrations += tries.retries
+        return done
+
+    async def tokenize(self, prompt: str | list | Chat, *,
+                       timeout: float | None = None) -> Tokenized:
+        """The token ids Generate would send for a text or a chat (its template applied)."""
+        req = tokenize_request(prompt)
+        msg = await self._unary("Tokenize", lambda n: req, self._attempts(timeout))
+        return Tokenized(list(msg.token_ids), msg.max_model_len)
+
+    async def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True,
+                         timeout: float | None = None) -> str:
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return (await self._unary("Detokenize", lambda n: req, self._attempts(timeout))).text
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The model the routers serve: limits, chat template, sampling defaults."""
+        msg = await self._unary("GetModelInfo", lambda n: router_pb2.ModelInfoRequest(),
+                                self._attempts(timeout))
+        return model_info_from_proto(msg)
+
+    async def _unary(self, method: str, request_for: Callable[[int], object], tries: Attempts):
+        """One unary call, tried again on the next router while it fails over
+        (``request_for(retries)`` is the request of each attempt)."""
         while True:
             try:
-                msg = await watched_unary(self._watch(tries.router).calls,
-                                          self._stubs[tries.router].Complete(
-                                              attempt_request(req, [], tries.retries),
-                                              timeout=tries.remaining(),
-                                              metadata=self._metadata))
+                return await watched_unary(self._watch(tries.router).calls,
+                                           getattr(self._stubs[tries.router], method)(
+                                               request_for(tries.retries),
+                                               timeout=tries.remaining(),
+                                               metadata=self._metadata))
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
                 await asyncio.sleep(delay)
-                continue
-            done = completion_from_proto(msg)
-            done.usage.migrations += tries.retries
-            return done
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the first router's channel connects (raises DeadlineExceededError)."""

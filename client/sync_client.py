@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -12,9 +12,10 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
-from client.types import (Completion, GenerationChunk, Prompt, build_request,
-                          completion_from_proto)
-from protos import router_pb2_grpc
+from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
+                          build_request, completion_from_proto, detokenize_request,
+                          model_info_from_proto, tokenize_request)
+from protos import router_pb2, router_pb2_grpc
 
 
 class Client:
@@ -81,14 +82,37 @@ class Client:
                  timeout: float | None = None, **sampling) -> Completion:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
+        msg = self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
+        done = completion_from_proto(msg)
+        done.usage.migrations += tries.retries
+        return done
+
+    def tokenize(self, prompt: str | list | Chat, *, timeout: float | None = None) -> Tokenized:
+        """The token ids Generate would send for a text or a chat (its template applied)."""
+        req = tokenize_request(prompt)
+        msg = self._unary("Tokenize", lambda n: req, self._attempts(timeout))
+        return Tokenized(list(msg.token_ids), msg.max_model_len)
+
+    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool = True,
+                   timeout: float | None = None) -> str:
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return self._unary("Detokenize", lambda n: req, self._attempts(timeout)).text
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The model the routers serve: limits, chat template, sampling defaults."""
+        return model_info_from_proto(self._unary(
+            "GetModelInfo", lambda n: router_pb2.ModelInfoRequest(), self._attempts(timeout)))
+
+    def _unary(self, method: str, request_for: Callable[[int], object], tries: Attempts):
+        """One unary call (on a future, so that the health checks can cut it), tried again on
+        the next router while it fails over (``request_for(retries)``: each attempt's)."""
         while True:
-            fut = self._stubs[tries.router].Complete.future(
-                attempt_request(req, [], tries.retries), timeout=tries.remaining(),
-                metadata=self._metadata)
+            fut = getattr(self._stubs[tries.router], method).future(
+                request_for(tries.retries), timeout=tries.remaining(), metadata=self._metadata)
             try:
                 with self._routers[tries.router].calls.watch(fut) as cut:
                     try:
-                        msg = fut.result()
+                        return fut.result()
                     except grpc.FutureCancelledError:
                         if cut.reason is None:
                             raise
@@ -98,10 +122,6 @@ class Client:
                 if delay is None:
                     raise error_from_rpc(e) from None
                 time.sleep(delay)
-                continue
-            done = completion_from_proto(msg)
-            done.usage.migrations += tries.retries
-            return done
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         try:

@@ -90,6 +90,30 @@ class Chat:
 Prompt = str | list[int] | list[Mapping[str, str]] | Chat
 
 
+@dataclass
+class Tokenized:
+    token_ids: list[int]
+    # The longest prompt plus output the workers take (0 while the router knows none).
+    max_model_len: int
+
+
+@dataclass
+class ModelInfo:
+    model: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    has_chat_template: bool
+    # Only the sampling fields the model recommends (its generation_config.json).
+    sampling_defaults: dict
+    eos_token_ids: list[int]
+
+
+def _set_chat(req, prompt: Chat | Sequence[Mapping[str, str]]) -> None:
+    req.chat.SetInParent()  # an empty conversation still says it is one
+    req.chat.CopyFrom(_chat_prompt(prompt if isinstance(prompt, Chat) else Chat(prompt)))
+
+
 def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
     msgs = chat.messages
     if isinstance(msgs, (str, bytes, Mapping)) or not isinstance(msgs, Sequence):
@@ -116,18 +140,42 @@ def build_request(prompt: Prompt, request_id: str | None,
     req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
     if isinstance(prompt, str):
         req.text = prompt
-    elif isinstance(prompt, Chat):
-        req.chat.SetInParent()  # an empty conversation still says it is one
-        req.chat.CopyFrom(_chat_prompt(prompt))
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, Mapping)
-                                                               for m in prompt):
-        req.chat.CopyFrom(_chat_prompt(Chat(prompt)))
+    elif isinstance(prompt, Chat) or (isinstance(prompt, (list, tuple)) and prompt
+                                      and all(isinstance(m, Mapping) for m in prompt)):
+        _set_chat(req, prompt)
     elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         req.token_ids.ids.extend(prompt)
     else:
         raise TypeError("prompt must be a str, a list of token ids, a list of chat messages "
                         "or a Chat")
     return req
+
+
+def tokenize_request(prompt: str | list | Chat) -> router_pb2.TokenizeRequest:
+    req = router_pb2.TokenizeRequest()
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, Chat) or (isinstance(prompt, (list, tuple))
+                                      and all(isinstance(m, Mapping) for m in prompt)):
+        _set_chat(req, prompt)
+    else:
+        raise TypeError("tokenize takes a str, a list of chat messages or a Chat")
+    return req
+
+
+def detokenize_request(token_ids: list[int],
+                       skip_special_tokens: bool) -> router_pb2.DetokenizeRequest:
+    if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+        raise TypeError("detokenize takes a list of token ids")
+    return router_pb2.DetokenizeRequest(token_ids=token_ids,
+                                        skip_special_tokens=skip_special_tokens)
+
+
+def model_info_from_proto(m: router_pb2.ModelInfo) -> ModelInfo:
+    defaults = {f.name: v for f, v in m.sampling_defaults.ListFields()}
+    return ModelInfo(m.model, m.vocab_size, m.max_model_len, m.block_size, m.has_chat_template,
+                     defaults, list(m.eos_token_ids))
 
 
 def _logprobs(items) -> list[TokenLogprobs]:

@@ -44,6 +44,21 @@ class RouterStub:
                 request_serializer=protos_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.CompleteResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.Router/Tokenize',
+                request_serializer=protos_dot_router__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.v1.Router/Detokenize',
+                request_serializer=protos_dot_router__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/pdserve.v1.Router/GetModelInfo',
+                request_serializer=protos_dot_router__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -63,6 +78,27 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt token ids a text or a chat becomes (the chat template applied), as Generate
+        would send them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelInfo(self, request, context):
+        """The model served: its limits, chat template and sampling defaults.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +111,21 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=protos_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_router__pb2.CompleteResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_router__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_router__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=protos_dot_router__pb2.ModelInfoRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +182,87 @@ class Router:
             '/pdserve.v1.Router/Complete',
             protos_dot_router__pb2.GenerateRequest.SerializeToString,
             protos_dot_router__pb2.CompleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Tokenize',
+            protos_dot_router__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_router__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Detokenize',
+            protos_dot_router__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_router__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/GetModelInfo',
+            protos_dot_router__pb2.ModelInfoRequest.SerializeToString,
+            protos_dot_router__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

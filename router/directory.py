@@ -257,10 +257,15 @@ class WorkerDirectory:
             cands = self._candidates(role)
         return cands
 
+    def max_model_len(self) -> int:
+        """The longest sequence every known worker takes; 0 while none is known."""
+        return min((w.info.max_model_len for w in self.workers.values() if w.info.max_model_len),
+                   default=0)
+
     def check_prompt_fits(self, num_tokens: int) -> None:
-        lens = [w.info.max_model_len for w in self.workers.values() if w.info.max_model_len]
-        if lens and num_tokens + 1 > min(lens):
-            raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {min(lens)} "
+        limit = self.max_model_len()
+        if limit and num_tokens + 1 > limit:
+            raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {limit} "
                              "(room for at least one output token is needed)")
 
     async def pick_prefill(self, block_hashes: list[bytes], num_tokens: int,

@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engine.config import EngineConfig
 from client.keepalive import keepalive_options
 from engine.grpc_server import GRPC_OPTIONS, GrpcServer, run, serve
 from protos import router_pb2, router_pb2_grpc
@@ -13,6 +12,7 @@ from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.metrics import router_metrics
+from router.prompts import load_served_model
 from router.registry import Registry
 from router.service import RouterServicer
 from router.stats import RouterStats
@@ -23,23 +23,12 @@ SERVICE_NAMES = [router_pb2.DESCRIPTOR.services_by_name[n].full_name
                  for n in ("Router", "RouterAdmin")]
 
 
-def _load_model_files(config: RouterConfig):
-    """The workers' tokenizer, vocabulary size (the router validates against them) and the
-    model's sampling defaults."""
-    from engine.generation_defaults import load_sampling_defaults
-    from engine.model_config import ModelConfig
-    from engine.presets import resolve_model
-    from engine.tokenizer import load_tokenizer
-
-    path = resolve_model(EngineConfig(model=config.model).model)
-    return (load_tokenizer(path), ModelConfig.from_pretrained(path).vocab_size,
-            load_sampling_defaults(config.generation_config, path))
-
-
 async def serve_router(config: RouterConfig) -> None:
-    tokenizer, vocab, defaults = await asyncio.to_thread(_load_model_files, config)
-    if defaults:
-        logger.info("sampling defaults from the model's generation config: %s", defaults)
+    model = await asyncio.to_thread(load_served_model, config.model, config.generation_config,
+                                    config.chat_template_text)
+    if model.sampling_defaults:
+        logger.info("sampling defaults from the model's generation config: %s",
+                    model.sampling_defaults)
     directory = WorkerDirectory(Registry.from_url(config.redis_url, config.namespace),
                                 config.block_size, config.refresh_interval_s,
                                 GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
@@ -50,7 +39,7 @@ async def serve_router(config: RouterConfig) -> None:
     try:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
-        router = RouterServicer(config, directory, tokenizer, vocab, stats, defaults)
+        router = RouterServicer(config, directory, model, stats)
         router_pb2_grpc.add_RouterServicer_to_server(router, server.server)
         router_pb2_grpc.add_RouterAdminServicer_to_server(
             RouterAdminServicer(directory, stats, router.inflight), server.server)

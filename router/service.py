@@ -23,7 +23,6 @@ import uuid
 import grpc
 
 from engine.block_hash import hash_request_tokens
-from engine.chat_template import ChatMessage, ChatTemplateMissing, chat_prompt_ids
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
@@ -32,6 +31,7 @@ from router.inflight import InflightRequests
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
+from router.prompts import ServedModel
 from router.stats import RouterStats
 from router.stream_interval import every_n_tokens
 
@@ -39,15 +39,12 @@ logger = logging.getLogger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, config: RouterConfig, directory: WorkerDirectory, tokenizer,
-                 vocab_size: int, stats: RouterStats, sampling_defaults: dict | None = None) -> None:
+    def __init__(self, config: RouterConfig, directory: WorkerDirectory, model: ServedModel,
+                 stats: RouterStats) -> None:
         self.config = config
-        # The model's generation-config defaults for fields a request leaves unset.
-        self.sampling_defaults = sampling_defaults or {}
+        self.model = model
         self.inflight = InflightRequests()
         self.directory = directory
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         self.stats = stats
         self._ids = itertools.count()
         self._release_tasks: set[asyncio.Task] = set()
@@ -87,56 +84,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _abort(self, context, e: Exception) -> None:
         self.stats.requests_failed += 1
-        if isinstance(e, RouterRejectError):
-            code, msg = e.code, str(e)
-        elif isinstance(e, NoWorkerError):
-            code, msg = e.code, str(e)
-        elif isinstance(e, ValueError):
-            code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-        elif isinstance(e, grpc.aio.AioRpcError):
-            # A worker's status passes through (its message names the problem).
-            code, msg = e.code(), e.details() or str(e.code())
-        else:
-            logger.exception("router internal error", exc_info=e)
-            code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
-        await context.abort(code, msg)
+        await _refuse(context, e)
+
+    # --- the model: tokenize, detokenize, its info ------------------------------------------
+    async def Tokenize(self, request: router_pb2.TokenizeRequest, context):
+        try:
+            ids = self.model.prompt_ids(request)
+        except Exception as e:  # noqa: BLE001 - a gRPC status, as for Generate
+            await _refuse(context, e)
+        return router_pb2.TokenizeResponse(token_ids=ids,
+                                           max_model_len=self.directory.max_model_len())
+
+    async def Detokenize(self, request: router_pb2.DetokenizeRequest, context):
+        try:
+            return router_pb2.DetokenizeResponse(text=self.model.detokenize(request))
+        except Exception as e:  # noqa: BLE001
+            await _refuse(context, e)
+
+    async def GetModelInfo(self, request, context):
+        return self.model.info(self.directory.max_model_len(), self.config.block_size)
 
     # --- the request path -----------------------------------------------------------------
-    def _prompt_ids(self, request: router_pb2.GenerateRequest) -> list[int]:
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise ValueError("prompt text is empty")
-            ids = self.tokenizer.encode(request.text)
-        elif which == "token_ids":
-            ids = convert.check_token_ids(request.token_ids.ids)
-        elif which == "chat":
-            ids = self._chat_ids(request.chat)
-        else:
-            raise ValueError("the request has no prompt (set text, token_ids or chat)")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
-                             f"(size {self.vocab_size})")
-        return ids
-
-    def _chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
-        try:
-            return chat_prompt_ids(self.tokenizer,
-                                   [ChatMessage(m.role, m.content) for m in chat.messages],
-                                   continue_final_message=chat.continue_final_message,
-                                   chat_template=self.config.chat_template_text)
-        except ChatTemplateMissing as e:
-            raise RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-
     def _resume_ids(self, request: router_pb2.GenerateRequest, params) -> list[int]:
-        ids = convert.check_token_ids(request.resume_token_ids, "resume")
-        bad = [t for t in ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"resume token id {bad[0]} is outside the vocabulary "
-                             f"(size {self.vocab_size})")
+        ids = self.model.check_vocab(convert.check_token_ids(request.resume_token_ids, "resume"),
+                                     "resume")
         if ids and len(ids) >= params.max_tokens:
             raise ValueError(f"{len(ids)} resumed output tokens leave nothing to generate "
                              f"(max_tokens={params.max_tokens})")
@@ -153,10 +124,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         # Filled in the request itself, so that the workers get the same values.
-        convert.fill_sampling_defaults(request.sampling, self.sampling_defaults)
+        convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
         params = convert.sampling_from_proto(request.sampling)
-        params.validate_vocab(self.vocab_size)
-        run = RequestRun(rid, self._prompt_ids(request), t0,
+        params.validate_vocab(self.model.vocab_size)
+        run = RequestRun(rid, self.model.prompt_ids(request), t0,
                          resumed=self._resume_ids(request, params))
         run.usage.prompt_tokens = len(run.prompt_token_ids)
         run.usage.completion_tokens = len(run.resumed)
@@ -411,3 +382,18 @@ def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
     run.usage.migrations = run.migrations
     run.usage.timings.CopyFrom(run.timings)
     chunk.usage.CopyFrom(run.usage)
+
+
+async def _refuse(context, e: Exception) -> None:
+    """Ends the call with e's gRPC status: never a raw traceback to the caller."""
+    if isinstance(e, (RouterRejectError, NoWorkerError)):
+        code, msg = e.code, str(e)
+    elif isinstance(e, ValueError):
+        code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    elif isinstance(e, grpc.aio.AioRpcError):
+        # A worker's status passes through (its message names the problem).
+        code, msg = e.code(), e.details() or str(e.code())
+    else:
+        logger.exception("router internal error", exc_info=e)
+        code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+    await context.abort(code, msg)

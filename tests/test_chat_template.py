@@ -149,19 +149,20 @@ def test_sdk_builds_chat_requests():
 
 
 def test_router_answers_failed_precondition_without_a_template(preset_path):
-    from router.service import RouterRejectError, RouterServicer
+    from router.errors import RouterRejectError
+    from router.prompts import ServedModel
 
     tok = load_tokenizer(preset_path("tiny-llama"))
     tok.hf.chat_template = None
-    config = RouterConfig(model="tiny-llama", redis_url="redis://x")
-    servicer = RouterServicer(config, None, tok, tok.vocab_size, None)
+    model = ServedModel("tiny-llama", tok, tok.vocab_size)
     req = build_request(CHATS[0], None, {})
+    assert not model.has_chat_template
     with pytest.raises(RouterRejectError, match="no chat template") as e:
-        servicer._prompt_ids(req)
+        model.prompt_ids(req)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    servicer.config = RouterConfig(model="tiny-llama", redis_url="redis://x",
-                                   chat_template=QA_TEMPLATE)
-    assert tok.decode(servicer._prompt_ids(req)) == "Q: Hello there, who are you?\nA:"
+    model.chat_template = load_chat_template(QA_TEMPLATE)
+    assert model.has_chat_template
+    assert tok.decode(model.prompt_ids(req)) == "Q: Hello there, who are you?\nA:"
     assert build_request(Chat([]), None, {}).WhichOneof("prompt") == "chat"
 
 

@@ -106,4 +106,6 @@ def test_the_router_fills_the_models_defaults_for_both_workers(cluster, referenc
             plain = reference.generate([prompt], SamplingParams(max_tokens=30, top_k=1))[0]
             assert mine.token_ids == plain.token_ids
     assert got.token_ids[:30] != plain.token_ids  # PROMPTS[1]: the penalty shows
+    with Client(cluster.router_address, timeout=60) as c:
+        assert c.model_info().sampling_defaults == AS_PARAMS
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])

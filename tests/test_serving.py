@@ -100,6 +100,38 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_tokenize_detokenize_and_model_info(cluster, reference):
+    import asyncio
+
+    from client import AsyncClient
+
+    chat = [{"role": "user", "content": "Hi there"}]
+    with Client(cluster.router_address, timeout=30) as c:
+        text = c.tokenize("The quick brown fox")
+        assert text.token_ids == reference.tokenizer.encode("The quick brown fox")
+        assert text.max_model_len == 1024  # WORKER_ARGS
+        assert c.tokenize(chat).token_ids == reference.chat_prompt(chat)
+        assert c.detokenize(text.token_ids) == "The quick brown fox"
+        assert c.detokenize(text.token_ids, skip_special_tokens=False).startswith("<|begin")
+        info = c.model_info()
+        with pytest.raises(InvalidArgumentError, match="empty"):
+            c.tokenize("")
+        with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+            c.detokenize([1, 99999])
+    assert (info.model, info.vocab_size, info.max_model_len, info.block_size) == \
+        ("tiny-llama", 8192, 1024, 16)
+    assert info.has_chat_template and info.sampling_defaults == {} and info.eos_token_ids == [8190]
+
+    async def run():
+        async with AsyncClient(cluster.router_address, timeout=30) as ac:
+            return ((await ac.tokenize(Chat(chat))).token_ids,
+                    await ac.detokenize([5, 6]), await ac.model_info())
+
+    ids, text, ainfo = asyncio.run(run())
+    assert ids == reference.chat_prompt(chat) and text == reference.tokenizer.decode([5, 6])
+    assert ainfo == info
+
+
 def _admin(cluster, *argv) -> str:
     import io
     from contextlib import redirect_stdout

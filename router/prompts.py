@@ -1,0 +1,90 @@
+"""The model as the router sees it: the files it reads from the model folder (tokenizer,
+vocabulary, eos ids, sampling defaults, chat template) and what it does with them: a request's
+prompt into token ids (text, token ids or a chat), ids back into text, the model's info."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.chat_template import ChatMessage, ChatTemplateMissing, chat_prompt_ids
+from engine.tokenizer import Tokenizer
+from protos import common_pb2, convert, router_pb2
+from router.errors import RouterRejectError
+
+
+@dataclass
+class ServedModel:
+    name: str  # the router's --model
+    tokenizer: Tokenizer
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    # engine/generation_defaults.py: what a request's unset sampling fields become.
+    sampling_defaults: dict = field(default_factory=dict)
+    # The operator's --chat-template text; None: the tokenizer's own.
+    chat_template: str | None = None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template or self.tokenizer.hf.chat_template)
+
+    def prompt_ids(self, msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
+        """The prompt's token ids; ValueError (INVALID_ARGUMENT) when empty or outside the
+        vocabulary, RouterRejectError FAILED_PRECONDITION for a chat without a template."""
+        which = msg.WhichOneof("prompt")
+        if which == "text":
+            if not msg.text:
+                raise ValueError("prompt text is empty")
+            ids = self.tokenizer.encode(msg.text)
+        elif which == "token_ids":
+            ids = convert.check_token_ids(msg.token_ids.ids)
+        elif which == "chat":
+            ids = self.chat_ids(msg.chat)
+        else:
+            raise ValueError("the request has no prompt (set text, token_ids or chat)")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return self.check_vocab(ids, "prompt")
+
+    def chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
+        try:
+            return chat_prompt_ids(self.tokenizer,
+                                   [ChatMessage(m.role, m.content) for m in chat.messages],
+                                   continue_final_message=chat.continue_final_message,
+                                   chat_template=self.chat_template)
+        except ChatTemplateMissing as e:
+            raise RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+
+    def check_vocab(self, ids: list[int], what: str) -> list[int]:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.vocab_size})")
+        return ids
+
+    def detokenize(self, msg: router_pb2.DetokenizeRequest) -> str:
+        ids = self.check_vocab(convert.check_token_ids(msg.token_ids, "detokenize"), "detokenize")
+        skip = msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def info(self, max_model_len: int, block_size: int) -> router_pb2.ModelInfo:
+        return router_pb2.ModelInfo(
+            model=self.name, vocab_size=self.vocab_size, max_model_len=max_model_len,
+            block_size=block_size, has_chat_template=self.has_chat_template,
+            sampling_defaults=common_pb2.SamplingParams(**self.sampling_defaults),
+            eos_token_ids=self.eos_token_ids)
+
+
+def load_served_model(model: str, generation_config: str,
+                      chat_template: str | None) -> ServedModel:
+    """Reads the model folder (a preset is generated first); blocking."""
+    from engine.config import EngineConfig
+    from engine.generation_defaults import load_sampling_defaults
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    path = resolve_model(EngineConfig(model=model).model)
+    mc = ModelConfig.from_pretrained(path)
+    return ServedModel(model, load_tokenizer(path), mc.vocab_size, list(mc.eos_token_ids),
+                       load_sampling_defaults(generation_config, path), chat_template)
