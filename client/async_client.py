@@ -11,7 +11,7 @@ import grpc
 from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             take_chunk)
+                             resumable, take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
                           build_request, completion_from_proto, detokenize_request,
@@ -68,6 +68,7 @@ class AsyncClient:
                        timeout: float | None = None, **sampling) -> AsyncIterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
+        tries.resumable = resumable(req)
         received: list[int] = []
         while True:
             call = self._stubs[tries.router].Generate(

@@ -83,6 +83,10 @@ class Attempts:
         self.first = first
         self.retries = 0
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        # A stream of n > 1 sequences cannot continue elsewhere once it has streamed (the
+        # router resumes one sequence): it fails over only while nothing has arrived.
+        self.resumable = True
+        self.streamed = False
 
     @property
     def router(self) -> int:
@@ -95,6 +99,8 @@ class Attempts:
         """After a failed attempt: seconds to wait before the next one, or None to give up."""
         if error.code() not in RETRYABLE or self.retries >= self.policy.max_retries:
             return None
+        if self.streamed and not self.resumable:
+            return None
         self.retries += 1
         rounds = self.retries // self.num_routers  # whole rounds of routers tried so far
         delay = 0.0 if self.retries % self.num_routers else min(
@@ -103,6 +109,11 @@ class Attempts:
         if left is not None and delay >= left:
             return None
         return delay
+
+
+def resumable(req: router_pb2.GenerateRequest) -> bool:
+    """Whether the request's stream can go on elsewhere (one sequence: n unset or 1)."""
+    return not (req.sampling.HasField("n") and req.sampling.n > 1)
 
 
 def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
@@ -125,6 +136,7 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
     client's own moves beside the router's."""
     chunk = chunk_from_proto(msg)
     received.extend(chunk.token_ids)
+    tries.streamed = True
     if chunk.usage is not None:
         chunk.usage.migrations += tries.retries
     return chunk

@@ -10,7 +10,7 @@ import grpc
 from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             take_chunk)
+                             resumable, take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
                           build_request, completion_from_proto, detokenize_request,
@@ -52,7 +52,9 @@ class Client:
     def generate(self, prompt: Prompt, *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
-        return self._stream(req, self._attempts(timeout))
+        tries = self._attempts(timeout)
+        tries.resumable = resumable(req)
+        return self._stream(req, tries)
 
     def _stream(self, req, tries: Attempts) -> Iterator[GenerationChunk]:
         received: list[int] = []

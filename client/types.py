@@ -62,10 +62,27 @@ class GenerationChunk:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     usage: Usage | None = None
+    # Which sequence it belongs to when the request asked for n > 1 (0 otherwise).
+    index: int = 0
+
+
+@dataclass
+class Choice:
+    """One of a request's n sequences, whole."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    usage: Usage
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
 class Completion:
+    """The whole result; the fields above ``choices`` are sequence 0's."""
+
     request_id: str
     token_ids: list[int]
     text: str
@@ -73,6 +90,8 @@ class Completion:
     stop_reason: int | str | None
     usage: Usage
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Every sequence in index order (n of them; just sequence 0 when n = 1).
+    choices: list[Choice] = field(default_factory=list)
 
 
 @dataclass
@@ -204,11 +223,19 @@ def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text_delta,
         logprobs=_logprobs(m.logprobs), finish_reason=m.finish_reason or None,
         stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
-        usage=_usage(m.usage) if m.HasField("usage") else None)
+        usage=_usage(m.usage) if m.HasField("usage") else None, index=m.index)
+
+
+def _choice(m, index: int) -> Choice:
+    return Choice(index=index, token_ids=list(m.token_ids), text=m.text,
+                  finish_reason=m.finish_reason,
+                  stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
+                  usage=_usage(m.usage), logprobs=_logprobs(m.logprobs))
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
-    return Completion(
-        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
-        finish_reason=m.finish_reason, stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
-        usage=_usage(m.usage), logprobs=_logprobs(m.logprobs))
+    choices = [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)]
+    first = choices[0]
+    return Completion(request_id=m.request_id, token_ids=first.token_ids, text=first.text,
+                      finish_reason=first.finish_reason, stop_reason=first.stop_reason,
+                      usage=first.usage, logprobs=first.logprobs, choices=choices)

@@ -96,7 +96,8 @@ class OutputProcessor:
         )
 
 
-def _check_stop_strings(detok: IncrementalDetokenizer, params, num_output_tokens: int) -> str | None:
+def _check_stop_strings(detok: IncrementalDetokenizer, params,
+                        num_output_tokens: int) -> str | None:
     """The stop string the newest text completes, once the output is past min_tokens (as in
     vLLM, the token that may end it is number min_tokens + 1, as for stop tokens)."""
     if num_output_tokens <= params.min_tokens:

@@ -26,7 +26,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def fill_sampling_defaults(msg: common_pb2.SamplingParams, defaults: dict) -> None:
-    """Sets the fields msg leaves unset to ``defaults`` (the model's, engine/generation_defaults.py)."""
+    """Sets the fields msg leaves unset to ``defaults`` (the model's recommended ones,
+    engine/generation_defaults.py)."""
     for name, value in defaults.items():
         if not msg.HasField(name):
             setattr(msg, name, value)

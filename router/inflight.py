@@ -18,18 +18,21 @@ from router.migration import RequestRun
 
 @dataclass(eq=False)
 class InflightRequest:
-    run: RequestRun
+    request_id: str
+    # Its sequences (several with SamplingParams.n > 1).
+    runs: list[RequestRun]
     # The RPC handler's task: cancelling it is what a client's cancel does.
     task: asyncio.Task
     received: float  # time.monotonic()
     cancelled: bool = False  # by CancelRequest
 
     def info(self, now: float) -> router_pb2.RequestInfo:
-        run = self.run
+        run = self.runs[0]  # its phase and workers stand for the request's
         info = router_pb2.RequestInfo(
-            request_id=run.request_id, age_s=now - self.received, phase="routing",
-            prompt_tokens=len(run.prompt_token_ids), output_tokens=len(run.output_so_far),
-            migrations=run.migrations)
+            request_id=self.request_id, age_s=now - self.received, phase="routing",
+            prompt_tokens=len(run.prompt_token_ids),
+            output_tokens=sum(len(r.output_so_far) for r in self.runs),
+            migrations=sum(r.migrations for r in self.runs))
         for worker in run.workers:  # the current attempt's, in call order
             info.phase = worker.info.role
             if worker.info.role == "prefill":
@@ -44,17 +47,17 @@ class InflightRequests:
         self._by_id: dict[str, InflightRequest] = {}
 
     @contextlib.contextmanager
-    def track(self, run: RequestRun) -> Iterator[InflightRequest]:
+    def track(self, request_id: str, runs: list[RequestRun]) -> Iterator[InflightRequest]:
         """Registers the request for the current task's lifetime in this block."""
-        if run.request_id in self._by_id:
+        if request_id in self._by_id:
             raise RouterRejectError(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"request id {run.request_id!r} is already in flight")
-        entry = InflightRequest(run, asyncio.current_task(), time.monotonic())
-        self._by_id[run.request_id] = entry
+                                    f"request id {request_id!r} is already in flight")
+        entry = InflightRequest(request_id, runs, asyncio.current_task(), time.monotonic())
+        self._by_id[request_id] = entry
         try:
             yield entry
         finally:
-            del self._by_id[run.request_id]
+            del self._by_id[request_id]
 
     def list(self) -> list[router_pb2.RequestInfo]:
         now = time.monotonic()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -31,6 +32,7 @@ from router.inflight import InflightRequests
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
+from router.parallel import check_n, fan_out, sequence_request
 from router.prompts import ServedModel
 from router.stats import RouterStats
 from router.stream_interval import every_n_tokens
@@ -54,8 +56,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             with self.stats.track():
                 chunks = self._generate(request, context, time.monotonic())
-                if self.config.stream_interval > 1:
-                    chunks = every_n_tokens(chunks, self.config.stream_interval)
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         yield chunk
@@ -63,24 +63,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._abort(context, e)
 
     async def Complete(self, request: router_pb2.GenerateRequest, context):
-        resp = router_pb2.CompleteResponse()
-        text: list[str] = []
+        choices: dict[int, router_pb2.Choice] = {}
+        texts: dict[int, list[str]] = {}
+        rid = ""
         try:
             with self.stats.track():
                 async for chunk in self._generate(request, context, time.monotonic()):
-                    resp.request_id = chunk.request_id
-                    resp.token_ids.extend(chunk.token_ids)
-                    resp.logprobs.extend(chunk.logprobs)
-                    text.append(chunk.text_delta)
+                    rid = chunk.request_id
+                    c = choices.get(chunk.index)
+                    if c is None:
+                        c = choices[chunk.index] = router_pb2.Choice(index=chunk.index)
+                        texts[chunk.index] = []
+                    c.token_ids.extend(chunk.token_ids)
+                    c.logprobs.extend(chunk.logprobs)
+                    texts[chunk.index].append(chunk.text_delta)
                     if chunk.finish_reason:
-                        resp.finish_reason = chunk.finish_reason
+                        c.finish_reason = chunk.finish_reason
                         if chunk.HasField("stop_reason"):
-                            resp.stop_reason.CopyFrom(chunk.stop_reason)
-                        resp.usage.CopyFrom(chunk.usage)
+                            c.stop_reason.CopyFrom(chunk.stop_reason)
+                        c.usage.CopyFrom(chunk.usage)
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
-        resp.text = "".join(text)
-        return resp
+        for i, c in choices.items():
+            c.text = "".join(texts[i])
+        return _complete_response(rid, [choices[i] for i in sorted(choices)])
 
     async def _abort(self, context, e: Exception) -> None:
         self.stats.requests_failed += 1
@@ -127,33 +133,54 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.model.vocab_size)
-        run = RequestRun(rid, self.model.prompt_ids(request), t0,
-                         resumed=self._resume_ids(request, params))
+        resumed = self._resume_ids(request, params)
+        n = check_n(request.sampling, bool(resumed))
+        prompt = self.model.prompt_ids(request)
+        if n == 1:
+            runs = [RequestRun(rid, prompt, t0, resumed=resumed)]
+            chunks = self._sequence(runs[0], request, context)
+        else:  # router/parallel.py; each sequence has its own id on the workers
+            runs = [RequestRun(f"{rid}/{i}", prompt, t0) for i in range(n)]
+            chunks = fan_out(rid, [functools.partial(
+                self._sequence, run, sequence_request(request, i), context)
+                for i, run in enumerate(runs)])
+        with self.inflight.track(rid, runs) as entry:
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield chunk
+            except asyncio.CancelledError:
+                if not entry.cancelled:
+                    raise
+                # RouterAdmin.CancelRequest: every leg is cancelled by now (the attempts
+                # closed); the client learns why.
+                entry.task.uncancel()
+                raise RouterRejectError(grpc.StatusCode.CANCELLED,
+                                        "cancelled by the router's operator") from None
+
+    def _sequence(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
+        """One sequence's chunks, over as many attempts as migrations allow, a chunk per
+        --stream-interval tokens."""
+        chunks = self._attempts(run, request, context)
+        interval = self.config.stream_interval
+        return chunks if interval == 1 else every_n_tokens(chunks, interval)
+
+    async def _attempts(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
         run.usage.prompt_tokens = len(run.prompt_token_ids)
         run.usage.completion_tokens = len(run.resumed)
-        with self.inflight.track(run) as entry:
-            while True:
-                try:
-                    async with contextlib.aclosing(self._attempt(run, request,
-                                                                 context)) as chunks:
-                        async for chunk in chunks:
-                            run.emitted.extend(chunk.token_ids)
-                            self.stats.generation_tokens += len(chunk.token_ids)
-                            if chunk.finish_reason:
-                                self.stats.request_finished(chunk.finish_reason, chunk.usage)
-                            yield chunk
-                    return
-                except asyncio.CancelledError:
-                    if not entry.cancelled:
-                        raise
-                    # RouterAdmin.CancelRequest: both legs are cancelled by now (the attempt
-                    # closed); the client learns why.
-                    entry.task.uncancel()
-                    raise RouterRejectError(grpc.StatusCode.CANCELLED,
-                                            "cancelled by the router's operator") from None
-                except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
-                    if not await self._migrate(run, e, context):
-                        raise
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(run, request, context)) as chunks:
+                    async for chunk in chunks:
+                        run.emitted.extend(chunk.token_ids)
+                        self.stats.generation_tokens += len(chunk.token_ids)
+                        if chunk.finish_reason:
+                            self.stats.request_finished(chunk.finish_reason, chunk.usage)
+                        yield chunk
+                return
+            except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
+                if not await self._migrate(run, e, context):
+                    raise
 
     async def _migrate(self, run: RequestRun, e: Exception, context) -> bool:
         """After attempt ``e``: whether the request goes on elsewhere (router/migration.py)."""
@@ -382,6 +409,20 @@ def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
     run.usage.migrations = run.migrations
     run.usage.timings.CopyFrom(run.timings)
     chunk.usage.CopyFrom(run.usage)
+
+
+def _complete_response(request_id: str,
+                       choices: list[router_pb2.Choice]) -> router_pb2.CompleteResponse:
+    """Sequence 0 at the top (the only one when n = 1); every one in ``choices`` when n > 1."""
+    first = choices[0]
+    resp = router_pb2.CompleteResponse(
+        request_id=request_id, token_ids=first.token_ids, text=first.text,
+        logprobs=first.logprobs, finish_reason=first.finish_reason, usage=first.usage)
+    if first.HasField("stop_reason"):
+        resp.stop_reason.CopyFrom(first.stop_reason)
+    if len(choices) > 1:
+        resp.choices.extend(choices)
+    return resp
 
 
 async def _refuse(context, e: Exception) -> None:

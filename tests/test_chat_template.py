@@ -54,7 +54,8 @@ def test_continue_final_message_leaves_the_reply_open(tok):
                                       return_dict=False)
     got = chat_prompt_ids(tok, chat, continue_final_message=True)
     assert got == want
-    assert tok.decode(got, skip_special_tokens=False).endswith("### assistant\nRed, green and blue.")
+    assert tok.decode(got, skip_special_tokens=False).endswith(
+        "### assistant\nRed, green and blue.")
     with pytest.raises(ValueError, match="final message with content"):
         chat_prompt_ids(tok, [{"role": "assistant", "content": ""}], continue_final_message=True)
 

@@ -100,6 +100,36 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_parallel_sampling_streams_n_seeded_sequences(cluster, reference):
+    prompt = random_prompts(1, seed=41, lo=70, hi=70)[0]  # 4 full blocks, fresh
+    sampling = dict(max_tokens=12, temperature=0.9, ignore_eos=True)
+    want = reference.generate([prompt] * 4, [SamplingParams(seed=11 + i, **sampling)
+                                             for i in range(4)])
+    with Client(cluster.router_address, timeout=60) as c:
+        chunks = list(c.generate(prompt, n=4, seed=11, request_id="par-1", **sampling))
+        assert {ch.request_id for ch in chunks} == {"par-1"}
+        finals = {ch.index: ch for ch in chunks if ch.finish_reason}
+        assert sorted(finals) == [0, 1, 2, 3]
+        for i, w in enumerate(want):
+            assert [t for ch in chunks if ch.index == i for t in ch.token_ids] == w.token_ids
+        assert len({tuple(w.token_ids) for w in want}) == 4  # the seeds differ
+        # Sequence 0 prefills the prompt; the others find its blocks cached.
+        assert finals[0].usage.cached_tokens == 0
+        assert all(finals[i].usage.cached_tokens == 64 for i in (1, 2, 3))
+
+        greedy = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
+        res = c.complete(prompt, n=3, max_tokens=6, temperature=0.0)
+        assert [ch.index for ch in res.choices] == [0, 1, 2]
+        assert all(ch.token_ids == greedy.token_ids and ch.text == greedy.text
+                   for ch in res.choices)
+        assert res.token_ids == greedy.token_ids and res.usage.completion_tokens == 6
+        assert len(c.complete(prompt, max_tokens=2).choices) == 1
+        for bad in (0, 65):
+            with pytest.raises(InvalidArgumentError, match="n must be in"):
+                c.complete(prompt, n=bad)
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_tokenize_detokenize_and_model_info(cluster, reference):
     import asyncio
 
@@ -180,6 +210,15 @@ def test_admin_lists_and_cancels_requests_in_flight(cluster):
         _admin(cluster, "cancel", "long-2")
         thread.join(30)
         assert "operator" in str(errors[0].value)
+        # n sequences are one request: one cancel ends them all.
+        par = c.generate(prompt, request_id="long-3", n=3, max_tokens=900, ignore_eos=True)
+        next(par)
+        (info,) = [r for r in json.loads(_admin(cluster, "requests", "--json"))
+                   if r["request_id"] == "long-3"]
+        _admin(cluster, "cancel", "long-3")
+        with pytest.raises(CancelledError):
+            for _ in par:
+                pass
     assert json.loads(_admin(cluster, "requests", "--json")) == []
     from engine.cli import main
     assert main(["admin", "--router", cluster.router_address, "cancel", "nope"]) == 1
