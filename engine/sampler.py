@@ -1,5 +1,5 @@
-"""Batched next-token sampling: penalties, logit bias, min_tokens, greedy, temperature, top-k,
-top-p, min-p, seeds, logprobs.
+"""Batched next-token sampling: penalties, logit bias, allowed tokens, min_tokens, greedy,
+temperature, top-k, top-p, min-p, seeds, logprobs.
 
 One call samples one token for every request of the step. The work is batched: greedy rows
 share one argmax, random rows share one temperature division, one threshold per row that
@@ -116,11 +116,18 @@ class Sampler:
 
 def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
                        banned: list[list[int]] | None) -> torch.Tensor:
-    """logits plus each row's logit_bias, with its banned tokens at -inf (a copy when any)."""
+    """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids and
+    its banned ones at -inf (a copy when any)."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    if not biased and banned is None:
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not biased and not allowed and banned is None:
         return logits
     out = logits.float().clone()  # [num_rows, vocab]
+    for i in allowed:
+        keep = torch.tensor(params[i].allowed_token_ids, dtype=torch.long, device=out.device)
+        kept = out[i, keep]
+        out[i] = -math.inf
+        out[i, keep] = kept
     for i in biased:
         bias = params[i].logit_bias
         ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)

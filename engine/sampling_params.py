@@ -34,6 +34,8 @@ class SamplingParams:
     min_tokens: int = 0
     # Added to these token ids' logits before sampling (OpenAI's logit_bias), in [-100, 100].
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these token ids can be sampled (empty: any); e.g. a classifier's label tokens.
+    allowed_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +46,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id to bias, "
                              f"got {type(self.logit_bias).__name__}")
         self.logit_bias = dict(self.logit_bias)
+        self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -83,6 +86,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
             if not _is_number(b) or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
+        for t in self.allowed_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
@@ -104,10 +110,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop token id {t} is outside the vocabulary (size {vocab_size})")
-        for t in self.logit_bias:
+        for t in [*self.logit_bias, *self.allowed_token_ids]:
             if t >= vocab_size:
-                raise ValueError(f"logit_bias token id {t} is outside the vocabulary "
-                                 f"(size {vocab_size})")
+                raise ValueError(f"logit_bias / allowed_token_ids token id {t} is outside the "
+                                 f"vocabulary (size {vocab_size})")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k {self.top_k} exceeds the vocabulary size {vocab_size}")
 

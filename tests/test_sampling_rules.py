@@ -237,3 +237,24 @@ def test_sampling_params_validate_min_tokens_and_bias(kw, match):
         SamplingParams(**kw)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         SamplingParams(logit_bias={VOCAB: 1.0}).validate_vocab(VOCAB)
+
+
+def test_allowed_token_ids_equal_the_definition_on_hf(reference, preset_path):
+    prompt = PROMPTS[0]
+    allowed = [11, 500, 1234, 4321, 7000]
+    got = reference.generate([prompt], SamplingParams(allowed_token_ids=allowed,
+                                                      **GREEDY))[0].token_ids
+
+    def only_allowed(x, out):
+        return [v if t in allowed else -math.inf for t, v in enumerate(x)]
+
+    assert got == _hf_greedy_with(preset_path("tiny-llama"), prompt, 32, only_allowed)
+    assert set(got) <= set(allowed) and len(set(got)) > 1
+    sampled = reference.generate([prompt] * 4, [SamplingParams(
+        allowed_token_ids=allowed, temperature=1.5, seed=s, max_tokens=32, ignore_eos=True)
+        for s in range(4)])
+    assert all(set(o.token_ids) <= set(allowed) for o in sampled)
+    with pytest.raises(ValueError, match="non-negative token ids"):
+        SamplingParams(allowed_token_ids=[-1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SamplingParams(allowed_token_ids=[VOCAB]).validate_vocab(VOCAB)

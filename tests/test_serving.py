@@ -85,6 +85,7 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     penalties = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.0, presence_penalty=0.5)]
     rules = penalties + [
         dict(logit_bias={17: 3.0, 4321: 7.5}),
+        dict(allowed_token_ids=[11, 500, 1234, 4321, 7000]),
         # The prefill worker samples the first token, the one the model wants to stop at.
         dict(min_tokens=6, stop_token_ids=[first]),
     ]
