@@ -115,6 +115,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="render chat prompts with this Jinja template (a file, or the template "
                         "itself) instead of the model's own; needed for models without one")
+    p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="no access-log line per request (logger pdserve.access)")
     p.add_argument("--generation-config", default="auto", metavar="auto|engine|FOLDER",
                    help="sampling defaults for fields a request leaves unset: the model's "
                         "generation_config.json (auto), none (engine), or another folder's")
@@ -171,6 +173,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
                       generation_config=args.generation_config,
+                      log_requests=args.log_requests,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(

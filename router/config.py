@@ -60,6 +60,8 @@ class RouterConfig:
     # Defaults for the sampling fields a request leaves unset: "auto", the model folder's
     # generation_config.json; "engine", none (the engine's own); or another folder's file.
     generation_config: str = "auto"
+    # One line per request on the pdserve.access logger (router/access_log.py).
+    log_requests: bool = True
     # The template text chat_template names, read when the config is built.
     chat_template_text: str | None = field(default=None, init=False, repr=False)
 

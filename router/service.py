@@ -25,9 +25,10 @@ import grpc
 
 from engine.block_hash import hash_request_tokens
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
+from router.access_log import log_request
 from router.config import RouterConfig
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
-from router.errors import RouterRejectError
+from router.errors import RouterRejectError, status_of
 from router.inflight import InflightRequests
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
@@ -129,34 +130,46 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
-        # Filled in the request itself, so that the workers get the same values.
-        convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
-        params = convert.sampling_from_proto(request.sampling)
-        params.validate_vocab(self.model.vocab_size)
-        resumed = self._resume_ids(request, params)
-        n = check_n(request.sampling, bool(resumed))
-        prompt = self.model.prompt_ids(request)
-        if n == 1:
-            runs = [RequestRun(rid, prompt, t0, resumed=resumed)]
-            chunks = self._sequence(runs[0], request, context)
-        else:  # router/parallel.py; each sequence has its own id on the workers
-            runs = [RequestRun(f"{rid}/{i}", prompt, t0) for i in range(n)]
-            chunks = fan_out(rid, [functools.partial(
-                self._sequence, run, sequence_request(request, i), context)
-                for i, run in enumerate(runs)])
-        with self.inflight.track(rid, runs) as entry:
-            try:
-                async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        yield chunk
-            except asyncio.CancelledError:
-                if not entry.cancelled:
-                    raise
-                # RouterAdmin.CancelRequest: every leg is cancelled by now (the attempts
-                # closed); the client learns why.
-                entry.task.uncancel()
-                raise RouterRejectError(grpc.StatusCode.CANCELLED,
-                                        "cancelled by the router's operator") from None
+        runs: list[RequestRun] = []
+        status, error, finish = "OK", "", ""
+        try:
+            # Filled in the request itself, so that the workers get the same values.
+            convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
+            params = convert.sampling_from_proto(request.sampling)
+            params.validate_vocab(self.model.vocab_size)
+            resumed = self._resume_ids(request, params)
+            n = check_n(request.sampling, bool(resumed))
+            prompt = self.model.prompt_ids(request)
+            if n == 1:
+                runs.append(RequestRun(rid, prompt, t0, resumed=resumed))
+                chunks = self._sequence(runs[0], request, context)
+            else:  # router/parallel.py; each sequence has its own id on the workers
+                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0) for i in range(n))
+                chunks = fan_out(rid, [functools.partial(
+                    self._sequence, run, sequence_request(request, i), context)
+                    for i, run in enumerate(runs)])
+            with self.inflight.track(rid, runs) as entry:
+                try:
+                    async with contextlib.aclosing(chunks):
+                        async for chunk in chunks:
+                            if chunk.finish_reason and chunk.index == 0:
+                                finish = chunk.finish_reason
+                            yield chunk
+                except asyncio.CancelledError:
+                    if not entry.cancelled:
+                        raise
+                    # RouterAdmin.CancelRequest: every leg is cancelled by now (the attempts
+                    # closed); the client learns why.
+                    entry.task.uncancel()
+                    raise RouterRejectError(grpc.StatusCode.CANCELLED,
+                                            "cancelled by the router's operator") from None
+        except BaseException as e:
+            code, error = status_of(e)
+            status = code.name
+            raise
+        finally:
+            if self.config.log_requests:  # router/access_log.py
+                log_request(rid, runs, status, error, finish)
 
     def _sequence(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
         """One sequence's chunks, over as many attempts as migrations allow, a chunk per
@@ -427,14 +440,7 @@ def _complete_response(request_id: str,
 
 async def _refuse(context, e: Exception) -> None:
     """Ends the call with e's gRPC status: never a raw traceback to the caller."""
-    if isinstance(e, (RouterRejectError, NoWorkerError)):
-        code, msg = e.code, str(e)
-    elif isinstance(e, ValueError):
-        code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    elif isinstance(e, grpc.aio.AioRpcError):
-        # A worker's status passes through (its message names the problem).
-        code, msg = e.code(), e.details() or str(e.code())
-    else:
+    code, msg = status_of(e)
+    if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-        code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
     await context.abort(code, msg)

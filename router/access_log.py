@@ -1,0 +1,46 @@
+"""One line per request on the ``pdserve.access`` logger: who served it, what it cost, how it
+ended. On by default; ``--disable-log-requests`` turns it off.
+
+    request req-1f2e status=OK finish=length n=1 prompt=123 cached=64 output=32
+    ttft_ms=45.1 e2e_ms=812.0 prefill=prefill-41003 decode=decode-40127 migrations=0
+
+(one line), or ``status=UNAVAILABLE error="no prefill worker is available"`` and what was known
+by then. Token counts of n > 1 sequences add up; timings and workers are sequence 0's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from router.migration import RequestRun
+
+logger = logging.getLogger("pdserve.access")
+
+
+def request_line(request_id: str, runs: list[RequestRun], status: str, error: str = "",
+                 finish: str = "") -> str:
+    fields = [f"request {request_id}", f"status={status}"]
+    if finish:
+        fields.append(f"finish={finish}")
+    if runs:
+        first = runs[0]
+        u, t = first.usage, first.timings
+        fields += [f"n={len(runs)}", f"prompt={len(first.prompt_token_ids)}",
+                   f"cached={u.cached_tokens}",
+                   f"output={sum(len(r.output_so_far) for r in runs)}",
+                   f"ttft_ms={t.ttft_s * 1e3:.1f}",
+                   f"e2e_ms={(time.monotonic() - first.t0) * 1e3:.1f}"]
+        if u.prefill_worker_id:
+            fields.append(f"prefill={u.prefill_worker_id}")
+        if u.decode_worker_id:
+            fields.append(f"decode={u.decode_worker_id}")
+        fields.append(f"migrations={sum(r.migrations for r in runs)}")
+    if error:
+        fields.append(f"error={json.dumps(error)}")
+    return " ".join(fields)
+
+
+def log_request(request_id: str, runs: list[RequestRun], status: str, error: str = "",
+                finish: str = "") -> None:
+    logger.info("%s", request_line(request_id, runs, status, error, finish))
