@@ -13,6 +13,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: requests with a lower priority value run first")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
@@ -48,6 +50,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="subtracted from tokens the output has, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtracted per occurrence in the output, in [-2, 2]")
+    p.add_argument("--priority", type=int, default=0,
+                   help="lower runs first, on engines with --scheduling-policy priority")
     p.add_argument("--min-tokens", type=int, default=0,
                    help="no eos, stop token or stop string ends the output before this many")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
@@ -68,12 +72,14 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                min_tokens=args.min_tokens, logit_bias=args.logit_bias or {})
+                min_tokens=args.min_tokens, logit_bias=args.logit_bias or {},
+                priority=args.priority)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                scheduling_policy=args.scheduling_policy,
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
                 num_gpu_blocks=args.num_gpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,

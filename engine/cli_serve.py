@@ -211,6 +211,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
                    help="the router's sampling defaults (router --generation-config; default: "
                         "auto, the model's generation_config.json)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="every worker's (prefill|decode --scheduling-policy; default fcfs)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -233,6 +235,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
+    if args.scheduling_policy:
+        extra += ["--scheduling-policy", args.scheduling_policy]
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,

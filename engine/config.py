@@ -11,6 +11,9 @@ _LINEAR_BACKENDS = ("auto", "onednn", "mkl", "torch")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class EngineConfig:
     # A local Hugging Face folder or a built-in preset name (see engine.presets).
@@ -25,6 +28,9 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
+    # "fcfs": waiting requests in arrival order; "priority": by SamplingParams.priority (lower
+    # first), then arrival, and the lowest-priority running request is the one preempted.
+    scheduling_policy: str = "fcfs"
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
@@ -84,6 +90,9 @@ class EngineConfig:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if not self.tp_startup_timeout_s > 0:
             raise ValueError(f"tp_startup_timeout_s must be > 0, got {self.tp_startup_timeout_s}")

@@ -108,6 +108,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate_vocab(vocab)
+        if params.priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs an engine with scheduling "
+                             "policy priority (--scheduling-policy priority)")
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,

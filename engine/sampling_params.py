@@ -36,6 +36,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only these token ids can be sampled (empty: any); e.g. a classifier's label tokens.
     allowed_token_ids: list[int] = field(default_factory=list)
+    # Scheduling, not sampling: with an engine's scheduling_policy "priority", lower runs
+    # first (vLLM's convention); engines on "fcfs" refuse anything but 0.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +89,9 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
             if not _is_number(b) or not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for {t}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool) \
+                or not -2**31 <= self.priority < 2**31:
+            raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
         for t in self.allowed_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t!r}")

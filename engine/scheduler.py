@@ -6,6 +6,10 @@ There is no separate prefill phase: a request is just "``num_computed_tokens`` o
 ``num_tokens`` done", so prefill chunks and decodes share one flattened batch. When the cache
 runs out of blocks, the most recently admitted running request is preempted and later recomputed
 (its blocks usually come back as prefix-cache hits).
+
+With ``scheduling_policy="priority"`` both queues stay ordered by (priority, arrival): waiting
+requests are admitted in that order, running ones get the budget in that order, and the one
+preempted is the last (the lowest priority, then the latest to arrive).
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        self.by_priority = config.scheduling_policy == "priority"
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -68,7 +73,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            _insert_in_order(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -125,7 +133,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            _insert_in_order(self.waiting, req)
+        else:
+            self.waiting.appendleft(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -151,7 +162,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
+            if self.by_priority:
+                _insert_in_order(self.running, req)
+            else:
+                self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
 
@@ -159,3 +173,16 @@ class Scheduler:
         """Advances each scheduled request by the tokens this step computed."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return req.sampling_params.priority, req.arrival_time
+
+
+def _insert_in_order(queue: deque[Request] | list[Request], req: Request) -> None:
+    """Inserts req after every request that goes before it or ties with it."""
+    key = _priority_key(req)
+    i = len(queue)
+    while i > 0 and _priority_key(queue[i - 1]) > key:
+        i -= 1
+    queue.insert(i, req)

@@ -14,7 +14,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw: dict = {}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
                  "skip_special_tokens", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "min_tokens"):
+                 "frequency_penalty", "min_tokens", "priority"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     kw["stop"] = list(msg.stop)
@@ -41,7 +41,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids)
+        min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
+        priority=p.priority)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

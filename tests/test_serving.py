@@ -255,6 +255,7 @@ def test_client_deadline_frees_every_block(cluster):
     (Chat([]), {}, "the chat has no messages"),
     ("hello", {"repetition_penalty": 0.0}, "repetition_penalty"),
     ("hello", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("hello", {"priority": 1}, "scheduling policy priority"),  # these workers run fcfs
     (Chat([{"role": "user", "content": ""}], continue_final_message=True), {},
      "final message with content"),
 ])

@@ -101,19 +101,35 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
     want = reference.generate(prompts, [SamplingParams(**p) for p in params])
     assert len({t for w in want for t in w.token_ids}) > 50  # diverse outputs
     victim, survivor = _live(cluster, "decode")
+    # And one request of n = 3 seeded sequences: each migrates on its own.
+    par_prompt = random_prompts(1, seed=33, lo=40, hi=40)[0]
+    par_want = reference.generate([par_prompt] * 3, [
+        SamplingParams(max_tokens=48, **{**SEEDED, "seed": SEEDED["seed"] + i})
+        for i in range(3)])
+    par_got: list[list[int]] = [[], [], []]
+    par_moved = []
+
+    async def par_stream(client):
+        async for chunk in client.generate(par_prompt, n=3, max_tokens=48, **SEEDED):
+            par_got[chunk.index].extend(chunk.token_ids)
+            if chunk.usage is not None and chunk.usage.migrations:
+                par_moved.append(chunk.index)
 
     async def run():
         got = [[] for _ in prompts]
         async with AsyncClient(cluster.router_address, timeout=120) as client:
             tasks = [asyncio.ensure_future(_stream(client, p, kw, g))
                      for p, kw, g in zip(prompts, params, got)]
+            par = asyncio.ensure_future(par_stream(client))
             # Every stream is decoding (past its first tokens) when the worker dies.
-            await _until(lambda: all(len(g) >= 4 for g in got))
-            assert not any(t.done() for t in tasks)
+            await _until(lambda: all(len(g) >= 4 for g in got + par_got))
+            assert not any(t.done() for t in tasks) and not par.done()
             _kill(victim)
+            await par
             return got, await asyncio.gather(*tasks)
 
     got, finals = asyncio.run(run())
+    assert par_got == [w.token_ids for w in par_want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no stream was on the killed worker"
     for g, f, w in zip(got, finals, want):
@@ -124,7 +140,7 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
         assert f.usage.timings.kv_transfer_s > 0  # the first decode leg's, kept
         if f.usage.migrations:
             assert f.usage.migrations == 1 and f.usage.decode_worker_id == survivor.name
-    assert _stats(cluster).requests_migrated == len(moved)
+    assert _stats(cluster).requests_migrated == len(moved) + len(par_moved)
     # The dead worker gets no more requests, and the survivors hold nothing.
     prompt = random_prompts(1, seed=32)[0]
 
