@@ -219,28 +219,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from router.launcher import Cluster, ClusterSpec
+    from router.launcher import Cluster
     from router.supervisor import Supervisor
 
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.chat_template is not None:
-        from engine.chat_template import load_chat_template
-
-        load_chat_template(args.chat_template)  # a bad one fails here, before anything starts
-        if os.path.isfile(args.chat_template):
-            args.chat_template = os.path.abspath(args.chat_template)
-    if args.generation_config not in (None, "auto", "engine"):
-        from engine.generation_defaults import check_generation_config
-
-        args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
-    extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
-    if args.scheduling_policy:
-        extra += ["--scheduling-policy", args.scheduling_policy]
-    spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
-                       prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
-                       router_port=args.port, worker_args=extra, share_cores=args.share_cores,
-                       router_args=_up_router_args(args))
+    spec = up_spec(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -258,6 +240,31 @@ def cmd_up(args: argparse.Namespace) -> int:
             stop.wait(0.5)
         print("pdserve up: stopping", flush=True)
     return 0
+
+
+def up_spec(args: argparse.Namespace):
+    """The cluster ``pdserve up`` starts; a bad flag fails here, before anything starts."""
+    from router.launcher import ClusterSpec
+
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.chat_template is not None:
+        from engine.chat_template import load_chat_template
+
+        load_chat_template(args.chat_template)
+        if os.path.isfile(args.chat_template):  # the router may start elsewhere
+            args.chat_template = os.path.abspath(args.chat_template)
+    if args.generation_config not in (None, "auto", "engine"):
+        from engine.generation_defaults import check_generation_config
+
+        args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
+    extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
+    if args.scheduling_policy:
+        extra += ["--scheduling-policy", args.scheduling_policy]
+    return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                       prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
+                       router_port=args.port, worker_args=extra, share_cores=args.share_cores,
+                       router_args=_up_router_args(args))
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

@@ -71,3 +71,26 @@ def test_bench_offline_json(capsys):
     from kernels.cpu_decode import cpu_kernels_available
     graph_expected = res["linear_kernel"] == "mkl" and cpu_kernels_available()
     assert (res["cpu_graph_steps"] > 0) == graph_expected
+
+
+def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
+    from engine.cli import build_parser
+    from engine.cli_serve import up_spec
+
+    (tmp_path / "turns.jinja").write_text("{{ messages[0]['content'] }}")
+    (tmp_path / "gen").mkdir()
+    (tmp_path / "gen" / "generation_config.json").write_text('{"temperature": 0.5}')
+    monkeypatch.chdir(tmp_path)
+    spec = up_spec(build_parser().parse_args(
+        ["up", "--chat-template", "turns.jinja", "--generation-config", "gen",
+         "--scheduling-policy", "priority", "--api-key", "k3y"]))
+    args = spec.router_args
+    assert args[args.index("--chat-template") + 1] == str(tmp_path / "turns.jinja")
+    assert args[args.index("--generation-config") + 1] == str(tmp_path / "gen")
+    assert args[args.index("--api-key") + 1] == "k3y"
+    assert spec.worker_args == ["--scheduling-policy", "priority"]
+    for bad, match in ((["--chat-template", "missing.jinja"], "does not exist"),
+                       (["--generation-config", "nowhere"], "'auto', 'engine' or a folder"),
+                       (["--max-restarts", "-1"], "max-restarts")):
+        with pytest.raises(ValueError, match=match):
+            up_spec(build_parser().parse_args(["up", *bad]))
