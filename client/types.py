@@ -81,17 +81,35 @@ class Choice:
 
 @dataclass
 class Completion:
-    """The whole result; the fields above ``choices`` are sequence 0's."""
+    """The whole result: every sequence in index order in ``choices`` (n of them; one when
+    n = 1), and sequence 0's fields directly (``token_ids``, ``text``, ``usage``, ...)."""
 
     request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: int | str | None
-    usage: Usage
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Every sequence in index order (n of them; just sequence 0 when n = 1).
-    choices: list[Choice] = field(default_factory=list)
+    choices: list[Choice]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.choices[0].stop_reason
+
+    @property
+    def usage(self) -> Usage:
+        return self.choices[0].usage
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        return self.choices[0].logprobs
 
 
 @dataclass
@@ -234,8 +252,4 @@ def _choice(m, index: int) -> Choice:
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
-    choices = [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)]
-    first = choices[0]
-    return Completion(request_id=m.request_id, token_ids=first.token_ids, text=first.text,
-                      finish_reason=first.finish_reason, stop_reason=first.stop_reason,
-                      usage=first.usage, logprobs=first.logprobs, choices=choices)
+    return Completion(m.request_id, [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)])
