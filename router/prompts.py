@@ -46,6 +46,15 @@ class ServedModel:
             raise ValueError("the prompt is empty")
         return self.check_vocab(ids, "prompt")
 
+    def truncated(self, ids: list[int], sampling: common_pb2.SamplingParams) -> list[int]:
+        """``ids``, or their last ``sampling.truncate_prompt_tokens``."""
+        if not sampling.HasField("truncate_prompt_tokens"):
+            return ids
+        keep = sampling.truncate_prompt_tokens
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, got {keep}")
+        return ids[-keep:]
+
     def chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
         try:
             return chat_prompt_ids(self.tokenizer,

@@ -139,7 +139,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params.validate_vocab(self.model.vocab_size)
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
-            prompt = self.model.prompt_ids(request)
+            prompt = self.model.truncated(self.model.prompt_ids(request), request.sampling)
             if n == 1:
                 runs.append(RequestRun(rid, prompt, t0, resumed=resumed))
                 chunks = self._sequence(runs[0], request, context)

@@ -131,6 +131,21 @@ def test_parallel_sampling_streams_n_seeded_sequences(cluster, reference):
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(cluster, reference):
+    prompt = random_prompts(1, seed=61, lo=1100, hi=1100)[0]  # over max_model_len (1024)
+    want = reference.generate([prompt[-100:]], SamplingParams(max_tokens=8, temperature=0.0,
+                                                              ignore_eos=True))[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        res = c.complete(prompt, truncate_prompt_tokens=100, max_tokens=8, temperature=0.0,
+                         ignore_eos=True)
+        assert res.token_ids == want.token_ids and res.usage.prompt_tokens == 100
+        short = c.complete(prompt[:20], truncate_prompt_tokens=100, max_tokens=2)
+        assert short.usage.prompt_tokens == 20  # nothing to cut
+        with pytest.raises(InvalidArgumentError, match="truncate_prompt_tokens must be >= 1"):
+            c.complete(prompt[:20], truncate_prompt_tokens=0)
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_tokenize_detokenize_and_model_info(cluster, reference):
     import asyncio
 
