@@ -83,7 +83,8 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits  # logprobs describe the model: before penalties, bias and bans
         logits = _penalised(logits, params, penalty_states)
-        logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens))
+        logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens),
+                                    owned=logits is not raw)
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not random_rows:
@@ -115,14 +116,15 @@ class Sampler:
 
 
 def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
-                       banned: list[list[int]] | None) -> torch.Tensor:
+                       banned: list[list[int]] | None, owned: bool = False) -> torch.Tensor:
     """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids and
-    its banned ones at -inf (a copy when any)."""
+    its banned ones at -inf (in place when ``owned``, else in a copy)."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
     if not biased and not allowed and banned is None:
         return logits
-    out = logits.float().clone()  # [num_rows, vocab]
+    # A copy unless the penalties already made one ([num_rows, vocab] float32).
+    out = logits if owned else logits.float().clone()
     for i in allowed:
         keep = torch.tensor(params[i].allowed_token_ids, dtype=torch.long, device=out.device)
         kept = out[i, keep]

@@ -36,7 +36,7 @@ from router.migration import RequestRun, is_migratable
 from router.parallel import check_n, fan_out, sequence_request
 from router.prompts import ServedModel
 from router.stats import RouterStats
-from router.stream_interval import every_n_tokens
+from router.stream_interval import every_n_tokens, merge_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -64,30 +64,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._abort(context, e)
 
     async def Complete(self, request: router_pb2.GenerateRequest, context):
-        choices: dict[int, router_pb2.Choice] = {}
-        texts: dict[int, list[str]] = {}
-        rid = ""
+        merged: dict[int, router_pb2.GenerateChunk] = {}  # per sequence index
         try:
             with self.stats.track():
                 async for chunk in self._generate(request, context, time.monotonic()):
-                    rid = chunk.request_id
-                    c = choices.get(chunk.index)
-                    if c is None:
-                        c = choices[chunk.index] = router_pb2.Choice(index=chunk.index)
-                        texts[chunk.index] = []
-                    c.token_ids.extend(chunk.token_ids)
-                    c.logprobs.extend(chunk.logprobs)
-                    texts[chunk.index].append(chunk.text_delta)
-                    if chunk.finish_reason:
-                        c.finish_reason = chunk.finish_reason
-                        if chunk.HasField("stop_reason"):
-                            c.stop_reason.CopyFrom(chunk.stop_reason)
-                        c.usage.CopyFrom(chunk.usage)
+                    if chunk.index in merged:
+                        merge_chunk(merged[chunk.index], chunk)
+                    else:
+                        merged[chunk.index] = chunk
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
-        for i, c in choices.items():
-            c.text = "".join(texts[i])
-        return _complete_response(rid, [choices[i] for i in sorted(choices)])
+        return _complete_response([merged[i] for i in sorted(merged)])
 
     async def _abort(self, context, e: Exception) -> None:
         self.stats.requests_failed += 1
@@ -424,12 +411,16 @@ def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
     chunk.usage.CopyFrom(run.usage)
 
 
-def _complete_response(request_id: str,
-                       choices: list[router_pb2.Choice]) -> router_pb2.CompleteResponse:
-    """Sequence 0 at the top (the only one when n = 1); every one in ``choices`` when n > 1."""
+def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.CompleteResponse:
+    """Sequence 0 at the top (the only one when n = 1); every one in ``choices`` when n > 1.
+    ``seqs``: each sequence's chunks merged into one, in index order."""
+    choices = [router_pb2.Choice(
+        index=c.index, token_ids=c.token_ids, text=c.text_delta, logprobs=c.logprobs,
+        finish_reason=c.finish_reason, usage=c.usage,
+        stop_reason=c.stop_reason if c.HasField("stop_reason") else None) for c in seqs]
     first = choices[0]
     resp = router_pb2.CompleteResponse(
-        request_id=request_id, token_ids=first.token_ids, text=first.text,
+        request_id=seqs[0].request_id, token_ids=first.token_ids, text=first.text,
         logprobs=first.logprobs, finish_reason=first.finish_reason, usage=first.usage)
     if first.HasField("stop_reason"):
         resp.stop_reason.CopyFrom(first.stop_reason)

@@ -27,7 +27,7 @@ async def every_n_tokens(chunks: AsyncIterator[router_pb2.GenerateChunk],
             if held is None:
                 held = c
             else:
-                _merge(held, c)
+                merge_chunk(held, c)
             if c.finish_reason or len(held.token_ids) >= n:
                 out, held = held, None
                 yield out
@@ -39,7 +39,8 @@ async def every_n_tokens(chunks: AsyncIterator[router_pb2.GenerateChunk],
         yield held
 
 
-def _merge(into: router_pb2.GenerateChunk, c: router_pb2.GenerateChunk) -> None:
+def merge_chunk(into: router_pb2.GenerateChunk, c: router_pb2.GenerateChunk) -> None:
+    """Appends chunk c (of the same sequence) to ``into``."""
     into.token_ids.extend(c.token_ids)
     into.text_delta += c.text_delta
     into.logprobs.extend(c.logprobs)
