@@ -39,20 +39,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
+    # Unset flags leave the field to the model's recommended defaults (its
+    # generation_config.json), then to the CLI's own: greedy, and max_tokens below.
+    p.set_defaults(cli_max_tokens=max_tokens)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"default: the model's recommendation, else {max_tokens}")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's recommendation, else 0 (greedy)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 1 discourages tokens already in the prompt or output")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
+    p.add_argument("--presence-penalty", type=float, default=None,
                    help="subtracted from tokens the output has, in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
+    p.add_argument("--frequency-penalty", type=float, default=None,
                    help="subtracted per occurrence in the output, in [-2, 2]")
-    p.add_argument("--priority", type=int, default=0,
+    p.add_argument("--priority", type=int, default=None,
                    help="lower runs first, on engines with --scheduling-policy priority")
-    p.add_argument("--min-tokens", type=int, default=0,
+    p.add_argument("--min-tokens", type=int, default=None,
                    help="no eos, stop token or stop string ends the output before this many")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
                    help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
@@ -67,13 +73,22 @@ def _logit_bias(text: str) -> dict[int, float]:
             'a JSON object of token id to bias, e.g. {"42": 5.0}') from None
 
 
-def sampling_kwargs(args: argparse.Namespace) -> dict:
-    """SamplingParams (or SDK) keyword arguments from _add_sampling_args' flags."""
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
-                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                min_tokens=args.min_tokens, logit_bias=args.logit_bias or {},
-                priority=args.priority)
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
+                   "logit_bias", "priority")
+
+
+def sampling_kwargs(args: argparse.Namespace, model_defaults: dict) -> dict:
+    """SamplingParams (or SDK) keyword arguments: the flags given, then for what neither
+    they nor the model's recommended ``model_defaults`` set, the CLI's greedy fallbacks.
+    The model's defaults themselves are left for the engine or router to fill in."""
+    kw = {name: getattr(args, name) for name in _SAMPLING_FLAGS
+          if getattr(args, name, None) is not None}
+    fallbacks = {"max_tokens": args.cli_max_tokens, "temperature": 0.0}
+    for name, value in fallbacks.items():
+        if name not in kw and name not in model_defaults:
+            kw[name] = value
+    return kw
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -137,8 +152,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 
-    params = SamplingParams(**sampling_kwargs(args))
     with LLM(args.model, **engine_kwargs(args)) as llm:
+        defaults = llm.sampling_defaults
+        params = SamplingParams(**{**defaults, **sampling_kwargs(args, defaults)})
         for out in llm.stream(args.prompt, params):
             sys.stdout.write(out.text_delta)
             sys.stdout.flush()

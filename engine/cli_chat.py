@@ -67,9 +67,6 @@ class _replier:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        from engine.cli import sampling_kwargs
-
-        self.sampling = sampling_kwargs(args)
         self._close = lambda: None
 
     def __enter__(self) -> Replier:
@@ -80,15 +77,17 @@ class _replier:
 
     def _remote(self) -> Replier:
         from client import Chat, Client
+        from engine.cli import sampling_kwargs
         from engine.cli_admin import connection_kwargs
 
         client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
                         **connection_kwargs(self.args))
         self._close = client.close
+        sampling = sampling_kwargs(self.args, client.model_info().sampling_defaults)
 
         def reply(history: list[dict]):
             t0 = time.perf_counter()
-            for chunk in client.generate(Chat(history), **self.sampling):
+            for chunk in client.generate(Chat(history), **sampling):
                 u = chunk.usage
                 yield chunk.text, None if u is None else (
                     f"{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, total "
@@ -99,12 +98,13 @@ class _replier:
     def _local(self) -> Replier:
         from engine import LLM, SamplingParams
         from engine.chat_template import load_chat_template
-        from engine.cli import engine_kwargs
+        from engine.cli import engine_kwargs, sampling_kwargs
 
         template = load_chat_template(self.args.chat_template)
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
-        params = SamplingParams(**self.sampling)
+        defaults = llm.sampling_defaults
+        params = SamplingParams(**{**defaults, **sampling_kwargs(self.args, defaults)})
 
         def reply(history: list[dict]):
             t0 = time.perf_counter()

@@ -283,11 +283,11 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
     from engine.cli import sampling_kwargs
     from engine.cli_admin import connection_kwargs
 
-    sampling = sampling_kwargs(args)
-    t0 = time.perf_counter()
     try:
         with Client([a.strip() for a in args.router.split(",") if a.strip()],
                     **connection_kwargs(args)) as c:
+            sampling = sampling_kwargs(args, c.model_info().sampling_defaults)
+            t0 = time.perf_counter()
             for chunk in c.generate(args.prompt, **sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

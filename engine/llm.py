@@ -33,6 +33,11 @@ class LLM:
         return SamplingParams(**self._defaults)
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The SamplingParams fields the model recommends (empty: the engine's own)."""
+        return dict(self._defaults)
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

@@ -109,3 +109,33 @@ def test_the_router_fills_the_models_defaults_for_both_workers(cluster, referenc
     with Client(cluster.router_address, timeout=60) as c:
         assert c.model_info().sampling_defaults == AS_PARAMS
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
+
+
+def test_cli_flags_win_then_the_models_defaults_then_greedy():
+    from engine.cli import build_parser, sampling_kwargs
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert sampling_kwargs(args, {}) == dict(max_tokens=64, temperature=0.0)
+    # The model's recommendations are left unset, for the router or engine to fill.
+    assert sampling_kwargs(args, AS_PARAMS) == dict(temperature=0.0)
+    assert sampling_kwargs(args, {"temperature": 0.6}) == dict(max_tokens=64)
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--max-tokens", "3",
+                                      "--temperature", "0.7", "--repetition-penalty", "1.0"])
+    assert sampling_kwargs(args, AS_PARAMS) == dict(max_tokens=3, temperature=0.7,
+                                                    repetition_penalty=1.0)
+
+
+def test_pdserve_generate_samples_as_the_model_recommends(cluster, model_folder, reference,
+                                                         capsys):
+    from engine.cli import main
+
+    prompt = "Paged attention stores the KV cache"
+    want = reference.generate([prompt], SamplingParams(**AS_PARAMS))[0]
+    # The model's max_new_tokens, not the CLI's 64, ends the output.
+    assert len(want.token_ids) == AS_PARAMS["max_tokens"] < 64
+    assert main(["generate", "--model", str(model_folder), "--num-gpu-blocks", "64",
+                 "--prompt", prompt]) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+    assert main(["generate", "--router", cluster.router_address, "--prompt", prompt]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"{want.text}\n[{len(want.token_ids)} tokens")
