@@ -64,6 +64,10 @@ class GenerationChunk:
     usage: Usage | None = None
     # Which sequence it belongs to when the request asked for n > 1 (0 otherwise).
     index: int = 0
+    # With prompt_logprobs, on sequence 0's first chunk (vLLM's shape): None for the first
+    # prompt token, which nothing precedes, then each prompt token's logprob given the ones
+    # before it, with its rank and top tokens. None elsewhere (and for a one-token prompt).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -86,6 +90,8 @@ class Completion:
 
     request_id: str
     choices: list[Choice]
+    # With prompt_logprobs: as on GenerationChunk (they belong to the prompt, not a choice).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -222,6 +228,10 @@ def _logprobs(items) -> list[TokenLogprobs]:
     return [TokenLogprobs(one(t.sampled), [one(x) for x in t.top]) for t in items]
 
 
+def _prompt_logprobs(items) -> list[TokenLogprobs | None] | None:
+    return [None, *_logprobs(items)] if items else None
+
+
 def _stop(msg, has: bool) -> int | str | None:
     if not has:
         return None
@@ -241,7 +251,8 @@ def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text_delta,
         logprobs=_logprobs(m.logprobs), finish_reason=m.finish_reason or None,
         stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
-        usage=_usage(m.usage) if m.HasField("usage") else None, index=m.index)
+        usage=_usage(m.usage) if m.HasField("usage") else None, index=m.index,
+        prompt_logprobs=_prompt_logprobs(m.prompt_logprobs))
 
 
 def _choice(m, index: int) -> Choice:
@@ -252,4 +263,5 @@ def _choice(m, index: int) -> Choice:
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
-    return Completion(m.request_id, [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)])
+    return Completion(m.request_id, [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)],
+                      _prompt_logprobs(m.prompt_logprobs))

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from protos import worker_pb2
+from protos import convert, worker_pb2
 
 
 def check_local_prefill_request(request: worker_pb2.DecodeRequest) -> None:
@@ -47,6 +47,8 @@ async def stream_local_prefill(engine: AsyncEngine, request_id: str, prompt_toke
                 first = False
                 chunk.timings.CopyFrom(_timings(out, arrival))
                 chunk.num_cached_tokens = out.num_cached_tokens
+                chunk.prompt_logprobs.extend(convert.prompt_logprobs_to_proto(
+                    out.prompt_logprobs))
             yield chunk
 
 

@@ -30,7 +30,7 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
-        """Runs ``inp`` on every rank; rank 0's [num_sampled, vocab] logits (None: no rows)."""
+        """Runs ``inp`` on every rank; rank 0's logits, [rows of inp.sample_indices, vocab] (None: no rows)."""
 
     @abstractmethod
     def kv_cache_layouts(self) -> list[KVCacheLayout]:

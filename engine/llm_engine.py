@@ -20,7 +20,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_config import ModelConfig
 from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
-from engine.model_runner import prepare_input, sample_tokens
+from engine.model_runner import prepare_input, sample_tokens, score_prompt_tokens
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, KVAllocation, KVLease, RequestOutput
 from engine.request import Request, RequestStatus
@@ -186,6 +186,7 @@ class LLMEngine:
         resume = self.validate_resume(prompt_token_ids, list(resume_token_ids) + [first_token_id],
                                       params)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume)
+        req.prompt_logprobs = None  # the prompt was computed, and scored, where it ran
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id
         with self._lock:
@@ -233,10 +234,15 @@ class LLMEngine:
             if sched.is_empty:
                 return outputs
             inp = prepare_input(sched, self.block_size, self.device)
-            logits = self.executor.execute_model(inp)  # [num_sampled, vocab]
+            # [num_sampled + prompt logprob rows, vocab]
+            logits = self.executor.execute_model(inp)
+            num_sampled = len(inp.sample_request_ids)
+            if inp.prompt_logprob_rows:  # before the first token's output, which carries them
+                score_prompt_tokens(logits[num_sampled:], inp.prompt_logprob_rows,
+                                    self.scheduler.requests)
             # Sample before the scheduler moves the requests past this step.
-            out = None if logits is None else sample_tokens(self.sampler, logits, sched,
-                                                            self.device)
+            out = None if not num_sampled else sample_tokens(
+                self.sampler, logits[:num_sampled], sched, self.device)
             self.scheduler.update_after_step(sched)
             self.num_steps += 1
             self.step_num_tokens.append(sched.num_scheduled_tokens)

@@ -6,7 +6,7 @@ thread steps the engine; never on an event loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,9 +14,18 @@ from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
 from engine.penalties import PenaltyState
-from engine.sampler import Sampler, SamplerOutput, make_generator
+from engine.sampler import Sampler, SamplerOutput, make_generator, token_logprobs
 from engine.scheduler import SchedulerOutput
 from kernels.attention_backend import AttentionMetadata
+
+
+@dataclass
+class PromptLogprobRows:
+    """Rank 0 only: rows of the logits (after the sampled ones) that score prompt tokens."""
+
+    request_id: str
+    # Prompt token ids the rows score, in order: row r scores targets[r] given what precedes it.
+    targets: list[int]
 
 
 @dataclass
@@ -28,6 +37,9 @@ class ModelInput:
     sample_indices: torch.Tensor
     # Rank 0 only (workers get an empty list): who each sampled row belongs to.
     sample_request_ids: list[str]
+    # Rank 0 only: after the sampled rows, sample_indices go on with these requests' prompt
+    # positions, whose logits become prompt logprobs.
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -51,7 +63,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor | None:
-        """The forward pass; [num_sampled, vocab] float32 logits, None when nothing samples.
+        """The forward pass; float32 logits of the sample_indices rows [num_rows, vocab] (the
+        sampled rows, then prompt logprob rows), None when there are none.
 
         Every rank calls this with the same input, so the layers' collectives pair up.
         """
@@ -77,6 +90,20 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
     lengths = ([r.num_output_tokens for r in reqs]
                if any(r.sampling_params.min_tokens for r in reqs) else None)
     return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths)
+
+
+def score_prompt_tokens(logits: torch.Tensor, rows: list[PromptLogprobRows],
+                        requests: dict) -> None:
+    """Appends the prompt logprobs of ``logits`` [num_rows, vocab] (rows in ``rows``' order)
+    to their requests' ``prompt_logprobs``."""
+    targets = torch.tensor([t for r in rows for t in r.targets], dtype=torch.int64)
+    num_top = [requests[r.request_id].sampling_params.prompt_logprobs
+               for r in rows for _ in r.targets]
+    scored = token_logprobs(logits, targets, num_top)
+    i = 0
+    for r in rows:
+        requests[r.request_id].prompt_logprobs.extend(scored[i:i + len(r.targets)])
+        i += len(r.targets)
 
 
 def request_penalty_state(req, vocab_size: int, device: torch.device) -> PenaltyState:
@@ -111,6 +138,8 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
     seq_lens: list[int] = []
     sample_idx: list[int] = []
     sample_ids: list[str] = []
+    prompt_idx: list[int] = []
+    prompt_rows: list[PromptLogprobRows] = []
     max_blocks = max(len(s.block_ids) for s in sched.scheduled)
     table_rows: list[list[int]] = []
     for i, s in enumerate(sched.scheduled):
@@ -125,6 +154,16 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
         if s.samples:
             sample_idx.append(query_start[-1] - 1)
             sample_ids.append(req.request_id)
+        if req.prompt_logprobs is not None and req.wants_prompt_logprobs:
+            # Position j's logits score prompt token j + 1; the last prompt position's are
+            # the sampled row. Positions scored before a preemption are not scored again.
+            first = max(start, len(req.prompt_logprobs))
+            last = min(start + n, req.num_prompt_tokens - 1)
+            if first < last:
+                prompt_idx.extend(range(query_start[-2] + first - start,
+                                        query_start[-2] + last - start))
+                prompt_rows.append(PromptLogprobRows(
+                    req.request_id, req.prompt_token_ids[first + 1:last + 1]))
     block_tables = torch.tensor(table_rows, dtype=torch.int32)  # [num_seqs, max_blocks]
     pos_t = torch.tensor(positions, dtype=torch.int64)
     # slot = block_table[seq, pos // block_size] * block_size + pos % block_size
@@ -146,8 +185,9 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=pos_t.to(device),
         meta=meta,
-        sample_indices=torch.tensor(sample_idx, dtype=torch.int64, device=device),
+        sample_indices=torch.tensor(sample_idx + prompt_idx, dtype=torch.int64, device=device),
         sample_request_ids=sample_ids,
+        prompt_logprob_rows=prompt_rows,
     )
 
 

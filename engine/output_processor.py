@@ -89,11 +89,18 @@ class OutputProcessor:
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            prompt_logprobs=_prompt_logprobs(req),
             num_cached_tokens=max(req.num_cached_tokens, 0),
             kv_lease=kv_lease,
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
         )
+
+
+def _prompt_logprobs(req: Request) -> list[TokenLogprobs | None] | None:
+    if req.prompt_logprobs is None or req.wants_prompt_logprobs:
+        return None
+    return [None, *req.prompt_logprobs]
 
 
 def _check_stop_strings(detok: IncrementalDetokenizer, params,

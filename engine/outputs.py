@@ -54,6 +54,9 @@ class RequestOutput:
     # The stop token id or stop string that ended the request.
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # When asked for, from the first token on: None for the first prompt token (nothing
+    # precedes it), then each prompt token's logprob given the ones before it (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
     kv_lease: KVLease | None = None
     # time.monotonic() stamps: the request's arrival here and its first scheduled step.

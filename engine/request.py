@@ -49,6 +49,13 @@ class Request:
     logprobs: list = field(default_factory=list)
     # Token counts for the penalties (engine/penalties.py), once it has sampled with them.
     penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
+    # Logprobs of prompt tokens 1.. as the prefill computes them, when sampling_params asks
+    # (None otherwise, and where the prompt was computed elsewhere: the decode role).
+    prompt_logprobs: list | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -69,6 +76,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all computed yet (the prefill must then
+        run every prompt token: prefix-cache hits would skip some)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -271,19 +271,27 @@ def _compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     if len(rows) < len(params):
         index = torch.tensor(rows, device=logits.device)
         logits, token_ids = logits[index], token_ids[index]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
-    sampled = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
-    ranks = (logprobs > sampled).sum(dim=-1) + 1
-
-    num_top = min(max(params[i].logprobs for i in rows), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [num_rows, num_top], descending
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    token_list, sampled_list, rank_list = (token_ids.tolist(), sampled.squeeze(1).tolist(),
-                                           ranks.tolist())
-    for j, i in enumerate(rows):
-        top = [Logprob(token_id=top_ids[j][r], logprob=top_values[j][r], rank=r + 1)
-               for r in range(min(params[i].logprobs, num_top))]
-        result[i] = TokenLogprobs(
-            sampled=Logprob(token_id=token_list[j], logprob=sampled_list[j], rank=rank_list[j]),
-            top=top)
+    for i, lp in zip(rows, token_logprobs(logits, token_ids,
+                                          [params[i].logprobs for i in rows])):
+        result[i] = lp
     return result
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   num_top: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits`` [num_rows, vocab]: the log-softmax at ``token_ids`` [num_rows]
+    with its rank, and the row's ``num_top[row]`` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
+    token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+
+    k = min(max(num_top, default=0), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(k, dim=-1)  # [num_rows, k], descending
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    token_list, chosen_list, rank_list = (token_ids.tolist(), chosen.squeeze(1).tolist(),
+                                          ranks.tolist())
+    return [TokenLogprobs(
+        sampled=Logprob(token_id=token_list[j], logprob=chosen_list[j], rank=rank_list[j]),
+        top=[Logprob(token_id=top_ids[j][r], logprob=top_values[j][r], rank=r + 1)
+             for r in range(min(n, k))]) for j, n in enumerate(num_top)]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -21,6 +22,9 @@ class SamplingParams:
     # Number of top logprobs to return per output token besides the sampled one's;
     # None: none at all, 0: only the sampled token's.
     logprobs: int | None = None
+    # The same for every prompt token after the first (its logprob given the tokens before
+    # it); None: none. Such a request computes its whole prompt (no prefix-cache hits).
+    prompt_logprobs: int | None = None
     # Keep the stop string in the returned text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -66,10 +70,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
             raise ValueError(f"repetition_penalty must be in (0, 100], "
                              f"got {self.repetition_penalty!r}")

@@ -19,8 +19,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 from engine.request import Request, RequestStatus
+
+# Prompt tokens per step whose logits are kept for prompt logprobs: each is a [vocab] float32
+# row (512 rows of a 152k vocabulary: 311 MB). With chunked prefill, such prompts advance in
+# chunks of at most this many tokens a step.
+MAX_PROMPT_LOGPROB_TOKENS = 512
 
 
 @dataclass
@@ -96,6 +101,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._prompt_logprob_budget = MAX_PROMPT_LOGPROB_TOKENS
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -110,7 +116,10 @@ class Scheduler:
             if num_new > budget and not self.chunked_prefill:
                 i += 1
                 continue
-            num_new = min(num_new, budget)
+            num_new = self._capped(req, min(num_new, budget))
+            if num_new == 0:
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # the request preempted itself: nothing lower in priority is left
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
@@ -143,7 +152,9 @@ class Scheduler:
             req = self.waiting[0]
             computed = None
             if req.num_computed_tokens == 0:
-                computed = self.kv.get_computed_blocks(req)
+                # Prompt logprobs need every prompt position's logits: no prefix-cache hits.
+                computed = (ComputedBlocks() if req.wants_prompt_logprobs
+                            else self.kv.get_computed_blocks(req))
                 num_done = computed.num_computed_tokens
             else:
                 # Decode role: the prompt's KV was written into its blocks from outside.
@@ -151,8 +162,8 @@ class Scheduler:
             num_new = req.num_tokens - num_done
             if num_new > budget and not self.chunked_prefill:
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(req, num_new, computed) is None:
+            num_new = self._capped(req, min(num_new, budget))
+            if num_new == 0 or self.kv.allocate_slots(req, num_new, computed) is None:
                 break
             self.waiting.popleft()
             if computed is not None:
@@ -168,6 +179,16 @@ class Scheduler:
                 self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
+
+    def _capped(self, req: Request, num_new: int) -> int:
+        """num_new, or with chunked prefill less for a prompt whose logprobs are kept, so a
+        step keeps at most MAX_PROMPT_LOGPROB_TOKENS rows of logits for them (0: wait)."""
+        if req.prompt_logprobs is None or not req.wants_prompt_logprobs:
+            return num_new
+        if self.chunked_prefill:
+            num_new = min(num_new, self._prompt_logprob_budget)
+        self._prompt_logprob_budget -= num_new
+        return num_new
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances each scheduled request by the tokens this step computed."""

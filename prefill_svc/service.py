@@ -48,6 +48,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=out.new_token_ids[0], text_delta=out.text_delta,
             logprobs=(convert.logprobs_to_proto(out.logprobs) or [None])[0],
             num_cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=convert.prompt_logprobs_to_proto(out.prompt_logprobs),
             timings=worker_pb2.PrefillTimings(queue_s=max(sched - out.arrival_time, 0.0),
                                               compute_s=max(first_token_time - sched, 0.0)))
         if out.finished:

@@ -14,7 +14,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw: dict = {}
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
                  "skip_special_tokens", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "min_tokens", "priority"):
+                 "frequency_penalty", "min_tokens", "priority", "prompt_logprobs"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     kw["stop"] = list(msg.stop)
@@ -47,6 +47,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -68,6 +70,12 @@ def logprobs_to_proto(items: list[TokenLogprobs] | None) -> list[common_pb2.Toke
         return []
     return [common_pb2.TokenLogprobs(sampled=_logprob_to_proto(t.sampled),
                                      top=[_logprob_to_proto(x) for x in t.top]) for t in items]
+
+
+def prompt_logprobs_to_proto(items: list[TokenLogprobs | None] | None
+                             ) -> list[common_pb2.TokenLogprobs]:
+    """The engine's [None, lp_1, ...] as the wire's lp_1, ... (empty when not asked)."""
+    return logprobs_to_proto(items[1:] if items else None)
 
 
 def logprobs_from_proto(items) -> list[TokenLogprobs]:

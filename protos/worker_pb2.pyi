@@ -28,7 +28,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "text_delta", "logprobs", "finish_reason", "stop_reason", "kv_handle", "num_cached_tokens", "timings")
+    __slots__ = ("first_token_id", "text_delta", "logprobs", "finish_reason", "stop_reason", "kv_handle", "num_cached_tokens", "timings", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class PrefillResponse(_message.Message):
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     text_delta: str
     logprobs: _common_pb2.TokenLogprobs
@@ -45,7 +46,8 @@ class PrefillResponse(_message.Message):
     kv_handle: _common_pb2.KVHandle
     num_cached_tokens: int
     timings: PrefillTimings
-    def __init__(self, first_token_id: _Optional[int] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -88,7 +90,7 @@ class DecodeTimings(_message.Message):
     def __init__(self, kv_transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., first_step_s: _Optional[float] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "timings")
+    __slots__ = ("token_ids", "text_delta", "logprobs", "finish_reason", "stop_reason", "num_cached_tokens", "timings", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class DecodeChunk(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
@@ -103,7 +106,8 @@ class DecodeChunk(_message.Message):
     stop_reason: _common_pb2.StopReason
     num_cached_tokens: int
     timings: DecodeTimings
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[DecodeTimings, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[DecodeTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeStart(_message.Message):
     __slots__ = ("request", "timeout_s")

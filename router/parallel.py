@@ -31,10 +31,13 @@ def check_n(sampling: common_pb2.SamplingParams, resumed: bool) -> int:
 
 def sequence_request(request: router_pb2.GenerateRequest,
                      index: int) -> router_pb2.GenerateRequest:
-    """Sequence ``index``'s request: the same, but for its seed."""
+    """Sequence ``index``'s request: the same, but for its seed, and the prompt logprobs,
+    which sequence 0 alone computes and returns (the others may then hit the prefix cache)."""
     seq = router_pb2.GenerateRequest()
     seq.CopyFrom(request)
     seq.sampling.ClearField("n")
+    if index > 0:
+        seq.sampling.ClearField("prompt_logprobs")
     if seq.sampling.HasField("seed"):
         seq.sampling.seed = request.sampling.seed + index
     return seq

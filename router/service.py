@@ -208,6 +208,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _attempt(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
         """One try at the request (or its continuation, after ``run.output_so_far``)."""
+        if run.output_so_far and request.sampling.HasField("prompt_logprobs"):
+            # The client has them: they came with the first token. A continuation need not
+            # score the prompt again, and so may use the prefix cache.
+            request = _without_prompt_logprobs(request)
         ids = run.all_token_ids
         avoid = frozenset(run.failed)
         run.workers.clear()
@@ -311,6 +315,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                          text_delta=presp.text_delta)
         if presp.HasField("logprobs"):
             first.logprobs.append(presp.logprobs)
+        first.prompt_logprobs.extend(presp.prompt_logprobs)
         if presp.finish_reason:
             _finish(first, presp, run)
             yield first
@@ -362,7 +367,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     run.usage.completion_tokens += len(d.token_ids)
                     chunk = router_pb2.GenerateChunk(request_id=run.request_id,
                                                      token_ids=d.token_ids,
-                                                     text_delta=d.text_delta, logprobs=d.logprobs)
+                                                     text_delta=d.text_delta, logprobs=d.logprobs,
+                                                     prompt_logprobs=d.prompt_logprobs)
                     if d.finish_reason:
                         _finish(chunk, d, run)
                     yield chunk
@@ -411,6 +417,13 @@ def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
     chunk.usage.CopyFrom(run.usage)
 
 
+def _without_prompt_logprobs(request: router_pb2.GenerateRequest) -> router_pb2.GenerateRequest:
+    out = router_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.sampling.ClearField("prompt_logprobs")
+    return out
+
+
 def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.CompleteResponse:
     """Sequence 0 at the top (the only one when n = 1); every one in ``choices`` when n > 1.
     ``seqs``: each sequence's chunks merged into one, in index order."""
@@ -421,7 +434,8 @@ def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.Compl
     first = choices[0]
     resp = router_pb2.CompleteResponse(
         request_id=seqs[0].request_id, token_ids=first.token_ids, text=first.text,
-        logprobs=first.logprobs, finish_reason=first.finish_reason, usage=first.usage)
+        logprobs=first.logprobs, finish_reason=first.finish_reason, usage=first.usage,
+        prompt_logprobs=seqs[0].prompt_logprobs)
     if first.HasField("stop_reason"):
         resp.stop_reason.CopyFrom(first.stop_reason)
     if len(choices) > 1:

@@ -44,6 +44,7 @@ def merge_chunk(into: router_pb2.GenerateChunk, c: router_pb2.GenerateChunk) -> 
     into.token_ids.extend(c.token_ids)
     into.text_delta += c.text_delta
     into.logprobs.extend(c.logprobs)
+    into.prompt_logprobs.extend(c.prompt_logprobs)
     if c.finish_reason:
         into.finish_reason = c.finish_reason
         if c.HasField("stop_reason"):

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import grpc
+import pytest
 
 from protos import common_pb2, worker_pb2_grpc
 
@@ -106,3 +107,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_same_logprobs(got, want, abs_tol: float = 1e-4) -> None:
+    """SDK TokenLogprobs (or None) against the in-process engine's: same tokens and ranks,
+    logprobs within ``abs_tol`` (other processes, other batches)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+            continue
+        assert (a.sampled.token_id, a.sampled.rank) == (b.sampled.token_id, b.sampled.rank)
+        assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=abs_tol)
+        assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+        assert [t.logprob for t in a.top] == pytest.approx([t.logprob for t in b.top],
+                                                           abs=abs_tol)

@@ -9,8 +9,8 @@ import redis
 from client import Chat, Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, free_port, parse_metrics, random_prompts,
-                                   scrape, stream_greedy, wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, assert_same_logprobs, free_port, parse_metrics,
+                                   random_prompts, scrape, stream_greedy, wait_all_blocks_free)
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +291,43 @@ def test_stop_string_and_logprobs_pass_through(cluster, reference):
     assert all(len(lp.top) == 2 for lp in res.logprobs)
     for a, b in zip(res.logprobs, want.logprobs):
         assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
+
+
+def test_prompt_logprobs_come_with_the_first_token(cluster, reference):
+    import grpc
+
+    from protos import common_pb2, router_pb2, router_pb2_grpc
+
+    prompt = random_prompts(1, seed=71, lo=70, hi=70)[0]  # 4 full blocks, fresh
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(prompt_logprobs=2, **greedy))[0]
+    assert len(want.prompt_logprobs) == 70
+    with Client(cluster.router_address, timeout=60) as c:
+        c.complete(prompt, **greedy)  # the prefill worker now caches the prompt's blocks
+        chunks = list(c.generate(prompt, prompt_logprobs=2, **greedy))
+        # Scored on the prefill worker, past its prefix cache, and sent with the first token.
+        assert_same_logprobs(chunks[0].prompt_logprobs, want.prompt_logprobs)
+        assert all(ch.prompt_logprobs is None for ch in chunks[1:])
+        assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
+        assert chunks[-1].usage.cached_tokens == 0
+        res = c.complete(prompt, prompt_logprobs=2, **greedy)
+        assert_same_logprobs(res.prompt_logprobs, want.prompt_logprobs)
+        assert c.complete(prompt, **greedy).prompt_logprobs is None
+        # n sequences: sequence 0 scores the prompt; the others hit the prefix cache.
+        par = c.complete(prompt, n=3, prompt_logprobs=0, **greedy)
+        assert [t.sampled.token_id for t in par.prompt_logprobs[1:]] == prompt[1:]
+        assert [ch.usage.cached_tokens for ch in par.choices] == [0, 64, 64]
+        with pytest.raises(InvalidArgumentError, match="prompt_logprobs must be"):
+            c.complete(prompt, prompt_logprobs=21)
+    # A continuation (the SDK's resume after losing its router) has had them: it is not
+    # scored again, and its prompt comes from the prefix cache.
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        res = router_pb2_grpc.RouterStub(ch).Complete(router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt), resume_token_ids=want.token_ids[:3],
+            sampling=common_pb2.SamplingParams(prompt_logprobs=2, **greedy)), timeout=60)
+    assert list(res.token_ids) == want.token_ids[3:] and not res.prompt_logprobs
+    assert res.usage.cached_tokens == 64
+    wait_all_blocks_free(_workers(cluster))
 
 
 def test_request_finished_by_prefill_never_reaches_decode(cluster, reference):

@@ -102,6 +102,20 @@ def test_text_stop_string_and_logprobs_through_local_prefill(cluster, reference)
         assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
 
 
+def test_prompt_logprobs_through_local_prefill(cluster, reference):
+    from tests.serving_helpers import assert_same_logprobs
+
+    params = SamplingParams(max_tokens=6, prompt_logprobs=3, **GREEDY)
+    want = reference.generate(["Once upon a time in a land"], params)[0]
+    with Client(cluster.router_address, timeout=60) as c:
+        chunks = list(c.generate("Once upon a time in a land", max_tokens=6, prompt_logprobs=3,
+                                 **GREEDY))
+    assert chunks[-1].usage.local_prefill
+    assert_same_logprobs(chunks[0].prompt_logprobs, want.prompt_logprobs)
+    assert [t for ch in chunks for t in ch.token_ids] == want.token_ids
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_local_prefill_reuses_the_decode_workers_prefix_cache(cluster):
     prompt = random_prompts(1, seed=51, lo=40, hi=40)[0]
     with Client(cluster.router_address, timeout=60) as c:
