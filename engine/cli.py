@@ -60,6 +60,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="lower runs first, on engines with --scheduling-policy priority")
     p.add_argument("--min-tokens", type=int, default=None,
                    help="no eos, stop token or stop string ends the output before this many")
+    p.add_argument("--bad-words", nargs="+", default=None, metavar="WORD",
+                   help="words the output must not contain")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
                    help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
 
@@ -75,7 +77,7 @@ def _logit_bias(text: str) -> dict[int, float]:
 
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                   "logit_bias", "priority")
+                   "logit_bias", "priority", "bad_words")
 
 
 def sampling_kwargs(args: argparse.Namespace, model_defaults: dict) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.bad_words import tokenize_bad_words
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_config import ModelConfig
@@ -124,8 +125,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         token_ids = self.tokenize(prompt)
         resume = self.validate_resume(token_ids, resume_token_ids, params)
+        req = Request(request_id, token_ids, params, output_token_ids=resume,
+                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
         self._claim_id(request_id)
-        self._inbox.put(("add", Request(request_id, token_ids, params, output_token_ids=resume)))
+        self._inbox.put(("add", req))
         return token_ids
 
     def validate_resume(self, prompt_token_ids: list[int], resume_token_ids,
@@ -185,7 +188,8 @@ class LLMEngine:
         """
         resume = self.validate_resume(prompt_token_ids, list(resume_token_ids) + [first_token_id],
                                       params)
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume)
+        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume,
+                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
         req.prompt_logprobs = None  # the prompt was computed, and scored, where it ran
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.bad_words import bad_word_bans
 from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
@@ -89,7 +90,11 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
                   if r.sampling_params.has_penalties else None for r in reqs]
     lengths = ([r.num_output_tokens for r in reqs]
                if any(r.sampling_params.min_tokens for r in reqs) else None)
-    return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths)
+    bans = None
+    if any(r.bad_words_token_ids for r in reqs):
+        bans = [bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
+                if r.bad_words_token_ids else [] for r in reqs]
+    return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths, bans)
 
 
 def score_prompt_tokens(logits: torch.Tensor, rows: list[PromptLogprobRows],

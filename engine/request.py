@@ -52,6 +52,9 @@ class Request:
     # Logprobs of prompt tokens 1.. as the prefill computes them, when sampling_params asks
     # (None otherwise, and where the prompt was computed elsewhere: the decode role).
     prompt_logprobs: list | None = field(default=None, repr=False, compare=False)
+    # sampling_params.bad_words as token sequences (engine/bad_words.py), set at intake.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
+                                                 compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:

@@ -73,17 +73,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
                  penalty_states: list[PenaltyState | None] | None = None,
-                 num_output_tokens: list[int] | None = None) -> SamplerOutput:
+                 num_output_tokens: list[int] | None = None,
+                 bad_word_bans: list[list[int]] | None = None) -> SamplerOutput:
         """Samples one token per row of ``logits`` [num_reqs, vocab]. Rows whose params have
         penalties need their request's ``PenaltyState``, and rows with ``min_tokens`` their
-        output length so far (``num_output_tokens``)."""
+        output length so far (``num_output_tokens``); ``bad_word_bans`` are per row token ids
+        this step must not sample (engine/bad_words.py)."""
         _check_inputs(logits, params, generators)
         num_reqs = logits.shape[0]
         if num_reqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits  # logprobs describe the model: before penalties, bias and bans
         logits = _penalised(logits, params, penalty_states)
-        logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens),
+        logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens,
+                                                                  bad_word_bans),
                                     owned=logits is not raw)
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
@@ -99,19 +102,22 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids.tolist(),
                              logprobs=_compute_logprobs(raw, token_ids, params))
 
-    def _banned(self, params: list[SamplingParams],
-                num_output_tokens: list[int] | None) -> list[list[int]] | None:
-        """Per row, the stop tokens min_tokens still holds back; None when no row has any."""
+    def _banned(self, params: list[SamplingParams], num_output_tokens: list[int] | None,
+                bad_word_bans: list[list[int]] | None) -> list[list[int]] | None:
+        """Per row, the stop tokens min_tokens still holds back and the bad words' bans;
+        None when no row has any."""
+        if bad_word_bans is not None and len(bad_word_bans) != len(params):
+            raise ValueError(f"{len(bad_word_bans)} rows of bad word bans for {len(params)} rows")
         rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         if not rows:
-            return None
+            return bad_word_bans if bad_word_bans and any(bad_word_bans) else None
         if num_output_tokens is None or len(num_output_tokens) != len(params):
             raise ValueError("rows with min_tokens need their output lengths")
-        banned: list[list[int]] = [[] for _ in params]
+        banned = [list(b) for b in bad_word_bans] if bad_word_bans else [[] for _ in params]
         for i in rows:
             p = params[i]
             if num_output_tokens[i] < p.min_tokens:
-                banned[i] = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                banned[i] += p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
         return banned if any(banned) else None
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 256
 
 
 @dataclass
@@ -40,6 +41,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only these token ids can be sampled (empty: any); e.g. a classifier's label tokens.
     allowed_token_ids: list[int] = field(default_factory=list)
+    # Words the output must not contain (engine/bad_words.py); the engine tokenizes them.
+    bad_words: list[str] = field(default_factory=list)
     # Scheduling, not sampling: with an engine's scheduling_policy "priority", lower runs
     # first (vLLM's convention); engines on "fcfs" refuse anything but 0.
     priority: int = 0
@@ -54,6 +57,9 @@ class SamplingParams:
                              f"got {type(self.logit_bias).__name__}")
         self.logit_bias = dict(self.logit_bias)
         self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words)
         self._validate()
 
     def _validate(self) -> None:
@@ -101,6 +107,13 @@ class SamplingParams:
         for t in self.allowed_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} entries, more than "
+                             f"{MAX_BAD_WORDS}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be strings with a non-space character, "
+                                 f"got {w!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

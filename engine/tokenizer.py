@@ -46,6 +46,10 @@ class Tokenizer:
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         return self.hf.encode(text)
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of text alone: no bos or other special tokens added."""
+        return self.hf.encode(text, add_special_tokens=False)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.decode_known(self.known_ids(ids), skip_special_tokens)
 

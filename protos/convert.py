@@ -23,6 +23,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw["include_stop_str_in_output"] = msg.include_stop_str_in_output
     kw["logit_bias"] = dict(msg.logit_bias)
     kw["allowed_token_ids"] = list(msg.allowed_token_ids)
+    kw["bad_words"] = list(msg.bad_words)
     return SamplingParams(**kw)
 
 
@@ -42,7 +43,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-        priority=p.priority)
+        priority=p.priority, bad_words=p.bad_words)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

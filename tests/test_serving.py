@@ -82,12 +82,17 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     from tests.test_sampling_rules import GREEDY, PROMPTS
 
     first = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0].token_ids[0]
+    # Words the first output spells: the prefill worker bans the first, the decode worker
+    # the others.
+    plain0 = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0]
+    words = [reference.tokenizer.decode([t]) for t in plain0.token_ids[:6]]
     penalties = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.0, presence_penalty=0.5)]
     rules = penalties + [
         dict(logit_bias={17: 3.0, 4321: 7.5}),
         dict(allowed_token_ids=[11, 500, 1234, 4321, 7000]),
         # The prefill worker samples the first token, the one the model wants to stop at.
         dict(min_tokens=6, stop_token_ids=[first]),
+        dict(bad_words=[w for w in words if w.strip()]),
     ]
     with Client(cluster.router_address, timeout=60) as c:
         for prompt in PROMPTS:
@@ -98,6 +103,8 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     plain = reference.generate(PROMPTS, SamplingParams(**GREEDY))
     assert plain[0].token_ids != reference.generate(
         PROMPTS[:1], SamplingParams(**penalties[1], **GREEDY))[0].token_ids
+    assert plain[0].token_ids[:6] != reference.generate(
+        PROMPTS[:1], SamplingParams(**rules[-1], **GREEDY))[0].token_ids[:6]
     wait_all_blocks_free(_workers(cluster))
 
 
