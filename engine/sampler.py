@@ -124,7 +124,11 @@ class Sampler:
 def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
                        banned: list[list[int]] | None, owned: bool = False) -> torch.Tensor:
     """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids and
-    its banned ones at -inf (in place when ``owned``, else in a copy)."""
+    its banned ones at -inf (in place when ``owned``, else in a copy).
+
+    The bans (min_tokens, bad words) give way in a row where they would leave no token at all
+    (allowed_token_ids all banned): the row samples from its allowed tokens as if unbanned,
+    rather than from a row of -inf, whose argmax is token 0, allowed or not."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
     if not biased and not allowed and banned is None:
@@ -141,9 +145,17 @@ def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
         ids = torch.tensor(list(bias), dtype=torch.long, device=out.device)
         out[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=out.dtype,
                                                device=out.device))
+    undo = []
     for i, ids in enumerate(banned or ()):
         if ids:
+            if allowed:
+                undo.append((i, ids, out[i, ids].clone()))
             out[i, ids] = -math.inf
+    if undo:
+        dead = torch.isneginf(out.amax(dim=-1)).tolist()  # one reduction and sync a step
+        for i, ids, values in undo:
+            if dead[i]:
+                out[i, ids] = values
     return out
 
 

@@ -87,3 +87,25 @@ def test_greedy_output_avoids_the_words_as_hugging_face_would(preset_path, token
             for seq in seqs:
                 assert all(got.token_ids[i:i + len(seq)] != seq
                            for i in range(len(got.token_ids)))
+
+
+def test_bans_give_way_where_they_would_leave_no_allowed_token(tokenizer):
+    from engine.sampler import Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    allowed = [7, 9]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed, min_tokens=2,
+                             stop_token_ids=allowed),  # everything allowed is held back
+              SamplingParams(temperature=0.0, allowed_token_ids=allowed, min_tokens=2,
+                             stop_token_ids=[9]),  # one allowed token is left
+              SamplingParams(temperature=0.8, allowed_token_ids=allowed, min_tokens=2,
+                             stop_token_ids=allowed)]
+    out = Sampler()(logits, params, [None] * 3, num_output_tokens=[0, 0, 0])
+    assert out.token_ids[0] == allowed[int(logits[0, allowed].argmax())]
+    assert out.token_ids[1] == 7
+    assert out.token_ids[2] in allowed
+    # Bad words alike: a one-token word that is the only allowed token.
+    out = Sampler()(logits[:1], [SamplingParams(temperature=0.0, allowed_token_ids=[7])],
+                    [None], bad_word_bans=[[7]])
+    assert out.token_ids == [7]

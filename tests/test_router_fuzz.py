@@ -1,0 +1,130 @@
+"""Anything a client can send the router, valid or not, against a real cluster (router, a
+prefill and a decode worker, Redis): every request ends OK or with a status that names the
+client's mistake, never INTERNAL, UNKNOWN, a hang or a dead worker, and afterwards every KV
+block is free. Hypothesis draws the requests (fixed examples in CI, see conftest.py)."""
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protos import common_pb2, router_pb2, router_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, wait_all_blocks_free
+
+# The statuses that blame the request (or, for RESOURCE_EXHAUSTED, the load it adds).
+CLIENT_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                   grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
+
+INT32 = st.integers(-2**31, 2**31 - 1)
+INT64 = st.integers(-2**63, 2**63 - 1)
+WILD_INTS = st.one_of(st.sampled_from([-1, 0, 1, 2, 20, 21, 64, 65, 8191, 8192, 2**31 - 1]),
+                      INT32)
+WILD_FLOATS = st.one_of(st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 2.5, 100.0, 101.0, -1.0,
+                                         math.inf, -math.inf, math.nan, 1e308]),
+                        st.floats(allow_nan=True, allow_infinity=True))
+WILD_IDS = st.lists(st.one_of(st.integers(0, 8300), INT64), max_size=8)
+IDS = st.integers(0, 8191)  # tiny-llama's vocabulary
+WORDS = st.text(min_size=1, max_size=10).filter(str.strip)
+
+
+def _floats(lo: float, hi: float):
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+
+
+# Per field: values the router must accept, and anything the wire can carry.
+FIELDS = {
+    "max_tokens": (st.integers(1, 4), INT32),
+    "temperature": (_floats(0.0, 2.0), WILD_FLOATS),
+    "top_k": (st.one_of(st.just(-1), st.integers(0, 50)), WILD_INTS),
+    "top_p": (_floats(0.05, 1.0), WILD_FLOATS),
+    "min_p": (_floats(0.0, 1.0), WILD_FLOATS),
+    "seed": (INT64, INT64),
+    "stop": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=10), max_size=3)),
+    "stop_token_ids": (st.lists(IDS, max_size=3), WILD_IDS),
+    "ignore_eos": (st.booleans(), st.booleans()),
+    "logprobs": (st.integers(0, 20), WILD_INTS),
+    "include_stop_str_in_output": (st.booleans(), st.booleans()),
+    "skip_special_tokens": (st.booleans(), st.booleans()),
+    "repetition_penalty": (_floats(0.5, 3.0), WILD_FLOATS),
+    "presence_penalty": (_floats(-2.0, 2.0), WILD_FLOATS),
+    "frequency_penalty": (_floats(-2.0, 2.0), WILD_FLOATS),
+    "min_tokens": (st.integers(0, 1), INT32),
+    "logit_bias": (st.dictionaries(IDS, _floats(-100.0, 100.0), max_size=3),
+                   st.dictionaries(st.one_of(st.integers(0, 8300), INT64), WILD_FLOATS,
+                                   max_size=3)),
+    "n": (st.integers(1, 3), INT32),
+    "allowed_token_ids": (st.lists(IDS, max_size=4), WILD_IDS),
+    "priority": (st.just(0), WILD_INTS),  # the workers run fcfs: anything else is refused
+    "truncate_prompt_tokens": (st.integers(1, 64), WILD_INTS),
+    "prompt_logprobs": (st.integers(0, 5), WILD_INTS),
+    "bad_words": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=10), max_size=3)),
+}
+ROLES = st.sampled_from(["system", "user", "assistant"])
+
+
+@st.composite
+def requests(draw) -> router_pb2.GenerateRequest:
+    """Mostly requests the router must serve, with odd but valid values; the rest differ
+    from one of those in a single place, with anything the wire can carry there."""
+    wild = draw(st.sampled_from([None, None, None, *FIELDS, "prompt", "resume", "request_id"]))
+    sampling = {}
+    for name, (valid, anything) in FIELDS.items():
+        if name == wild or draw(st.integers(0, 3)) == 0:  # a field is set one time in four
+            sampling[name] = draw(anything if name == wild else valid)
+    req = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(**sampling))
+    kind = draw(st.sampled_from(["text", "ids", "chat"] + (["none"] if wild == "prompt" else [])))
+    if kind == "text":
+        req.text = draw(st.text(max_size=40) if wild == "prompt" else WORDS)
+    elif kind == "ids":
+        ids = (st.lists(st.one_of(st.integers(0, 8300), INT64), max_size=40)
+               if wild == "prompt" else st.lists(IDS, min_size=1, max_size=40))
+        req.token_ids.ids.extend(draw(ids))
+    elif kind == "chat":
+        role = st.sampled_from(["system", "user", "assistant", "tool", "", "bot"])
+        for _ in range(draw(st.integers(0 if wild == "prompt" else 1, 3))):
+            req.chat.messages.add(role=draw(role if wild == "prompt" else ROLES),
+                                  content=draw(st.text(max_size=20)))
+        req.chat.continue_final_message = draw(st.booleans()) and wild == "prompt"
+    if wild == "resume":
+        req.resume_token_ids.extend(draw(st.lists(st.one_of(st.integers(-3, 8300), INT64),
+                                                  max_size=5)))
+    if wild == "request_id":
+        req.request_id = draw(st.text(max_size=8))
+    return req
+
+
+# A short max_model_len, so that a huge (valid) max_tokens ends in a second.
+ARGS = [*WORKER_ARGS[:WORKER_ARGS.index("--max-model-len")],
+        *WORKER_ARGS[WORKER_ARGS.index("--max-model-len") + 2:], "--max-model-len", "96"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(ClusterSpec(worker_args=ARGS)) as c:
+        with grpc.insecure_channel(c.router_address) as channel:
+            c.stub = router_pb2_grpc.RouterStub(channel)
+            yield c
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(req=requests(), streamed=st.booleans())
+def test_any_request_ends_ok_or_with_a_client_status(cluster, req, streamed):
+    try:
+        if streamed:
+            chunks = list(cluster.stub.Generate(req, timeout=60))
+            assert chunks and chunks[-1].finish_reason
+        else:
+            assert cluster.stub.Complete(req, timeout=60).finish_reason
+    except grpc.RpcError as e:
+        assert e.code() in CLIENT_STATUSES, (e.code(), e.details(), req)
+        assert e.details() and "Traceback" not in e.details()
+
+
+def test_the_cluster_is_whole_afterwards(cluster):
+    assert all(p.popen.poll() is None for p in cluster.procs)
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
