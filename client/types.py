@@ -14,7 +14,10 @@ SAMPLING_FIELDS = frozenset(common_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 class Logprob:
     token_id: int
     logprob: float
+    # 1 = the model's most likely token.
     rank: int
+    # The token as text on its own, special tokens included.
+    token: str = ""
 
 
 @dataclass
@@ -223,7 +226,7 @@ def model_info_from_proto(m: router_pb2.ModelInfo) -> ModelInfo:
 
 def _logprobs(items) -> list[TokenLogprobs]:
     def one(m) -> Logprob:
-        return Logprob(m.token_id, m.logprob, m.rank)
+        return Logprob(m.token_id, m.logprob, m.rank, m.token)
 
     return [TokenLogprobs(one(t.sampled), [one(x) for x in t.top]) for t in items]
 

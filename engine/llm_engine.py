@@ -242,8 +242,9 @@ class LLMEngine:
             logits = self.executor.execute_model(inp)
             num_sampled = len(inp.sample_request_ids)
             if inp.prompt_logprob_rows:  # before the first token's output, which carries them
-                score_prompt_tokens(logits[num_sampled:], inp.prompt_logprob_rows,
-                                    self.scheduler.requests)
+                scored = score_prompt_tokens(logits[num_sampled:], inp.prompt_logprob_rows,
+                                             self.scheduler.requests)
+                self.outputs.decode_logprobs(scored)
             # Sample before the scheduler moves the requests past this step.
             out = None if not num_sampled else sample_tokens(
                 self.sampler, logits[:num_sampled], sched, self.device)

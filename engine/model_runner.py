@@ -98,9 +98,9 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
 
 
 def score_prompt_tokens(logits: torch.Tensor, rows: list[PromptLogprobRows],
-                        requests: dict) -> None:
+                        requests: dict) -> list:
     """Appends the prompt logprobs of ``logits`` [num_rows, vocab] (rows in ``rows``' order)
-    to their requests' ``prompt_logprobs``."""
+    to their requests' ``prompt_logprobs``; returns them all (TokenLogprobs)."""
     targets = torch.tensor([t for r in rows for t in r.targets], dtype=torch.int64)
     num_top = [requests[r.request_id].sampling_params.prompt_logprobs
                for r in rows for _ in r.targets]
@@ -109,6 +109,7 @@ def score_prompt_tokens(logits: torch.Tensor, rows: list[PromptLogprobRows],
     for r in rows:
         requests[r.request_id].prompt_logprobs.extend(scored[i:i + len(r.targets)])
         i += len(r.targets)
+    return scored
 
 
 def request_penalty_state(req, vocab_size: int, device: torch.device) -> PenaltyState:

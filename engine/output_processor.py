@@ -52,6 +52,7 @@ class OutputProcessor:
         """Records one sampled token, updates text, and decides whether the request stops."""
         req.append_output_token(token_id)
         if logprobs is not None:
+            self.decode_logprobs([logprobs])
             req.logprobs.append(logprobs)
         params = req.sampling_params
         detok = self.detokenizers.get(req.request_id)
@@ -68,6 +69,16 @@ class OutputProcessor:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return StopDecision(RequestStatus.FINISHED_LENGTH)
         return StopDecision(None)
+
+    def decode_logprobs(self, items: list[TokenLogprobs]) -> None:
+        """Sets each Logprob's decoded_token: its token as text on its own, special tokens
+        included (unless this engine does not detokenize)."""
+        if not self.detokenize:
+            return
+        decode = self.tokenizer.decode
+        for item in items:
+            for lp in (item.sampled, *item.top):
+                lp.decoded_token = decode([lp.token_id], skip_special_tokens=False)
 
     def make_output(self, req: Request, finished: bool, kv_lease=None) -> RequestOutput:
         rid = req.request_id

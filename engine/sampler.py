@@ -34,6 +34,8 @@ class Logprob:
     logprob: float
     # 1 = the most likely token under the raw distribution.
     rank: int
+    # The token as text on its own (vLLM's decoded_token), set where outputs are detokenized.
+    decoded_token: str | None = None
 
 
 @dataclass

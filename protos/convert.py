@@ -63,7 +63,8 @@ def check_token_ids(ids, what: str = "prompt") -> list[int]:
 
 
 def _logprob_to_proto(lp: Logprob) -> common_pb2.Logprob:
-    return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+    return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                              token=lp.decoded_token or "")
 
 
 def logprobs_to_proto(items: list[TokenLogprobs] | None) -> list[common_pb2.TokenLogprobs]:
@@ -81,7 +82,8 @@ def prompt_logprobs_to_proto(items: list[TokenLogprobs | None] | None
 
 def logprobs_from_proto(items) -> list[TokenLogprobs]:
     def one(m: common_pb2.Logprob) -> Logprob:
-        return Logprob(token_id=m.token_id, logprob=m.logprob, rank=m.rank)
+        return Logprob(token_id=m.token_id, logprob=m.logprob, rank=m.rank,
+                       decoded_token=m.token or None)
 
     return [TokenLogprobs(sampled=one(t.sampled), top=[one(x) for x in t.top]) for t in items]
 

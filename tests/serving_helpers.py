@@ -120,5 +120,7 @@ def assert_same_logprobs(got, want, abs_tol: float = 1e-4) -> None:
         assert (a.sampled.token_id, a.sampled.rank) == (b.sampled.token_id, b.sampled.rank)
         assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=abs_tol)
         assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+        assert [t.token for t in (a.sampled, *a.top)] == [
+            t.decoded_token for t in (b.sampled, *b.top)]
         assert [t.logprob for t in a.top] == pytest.approx([t.logprob for t in b.top],
                                                            abs=abs_tol)

@@ -140,3 +140,18 @@ def test_tensor_parallel_prompt_logprobs_equal_tp1(preset_path):
     with LLM(path, tensor_parallel_size=2, max_num_batched_tokens=32) as llm:
         out = llm.generate([prompt], _params(prompt_logprobs=TOP))[0]
     assert_matches_hf(path, prompt, out.prompt_logprobs)
+
+
+def test_every_logprob_carries_its_token_as_text(preset_path):
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(preset_path("tiny-llama"))
+    with LLM("tiny-llama") as llm:
+        out = llm.generate(["Paged attention stores the KV cache"],
+                           _params(logprobs=3, prompt_logprobs=3))[0]
+    items = [lp for lp in [*out.prompt_logprobs[1:], *out.logprobs]]
+    assert len(items) == len(out.prompt_token_ids) - 1 + len(out.token_ids)
+    for item in items:
+        for lp in (item.sampled, *item.top):
+            assert lp.decoded_token == tok.decode([lp.token_id], skip_special_tokens=False)
+    assert "".join(lp.sampled.decoded_token for lp in out.logprobs) == out.text

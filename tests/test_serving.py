@@ -296,8 +296,7 @@ def test_stop_string_and_logprobs_pass_through(cluster, reference):
                          logprobs=2)
     assert [lp.sampled.token_id for lp in res.logprobs] == want.token_ids
     assert all(len(lp.top) == 2 for lp in res.logprobs)
-    for a, b in zip(res.logprobs, want.logprobs):
-        assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=1e-4)
+    assert_same_logprobs(res.logprobs, want.logprobs)  # the tokens' text too
 
 
 def test_prompt_logprobs_come_with_the_first_token(cluster, reference):
