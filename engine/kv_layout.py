@@ -15,6 +15,7 @@ stride costs it nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 
@@ -70,6 +71,12 @@ class KVCacheLayout:
         missing = sorted(set(cls.__dataclass_fields__) - set(fields))
         if missing:
             raise ValueError(f"not a KV cache layout: missing {missing}")
+        for f in dataclasses.fields(cls):
+            value = fields[f.name]
+            want = int if f.type == "int" else str
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise ValueError(f"not a KV cache layout: {f.name} must be {f.type}, "
+                                 f"got {value!r}")
         try:
             return cls(**fields)
         except TypeError as e:

@@ -75,7 +75,9 @@ class KVAgentHandle:
                 "float32", "bfloat16", "float16") or not 0 <= lay.kv_head_start \
                 <= lay.total_num_kv_heads - lay.num_kv_heads or not 0 <= lay.tp_rank < lay.tp_size:
             raise ValueError(f"handle of {self.agent_name!r} has an invalid layout {lay}")
+        if not 0 <= self.device_id < 2**31:
+            raise ValueError(f"handle of {self.agent_name!r} has device id {self.device_id}")
         need = lay.num_blocks * lay.bytes_per_block
-        if self.num_bytes != need or self.base_addr <= 0:
+        if self.num_bytes != need or not 0 < self.base_addr < 2**64 - need:
             raise ValueError(f"handle of {self.agent_name!r} describes {self.num_bytes} bytes at "
                              f"{self.base_addr:#x}; its layout needs {need}")

@@ -28,6 +28,10 @@ _POLL_S = 0.0002
 _STREAM_GRACE_S = 5.0
 
 
+def _region(h: KVAgentHandle) -> tuple:
+    return h.base_addr, h.num_bytes, h.device_id, h.mem_type
+
+
 @dataclass(frozen=True)
 class ReadPart:
     """Runs of one remote rank's cache (``rdesc``) into runs of ours (``ldesc``), pairwise."""
@@ -48,6 +52,8 @@ class NixlReader:
         self._reg = self.agent.register_memory(cache)
         self.lock = threading.Lock()
         self._remotes: dict[str, str] = {}  # agent name -> name NIXL knows it by
+        # agent name -> its cache as its first handle described it (_region)
+        self._regions: dict[str, tuple] = {}
 
     def connect(self, remote: KVAgentHandle) -> str:
         """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held)."""
@@ -57,6 +63,13 @@ class NixlReader:
             if isinstance(known, bytes):
                 known = known.decode()
             self._remotes[remote.agent_name] = known
+            self._regions[remote.agent_name] = _region(remote)
+        elif self._regions[remote.agent_name] != _region(remote):
+            # Its metadata was loaded when first met; reads go by the handle's addresses, and
+            # a shifted cache would still be inside the registration (wrong bytes, no error).
+            raise ValueError(f"handle of {remote.agent_name!r} describes a cache other than "
+                             f"the one it registered: {_region(remote)} against "
+                             f"{self._regions[remote.agent_name]}")
         return known
 
     def read(self, parts: list[ReadPart], deadline: float, notify: bytes = b"") -> None:

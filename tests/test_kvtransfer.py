@@ -241,6 +241,15 @@ def test_bad_handle_bytes_raise_value_error():
            json.dumps({**d, "backend": "carrier-pigeon"}).encode(),
            json.dumps({**d, "address": "nowhere"}).encode(),
            json.dumps({**d, "metadata": "***"}).encode(),
+           # Integers NIXL takes as unsigned 64-bit (or device ids) must not overflow there.
+           json.dumps({**d, "device_id": -2**63}).encode(),
+           json.dumps({**d, "device_id": 2**40}).encode(),
+           json.dumps({**d, "base_addr": -4096}).encode(),
+           json.dumps({**d, "base_addr": 2**64 - 8}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "kv_head_start": "0"}}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "tp_rank": None}}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "num_blocks": True}}).encode(),
+           json.dumps({**d, "layout": {**d["layout"], "dtype": 4}}).encode(),
            json.dumps({**d, "layout": {**d["layout"], "num_blocks": -1}}).encode(),
            json.dumps({**d, "layout": {**d["layout"], "kv_head_start": 3}}).encode(),
            # A peer from before the block-major cache: its bytes are in another order.
@@ -249,7 +258,8 @@ def test_bad_handle_bytes_raise_value_error():
                                        if k != "order"}}).encode(),
            good.to_bytes()[:-7]]
     for raw in bad:
-        with pytest.raises(ValueError, match="KV agent handle|handle of|unknown|invalid"):
+        with pytest.raises(ValueError,
+                           match="KV agent handle|KV cache layout|handle of|unknown|invalid"):
             KVAgentHandle.from_bytes(raw)
     with pytest.raises(ValueError, match="is bytes"):
         KVAgentHandle.from_bytes("a string")

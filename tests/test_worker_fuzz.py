@@ -1,0 +1,90 @@
+"""The decode worker against KV handles a prefill worker never sent: a real handle from a real
+Prefill, one field corrupted (the NIXL metadata blob, addresses, sizes, the layout, names, or
+the whole thing replaced by junk), sent straight to DecodeWorker.Decode. Every one must end
+INVALID_ARGUMENT (the handle is malformed) or UNAVAILABLE (NIXL refused the read), never
+INTERNAL, UNKNOWN, a hang or a dead worker, and every block must come back on both workers."""
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import grpc
+import pytest
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from router.launcher import Cluster, ClusterSpec
+from tests.serving_helpers import WORKER_ARGS, wait_all_blocks_free
+
+EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
+SAMPLING = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def _wild(rng: random.Random):
+    return rng.choice([0, -1, 1, 2**40, -2**63, 2**63 - 1, rng.randint(-10**9, 10**9), "x", "",
+                       None, [], {}, 1.5, True, "nixl", "torch", "DRAM", "VRAM"])
+
+
+def _corrupt(rng: random.Random, handle: dict) -> tuple[str, bytes]:
+    d = json.loads(json.dumps(handle))
+    kind = rng.choice(["field", "metadata", "layout", "addresses", "junk"])
+    if kind == "field":
+        d[rng.choice(sorted(d))] = _wild(rng)
+    elif kind == "metadata":
+        blob = bytearray(base64.b64decode(d["metadata"]))
+        for _ in range(rng.randint(1, 20)):
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            blob = blob[:rng.randrange(len(blob))]
+        d["metadata"] = base64.b64encode(bytes(blob)).decode()
+        # A name the decode worker has not met, so that NIXL parses the blob (a known one's
+        # metadata was loaded when first met, and is not read again).
+        d["agent_name"] += f"-{rng.randrange(1 << 30)}"
+    elif kind == "layout":
+        d["layout"][rng.choice(sorted(d["layout"]))] = _wild(rng)
+    elif kind == "addresses":
+        d["base_addr"] += rng.choice([-(1 << 30), -4096, 1 << 30, 1 << 44])
+        if rng.random() < 0.5:
+            d["num_bytes"] = rng.choice([0, 1, d["num_bytes"] * 2, 2**62])
+    else:
+        return kind, bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+    return kind, json.dumps(d).encode()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with Cluster(ClusterSpec(worker_args=WORKER_ARGS)) as c:
+        addr = {p.role: p.address for p in c.procs if p.name != "router"}
+        with grpc.insecure_channel(addr["prefill"]) as pch, \
+                grpc.insecure_channel(addr["decode"]) as dch:
+            yield c, worker_pb2_grpc.PrefillWorkerStub(pch), worker_pb2_grpc.DecodeWorkerStub(dch)
+
+
+def test_corrupted_kv_handles_fail_cleanly(workers):
+    cluster, prefill, decode = workers
+    rng = random.Random(2026)
+    seen = {}
+    for i in range(60):
+        prompt = [rng.randint(5, 8000) for _ in range(rng.randint(2, 60))]
+        resp = prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id=f"p{i}", prompt_token_ids=prompt, sampling=SAMPLING), timeout=30)
+        kind, raw = _corrupt(rng, json.loads(resp.kv_handle.rank_handles[0]))
+        handle = common_pb2.KVHandle()
+        handle.CopyFrom(resp.kv_handle)
+        handle.rank_handles[0] = raw
+        try:
+            list(decode.Decode(worker_pb2.DecodeRequest(
+                request_id=f"d{i}", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+                sampling=SAMPLING, kv_handle=handle), timeout=30))
+            code = grpc.StatusCode.OK  # a harmless corruption (a field NIXL's metadata repeats)
+        except grpc.RpcError as e:
+            code = e.code()
+            assert code in EXPECTED, (kind, e.details(), raw[:300])
+            assert "Traceback" not in e.details()
+        seen.setdefault(kind, set()).add(code)
+        prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=f"p{i}"), timeout=10)
+        assert all(p.popen.poll() is None for p in cluster.procs), (kind, raw[:300])
+    # Each kind of corruption was tried, and most are refused.
+    assert set(seen) == {"field", "metadata", "layout", "addresses", "junk"}
+    assert all(grpc.StatusCode.OK not in seen[k] for k in ("layout", "addresses", "junk"))
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
