@@ -17,6 +17,8 @@ from protos import common_pb2, worker_pb2_grpc
 # Small caches keep the workers light; 128 blocks of 16 tokens hold every test's requests.
 WORKER_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024",
                "--heartbeat-interval-s", "0.3", "--kv-lease-timeout-s", "20"]
+# For fuzzing: a huge (valid) max_tokens then ends within a second or two.
+SHORT_CONTEXT_WORKER_ARGS = [*WORKER_ARGS[:2], "--max-model-len", "96", *WORKER_ARGS[4:]]
 
 
 def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:

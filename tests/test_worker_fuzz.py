@@ -11,10 +11,13 @@ import random
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, wait_all_blocks_free
+from tests.fuzz_strategies import FIELDS, INT64
+from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
 
 EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
 SAMPLING = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -53,7 +56,7 @@ def _corrupt(rng: random.Random, handle: dict) -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def workers():
-    with Cluster(ClusterSpec(worker_args=WORKER_ARGS)) as c:
+    with Cluster(ClusterSpec(worker_args=SHORT_CONTEXT_WORKER_ARGS)) as c:
         addr = {p.role: p.address for p in c.procs if p.name != "router"}
         with grpc.insecure_channel(addr["prefill"]) as pch, \
                 grpc.insecure_channel(addr["decode"]) as dch:
@@ -87,4 +90,50 @@ def test_corrupted_kv_handles_fail_cleanly(workers):
     # Each kind of corruption was tried, and most are refused.
     assert set(seen) == {"field", "metadata", "layout", "addresses", "junk"}
     assert all(grpc.StatusCode.OK not in seen[k] for k in ("layout", "addresses", "junk"))
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
+
+
+@st.composite
+def _worker_requests(draw):
+    """A Prefill, or a Decode that prefills locally, as the router would never send it."""
+    wild = draw(st.sampled_from([None, None, None, *FIELDS, "prompt", "resume", "first"]))
+    sampling = {name: draw(anything if name == wild else valid)
+                for name, (valid, anything) in FIELDS.items()
+                if name == wild or draw(st.integers(0, 3)) == 0}
+    ids = st.lists(st.integers(0, 8191), min_size=1, max_size=40)
+    common = dict(
+        request_id=draw(st.text(min_size=1, max_size=8)),
+        prompt_token_ids=draw(st.lists(st.one_of(st.integers(-5, 8300), INT64), max_size=40)
+                              if wild == "prompt" else ids),
+        resume_token_ids=draw(st.lists(st.one_of(st.integers(-5, 8300), INT64), max_size=4)
+                              if wild == "resume" else st.just([])),
+        sampling=common_pb2.SamplingParams(**sampling))
+    if draw(st.booleans()):
+        return worker_pb2.PrefillRequest(**common)
+    return worker_pb2.DecodeRequest(
+        **common, local_prefill=wild != "first" or draw(st.booleans()),
+        first_token_id=draw(INT64) if wild == "first" else 0)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(req=_worker_requests())
+def test_workers_take_any_request_cleanly(workers, req):
+    cluster, prefill, decode = workers
+    try:
+        if isinstance(req, worker_pb2.PrefillRequest):
+            resp = prefill.Prefill(req, timeout=30)
+            if resp.HasField("kv_handle"):
+                prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=req.request_id),
+                                  timeout=10)
+        else:
+            assert list(decode.Decode(req, timeout=30))[-1].finish_reason
+    except grpc.RpcError as e:
+        assert e.code() in (EXPECTED | {grpc.StatusCode.RESOURCE_EXHAUSTED}), (e.details(), req)
+        assert "Traceback" not in e.details()
+
+
+def test_the_workers_are_whole_afterwards(workers):
+    cluster, _, _ = workers
+    assert all(p.popen.poll() is None for p in cluster.procs)
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
