@@ -40,14 +40,19 @@ def test_generate_sampling_rule_flags_reach_the_engine(capsys):
 
     argv = ["generate", "--prompt", "hi there", "--max-tokens", "8", "--num-gpu-blocks", "64"]
     rules = ["--logit-bias", '{"1234": 100}', "--min-tokens", "2", "--repetition-penalty",
-             "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.5"]
+             "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+             "--bad-words", "hello", "the world"]
     assert main(argv + rules) == 0
     out = capsys.readouterr().out
     with LLM("tiny-llama", num_gpu_blocks=64) as llm:
         want = llm.generate(["hi there"], SamplingParams(
             max_tokens=8, temperature=0.0, logit_bias={1234: 100.0}, min_tokens=2,
-            repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5))[0]
+            repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+            bad_words=["hello", "the world"]))[0]
     assert out == want.text + "\n" and want.token_ids[0] == 1234
+    from engine.cli import build_parser, sampling_kwargs
+    kw = sampling_kwargs(build_parser().parse_args(argv + rules), {})
+    assert kw["bad_words"] == ["hello", "the world"] and kw["min_tokens"] == 2
     with pytest.raises(SystemExit):
         main(argv + ["--logit-bias", "[1]"])
 
