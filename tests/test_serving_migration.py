@@ -28,9 +28,12 @@ SEEDED = dict(temperature=1.0, top_p=0.9, seed=23, ignore_eos=True)
 def cluster():
     # Local prefill off: every continuation goes through a prefill worker and a KV transfer.
     # A pull cut by its owner's death may leave its blocks quarantined: briefly, here, so the
-    # tests can see every block come back.
+    # tests can see every block come back. Room for every prompt of a test on one decode
+    # worker: a burst of migrated prompts that lands on it at once must not be refused
+    # RESOURCE_EXHAUSTED (what these tests check is that no request is lost).
     spec = ClusterSpec(num_prefill=2, num_decode=2,
-                       worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1"],
+                       worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1",
+                                    "--num-gpu-blocks", "512"],
                        router_args=["--max-local-prefill-length", "0", "--migration-limit", "1",
                                     "--health-check-interval-s", "1"])
     with Cluster(spec) as c:
