@@ -163,7 +163,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
         if req.prompt_logprobs is not None and req.wants_prompt_logprobs:
             # Position j's logits score prompt token j + 1; the last prompt position's are
             # the sampled row. Positions scored before a preemption are not scored again.
-            first = max(start, len(req.prompt_logprobs))
+            first = max(start, len(req.prompt_logprobs) - 1)
             last = min(start + n, req.num_prompt_tokens - 1)
             if first < last:
                 prompt_idx.extend(range(query_start[-2] + first - start,

@@ -111,7 +111,7 @@ class OutputProcessor:
 def _prompt_logprobs(req: Request) -> list[TokenLogprobs | None] | None:
     if req.prompt_logprobs is None or req.wants_prompt_logprobs:
         return None
-    return [None, *req.prompt_logprobs]
+    return req.prompt_logprobs  # complete: nothing appends to it any more
 
 
 def _check_stop_strings(detok: IncrementalDetokenizer, params,

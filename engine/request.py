@@ -49,8 +49,9 @@ class Request:
     logprobs: list = field(default_factory=list)
     # Token counts for the penalties (engine/penalties.py), once it has sampled with them.
     penalty_state: PenaltyState | None = field(default=None, repr=False, compare=False)
-    # Logprobs of prompt tokens 1.. as the prefill computes them, when sampling_params asks
-    # (None otherwise, and where the prompt was computed elsewhere: the decode role).
+    # When sampling_params asks: [None] (the first prompt token has none), then the logprobs
+    # of prompt tokens 1.. as the prefill computes them; None otherwise, and where the prompt
+    # was computed elsewhere (the decode role). Outputs hand out this list once complete.
     prompt_logprobs: list | None = field(default=None, repr=False, compare=False)
     # sampling_params.bad_words as token sequences (engine/bad_words.py), set at intake.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
@@ -58,7 +59,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = []
+            self.prompt_logprobs = [None]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -85,7 +86,7 @@ class Request:
         """Prompt logprobs are asked for and not all computed yet (the prefill must then
         run every prompt token: prefix-cache hits would skip some)."""
         return (self.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
