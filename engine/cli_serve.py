@@ -138,6 +138,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
+    p.add_argument("--decode-wait-timeout-s", type=float, default=30.0,
+                   help="a prefilled request that decode workers refuse for want of room "
+                        "tries again for up to this long while its prefill lease holds the "
+                        "KV (0: the client gets RESOURCE_EXHAUSTED at once)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="after SIGTERM: how long requests in flight may run before stopping")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0,
@@ -168,7 +172,9 @@ def cmd_router(args: argparse.Namespace) -> int:
                       api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
-                      migration_limit=args.migration_limit, decode_stream=args.decode_stream,
+                      migration_limit=args.migration_limit,
+                      decode_wait_timeout_s=args.decode_wait_timeout_s,
+                      decode_stream=args.decode_stream,
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,

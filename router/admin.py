@@ -46,7 +46,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             requests_prefilled_locally=s.requests_prefilled_locally,
             requests_prefilled_remotely=s.requests_prefilled_remotely,
             requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted,
-            worker_hangs=self.directory.worker_hangs)
+            worker_hangs=self.directory.worker_hangs, decode_waits=s.decode_waits)
 
     async def DrainWorker(self, request, context):
         async with _registry(context):

@@ -37,6 +37,10 @@ class RouterConfig:
     # moves to other workers with the tokens it has so far, at most this many times; 0 fails
     # it at once (router/migration.py).
     migration_limit: int = 3
+    # A prefilled request that a decode worker refuses for want of room (RESOURCE_EXHAUSTED)
+    # tries again, on another when it can, for at most this long while the prefill lease
+    # holds its KV (router/decode_wait.py); 0 refuses it at once.
+    decode_wait_timeout_s: float = 30.0
     # How requests reach a decode worker: "multiplexed", all of them on one DecodeMany stream
     # per worker with one message per engine step (router/decode_mux.py), or "per-request",
     # a Decode call each with one message per token.
@@ -85,6 +89,11 @@ class RouterConfig:
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "
                              f"{self.migration_limit!r}")
+        if isinstance(self.decode_wait_timeout_s, bool) \
+                or not isinstance(self.decode_wait_timeout_s, (int, float)) \
+                or not 0 <= self.decode_wait_timeout_s < float("inf"):
+            raise ValueError(f"decode_wait_timeout_s must be a number >= 0, got "
+                             f"{self.decode_wait_timeout_s!r}")
         check_keepalive("keepalive_time_s", self.keepalive_time_s)
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \

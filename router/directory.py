@@ -77,6 +77,8 @@ class WorkerHandle:
     watchers: int = 0
     # The router's health checks, which also set the heartbeats on this worker's DecodeMany.
     liveness: LivenessConfig | None = None
+    # The GetWorkerInfo call in flight to it, if any (WorkerDirectory._ask_fresh).
+    asking: asyncio.Future | None = None
     _mux: DecodeMux | None = None
 
     @property
@@ -312,19 +314,26 @@ class WorkerDirectory:
         return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
 
     async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
-        """Each decode worker's own current info; one that does not answer keeps its view."""
-        async def ask(w: WorkerHandle) -> None:
-            try:
-                info = await w.decode_stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
-                                                         timeout=FRESH_INFO_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                logger.warning("worker %s did not report its info: %s", w.worker_id, e.code())
-                return
-            if info.worker_id == w.worker_id and info.role == w.info.role:
-                info.draining = info.draining or w.info.draining  # a drain set by an admin
-                w.info = info
+        """Each decode worker's own current info; one that does not answer keeps its view.
+        Requests that need it at once (a burst waiting for room) share one call per worker."""
+        def asking(w: WorkerHandle) -> asyncio.Future:
+            if w.asking is None or w.asking.done():
+                w.asking = asyncio.ensure_future(self._ask_info(w))
+            return asyncio.shield(w.asking)  # one waiter's cancel leaves the others' call
 
-        await asyncio.gather(*(ask(w) for w in workers))
+        await asyncio.gather(*(asking(w) for w in workers))
+
+    @staticmethod
+    async def _ask_info(w: WorkerHandle) -> None:
+        try:
+            info = await w.decode_stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                                     timeout=FRESH_INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            logger.warning("worker %s did not report its info: %s", w.worker_id, e.code())
+            return
+        if info.worker_id == w.worker_id and info.role == w.info.role:
+            info.draining = info.draining or w.info.draining  # a drain set by an admin
+            w.info = info
 
     @contextlib.contextmanager
     def inflight(self, worker: WorkerHandle):

@@ -22,6 +22,8 @@ _COUNTERS = (
      "Moves of a running request to other workers after its worker failed."),
     ("migrations_exhausted_total", "migrations_exhausted",
      "Requests failed once --migration-limit was spent."),
+    ("decode_waits_total", "decode_waits",
+     "Prefilled requests that waited for room on a decode worker, then went on."),
 )
 
 _WORKER_GAUGES = (

@@ -27,6 +27,7 @@ from engine.block_hash import hash_request_tokens
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.config import RouterConfig
+from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import RouterRejectError, status_of
 from router.inflight import InflightRequests
@@ -323,19 +324,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         done = False
         try:
             yield first
-            decode = await self.directory.pick_decode(len(resume) + len(run.prompt_token_ids) + 1,
-                                                      avoid)
-            usage.decode_worker_id = decode.worker_id
             dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
                                             resume_token_ids=resume,
                                             first_token_id=presp.first_token_id,
                                             sampling=request.sampling, kv_handle=presp.kv_handle)
-            chunks = self._decode(dreq, decode, context, run)
+            chunks, chunk = await self._start_decode(run, dreq, prefill, avoid, context)
             async with contextlib.aclosing(chunks):
-                # Until its first chunk the decode worker is pulling the KV from the prefill
-                # worker, which is health-checked meanwhile: a hung one fails the leg at once.
-                with self.directory.watched(prefill):
-                    chunk = await first_while_watched(prefill.calls, chunks)
                 while chunk is not None:
                     done = done or bool(chunk.finish_reason)
                     yield chunk
@@ -345,6 +339,44 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # Cancel, deadline or failure before decode pulled the KV: free the lease now
                 # rather than when it expires. Idempotent on the worker.
                 self._release_later(prefill, rid)
+
+    async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
+                            prefill: WorkerHandle, avoid: frozenset[str], context):
+        """A prefilled request's decode leg, open and past its first chunk: (the leg's chunks,
+        that chunk). A refusal for want of room is tried again, elsewhere when it can be,
+        while the prefill lease keeps the KV (router/decode_wait.py)."""
+        wait = DecodeWait.after_prefill(self.config.decode_wait_timeout_s,
+                                        dreq.kv_handle.lease_timeout_s, context.time_remaining())
+        num_tokens = len(dreq.prompt_token_ids) + len(dreq.resume_token_ids) + 1
+        refused: set[str] = set()
+        timed = run.decode_timed
+        while True:
+            try:
+                decode = await self.directory.pick_decode(num_tokens, avoid | refused)
+            except NoWorkerError as e:
+                await wait.backoff(e)
+                continue
+            run.usage.decode_worker_id = decode.worker_id
+            chunks = self._decode(dreq, decode, context, run)
+            try:
+                # Until its first chunk the decode worker is pulling the KV from the prefill
+                # worker, which is health-checked meanwhile: a hung one fails the leg at once.
+                with self.directory.watched(prefill):
+                    chunk = await first_while_watched(prefill.calls, chunks)
+            except Exception as e:  # noqa: BLE001 - re-raised unless the worker was full
+                await chunks.aclose()
+                await wait.backoff(e)
+                run.workers.remove(decode)  # a refusal for room is no failure of the worker's
+                refused.add(decode.worker_id)
+                continue
+            except BaseException:
+                await chunks.aclose()
+                raise
+            if wait.retries:
+                self.stats.decode_waits += 1
+                if not timed and run.decode_timed:  # this leg's queue began at the refusal
+                    run.timings.decode_queue_s += wait.waited_s
+            return chunks, chunk
 
     async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
                       run: RequestRun):

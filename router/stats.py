@@ -35,6 +35,8 @@ class RouterStats:
     # --migration-limit was spent.
     requests_migrated: int = 0
     migrations_exhausted: int = 0
+    # Prefilled requests that waited for room on a decode worker (router/decode_wait.py).
+    decode_waits: int = 0
     # Output tokens streamed to clients.
     generation_tokens: int = 0
     # Finished requests by finish reason, and their latencies (seconds).

@@ -29,8 +29,8 @@ def cluster():
     # Local prefill off: every continuation goes through a prefill worker and a KV transfer.
     # A pull cut by its owner's death may leave its blocks quarantined: briefly, here, so the
     # tests can see every block come back. Room for every prompt of a test on one decode
-    # worker: a burst of migrated prompts that lands on it at once must not be refused
-    # RESOURCE_EXHAUSTED (what these tests check is that no request is lost).
+    # worker: a burst of migrated prompts that lands on it at once then never waits for room
+    # (router/decode_wait.py), which would only slow these tests down.
     spec = ClusterSpec(num_prefill=2, num_decode=2,
                        worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1",
                                     "--num-gpu-blocks", "512"],
