@@ -121,6 +121,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await self.rt.engine.fresh_stats()
         return self.rt.worker_info()
 
+    async def ResetPrefixCache(self, request, context) -> common_pb2.WorkerPrefixCacheReset:
+        return await self.rt.prefix_cache_reset()
+
 
 def _chunk(out: RequestOutput) -> worker_pb2.DecodeChunk:
     new = out.new_token_ids

@@ -5,6 +5,7 @@
     pdserve admin --router HOST:PORT drain|undrain WORKER_ID
     pdserve admin --router HOST:PORT requests [--json]
     pdserve admin --router HOST:PORT cancel REQUEST_ID
+    pdserve admin --router HOST:PORT reset-prefix-cache [WORKER_ID] [--role R] [--json]
 
 A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or $PDSERVE_API_KEY).
 """
@@ -78,6 +79,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser("cancel", help="cancel a request in flight on this router (its client "
                                       "gets CANCELLED; both workers free its blocks)")
     c.add_argument("request_id")
+    x = sub.add_parser("reset-prefix-cache",
+                       help="forget the workers' prefix caches (all, one role's, or one "
+                            "worker's); a worker holding blocks refuses; exit 1 unless every "
+                            "worker asked was reset")
+    x.add_argument("worker_id", nargs="?", default="")
+    x.add_argument("--role", choices=["prefill", "decode"], default="")
+    x.add_argument("--json", action="store_true")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -116,6 +124,8 @@ def _run(stub, args: argparse.Namespace, md) -> int:
         print(json.dumps([_dict(r) for r in resp.requests], indent=2) if args.json
               else _table(resp.requests, _REQUEST_COLUMNS))
         return 0
+    if args.admin == "reset-prefix-cache":
+        return _reset_prefix_cache(stub, args, md)
     if args.admin == "cancel":
         stub.CancelRequest(router_pb2.CancelRequestRequest(request_id=args.request_id),
                            timeout=args.timeout, metadata=md)
@@ -126,6 +136,23 @@ def _run(stub, args: argparse.Namespace, md) -> int:
         metadata=md)
     print(f"{args.worker_id}: {'draining' if resp.draining else 'routable'}")
     return 0
+
+
+def _reset_prefix_cache(stub, args: argparse.Namespace, md) -> int:
+    # A reset waits for each worker's running step: more than the default call timeout.
+    resp = stub.ResetPrefixCache(
+        router_pb2.ResetPrefixCacheRequest(worker_id=args.worker_id, role=args.role),
+        timeout=max(args.timeout, 40.0), metadata=md)
+    if args.json:
+        print(json.dumps([_dict(w) for w in resp.workers], indent=2))
+    for w in resp.workers if not args.json else ():
+        if w.reset:
+            print(f"{w.worker_id}: reset ({w.num_blocks_evicted} cached blocks forgotten)")
+        elif w.error:
+            print(f"{w.worker_id}: not reset: {w.error}")
+        else:
+            print(f"{w.worker_id}: not reset: {w.num_blocks_in_use} blocks in use")
+    return 0 if resp.workers and all(w.reset for w in resp.workers) else 1
 
 
 def _dict(msg) -> dict:

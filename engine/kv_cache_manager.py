@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_request_tokens
 from engine.block_pool import BlockPool, KVBlock, KVCacheEvent
+from engine.outputs import PrefixCacheReset
 from engine.request import Request
 
 
@@ -88,8 +89,11 @@ class KVCacheManager:
         """Every block hash in the prefix cache now (to rebuild an index that lost events)."""
         return list(self.pool.cached_blocks)
 
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        cached = self.pool.num_cached_blocks
+        in_use = self.pool.num_blocks - self.pool.num_free_blocks
+        done = self.pool.reset_prefix_cache()
+        return PrefixCacheReset(done, cached if done else 0, in_use)
 
     # -- prefix cache lookup -------------------------------------------------------------------
 

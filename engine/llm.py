@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from engine.config import EngineConfig
 from engine.generation_defaults import check_generation_config, load_sampling_defaults
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import PrefixCacheReset, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -40,6 +40,10 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Forgets every cached prefix block; refused (``reset`` False) while a request runs."""
+        return self.engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stops tensor-parallel worker processes (a no-op at TP=1)."""

@@ -23,7 +23,7 @@ from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
 from engine.model_runner import prepare_input, sample_tokens, score_prompt_tokens
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, KVAllocation, KVLease, RequestOutput
+from engine.outputs import EngineStats, KVAllocation, KVLease, PrefixCacheReset, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -359,6 +359,14 @@ class LLMEngine:
         """The prefix cache's block hashes now; under the step lock, like the events."""
         with self._lock:
             return self.kv_manager.cached_block_hashes()
+
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Forgets every cached prefix block (vLLM's reset_prefix_cache): later prompts compute
+        their KV afresh. Refused while any block is held (running requests, KV leases,
+        quarantined pulls); the removals come out of ``take_kv_events``."""
+        with self._lock:
+            self._drain_inbox()  # releases and aborts already asked for free their blocks first
+            return self.kv_manager.reset_prefix_cache()
 
     # --- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -39,6 +39,18 @@ class KVAllocation:
 
 
 @dataclass
+class PrefixCacheReset:
+    """What ``reset_prefix_cache`` did: forgot every cached block, or nothing while requests
+    (or KV leases, or quarantined pulls) held blocks."""
+
+    reset: bool
+    # Cached blocks forgotten (0 when refused).
+    num_blocks_evicted: int
+    # Blocks held when asked: a reset needs none.
+    num_blocks_in_use: int
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -80,6 +80,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         await self.rt.engine.fresh_stats()
         return self.rt.worker_info()
 
+    async def ResetPrefixCache(self, request, context) -> common_pb2.WorkerPrefixCacheReset:
+        return await self.rt.prefix_cache_reset()
+
     def _prune(self) -> None:
         now = time.monotonic()
         if len(self._leases) > 1024:

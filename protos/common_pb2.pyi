@@ -166,3 +166,23 @@ class WorkerInfo(_message.Message):
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class WorkerPrefixCacheResetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerPrefixCacheReset(_message.Message):
+    __slots__ = ("worker_id", "role", "reset", "num_blocks_evicted", "num_blocks_in_use", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    reset: bool
+    num_blocks_evicted: int
+    num_blocks_in_use: int
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., reset: _Optional[bool] = ..., num_blocks_evicted: _Optional[int] = ..., num_blocks_in_use: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

@@ -308,6 +308,11 @@ class RouterAdminStub:
                 request_serializer=protos_dot_router__pb2.CancelRequestRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.CancelRequestResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/ResetPrefixCache',
+                request_serializer=protos_dot_router__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -347,6 +352,15 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets the prefix cache of every worker, or of one role's or one worker (vLLM's
+        reset_prefix_cache): for measuring cold prompts, or after the cache's contents must go.
+        A worker holding blocks (requests running, KV leases) refuses, and its entry says so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -374,6 +388,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.CancelRequest,
                     request_deserializer=protos_dot_router__pb2.CancelRequestRequest.FromString,
                     response_serializer=protos_dot_router__pb2.CancelRequestResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_router__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -511,6 +530,33 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/CancelRequest',
             protos_dot_router__pb2.CancelRequestRequest.SerializeToString,
             protos_dot_router__pb2.CancelRequestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/ResetPrefixCache',
+            protos_dot_router__pb2.ResetPrefixCacheRequest.SerializeToString,
+            protos_dot_router__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

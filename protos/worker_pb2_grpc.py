@@ -50,6 +50,11 @@ class PrefillWorkerStub:
                 request_serializer=protos_dot_common__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/ResetPrefixCache',
+                request_serializer=protos_dot_common__pb2.WorkerPrefixCacheResetRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.WorkerPrefixCacheReset.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -75,6 +80,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets the prefix cache; refused (reset false) while any block is held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=protos_dot_common__pb2.WorkerInfoRequest.FromString,
                     response_serializer=protos_dot_common__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_common__pb2.WorkerPrefixCacheResetRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.WorkerPrefixCacheReset.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +202,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/ResetPrefixCache',
+            protos_dot_common__pb2.WorkerPrefixCacheResetRequest.SerializeToString,
+            protos_dot_common__pb2.WorkerPrefixCacheReset.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -209,6 +253,11 @@ class DecodeWorkerStub:
                 '/pdserve.v1.DecodeWorker/GetWorkerInfo',
                 request_serializer=protos_dot_common__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_common__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/ResetPrefixCache',
+                request_serializer=protos_dot_common__pb2.WorkerPrefixCacheResetRequest.SerializeToString,
+                response_deserializer=protos_dot_common__pb2.WorkerPrefixCacheReset.FromString,
                 _registered_method=True)
 
 
@@ -238,6 +287,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets the prefix cache; refused (reset false) while any block is held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -255,6 +311,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=protos_dot_common__pb2.WorkerInfoRequest.FromString,
                     response_serializer=protos_dot_common__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=protos_dot_common__pb2.WorkerPrefixCacheResetRequest.FromString,
+                    response_serializer=protos_dot_common__pb2.WorkerPrefixCacheReset.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,6 +399,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetWorkerInfo',
             protos_dot_common__pb2.WorkerInfoRequest.SerializeToString,
             protos_dot_common__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/ResetPrefixCache',
+            protos_dot_common__pb2.WorkerPrefixCacheResetRequest.SerializeToString,
+            protos_dot_common__pb2.WorkerPrefixCacheReset.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,17 +1,18 @@
 """RouterAdmin: list workers, cluster stats, drain and undrain a worker; list and cancel
-the requests in flight (router/inflight.py).
+the requests in flight (router/inflight.py); reset the workers' prefix caches.
 
 Cluster stats come from the router's own view, so they answer while Redis is away; listing
 and draining workers read and write the registry, so they answer UNAVAILABLE then.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
 
-from protos import router_pb2, router_pb2_grpc
-from router.directory import WorkerDirectory
+from protos import common_pb2, router_pb2, router_pb2_grpc
+from router.directory import WorkerDirectory, WorkerHandle
 from router.inflight import InflightRequests
 from router.registry import ROLES
 from router.stats import RouterStats
@@ -67,6 +68,37 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no request {request.request_id!r} in flight on this router")
         return router_pb2.CancelRequestResponse()
+
+    async def ResetPrefixCache(self, request, context):
+        if request.role and request.role not in ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be one of {ROLES} or empty, got {request.role!r}")
+        await self.directory.refresh_if_reachable()
+        workers = sorted((w for w in self.directory.workers.values()
+                          if (not request.role or w.info.role == request.role)
+                          and (not request.worker_id or w.worker_id == request.worker_id)),
+                         key=lambda w: w.worker_id)
+        if request.worker_id and not workers:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no routable worker {request.worker_id!r}"
+                                + (f" with role {request.role}" if request.role else ""))
+        done = await asyncio.gather(*(_reset_prefix_cache(w) for w in workers))
+        return router_pb2.ResetPrefixCacheResponse(workers=done)
+
+
+# A reset waits for the worker's running step to end: a long prefill step is seconds.
+RESET_TIMEOUT_S = 30.0
+
+
+async def _reset_prefix_cache(w: WorkerHandle) -> common_pb2.WorkerPrefixCacheReset:
+    stub = w.prefill_stub if w.info.role == "prefill" else w.decode_stub
+    try:
+        return await stub.ResetPrefixCache(common_pb2.WorkerPrefixCacheResetRequest(),
+                                           timeout=RESET_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return common_pb2.WorkerPrefixCacheReset(
+            worker_id=w.worker_id, role=w.info.role,
+            error=f"{e.code().name}: {e.details()}")
 
 
 @contextlib.asynccontextmanager

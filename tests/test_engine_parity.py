@@ -76,6 +76,28 @@ def test_prefix_cache_hits_match_hf(case, preset_path):
     stats = llm.engine.get_stats()
     assert stats.prefix_cache_hits >= 2 * 64
     _assert_all_free(llm)
+    # Forgotten: the same prompts compute afresh, to the same tokens.
+    done = llm.reset_prefix_cache()
+    assert done.reset and done.num_blocks_evicted >= 4 and done.num_blocks_in_use == 0
+    again = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in again] == expected
+    assert again[0].num_cached_tokens == 0
+
+
+def test_a_prefix_cache_reset_waits_for_no_request_to_hold_blocks(preset_path):
+    prompts = _prompts(1, [3, 17, 40, 64, 95, 130])
+    llm = LLM(str(preset_path("tiny-llama")))
+    llm.generate(prompts[1:3], _greedy())
+    llm.engine.add_request("held", prompts[4], _greedy())
+    llm.engine.step()  # its prompt's blocks are held now
+    refused = llm.reset_prefix_cache()
+    assert not refused.reset and refused.num_blocks_evicted == 0
+    assert refused.num_blocks_in_use >= 6
+    assert llm.generate(prompts[2:3], _greedy())[0].num_cached_tokens == 32  # still cached
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache().reset
+    assert llm.generate(prompts[2:3], _greedy())[0].num_cached_tokens == 0
 
 
 def test_prefill_logprobs_match_hf(case):

@@ -6,6 +6,7 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockRemoved, BlockStored
 from engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from engine.outputs import PrefixCacheReset
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -197,10 +198,10 @@ def test_reset_prefix_cache():
     mgr = KVCacheManager(num_blocks=4, block_size=2)
     a = make_request("a", [1, 2, 3])
     prefill(mgr, a)
-    assert not mgr.reset_prefix_cache()
+    assert mgr.reset_prefix_cache() == PrefixCacheReset(False, 0, 2)
     mgr.free(a)
     mgr.take_events()
-    assert mgr.reset_prefix_cache()
+    assert mgr.reset_prefix_cache() == PrefixCacheReset(True, 1, 0)
     assert mgr.take_events() == [BlockRemoved(hash_request_tokens([1, 2], 2))]
     assert mgr.get_computed_blocks(make_request("b", [1, 2, 3])).num_computed_tokens == 0
 

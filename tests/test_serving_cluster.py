@@ -68,6 +68,57 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster):
     assert stats.prefix_tokens_matched >= 192
 
 
+def _index_holders(cluster, hashes) -> set[bytes]:
+    r = redis.Redis.from_url(cluster.redis_url)
+    return set().union(*(r.smembers(f"pdserve:block:{h.hex()}") for h in hashes))
+
+
+def test_resetting_prefix_caches_forgets_them_in_the_workers_and_the_index(cluster, capsys):
+    from engine.cli import main as cli_main
+
+    prefix = random_prompts(1, seed=12, lo=64, hi=64)[0]
+    hashes = hash_request_tokens(prefix, 16)
+    workers = [p.address for p in cluster.procs if p.name != "router"]
+    with Client(cluster.router_address, timeout=60) as c:
+        first = c.complete(prefix + [1, 2], max_tokens=4, **GREEDY)
+        holder = first.usage.prefill_worker_id
+        assert c.complete(prefix + [3, 4], max_tokens=4, **GREEDY).usage.cached_tokens == 64
+        assert holder.encode() in _index_holders(cluster, hashes)
+        wait_all_blocks_free(workers)
+        admin = _admin(cluster)
+        for bad, code in ((dict(role="router"), grpc.StatusCode.INVALID_ARGUMENT),
+                          (dict(worker_id="nobody"), grpc.StatusCode.NOT_FOUND)):
+            with pytest.raises(grpc.RpcError) as err:
+                admin.ResetPrefixCache(router_pb2.ResetPrefixCacheRequest(**bad), timeout=10)
+            assert err.value.code() == code
+        resp = admin.ResetPrefixCache(router_pb2.ResetPrefixCacheRequest(worker_id=holder),
+                                      timeout=60)
+        (done,) = resp.workers
+        assert done.worker_id == holder and done.role == "prefill" and done.reset
+        assert done.num_blocks_evicted >= 4 and done.num_blocks_in_use == 0
+        assert wait_until(lambda: holder.encode() not in _index_holders(cluster, hashes), 10)
+        assert c.complete(prefix + [5, 6], max_tokens=4, **GREEDY).usage.cached_tokens == 0
+        # Every worker, from the command line.
+        wait_all_blocks_free(workers)
+        assert cli_main(["admin", "--router", cluster.router_address,
+                         "reset-prefix-cache"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == len(workers) and all(": reset (" in ln for ln in lines)
+        # A stream in flight holds its decode worker's blocks: that worker refuses.
+        stream = c.generate(prefix, max_tokens=400, **GREEDY)
+        try:
+            for _ in range(3):  # past the prefill worker's first token: decoding now
+                next(stream)
+            assert cli_main(["admin", "--router", cluster.router_address,
+                             "reset-prefix-cache", "--role", "decode", "--json"]) == 1
+            (refused,) = json.loads(capsys.readouterr().out)
+            assert refused["role"] == "decode" and not refused["reset"]
+            assert refused["num_blocks_in_use"] >= 4 and not refused["error"]
+        finally:
+            stream.close()
+    wait_all_blocks_free(workers)
+
+
 @contextlib.contextmanager
 def _sole_prefill_worker(cluster, extra):
     """A prefill worker started with ``extra`` flags, the others drained while it is in use;
