@@ -5,7 +5,9 @@ costs one token, an unfinished prefill its next chunk), then waiting requests in
 There is no separate prefill phase: a request is just "``num_computed_tokens`` of
 ``num_tokens`` done", so prefill chunks and decodes share one flattened batch. When the cache
 runs out of blocks, the most recently admitted running request is preempted and later recomputed
-(its blocks usually come back as prefix-cache hits).
+(its blocks usually come back as prefix-cache hits). A decode-role engine's requests arrive
+with their prompt KV in blocks they hold while waiting; when nothing runs and they leave the
+first waiting request no room, the last of them is preempted the same way.
 
 With ``scheduling_policy="priority"`` both queues stay ordered by (priority, arrival): waiting
 requests are admitted in that order, running ones get the budget in that order, and the one
@@ -163,8 +165,12 @@ class Scheduler:
             if num_new > budget and not self.chunked_prefill:
                 break
             num_new = self._capped(req, min(num_new, budget))
-            if num_new == 0 or self.kv.allocate_slots(req, num_new, computed) is None:
+            if num_new == 0:
                 break
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                if self.running or out.scheduled or not self._preempt_waiting_holder(req):
+                    break
+                continue  # the head again, with the blocks freed
             self.waiting.popleft()
             if computed is not None:
                 req.num_computed_tokens = num_done
@@ -179,6 +185,21 @@ class Scheduler:
                 self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
             budget -= num_new
+
+    def _preempt_waiting_holder(self, head: Request) -> bool:
+        """Decode role: requests admitted with their prompt KV wait holding its blocks. With
+        nothing running, none of those blocks would ever come back, so when they leave the
+        head no room, the last such request (the lowest priority) gives its blocks up and
+        will recompute, as a preempted running request does. False when there is none."""
+        for victim in reversed(self.waiting):
+            if victim is not head and victim.num_computed_tokens > 0:
+                self.kv.free(victim)
+                victim.status = RequestStatus.PREEMPTED
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _capped(self, req: Request, num_new: int) -> int:
         """num_new, or with chunked prefill less for a prompt whose logprobs are kept, so a

@@ -129,6 +129,21 @@ def test_decode_role_refuses_when_full(model):
     assert len(alloc.block_ids) == 5
 
 
+def test_requests_waiting_with_their_kv_cannot_starve_each_other(model):
+    """Three 32-token prompts fill a 6-block decode engine exactly, and each needs a third
+    block for its first decode step: with nothing running, the last one gives its blocks up
+    (and recomputes later) so the others can run, instead of every one waiting forever."""
+    prompts = _prompts(9, [32, 32, 32])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model).generate(prompts, params)]
+    assert len({tuple(e) for e in expected}) == 3
+    prefill = LLMEngine(EngineConfig(model, role="prefill"))
+    decode = LLMEngine(EngineConfig(model, role="decode", num_gpu_blocks=6))
+    assert _disaggregated(prefill, decode, prompts, params) == expected
+    assert decode.get_stats().num_preemptions >= 1
+    assert _free(decode)
+
+
 def test_seeded_sampling_continues_across_roles_and_preemption(model):
     prompts = _prompts(5, [12, 40, 70])
     params = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_k=50, seed=7, ignore_eos=True)
