@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -56,6 +56,8 @@ class OfflineResult:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="tiny", choices=sorted(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--output-len", default=None,
+                   help="LO-HI output tokens per request (uniform) instead of the workload's")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -167,6 +169,10 @@ def main(args: argparse.Namespace) -> int:
     from engine.presets import resolve_model
 
     w = WORKLOADS[args.workload]
+    if args.output_len is not None:
+        from bench.serve import _range
+
+        w = replace(w, output_len=_range(args.output_len, "output-len"))
     path = resolve_model(w.model)
     from engine.model_config import ModelConfig
     vocab = ModelConfig.from_pretrained(path).vocab_size

@@ -179,7 +179,7 @@ def quiet_cluster(spec) -> Iterator:
     from router.launcher import Cluster
 
     cluster = Cluster(spec)
-    with _children_stdout_to_stderr():
+    with services_print_to_stderr():
         cluster.start()
     try:
         yield cluster
@@ -188,7 +188,7 @@ def quiet_cluster(spec) -> Iterator:
 
 
 @contextlib.contextmanager
-def _children_stdout_to_stderr():
+def services_print_to_stderr():
     """The services print to the stdout they inherit; the bench's stdout is for the report
     alone (``--json`` promises one object)."""
     sys.stdout.flush()

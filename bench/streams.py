@@ -2,12 +2,14 @@
 
 ``--decode-stream multiplexed`` (the default) sends every request to a decode worker over one
 ``DecodeMany`` stream, one message per engine step; ``per-request`` opens a ``Decode`` call per
-request, one message per token. With ``--stream-interval N`` a third cluster also sends its
-clients one chunk per N tokens. A cluster of each kind (``pdserve up``'s processes) serves the
-same decode-heavy closed loop (short prompts, long outputs, so most messages are decode
-tokens), taking turns round by round on fresh prompts. Reported per run: output tokens/s and
-the CPU each process spent per output token (``/proc`` user+system time over the loop), then
-each setting / per-request for each.
+request, one message per token. With ``--stream-interval N`` a third setting also sends its
+clients one chunk per N tokens. One cluster (``pdserve up``'s processes) has a router of each
+setting in front of the same workers; each serves the same decode-heavy closed loop (short
+prompts, long outputs, so most messages are decode tokens) in turn, round by round on fresh
+prompts, with the workers' prefix caches reset before each run so that every setting computes
+the same prompts cold. Reported per run: output tokens/s and the CPU each process (its router,
+the prefill and the decode worker) spent per output token (``/proc`` user+system time over the
+loop), then each setting / per-request for each.
 """
 from __future__ import annotations
 
@@ -17,12 +19,16 @@ import json
 import os
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass, field
+
+import grpc
 
 from bench.serve import _range
 from bench.serve_load import LoadRequests, closed_loop
-from bench.serve_runs import quiet_cluster
+from bench.serve_runs import quiet_cluster, services_print_to_stderr
 from client import AsyncClient
+from protos import router_pb2, router_pb2_grpc
 
 BASELINE = "per-request"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -62,9 +68,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def variants(stream_interval: int) -> dict[str, list[str]]:
-    """Setting name -> its router flags."""
-    out = {"multiplexed": ["--decode-stream", "multiplexed"],
-           BASELINE: ["--decode-stream", "per-request"]}
+    """Setting name -> its router flags (each names every flag a setting changes: they follow
+    the spec's router flags)."""
+    out = {"multiplexed": ["--decode-stream", "multiplexed", "--stream-interval", "1"],
+           BASELINE: ["--decode-stream", "per-request", "--stream-interval", "1"]}
     if stream_interval > 1:
         out[f"multiplexed, interval {stream_interval}"] = [
             "--decode-stream", "multiplexed", "--stream-interval", str(stream_interval)]
@@ -79,13 +86,20 @@ def main(args: argparse.Namespace) -> int:
     output_len = _range(args.output_len, "output-len")
     settings = variants(args.stream_interval)
     runs = []
-    for r in range(args.rounds):
-        reqs = _requests(args.seed + r, args.num_prompts, prompt_len, output_len)
-        order = list(settings) if r % 2 == 0 else list(settings)[::-1]
-        for name in order:
-            runs.append(_run(args.model, name, settings[name], r, reqs, args.concurrency))
-            print(f"[bench streams] round {r + 1}/{args.rounds} {name}: "
-                  f"{runs[-1].tok_s:.1f} out tok/s", file=sys.stderr, flush=True)
+    from router.launcher import ClusterSpec
+
+    spec = ClusterSpec(model=args.model, worker_args=["--num-gpu-blocks", "2048"])
+    with quiet_cluster(spec) as cluster:
+        with services_print_to_stderr():
+            routers = {name: cluster.start_router(extra=flags)
+                       for name, flags in settings.items()}
+        for r in range(args.rounds):
+            reqs = _requests(args.seed + r, args.num_prompts, prompt_len, output_len)
+            order = list(settings) if r % 2 == 0 else list(settings)[::-1]
+            for name in order:
+                runs.append(_run(cluster, routers[name], name, r, reqs, args.concurrency))
+                print(f"[bench streams] round {r + 1}/{args.rounds} {name}: "
+                      f"{runs[-1].tok_s:.1f} out tok/s", file=sys.stderr, flush=True)
     report = _report(args, runs)
     print(json.dumps(asdict(report), indent=2) if args.json else _format(report))
     return 0
@@ -104,23 +118,35 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def _run(model: str, name: str, router_args: list[str], rnd: int, reqs: LoadRequests,
-         concurrency: int) -> StreamRun:
-    from router.launcher import ClusterSpec
+def _reset_prefix_caches(address: str, timeout_s: float = 30.0) -> None:
+    """Every worker's prefix cache forgotten; retried while the last run's leases and
+    streams still hold blocks."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as ch:
+        admin = router_pb2_grpc.RouterAdminStub(ch)
+        while True:
+            resp = admin.ResetPrefixCache(router_pb2.ResetPrefixCacheRequest(), timeout=60)
+            if resp.workers and all(w.reset for w in resp.workers):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers' prefix caches did not reset: {resp.workers}")
+            time.sleep(0.2)
 
+
+def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests,
+         concurrency: int) -> StreamRun:
     async def load(address: str, todo: LoadRequests, c: int):
         async with AsyncClient(address) as client:
             return await closed_loop(client, todo, c)
 
-    spec = ClusterSpec(model=model, worker_args=["--num-gpu-blocks", "2048"],
-                       router_args=router_args)
-    with quiet_cluster(spec) as cluster:
-        warm = LoadRequests(reqs.prompts[:4], [8] * min(4, len(reqs)))
-        asyncio.run(load(cluster.router_address, warm, 4))
-        pids = {p.role: p.popen.pid for p in cluster.procs if p.role != "redis"}
-        before = {role: _cpu_s(pid) for role, pid in pids.items()}
-        run = asyncio.run(load(cluster.router_address, reqs, concurrency))
-        after = {role: _cpu_s(pid) for role, pid in pids.items()}
+    _reset_prefix_caches(router.address)
+    warm = LoadRequests(reqs.prompts[:4], [8] * min(4, len(reqs)))
+    asyncio.run(load(router.address, warm, 4))
+    pids = {"router": router.popen.pid,
+            **{p.role: p.popen.pid for p in cluster.procs if p.role in ("prefill", "decode")}}
+    before = {role: _cpu_s(pid) for role, pid in pids.items()}
+    run = asyncio.run(load(router.address, reqs, concurrency))
+    after = {role: _cpu_s(pid) for role, pid in pids.items()}
     tokens = sum(n for rec in run.records for _, n in rec.chunks)
     return StreamRun(name, rnd, tokens / run.duration_s,
                      sum(not rec.ok for rec in run.records),

@@ -66,8 +66,10 @@ def test_generate_tensor_parallel_matches_tp1(capsys):
 
 
 def test_bench_offline_json(capsys):
-    assert main(["bench", "offline", "--workload", "tiny", "--num-requests", "2", "--json"]) == 0
+    assert main(["bench", "offline", "--workload", "tiny", "--num-requests", "2",
+                 "--output-len", "16-24", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 32 <= res["num_output_tokens"] <= 48
     for key in ("engine_tok_s", "hf_tok_s", "roofline_tok_s", "ratio_vs_hf", "ratio_vs_roofline"):
         assert res[key] > 0
     assert res["ratio_vs_hf"] == res["hf_s"] / res["engine_s"]

@@ -160,8 +160,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         before = self.snapshot()
-        ok = self.mgr.reset_prefix_cache()
+        cached = self.mgr.pool.num_cached_blocks
+        held = self.mgr.pool.num_blocks - self.mgr.pool.num_free_blocks
+        done = self.mgr.reset_prefix_cache()
+        ok = done.reset
         assert ok == (not self.requests)
+        assert done.num_blocks_in_use == held
+        assert done.num_blocks_evicted == (cached if ok else 0)
         if ok:
             assert self.mgr.pool.num_cached_blocks == 0
         else:
