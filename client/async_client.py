@@ -13,6 +13,7 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              resumable, take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
+from client.tasks import stop_task
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
                           build_request, completion_from_proto, detokenize_request,
                           model_info_from_proto, tokenize_request)
@@ -143,8 +144,7 @@ class AsyncClient:
         if checks is not None:
             checks.cancel()
             if checks.get_loop() is asyncio.get_running_loop():
-                with contextlib.suppress(asyncio.CancelledError):
-                    await checks
+                await stop_task(checks)
         for channel in self._channels:
             await channel.close()
 

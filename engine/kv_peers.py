@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from client.tasks import stop_task
 from kvtransfer import KVAgentHandle
 
 logger = logging.getLogger(__name__)
@@ -26,21 +27,20 @@ class KVPeerConnector:
         self._tried: set[tuple[str, ...]] = set()
         self.num_connected = 0
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        # The loop checks the flag each round: a cancel landing in one of its Redis reads can
+        # be swallowed (client/tasks.py).
+        self._stopping = True
+        await stop_task(self._task)
+        self._task = None
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.connect_new()
             except Exception as e:  # noqa: BLE001 - Redis away: the next round retries

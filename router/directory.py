@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.grpc_server import GRPC_OPTIONS
+from client.tasks import stop_task
 from protos import common_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls, check_loop
@@ -122,6 +123,7 @@ class WorkerDirectory:
     # Workers found hung by the liveness checks, counted since start.
     worker_hangs: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)
+    _stopping: bool = False
 
     async def start(self) -> None:
         await self.refresh()
@@ -132,18 +134,18 @@ class WorkerDirectory:
                            lambda: list(self._busy), self._hung))
 
     async def stop(self) -> None:
+        # The refresh loop checks the flag each round: a cancel landing in one of its Redis
+        # calls can be swallowed (client/tasks.py).
+        self._stopping = True
         for task in (self._task, self._liveness_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop_task(task)
         for w in self.workers.values():
             await w.close()
         self.workers.clear()
         await self.registry.r.aclose()
 
     async def _refresh_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.refresh_interval_s)
             try:
                 await self.refresh()

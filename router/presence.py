@@ -10,6 +10,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from client.tasks import stop_task
 from protos import common_pb2
 from router.registry import Registry
 
@@ -34,6 +35,9 @@ class WorkerPresence:
         self._tasks: list[asyncio.Task] = []
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
+        # Checked by the loops each round: a cancel landing in a Redis call can be swallowed
+        # (client/tasks.py).
+        self._stopping = False
 
     async def start(self) -> None:
         info = self.info()
@@ -46,7 +50,7 @@ class WorkerPresence:
         self._have_events.set()
 
     async def _beat(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.registry.heartbeat(self.info())
@@ -61,7 +65,7 @@ class WorkerPresence:
 
     async def _flush(self) -> None:
         wid = self.info().worker_id
-        while True:
+        while not self._stopping:
             await self._have_events.wait()
             self._have_events.clear()
             events, self._events = self._events, []
@@ -73,11 +77,9 @@ class WorkerPresence:
     async def stop(self) -> None:
         """Bounded: a Redis that does not answer costs at most ``_STOP_STEP_S`` per step, and
         the worker then drops out of the registry when its heartbeat goes stale."""
+        self._stopping = True
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await stop_task(t, _STOP_STEP_S)
         try:
             await asyncio.wait_for(self.registry.deregister(self.info().worker_id), _STOP_STEP_S)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires
