@@ -140,6 +140,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 try:
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:
+                            if entry.cancelled:
+                                # CancelRequest's cancel of this task can be lost in a Redis
+                                # call (client/tasks.py); the flag it set ends the request.
+                                raise asyncio.CancelledError
                             if chunk.finish_reason and chunk.index == 0:
                                 finish = chunk.finish_reason
                             yield chunk
