@@ -84,10 +84,10 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     prompt_len = _range(args.prompt_len, "prompt-len")
     output_len = _range(args.output_len, "output-len")
-    settings = variants(args.stream_interval)
-    runs = []
     from router.launcher import ClusterSpec
 
+    settings = variants(args.stream_interval)
+    runs = []
     spec = ClusterSpec(model=args.model, worker_args=["--num-gpu-blocks", "2048"])
     with quiet_cluster(spec) as cluster:
         with services_print_to_stderr():

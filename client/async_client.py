@@ -142,9 +142,10 @@ class AsyncClient:
     async def close(self) -> None:
         checks, self._checks = self._checks, None
         if checks is not None:
-            checks.cancel()
             if checks.get_loop() is asyncio.get_running_loop():
                 await stop_task(checks)
+            else:
+                checks.cancel()
         for channel in self._channels:
             await channel.close()
 

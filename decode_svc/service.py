@@ -122,7 +122,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return self.rt.worker_info()
 
     async def ResetPrefixCache(self, request, context) -> common_pb2.WorkerPrefixCacheReset:
-        return await self.rt.prefix_cache_reset()
+        return await self.rt.reset_prefix_cache()
 
 
 def _chunk(out: RequestOutput) -> worker_pb2.DecodeChunk:

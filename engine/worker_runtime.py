@@ -24,7 +24,6 @@ from engine.core_share import CoreShare, CoreShareConfig
 from engine.grpc_server import ServerConfig
 from engine.kv_peers import KVPeerConnector
 from engine.llm_engine import LLMEngine, NoFreeBlocksError
-from engine.outputs import PrefixCacheReset
 from protos import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -224,20 +223,16 @@ class WorkerRuntime:
         if events and self._presence is not None and self.config.role == "prefill":
             self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
 
-    async def reset_prefix_cache(self) -> PrefixCacheReset:
-        """Forgets this worker's prefix cache; refused while any block is held. Off the event
-        loop: it waits for a running step to end. The removals reach Redis's index as every
-        KV event does, from the engine thread after its next step (an idle engine steps every
-        0.2 s), so they never overtake the stores before them."""
+    async def reset_prefix_cache(self) -> common_pb2.WorkerPrefixCacheReset:
+        """The ResetPrefixCache RPC of either role: forgets this worker's prefix cache, refused
+        while any block is held. Off the event loop: it waits for a running step to end. The
+        removals reach Redis's index as every KV event does, from the engine thread after its
+        next step (an idle engine steps every 0.2 s), so they never overtake the stores before
+        them."""
         done = await asyncio.to_thread(self.llm.reset_prefix_cache)
         logger.info("worker %s: prefix cache %s (%d blocks forgotten, %d in use)",
                     self.worker_id, "reset" if done.reset else "not reset",
                     done.num_blocks_evicted, done.num_blocks_in_use)
-        return done
-
-    async def prefix_cache_reset(self) -> common_pb2.WorkerPrefixCacheReset:
-        """The ResetPrefixCache RPC of either role."""
-        done = await self.reset_prefix_cache()
         await self.engine.fresh_stats()  # the next heartbeat's info shows it
         return common_pb2.WorkerPrefixCacheReset(
             worker_id=self.worker_id, role=self.config.role, reset=done.reset,

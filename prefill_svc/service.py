@@ -81,7 +81,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.rt.worker_info()
 
     async def ResetPrefixCache(self, request, context) -> common_pb2.WorkerPrefixCacheReset:
-        return await self.rt.prefix_cache_reset()
+        return await self.rt.reset_prefix_cache()
 
     def _prune(self) -> None:
         now = time.monotonic()

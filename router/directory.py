@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.grpc_server import GRPC_OPTIONS
 from client.tasks import stop_task
+from engine.grpc_server import GRPC_OPTIONS
 from protos import common_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls, check_loop
