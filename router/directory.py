@@ -312,7 +312,8 @@ class WorkerDirectory:
             roomy = [w for w in cands if w.info.num_free_blocks >= need]
         if not roomy:
             raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no decode worker has {need} free KV blocks")
+                                f"no room on any decode worker: none has {need} free KV "
+                                f"blocks")
         return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
 
     async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:

@@ -16,6 +16,10 @@ from router.errors import RouterRejectError
 from router.migration import RequestRun
 
 
+# How long CancelRequest lets a chunk's write finish before it cancels the handler anyway.
+WRITE_GRACE_S = 1.0
+
+
 @dataclass(eq=False)
 class InflightRequest:
     request_id: str
@@ -25,6 +29,15 @@ class InflightRequest:
     task: asyncio.Task
     received: float  # time.monotonic()
     cancelled: bool = False  # by CancelRequest
+    # The handler has handed a chunk to gRPC, which is writing it (see cancel).
+    writing: bool = False
+    task_cancelled: bool = False
+    finished: bool = False
+
+    def cancel_task(self) -> None:
+        if not self.finished:
+            self.task_cancelled = True
+            self.task.cancel()
 
     def info(self, now: float) -> router_pb2.RequestInfo:
         run = self.runs[0]  # its phase and workers stand for the request's
@@ -57,6 +70,7 @@ class InflightRequests:
         try:
             yield entry
         finally:
+            entry.finished = True
             del self._by_id[request_id]
 
     def list(self) -> list[router_pb2.RequestInfo]:
@@ -70,7 +84,14 @@ class InflightRequests:
         if entry is None:
             return False
         entry.cancelled = True
-        entry.task.cancel()
+        if entry.writing:
+            # grpc.aio takes a cancel of the handler's task during its write for the client's
+            # and ends the RPC with no status: the client would wait out its deadline. The
+            # handler sees the flag when the write returns; a write that does not (a client
+            # that stopped reading) is cut after a grace period.
+            asyncio.get_running_loop().call_later(WRITE_GRACE_S, entry.cancel_task)
+        else:
+            entry.cancel_task()
         return True
 
     def __len__(self) -> int:

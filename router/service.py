@@ -146,13 +146,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 raise asyncio.CancelledError
                             if chunk.finish_reason and chunk.index == 0:
                                 finish = chunk.finish_reason
+                            entry.writing = True  # router/inflight.py: CancelRequest waits
                             yield chunk
+                            entry.writing = False
+                            if entry.cancelled:  # it came during the write
+                                raise asyncio.CancelledError
                 except asyncio.CancelledError:
                     if not entry.cancelled:
                         raise
                     # RouterAdmin.CancelRequest: every leg is cancelled by now (the attempts
                     # closed); the client learns why.
-                    entry.task.uncancel()
+                    if entry.task_cancelled:
+                        entry.task.uncancel()
                     raise RouterRejectError(grpc.StatusCode.CANCELLED,
                                             "cancelled by the router's operator") from None
         except BaseException as e:

@@ -1,7 +1,8 @@
-"""RouterAdmin.CancelRequest ends a request even when the cancel of its handler's task is
-lost (Python 3.11's asyncio.wait_for inside redis-py swallows one landing as a Redis reply
-arrives: client/tasks.py). The router's request path in process, its workers replaced by a
-stream of chunks."""
+"""RouterAdmin.CancelRequest ends a request with a status its client reads: also when the
+cancel of its handler's task is lost (Python 3.11's asyncio.wait_for inside redis-py swallows
+one landing as a Redis reply arrives: client/tasks.py), and when it comes while gRPC writes a
+chunk (grpc.aio takes a task cancel there for the client's and sends no status). The router's
+request path in process, its workers replaced by a stream of chunks, gRPC's writes by sleeps."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,8 @@ import time
 
 import grpc
 import pytest
+
+import router.inflight
 
 from protos import common_pb2, router_pb2
 from router.config import RouterConfig
@@ -18,31 +21,86 @@ from router.service import RouterServicer
 from router.stats import RouterStats
 
 
-def test_an_operator_cancel_whose_task_cancel_was_lost_still_ends_the_request():
+def _servicer(stall_after: int | None = None) -> RouterServicer:
     model = load_served_model("tiny-llama", "auto", None)
     servicer = RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused"),
                               None, model, RouterStats(8))
 
     async def sequence(run, request, context):  # what the workers would stream
         for i in range(100):
+            if i == stall_after:
+                await asyncio.Event().wait()  # a decode step that never comes
             await asyncio.sleep(0.005)
             yield router_pb2.GenerateChunk(request_id=run.request_id, token_ids=[100 + i])
 
     servicer._sequence = sequence
-    request = router_pb2.GenerateRequest(
-        request_id="r1", token_ids=router_pb2.TokenIds(ids=[11, 12, 13]),
-        sampling=common_pb2.SamplingParams(max_tokens=100, temperature=0.0))
+    return servicer
+
+
+REQUEST = router_pb2.GenerateRequest(
+    request_id="r1", token_ids=router_pb2.TokenIds(ids=[11, 12, 13]),
+    sampling=common_pb2.SamplingParams(max_tokens=100, temperature=0.0))
+
+
+def _operator_cancelled(body) -> None:
+    with pytest.raises(RouterRejectError) as err:
+        asyncio.run(body())
+    assert err.value.code == grpc.StatusCode.CANCELLED
+    assert "operator" in str(err.value)
+
+
+def test_an_operator_cancel_whose_task_cancel_was_lost_still_ends_the_request():
+    servicer = _servicer()
     got = []
 
     async def body():
-        async for chunk in servicer._generate(request, None, time.monotonic()):
+        async for chunk in servicer._generate(REQUEST, None, time.monotonic()):
             got.append(chunk)
             if len(got) == 3:
                 # What CancelRequest does, but with the task's cancel lost.
                 servicer.inflight._by_id["r1"].cancelled = True
 
-    with pytest.raises(RouterRejectError) as err:
-        asyncio.run(body())
-    assert err.value.code == grpc.StatusCode.CANCELLED
-    assert "operator" in str(err.value)
+    _operator_cancelled(body)
     assert len(got) == 3 and len(servicer.inflight) == 0
+
+
+def test_an_operator_cancel_during_a_write_waits_for_it_and_ends_the_request():
+    servicer = _servicer()
+    got = []
+
+    async def body():  # as grpc.aio serves a stream: a write after each chunk
+        async for chunk in servicer._generate(REQUEST, None, time.monotonic()):
+            got.append(chunk)
+            if len(got) == 3:
+                asyncio.get_running_loop().call_soon(servicer.inflight.cancel, "r1")
+            await asyncio.sleep(0.05)  # the write: a task cancel here would end it unseen
+
+    _operator_cancelled(body)
+    assert len(got) == 3 and len(servicer.inflight) == 0
+
+
+def test_an_operator_cancel_while_waiting_for_a_token_cuts_the_wait():
+    servicer = _servicer(stall_after=3)
+
+    async def body():
+        async with asyncio.timeout(20):  # the stall is forever: only the cancel ends it
+            async for chunk in servicer._generate(REQUEST, None, time.monotonic()):
+                if chunk.token_ids[0] == 102:
+                    asyncio.get_running_loop().call_later(0.05, servicer.inflight.cancel, "r1")
+
+    _operator_cancelled(body)
+    assert len(servicer.inflight) == 0
+
+
+def test_a_write_that_never_returns_is_cut_after_the_grace_period(monkeypatch):
+    monkeypatch.setattr(router.inflight, "WRITE_GRACE_S", 0.05)
+    servicer = _servicer()
+
+    async def body():
+        async for chunk in servicer._generate(REQUEST, None, time.monotonic()):
+            asyncio.get_running_loop().call_soon(servicer.inflight.cancel, "r1")
+            await asyncio.sleep(30)  # a client that stopped reading: the write never returns
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(body())
+    assert len(servicer.inflight) == 0
