@@ -134,8 +134,9 @@ class AsyncClient:
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the first router's channel connects (raises DeadlineExceededError)."""
         try:
-            await asyncio.wait_for(self._channels[0].channel_ready(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # not wait_for: client/tasks.py
+                await self._channels[0].channel_ready()
+        except TimeoutError:
             raise DeadlineExceededError(f"router {self.address} not reachable in {timeout}s") \
                 from None
 

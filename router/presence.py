@@ -81,8 +81,10 @@ class WorkerPresence:
         for t in self._tasks:
             await stop_task(t, _STOP_STEP_S)
         try:
-            await asyncio.wait_for(self.registry.deregister(self.info().worker_id), _STOP_STEP_S)
+            async with asyncio.timeout(_STOP_STEP_S):  # not wait_for: client/tasks.py
+                await self.registry.deregister(self.info().worker_id)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires
             logger.warning("leaving the registry failed: %r", e)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.registry.r.aclose(), _STOP_STEP_S)
+            async with asyncio.timeout(_STOP_STEP_S):
+                await self.registry.r.aclose()

@@ -14,9 +14,12 @@ A worker is live while its heartbeat is younger than the TTL; a stale worker dro
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
@@ -46,6 +49,24 @@ return out
 """
 
 
+def _bounded(method):
+    """At most REDIS_TIMEOUT_S for the whole call, so a Redis that stopped answering fails it
+    (the callers retry or give up) instead of holding a heartbeat, a routing decision or a
+    worker's stop forever. Bounded here rather than by redis-py's ``socket_timeout``: with it,
+    redis-py awaits each write through ``asyncio.wait_for``, which on Python 3.11 swallows a
+    cancel landing as the write ends (client/tasks.py), and a client's cancel of a request
+    whose router was looking up its prefix was lost."""
+    @functools.wraps(method)
+    async def call(self, *args, **kwargs):
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                return await method(self, *args, **kwargs)
+        except TimeoutError:
+            raise redis.exceptions.TimeoutError(
+                f"Redis did not answer {method.__name__} within {REDIS_TIMEOUT_S} s") from None
+    return call
+
+
 class Registry:
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
                  ttl_s: float = 5.0) -> None:
@@ -58,15 +79,16 @@ class Registry:
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
-        # Timeouts so a Redis that stopped answering fails a call (the callers retry or give
-        # up) instead of holding a heartbeat, a routing decision or a worker's stop forever.
+        # socket_timeout None: redis-py's default (5 s) would await writes through
+        # asyncio.wait_for; each call is bounded by _bounded instead.
         return cls(aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                     socket_timeout=REDIS_TIMEOUT_S), namespace, ttl_s)
+                                     socket_timeout=None), namespace, ttl_s)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))
 
     # --- workers --------------------------------------------------------------------------
+    @_bounded
     async def heartbeat(self, info: common_pb2.WorkerInfo) -> None:
         """Registers or refreshes a worker (its load travels with the heartbeat)."""
         if info.role not in ROLES or not info.worker_id:
@@ -76,9 +98,11 @@ class Registry:
             p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
             await p.execute()
 
+    @_bounded
     async def deregister(self, worker_id: str) -> None:
         await self._purge([worker_id])
 
+    @_bounded
     async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
         cutoff = time.time() - self.ttl_s
         stale = await self.r.zrangebyscore(self._k("heartbeats"), "-inf", f"({cutoff}")
@@ -94,6 +118,7 @@ class Registry:
                 out.append(info)
         return out
 
+    @_bounded
     async def set_drained(self, worker_id: str, drained: bool) -> None:
         if drained:
             await self.r.sadd(self._k("drained"), worker_id)
@@ -111,6 +136,7 @@ class Registry:
                 await p.execute()
 
     # --- KV agents ------------------------------------------------------------------------
+    @_bounded
     async def set_kv_handles(self, worker_id: str, handles: list[bytes]) -> None:
         """A prefill worker's ranks' KV-agent handles (kvtransfer.KVAgentHandle bytes), so
         decode workers can connect before their first pull; gone when the worker is purged."""
@@ -121,10 +147,12 @@ class Registry:
                 p.rpush(key, *handles)
             await p.execute()
 
+    @_bounded
     async def kv_handles(self, worker_id: str) -> list[bytes]:
         return list(await self.r.lrange(self._k("kvhandles", worker_id), 0, -1))
 
     # --- prefix-block index ---------------------------------------------------------------
+    @_bounded
     async def publish_events(self, worker_id: str, events: list) -> None:
         """Applies a worker's engine KV-cache events in one pipeline."""
         if not events:
@@ -143,6 +171,7 @@ class Registry:
                     p.srem(wkey, *hexes)
             await p.execute()
 
+    @_bounded
     async def set_worker_blocks(self, worker_id: str, block_hashes: list[bytes]) -> None:
         """Replaces what the index says ``worker_id`` holds with exactly ``block_hashes``."""
         await self._forget_blocks(worker_id)
@@ -155,6 +184,7 @@ class Registry:
             p.sadd(self._k("wblocks", worker_id), *hexes)
             await p.execute()
 
+    @_bounded
     async def clear_worker_blocks(self, worker_id: str) -> None:
         """A worker (re)starting with an empty cache drops whatever it held before."""
         await self._forget_blocks(worker_id)
@@ -168,6 +198,7 @@ class Registry:
             p.delete(wkey)
             await p.execute()
 
+    @_bounded
     async def match_prefix(self, block_hashes: list[bytes],
                            worker_ids: list[str]) -> dict[str, int]:
         """Per worker, how many LEADING blocks of the chain it holds (0 if none)."""

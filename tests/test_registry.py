@@ -144,3 +144,31 @@ def test_a_worker_stops_even_when_redis_stops_answering():
 
     with RedisServer() as server:
         _run(body(server))
+
+
+def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch):
+    """The Registry bounds each call itself (no socket_timeout in redis-py): a call to a
+    Redis that stopped answering fails with redis-py's TimeoutError, and the same Registry
+    (the router keeps one for its life) works again once Redis answers."""
+    import redis.exceptions
+
+    import router.registry
+    monkeypatch.setattr(router.registry, "REDIS_TIMEOUT_S", 0.5)
+
+    async def body(server):
+        reg = Registry.from_url(server.url, "t-hung")
+        await reg.heartbeat(_info("w"))
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(redis.exceptions.TimeoutError, match="live_workers"):
+                await reg.live_workers()
+            with pytest.raises(redis.exceptions.TimeoutError, match="heartbeat"):
+                await reg.heartbeat(_info("w"))  # a pipeline
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        await reg.heartbeat(_info("w2"))
+        assert [w.worker_id for w in await reg.live_workers()] == ["w", "w2"]
+        await reg.r.aclose()
+
+    with RedisServer() as server:
+        _run(body(server))
