@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=getattr(cli_serve, f"cmd_{role}"))
 
     p = sub.add_parser("admin", help="a running router's admin endpoints: workers, stats, "
-                       "drain/undrain a worker")
+                       "drain/undrain a worker, requests in flight and their cancel, "
+                       "prefix-cache reset")
     cli_admin.add_args(p)
     p.set_defaults(func=cli_admin.cmd_admin)
 
