@@ -308,10 +308,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = run.attempt_id
         run.calls(prefill)
         with self.directory.inflight(prefill):
-            presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
-                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
-                                          resume_token_ids=resume, sampling=request.sampling),
-                timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
+            try:
+                presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=rid,
+                                              prompt_token_ids=run.prompt_token_ids,
+                                              resume_token_ids=resume, sampling=request.sampling),
+                    timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
+            except BaseException as e:
+                if not _refused_by_worker(e):
+                    # A cancel, deadline or lost call leaves it unknown whether the worker
+                    # leased the prompt's KV (its answer may have been on the wire): without a
+                    # release the lease would hold the blocks until it expires.
+                    self._release_later(prefill, rid)
+                raise
         timings, usage = run.timings, run.usage
         if not run.started:
             timings.prefill_queue_s = presp.timings.queue_s
@@ -423,6 +432,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+# Statuses a worker answers a request it did not take with: no lease can exist.
+_REFUSALS = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def _refused_by_worker(e: BaseException) -> bool:
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _REFUSALS
 
 
 def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:

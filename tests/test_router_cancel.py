@@ -6,6 +6,7 @@ request path in process, its workers replaced by a stream of chunks, gRPC's writ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -13,9 +14,11 @@ import pytest
 
 import router.inflight
 
-from protos import common_pb2, router_pb2
+from protos import common_pb2, router_pb2, worker_pb2
 from router.config import RouterConfig
+from router.directory import WorkerHandle
 from router.errors import RouterRejectError
+from router.migration import RequestRun
 from router.prompts import load_served_model
 from router.service import RouterServicer
 from router.stats import RouterStats
@@ -104,3 +107,70 @@ def test_a_write_that_never_returns_is_cut_after_the_grace_period(monkeypatch):
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(body())
     assert len(servicer.inflight) == 0
+
+
+class _PrefillStub:
+    """A prefill worker whose Prefill answers with ``outcome`` (an exception), or never
+    (its answer on the wire when the router's wait is cut); ReleaseKV calls are recorded."""
+
+    def __init__(self, outcome: BaseException | None = None) -> None:
+        self.outcome = outcome
+        self.released: list[str] = []
+
+    async def Prefill(self, request, timeout):
+        if self.outcome is not None:
+            raise self.outcome
+        await asyncio.Event().wait()
+
+    async def ReleaseKV(self, request, timeout):
+        self.released.append(request.request_id)
+        return worker_pb2.ReleaseKVResponse(released=True)
+
+
+class _Directory:
+    @contextlib.contextmanager
+    def inflight(self, worker):
+        yield
+
+
+class _Context:
+    def time_remaining(self) -> float:
+        return 30.0
+
+
+def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str]:
+    servicer = _servicer()
+    servicer.directory = _Directory()
+    prefill = WorkerHandle(common_pb2.WorkerInfo(worker_id="prefill-x", role="prefill"),
+                           None, stub, None)
+    run = RequestRun("r9", [11, 12, 13], time.monotonic())
+
+    async def body():
+        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(), _Context())
+        first = asyncio.ensure_future(anext(chunks))
+        if cut_after_s is not None:
+            await asyncio.sleep(cut_after_s)
+            first.cancel()  # the client's cancel or deadline
+        with contextlib.suppress(BaseException):
+            await first
+        await asyncio.gather(*servicer._release_tasks)
+
+    asyncio.run(body())
+    return stub.released
+
+
+def test_a_request_cut_while_its_prefill_answers_releases_the_lease():
+    """Cut while waiting for Prefill's answer: the worker may have leased the KV already (its
+    answer on the wire), so the router releases it instead of leaving it to expire."""
+    assert _prefill_released(_PrefillStub(), cut_after_s=0.05) == ["r9"]
+
+
+@pytest.mark.parametrize("code, released", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, []),  # refused: nothing was leased
+    (grpc.StatusCode.INVALID_ARGUMENT, []),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, ["r9"]),  # unknown: it may have been
+    (grpc.StatusCode.UNAVAILABLE, ["r9"]),
+])
+def test_a_failed_prefill_is_released_unless_the_worker_refused_it(code, released):
+    error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
+    assert _prefill_released(_PrefillStub(error), cut_after_s=None) == released
