@@ -21,6 +21,7 @@ message, every request on the stream is aborted and the stream ends.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -116,7 +117,12 @@ class _DecodeMux:
             self._fail(rid, ValueError(f"timeout_s must be a finite number >= 0 (0: none), "
                                        f"got {start.timeout_s}"))
         else:
-            self.tasks[rid] = asyncio.create_task(self._run(rid, start))
+            task = asyncio.create_task(self._run(rid, start))
+            self.tasks[rid] = task
+            # Not in _run's finally: a task cancelled before its first step (a cancel read
+            # right after its start) never enters _run, and would stay listed, holding the
+            # stream open after the caller half-closed it.
+            task.add_done_callback(functools.partial(self._done, rid))
 
     async def _run(self, rid: str, start: worker_pb2.DecodeStart) -> None:
         loop = asyncio.get_running_loop()
@@ -135,9 +141,11 @@ class _DecodeMux:
             pass  # cancelled by the caller or with the stream: decode() aborted the request
         except Exception as e:  # noqa: BLE001 - every failure becomes this request's status
             self._fail(rid, e)
-        finally:
-            self.tasks.pop(rid, None)
-            self.ready.set()
+
+    def _done(self, rid: str, task: asyncio.Task) -> None:
+        if self.tasks.get(rid) is task:
+            del self.tasks[rid]
+        self.ready.set()
 
     def _fail(self, rid: str, exc: Exception) -> None:
         code, message = status_and_message(exc)

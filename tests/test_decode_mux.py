@@ -341,6 +341,26 @@ def test_a_backlog_leaves_in_batches_of_bounded_size(monkeypatch):
     assert asyncio.run(run()) == [["r0", "r1"], ["r2", "r3"], ["r4"]]
 
 
+def test_a_request_cancelled_right_after_its_start_does_not_hold_the_stream_open():
+    """A cancel read in the same tick as its start cancels a task that never ran: it must not
+    stay listed, or the stream would not end when its caller half-closes it."""
+    from decode_svc import mux
+
+    async def controls():  # no await between them: one tick of the reader
+        yield _start(_request("r1", [5, 6, 7], 4))
+        yield worker_pb2.DecodeControl(cancel="r1")
+
+    async def run():
+        m = mux._DecodeMux(servicer=None)  # never reached: the request never runs
+        await m.read(controls())
+        async with asyncio.timeout(10):
+            batches = [b async for b in m.batches()]
+        return m, batches
+
+    m, batches = asyncio.run(run())
+    assert m.tasks == {} and batches == []
+
+
 # --- the router's --stream-interval ---------------------------------------------------------
 def _chunk(tokens, text="", finish=""):
     c = router_pb2.GenerateChunk(token_ids=tokens, text_delta=text, finish_reason=finish)
