@@ -116,6 +116,11 @@ def resumable(req: router_pb2.GenerateRequest) -> bool:
     return not (req.sampling.HasField("n") and req.sampling.n > 1)
 
 
+# The router's limit on request ids (router.inflight.MAX_REQUEST_ID_CHARS; the SDK does not
+# import the router).
+MAX_REQUEST_ID_CHARS = 256
+
+
 def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
                     retries: int) -> router_pb2.GenerateRequest:
     """The request for attempt ``retries``: the original, then continuations. A caller's
@@ -126,7 +131,9 @@ def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
     again.CopyFrom(req)
     again.resume_token_ids.extend(received)
     if req.request_id:
-        again.request_id = f"{req.request_id}~r{retries}"
+        suffix = f"~r{retries}"
+        # Within the router's limit on ids (router/inflight.py) even for the longest allowed.
+        again.request_id = req.request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
     return again
 
 

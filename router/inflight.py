@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -14,6 +15,21 @@ import grpc
 from protos import router_pb2
 from router.errors import RouterRejectError
 from router.migration import RequestRun
+
+
+# Client-chosen request ids: they reach the workers, their logs and the access log.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id, or ValueError (INVALID_ARGUMENT): bounded in length, and without
+    control characters, which would let it forge lines in the access log."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id is {len(request_id)} characters; at most "
+                         f"{MAX_REQUEST_ID_CHARS}")
+    if any(unicodedata.category(c) == "Cc" for c in request_id):
+        raise ValueError("request_id has control characters")
+    return request_id
 
 
 # How long CancelRequest lets a chunk's write finish before it cancels the handler anyway.

@@ -16,6 +16,7 @@ client's own. ``--migration-limit`` bounds the moves per request.
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,13 +49,18 @@ class RequestRun:
     decode_timed: bool = False
     usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
 
+    # Makes the ids the workers see this request's alone: client-chosen request ids are unique
+    # per router only, and a release by id must never free another request's lease.
+    nonce: str = field(default_factory=lambda: secrets.token_hex(4))
+
     @property
     def attempt_id(self) -> str:
-        """The id workers know this attempt by: a failed attempt's id may still be held
-        (a lease not yet released, a stream not yet torn down) on a worker that is fine."""
+        """The id workers know this attempt by. Each migration gets its own: a failed
+        attempt's id may still be held (a lease not yet released, a stream not yet torn down)
+        on a worker that is fine."""
         if self.migrations == 0:
-            return self.request_id
-        return f"{self.request_id}~m{self.migrations}"
+            return f"{self.request_id}~{self.nonce}"
+        return f"{self.request_id}~{self.nonce}.m{self.migrations}"
 
     def calls(self, worker: WorkerHandle) -> WorkerHandle:
         self.workers.append(worker)

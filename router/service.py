@@ -30,7 +30,7 @@ from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import RouterRejectError, status_of
-from router.inflight import InflightRequests
+from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally
 from router.migration import RequestRun, is_migratable
@@ -121,6 +121,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         runs: list[RequestRun] = []
         status, error, finish = "OK", "", ""
         try:
+            check_request_id(rid)
             # Filled in the request itself, so that the workers get the same values.
             convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
             params = convert.sampling_from_proto(request.sampling)

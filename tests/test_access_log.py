@@ -37,6 +37,15 @@ def test_the_line_names_the_request_its_outcome_and_costs():
         'request q status=INVALID_ARGUMENT error="bad \\"x\\""'
 
 
+def test_a_request_id_cannot_break_or_forge_a_line():
+    forged = "x status=OK\nrequest y status=OK"
+    line = request_line(forged, [], "INVALID_ARGUMENT", "request_id has control characters")
+    assert "\n" not in line
+    assert line.startswith('request "x status=OK\\nrequest y status=OK" status=INVALID_ARGUMENT')
+    assert request_line("a b", [], "OK").startswith('request "a b" status=OK')
+    assert len(request_line("z" * 10_000, [], "INVALID_ARGUMENT")) < 400
+
+
 @pytest.fixture(scope="module")
 def redis_url():
     server = RedisServer()

@@ -64,6 +64,11 @@ def test_a_continuation_carries_what_arrived_under_its_own_id():
     again = attempt_request(req, [7, 8], 2)
     assert list(again.resume_token_ids) == [7, 8] and again.request_id == "abc~r2"
     assert list(again.token_ids.ids) == [1, 2] and not req.resume_token_ids
+    # The longest id the router takes stays within its limit with the suffix.
+    from router.inflight import MAX_REQUEST_ID_CHARS, check_request_id
+    longest = router_pb2.GenerateRequest(request_id="x" * MAX_REQUEST_ID_CHARS)
+    again = attempt_request(longest, [], 12)
+    assert again.request_id.endswith("x~r12") and check_request_id(again.request_id)
 
 
 @pytest.mark.parametrize("bad", [[], [""], 5])

@@ -267,6 +267,18 @@ def test_client_deadline_frees_every_block(cluster):
     wait_all_blocks_free(_workers(cluster))
 
 
+@pytest.mark.parametrize("request_id, match", [
+    ("r" * 257, "at most 256"),
+    ("a\nrequest forged status=OK", "control characters"),
+])
+def test_bad_request_ids_get_invalid_argument(cluster, request_id, match):
+    with Client(cluster.router_address, timeout=30) as c:
+        with pytest.raises(InvalidArgumentError, match=match):
+            c.complete("hello", request_id=request_id, max_tokens=2)
+        # The longest allowed id, with characters beyond ASCII, is served.
+        assert c.complete("hello", request_id="é" * 256, max_tokens=2).token_ids
+
+
 @pytest.mark.parametrize("prompt, sampling, match", [
     ([], {}, "no prompt|empty"),
     ([1, 99999999], {}, "outside the vocabulary"),
