@@ -116,8 +116,8 @@ def resumable(req: router_pb2.GenerateRequest) -> bool:
     return not (req.sampling.HasField("n") and req.sampling.n > 1)
 
 
-# The router's limit on request ids (router.inflight.MAX_REQUEST_ID_CHARS; the SDK does not
-# import the router).
+# The longest request id a router takes (router/inflight.py checks it): defined here, where
+# the SDK, which never imports the router, needs it too.
 MAX_REQUEST_ID_CHARS = 256
 
 

@@ -2,10 +2,12 @@
 
 On Python 3.11 ``asyncio.wait_for`` swallows a cancellation that arrives just as the future it
 waits on completes (CPython gh-86296; 3.12 rebuilt ``wait_for`` on ``asyncio.timeout``), and
-redis-py awaits its replies through it. A loop of Redis calls here ignored 64 of 100 cancels
-sent to it, and a router whose registry-refresh loop lost its cancel never finished stopping
-(SIGTERM, then nothing, for 20 minutes, until killed). A task that must end is therefore
-cancelled again until it has.
+redis-py with a ``socket_timeout`` awaits its writes through it. A loop of Redis calls here
+ignored 64 of 100 cancels sent to it, and a router whose registry-refresh loop lost its cancel
+never finished stopping (SIGTERM, then nothing, for 20 minutes, until killed). The Registry
+now bounds its calls itself (router/registry.py) and its cancels land; a task that must end is
+still cancelled again until it has, whatever it awaits, and the services' loops also check a
+stop flag each round.
 """
 from __future__ import annotations
 

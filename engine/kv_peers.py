@@ -33,8 +33,7 @@ class KVPeerConnector:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        # The loop checks the flag each round: a cancel landing in one of its Redis reads can
-        # be swallowed (client/tasks.py).
+        # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = True
         await stop_task(self._task)
         self._task = None

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 
+from router.inflight import MAX_REQUEST_ID_CHARS
 from router.migration import RequestRun
 
 logger = logging.getLogger("pdserve.access")
@@ -20,14 +21,13 @@ logger = logging.getLogger("pdserve.access")
 
 # A request id is the client's text: one that could break the line (or forge another) is
 # quoted, and a refused overlong one cut.
-_MAX_ID_CHARS = 256
 
 
 def _id_field(request_id: str) -> str:
     if request_id.isprintable() and not any(c.isspace() or c == '"' for c in request_id) \
-            and 0 < len(request_id) <= _MAX_ID_CHARS:
+            and 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
         return request_id
-    return json.dumps(request_id[:_MAX_ID_CHARS])
+    return json.dumps(request_id[:MAX_REQUEST_ID_CHARS])
 
 
 def request_line(request_id: str, runs: list[RequestRun], status: str, error: str = "",

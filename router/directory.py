@@ -134,8 +134,7 @@ class WorkerDirectory:
                            lambda: list(self._busy), self._hung))
 
     async def stop(self) -> None:
-        # The refresh loop checks the flag each round: a cancel landing in one of its Redis
-        # calls can be swallowed (client/tasks.py).
+        # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = True
         for task in (self._task, self._liveness_task):
             await stop_task(task)

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from client.failover import MAX_REQUEST_ID_CHARS
 from protos import router_pb2
 from router.errors import RouterRejectError
 from router.migration import RequestRun
 
 
-# Client-chosen request ids: they reach the workers, their logs and the access log.
-MAX_REQUEST_ID_CHARS = 256
 
 
 def check_request_id(request_id: str) -> str:

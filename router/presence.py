@@ -35,8 +35,7 @@ class WorkerPresence:
         self._tasks: list[asyncio.Task] = []
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
-        # Checked by the loops each round: a cancel landing in a Redis call can be swallowed
-        # (client/tasks.py).
+        # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = False
 
     async def start(self) -> None:
