@@ -21,6 +21,7 @@ from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from router.ledger import TransferPulling
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -59,6 +60,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume)
+        self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, rid,
+                                                self.rt.worker_id, time.time()))
         t0 = time.monotonic()
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining())
         t1 = time.monotonic()

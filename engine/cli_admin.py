@@ -6,6 +6,7 @@
     pdserve admin --router HOST:PORT requests [--json]
     pdserve admin --router HOST:PORT cancel REQUEST_ID
     pdserve admin --router HOST:PORT reset-prefix-cache [WORKER_ID] [--role R] [--json]
+    pdserve admin --router HOST:PORT transfers [--limit N] [--json]
 
 A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or $PDSERVE_API_KEY).
 """
@@ -34,6 +35,12 @@ _REQUEST_COLUMNS = [("request", "request_id"), ("age s", "age_s"), ("phase", "ph
                     ("prefill", "prefill_worker_id"), ("decode", "decode_worker_id"),
                     ("prompt", "prompt_tokens"), ("output", "output_tokens"),
                     ("migrations", "migrations")]
+# ... and for the transfers table.
+_TRANSFER_COLUMNS = [("transfer", "transfer_id"), ("state", "state"),
+                     ("prefill", "prefill_worker_id"), ("decode", "decode_worker_id"),
+                     ("blocks", "num_blocks"), ("tokens", "num_tokens"), ("age s", "age_s"),
+                     ("expires in s", "expires_in_s"), ("router", "router_id"),
+                     ("router live", "router_live")]
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +93,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     x.add_argument("worker_id", nargs="?", default="")
     x.add_argument("--role", choices=["prefill", "decode"], default="")
     x.add_argument("--json", action="store_true")
+    t = sub.add_parser("transfers", help="the prompt KV held for transfers across the cluster "
+                                         "(prefill leases and the decode workers pulling them), "
+                                         "those expiring first")
+    t.add_argument("--limit", type=int, default=0, help="at most this many (0: 1000)")
+    t.add_argument("--json", action="store_true")
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
@@ -126,6 +138,16 @@ def _run(stub, args: argparse.Namespace, md) -> int:
         return 0
     if args.admin == "reset-prefix-cache":
         return _reset_prefix_cache(stub, args, md)
+    if args.admin == "transfers":
+        resp = stub.ListTransfers(router_pb2.ListTransfersRequest(limit=args.limit),
+                                  timeout=args.timeout, metadata=md)
+        if args.json:
+            print(json.dumps(_dict(resp), indent=2))
+        else:
+            print(_table(resp.transfers, _TRANSFER_COLUMNS))
+            if resp.num_omitted:
+                print(f"... and {resp.num_omitted} more")
+        return 0
     if args.admin == "cancel":
         stub.CancelRequest(router_pb2.CancelRequestRequest(request_id=args.request_id),
                            timeout=args.timeout, metadata=md)

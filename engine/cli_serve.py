@@ -153,6 +153,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-fd", type=int, default=None,
                    help="an inherited pipe: HOST:PORT is written to it once serving (how "
                         "pdserve up learns a port 0 choice)")
+    p.add_argument("--router-id", default="",
+                   help="this router's name in Redis, unique among the routers sharing it; "
+                        "restarted under it, the router releases the KV leases its "
+                        "predecessor left (default: router-HOST-PORT)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -179,7 +183,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
                       generation_config=args.generation_config,
-                      log_requests=args.log_requests,
+                      log_requests=args.log_requests, router_id=args.router_id,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(

@@ -23,7 +23,8 @@ from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
 from engine.model_runner import prepare_input, sample_tokens, score_prompt_tokens
 from engine.output_processor import OutputProcessor
-from engine.outputs import EngineStats, KVAllocation, KVLease, PrefixCacheReset, RequestOutput
+from engine.outputs import (EngineStats, KVAllocation, KVLease, LeaseEnded, PrefixCacheReset,
+                            RequestOutput)
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -70,6 +71,7 @@ class LLMEngine:
         self._ids_lock = threading.Lock()
         self._ids: set[str] = set()  # ids queued or live, to refuse duplicates at once
         self._leases: dict[str, _Lease] = {}
+        self._lease_events: list[LeaseEnded] = []
         self._awaiting_kv: dict[str, Request] = {}
         # request id -> (request, when its blocks may be reused): see quarantine_kv.
         self._quarantined: dict[str, tuple[Request, float]] = {}
@@ -322,11 +324,12 @@ class LLMEngine:
         self._aborted_outputs.append(self._final(req))
         self._quarantined[request_id] = (req, time.monotonic() + self.config.kv_quarantine_s)
 
-    def _release_now(self, request_id: str) -> None:
+    def _release_now(self, request_id: str, expired: bool = False) -> None:
         held = self._leases.pop(request_id, None)
         if held is not None:
             self.kv_manager.free(held.request)
             self._release_id(request_id)
+            self._lease_events.append(LeaseEnded(request_id, expired))
 
     def reclaim_expired_leases(self) -> None:
         """Frees expired leases now if no step is running (an idle engine still reclaims)."""
@@ -346,14 +349,19 @@ class LLMEngine:
         if not self._leases:
             return
         for rid in [r for r, h in self._leases.items() if h.lease.expires_at <= now]:
-            self._release_now(rid)
+            self._release_now(rid, expired=True)
             self.num_expired_leases += 1
 
     def take_kv_events(self) -> list:
-        """Block-stored/removed events since the last call (for a prefix index elsewhere).
-        Under the step lock: decode-role allocation threads touch the pool too."""
+        """Block-stored/removed events since the last call (for a prefix index elsewhere),
+        then the leases ended since (``LeaseEnded``, for the transfer ledger). Under the step
+        lock: decode-role allocation threads touch the pool too."""
         with self._lock:
-            return self.kv_manager.take_events()
+            events = self.kv_manager.take_events()
+            if self._lease_events:
+                events += self._lease_events
+                self._lease_events = []
+            return events
 
     def cached_block_hashes(self) -> list:
         """The prefix cache's block hashes now; under the step lock, like the events."""

@@ -18,6 +18,15 @@ class KVLease:
     expires_at: float  # time.monotonic() deadline
 
 
+@dataclass(frozen=True)
+class LeaseEnded:
+    """Prefill role: a lease's blocks went back to the cache (released, or ``expired``). Comes
+    out of ``LLMEngine.take_kv_events`` after the block events, for the transfer ledger."""
+
+    request_id: str
+    expired: bool = False
+
+
 @dataclass
 class KVAllocation:
     """Decode role: where a remotely prefilled request's prompt KV must be written."""

@@ -223,6 +223,12 @@ class WorkerRuntime:
         if events and self._presence is not None and self.config.role == "prefill":
             self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
 
+    def record_transfer(self, event) -> None:
+        """A transfer-ledger event (router/ledger.py) for Redis, in order with the KV events;
+        on the event loop. Nothing without a registry."""
+        if self._presence is not None:
+            self._presence.add_events([event])
+
     async def reset_prefix_cache(self) -> common_pb2.WorkerPrefixCacheReset:
         """The ResetPrefixCache RPC of either role: forgets this worker's prefix cache, refused
         while any block is held. Off the event loop: it waits for a running step to end. The

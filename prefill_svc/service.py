@@ -12,8 +12,12 @@ import uuid
 
 import grpc
 
+from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from router.ledger import TransferOpened
+
+_MAX_RELEASED_EARLY = 1024
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -21,6 +25,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.rt = rt
         # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
         self._leases: dict[str, float] = {}
+        # Ids released before this servicer saw their lease (see _record), oldest first.
+        self._released_early: dict[str, bool] = {}
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -60,6 +66,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         lease = out.kv_lease
         self._prune()
         self._leases[rid] = lease.expires_at
+        self._record(request, lease)
         resp.kv_handle.CopyFrom(common_pb2.KVHandle(
             worker_id=self.rt.worker_id, worker_address=self.rt.address,
             backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
@@ -67,11 +74,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0)))
         return resp
 
+    def _record(self, request: worker_pb2.PrefillRequest, lease: KVLease) -> None:
+        """Opens the lease's transfer-ledger entry; its close (``LeaseEnded``) comes from the
+        engine thread when the lease ends. The reader's pull and the expiry come after this;
+        a router's ReleaseKV after a cut can come before (the lease's output still on its way
+        here), and its LeaseEnded could then reach Redis first: such a lease is not opened."""
+        if self._released_early.pop(lease.request_id, False):
+            return
+        now_wall, now = time.time(), time.monotonic()
+        self.rt.record_transfer(TransferOpened(
+            request_id=lease.request_id, router_id=request.router_id,
+            router_incarnation=request.router_incarnation, prefill_address=self.rt.address,
+            num_blocks=len(lease.block_ids), num_tokens=lease.num_tokens, leased_at=now_wall,
+            expires_at=now_wall + max(lease.expires_at - now, 0.0)))
+
     async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKVResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         held = self._leases.pop(request.request_id, None)
+        if held is None:
+            self._released_early[request.request_id] = True
+            while len(self._released_early) > _MAX_RELEASED_EARLY:
+                del self._released_early[next(iter(self._released_early))]
         self.rt.engine.release_kv(request.request_id)  # idempotent in the engine
         return worker_pb2.ReleaseKVResponse(released=held is not None
                                             and held > time.monotonic())

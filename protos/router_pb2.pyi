@@ -312,3 +312,45 @@ class ModelInfo(_message.Message):
     sampling_defaults: _common_pb2.SamplingParams
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListTransfersRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class TransferInfo(_message.Message):
+    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_address", "router_id", "router_live", "state", "decode_worker_id", "num_blocks", "num_tokens", "age_s", "expires_in_s", "pull_s")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_LIVE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    PULL_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    prefill_worker_id: str
+    prefill_address: str
+    router_id: str
+    router_live: bool
+    state: str
+    decode_worker_id: str
+    num_blocks: int
+    num_tokens: int
+    age_s: float
+    expires_in_s: float
+    pull_s: float
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., router_id: _Optional[str] = ..., router_live: _Optional[bool] = ..., state: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., age_s: _Optional[float] = ..., expires_in_s: _Optional[float] = ..., pull_s: _Optional[float] = ...) -> None: ...
+
+class ListTransfersResponse(_message.Message):
+    __slots__ = ("transfers", "num_omitted")
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OMITTED_FIELD_NUMBER: _ClassVar[int]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferInfo]
+    num_omitted: int
+    def __init__(self, transfers: _Optional[_Iterable[_Union[TransferInfo, _Mapping]]] = ..., num_omitted: _Optional[int] = ...) -> None: ...

@@ -313,6 +313,11 @@ class RouterAdminStub:
                 request_serializer=protos_dot_router__pb2.ResetPrefixCacheRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
+        self.ListTransfers = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/ListTransfers',
+                request_serializer=protos_dot_router__pb2.ListTransfersRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ListTransfersResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -361,6 +366,15 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTransfers(self, request, context):
+        """The prompt KV held for transfers across the cluster, from the transfer ledger in Redis
+        (router/ledger.py): each prefill lease between its Prefill answer and its release, with
+        the decode worker pulling it once one is. UNAVAILABLE while Redis is unreachable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -393,6 +407,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.ResetPrefixCache,
                     request_deserializer=protos_dot_router__pb2.ResetPrefixCacheRequest.FromString,
                     response_serializer=protos_dot_router__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'ListTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTransfers,
+                    request_deserializer=protos_dot_router__pb2.ListTransfersRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ListTransfersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -557,6 +576,33 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/ResetPrefixCache',
             protos_dot_router__pb2.ResetPrefixCacheRequest.SerializeToString,
             protos_dot_router__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/ListTransfers',
+            protos_dot_router__pb2.ListTransfersRequest.SerializeToString,
+            protos_dot_router__pb2.ListTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

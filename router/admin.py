@@ -1,5 +1,6 @@
 """RouterAdmin: list workers, cluster stats, drain and undrain a worker; list and cancel
-the requests in flight (router/inflight.py); reset the workers' prefix caches.
+the requests in flight (router/inflight.py); reset the workers' prefix caches; list the KV
+held for transfers across the cluster (the transfer ledger, router/ledger.py).
 
 Cluster stats come from the router's own view, so they answer while Redis is away; listing
 and draining workers read and write the registry, so they answer UNAVAILABLE then.
@@ -8,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory, WorkerHandle
 from router.inflight import InflightRequests
+from router.ledger import DEFAULT_LIST_LIMIT
 from router.registry import ROLES
+from router.router_presence import TTL_S as ROUTER_TTL_S
 from router.stats import RouterStats
 
 
@@ -68,6 +72,26 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no request {request.request_id!r} in flight on this router")
         return router_pb2.CancelRequestResponse()
+
+    async def ListTransfers(self, request, context):
+        if request.limit < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"limit must be >= 0, got {request.limit}")
+        ledger = self.directory.registry.ledger
+        async with _registry(context):
+            entries, omitted = await ledger.entries(request.limit or DEFAULT_LIST_LIMIT)
+            routers = await ledger.live_routers(ROUTER_TTL_S)
+        now = time.time()
+        return router_pb2.ListTransfersResponse(num_omitted=omitted, transfers=[
+            router_pb2.TransferInfo(
+                transfer_id=e.request_id, prefill_worker_id=e.prefill_worker_id,
+                prefill_address=e.prefill_address, router_id=e.router_id,
+                router_live=e.router_id in routers, state=e.state,
+                decode_worker_id=e.decode_worker_id, num_blocks=e.num_blocks,
+                num_tokens=e.num_tokens, age_s=max(now - e.leased_at, 0.0),
+                expires_in_s=max(e.expires_at - now, 0.0),
+                pull_s=max(now - e.pull_started_at, 0.0) if e.decode_worker_id else 0.0)
+            for e in entries])
 
     async def ResetPrefixCache(self, request, context):
         if request.role and request.role not in ROLES:

@@ -197,6 +197,11 @@ class WorkerDirectory:
                                              worker_pb2_grpc.DecodeWorkerStub(channel),
                                              liveness=self.liveness)
 
+    def prefill_stub(self, worker_id: str):
+        """The prefill worker's stub if the directory knows it, else None."""
+        w = self.workers.get(worker_id)
+        return w.prefill_stub if w is not None and w.info.role == "prefill" else None
+
     def _candidates(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
                 if w.info.role == role and not w.info.draining

@@ -24,6 +24,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -184,6 +185,7 @@ class Cluster:
         self.router_address = ""
         # The folder of the workers' core-share file, made with the first worker.
         self._share_dir: str | None = None
+        self._num_routers = 0
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -209,10 +211,13 @@ class Cluster:
 
     def start_router(self, wait: bool = True, extra: list[str] | None = None) -> Proc:
         """The router on ``spec.router_port``, or on a port it binds itself when that is 0;
-        ``extra`` flags after the spec's."""
+        ``extra`` flags after the spec's. Its id stays with it when it is respawned, so the
+        new one releases the KV leases the dead one left (router/router_presence.py)."""
         port = self.spec.router_port
+        self._num_routers += 1
         proc = self._spawn("router", [
             "router", "--model", self.spec.model, "--port", str(port),
+            "--router-id", f"router-{socket.gethostname()}-{os.getpid()}-{self._num_routers}",
             "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
             "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_flags(),
             *(extra or [])])

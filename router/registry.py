@@ -8,6 +8,7 @@ Key schema (``ns`` is the namespace, default "pdserve"):
 - ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
                                       workers only: prompts are routed by prefix to them alone)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
+- the transfer ledger's keys: router/ledger.py
 
 A worker is live while its heartbeat is younger than the TTL; a stale worker drops out of
 ``live_workers`` without anyone deregistering it, and its index entries are purged lazily.
@@ -23,6 +24,7 @@ import redis.exceptions
 
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
+from router.ledger import TransferLedger
 
 ROLES = ("prefill", "decode")
 REDIS_TIMEOUT_S = 5.0
@@ -76,6 +78,7 @@ class Registry:
         self.ns = namespace
         self.ttl_s = ttl_s
         self._match = client.register_script(_MATCH_LUA)
+        self.ledger = TransferLedger(self)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
@@ -128,6 +131,7 @@ class Registry:
     async def _purge(self, worker_ids: list[str]) -> None:
         for wid in worker_ids:
             await self._forget_blocks(wid)
+            await self.ledger.forget_worker(wid)
             async with self.r.pipeline(transaction=True) as p:
                 p.hdel(self._k("workers"), wid)
                 p.zrem(self._k("heartbeats"), wid)
@@ -154,21 +158,25 @@ class Registry:
     # --- prefix-block index ---------------------------------------------------------------
     @_bounded
     async def publish_events(self, worker_id: str, events: list) -> None:
-        """Applies a worker's engine KV-cache events in one pipeline."""
+        """Applies a worker's engine KV-cache events and its transfer-ledger events
+        (router/ledger.py) in one pipeline, in order."""
         if not events:
             return
         wkey = self._k("wblocks", worker_id)
         async with self.r.pipeline(transaction=False) as p:
             for ev in events:
-                hexes = [h.hex() for h in ev.block_hashes]
                 if isinstance(ev, BlockStored):
+                    hexes = [h.hex() for h in ev.block_hashes]
                     for hx in hexes:
                         p.sadd(self._k("block", hx), worker_id)
                     p.sadd(wkey, *hexes)
                 elif isinstance(ev, BlockRemoved):
+                    hexes = [h.hex() for h in ev.block_hashes]
                     for hx in hexes:
                         p.srem(self._k("block", hx), worker_id)
                     p.srem(wkey, *hexes)
+                elif not self.ledger.queue(p, worker_id, ev):
+                    raise TypeError(f"not a KV-cache or ledger event: {ev!r}")
             await p.execute()
 
     @_bounded

@@ -5,6 +5,7 @@ import asyncio
 import logging
 
 from client.keepalive import keepalive_options
+from client.tasks import stop_task
 from engine.grpc_server import GRPC_OPTIONS, GrpcServer, run, serve
 from protos import router_pb2, router_pb2_grpc
 from router.admin import RouterAdminServicer
@@ -14,6 +15,7 @@ from router.directory import WorkerDirectory
 from router.metrics import router_metrics
 from router.prompts import load_served_model
 from router.registry import Registry
+from router.router_presence import RouterPresence, default_router_id
 from router.service import RouterServicer
 from router.stats import RouterStats
 
@@ -29,17 +31,23 @@ async def serve_router(config: RouterConfig) -> None:
     if model.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     model.sampling_defaults)
-    directory = WorkerDirectory(Registry.from_url(config.redis_url, config.namespace),
-                                config.block_size, config.refresh_interval_s,
+    registry = Registry.from_url(config.redis_url, config.namespace)
+    presence = RouterPresence(registry.ledger,
+                              config.router_id or default_router_id(config.server.port))
+    await presence.claim()
+    directory = WorkerDirectory(registry, config.block_size, config.refresh_interval_s,
                                 GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
                                                                  config.keepalive_timeout_s),
                                 config.liveness)
     await directory.start()
+    presence.start()
     stats = RouterStats(config.max_inflight_requests)
+    reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))
     try:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
-        router = RouterServicer(config, directory, model, stats)
+        router = RouterServicer(config, directory, model, stats, presence.router_id,
+                                presence.incarnation)
         router_pb2_grpc.add_RouterServicer_to_server(router, server.server)
         router_pb2_grpc.add_RouterAdminServicer_to_server(
             RouterAdminServicer(directory, stats, router.inflight), server.server)
@@ -50,6 +58,8 @@ async def serve_router(config: RouterConfig) -> None:
         await serve(server, lambda: stats.requests_in_flight, on_started=started,
                     metrics=lambda: router_metrics(stats, directory))
     finally:
+        await stop_task(reclaim, 1.0)
+        await presence.stop()
         await directory.stop()
 
 

@@ -44,8 +44,11 @@ logger = logging.getLogger(__name__)
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, directory: WorkerDirectory, model: ServedModel,
-                 stats: RouterStats) -> None:
+                 stats: RouterStats, router_id: str = "", incarnation: str = "") -> None:
+        """``router_id`` and ``incarnation`` are named in each Prefill call, for the transfer
+        ledger (router/router_presence.py)."""
         self.config = config
+        self.router_id, self.incarnation = router_id, incarnation
         self.model = model
         self.inflight = InflightRequests()
         self.directory = directory
@@ -313,7 +316,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid,
                                               prompt_token_ids=run.prompt_token_ids,
-                                              resume_token_ids=resume, sampling=request.sampling),
+                                              resume_token_ids=resume, sampling=request.sampling,
+                                              router_id=self.router_id,
+                                              router_incarnation=self.incarnation),
                     timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
             except BaseException as e:
                 if not _refused_by_worker(e):

@@ -1,0 +1,205 @@
+"""The transfer ledger (router/ledger.py) and a router's presence (router/router_presence.py)
+against a real redis-server."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.block_hash import hash_request_tokens
+from engine.block_pool import BlockStored
+from engine.outputs import LeaseEnded
+from router.ledger import (EXPIRY_MARGIN_S, TransferOpened, TransferPulling, entry_key)
+from router.redis_server import RedisServer
+from router.registry import Registry
+from router.router_presence import TTL_S, Incarnation, RouterPresence
+from protos import worker_pb2
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def _opened(rid: str, router: str = "r1", inc: str = "inc", expires_in: float = 60.0,
+            blocks: int = 3) -> TransferOpened:
+    now = time.time()
+    return TransferOpened(request_id=rid, router_id=router, router_incarnation=inc,
+                          prefill_address="127.0.0.1:7", num_blocks=blocks,
+                          num_tokens=blocks * 16 - 5, leased_at=now, expires_at=now + expires_in)
+
+
+def test_an_entry_lives_from_open_through_pull_to_its_lease_end(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l1")
+        hashes = hash_request_tokens(list(range(48)), 16)
+        # Ledger events ride the same pipeline as the block events, in order.
+        await reg.publish_events("p1", [BlockStored(hashes, None, None, 16), _opened("a~1"),
+                                        _opened("b~2", blocks=5)])
+        entries, omitted = await reg.ledger.entries()
+        assert omitted == 0
+        assert [(e.request_id, e.state, e.num_blocks, e.router_id, e.prefill_worker_id)
+                for e in entries] == [("a~1", "leased", 3, "r1", "p1"),
+                                      ("b~2", "leased", 5, "r1", "p1")]
+        assert await reg.match_prefix(hashes, ["p1"]) == {"p1": 3}
+        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time())])
+        (a, b), _ = await reg.ledger.entries()
+        assert (a.state, a.decode_worker_id, b.state) == ("pulling", "d1", "leased")
+        assert a.pull_started_at > 0
+        await reg.publish_events("p1", [LeaseEnded("a~1")])
+        assert [e.request_id for e in (await reg.ledger.entries())[0]] == ["b~2"]
+        # A pull mark arriving after the lease ended does not bring the entry back.
+        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time())])
+        assert not await reg.r.exists(entry_key("l1", "p1", "a~1"))
+        assert [e.request_id for e in (await reg.ledger.entries())[0]] == ["b~2"]
+        await reg.publish_events("p1", [LeaseEnded("b~2", expired=True)])
+        assert (await reg.ledger.entries()) == ([], 0)
+        assert await reg.r.zcard(reg.ledger.index_key) == 0
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_entries_expire_with_their_lease_and_leave_the_listing(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l2")
+        await reg.publish_events("p1", [_opened("short", expires_in=0.2 - EXPIRY_MARGIN_S),
+                                        _opened("long")])
+        ttl_ms = await reg.r.pttl(entry_key("l2", "p1", "long"))
+        assert 60_000 < ttl_ms <= (60 + EXPIRY_MARGIN_S) * 1000
+        await asyncio.sleep(0.4)  # Redis expired "short"'s entry: its index member is pruned
+        entries, omitted = await reg.ledger.entries()
+        assert [e.request_id for e in entries] == ["long"] and omitted == 0
+        assert await reg.r.zcard(reg.ledger.index_key) == 1
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_listing_is_bounded_expiring_first_and_ids_never_collide(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l3")
+        await reg.publish_events("p", [_opened(f"r{i}", expires_in=60 - i) for i in range(5)])
+        # Worker "a:b" with request "c" and worker "a" with request "b:c" are different keys.
+        await reg.publish_events("a:b", [_opened("c")])
+        await reg.publish_events("a", [_opened("b:c")])
+        entries, omitted = await reg.ledger.entries(limit=3)
+        assert [e.request_id for e in entries] == ["r4", "r3", "r2"] and omitted == 4
+        every, _ = await reg.ledger.entries()
+        assert {(e.prefill_worker_id, e.request_id) for e in every} >= {("a:b", "c"),
+                                                                        ("a", "b:c")}
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_a_purged_worker_takes_its_entries_with_it(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l4")
+        await reg.publish_events("p1", [_opened("x")])
+        await reg.publish_events("p10", [_opened("y")])
+        await reg.deregister("p1")
+        assert [(e.prefill_worker_id, e.request_id)
+                for e in (await reg.ledger.entries())[0]] == [("p10", "y")]
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_a_non_event_is_refused(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l5")
+        with pytest.raises(TypeError, match="not a KV-cache or ledger event"):
+            await reg.publish_events("p1", ["nonsense"])
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+# --- router presence -------------------------------------------------------------------------
+def test_incarnations_are_gone_only_when_surely_so():
+    me = Incarnation.this_process()
+    assert Incarnation.decode(me.encode()) == me
+    assert Incarnation(me.token + "x", me.host, os.getpid()).surely_gone()  # pid reused by me
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert Incarnation("t", me.host, int(dead.stdout)).surely_gone()
+    assert not Incarnation("t", me.host, os.getppid()).surely_gone()  # alive
+    assert not Incarnation("t", me.host + "-elsewhere", 999_999_999).surely_gone()
+    assert not Incarnation.decode("garbage").surely_gone()
+
+
+class _Stub:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def ReleaseKV(self, req: worker_pb2.ReleaseKVRequest, timeout: float):
+        self.released.append(req.request_id)
+        return worker_pb2.ReleaseKVResponse(released=True)
+
+
+def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l6")
+        dead = Incarnation("old", socket.gethostname(), os.getpid())  # as a container restart
+        elsewhere = Incarnation("far", socket.gethostname() + "-other", 4242)
+        await reg.publish_events("p1", [
+            _opened("mine-1", "r1", dead.encode()), _opened("mine-2", "r1", dead.encode()),
+            _opened("other-router", "r2", dead.encode()),
+            _opened("maybe-alive", "r1", elsewhere.encode())])
+        await reg.publish_events("gone", [_opened("on-a-dead-worker", "r1", dead.encode())])
+        presence = RouterPresence(reg.ledger, "r1")
+        await presence.claim()
+        await reg.publish_events("p1", [_opened("current", "r1", presence.incarnation)])
+        stub = _Stub()
+        n = await presence.reclaim(lambda wid: stub if wid == "p1" else None)
+        assert n == 2 and sorted(stub.released) == ["mine-1", "mine-2"]
+        await presence.stop()
+        assert await reg.ledger.router_heartbeat("r1") is None
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l7")
+        other = Incarnation("live", socket.gethostname() + "-other", 1).encode()
+        beats = asyncio.create_task(_beat_forever(reg, "taken", other))
+        await asyncio.sleep(0.1)
+        with pytest.raises(ValueError, match="in use by a live router"):
+            await RouterPresence(reg.ledger, "taken").claim()
+        beats.cancel()
+        # A predecessor that stopped beating is waited out, then its id is taken.
+        await reg.ledger.router_beat("stale", other)
+        t0 = time.monotonic()
+        p = RouterPresence(reg.ledger, "stale")
+        await p.claim()
+        assert time.monotonic() - t0 >= TTL_S - 0.5
+        assert (await reg.ledger.router_heartbeat("stale"))[0] == p.incarnation
+        assert "stale" in await reg.ledger.live_routers(TTL_S)
+        await p.stop()
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+async def _beat_forever(reg: Registry, router_id: str, incarnation: str) -> None:
+    while True:
+        await reg.ledger.router_beat(router_id, incarnation)
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("value", ["two words", "a\nb", "x" * 129, 7])
+def test_a_bad_router_id_is_refused(value):
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="router_id"):
+        RouterConfig(model="m", redis_url="redis://x", router_id=value)
+    assert RouterConfig(model="m", redis_url="redis://x", router_id="r-1.a:b").router_id
+
+
+def test_the_default_router_id_names_host_and_port():
+    from router.router_presence import default_router_id
+
+    assert default_router_id(50051) == f"router-{socket.gethostname()}-50051"
+    assert default_router_id(0) == f"router-{socket.gethostname()}-{os.getpid()}"
