@@ -18,6 +18,14 @@ from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from router.ledger import TransferOpened
 
 _MAX_RELEASED_EARLY = 1024
+_MAX_LABEL_CHARS = 256
+
+
+def _check_label(name: str, value: str) -> None:
+    """The router's names for the ledger: bounded, and printable (they reach logs and tables)."""
+    if len(value) > _MAX_LABEL_CHARS or not value.isprintable():
+        raise ValueError(f"{name} must be at most {_MAX_LABEL_CHARS} printable characters, "
+                         f"got {value[:40]!r}{'...' if len(value) > 40 else ''}")
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -43,6 +51,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not ids:
             raise ValueError("prompt_token_ids is empty")
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
+        for name in ("router_id", "router_incarnation"):
+            _check_label(name, getattr(request, name))
         async with contextlib.aclosing(self.rt.engine.generate(rid, ids, params, resume)) as outs:
             async for out in outs:
                 first_token_time = time.monotonic()

@@ -78,6 +78,11 @@ def test_a_lease_is_listed_while_held_and_gone_once_released(cluster, capsys):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _release(prefill.address, "held~1")
     assert wait_until(lambda: not _transfers(cluster).transfers, 10)
+    for bad in (dict(router_id="a\nforged line"), dict(router_incarnation="x" * 257)):
+        with pytest.raises(grpc.RpcError) as err:
+            _prefill(prefill.address, "bad~1", prompt, **bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert worker_info(prefill.address).num_leased == 0
 
 
 def test_requests_through_the_router_leave_no_entry_behind(cluster):
