@@ -96,8 +96,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t = sub.add_parser("transfers", help="the prompt KV held for transfers across the cluster "
                                          "(prefill leases and the decode workers pulling them), "
                                          "those expiring first")
-    t.add_argument("--limit", type=int, default=0, help="at most this many (0: 1000)")
+    t.add_argument("--limit", type=_list_limit, default=0,
+                   help="at most this many (0: 1000; at most 10000)")
     t.add_argument("--json", action="store_true")
+
+
+def _list_limit(text: str) -> int:
+    from router.ledger import MAX_LIST_LIMIT  # the router's bound, checked here too
+
+    n = int(text)
+    if not 0 <= n <= MAX_LIST_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_LIST_LIMIT}], got {n}")
+    return n
 
 
 def cmd_admin(args: argparse.Namespace) -> int:

@@ -40,11 +40,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         try:
             with self.rt.admit():
-                return await self._prefill(request)
+                resp = await self._prefill(request)
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await abort_for(context, e)
+        if resp is None:
+            await context.abort(grpc.StatusCode.CANCELLED, "the request's KV was released "
+                                "(ReleaseKV) before its prefill ended")
+        return resp
 
-    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+    async def _prefill(self, request: worker_pb2.PrefillRequest
+                       ) -> worker_pb2.PrefillResponse | None:
+        """The answer; None when a ReleaseKV for the request came first (its lease, made
+        since, is released at once)."""
         rid = request.request_id or f"prefill-{uuid.uuid4().hex}"
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
@@ -74,6 +81,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 resp.stop_reason.CopyFrom(stop)
             return resp
         lease = out.kv_lease
+        if self._released_early.pop(rid, False):
+            # The router cut the call and released before the lease existed, so that
+            # release found nothing: this one frees it (it is never listed in the ledger).
+            self.rt.engine.release_kv(rid)
+            return None
         self._prune()
         self._leases[rid] = lease.expires_at
         self._record(request, lease)
@@ -86,11 +98,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _record(self, request: worker_pb2.PrefillRequest, lease: KVLease) -> None:
         """Opens the lease's transfer-ledger entry; its close (``LeaseEnded``) comes from the
-        engine thread when the lease ends. The reader's pull and the expiry come after this;
-        a router's ReleaseKV after a cut can come before (the lease's output still on its way
-        here), and its LeaseEnded could then reach Redis first: such a lease is not opened."""
-        if self._released_early.pop(lease.request_id, False):
-            return
+        engine thread when the lease ends, after this: the reader's pull and the expiry come
+        later, and a ReleaseKV that came sooner was handled by the caller."""
         now_wall, now = time.time(), time.monotonic()
         self.rt.record_transfer(TransferOpened(
             request_id=lease.request_id, router_id=request.router_id,

@@ -16,9 +16,8 @@ import grpc
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory, WorkerHandle
 from router.inflight import InflightRequests
-from router.ledger import DEFAULT_LIST_LIMIT
+from router.ledger import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from router.registry import ROLES
-from router.router_presence import TTL_S as ROUTER_TTL_S
 from router.stats import RouterStats
 
 
@@ -74,13 +73,13 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         return router_pb2.CancelRequestResponse()
 
     async def ListTransfers(self, request, context):
-        if request.limit < 0:
+        if not 0 <= request.limit <= MAX_LIST_LIMIT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"limit must be >= 0, got {request.limit}")
+                                f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
         ledger = self.directory.registry.ledger
         async with _registry(context):
             entries, omitted = await ledger.entries(request.limit or DEFAULT_LIST_LIMIT)
-            routers = await ledger.live_routers(ROUTER_TTL_S)
+            routers = await ledger.live_routers(e.router_id for e in entries)
         now = time.time()
         return router_pb2.ListTransfersResponse(num_omitted=omitted, transfers=[
             router_pb2.TransferInfo(

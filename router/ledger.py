@@ -19,10 +19,16 @@ Key schema (``ns`` is the registry's namespace):
 
 - ``{ns}:xfer:{n}:{worker_id}:{request_id}``  HASH  the entry (``n`` = len(worker_id), so any
                                               pair of ids maps to one key); Redis expires it
-                                              with the lease, plus a margin
-- ``{ns}:xfers``                              ZSET  entry key -> lease expiry (unix time)
-- ``{ns}:routers``                            ZSET  router id -> its last heartbeat (unix time)
-- ``{ns}:router_incarnations``                HASH  router id -> the incarnation beating for it
+                                              a margin after its lease would have
+- ``{ns}:xfers``                              ZSET  entry key -> lease expiry (the worker's
+                                              unix time: an order for listing, not a clock
+                                              anyone else trusts)
+- ``{ns}:wxfers:{worker_id}``                 SET   a worker's entry keys (to drop them with it)
+- ``{ns}:router:{router_id}``                 STRING the incarnation beating for the id;
+                                              Redis expires it a TTL after its last beat
+
+Every expiry is relative and counted by Redis's own clock, so no host's clock has to agree
+with another's: a router judges another's liveness by whether its key still exists.
 """
 from __future__ import annotations
 
@@ -30,11 +36,30 @@ import time
 from dataclasses import dataclass
 
 from engine.outputs import LeaseEnded
+from router.redis_bound import bounded
 
-# Entries outlive their lease's expiry by this much in Redis before Redis drops them: a
-# worker's clock ahead of Redis's readers must not hide a live entry.
+# Entries outlive their lease by this much in Redis: the open is published a moment after
+# the lease began, and a listing should show a lease until its worker ends it.
 EXPIRY_MARGIN_S = 5.0
 DEFAULT_LIST_LIMIT = 1000
+MAX_LIST_LIMIT = 10_000
+# Index members checked per listing for entries Redis already expired.
+_PRUNE_BATCH = 1000
+
+# Sets the router id's key to ARGV[1] (expiring in ARGV[2] ms) if it is free, already ours,
+# or held by ARGV[3], an incarnation the caller knows is gone; 0 if another holds it.
+_CLAIM_ROUTER_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[1] or (ARGV[3] ~= '' and held == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+_LEAVE_ROUTER_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 _MARK_PULLING_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -93,15 +118,24 @@ def entry_key(ns: str, worker_id: str, request_id: str) -> str:
 
 
 class TransferLedger:
-    """The ledger's reads and writes on a Registry's Redis connection and namespace."""
+    """The ledger's reads and writes on a Registry's Redis connection and namespace. The
+    calls of its own (not the queued writes) are bounded like the Registry's."""
 
     def __init__(self, registry) -> None:
         self.r = registry.r
         self.ns = registry.ns
+        self._claim_router = self.r.register_script(_CLAIM_ROUTER_LUA)
+        self._leave_router = self.r.register_script(_LEAVE_ROUTER_LUA)
 
     @property
     def index_key(self) -> str:
         return f"{self.ns}:xfers"
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self.ns}:wxfers:{worker_id}"
+
+    def _router_key(self, router_id: str) -> str:
+        return f"{self.ns}:router:{router_id}"
 
     # --- writes, queued on a pipeline of Registry.publish_events -------------------------
     def queue(self, p, worker_id: str, ev) -> bool:
@@ -114,12 +148,17 @@ class TransferLedger:
                 "prefill_address": ev.prefill_address, "num_blocks": ev.num_blocks,
                 "num_tokens": ev.num_tokens, "leased_at": repr(ev.leased_at),
                 "expires_at": repr(ev.expires_at)})
-            p.pexpireat(key, int((ev.expires_at + EXPIRY_MARGIN_S) * 1000))
+            # The lease's length, not its end on the worker's clock: Redis's clock counts it.
+            ttl_ms = int((max(ev.expires_at - ev.leased_at, 0.0) + EXPIRY_MARGIN_S) * 1000)
+            p.pexpire(key, ttl_ms)
             p.zadd(self.index_key, {key: ev.expires_at})
+            p.sadd(self._worker_key(worker_id), key)
+            p.pexpire(self._worker_key(worker_id), ttl_ms)  # a worker's leases share a length
         elif isinstance(ev, LeaseEnded):
             key = entry_key(self.ns, worker_id, ev.request_id)
             p.delete(key)
             p.zrem(self.index_key, key)
+            p.srem(self._worker_key(worker_id), key)
         elif isinstance(ev, TransferPulling):
             key = entry_key(self.ns, ev.prefill_worker_id, ev.request_id)
             # EVAL, not a registered script: those await a load of their own on a pipeline.
@@ -128,23 +167,26 @@ class TransferLedger:
             return False
         return True
 
+    @bounded
     async def forget_worker(self, worker_id: str) -> None:
-        """Drops a worker's entries (it stopped or went stale: its leases died with it)."""
-        prefix = entry_key(self.ns, worker_id, "")
-        keys = [k.decode() for k in await self.r.zrange(self.index_key, 0, -1)]
-        mine = [k for k in keys if k.startswith(prefix)]
-        if mine:
-            async with self.r.pipeline(transaction=False) as p:
-                p.delete(*mine)
-                p.zrem(self.index_key, *mine)
-                await p.execute()
+        """Drops a worker's entries (it stopped, went stale or started again under its id:
+        its leases died with it)."""
+        wkey = self._worker_key(worker_id)
+        keys = list(await self.r.smembers(wkey))
+        async with self.r.pipeline(transaction=False) as p:
+            if keys:
+                p.delete(*keys)
+                p.zrem(self.index_key, *keys)
+            p.delete(wkey)
+            await p.execute()
 
     # --- reads ----------------------------------------------------------------------------
+    @bounded
     async def entries(self, limit: int = DEFAULT_LIST_LIMIT) -> tuple[list[LedgerEntry], int]:
         """The live entries, those expiring first, at most ``limit``; and how many more."""
-        now = time.time()
-        # Index members whose entry Redis expired (a worker that died before closing them).
-        await self.r.zremrangebyscore(self.index_key, "-inf", f"({now - EXPIRY_MARGIN_S}")
+        if not 0 < limit <= MAX_LIST_LIMIT:
+            raise ValueError(f"limit must be in [1, {MAX_LIST_LIMIT}], got {limit}")
+        await self._prune()
         total = await self.r.zcard(self.index_key)
         keys = await self.r.zrange(self.index_key, 0, limit - 1)
         async with self.r.pipeline(transaction=False) as p:
@@ -161,36 +203,51 @@ class TransferLedger:
             await self.r.zrem(self.index_key, *gone)
         return out, max(total - len(keys), 0)
 
-    # --- routers --------------------------------------------------------------------------
-    async def router_beat(self, router_id: str, incarnation: str) -> None:
-        async with self.r.pipeline(transaction=True) as p:
-            p.zadd(f"{self.ns}:routers", {router_id: time.time()})
-            p.hset(f"{self.ns}:router_incarnations", router_id, incarnation)
-            await p.execute()
-
-    async def router_leave(self, router_id: str, incarnation: str) -> None:
-        """Removes the router's heartbeat if it is still this incarnation's."""
-        held = await self.r.hget(f"{self.ns}:router_incarnations", router_id)
-        if held is not None and held.decode() == incarnation:
-            async with self.r.pipeline(transaction=True) as p:
-                p.zrem(f"{self.ns}:routers", router_id)
-                p.hdel(f"{self.ns}:router_incarnations", router_id)
-                await p.execute()
-
-    async def router_heartbeat(self, router_id: str) -> tuple[str, float] | None:
-        """(incarnation, last heartbeat) of the router beating for ``router_id``, if any."""
+    async def _prune(self) -> None:
+        """Drops index members whose entry Redis expired (a worker that died before closing
+        them). Members past their expiry by this reader's clock are only candidates: each is
+        dropped if its entry is gone, so a clock ahead of the worker's hides nothing."""
+        old = await self.r.zrangebyscore(self.index_key, "-inf",
+                                         f"({time.time() - EXPIRY_MARGIN_S}", 0, _PRUNE_BATCH)
+        if not old:
+            return
         async with self.r.pipeline(transaction=False) as p:
-            p.zscore(f"{self.ns}:routers", router_id)
-            p.hget(f"{self.ns}:router_incarnations", router_id)
-            beat, inc = await p.execute()
-        if beat is None or inc is None:
-            return None
-        return inc.decode(), float(beat)
+            for k in old:
+                p.exists(k)
+            alive = await p.execute()
+        gone = [k for k, a in zip(old, alive) if not a]
+        if gone:
+            await self.r.zrem(self.index_key, *gone)
 
-    async def live_routers(self, ttl_s: float) -> set[str]:
-        cutoff = time.time() - ttl_s
-        return {r.decode() for r in await self.r.zrangebyscore(f"{self.ns}:routers",
-                                                               f"({cutoff}", "+inf")}
+    # --- routers --------------------------------------------------------------------------
+    @bounded
+    async def router_claim(self, router_id: str, incarnation: str, ttl_s: float,
+                           replacing: str = "") -> bool:
+        """Beats for ``router_id`` as ``incarnation`` for ``ttl_s``; False, writing nothing,
+        if another incarnation holds the id (``replacing``, one known to be gone, excepted)."""
+        return bool(await self._claim_router(keys=[self._router_key(router_id)],
+                                             args=[incarnation, int(ttl_s * 1000), replacing]))
+
+    @bounded
+    async def router_leave(self, router_id: str, incarnation: str) -> bool:
+        """Ends the router's heartbeat if it is still this incarnation's (True then)."""
+        return bool(await self._leave_router(keys=[self._router_key(router_id)],
+                                             args=[incarnation]))
+
+    @bounded
+    async def router_holder(self, router_id: str) -> str | None:
+        """The incarnation beating for ``router_id``, if its heartbeat has not expired."""
+        held = await self.r.get(self._router_key(router_id))
+        return held.decode() if held is not None else None
+
+    @bounded
+    async def live_routers(self, router_ids) -> set[str]:
+        """Those of ``router_ids`` whose heartbeat has not expired."""
+        ids = sorted(set(router_ids))
+        if not ids:
+            return set()
+        held = await self.r.mget([self._router_key(r) for r in ids])
+        return {r for r, h in zip(ids, held) if h is not None}
 
 
 def _entry(raw: dict) -> LedgerEntry:

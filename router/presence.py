@@ -40,7 +40,7 @@ class WorkerPresence:
 
     async def start(self) -> None:
         info = self.info()
-        await self.registry.clear_worker_blocks(info.worker_id)
+        await self.registry.clear_worker(info.worker_id)
         await self.registry.heartbeat(info)
         self._tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self._flush())]
 

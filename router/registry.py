@@ -15,19 +15,16 @@ A worker is live while its heartbeat is younger than the TTL; a stale worker dro
 """
 from __future__ import annotations
 
-import asyncio
-import functools
 import time
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
 from router.ledger import TransferLedger
+from router.redis_bound import REDIS_TIMEOUT_S, bounded
 
 ROLES = ("prefill", "decode")
-REDIS_TIMEOUT_S = 5.0
 # Blocks per prefix-match round trip: a long prompt's chain is walked in pieces, stopping at
 # the first piece where no candidate still matches.
 _MATCH_CHUNK = 256
@@ -51,24 +48,6 @@ return out
 """
 
 
-def _bounded(method):
-    """At most REDIS_TIMEOUT_S for the whole call, so a Redis that stopped answering fails it
-    (the callers retry or give up) instead of holding a heartbeat, a routing decision or a
-    worker's stop forever. Bounded here rather than by redis-py's ``socket_timeout``: with it,
-    redis-py awaits each write through ``asyncio.wait_for``, which on Python 3.11 swallows a
-    cancel landing as the write ends (client/tasks.py), and a client's cancel of a request
-    whose router was looking up its prefix was lost."""
-    @functools.wraps(method)
-    async def call(self, *args, **kwargs):
-        try:
-            async with asyncio.timeout(REDIS_TIMEOUT_S):
-                return await method(self, *args, **kwargs)
-        except TimeoutError:
-            raise redis.exceptions.TimeoutError(
-                f"Redis did not answer {method.__name__} within {REDIS_TIMEOUT_S} s") from None
-    return call
-
-
 class Registry:
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
                  ttl_s: float = 5.0) -> None:
@@ -83,7 +62,7 @@ class Registry:
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
         # socket_timeout None: redis-py's default (5 s) would await writes through
-        # asyncio.wait_for; each call is bounded by _bounded instead.
+        # asyncio.wait_for; each call is bounded by router/redis_bound.py instead.
         return cls(aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
                                      socket_timeout=None), namespace, ttl_s)
 
@@ -91,7 +70,7 @@ class Registry:
         return ":".join((self.ns, *parts))
 
     # --- workers --------------------------------------------------------------------------
-    @_bounded
+    @bounded
     async def heartbeat(self, info: common_pb2.WorkerInfo) -> None:
         """Registers or refreshes a worker (its load travels with the heartbeat)."""
         if info.role not in ROLES or not info.worker_id:
@@ -101,11 +80,11 @@ class Registry:
             p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
             await p.execute()
 
-    @_bounded
+    @bounded
     async def deregister(self, worker_id: str) -> None:
         await self._purge([worker_id])
 
-    @_bounded
+    @bounded
     async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
         cutoff = time.time() - self.ttl_s
         stale = await self.r.zrangebyscore(self._k("heartbeats"), "-inf", f"({cutoff}")
@@ -121,7 +100,7 @@ class Registry:
                 out.append(info)
         return out
 
-    @_bounded
+    @bounded
     async def set_drained(self, worker_id: str, drained: bool) -> None:
         if drained:
             await self.r.sadd(self._k("drained"), worker_id)
@@ -140,7 +119,7 @@ class Registry:
                 await p.execute()
 
     # --- KV agents ------------------------------------------------------------------------
-    @_bounded
+    @bounded
     async def set_kv_handles(self, worker_id: str, handles: list[bytes]) -> None:
         """A prefill worker's ranks' KV-agent handles (kvtransfer.KVAgentHandle bytes), so
         decode workers can connect before their first pull; gone when the worker is purged."""
@@ -151,12 +130,12 @@ class Registry:
                 p.rpush(key, *handles)
             await p.execute()
 
-    @_bounded
+    @bounded
     async def kv_handles(self, worker_id: str) -> list[bytes]:
         return list(await self.r.lrange(self._k("kvhandles", worker_id), 0, -1))
 
     # --- prefix-block index ---------------------------------------------------------------
-    @_bounded
+    @bounded
     async def publish_events(self, worker_id: str, events: list) -> None:
         """Applies a worker's engine KV-cache events and its transfer-ledger events
         (router/ledger.py) in one pipeline, in order."""
@@ -179,7 +158,7 @@ class Registry:
                     raise TypeError(f"not a KV-cache or ledger event: {ev!r}")
             await p.execute()
 
-    @_bounded
+    @bounded
     async def set_worker_blocks(self, worker_id: str, block_hashes: list[bytes]) -> None:
         """Replaces what the index says ``worker_id`` holds with exactly ``block_hashes``."""
         await self._forget_blocks(worker_id)
@@ -192,10 +171,12 @@ class Registry:
             p.sadd(self._k("wblocks", worker_id), *hexes)
             await p.execute()
 
-    @_bounded
-    async def clear_worker_blocks(self, worker_id: str) -> None:
-        """A worker (re)starting with an empty cache drops whatever it held before."""
+    @bounded
+    async def clear_worker(self, worker_id: str) -> None:
+        """A worker (re)starting with an empty cache drops whatever it held before: its
+        prefix-index entries, and its transfer-ledger entries (their leases died with it)."""
         await self._forget_blocks(worker_id)
+        await self.ledger.forget_worker(worker_id)
 
     async def _forget_blocks(self, worker_id: str) -> None:
         wkey = self._k("wblocks", worker_id)
@@ -206,7 +187,7 @@ class Registry:
             p.delete(wkey)
             await p.execute()
 
-    @_bounded
+    @bounded
     async def match_prefix(self, block_hashes: list[bytes],
                            worker_ids: list[str]) -> dict[str, int]:
         """Per worker, how many LEADING blocks of the chain it holds (0 if none)."""

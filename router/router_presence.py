@@ -4,15 +4,17 @@ Every Prefill call names the router and this process's incarnation (a random id 
 start), and the prefill worker records both with the lease in the transfer ledger
 (router/ledger.py). A router that dies mid-request leaves leases nobody releases: each holds
 its prompt's blocks until it expires (``--kv-lease-timeout-s``, 60 s by default). A router
-restarted under the same id finds them in the ledger and releases them at once, but only when
-its predecessor is surely gone: it ran on this host, and its pid is dead or is this process's
-(a restarted container's router has the same pid). A router that merely lost Redis may still
-have decode workers pulling those blocks, and releasing them then would hand a live request
-blocks that are being reused.
+restarted under the same id finds them in the ledger and releases at once those nobody is
+pulling, but only when its predecessor is surely gone: it ran in this process's pid namespace
+(same kernel boot, same namespace) and its pid is dead or is this process's. A hostname
+proves nothing (containers may share one, each with its own pid 1), and a router that merely
+lost Redis may still have decode workers about to pull those blocks: releasing them then
+would hand a live request blocks that are being reused. Leases not proven orphaned expire.
 
-Starting under an id whose heartbeat is fresh waits for it to go stale (a predecessor that
-just died elsewhere; one surely gone is not waited for), and refuses when it stays fresh: two
-live routers with one id.
+The heartbeat is a key in Redis that expires ``TTL_S`` after its last beat, so liveness is
+judged on Redis's clock alone. Starting under an id whose key is held waits for it to expire
+(a predecessor that just died elsewhere; one surely gone is not waited for), and refuses when
+it stays held: two live routers with one id.
 """
 from __future__ import annotations
 
@@ -28,40 +30,56 @@ import grpc
 
 from client.tasks import stop_task
 from protos import worker_pb2
-from router.ledger import TransferLedger
+from router.ledger import MAX_LIST_LIMIT, TransferLedger
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-# A router whose heartbeat is older than this is taken as gone.
+# A router that has not beaten for this long is taken as gone (Redis expires its key).
 TTL_S = 3.0
 _RELEASE_TIMEOUT_S = 5.0
 _STOP_S = 2.0
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace, as ``BOOT_ID/NS_INODE`` ("" where /proc does not tell).
+    Two namespaces that exist at once never share an inode; one that ended may pass its
+    inode on, but then every process in it has ended too."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}" if boot else ""
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class Incarnation:
-    """One router process: ``token`` is random; host and pid tell whether it still runs."""
+    """One router process: ``token`` is random; pid namespace and pid tell whether it still
+    runs; ``host`` is for people reading the ledger."""
 
     token: str
     host: str
     pid: int
+    pidns: str = ""
 
     def encode(self) -> str:
-        return f"{self.token} {self.pid} {self.host}"
+        return f"{self.token} {self.pid} {self.pidns or '-'} {self.host}"
 
     @classmethod
     def decode(cls, s: str) -> Incarnation:
-        token, pid, host = (s.split(" ", 2) + ["", ""])[:3]
-        return cls(token, host, int(pid) if pid.isdigit() else 0)
+        token, pid, pidns, host = (s.split(" ", 3) + ["", "", ""])[:4]
+        return cls(token, host, int(pid) if pid.isdigit() else 0,
+                   "" if pidns == "-" else pidns)
 
     @classmethod
     def this_process(cls) -> Incarnation:
-        return cls(secrets.token_hex(8), socket.gethostname(), os.getpid())
+        # The host is shortened: the incarnation rides in every Prefill call.
+        return cls(secrets.token_hex(8), socket.gethostname()[:64], os.getpid(), pid_namespace())
 
     def surely_gone(self) -> bool:
         """True only when this incarnation cannot be running (seen from this process)."""
-        if self.host != socket.gethostname() or self.pid <= 0:
+        if not self.pidns or self.pidns != pid_namespace() or self.pid <= 0:
             return False
         if self.pid == os.getpid():
             return True
@@ -88,39 +106,45 @@ class RouterPresence:
         self.incarnation = self.me.encode()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._displaced = False  # another incarnation holds our id (see _beat_once)
 
     async def claim(self) -> None:
-        """Waits for a predecessor's heartbeat under this id to go stale; ValueError if it
-        stays fresh (another live router has this id). Redis unreachable: logged, not fatal
-        (the heartbeat loop keeps trying)."""
+        """Waits for a predecessor's heartbeat under this id to expire; ValueError if it
+        stays (another live router has this id). Redis unreachable: logged, not fatal (the
+        heartbeat loop keeps trying)."""
         deadline = time.monotonic() + TTL_S + HEARTBEAT_S
         while True:
             try:
-                held = await self.ledger.router_heartbeat(self.router_id)
+                held = await self.ledger.router_holder(self.router_id)
+                gone = held is not None and Incarnation.decode(held).surely_gone()
+                if (held is None or gone) and await self.ledger.router_claim(
+                        self.router_id, self.incarnation, TTL_S, held if gone else ""):
+                    return
             except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
                 logger.warning("router %s: cannot check its id in Redis: %s", self.router_id, e)
                 return
-            if held is None or time.time() - held[1] > TTL_S \
-                    or Incarnation.decode(held[0]).surely_gone():
-                break
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and held is not None:
                 raise ValueError(f"router id {self.router_id!r} is in use by a live router "
-                                 f"({Incarnation.decode(held[0]).host}, heartbeat "
-                                 f"{time.time() - held[1]:.1f} s ago): give each router its "
-                                 f"own --router-id")
+                                 f"(on {Incarnation.decode(held).host or 'an unknown host'}): "
+                                 f"give each router its own --router-id")
             await asyncio.sleep(0.25)
-        await self._beat_once()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._beat_loop())
 
     async def _beat_once(self) -> bool:
         try:
-            await self.ledger.router_beat(self.router_id, self.incarnation)
-            return True
+            held = await self.ledger.router_claim(self.router_id, self.incarnation, TTL_S)
         except Exception as e:  # noqa: BLE001 - Redis away: retried next beat
             logger.warning("router %s: heartbeat failed: %s", self.router_id, e)
             return False
+        if not held and not self._displaced:
+            # Our key expired (Redis was out of reach for a TTL) and another router took the
+            # id: both now serve under it. Its leases and ours stay apart by incarnation.
+            logger.error("router %s: another router now beats under this id; give each "
+                         "router its own --router-id", self.router_id)
+        self._displaced = not held
+        return held
 
     async def _beat_loop(self) -> None:
         while not self._stopping:
@@ -132,12 +156,14 @@ class RouterPresence:
         gone; returns how many. ``prefill_stub_of(worker_id)``: the live prefill worker's
         stub, or None (a worker that is gone took its leases with it)."""
         try:
-            entries, _ = await self.ledger.entries(limit=1 << 20)
+            entries, _ = await self.ledger.entries(limit=MAX_LIST_LIMIT)
         except Exception as e:  # noqa: BLE001
             logger.warning("router %s: cannot read the transfer ledger: %s", self.router_id, e)
             return 0
-        left = [e for e in entries
-                if e.router_id == self.router_id and e.router_incarnation != self.incarnation]
+        # A lease being pulled is left to its pull, which releases it: the puller may not
+        # have heard of the cut yet and would read blocks already reused.
+        left = [e for e in entries if e.router_id == self.router_id
+                and e.router_incarnation != self.incarnation and not e.decode_worker_id]
         mine = [e for e in left if Incarnation.decode(e.router_incarnation).surely_gone()]
         if len(mine) < len(left):
             logger.info("router %s: %d leases of an earlier incarnation that may still run "

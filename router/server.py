@@ -42,10 +42,12 @@ async def serve_router(config: RouterConfig) -> None:
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)
-    reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))
+    reclaim = None
     try:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
+        # After the bind: a router that cannot take its port releases nobody's leases.
+        reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))
         router = RouterServicer(config, directory, model, stats, presence.router_id,
                                 presence.incarnation)
         router_pb2_grpc.add_RouterServicer_to_server(router, server.server)
@@ -58,7 +60,8 @@ async def serve_router(config: RouterConfig) -> None:
         await serve(server, lambda: stats.requests_in_flight, on_started=started,
                     metrics=lambda: router_metrics(stats, directory))
     finally:
-        await stop_task(reclaim, 1.0)
+        if reclaim is not None:
+            await stop_task(reclaim, 1.0)
         await presence.stop()
         await directory.stop()
 

@@ -115,14 +115,22 @@ def assert_same_logprobs(got, want, abs_tol: float = 1e-4) -> None:
     """SDK TokenLogprobs (or None) against the in-process engine's: same tokens and ranks,
     logprobs within ``abs_tol`` (other processes, other batches)."""
     assert len(got) == len(want)
+    rank_slips = []
     for a, b in zip(got, want):
         if b is None:
             assert a is None
             continue
-        assert (a.sampled.token_id, a.sampled.rank) == (b.sampled.token_id, b.sampled.rank)
+        assert a.sampled.token_id == b.sampled.token_id
+        if a.sampled.rank != b.sampled.rank:
+            rank_slips.append(abs(a.sampled.rank - b.sampled.rank))
         assert a.sampled.logprob == pytest.approx(b.sampled.logprob, abs=abs_tol)
         assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
         assert [t.token for t in (a.sampled, *a.top)] == [
             t.decoded_token for t in (b.sampled, *b.top)]
         assert [t.logprob for t in a.top] == pytest.approx([t.logprob for t in b.top],
                                                            abs=abs_tol)
+    # A prompt token deep in the tail (rank ~7000 of 8192) has neighbours closer than the
+    # float noise between two processes' GEMMs (~1e-6): one may pass it in one and not the
+    # other. Such a slip is rare and by one or two places; a wrong rank rule shows everywhere.
+    assert len(rank_slips) <= max(1, len(want) // 16) and all(d <= 2 for d in rank_slips), \
+        rank_slips

@@ -14,10 +14,11 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockStored
 from engine.outputs import LeaseEnded
-from router.ledger import (EXPIRY_MARGIN_S, TransferOpened, TransferPulling, entry_key)
+from router.ledger import (EXPIRY_MARGIN_S, MAX_LIST_LIMIT, TransferOpened, TransferPulling,
+                           entry_key)
 from router.redis_server import RedisServer
 from router.registry import Registry
-from router.router_presence import TTL_S, Incarnation, RouterPresence
+from router.router_presence import TTL_S, Incarnation, RouterPresence, pid_namespace
 from protos import worker_pb2
 
 
@@ -28,8 +29,8 @@ def redis_url():
 
 
 def _opened(rid: str, router: str = "r1", inc: str = "inc", expires_in: float = 60.0,
-            blocks: int = 3) -> TransferOpened:
-    now = time.time()
+            blocks: int = 3, clock_off: float = 0.0) -> TransferOpened:
+    now = time.time() + clock_off  # the worker's clock
     return TransferOpened(request_id=rid, router_id=router, router_incarnation=inc,
                           prefill_address="127.0.0.1:7", num_blocks=blocks,
                           num_tokens=blocks * 16 - 5, leased_at=now, expires_at=now + expires_in)
@@ -65,16 +66,42 @@ def test_an_entry_lives_from_open_through_pull_to_its_lease_end(redis_url):
     asyncio.run(body())
 
 
-def test_entries_expire_with_their_lease_and_leave_the_listing(redis_url):
+def test_entries_expire_with_their_lease_and_leave_the_listing(redis_url, monkeypatch):
+    import router.ledger
+    monkeypatch.setattr(router.ledger, "EXPIRY_MARGIN_S", 0.1)
+
     async def body():
         reg = Registry.from_url(redis_url, "l2")
-        await reg.publish_events("p1", [_opened("short", expires_in=0.2 - EXPIRY_MARGIN_S),
-                                        _opened("long")])
+        await reg.publish_events("p1", [_opened("short", expires_in=0.1), _opened("long"),
+                                        _opened("lost")])
         ttl_ms = await reg.r.pttl(entry_key("l2", "p1", "long"))
-        assert 60_000 < ttl_ms <= (60 + EXPIRY_MARGIN_S) * 1000
+        assert 59_000 < ttl_ms <= 60_100
         await asyncio.sleep(0.4)  # Redis expired "short"'s entry: its index member is pruned
+        await reg.r.delete(entry_key("l2", "p1", "lost"))  # gone before its time: pruned too
         entries, omitted = await reg.ledger.entries()
         assert [e.request_id for e in entries] == ["long"] and omitted == 0
+        assert await reg.r.zcard(reg.ledger.index_key) == 1
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_no_clock_but_redis_s_decides_what_expires(redis_url, monkeypatch):
+    """A worker's clock behind Redis's does not expire its entries early, and a reader's
+    clock ahead of the workers' hides no live entry."""
+    async def body():
+        reg = Registry.from_url(redis_url, "l2b")
+        await reg.publish_events("p1", [_opened("behind", clock_off=-1000.0)])
+        assert 55_000 < await reg.r.pttl(entry_key("l2b", "p1", "behind")) \
+            <= (60 + EXPIRY_MARGIN_S) * 1000
+        import router.ledger
+
+        class _Ahead:
+            @staticmethod
+            def time() -> float:
+                return time.time() + 1000.0
+        monkeypatch.setattr(router.ledger, "time", _Ahead)
+        entries, omitted = await reg.ledger.entries()
+        assert [e.request_id for e in entries] == ["behind"] and omitted == 0
         assert await reg.r.zcard(reg.ledger.index_key) == 1
         await reg.r.aclose()
     asyncio.run(body())
@@ -92,6 +119,9 @@ def test_listing_is_bounded_expiring_first_and_ids_never_collide(redis_url):
         every, _ = await reg.ledger.entries()
         assert {(e.prefill_worker_id, e.request_id) for e in every} >= {("a:b", "c"),
                                                                         ("a", "b:c")}
+        for bad in (0, MAX_LIST_LIMIT + 1):
+            with pytest.raises(ValueError, match="limit"):
+                await reg.ledger.entries(limit=bad)
         await reg.r.aclose()
     asyncio.run(body())
 
@@ -104,6 +134,12 @@ def test_a_purged_worker_takes_its_entries_with_it(redis_url):
         await reg.deregister("p1")
         assert [(e.prefill_worker_id, e.request_id)
                 for e in (await reg.ledger.entries())[0]] == [("p10", "y")]
+        # A worker started again under its id: its predecessor's leases died with it.
+        await reg.publish_events("p10", [_opened("z"), LeaseEnded("y")])
+        await reg.publish_events("p10", [_opened("w")])
+        await reg.clear_worker("p10")
+        assert (await reg.ledger.entries()) == ([], 0)
+        assert not await reg.r.keys("l4:wxfers:*")
         await reg.r.aclose()
     asyncio.run(body())
 
@@ -120,14 +156,22 @@ def test_a_non_event_is_refused(redis_url):
 # --- router presence -------------------------------------------------------------------------
 def test_incarnations_are_gone_only_when_surely_so():
     me = Incarnation.this_process()
+    ns = pid_namespace()
+    assert ns and me.pidns == ns
     assert Incarnation.decode(me.encode()) == me
-    assert Incarnation(me.token + "x", me.host, os.getpid()).surely_gone()  # pid reused by me
+    assert Incarnation(me.token + "x", me.host, os.getpid(), ns).surely_gone()  # pid reused
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    assert Incarnation("t", me.host, int(dead.stdout)).surely_gone()
-    assert not Incarnation("t", me.host, os.getppid()).surely_gone()  # alive
-    assert not Incarnation("t", me.host + "-elsewhere", 999_999_999).surely_gone()
+    assert Incarnation("t", me.host, int(dead.stdout), ns).surely_gone()
+    assert Incarnation("t", "another-host", int(dead.stdout), ns).surely_gone()
+    assert not Incarnation("t", me.host, os.getppid(), ns).surely_gone()  # alive
+    # Another pid namespace (a container) proves nothing, though its host name is ours and
+    # its pid is dead here or is even our own.
+    for pid in (int(dead.stdout), os.getpid()):
+        assert not Incarnation("t", me.host, pid, "another-boot/4026531836").surely_gone()
+        assert not Incarnation("t", me.host, pid, "").surely_gone()
     assert not Incarnation.decode("garbage").surely_gone()
+    assert Incarnation.decode(Incarnation("t", "h", 5).encode()) == Incarnation("t", "h", 5)
 
 
 class _Stub:
@@ -142,12 +186,17 @@ class _Stub:
 def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "l6")
-        dead = Incarnation("old", socket.gethostname(), os.getpid())  # as a container restart
-        elsewhere = Incarnation("far", socket.gethostname() + "-other", 4242)
+        host, ns = socket.gethostname(), pid_namespace()
+        dead = Incarnation("old", host, os.getpid(), ns)  # this pid, in this namespace
+        elsewhere = Incarnation("far", host + "-other", 4242, "other-boot/1")
+        container = Incarnation("ctr", host, os.getpid(), "other-boot/2")  # hostname shared
         await reg.publish_events("p1", [
             _opened("mine-1", "r1", dead.encode()), _opened("mine-2", "r1", dead.encode()),
+            _opened("pulled", "r1", dead.encode()),
             _opened("other-router", "r2", dead.encode()),
-            _opened("maybe-alive", "r1", elsewhere.encode())])
+            _opened("maybe-alive", "r1", elsewhere.encode()),
+            _opened("other-container", "r1", container.encode())])
+        await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time())])
         await reg.publish_events("gone", [_opened("on-a-dead-worker", "r1", dead.encode())])
         presence = RouterPresence(reg.ledger, "r1")
         await presence.claim()
@@ -156,7 +205,7 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
         n = await presence.reclaim(lambda wid: stub if wid == "p1" else None)
         assert n == 2 and sorted(stub.released) == ["mine-1", "mine-2"]
         await presence.stop()
-        assert await reg.ledger.router_heartbeat("r1") is None
+        assert await reg.ledger.router_holder("r1") is None
         await reg.r.aclose()
     asyncio.run(body())
 
@@ -164,28 +213,52 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
 def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "l7")
-        other = Incarnation("live", socket.gethostname() + "-other", 1).encode()
-        beats = asyncio.create_task(_beat_forever(reg, "taken", other))
-        await asyncio.sleep(0.1)
-        with pytest.raises(ValueError, match="in use by a live router"):
-            await RouterPresence(reg.ledger, "taken").claim()
-        beats.cancel()
+        host, ns = socket.gethostname(), pid_namespace()
+        for other in (Incarnation("live", host + "-other", 1, "other-boot/1"),
+                      Incarnation("here", host, os.getppid(), ns),  # alive in our namespace
+                      Incarnation("ctr", host, os.getpid(), "other-boot/2")):
+            beats = asyncio.create_task(_beat_forever(reg, "taken", other.encode()))
+            await asyncio.sleep(0.1)
+            with pytest.raises(ValueError, match="in use by a live router"):
+                await RouterPresence(reg.ledger, "taken").claim()
+            beats.cancel()
+            await reg.ledger.router_leave("taken", other.encode())
+        # The heartbeat is Redis's key, expiring a TTL after the last beat.
+        other = Incarnation("gone", host + "-other", 1, "other-boot/1").encode()
+        assert await reg.ledger.router_claim("stale", other, TTL_S)
+        assert 0 < await reg.r.pttl("l7:router:stale") <= TTL_S * 1000
+        assert await reg.ledger.live_routers(["stale", "never"]) == {"stale"}
         # A predecessor that stopped beating is waited out, then its id is taken.
-        await reg.ledger.router_beat("stale", other)
         t0 = time.monotonic()
         p = RouterPresence(reg.ledger, "stale")
         await p.claim()
         assert time.monotonic() - t0 >= TTL_S - 0.5
-        assert (await reg.ledger.router_heartbeat("stale"))[0] == p.incarnation
-        assert "stale" in await reg.ledger.live_routers(TTL_S)
+        assert await reg.ledger.router_holder("stale") == p.incarnation
+        # Its beats do not take the id back from the new holder.
+        assert not await reg.ledger.router_claim("stale", other, TTL_S)
+        assert not await p.ledger.router_leave("stale", other)
+        assert await reg.ledger.live_routers(["stale"]) == {"stale"}
         await p.stop()
+        assert await reg.ledger.live_routers(["stale"]) == set()
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_a_router_that_died_leaves_no_key_behind(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l8")
+        p = RouterPresence(reg.ledger, "crashed")
+        await p.claim()
+        assert await reg.r.keys("l8:*") == [b"l8:router:crashed"]
+        await asyncio.sleep(TTL_S + 0.2)  # never left, never beat again
+        assert await reg.r.keys("l8:*") == []
         await reg.r.aclose()
     asyncio.run(body())
 
 
 async def _beat_forever(reg: Registry, router_id: str, incarnation: str) -> None:
     while True:
-        await reg.ledger.router_beat(router_id, incarnation)
+        await reg.ledger.router_claim(router_id, incarnation, TTL_S)
         await asyncio.sleep(0.2)
 
 

@@ -152,8 +152,8 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
     (the router keeps one for its life) works again once Redis answers."""
     import redis.exceptions
 
-    import router.registry
-    monkeypatch.setattr(router.registry, "REDIS_TIMEOUT_S", 0.5)
+    import router.redis_bound
+    monkeypatch.setattr(router.redis_bound, "REDIS_TIMEOUT_S", 0.5)
 
     async def body(server):
         reg = Registry.from_url(server.url, "t-hung")

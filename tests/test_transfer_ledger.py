@@ -73,9 +73,14 @@ def test_a_lease_is_listed_while_held_and_gone_once_released(cluster, capsys):
     assert cli_main(["admin", "--router", cluster.router_address, "transfers", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)["transfers"]
     assert listed["transfer_id"] == "held~1" and listed["num_blocks"] == 3
-    with pytest.raises(grpc.RpcError) as err:
-        _transfers(cluster, limit=-1)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for bad in (-1, 10_001):
+        with pytest.raises(grpc.RpcError) as err:
+            _transfers(cluster, limit=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(SystemExit):  # refused by the CLI before any call
+        cli_main(["admin", "--router", cluster.router_address, "transfers",
+                  "--limit", "2147483648"])
+    assert "must be in [0, 10000]" in capsys.readouterr().err
     assert _release(prefill.address, "held~1")
     assert wait_until(lambda: not _transfers(cluster).transfers, 10)
     for bad in (dict(router_id="a\nforged line"), dict(router_incarnation="x" * 257)):
@@ -83,6 +88,20 @@ def test_a_lease_is_listed_while_held_and_gone_once_released(cluster, capsys):
             _prefill(prefill.address, "bad~1", prompt, **bad)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert worker_info(prefill.address).num_leased == 0
+
+
+def test_a_release_that_comes_before_its_prefill_ends_frees_the_lease(cluster):
+    """A router that cut its Prefill call releases at once; where the release reaches the
+    worker before the lease exists, the lease is freed as soon as it is made."""
+    prefill = _proc(cluster, "prefill")
+    prompt = random_prompts(1, seed=35, lo=40, hi=40)[0]
+    assert not _release(prefill.address, "early~1")
+    with pytest.raises(grpc.RpcError) as err:
+        _prefill(prefill.address, "early~1", prompt, router_id="ops")
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert worker_info(prefill.address).num_leased == 0
+    assert not _transfers(cluster).transfers
+    wait_all_blocks_free([prefill.address])
 
 
 def test_requests_through_the_router_leave_no_entry_behind(cluster):
@@ -128,7 +147,7 @@ def test_a_killed_router_started_again_releases_the_leases_it_left(cluster):
     router, prefill = _proc(cluster, "router"), _proc(cluster, "prefill")
     router_id = router.args[router.args.index("--router-id") + 1]
     r = redis.Redis.from_url(cluster.redis_url)
-    incarnation = r.hget("pdserve:router_incarnations", router_id).decode()
+    incarnation = r.get(f"pdserve:router:{router_id}").decode()
     assert f" {router.popen.pid} " in incarnation
     # Leases as that router would have left them had it died mid-request; one of another
     # router's, which must stay.
@@ -155,4 +174,4 @@ def test_a_killed_router_started_again_releases_the_leases_it_left(cluster):
     (t,) = _transfers(cluster).transfers
     assert t.router_id == router_id and t.router_live  # the new router beats under the id
     assert _release(prefill.address, "live~0")
-    assert r.hget("pdserve:router_incarnations", router_id).decode() != incarnation
+    assert r.get(f"pdserve:router:{router_id}").decode() != incarnation
