@@ -61,7 +61,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume)
         self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, rid,
-                                                self.rt.worker_id, time.time()))
+                                                self.rt.worker_id, time.time(),
+                                                request.kv_handle.lease_timeout_s))
         t0 = time.monotonic()
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining())
         t1 = time.monotonic()

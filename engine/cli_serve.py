@@ -156,7 +156,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-id", default="",
                    help="this router's name in Redis, unique among the routers sharing it; "
                         "restarted under it, the router releases the KV leases its "
-                        "predecessor left (default: router-HOST-PORT)")
+                        "predecessor left (default: router-HOSTNAME-[ADDRESS-]PORT)")
 
 
 def cmd_router(args: argparse.Namespace) -> int:

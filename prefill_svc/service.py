@@ -16,16 +16,9 @@ from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from router.ledger import TransferOpened
+from router.router_presence import check_incarnation, check_router_id
 
 _MAX_RELEASED_EARLY = 1024
-_MAX_LABEL_CHARS = 256
-
-
-def _check_label(name: str, value: str) -> None:
-    """The router's names for the ledger: bounded, and printable (they reach logs and tables)."""
-    if len(value) > _MAX_LABEL_CHARS or not value.isprintable():
-        raise ValueError(f"{name} must be at most {_MAX_LABEL_CHARS} printable characters, "
-                         f"got {value[:40]!r}{'...' if len(value) > 40 else ''}")
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -33,7 +26,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.rt = rt
         # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
         self._leases: dict[str, float] = {}
-        # Ids released before this servicer saw their lease (see _record), oldest first.
+        # Ids released before this servicer saw their lease (see _prefill), oldest first.
         self._released_early: dict[str, bool] = {}
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -58,8 +51,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not ids:
             raise ValueError("prompt_token_ids is empty")
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
-        for name in ("router_id", "router_incarnation"):
-            _check_label(name, getattr(request, name))
+        check_router_id(request.router_id)
+        check_incarnation(request.router_incarnation)
         async with contextlib.aclosing(self.rt.engine.generate(rid, ids, params, resume)) as outs:
             async for out in outs:
                 first_token_time = time.monotonic()

@@ -10,6 +10,7 @@ from engine.generation_defaults import check_generation_config
 from engine.grpc_server import ServerConfig
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
+from router.router_presence import check_router_id
 
 DECODE_STREAMS = ("multiplexed", "per-request")
 
@@ -68,7 +69,7 @@ class RouterConfig:
     log_requests: bool = True
     # This router's name in Redis (its heartbeat, the transfer ledger's entries): unique among
     # the routers sharing a Redis namespace. A router restarted under its id releases the KV
-    # leases its predecessor left (router/router_presence.py). "": router-HOST-PORT.
+    # leases its predecessor left (router/router_presence.py). "": router-HOSTNAME-[ADDRESS-]PORT.
     router_id: str = ""
     # The template text chat_template names, read when the config is built.
     chat_template_text: str | None = field(default=None, init=False, repr=False)
@@ -113,10 +114,7 @@ class RouterConfig:
         if not isinstance(self.liveness, LivenessConfig):
             raise ValueError(f"liveness must be a LivenessConfig, got "
                              f"{type(self.liveness).__name__}")
-        if not isinstance(self.router_id, str) or len(self.router_id) > 128 or any(
-                c.isspace() or not c.isprintable() for c in self.router_id):
-            raise ValueError(f"router_id must be at most 128 printable characters without "
-                             f"spaces, got {self.router_id!r}")
+        check_router_id(self.router_id)
         if not isinstance(self.local_prefill, LocalPrefillConfig):
             raise ValueError("local_prefill must be a LocalPrefillConfig, "
                              f"got {type(self.local_prefill).__name__}")

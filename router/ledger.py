@@ -12,8 +12,10 @@ Writers, all batched into the pipelines that already carry the prefix-cache even
 
 - the prefill worker opens an entry when it answers Prefill with a KV handle
   (``TransferOpened``) and closes it when the lease ends (``engine.outputs.LeaseEnded``);
-- the decode worker marks the entry when its pull begins (``TransferPulling``); the mark only
-  updates an entry that still exists, so a late one never brings a closed entry back.
+- the decode worker marks the entry when its pull begins (``TransferPulling``). The mark is a
+  key of its own, since the two workers' pipelines race: a mark that lands before the open
+  still shows once the entry does, and one that lands after the close lists nothing (the
+  listing walks the entries) and expires with the lease it named.
 
 Key schema (``ns`` is the registry's namespace):
 
@@ -23,6 +25,8 @@ Key schema (``ns`` is the registry's namespace):
 - ``{ns}:xfers``                              ZSET  entry key -> lease expiry (the worker's
                                               unix time: an order for listing, not a clock
                                               anyone else trusts)
+- ``{ns}:xpull:{n}:{worker_id}:{request_id}`` HASH  the decode worker pulling that entry's
+                                              blocks; Redis expires it with the lease
 - ``{ns}:wxfers:{worker_id}``                 SET   a worker's entry keys (to drop them with it)
 - ``{ns}:router:{router_id}``                 STRING the incarnation beating for the id;
                                               Redis expires it a TTL after its last beat
@@ -61,14 +65,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-_MARK_PULLING_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('HSET', KEYS[1], 'decode_worker_id', ARGV[1], 'pull_started_at', ARGV[2])
-  return 1
-end
-return 0
-"""
-
 
 @dataclass(frozen=True)
 class TransferOpened:
@@ -92,6 +88,7 @@ class TransferPulling:
     request_id: str
     decode_worker_id: str
     started_at: float  # unix time
+    lease_timeout_s: float  # what the KV handle said was left of the lease
 
 
 @dataclass
@@ -115,6 +112,13 @@ class LedgerEntry:
 
 def entry_key(ns: str, worker_id: str, request_id: str) -> str:
     return f"{ns}:xfer:{len(worker_id)}:{worker_id}:{request_id}"
+
+
+def pull_key(entry: str | bytes) -> str:
+    """The pull mark's key for an entry's key."""
+    entry = entry.decode() if isinstance(entry, bytes) else entry
+    head, _, rest = entry.partition(":xfer:")  # the namespace has no ":"
+    return f"{head}:xpull:{rest}"
 
 
 class TransferLedger:
@@ -156,13 +160,14 @@ class TransferLedger:
             p.pexpire(self._worker_key(worker_id), ttl_ms)  # a worker's leases share a length
         elif isinstance(ev, LeaseEnded):
             key = entry_key(self.ns, worker_id, ev.request_id)
-            p.delete(key)
+            p.delete(key, pull_key(key))
             p.zrem(self.index_key, key)
             p.srem(self._worker_key(worker_id), key)
         elif isinstance(ev, TransferPulling):
-            key = entry_key(self.ns, ev.prefill_worker_id, ev.request_id)
-            # EVAL, not a registered script: those await a load of their own on a pipeline.
-            p.eval(_MARK_PULLING_LUA, 1, key, ev.decode_worker_id, repr(ev.started_at))
+            key = pull_key(entry_key(self.ns, ev.prefill_worker_id, ev.request_id))
+            p.hset(key, mapping={"decode_worker_id": ev.decode_worker_id,
+                                 "pull_started_at": repr(ev.started_at)})
+            p.pexpire(key, int((max(ev.lease_timeout_s, 0.0) + EXPIRY_MARGIN_S) * 1000))
         else:
             return False
         return True
@@ -175,7 +180,7 @@ class TransferLedger:
         keys = list(await self.r.smembers(wkey))
         async with self.r.pipeline(transaction=False) as p:
             if keys:
-                p.delete(*keys)
+                p.delete(*keys, *(pull_key(k) for k in keys))
                 p.zrem(self.index_key, *keys)
             p.delete(wkey)
             await p.execute()
@@ -192,13 +197,14 @@ class TransferLedger:
         async with self.r.pipeline(transaction=False) as p:
             for k in keys:
                 p.hgetall(k)
+                p.hgetall(pull_key(k))
             raws = await p.execute()
         out, gone = [], []
-        for k, raw in zip(keys, raws):
+        for k, raw, pull in zip(keys, raws[::2], raws[1::2]):
             if not raw:
                 gone.append(k)
                 continue
-            out.append(_entry(raw))
+            out.append(_entry({**raw, **pull}))
         if gone:
             await self.r.zrem(self.index_key, *gone)
         return out, max(total - len(keys), 0)

@@ -41,6 +41,27 @@ _RELEASE_TIMEOUT_S = 5.0
 _STOP_S = 2.0
 
 
+def check_router_id(value) -> str:
+    """A router id: at most 128 printable characters without spaces ("" for the default)."""
+    return _check_name("router_id", value, 128, spaces=False)
+
+
+def check_incarnation(value) -> str:
+    """An incarnation as a Prefill call names it: at most 256 printable characters."""
+    return _check_name("router_incarnation", value, 256, spaces=True)
+
+
+def _check_name(name: str, value, max_chars: int, spaces: bool) -> str:
+    # They reach logs, tables and Redis keys: nothing that could break a line or a key.
+    if not isinstance(value, str) or len(value) > max_chars or not value.isprintable() or (
+            not spaces and any(c.isspace() for c in value)):
+        shown = f"{value[:40]!r}{'...' if len(value) > 40 else ''}" \
+            if isinstance(value, str) else repr(value)
+        raise ValueError(f"{name} must be at most {max_chars} printable characters"
+                         f"{'' if spaces else ' without spaces'}, got {shown}")
+    return value
+
+
 def pid_namespace() -> str:
     """This process's pid namespace, as ``BOOT_ID/NS_INODE`` ("" where /proc does not tell).
     Two namespaces that exist at once never share an inode; one that ended may pass its
@@ -92,10 +113,16 @@ class Incarnation:
         return False
 
 
-def default_router_id(port: int) -> str:
-    """``router-HOST-PORT``: a router restarted on its port takes its predecessor's id. With
-    port 0 (chosen at bind), the pid stands in, so such a router keeps no id across restarts."""
-    return f"router-{socket.gethostname()}-{port if port else os.getpid()}"
+def default_router_id(host: str, port: int) -> str:
+    """``router-HOSTNAME-PORT``, with the bind address before the port unless it is a
+    wildcard (two routers may share a port on two addresses): a router restarted on its
+    address and port takes its predecessor's id. With port 0 (chosen at bind), the pid stands
+    in, so such a router keeps no id across restarts."""
+    where = "" if host in _WILDCARDS else f"{host}-"
+    return f"router-{socket.gethostname()}-{where}{port if port else os.getpid()}"
+
+
+_WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 class RouterPresence:

@@ -33,7 +33,8 @@ async def serve_router(config: RouterConfig) -> None:
                     model.sampling_defaults)
     registry = Registry.from_url(config.redis_url, config.namespace)
     presence = RouterPresence(registry.ledger,
-                              config.router_id or default_router_id(config.server.port))
+                              config.router_id or default_router_id(config.server.host,
+                                                                  config.server.port))
     await presence.claim()
     directory = WorkerDirectory(registry, config.block_size, config.refresh_interval_s,
                                 GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,

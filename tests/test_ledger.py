@@ -15,7 +15,7 @@ from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockStored
 from engine.outputs import LeaseEnded
 from router.ledger import (EXPIRY_MARGIN_S, MAX_LIST_LIMIT, TransferOpened, TransferPulling,
-                           entry_key)
+                           entry_key, pull_key)
 from router.redis_server import RedisServer
 from router.registry import Registry
 from router.router_presence import TTL_S, Incarnation, RouterPresence, pid_namespace
@@ -49,19 +49,31 @@ def test_an_entry_lives_from_open_through_pull_to_its_lease_end(redis_url):
                 for e in entries] == [("a~1", "leased", 3, "r1", "p1"),
                                       ("b~2", "leased", 5, "r1", "p1")]
         assert await reg.match_prefix(hashes, ["p1"]) == {"p1": 3}
-        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time())])
+        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time(), 60.0)])
         (a, b), _ = await reg.ledger.entries()
         assert (a.state, a.decode_worker_id, b.state) == ("pulling", "d1", "leased")
         assert a.pull_started_at > 0
         await reg.publish_events("p1", [LeaseEnded("a~1")])
         assert [e.request_id for e in (await reg.ledger.entries())[0]] == ["b~2"]
         # A pull mark arriving after the lease ended does not bring the entry back.
-        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time())])
+        await reg.publish_events("d1", [TransferPulling("p1", "a~1", "d1", time.time(), 60.0)])
         assert not await reg.r.exists(entry_key("l1", "p1", "a~1"))
         assert [e.request_id for e in (await reg.ledger.entries())[0]] == ["b~2"]
         await reg.publish_events("p1", [LeaseEnded("b~2", expired=True)])
         assert (await reg.ledger.entries()) == ([], 0)
         assert await reg.r.zcard(reg.ledger.index_key) == 0
+        # The late mark lingers no longer than the lease it named.
+        assert 0 < await reg.r.pttl(pull_key(entry_key("l1", "p1", "a~1"))) \
+            <= (60 + EXPIRY_MARGIN_S) * 1000
+        # A mark that reaches Redis before its entry's open (the workers' pipelines race)
+        # shows once the entry does; the close takes it along.
+        await reg.publish_events("d2", [TransferPulling("p1", "c~3", "d2", time.time(), 60.0)])
+        assert (await reg.ledger.entries()) == ([], 0)
+        await reg.publish_events("p1", [_opened("c~3")])
+        (c,), _ = await reg.ledger.entries()
+        assert (c.request_id, c.state, c.decode_worker_id) == ("c~3", "pulling", "d2")
+        await reg.publish_events("p1", [LeaseEnded("c~3")])
+        assert not await reg.r.exists(pull_key(entry_key("l1", "p1", "c~3")))
         await reg.r.aclose()
     asyncio.run(body())
 
@@ -137,9 +149,10 @@ def test_a_purged_worker_takes_its_entries_with_it(redis_url):
         # A worker started again under its id: its predecessor's leases died with it.
         await reg.publish_events("p10", [_opened("z"), LeaseEnded("y")])
         await reg.publish_events("p10", [_opened("w")])
+        await reg.publish_events("d1", [TransferPulling("p10", "w", "d1", time.time(), 60.0)])
         await reg.clear_worker("p10")
         assert (await reg.ledger.entries()) == ([], 0)
-        assert not await reg.r.keys("l4:wxfers:*")
+        assert not await reg.r.keys("l4:wxfers:*") and not await reg.r.keys("l4:xpull:*")
         await reg.r.aclose()
     asyncio.run(body())
 
@@ -196,7 +209,7 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
             _opened("other-router", "r2", dead.encode()),
             _opened("maybe-alive", "r1", elsewhere.encode()),
             _opened("other-container", "r1", container.encode())])
-        await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time())])
+        await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time(), 60.0)])
         await reg.publish_events("gone", [_opened("on-a-dead-worker", "r1", dead.encode())])
         presence = RouterPresence(reg.ledger, "r1")
         await presence.claim()
@@ -210,19 +223,24 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
     asyncio.run(body())
 
 
-def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis_url):
+def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis_url,
+                                                                           monkeypatch):
+    import router.router_presence
+
     async def body():
         reg = Registry.from_url(redis_url, "l7")
         host, ns = socket.gethostname(), pid_namespace()
-        for other in (Incarnation("live", host + "-other", 1, "other-boot/1"),
-                      Incarnation("here", host, os.getppid(), ns),  # alive in our namespace
-                      Incarnation("ctr", host, os.getpid(), "other-boot/2")):
-            beats = asyncio.create_task(_beat_forever(reg, "taken", other.encode()))
-            await asyncio.sleep(0.1)
-            with pytest.raises(ValueError, match="in use by a live router"):
-                await RouterPresence(reg.ledger, "taken").claim()
-            beats.cancel()
-            await reg.ledger.router_leave("taken", other.encode())
+        with monkeypatch.context() as m:
+            m.setattr(router.router_presence, "TTL_S", 1.0)  # a shorter wait before refusing
+            for other in (Incarnation("live", host + "-other", 1, "other-boot/1"),
+                          Incarnation("here", host, os.getppid(), ns),  # alive, our namespace
+                          Incarnation("ctr", host, os.getpid(), "other-boot/2")):
+                beats = asyncio.create_task(_beat_forever(reg, "taken", other.encode()))
+                await asyncio.sleep(0.1)
+                with pytest.raises(ValueError, match="in use by a live router"):
+                    await RouterPresence(reg.ledger, "taken").claim()
+                beats.cancel()
+                await reg.ledger.router_leave("taken", other.encode())
         # The heartbeat is Redis's key, expiring a TTL after the last beat.
         other = Incarnation("gone", host + "-other", 1, "other-boot/1").encode()
         assert await reg.ledger.router_claim("stale", other, TTL_S)
@@ -274,5 +292,10 @@ def test_a_bad_router_id_is_refused(value):
 def test_the_default_router_id_names_host_and_port():
     from router.router_presence import default_router_id
 
-    assert default_router_id(50051) == f"router-{socket.gethostname()}-50051"
-    assert default_router_id(0) == f"router-{socket.gethostname()}-{os.getpid()}"
+    host = socket.gethostname()
+    assert default_router_id("0.0.0.0", 50051) == f"router-{host}-50051"
+    assert default_router_id("[::]", 50051) == f"router-{host}-50051"
+    assert default_router_id("10.0.0.5", 50051) == f"router-{host}-10.0.0.5-50051"
+    assert default_router_id("127.0.0.1", 0) == f"router-{host}-127.0.0.1-{os.getpid()}"
+    from router.router_presence import check_router_id
+    assert check_router_id(default_router_id("[fe80::1]", 50051))
