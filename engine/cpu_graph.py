@@ -32,6 +32,8 @@ from kernels.cpu_kv_write import check_slots
 from kernels.cpu_mkl_linear import mkl_available, mkl_compute_address
 
 _LIB_NAME = "decode_graph_cpu"
+# The packed GEMM the compiled layers call (oneMKL's cblas_sgemm_compute).
+GRAPH_LINEAR_KERNEL = "mkl"
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -92,7 +94,7 @@ class _Pins:
 
 def _linear(layer: LinearBase, pin: _Pins) -> _Linear | None:
     pw = layer.packed_weight
-    if pw is None or pw.kernel != "mkl" or layer.tp_size != 1:
+    if pw is None or pw.kernel != GRAPH_LINEAR_KERNEL or layer.tp_size != 1:
         return None
     bias = layer.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

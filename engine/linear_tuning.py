@@ -4,10 +4,11 @@ oneDNN's and oneMKL's packed GEMMs trade places between CPUs: oneDNN led on the 
 VM; on the AVX2 Zen 2 VM oneMKL runs the same layers 1.3-1.6x faster, and even beats the
 few-rows kernel at decode batch sizes. So with ``--linear-backend auto`` the loader times the
 candidates on the model's own weight shapes (one decoder layer's linears) at a few row counts
-before it packs anything.
+before it packs anything. Where the compiled CPU step can run, its GEMM (oneMKL's) is
+preferred: kept unless another is much faster (see _PREFERRED_MARGIN).
 
-The answer is kept in the kernel cache, keyed by the CPU, torch, the dtype, the shapes and the
-thread count, so every process on a host packs alike (TP ranks, workers started together, a
+The answer is kept in the kernel cache, keyed by the CPU, torch, the dtype, the shapes, the
+thread count and the preference, so every process on a host packs alike (TP ranks, workers started together, a
 test and its in-process reference); a file lock makes processes that start together wait for
 the one that measures instead of timing each other's noise.
 """
@@ -41,6 +42,12 @@ _REPEATS = 5
 # The first candidate (the default) keeps its place unless another beats it by this much:
 # timing noise must not flip the choice.
 _MARGIN = 0.97
+# Only oneMKL's packs run in the compiled CPU step (engine/cpu_graph.py), which takes the
+# per-layer Python off every step: where that step can run, its GEMM keeps its place unless
+# another is 1.5x faster on the timed rows. Timing GEMMs alone cannot see this: on the Zen 4
+# VM oneDNN's won some timings by up to 25%, and the worker that took it decoded a batch of
+# one at 8.1 ms a token on two threads where oneMKL with the compiled step takes 3.5.
+_PREFERRED_MARGIN = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -51,25 +58,31 @@ class LinearChoice:
 
 
 def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str],
-                          pack_threads: int | None = None) -> LinearChoice:
+                          pack_threads: int | None = None,
+                          prefer: str | None = None) -> LinearChoice:
     """The fastest of ``candidates`` on ``weights`` (one of each distinct linear shape) at
     torch's current thread count, packed for ``pack_threads`` (the most a call may use), from
-    the host's cache when measured before, else measured now and cached."""
-    key = _cache_key(weights, candidates, pack_threads)
+    the host's cache when measured before, else measured now and cached. ``prefer``, where it
+    is a candidate, is kept unless another is much faster (see _PREFERRED_MARGIN)."""
+    margin = _MARGIN
+    if prefer in candidates:
+        candidates = [prefer] + [c for c in candidates if c != prefer]
+        margin = _PREFERRED_MARGIN
+    key = _cache_key(weights, candidates, pack_threads, margin)
     folder = cache_dir() / "linear-choice"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / f"{key}.lock", "w")
     except OSError as e:  # a read-only home, say: measure, just not once for the host
         logger.warning("no linear-choice cache in %s (%s): measuring in this process", folder, e)
-        return _measure(weights, candidates, pack_threads)
+        return _measure(weights, candidates, pack_threads, margin)
     path = folder / f"{key}.json"
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the others read its answer
         cached = _read(path)
         if cached is not None:
             return cached
-        choice = _measure(weights, candidates, pack_threads)
+        choice = _measure(weights, candidates, pack_threads, margin)
         try:
             _write(path, choice)
         except OSError as e:
@@ -81,7 +94,7 @@ def choose_linear_kernels(weights: list[torch.Tensor], candidates: list[str],
 
 
 def _measure(weights: list[torch.Tensor], candidates: list[str],
-             pack_threads: int | None = None) -> LinearChoice:
+             pack_threads: int | None = None, margin: float = _MARGIN) -> LinearChoice:
     flops_per_row = 2 * sum(w.numel() for w in weights)
     rows = [max(_FEW_ROWS, min(r, int(_FLOP_BUDGET // flops_per_row))) for r in _ROWS]
     g = torch.Generator().manual_seed(0)
@@ -104,7 +117,7 @@ def _measure(weights: list[torch.Tensor], candidates: list[str],
     for kernel in packs:  # relative to the first, so each row count weighs the same
         scores[kernel] = sum(timings[f"{kernel}@{r}"] / timings[f"{first}@{r}"] for r in rows)
     best = min(scores, key=scores.get)
-    if scores[best] > _MARGIN * scores[first]:
+    if scores[best] > margin * scores[first]:
         best = first
     few = False
     if small_linear_usable(weights[0]):
@@ -129,8 +142,8 @@ def _time(fn, x) -> float:
 
 
 def _cache_key(weights: list[torch.Tensor], candidates: list[str],
-               pack_threads: int | None) -> str:
-    parts = [cpu_identity().decode(errors="replace"), torch.__version__, str(weights[0].dtype),
+               pack_threads: int | None, margin: float) -> str:
+    parts = [f"margin {margin:.4f}", cpu_identity().decode(errors="replace"), torch.__version__, str(weights[0].dtype),
              repr([tuple(w.shape) for w in weights]), repr(candidates),
              str(torch.get_num_threads()), str(pack_threads),
              str(enable_mkl_cpu_dispatch().applied),

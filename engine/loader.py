@@ -22,11 +22,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend, linear_backend: str = "torch",
-               pack_threads: int | None = None) -> nn.Module:
+               pack_threads: int | None = None, prefer_linear: str | None = None) -> nn.Module:
     """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode;
     ``linear_backend`` (a resolved name, see kernels.cpu_linear) other than "torch" packs its
-    linear layers for that GEMM, or for the fastest one here ("auto"), once the weights are in,
-    for calls of up to ``pack_threads`` threads (default: torch's count)."""
+    linear layers for that GEMM, or for the fastest one here ("auto", where ``prefer_linear``
+    keeps its place unless another is much faster), once the weights are in, for calls of up
+    to ``pack_threads`` threads (default: torch's count)."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
     files = weight_files(folder)
@@ -36,12 +37,12 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     except ValueError as e:
         raise ValueError(f"{folder}: {e}") from None
     if linear_backend != "torch":
-        pack_linear_weights(model, linear_backend, pack_threads)
+        pack_linear_weights(model, linear_backend, pack_threads, prefer_linear)
     return model
 
 
 def pack_linear_weights(model: nn.Module, backend: str = "onednn",
-                        threads: int | None = None) -> int:
+                        threads: int | None = None, prefer: str | None = None) -> int:
     """Packs every linear layer and LM head of ``model`` for ``backend`` (a packed GEMM, or
     "auto": the faster of them on this model's shapes here) and calls of up to ``threads``
     threads; how many took it."""
@@ -52,7 +53,7 @@ def pack_linear_weights(model: nn.Module, backend: str = "onednn",
         if not weights:
             return 0
         choice = choose_linear_kernels(
-            weights, packed_kernels(weights[0].device, weights[0].dtype), threads)
+            weights, packed_kernels(weights[0].device, weights[0].dtype), threads, prefer)
         backend, few_rows = choice.kernel, choice.few_rows_kernel
     return sum(m.pack(backend, few_rows, threads) for m in layers)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_graph import GRAPH_LINEAR_KERNEL
 from engine.cuda_graph import CUDAGraphConfig
 from engine.kv_layout import make_layout
 from engine.loader import load_model
@@ -136,9 +137,12 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     torch.manual_seed(spec.config.seed)
     backend = get_attention_backend(spec.config.attention_backend, device)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
+    # The compiled CPU step runs only on oneMKL's packs: where it can run, they are preferred.
+    prefer = GRAPH_LINEAR_KERNEL if (cpu_graph_enabled(spec) and group.size == 1
+                                     and spec.torch_dtype == torch.float32) else None
     with tp_group_scope(group):
         return load_model(spec.model_path, spec.torch_dtype, device, backend, linear,
-                          spec.config.max_cpu_threads)
+                          spec.config.max_cpu_threads, prefer)
 
 
 _MAX_GRAPH_BATCH = 512

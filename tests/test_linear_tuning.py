@@ -73,14 +73,55 @@ def test_the_choice_follows_the_timings(monkeypatch, mkl_share, few_rows_ms, wan
     assert choice.few_rows_kernel == (want_few and small_linear_usable(_weights()[0]))
 
 
+@pytest.mark.parametrize("onednn_speedup, want_kernel", [
+    (1.3, "mkl"),  # faster, but not enough to give up the compiled step
+    (2.0, "onednn"),  # much faster: taken all the same
+])
+def test_a_preferred_kernel_keeps_its_place_unless_another_is_much_faster(
+        cache, monkeypatch, onednn_speedup, want_kernel):
+    measured = []
+
+    def fake_measure(weights, candidates, threads, margin):
+        measured.append((candidates, margin))
+        # The score rule of _measure on fixed timings: the first candidate is the default.
+        times = {"mkl": 1.0, "onednn": 1.0 / onednn_speedup}
+        best = min(candidates, key=times.get)
+        if times[best] > margin * times[candidates[0]]:
+            best = candidates[0]
+        return tuning.LinearChoice(best, False, {})
+
+    monkeypatch.setattr(tuning, "_measure", fake_measure)
+    choice = tuning.choose_linear_kernels(_weights(), KERNELS, prefer="mkl")
+    assert choice.kernel == want_kernel
+    assert measured == [(["mkl", "onednn"], tuning._PREFERRED_MARGIN)]
+    # Without a preference the plain margin decides, and it is another cached question.
+    assert tuning.choose_linear_kernels(_weights(), KERNELS).kernel == "onednn"
+    assert measured[1] == (KERNELS, tuning._MARGIN)
+    assert len(list((cache / "linear-choice").glob("*.json"))) == 2
+
+
+def test_the_real_score_rule_honours_the_margin(monkeypatch):
+    """_measure itself: oneDNN 1.3x faster at both row counts loses to a preferred oneMKL."""
+    def fake_time(fn, x):
+        fake_time.n += 1
+        # Order: mkl@32, mkl@256, onednn@32, onednn@256, then the few-rows pair.
+        return {1: 1.0, 2: 8.0, 3: 1.0 / 1.3, 4: 8.0 / 1.3}.get(fake_time.n, 1.0)
+    fake_time.n = 0
+    monkeypatch.setattr(tuning, "_time", fake_time)
+    assert tuning._measure(_weights(), ["mkl", "onednn"], None,
+                           tuning._PREFERRED_MARGIN).kernel == "mkl"
+    fake_time.n = 0
+    assert tuning._measure(_weights(), ["mkl", "onednn"], None).kernel == "onednn"
+
+
 _RACER = textwrap.dedent("""
     import sys, time, torch
     import engine.linear_tuning as tuning
     real = tuning._measure
-    def measure(weights, candidates, threads):
+    def measure(*args):
         open(sys.argv[1] + "/measured-" + sys.argv[2], "w").close()
         time.sleep(1.0)  # long enough for the other process to reach the lock
-        return real(weights, candidates, threads)
+        return real(*args)
     tuning._measure = measure
     g = torch.Generator().manual_seed(0)
     w = [torch.randn(96, 64, generator=g), torch.randn(64, 160, generator=g)]
@@ -109,6 +150,26 @@ def test_the_engine_packs_with_the_hosts_choice(cache, preset_path):
         for m in (model.model.layers[0].mlp.down_proj, model.lm_head):
             assert m.packed_weight.kernel == choice.kernel
             assert m.use_small_linear == choice.few_rows_kernel
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_engine_prefers_the_compiled_steps_gemm_where_that_step_runs(cache, preset_path,
+                                                                          monkeypatch, eager):
+    import engine.loader
+    from engine import LLM
+
+    asked = []
+    real = engine.loader.choose_linear_kernels
+
+    def spy(weights, candidates, threads=None, prefer=None):
+        asked.append(prefer)
+        return real(weights, candidates, threads, prefer)
+
+    monkeypatch.setattr(engine.loader, "choose_linear_kernels", spy)
+    with LLM(str(preset_path("tiny-llama")), max_model_len=128, linear_backend="auto",
+             enforce_eager=eager):
+        pass
+    assert asked == [None if eager else "mkl"]
 
 
 def test_an_unwritable_cache_still_gives_a_choice(tmp_path, monkeypatch):
