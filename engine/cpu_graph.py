@@ -92,6 +92,12 @@ class _Pins:
         return t.data_ptr()
 
 
+def preferred_linear_kernel(dtype: torch.dtype, tp_size: int) -> str | None:
+    """The packed GEMM a model's layers should take so the compiled step can run them (the
+    loader's tuning prefers it), or None where the step never runs a model of this kind."""
+    return GRAPH_LINEAR_KERNEL if dtype == torch.float32 and tp_size == 1 else None
+
+
 def _linear(layer: LinearBase, pin: _Pins) -> _Linear | None:
     pw = layer.packed_weight
     if pw is None or pw.kernel != GRAPH_LINEAR_KERNEL or layer.tp_size != 1:
@@ -129,12 +135,13 @@ class CPUModelGraph:
         """The graph for ``model`` (its KV cache bound), or None where some piece is not one
         the C graph reproduces."""
         inner = getattr(model, "model", None)
-        if (_lib() is None or not mkl_available() or get_tp_size() != 1 or inner is None
+        if (_lib() is None or not mkl_available() or inner is None
                 or not hasattr(inner, "layers") or len(inner.layers) == 0):
             return None
         first = inner.layers[0]
-        if next(model.parameters()).dtype != torch.float32 or \
-                next(model.parameters()).device.type != "cpu":
+        param = next(model.parameters())
+        if preferred_linear_kernel(param.dtype, get_tp_size()) is None or \
+                param.device.type != "cpu":
             return None
         pin = _Pins()
         layers = []

@@ -8,9 +8,9 @@ before it packs anything. Where the compiled CPU step can run, its GEMM (oneMKL'
 preferred: kept unless another is much faster (see _PREFERRED_MARGIN).
 
 The answer is kept in the kernel cache, keyed by the CPU, torch, the dtype, the shapes, the
-thread count and the preference, so every process on a host packs alike (TP ranks, workers started together, a
-test and its in-process reference); a file lock makes processes that start together wait for
-the one that measures instead of timing each other's noise.
+thread count and the preference, so every process on a host packs alike (TP ranks, workers
+started together, a test and its in-process reference); a file lock makes processes that
+start together wait for the one that measures instead of timing each other's noise.
 """
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def _time(fn, x) -> float:
 
 def _cache_key(weights: list[torch.Tensor], candidates: list[str],
                pack_threads: int | None, margin: float) -> str:
-    parts = [f"margin {margin:.4f}", cpu_identity().decode(errors="replace"), torch.__version__, str(weights[0].dtype),
+    parts = [f"margin {margin:.4f}", cpu_identity().decode(errors="replace"),
+             torch.__version__, str(weights[0].dtype),
              repr([tuple(w.shape) for w in weights]), repr(candidates),
              str(torch.get_num_threads()), str(pack_threads),
              str(enable_mkl_cpu_dispatch().applied),

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cpu_graph import GRAPH_LINEAR_KERNEL
+from engine.cpu_graph import preferred_linear_kernel
 from engine.cuda_graph import CUDAGraphConfig
 from engine.kv_layout import make_layout
 from engine.loader import load_model
@@ -137,9 +137,9 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     torch.manual_seed(spec.config.seed)
     backend = get_attention_backend(spec.config.attention_backend, device)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
-    # The compiled CPU step runs only on oneMKL's packs: where it can run, they are preferred.
-    prefer = GRAPH_LINEAR_KERNEL if (cpu_graph_enabled(spec) and group.size == 1
-                                     and spec.torch_dtype == torch.float32) else None
+    # The compiled CPU step runs on one packed GEMM's layers: where it can run, it is preferred.
+    prefer = preferred_linear_kernel(spec.torch_dtype, group.size) \
+        if cpu_graph_enabled(spec) else None
     with tp_group_scope(group):
         return load_model(spec.model_path, spec.torch_dtype, device, backend, linear,
                           spec.config.max_cpu_threads, prefer)
