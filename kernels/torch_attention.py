@@ -14,7 +14,7 @@ build a new AttentionMetadata per step rather than mutate the previous one.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,16 @@ class _PrefillSeq:
     seq_len: int
     block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no prefix
     mask: torch.Tensor | None  # [query_len, seq_len] additive (0 / -inf); None: plain causal
+    # The mask repeated per query head of a KV head's group, by group size: built by the
+    # first layer that asks, reused by the rest of the step's layers.
+    group_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """[group * query_len, seq_len]: row g * query_len + j is query j's mask."""
+        mask = self.group_masks.get(group)
+        if mask is None:
+            mask = self.group_masks[group] = self.mask.repeat(group, 1)
+        return mask
 
 
 @dataclass
@@ -228,18 +238,29 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        k_cache: torch.Tensor, v_cache: torch.Tensor, seq: _PrefillSeq,
                        scale: float, out: torch.Tensor) -> None:
     q = query[seq.start:seq.end].transpose(0, 1)  # [num_heads, q_len, head_size]
+    num_heads, q_len, head_size = q.shape
     if seq.block_ids is None:  # no cached prefix: the fresh K/V is the whole context
-        k, v = key[seq.start:seq.end], value[seq.start:seq.end]
+        k = key[seq.start:seq.end].transpose(0, 1)  # [num_kv_heads, q_len, head_size]
+        v = value[seq.start:seq.end].transpose(0, 1)
+        group = num_heads // k.shape[0]
+        if group > 1:
+            # SDPA's enable_gqa sends CPU calls down the unfused math path (the whole score
+            # matrix, causal half included): 10-50x slower than the flash kernel it takes
+            # when each query head has its own K/V. The copy is one chunk's fresh K/V.
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                           scale=scale)[0]
     else:
-        k = _gather(k_cache, seq.block_ids)[:seq.seq_len]
-        v = _gather(v_cache, seq.block_ids)[:seq.seq_len]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [num_kv_heads, seq_len, head_size]
-    group = q.shape[0] // k.shape[0]
-    if group > 1:
-        # SDPA's enable_gqa sends CPU calls down the unfused math path (the whole score
-        # matrix, causal half included): 10-50x slower than the flash kernel it takes when
-        # each query head has its own K/V. The copy is one sequence's K/V.
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=seq.mask,
-                                       is_causal=seq.mask is None, scale=scale)
-    out[seq.start:seq.end] = o[0].transpose(0, 1)
+        # [num_kv_heads, seq_len, head_size]
+        k = _gather(k_cache, seq.block_ids)[:seq.seq_len].transpose(0, 1)
+        v = _gather(v_cache, seq.block_ids)[:seq.seq_len].transpose(0, 1)
+        group = num_heads // k.shape[0]
+        # The query heads sharing a KV head become one longer query over it (the mask, which
+        # a cached prefix needs anyway, repeated per head), rather than a copy of the whole
+        # context's K/V per query head: 1.2-1.5x faster for 16-512-token chunks over 1-2K
+        # contexts, and bit for bit the same.
+        q = q.reshape(k.shape[0], group * q_len, head_size)
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None],
+                                           attn_mask=seq.grouped_mask(group), scale=scale)
+        o = o[0].view(num_heads, q_len, head_size)
+    out[seq.start:seq.end] = o.transpose(0, 1)

@@ -1,6 +1,7 @@
 """The torch paged-attention backend against the dense, token-by-token oracle."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -157,6 +158,30 @@ def test_same_meta_reused_across_layers():
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+def test_prefix_chunk_folds_query_groups_bit_for_bit():
+    # A chunk after a cached prefix attends with each KV head's query heads folded into one
+    # longer query: the same numbers, bit for bit, as giving every query head its own copy
+    # of the context's K/V; the repeated mask is made once a step, whatever the layer count.
+    gen = torch.Generator().manual_seed(11)
+    meta = make_meta([37], [90], num_decodes=0, gen=gen)
+    backend = TorchAttentionBackend()
+    scale = HEAD_SIZE ** -0.5
+    masks = set()
+    for _layer in range(3):
+        q, k, v, k_cache, v_cache = random_inputs(meta, 8, 2, gen)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+        seq = backend._cached[1].prefills[0]  # the step plan every layer shares
+        masks.add(id(seq.group_masks[4]))
+        ids = seq.block_ids
+        kk = k_cache.index_select(0, ids).reshape(-1, 2, HEAD_SIZE)[:90].transpose(0, 1)
+        vv = v_cache.index_select(0, ids).reshape(-1, 2, HEAD_SIZE)[:90].transpose(0, 1)
+        per_head = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], kk.repeat_interleave(4, 0)[None],
+            vv.repeat_interleave(4, 0)[None], attn_mask=seq.mask, scale=scale)
+        assert torch.equal(out, per_head[0].transpose(0, 1))
+    assert len(masks) == 1
+
+
 @st.composite
 def batches(draw):
     """Random mixes: decodes first, then prefill chunks with or without a cached prefix."""
@@ -222,3 +247,15 @@ def test_get_attention_backend():
         get_attention_backend("cpu", "cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flashinfer")
+
+
+def test_bench_prefill_attention_smoke(capsys):
+    from engine.cli import main as cli_main
+
+    rc = cli_main(["bench", "prefill_attention", "--shapes", "5x40,17x33", "--reps", "1",
+                   "--num-heads", "4", "--num-kv-heads", "2", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [(p["query_len"], p["seq_len"]) for p in r["points"]] == [(5, 40), (17, 33)]
+    assert all(p["folded_ms"] > 0 and p["per_head_copy_ms"] > 0 for p in r["points"])
+    assert cli_main(["bench", "prefill_attention", "--shapes", "40x40"]) == 2
