@@ -183,6 +183,8 @@ BENCHMARKS = [
     ("failover", "a worker SIGKILLed under running streams: migrated streams' stall vs the "
                  "undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
+    ("huge_pages", "a decode step's linear layers with their packs in huge pages vs 4 KiB "
+                   "pages"),
     ("prefill_attention", "attention of prefill chunks after a cached prefix: query groups "
                           "folded vs a K/V copy per query head"),
     ("gpu", "GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs on/off, decode-kernel "

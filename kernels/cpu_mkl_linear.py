@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.huge_pages import huge_page_empty
+
 # CBLAS enumerations (mkl_cblas.h).
 _ROW_MAJOR = 101
 _NO_TRANS, _TRANS = 111, 112
@@ -69,12 +71,15 @@ def mkl_available() -> bool:
     return bool(torch.allclose(got, F.linear(x, w, b), atol=1e-5))
 
 
-def mkl_pack_weight(weight: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+def mkl_pack_weight(weight: torch.Tensor, threads: int | None = None,
+                    huge_pages: bool = True) -> torch.Tensor:
     """``weight`` [out_features, in_features] float32 in oneMKL's packed layout (bytes), split
     for ``threads`` (default: torch's current count). The split is fixed: a weight packed for
     one thread runs single-threaded even when more are allowed (measured: 6.1 ms for
     tiny-llama's layers at 1 row, 3.5 ms packed for two threads); one packed for two runs on
-    one thread 4-12% slower than one packed for one."""
+    one thread 4-12% slower than one packed for one. ``huge_pages``: in huge-page memory
+    (kernels/huge_pages.py) where the kernel has it; False: torch's allocator. A pack cannot be
+    copied elsewhere (oneMKL faults computing from a copy), so the memory is chosen here."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"oneMKL packs a 2-D float32 CPU weight, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
@@ -84,8 +89,9 @@ def mkl_pack_weight(weight: torch.Tensor, threads: int | None = None) -> torch.T
     n, k = weight.shape
     weight = weight.contiguous()
     size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
-    # torch's CPU allocations are 64-byte aligned, as oneMKL wants its packed buffers.
-    packed = torch.empty(size, dtype=torch.uint8)
+    # Read whole every step: in huge pages (kernels/huge_pages.py), 2 MiB-aligned (oneMKL
+    # wants 64 bytes; torch's own allocations, the fallback, are 64-byte aligned too).
+    packed = huge_page_empty(size) if huge_pages else torch.empty(size, dtype=torch.uint8)
     previous = torch.get_num_threads()
     if threads is not None and threads != previous:
         if threads < 1:

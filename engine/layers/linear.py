@@ -15,6 +15,7 @@ from torch import nn
 from engine.parallel_state import get_tp_group, get_tp_size, kv_head_range
 from kernels.cpu_linear import PackedLinear, pack_linear
 from kernels.cpu_small_linear import SMALL_LINEAR_MAX_ROWS, small_linear, small_linear_usable
+from kernels.huge_pages import to_huge_pages
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -95,6 +96,8 @@ class LinearBase(nn.Module):
         self.use_small_linear = few_rows_kernel and small_linear_usable(self.weight.data)
         if not self.use_small_linear:
             self.weight.data = self.weight.data.new_empty(0)
+        else:  # the few-rows kernel streams it whole every low-batch step
+            self.weight.data = to_huge_pages(self.weight.data)
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
