@@ -38,6 +38,11 @@ class AttentionBenchResult:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--context", default="300-800", help="context lengths, uniform LO-HI")
+    add_layer_args(p)
+
+
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The attention layer's shape (tiny-llama's by default), repetitions, --json."""
     p.add_argument("--num-heads", type=int, default=8)
     p.add_argument("--num-kv-heads", type=int, default=4)
     p.add_argument("--head-size", type=int, default=64)
@@ -46,7 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _median_s(fn, reps: int) -> float:
+def median_s(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn`` after one warm-up call."""
     fn()
     times = []
     for _ in range(reps):
@@ -87,17 +93,17 @@ def run(args) -> AttentionBenchResult:
         max_query_len=1, max_seq_len=int(lens.max()), block_size=args.block_size, num_decodes=n)
     backend = TorchAttentionBackend()
     unused = torch.zeros(n, args.num_kv_heads, args.head_size)
-    torch_s = _median_s(lambda: backend.forward(q, unused, unused, k, v, meta, scale), args.reps)
+    torch_s = median_s(lambda: backend.forward(q, unused, unused, k, v, meta, scale), args.reps)
     out = torch.empty_like(q)
-    kernel_s = _median_s(lambda: paged_decode_attention_cpu(q, k, v, tables, lens, scale, out),
+    kernel_s = median_s(lambda: paged_decode_attention_cpu(q, k, v, tables, lens, scale, out),
                          args.reps)
     lens_c, tables_c, k_c, v_c = _batch(args, lo, hi, True, gen)
-    contiguous_s = _median_s(
+    contiguous_s = median_s(
         lambda: paged_decode_attention_cpu(q, k_c, v_c, tables_c, lens_c, scale, out), args.reps)
     kv_bytes = int(lens.sum()) * args.num_kv_heads * args.head_size * 4 * 2
     src = torch.empty(kv_bytes // 4)
     dst = torch.empty_like(src)
-    copy_s = _median_s(lambda: dst.copy_(src), args.reps)
+    copy_s = median_s(lambda: dst.copy_(src), args.reps)
     return AttentionBenchResult(
         n, (lo, hi), kv_bytes, torch.get_num_threads(), torch_s * 1e3, kernel_s * 1e3,
         contiguous_s * 1e3, 2 * kv_bytes / copy_s / 1e9, kv_bytes / torch_s / 1e9,

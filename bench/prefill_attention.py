@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from bench.attention import add_layer_args, median_s
 from kernels.attention_backend import AttentionMetadata
 from kernels.torch_attention import TorchAttentionBackend
 
@@ -34,22 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="62x510,16x1024,512x1024,512x2048",
                    help="QUERY_LENxSEQ_LEN chunks, comma-separated (62x510: the serving "
                         "benchmark's warm shared-prefix prompt)")
-    p.add_argument("--num-heads", type=int, default=8)
-    p.add_argument("--num-kv-heads", type=int, default=4)
-    p.add_argument("--head-size", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--json", action="store_true")
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    add_layer_args(p)
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
@@ -100,7 +84,7 @@ def _point(args, q_len: int, seq_len: int, gen: torch.Generator) -> PrefillAtten
         return backend.forward(q, unused, unused, k_cache, v_cache, meta, scale)
 
     torch.testing.assert_close(folded(), per_head_copy(), atol=1e-5, rtol=1e-5)
-    f_ms, c_ms = _median_ms(folded, args.reps), _median_ms(per_head_copy, args.reps)
+    f_ms, c_ms = (median_s(fn, args.reps) * 1e3 for fn in (folded, per_head_copy))
     return PrefillAttentionPoint(q_len, seq_len, f_ms, c_ms, c_ms / f_ms)
 
 

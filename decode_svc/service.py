@@ -112,14 +112,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:
-            # The transfer thread may still be writing into the blocks: free them only after.
-            pull.add_done_callback(lambda _: self.rt.engine.abort(alloc.request_id))
+            # The transfer thread may still be writing into the blocks: free them only after
+            # (its error, a deadline's TransferTimeout, is nobody's to raise by then).
+            pull.add_done_callback(lambda f: self._abort_after_pull(f, alloc.request_id))
             raise
         except BaseException:
             self.rt.kv_failures += 1
             self.rt.engine.abort(alloc.request_id)
             raise
         self.rt.kv_bytes += int(getattr(stats, "num_bytes", 0))
+
+    def _abort_after_pull(self, pull: asyncio.Future, request_id: str) -> None:
+        if not pull.cancelled():
+            pull.exception()  # retrieved: the caller left, so asyncio need not log it
+        self.rt.engine.abort(request_id)
 
     async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
         await self.rt.engine.fresh_stats()

@@ -26,6 +26,11 @@ _POLL_S = 0.0002
 # How long past the pull's deadline a stream's thread may take to hand back its result: it
 # honours the deadline itself, so only a call stuck inside NIXL gets this far.
 _STREAM_GRACE_S = 5.0
+# How long a failed pull waits for its READs still in flight to end before it reports that
+# they may land later (and the engine quarantines their blocks for kv_quarantine_s): a
+# deadline that ran out mid-pull left 5 blocks quarantined for a minute, though the owner
+# served the READ a few milliseconds later. A stopped or unreachable owner outlasts it.
+_SETTLE_S = 0.5
 
 
 def _region(h: KVAgentHandle) -> tuple:
@@ -89,7 +94,9 @@ class NixlReader:
         except TransferError as e:
             # Releasing a running READ asks UCX to cancel it, but nothing confirms the cancel:
             # a late completion could still write into blocks the caller is about to reuse.
-            e.writes_may_land = e.writes_may_land or self._any_in_flight(handles)
+            # A READ from a live owner cut by the request's deadline lands within milliseconds,
+            # so it gets a moment to end before its blocks are given up to the quarantine.
+            e.writes_may_land = e.writes_may_land or not self._settle(handles, _SETTLE_S)
             raise
         finally:
             self._release(handles)
@@ -127,6 +134,15 @@ class NixlReader:
                     raise TransferTimeout(f"KV pull from {[n for _, n in pending]} did not "
                                           "complete within its timeout")
                 time.sleep(_POLL_S)
+
+    def _settle(self, handles: list, within_s: float) -> bool:
+        """Whether every READ ended (done or failed) within ``within_s``."""
+        end = time.monotonic() + within_s
+        while self._any_in_flight(handles):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(_POLL_S)
+        return True
 
     def _any_in_flight(self, handles: list) -> bool:
         with self.lock:

@@ -225,19 +225,31 @@ def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
         prefill.close()
 
 
+def _connected_over_tcp(model: str, kv_quarantine_s: float):
+    """A prefill process and a decode engine over NIXL (UCX_TLS set by the caller), connected
+    by one pull while the owner runs; and greedy sampling parameters."""
+    prefill = PrefillProc(model, 1, "nixl")
+    decode = _decode_engine(model, 1, "nixl", kv_quarantine_s=kv_quarantine_s)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    try:
+        warm = prefill.prefill("warm", list(range(300, 340)))
+        alloc = decode.add_prefilled_request("warm", warm["prompt"], warm["first_token"], params)
+        decode.pull_kv(alloc, prefill.handles, warm["block_ids"], 30.0)
+        decode.abort("warm")
+    except BaseException:
+        decode.shutdown()
+        prefill.close()
+        raise
+    return prefill, decode, params
+
+
 def test_a_read_left_in_flight_quarantines_its_blocks(model, monkeypatch):
     """Over UCX's TCP transport a READ from a stopped owner stays in flight past the timeout,
     and it does land once the owner resumes: the blocks it targets must not be reused until
     the quarantine ends, and then they all come back."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # shared-memory reads would finish without the owner
-    prefill = PrefillProc(model, 1, "nixl")
-    decode = _decode_engine(model, 1, "nixl", kv_quarantine_s=3.0)
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    prefill, decode, params = _connected_over_tcp(model, kv_quarantine_s=3.0)
     try:
-        warm = prefill.prefill("warm", list(range(300, 340)))  # connect while the owner runs
-        alloc = decode.add_prefilled_request("warm", warm["prompt"], warm["first_token"], params)
-        decode.pull_kv(alloc, prefill.handles, warm["block_ids"], 30.0)
-        decode.abort("warm")
         lease = prefill.prefill("q", list(range(400, 600)))
         stop_process(prefill.proc)  # stopped for sure: a live owner would serve the READ
         try:
@@ -258,6 +270,34 @@ def test_a_read_left_in_flight_quarantines_its_blocks(model, monkeypatch):
         while decode.get_stats().num_quarantined and time.monotonic() < deadline:
             time.sleep(0.1)  # the connector's poller ends the quarantine on an idle engine
         assert _all_free(decode) and decode.get_stats().num_quarantined == 0
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
+def test_a_pull_cut_short_while_its_owner_serves_it_quarantines_nothing(model, monkeypatch):
+    """A deadline that runs out mid-pull (a READ posted, the owner alive) fails the pull, but
+    the READ then lands within the settle window: nothing may write into the blocks any more,
+    so they are free at once instead of quarantined for kv_quarantine_s."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # slower than shared memory: the READ is still posted
+    prefill, decode, params = _connected_over_tcp(model, kv_quarantine_s=600.0)
+    try:
+        cut = 0
+        for i in range(10):  # until a pull is cut with its READ posted (nearly always the first)
+            lease = prefill.prefill(f"c{i}", list(range(400 + i, 900 + i)))
+            alloc = decode.add_prefilled_request(f"c{i}", lease["prompt"], lease["first_token"],
+                                                 params)
+            try:
+                decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 1e-5)
+            except TransferError as e:
+                assert not e.writes_may_land
+                cut += 1
+            decode.abort(f"c{i}")
+            s = decode.get_stats()
+            assert s.num_quarantined == 0 and _all_free(decode)
+            if cut:
+                break
+        assert cut, "no pull was cut short: the test did not reach its case"
     finally:
         decode.shutdown()
         prefill.close()
