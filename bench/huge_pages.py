@@ -1,9 +1,11 @@
-"""``pdserve bench huge_pages``: a decode step's linear layers with their oneMKL packs in huge
-pages (kernels/huge_pages.py) vs in torch's own 4 KiB pages, side by side.
+"""``pdserve bench huge_pages``: what a decode step reads, in huge pages (kernels/huge_pages.py)
+vs in torch's own 4 KiB pages, side by side.
 
-The same weights are packed twice in one process, once into each kind of memory, and the GEMMs
-of one step through every decoder layer and the LM head (a preset's shapes) run alternately
-from either, so both see the same machine state. Medians over ``--reps`` steps per row count.
+Linear layers: the same weights are packed twice in one process, once into each kind of
+memory, and the GEMMs of one step through every decoder layer and the LM head (a preset's
+shapes) run alternately from either, so both see the same machine state. Decode attention:
+one layer's paged K/V (blocks scattered at random, as in a long-running engine) copied into
+each kind of memory, read by the compiled decode kernel alternately. Medians over ``--reps``.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.presets import PRESETS
+from kernels.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kernels.cpu_mkl_linear import mkl_available, mkl_pack_weight, mkl_packed_linear
-from kernels.huge_pages import huge_pages_available
+from kernels.huge_pages import huge_pages_available, to_huge_pages
 
 
 @dataclass
 class HugePagesPoint:
+    what: str  # "linear" (rows: tokens in the step) or "attention" (rows: decodes)
     rows: int
     small_pages_ms: float  # torch's allocator (the peer)
     huge_pages_ms: float
@@ -32,6 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", choices=sorted(PRESETS),
                    help="the preset whose linear shapes one step runs")
     p.add_argument("--rows", default="1,8,64", help="tokens per step, comma-separated")
+    p.add_argument("--decodes", default="8,32", help="decode attention: sequences per step, "
+                   "comma-separated ('' for none)")
+    p.add_argument("--context", type=int, default=700, help="decode attention: tokens each")
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--json", action="store_true")
 
@@ -52,8 +59,16 @@ def run(args) -> list[HugePagesPoint]:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
         raise ValueError(f"--rows takes integers, comma-separated, got {args.rows!r}") from None
-    if not rows or min(rows) < 1 or args.reps < 1:
-        raise ValueError("need --rows >= 1 each and --reps >= 1")
+    try:
+        decodes = [int(r) for r in args.decodes.split(",")] if args.decodes else []
+    except ValueError:
+        raise ValueError(f"--decodes takes integers, comma-separated, got {args.decodes!r}") \
+            from None
+    if not rows or min(rows) < 1 or min(decodes, default=1) < 1 or args.reps < 1 \
+            or args.context < 1:
+        raise ValueError("need --rows and --decodes >= 1 each, --context >= 1 and --reps >= 1")
+    if decodes and not cpu_kernels_available():
+        raise ValueError("the compiled CPU kernels are not available here (no C compiler)")
     if not mkl_available():
         raise ValueError("this torch has no oneMKL packed GEMM")
     if not huge_pages_available():
@@ -74,16 +89,42 @@ def run(args) -> list[HugePagesPoint]:
             for (n, k), p in zip(shapes, packs[huge]):
                 mkl_packed_linear(xs[k], p, n, k)
 
-        times: dict[bool, list[float]] = {False: [], True: []}
-        step(False), step(True)
-        for r in range(args.reps):
-            for huge in ((False, True) if r % 2 else (True, False)):
-                t0 = time.perf_counter()
-                step(huge)
-                times[huge].append(time.perf_counter() - t0)
-        small, huge = (statistics.median(times[h]) * 1e3 for h in (False, True))
-        points.append(HugePagesPoint(m, small, huge, small / huge))
+        points.append(_alternate("linear", m, step, args.reps))
+    for n in decodes:
+        points.append(_attention_point(args, n, gen))
     return points
+
+
+def _alternate(what: str, rows: int, step, reps: int) -> HugePagesPoint:
+    """``step(huge)`` timed ``reps`` times each way, the order alternating."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    step(False), step(True)
+    for r in range(reps):
+        for huge in ((False, True) if r % 2 else (True, False)):
+            t0 = time.perf_counter()
+            step(huge)
+            times[huge].append(time.perf_counter() - t0)
+    small, huge = (statistics.median(times[h]) * 1e3 for h in (False, True))
+    return HugePagesPoint(what, rows, small, huge, small / huge)
+
+
+def _attention_point(args, n: int, gen: torch.Generator) -> HugePagesPoint:
+    s = PRESETS[args.model]
+    d = s.head_dim or s.hidden_size // s.num_attention_heads
+    bs, width = 16, -(-args.context // 16)
+    shape = (n * width, bs, s.num_key_value_heads, d)
+    small = {"k": torch.randn(shape, generator=gen), "v": torch.randn(shape, generator=gen)}
+    huge = {name: to_huge_pages(t) for name, t in small.items()}
+    tables = torch.randperm(n * width, generator=gen).to(torch.int32).view(n, width)
+    lens = torch.full((n,), args.context, dtype=torch.int32)
+    q = torch.randn(n, s.num_attention_heads, d, generator=gen)
+    out = torch.empty_like(q)
+
+    def step(use_huge: bool) -> None:
+        c = huge if use_huge else small
+        paged_decode_attention_cpu(q, c["k"], c["v"], tables, lens, d ** -0.5, out)
+
+    return _alternate("attention", n, step, args.reps)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,11 +133,12 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "threads": torch.get_num_threads(),
                           "points": [asdict(p) for p in points]}))
         return 0
-    print(f"{args.model}: one step's linear layers (oneMKL packs), {torch.get_num_threads()} "
-          f"threads, median of {args.reps}")
-    print("| rows | 4 KiB pages ms | huge pages ms | speed-up |")
-    print("|---|---|---|---|")
+    print(f"{args.model}: one step's linear layers (oneMKL packs) and one layer's decode "
+          f"attention ({args.context}-token contexts), {torch.get_num_threads()} threads, "
+          f"median of {args.reps}")
+    print("| what | rows / decodes | 4 KiB pages ms | huge pages ms | speed-up |")
+    print("|---|---|---|---|---|")
     for p in points:
-        print(f"| {p.rows} | {p.small_pages_ms:.3f} | {p.huge_pages_ms:.3f} | "
+        print(f"| {p.what} | {p.rows} | {p.small_pages_ms:.3f} | {p.huge_pages_ms:.3f} | "
               f"**{p.speedup:.2f}x** |")
     return 0

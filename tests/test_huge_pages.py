@@ -109,9 +109,26 @@ def test_a_packed_layer_keeps_its_few_rows_weight_in_huge_pages():
 @needs_thp
 @needs_mkl
 def test_bench_huge_pages_smoke(capsys):
-    rc = cli_main(["bench", "huge_pages", "--rows", "1,3", "--reps", "1", "--json"])
+    rc = cli_main(["bench", "huge_pages", "--rows", "1,3", "--decodes", "2", "--context", "40",
+                   "--reps", "1", "--json"])
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
-    assert [p["rows"] for p in r["points"]] == [1, 3]
+    assert [(p["what"], p["rows"]) for p in r["points"]] == [("linear", 1), ("linear", 3),
+                                                             ("attention", 2)]
     assert all(p["small_pages_ms"] > 0 and p["huge_pages_ms"] > 0 for p in r["points"])
     assert cli_main(["bench", "huge_pages", "--rows", "0"]) == 2
+    assert cli_main(["bench", "huge_pages", "--decodes", "x"]) == 2
+
+
+@needs_thp
+def test_a_cpu_engines_kv_cache_is_zeroed_in_huge_pages(preset_path):
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(preset_path("tiny-llama")), num_gpu_blocks=64))
+    try:
+        cache = engine.executor.runner.kv_cache
+        assert cache.data_ptr() % HUGE_PAGE_BYTES == 0 and not cache.any()
+        # Written through at start-up, as torch.zeros would: the memory is taken already.
+        assert anon_huge_kb(cache.data_ptr()) * 1024 >= HUGE_PAGE_BYTES
+    finally:
+        engine.shutdown()
