@@ -262,5 +262,5 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q = q.reshape(k.shape[0], group * q_len, head_size)
         o = F.scaled_dot_product_attention(q[None], k[None], v[None],
                                            attn_mask=seq.grouped_mask(group), scale=scale)
-        o = o[0].view(num_heads, q_len, head_size)
+        o = o[0].reshape(num_heads, q_len, head_size)  # a view where SDPA left it contiguous
     out[seq.start:seq.end] = o.transpose(0, 1)
