@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 from pathlib import Path
@@ -43,13 +44,18 @@ def huge_pages_available() -> bool:
     return "[never]" not in setting
 
 
+def _in_huge_pages(nbytes: int) -> bool:
+    """Whether a buffer of ``nbytes`` gets huge pages here (large enough, and they are on)."""
+    return nbytes >= MIN_BYTES and huge_pages_available()
+
+
 def huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of ``nbytes``, starting on a 2 MiB boundary of memory
     advised for huge pages; ``torch.empty`` where they are off or the buffer is small. The
     mapping lives as long as the tensor (or any view of it)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    if nbytes < MIN_BYTES or not huge_pages_available():
+    if not _in_huge_pages(nbytes):
         return torch.empty(nbytes, dtype=torch.uint8)
     # A page of slack so that the buffer can start on a boundary inside the mapping.
     length = nbytes + HUGE_PAGE_BYTES
@@ -73,8 +79,17 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         raise ValueError(f"huge pages hold CPU tensors, got one on {t.device}")
     nbytes = t.numel() * t.element_size()
-    if nbytes < MIN_BYTES or not huge_pages_available():
+    if not _in_huge_pages(nbytes):
         return t
     out = huge_page_empty(nbytes).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in huge pages where it gets them. Written
+    through once, as torch.zeros is, so that the memory is taken now rather than at first use."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not _in_huge_pages(nbytes):
+        return torch.zeros(shape, dtype=dtype)
+    return huge_page_empty(nbytes).view(dtype).view(shape).zero_()

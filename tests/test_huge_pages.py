@@ -13,7 +13,7 @@ from engine.layers import MergedColumnParallelLinear
 from kernels import huge_pages
 from kernels.cpu_mkl_linear import mkl_available, mkl_pack_weight, mkl_packed_linear
 from kernels.cpu_small_linear import small_linear_usable
-from kernels.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, to_huge_pages
+from kernels.huge_pages import HUGE_PAGE_BYTES, huge_page_empty, huge_page_zeros, to_huge_pages
 
 needs_thp = pytest.mark.skipif(not huge_pages.huge_pages_available(),
                                reason="no transparent huge pages here")
@@ -64,6 +64,8 @@ def test_small_buffers_and_a_disabled_setting_use_torchs_allocator(thp_off):
     t = torch.randn(3 * HUGE_PAGE_BYTES // 4)
     assert to_huge_pages(t) is t
     assert huge_page_empty(3 * HUGE_PAGE_BYTES).numel() == 3 * HUGE_PAGE_BYTES
+    z = huge_page_zeros((HUGE_PAGE_BYTES // 4,), torch.float32)
+    assert z.shape == (HUGE_PAGE_BYTES // 4,) and not z.any()
 
 
 @needs_thp
