@@ -17,6 +17,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 from engine import tp_comm
+from engine.openmp_threads import use_one_openmp_thread
 from kvtransfer import (KVAgentHandle, LayoutMismatchError, PeerGoneError, TransferError,
                         TransferStats, TransferTimeout)
 
@@ -60,6 +61,7 @@ class WorkerKVServer:
                              daemon=True).start()
 
     def _pull(self, payload: bytes) -> None:
+        use_one_openmp_thread()  # its copies must not start a team beside the rank's own
         req: dict = {}
         try:
             req = tp_comm.parse_json(payload)

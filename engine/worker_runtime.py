@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,6 +25,7 @@ from engine.core_share import CoreShare, CoreShareConfig
 from engine.grpc_server import ServerConfig
 from engine.kv_peers import KVPeerConnector
 from engine.llm_engine import LLMEngine, NoFreeBlocksError
+from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from protos import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -175,8 +177,13 @@ class WorkerRuntime:
 
     @classmethod
     async def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        # Loading weights (and starting TP ranks) takes seconds: off the loop.
-        engine = await asyncio.to_thread(LLMEngine, config.engine_config())
+        # The loop's executor runs the engine's side jobs (KV pulls, stats, commits): on one
+        # OpenMP thread each, so they never start teams beside the engine thread's.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
+            thread_name_prefix="pdserve-worker", initializer=use_one_openmp_thread))
+        # Loading weights (and starting TP ranks) takes seconds: off the loop, and in a thread
+        # that ends once built, so its OpenMP team does not outlive it (engine/openmp_threads).
+        engine = await asyncio.to_thread(call_in_own_thread, LLMEngine, config.engine_config())
         return cls(config, engine)
 
     def bind(self, address: str) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_layout import KVCacheLayout
+from engine.openmp_threads import use_one_openmp_thread
 from kvtransfer import wire
 from kvtransfer.errors import TransferError
 from kvtransfer.plan import check_block_ids
@@ -73,6 +74,7 @@ class TorchOwnerServer:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        use_one_openmp_thread()  # its gathers must not start a team beside the engine's
         pg = None
         try:
             while True:

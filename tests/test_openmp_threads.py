@@ -1,0 +1,156 @@
+"""A worker's OpenMP teams: only the engine thread keeps one (engine/openmp_threads.py).
+
+GNU OpenMP cuts every spin wait short once the process's OpenMP threads outnumber its CPUs,
+so a team left on a thread that built the engine, or started by a side job, slows every step.
+These checks count the process's OS threads: a team is its worker threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import worker_runtime
+from engine.config import EngineConfig
+from engine.openmp_threads import _libgomp, call_in_own_thread, use_one_openmp_thread
+from engine.worker_runtime import WorkerConfig, WorkerRuntime
+
+pytestmark = pytest.mark.skipif(_libgomp() is None, reason="torch does not run on GNU OpenMP")
+
+# Big enough that torch splits the work into a parallel region.
+_NUMEL = 1 << 22
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_work() -> None:
+    x = torch.ones(_NUMEL)
+    torch.add(x, 1.0, out=x)
+
+
+def _settles_at(expected: int, timeout_s: float = 10.0) -> int:
+    """The OS thread count once it reaches ``expected`` (threads exit asynchronously), or
+    the last count seen."""
+    deadline = time.monotonic() + timeout_s
+    while (n := _os_threads()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_thread_left_running_keeps_its_team(two_threads):
+    # The hazard the helpers avoid, shown on this torch: a live thread that ran a parallel
+    # region holds a pool thread beside it.
+    started, stop = threading.Event(), threading.Event()
+
+    def side() -> None:
+        _parallel_work()
+        started.set()
+        stop.wait()
+
+    base = _os_threads()
+    t = threading.Thread(target=side)
+    t.start()
+    started.wait()
+    try:
+        assert _os_threads() >= base + 2  # the thread and its team's worker
+    finally:
+        stop.set()
+        t.join()
+    assert _settles_at(base) == base
+
+
+def test_call_in_own_thread_ends_the_thread_and_its_team(two_threads):
+    base = _os_threads()
+    seen = {}
+
+    def build(a, b):
+        seen["thread"] = threading.current_thread()
+        seen["threads"] = torch.get_num_threads()
+        _parallel_work()
+        return a + b
+
+    assert call_in_own_thread(build, 2, 3) == 5
+    assert seen["thread"] is not threading.current_thread()
+    assert seen["thread"].name == "pdserve-build" and not seen["thread"].is_alive()
+    assert seen["threads"] == 2  # the build itself ran on every thread
+    assert _settles_at(base) == base
+
+
+def test_call_in_own_thread_raises_the_callers_error():
+    def fail():
+        raise KeyError("no such model")
+
+    with pytest.raises(KeyError, match="no such model"):
+        call_in_own_thread(fail)
+
+
+def test_use_one_openmp_thread_pins_only_the_calling_thread(two_threads):
+    seen = {}
+    started, stop = threading.Event(), threading.Event()
+
+    def side() -> None:
+        use_one_openmp_thread()
+        seen["side"] = torch.get_num_threads()
+        _parallel_work()
+        seen["threads_during"] = _os_threads()
+        started.set()
+        stop.wait()
+
+    base = _os_threads()
+    t = threading.Thread(target=side)
+    t.start()
+    started.wait()
+    try:
+        assert seen["side"] == 1
+        assert seen["threads_during"] == base + 1  # the thread itself, no team beside it
+        assert torch.get_num_threads() == 2
+        # A thread started now still gets the process's count (torch.set_num_threads(1)
+        # would have handed 1 to it, e.g. to an engine thread not yet stepping).
+        later = []
+        u = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        u.start()
+        u.join()
+        assert later == [2]
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_worker_builds_its_engine_in_a_thread_that_ends_and_pins_its_executor(
+        two_threads, monkeypatch):
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def fake_engine(config):
+        seen["thread"] = threading.current_thread()
+        seen["threads"] = torch.get_num_threads()
+        raise Built  # stop create() here: what follows needs a real engine
+
+    monkeypatch.setattr(worker_runtime, "LLMEngine", fake_engine)
+    cfg = WorkerConfig(engine=EngineConfig("tiny-llama", role="prefill", kv_transfer_backend="nixl"))
+
+    async def main() -> int:
+        with pytest.raises(Built):
+            await WorkerRuntime.create(cfg)
+        return await asyncio.to_thread(torch.get_num_threads)
+
+    executor_threads = asyncio.run(main())
+    assert seen["thread"].name == "pdserve-build" and not seen["thread"].is_alive()
+    assert seen["threads"] == 2
+    assert executor_threads == 1
