@@ -144,13 +144,14 @@ class ClusterSpec:
         if "OMP_NUM_THREADS" not in env:
             per = self.threads_per_rank or max(1, (os.cpu_count() or 1) // self.num_ranks)
             env["OMP_NUM_THREADS"] = str(per)
-        # GNU OpenMP's idle threads spin 300k rounds (milliseconds) before they sleep. Here the
+        # GNU OpenMP's idle threads spin 300k rounds (~9 ms here) before they sleep. Here the
         # cores are never a worker's alone: the router, the client's streams, each worker's
         # event loop and, with a core share, the other workers run on them too, and a spinning
-        # thread keeps them off a core (measured on 2 cores, an aggregated cluster at
-        # concurrency 32: 430 -> 529 tok/s with 20k; and a prompt whose prefill borrowed the
-        # core of a decode worker that just went idle: 44 -> 37 ms). 20k rounds still span the
-        # gaps between one step's kernels. A setting in the environment wins.
+        # thread keeps them off a core: a decode worker that just went idle spins on the core
+        # the next prompt's prefill borrowed (shared-prefix TTFT warm/cold 0.21-0.24 with 300k
+        # against 0.18-0.20 with 20k, measured on 2 cores once the workers' teams stopped
+        # running throttled, engine/openmp_threads.py). 20k rounds (~1 ms) still span the gaps
+        # between one step's kernels. A setting in the environment wins.
         env.setdefault("GOMP_SPINCOUNT", _SPINCOUNT)
         return env
 
