@@ -7,6 +7,7 @@ These checks count the process's OS threads: a team is its worker threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -51,25 +52,34 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_a_thread_left_running_keeps_its_team(two_threads):
-    # The hazard the helpers avoid, shown on this torch: a live thread that ran a parallel
-    # region holds a pool thread beside it.
+@contextlib.contextmanager
+def _thread_running(work):
+    """A thread that ran ``work`` and stays alive until the block ends (its OpenMP pool, if
+    any, with it); yields ``work``'s result."""
     started, stop = threading.Event(), threading.Event()
+    result = []
 
     def side() -> None:
-        _parallel_work()
+        result.append(work())
         started.set()
         stop.wait()
 
-    base = _os_threads()
     t = threading.Thread(target=side)
     t.start()
     started.wait()
     try:
-        assert _os_threads() >= base + 2  # the thread and its team's worker
+        yield result[0]
     finally:
         stop.set()
         t.join()
+
+
+def test_a_thread_left_running_keeps_its_team(two_threads):
+    # The hazard the helpers avoid, shown on this torch: a live thread that ran a parallel
+    # region holds a pool thread beside it.
+    base = _os_threads()
+    with _thread_running(_parallel_work):
+        assert _os_threads() >= base + 2  # the thread and its team's worker
     assert _settles_at(base) == base
 
 
@@ -99,24 +109,16 @@ def test_call_in_own_thread_raises_the_callers_error():
 
 
 def test_use_one_openmp_thread_pins_only_the_calling_thread(two_threads):
-    seen = {}
-    started, stop = threading.Event(), threading.Event()
-
-    def side() -> None:
+    def pinned_work() -> tuple[int, int]:
         use_one_openmp_thread()
-        seen["side"] = torch.get_num_threads()
+        threads = torch.get_num_threads()
         _parallel_work()
-        seen["threads_during"] = _os_threads()
-        started.set()
-        stop.wait()
+        return threads, _os_threads()
 
     base = _os_threads()
-    t = threading.Thread(target=side)
-    t.start()
-    started.wait()
-    try:
-        assert seen["side"] == 1
-        assert seen["threads_during"] == base + 1  # the thread itself, no team beside it
+    with _thread_running(pinned_work) as (side_threads, os_threads_during):
+        assert side_threads == 1
+        assert os_threads_during == base + 1  # the thread itself, no team beside it
         assert torch.get_num_threads() == 2
         # A thread started now still gets the process's count (torch.set_num_threads(1)
         # would have handed 1 to it, e.g. to an engine thread not yet stepping).
@@ -125,9 +127,6 @@ def test_use_one_openmp_thread_pins_only_the_calling_thread(two_threads):
         u.start()
         u.join()
         assert later == [2]
-    finally:
-        stop.set()
-        t.join()
 
 
 def test_a_worker_builds_its_engine_in_a_thread_that_ends_and_pins_its_executor(
