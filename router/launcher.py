@@ -148,10 +148,10 @@ class ClusterSpec:
         # cores are never a worker's alone: the router, the client's streams, each worker's
         # event loop and, with a core share, the other workers run on them too, and a spinning
         # thread keeps them off a core: a decode worker that just went idle spins on the core
-        # the next prompt's prefill borrowed (shared-prefix TTFT warm/cold 0.21-0.24 with 300k
-        # against 0.18-0.20 with 20k, measured on 2 cores once the workers' teams stopped
-        # running throttled, engine/openmp_threads.py). 20k rounds (~1 ms) still span the gaps
-        # between one step's kernels. A setting in the environment wins.
+        # the next prompt's prefill borrowed (shared-prefix TTFT warm/cold: median 0.21 over ten
+        # runs with 300k, 0.19 with 20k, on 2 cores once the workers' teams stopped running
+        # throttled, engine/openmp_threads.py). 20k rounds (~1 ms) still span the gaps between
+        # one step's kernels. A setting in the environment wins.
         env.setdefault("GOMP_SPINCOUNT", _SPINCOUNT)
         return env
 
