@@ -26,8 +26,14 @@ pytestmark = pytest.mark.skipif(_libgomp() is None, reason="torch does not run o
 _NUMEL = 1 << 22
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _os_threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _team_beside_me(before: set[int]) -> set[int]:
+    """OS threads started since ``before`` other than the calling one: its OpenMP team.
+    (Sets of thread ids, not counts: other tests' threads may still be ending.)"""
+    return _os_threads() - before - {threading.get_native_id()}
 
 
 def _parallel_work() -> None:
@@ -35,13 +41,13 @@ def _parallel_work() -> None:
     torch.add(x, 1.0, out=x)
 
 
-def _settles_at(expected: int, timeout_s: float = 10.0) -> int:
-    """The OS thread count once it reaches ``expected`` (threads exit asynchronously), or
-    the last count seen."""
+def _gone(threads: set[int], timeout_s: float = 10.0) -> bool:
+    """Whether ``threads`` have all exited (threads exit asynchronously: waits up to
+    ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    while (n := _os_threads()) != expected and time.monotonic() < deadline:
+    while threads & _os_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
-    return n
+    return not threads & _os_threads()
 
 
 @pytest.fixture
@@ -77,27 +83,33 @@ def _thread_running(work):
 def test_a_thread_left_running_keeps_its_team(two_threads):
     # The hazard the helpers avoid, shown on this torch: a live thread that ran a parallel
     # region holds a pool thread beside it.
-    base = _os_threads()
-    with _thread_running(_parallel_work):
-        assert _os_threads() >= base + 2  # the thread and its team's worker
-    assert _settles_at(base) == base
+    before = _os_threads()
+
+    def work() -> set[int]:
+        _parallel_work()
+        return _team_beside_me(before)
+
+    with _thread_running(work) as team:
+        assert team and team <= _os_threads()  # the team's worker lives on with the thread
+    assert _gone(team)
 
 
 def test_call_in_own_thread_ends_the_thread_and_its_team(two_threads):
-    base = _os_threads()
+    before = _os_threads()
     seen = {}
 
     def build(a, b):
         seen["thread"] = threading.current_thread()
         seen["threads"] = torch.get_num_threads()
         _parallel_work()
+        seen["team"] = _team_beside_me(before)
         return a + b
 
     assert call_in_own_thread(build, 2, 3) == 5
     assert seen["thread"] is not threading.current_thread()
     assert seen["thread"].name == "pdserve-build" and not seen["thread"].is_alive()
-    assert seen["threads"] == 2  # the build itself ran on every thread
-    assert _settles_at(base) == base
+    assert seen["threads"] == 2 and seen["team"]  # the build itself ran on every thread
+    assert _gone(seen["team"])
 
 
 def test_call_in_own_thread_raises_the_callers_error():
@@ -109,16 +121,17 @@ def test_call_in_own_thread_raises_the_callers_error():
 
 
 def test_use_one_openmp_thread_pins_only_the_calling_thread(two_threads):
-    def pinned_work() -> tuple[int, int]:
+    before = _os_threads()
+
+    def pinned_work() -> tuple[int, set[int]]:
         use_one_openmp_thread()
         threads = torch.get_num_threads()
         _parallel_work()
-        return threads, _os_threads()
+        return threads, _team_beside_me(before)
 
-    base = _os_threads()
-    with _thread_running(pinned_work) as (side_threads, os_threads_during):
+    with _thread_running(pinned_work) as (side_threads, team):
         assert side_threads == 1
-        assert os_threads_during == base + 1  # the thread itself, no team beside it
+        assert team == set()  # the thread alone, no team beside it
         assert torch.get_num_threads() == 2
         # A thread started now still gets the process's count (torch.set_num_threads(1)
         # would have handed 1 to it, e.g. to an engine thread not yet stepping).
