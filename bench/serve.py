@@ -51,6 +51,8 @@ class ServeConfig:
     share_cores: bool = True
     # The routers' --decode-stream (router/config.py), in both clusters.
     decode_stream: str = "multiplexed"
+    # Partial-block prefix hits (engine/kv_cache_manager.py) in every engine of the run.
+    partial_block_hits: bool = True
 
 
 @dataclass
@@ -135,6 +137,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-stream", default=d.decode_stream,
                    choices=("multiplexed", "per-request"),
                    help="the routers' --decode-stream: how requests reach decode workers")
+    p.add_argument("--no-enable-partial-block-hits", dest="partial_block_hits",
+                   action="store_false",
+                   help="every engine of the run reuses cached prefixes in whole blocks only")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--no-aggregated", dest="aggregated", action="store_false",
@@ -192,7 +197,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefix_output_len=args.prefix_output_len, inprocess=args.inprocess,
         aggregated=args.aggregated, rounds=args.rounds,
         max_local_prefill_length=args.max_local_prefill_length,
-        share_cores=args.share_cores, decode_stream=args.decode_stream)
+        share_cores=args.share_cores, decode_stream=args.decode_stream,
+        partial_block_hits=args.partial_block_hits)
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
         raise ValueError("--max-local-prefill-length must be >= 0")
     if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:

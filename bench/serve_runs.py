@@ -116,6 +116,8 @@ def run(cfg: ServeConfig) -> ServeReport:
     router_args = stream + ([] if cfg.max_local_prefill_length is None
                             else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     blocks = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
+    if not cfg.partial_block_hits:
+        blocks.append("--no-enable-partial-block-hits")
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=blocks, router_args=router_args, share_cores=cfg.share_cores)
     agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=blocks,
@@ -135,7 +137,8 @@ def run(cfg: ServeConfig) -> ServeReport:
             runners["agg"] = _cluster_runner(stack.enter_context(quiet_cluster(agg_spec))
                                              .router_address)
         if cfg.inprocess and rounds:
-            llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks))
+            llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks,
+                                          enable_partial_block_hits=cfg.partial_block_hits))
             runners["inprocess"] = _inprocess_runner(llm.engine)
         for r, points in enumerate(rounds):
             for system in (list(runners) if r % 2 == 0 else list(reversed(runners))):

@@ -6,9 +6,15 @@ A block with ``ref_cnt == 0`` sits in the free queue. If it still carries a ``bl
 K/V is intact and a later request may reclaim it (a prefix-cache hit) until the queue hands it
 out again, at which point it is evicted. Blocks are freed to the tail and allocated from the
 head, so the least recently freed cached block is evicted first.
+
+A cached block whose tokens are known is also indexed under its parent's hash, siblings in
+token order, so a prompt that agrees with it for only part of a block can still reuse those
+leading positions (``longest_partial_hit``; the KV cache manager copies them into a block of
+its own).
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Union
@@ -22,6 +28,9 @@ class KVBlock:
     ref_cnt: int = 0
     # Set while the block is registered in the prefix cache (full, with known content).
     block_hash: BlockHash | None = None
+    # While cached with known tokens: what ``longest_partial_hit`` compares against.
+    parent_hash: BlockHash | None = field(default=None, repr=False)
+    token_ids: tuple[int, ...] | None = field(default=None, repr=False)
     # Free-queue links; both are None exactly when the block is not in the queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -105,6 +114,58 @@ class BlockRemoved:
 KVCacheEvent = Union[BlockStored, BlockRemoved]
 
 
+@dataclass
+class PartialHit:
+    """A cached block whose first ``num_tokens`` tokens are the ones asked about."""
+
+    block: KVBlock
+    num_tokens: int
+
+
+class _Siblings:
+    """The cached blocks under one parent, sorted by their tokens.
+
+    In lexicographic order the entry sharing the longest prefix with a query sits right
+    beside the query's insertion point, so a lookup is one bisection and two comparisons
+    however many continuations a popular prefix has (a system prompt followed by ten
+    thousand different questions is ten thousand siblings).
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, ...]] = []
+        self.blocks: list[KVBlock] = []
+
+    def add(self, block: KVBlock) -> None:
+        i = bisect.bisect_left(self.keys, block.token_ids)
+        self.keys.insert(i, block.token_ids)
+        self.blocks.insert(i, block)
+
+    def remove(self, block: KVBlock) -> None:
+        i = bisect.bisect_left(self.keys, block.token_ids)
+        if i == len(self.blocks) or self.blocks[i] is not block:
+            raise RuntimeError(f"block {block.block_id} is missing from its parent's index")
+        del self.keys[i], self.blocks[i]
+
+    def longest(self, token_ids: tuple[int, ...]) -> PartialHit | None:
+        i = bisect.bisect_left(self.keys, token_ids)
+        best: PartialHit | None = None
+        for j in (i - 1, i):
+            if 0 <= j < len(self.keys):
+                n = _common_prefix_len(self.keys[j], token_ids)
+                if n and (best is None or n > best.num_tokens):
+                    best = PartialHit(self.blocks[j], n)
+        return best
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, block_size: int = 16) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -118,6 +179,8 @@ class BlockPool:
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        # Parent hash (None for first blocks) -> its cached children whose tokens are known.
+        self._children: dict[BlockHash | None, _Siblings] = {}
         self.num_evictions = 0
         self._events: list[KVCacheEvent] = []
 
@@ -149,15 +212,38 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self.cached_blocks[block.block_hash]
+        self._unindex(block)
         self._record(BlockRemoved([block.block_hash]))
         block.block_hash = None
         self.num_evictions += 1
+
+    def _unindex(self, block: KVBlock) -> None:
+        if block.token_ids is None:
+            return
+        siblings = self._children[block.parent_hash]
+        siblings.remove(block)
+        if not siblings.keys:
+            del self._children[block.parent_hash]
+        block.parent_hash = block.token_ids = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         """The block holding ``block_hash``, held or not; the caller must touch it to keep it."""
         if not self.enable_caching:
             return None
         return self.cached_blocks.get(block_hash)
+
+    def longest_partial_hit(self, parent_block_hash: BlockHash | None,
+                            token_ids: Sequence[int]) -> PartialHit | None:
+        """The cached block after ``parent_block_hash`` (None: a first block) that starts with
+        the longest run of ``token_ids``; None when none starts with token_ids[0].
+
+        Only blocks cached with their tokens are candidates. Like ``get_cached_block``, the
+        block is not held.
+        """
+        siblings = self._children.get(parent_block_hash) if self.enable_caching else None
+        if siblings is None or not token_ids:
+            return None
+        return siblings.longest(tuple(token_ids))
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Adds a reference; a block nobody held leaves the free queue so it is not evicted."""
@@ -178,8 +264,13 @@ class BlockPool:
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash,
                          parent_block_hash: BlockHash | None = None,
-                         token_ids: Sequence[int] | None = None) -> bool:
+                         token_ids: Sequence[int] | None = None,
+                         publish_token_ids: bool = True) -> bool:
         """Registers a full block under ``block_hash``; returns whether it was registered.
+
+        With ``token_ids`` (the block's tokens) the block becomes a candidate for partial hits
+        under ``parent_block_hash``, and its BlockStored event carries them unless
+        ``publish_token_ids`` is False.
 
         If another block already holds ``block_hash`` (two requests computed the same prefix
         at the same time) the first mapping is kept and this block stays uncached: it is freed
@@ -200,8 +291,11 @@ class BlockPool:
             raise ValueError(f"a full block has {self.block_size} tokens, got {len(token_ids)}")
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
-        self._record(BlockStored([block_hash], parent_block_hash,
-                                 None if token_ids is None else list(token_ids), self.block_size))
+        if token_ids is not None:
+            block.parent_hash, block.token_ids = parent_block_hash, tuple(token_ids)
+            self._children.setdefault(parent_block_hash, _Siblings()).add(block)
+        published = list(token_ids) if token_ids is not None and publish_token_ids else None
+        self._record(BlockStored([block_hash], parent_block_hash, published, self.block_size))
         return True
 
     def _record(self, event: KVCacheEvent) -> None:
@@ -239,5 +333,7 @@ class BlockPool:
             self._record(BlockRemoved(list(self.cached_blocks)))
         for block in self.cached_blocks.values():
             block.block_hash = None
+            block.parent_hash = block.token_ids = None
         self.cached_blocks.clear()
+        self._children.clear()
         return True

@@ -22,6 +22,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="exact KV block count (overrides the memory budget)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
+    p.add_argument("--no-enable-partial-block-hits", dest="enable_partial_block_hits",
+                   action="store_false",
+                   help="reuse cached prefixes in whole blocks only: never copy the cached part "
+                        "of a block a prompt shares only partly")
     p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -100,6 +104,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
                 num_gpu_blocks=args.num_gpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
+                enable_partial_block_hits=args.enable_partial_block_hits,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 tensor_parallel_size=args.tensor_parallel_size,
                 attention_backend=args.attention_backend, linear_backend=args.linear_backend,

@@ -35,6 +35,9 @@ class EngineConfig:
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # With prefix caching: a prompt that agrees with a cached block for only part of it copies
+    # those positions' K/V instead of recomputing them (engine/kv_cache_manager.py).
+    enable_partial_block_hits: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     # GEMMs of the linear layers: "auto" packs weights on the CPU for oneDNN or oneMKL, whichever

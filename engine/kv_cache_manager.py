@@ -4,6 +4,16 @@ The scheduler asks three things of it: how much of a new request is already cach
 (``get_computed_blocks``), to reserve blocks for the tokens it schedules (``allocate_slots``),
 and to release a finished or preempted request (``free``). It never changes
 ``request.num_computed_tokens``; the scheduler does after each step.
+
+Partial-block hits: after the last whole cached block of a prompt, a cached block that agrees
+with the prompt's next tokens for only part of its length (the same shared prefix, then
+another request's own tokens) still holds the right K/V for those positions, since attention
+is causal. Such a hit is not shared: the request gets a new block and the step copies the
+cached block into it before the forward (``end_schedule``), which then overwrites the
+positions past the hit. Blocks are cached when allocated, before the step that computes them;
+a copy, unlike a shared block, reads its source before that forward, so blocks cached in the
+schedule being built are never partial-hit sources. Multi-turn chat is the common case: the last turn's partial block is
+this turn's prefix, and a prefix of any length loses no tokens to block alignment.
 """
 from __future__ import annotations
 
@@ -21,10 +31,22 @@ class ComputedBlocks:
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # A cached block whose first num_partial_tokens tokens come next in the request (copied,
+    # not shared); counted in num_computed_tokens.
+    partial_block: KVBlock | None = None
+    num_partial_tokens: int = 0
 
     @property
     def block_ids(self) -> list[int]:
         return [b.block_id for b in self.blocks]
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy a whole KV block (every layer, K and V) before the step's forward."""
+
+    src_block_id: int
+    dst_block_id: int
 
 
 @dataclass
@@ -33,8 +55,9 @@ class PrefixCacheStats:
 
     requests: int = 0
     queries: int = 0
-    hits: int = 0
+    hits: int = 0  # partial-block hits included
     evictions: int = 0
+    partial_hits: int = 0  # tokens reused from partial-block hits
 
     @property
     def hit_rate(self) -> float:
@@ -61,6 +84,9 @@ class KVCacheManager:
         self._req_hashes: dict[str, list[BlockHash]] = {}
         # How many of a request's leading blocks have been offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        self._block_copies: list[BlockCopy] = []
+        # Blocks cached since the last end_schedule, whose K/V the coming step computes.
+        self._cached_this_schedule: set[int] = set()
         self._stats = PrefixCacheStats()
 
     # -- queries -----------------------------------------------------------------------------
@@ -85,6 +111,17 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()
 
+    def end_schedule(self) -> list[BlockCopy]:
+        """Closes a schedule: the copies its partial-block hits need, oldest first.
+
+        They must run before the step's forward writes any KV (a source left in the free queue
+        may have been handed out again by a later allocation). Blocks cached during the
+        schedule become partial-hit sources from the next one on: its step computes them.
+        """
+        copies, self._block_copies = self._block_copies, []
+        self._cached_this_schedule.clear()
+        return copies
+
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash in the prefix cache now (to rebuild an index that lost events)."""
         return list(self.pool.cached_blocks)
@@ -108,12 +145,14 @@ class KVCacheManager:
                                               parent=hashes[-1] if hashes else None))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+    def get_computed_blocks(self, request: Request, partial_hits: bool = False) -> ComputedBlocks:
         """Longest cached prefix of a request that has computed nothing yet.
 
         Stops one token short of the whole request: the last token must run through the model
-        for its logits. Use the result right away: the blocks are not held, so any allocation
-        in between may evict them.
+        for its logits. With ``partial_hits`` it goes on into the cached block that shares the
+        most of the next block's tokens (the caller's step must then run the copies from
+        ``end_schedule``). Use the result right away: the blocks are not held, so any
+        allocation in between may evict them.
         """
         if request.num_computed_tokens != 0:
             raise ValueError(f"request {request.request_id} already has "
@@ -128,7 +167,27 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return ComputedBlocks(blocks, len(blocks) * self.block_size)
+        computed = ComputedBlocks(blocks, len(blocks) * self.block_size)
+        if partial_hits:
+            self._add_partial_hit(request, computed, hashes)
+        return computed
+
+    def _add_partial_hit(self, request: Request, computed: ComputedBlocks,
+                         hashes: list[BlockHash]) -> None:
+        start = computed.num_computed_tokens
+        # Past the last whole hit, at most up to the request's last token (never its own).
+        end = min(start + self.block_size, request.num_tokens - 1)
+        if end <= start:
+            return
+        parent = hashes[len(computed.blocks) - 1] if computed.blocks else None
+        hit = self.pool.longest_partial_hit(parent, request.all_token_ids[start:end])
+        if hit is None or hit.block.block_id in self._cached_this_schedule:
+            return
+        # A whole block's match would have been a hash hit; never claim one here.
+        n = min(hit.num_tokens, self.block_size - 1)
+        computed.partial_block = hit.block
+        computed.num_partial_tokens = n
+        computed.num_computed_tokens += n
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -159,6 +218,8 @@ class KVCacheManager:
         # Touch first: get_new_blocks would otherwise evict a reclaimed block from the queue.
         self.pool.touch(computed.blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        if computed.partial_block is not None:
+            self._copy_partial_hit(computed.partial_block, new_blocks[0])
         if request.request_id not in self._req_blocks:
             self._req_blocks[request.request_id] = held
             self._num_cached_blocks[request.request_id] = len(computed.blocks)
@@ -169,24 +230,50 @@ class KVCacheManager:
             self._stats.requests += 1
             self._stats.queries += request.num_tokens
             self._stats.hits += computed.num_computed_tokens
+            self._stats.partial_hits += computed.num_partial_tokens
         if cache_blocks:
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def _copy_partial_hit(self, src: KVBlock, dst: KVBlock) -> None:
+        # The allocation may have evicted src and handed it to this very request as dst: its
+        # K/V is still there, nothing to copy.
+        if src is not dst:
+            self._block_copies.append(BlockCopy(src.block_id, dst.block_id))
+        if src.ref_cnt == 0 and src.block_hash is not None:
+            # Used just now: to the queue's tail, the last to be evicted.
+            self.pool.touch([src])
+            self.pool.free_blocks([src])
 
     def _check_computed(self, request: Request, computed: ComputedBlocks,
                         held: list[KVBlock]) -> None:
         if held or request.num_computed_tokens != 0:
             raise ValueError(f"computed blocks given for request {request.request_id}, "
                              "which has already started")
-        if computed.num_computed_tokens != len(computed.blocks) * self.block_size:
+        full = len(computed.blocks) * self.block_size
+        if computed.num_computed_tokens != full + computed.num_partial_tokens:
             raise ValueError(f"computed.num_computed_tokens {computed.num_computed_tokens} does "
-                             f"not match {len(computed.blocks)} blocks of {self.block_size}")
+                             f"not match {len(computed.blocks)} blocks of {self.block_size} and "
+                             f"{computed.num_partial_tokens} tokens of a partial hit")
+        if computed.partial_block is not None:
+            self._check_partial_hit(request, computed, full)
         hashes = self._block_hashes(request)
         for i, block in enumerate(computed.blocks):
             if i >= len(hashes) or block.block_hash != hashes[i]:
                 raise RuntimeError(f"computed block {block.block_id} of request "
                                    f"{request.request_id} was evicted or does not match its "
                                    "tokens; call allocate_slots right after get_computed_blocks")
+
+    def _check_partial_hit(self, request: Request, computed: ComputedBlocks, full: int) -> None:
+        src, n = computed.partial_block, computed.num_partial_tokens
+        if not 0 < n < self.block_size or full + n >= request.num_tokens:
+            raise ValueError(f"a partial hit of {n} tokens after {full} does not fit request "
+                             f"{request.request_id} of {request.num_tokens} tokens")
+        if (src.block_hash is None or src.token_ids is None
+                or list(src.token_ids[:n]) != request.all_token_ids[full:full + n]):
+            raise RuntimeError(f"partial-hit block {src.block_id} of request "
+                               f"{request.request_id} was evicted or does not match its tokens; "
+                               "call allocate_slots right after get_computed_blocks")
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Registers the request's full blocks covering its first ``num_tokens`` tokens.
@@ -212,11 +299,13 @@ class KVCacheManager:
         hashes = self._block_hashes(request)
         blocks = self._req_blocks[rid]
         bs = self.block_size
-        token_ids = request.all_token_ids if self.event_token_ids else None
+        token_ids = request.all_token_ids
         for i in range(start, end):
-            self.pool.cache_full_block(
-                blocks[i], hashes[i], parent_block_hash=hashes[i - 1] if i else None,
-                token_ids=None if token_ids is None else token_ids[i * bs:(i + 1) * bs])
+            if self.pool.cache_full_block(
+                    blocks[i], hashes[i], parent_block_hash=hashes[i - 1] if i else None,
+                    token_ids=token_ids[i * bs:(i + 1) * bs],
+                    publish_token_ids=self.event_token_ids):
+                self._cached_this_schedule.add(blocks[i].block_id)
         self._num_cached_blocks[rid] = end
 
     def free(self, request: Request) -> None:

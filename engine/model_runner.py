@@ -42,6 +42,9 @@ class ModelInput:
     # Rank 0 only: after the sampled rows, sample_indices go on with these requests' prompt
     # positions, whose logits become prompt logprobs.
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # [num_copies, 2] (source, destination) block ids, on the CPU: whole blocks copied before
+    # the forward.
+    block_copies: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -73,6 +76,8 @@ class ModelRunner:
 
         Every rank calls this with the same input, so the layers' collectives pair up.
         """
+        if inp.block_copies is not None and inp.block_copies.numel():
+            self.copy_blocks(inp.block_copies)
         bucket = self.graphs.bucket_for(inp.meta) if self.graphs is not None else None
         if bucket is not None:  # every rank decides alike, so collectives still pair up
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, bucket)
@@ -81,6 +86,23 @@ class ModelRunner:
         if inp.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
+
+
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """Copies whole blocks ([num_copies, 2] source, destination ids) of this rank's cache.
+
+        Sources are gathered before any destination is written, so a block that is both a
+        source and another copy's destination gives its old contents.
+        """
+        if copies.dim() != 2 or copies.shape[1] != 2:
+            raise ValueError(f"block copies must be [num_copies, 2], got {tuple(copies.shape)}")
+        # Checked where the ids live (the CPU: no device sync), then moved once.
+        if int(copies.min()) < 0 or int(copies.max()) >= self.kv_cache.shape[0]:
+            raise ValueError(f"block copies name blocks outside [0, {self.kv_cache.shape[0]})")
+        copies = copies.to(device=self.kv_cache.device, dtype=torch.int64)
+        # [num_copies, num_layers, 2, block_size, num_kv_heads, head_size]
+        src = self.kv_cache.index_select(0, copies[:, 0])
+        self.kv_cache.index_copy_(0, copies[:, 1], src)
 
 
 def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput,
@@ -191,7 +213,13 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
         block_size=bs,
         num_decodes=sched.num_decodes,
     )
+    copies = None
+    if sched.block_copies:
+        # [num_copies, 2]
+        copies = torch.tensor([[c.src_block_id, c.dst_block_id] for c in sched.block_copies],
+                              dtype=torch.int64)
     return ModelInput(
+        block_copies=copies,
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=pos_t.to(device),
         meta=meta,

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from engine.kv_cache_manager import BlockCopy, ComputedBlocks, KVCacheManager
 from engine.request import Request, RequestStatus
 
 # Prompt tokens per step whose logits are kept for prompt logprobs: each is a [vocab] float32
@@ -49,6 +49,8 @@ class SchedulerOutput:
     # Decodes (one new token) first, then prefill chunks; backends batch the decodes.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Partial-block hits of the requests admitted: run before the forward writes any KV.
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -68,6 +70,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
+        self.partial_block_hits = config.enable_partial_block_hits
         self.by_priority = config.scheduling_policy == "priority"
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
@@ -107,6 +110,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.end_schedule()
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
@@ -156,7 +160,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 # Prompt logprobs need every prompt position's logits: no prefix-cache hits.
                 computed = (ComputedBlocks() if req.wants_prompt_logprobs
-                            else self.kv.get_computed_blocks(req))
+                            else self.kv.get_computed_blocks(req, self.partial_block_hits))
                 num_done = computed.num_computed_tokens
             else:
                 # Decode role: the prompt's KV was written into its blocks from outside.

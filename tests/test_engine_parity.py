@@ -72,9 +72,10 @@ def test_prefix_cache_hits_match_hf(case, preset_path):
     first = llm.generate(prompts[:1], _greedy())
     rest = llm.generate(prompts[1:], _greedy())
     assert [o.token_ids for o in first + rest] == expected
-    assert all(o.num_cached_tokens == 64 for o in rest)  # 4 full blocks of the 70 shared
+    # All 70 shared: 4 whole blocks, then 6 tokens copied from the first prompt's fifth block.
+    assert all(o.num_cached_tokens == 70 for o in rest)
     stats = llm.engine.get_stats()
-    assert stats.prefix_cache_hits >= 2 * 64
+    assert stats.prefix_cache_hits >= 2 * 70
     _assert_all_free(llm)
     # Forgotten: the same prompts compute afresh, to the same tokens.
     done = llm.reset_prefix_cache()
@@ -82,6 +83,32 @@ def test_prefix_cache_hits_match_hf(case, preset_path):
     again = llm.generate(prompts, _greedy())
     assert [o.token_ids for o in again] == expected
     assert again[0].num_cached_tokens == 0
+
+
+def test_partial_block_hits_match_hf(case):
+    """Prefixes that end inside a cached block: a second turn that goes on from 10 tokens of
+    the first turn's output, and two prompts sharing 70 tokens admitted in the same step,
+    where the second must not copy the first's fifth block before the step computes it."""
+    name, path, prompts, expected = case
+    llm = LLM(path)
+    turn1 = prompts[3]  # 64 tokens; its output fills and caches a fifth block
+    assert llm.generate([turn1], _greedy())[0].token_ids == expected[3]
+    turn2 = turn1 + expected[3][:10] + [11, 12, 13]
+    same_step = _prompts(5, [30, 9], shared_prefix=70)  # the first fills its fifth block
+    outs = llm.generate([turn2] + same_step, _greedy())
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, MAX_NEW)
+                                          for p in [turn2] + same_step]
+    assert [o.num_cached_tokens for o in outs] == [74, 0, 64]
+    assert llm.engine.kv_manager.stats.partial_hits == 10
+    _assert_all_free(llm)
+
+
+def test_partial_block_hits_can_be_turned_off(preset_path):
+    llm = LLM(str(preset_path("tiny-llama")), enable_partial_block_hits=False)
+    prompts = _prompts(2, [5, 21], shared_prefix=70)
+    llm.generate(prompts[:1], _greedy())
+    assert llm.generate(prompts[1:], _greedy())[0].num_cached_tokens == 64
+    assert llm.engine.kv_manager.stats.partial_hits == 0
 
 
 def test_a_prefix_cache_reset_waits_for_no_request_to_hold_blocks(preset_path):
@@ -93,7 +120,9 @@ def test_a_prefix_cache_reset_waits_for_no_request_to_hold_blocks(preset_path):
     refused = llm.reset_prefix_cache()
     assert not refused.reset and refused.num_blocks_evicted == 0
     assert refused.num_blocks_in_use >= 6
-    assert llm.generate(prompts[2:3], _greedy())[0].num_cached_tokens == 32  # still cached
+    # Still cached: all but its last token (two whole blocks, and 7 tokens of the third, which
+    # its first run filled with its output).
+    assert llm.generate(prompts[2:3], _greedy())[0].num_cached_tokens == 39
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.reset_prefix_cache().reset

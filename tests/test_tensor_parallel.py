@@ -42,7 +42,8 @@ def _params() -> SamplingParams:
 
 
 def _run(llm: LLM, prompts: list[list[int]]):
-    # Two rounds: the second re-reads the shared prefix from the cache.
+    # Two rounds: the second re-reads the shared prefix from the cache, and the part of the
+    # next block each prompt's first round filled (partial-block hits: copied on every rank).
     return llm.generate(prompts, _params()) + llm.generate(prompts[-2:], _params())
 
 
@@ -72,6 +73,7 @@ def test_tp2_matches_tp1(preset, preset_path):
     with LLM(path, tensor_parallel_size=2, **config) as llm:
         got = _run(llm, prompts)
         assert llm.engine.get_stats().prefix_cache_hits >= 6  # 2 prompts x 3 shared blocks
+        assert llm.engine.kv_manager.stats.partial_hits == ref.engine.kv_manager.stats.partial_hits > 0
         _assert_all_free(llm)
     _assert_same(expected, got)
 
