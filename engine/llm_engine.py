@@ -390,6 +390,7 @@ class LLMEngine:
                 num_leased=len(self._leases), num_free_blocks=self.kv_manager.num_free_blocks,
                 num_total_blocks=self.num_blocks, prefix_cache_queries=s.queries,
                 prefix_cache_hits=s.hits, prefix_cache_evictions=s.evictions,
+                prefix_cache_partial_hits=s.partial_hits,
                 num_preemptions=self.scheduler.num_preemptions,
                 num_expired_leases=self.num_expired_leases, num_steps=self.num_steps,
                 num_quarantined=len(self._quarantined))

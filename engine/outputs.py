@@ -100,3 +100,5 @@ class EngineStats:
     num_steps: int
     # Decode role: failed pulls whose blocks are held back until a late write cannot land.
     num_quarantined: int = 0
+    # Of prefix_cache_hits: tokens copied from blocks the prompt shared only in part.
+    prefix_cache_partial_hits: int = 0

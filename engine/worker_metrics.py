@@ -20,8 +20,10 @@ _GAUGES = (
 )
 
 _COUNTERS = (
-    ("prefix_cache_queries_total", "prefix_cache_queries", "Prompt blocks looked up."),
-    ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt blocks found cached."),
+    ("prefix_cache_queries_total", "prefix_cache_queries", "Prompt tokens looked up."),
+    ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found cached."),
+    ("prefix_cache_partial_hits_total", "prefix_cache_partial_hits",
+     "Of the hits: tokens copied from cached blocks a prompt shared only in part."),
     ("preemptions_total", "num_preemptions", "Requests preempted for lack of KV blocks."),
     ("kv_leases_expired_total", "num_expired_leases",
      "KV leases freed by expiry, never released by a reader."),

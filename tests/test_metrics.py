@@ -144,11 +144,13 @@ def test_router_families_count_finished_requests_and_their_phases():
 def test_worker_families_carry_its_labels_and_usage():
     info = common_pb2.WorkerInfo(worker_id="decode-1", role="decode", model="tiny",
                                  num_free_blocks=96, num_total_blocks=128, num_running=3,
-                                 prefix_cache_hits=7, kv_bytes_transferred=4096, draining=True)
+                                 prefix_cache_hits=7, prefix_cache_partial_hits=2,
+                                 kv_bytes_transferred=4096, draining=True)
     m = parse_metrics(render(worker_metrics(info)))
     labels = frozenset({("worker_id", "decode-1"), ("role", "decode"), ("model", "tiny")})
     assert m[("pdserve_worker_kv_cache_usage_ratio", labels)] == 0.25
     assert m[("pdserve_worker_requests_running", labels)] == 3
     assert m[("pdserve_worker_prefix_cache_hits_total", labels)] == 7
+    assert m[("pdserve_worker_prefix_cache_partial_hits_total", labels)] == 2
     assert m[("pdserve_worker_kv_transfer_bytes_total", labels)] == 4096
     assert m[("pdserve_worker_draining", labels)] == 1

@@ -68,6 +68,25 @@ def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster):
     assert stats.prefix_tokens_matched >= 192
 
 
+def test_a_prefix_that_ends_inside_a_block_is_reused_to_its_last_token(cluster, reference):
+    # 100 shared tokens: 6 whole blocks, and 4 tokens of a seventh that the first request's
+    # own 12 tokens fill; the second request copies those 4 (a partial-block hit) and the
+    # decode worker pulls the copied block with the rest.
+    prefix = random_prompts(1, seed=13, lo=100, hi=100)[0]
+    first_tail, second_tail = list(range(20, 32)), [7, 9, 11]
+    with Client(cluster.router_address, timeout=60) as c:
+        first = c.complete(prefix + first_tail, max_tokens=4, **GREEDY)
+        holder = next(p for p in cluster.procs if p.name == first.usage.prefill_worker_id)
+        partial_before = worker_info(holder.address).prefix_cache_partial_hits
+        second = c.complete(prefix + second_tail, max_tokens=6, **GREEDY)
+    assert second.usage.prefill_worker_id == holder.name
+    assert second.usage.cached_tokens == 100
+    assert worker_info(holder.address).prefix_cache_partial_hits == partial_before + 4
+    want = reference.generate([prefix + second_tail], SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert second.token_ids == want and len(set(want)) > 1
+
+
 def _index_holders(cluster, hashes) -> set[bytes]:
     r = redis.Redis.from_url(cluster.redis_url)
     return set().union(*(r.smembers(f"pdserve:block:{h.hex()}") for h in hashes))
