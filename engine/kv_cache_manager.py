@@ -12,8 +12,9 @@ is causal. Such a hit is not shared: the request gets a new block and the step c
 cached block into it before the forward (``end_schedule``), which then overwrites the
 positions past the hit. Blocks are cached when allocated, before the step that computes them;
 a copy, unlike a shared block, reads its source before that forward, so blocks cached in the
-schedule being built are never partial-hit sources. Multi-turn chat is the common case: the last turn's partial block is
-this turn's prefix, and a prefix of any length loses no tokens to block alignment.
+schedule being built are never partial-hit sources. Multi-turn chat is the common case: the
+last turn's partial block is this turn's prefix, and a prefix of any length loses no tokens to
+block alignment.
 """
 from __future__ import annotations
 

@@ -87,7 +87,6 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
 
-
     def copy_blocks(self, copies: torch.Tensor) -> None:
         """Copies whole blocks ([num_copies, 2] source, destination ids) of this rank's cache.
 
