@@ -4,7 +4,9 @@ Random requests over a tiny vocabulary share prefixes by construction; they are 
 prefix-cache lookup, grown by prefill chunks and decode tokens, and freed, in any order, with
 allocations failing when the pool runs short. After every step the pool must agree with the
 model: ref counts, the exact LRU order of the free queue, the cache map, the event stream,
-the counters, and the content of every block a request reads.
+the counters, and the content of every block a request reads. With partial-block hits on, a
+hit's source must hold the request's next tokens, be the longest such sibling, never be a
+block cached since the last schedule ended, and its copy must come out of ``end_schedule``.
 """
 from __future__ import annotations
 
@@ -30,9 +32,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     live = Bundle("live")
 
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(2, 14),
-                bank=st.lists(st.lists(VOCAB, min_size=1, max_size=14), min_size=1, max_size=3))
-    def setup(self, block_size: int, num_blocks: int, bank: list[list[int]]) -> None:
+                bank=st.lists(st.lists(VOCAB, min_size=1, max_size=14), min_size=1, max_size=3),
+                partial=st.booleans())
+    def setup(self, block_size: int, num_blocks: int, bank: list[list[int]],
+              partial: bool) -> None:
         self.bs = block_size
+        self.partial = partial
+        # Blocks cached since the last end_schedule (their step has not run), and the copies
+        # that end_schedule owes.
+        self.pending: set[int] = set()
+        self.expected_copies: list[tuple[int, int]] = []
         self.num_blocks = num_blocks
         self.bank = bank
         self.mgr = KVCacheManager(num_blocks, block_size)
@@ -42,7 +51,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.free_order = list(range(num_blocks))  # expected free queue, head first
         self.cached: set[bytes] = set()  # hashes per the event stream
         self.content: dict[int, tuple[int, ...]] = {}  # block id -> tokens whose K/V it holds
-        self.counts = {"requests": 0, "queries": 0, "hits": 0, "evictions": 0}
+        self.counts = {"requests": 0, "queries": 0, "hits": 0, "evictions": 0, "partial": 0}
 
     # -- model helpers -------------------------------------------------------------------------
 
@@ -84,6 +93,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.counts["evictions"] += len(hashed_before & set(new_ids))
         for block_id in new_ids:
             self.content.pop(block_id, None)
+        if computed is not None and computed.partial_block is not None:
+            src = computed.partial_block.block_id
+            if src != new_ids[0]:
+                self.expected_copies.append((src, new_ids[0]))
+            if src in self.free_order:  # still free and cached: used just now, to the tail
+                self.free_order.remove(src)
+                self.free_order.append(src)
+        self.pending |= {b.block_id for b in mgr.pool.blocks
+                         if b.block_hash is not None} - hashed_before
         self.requests[req.request_id] = req
         req.num_computed_tokens = total
         # Record what the request wrote into its own (non-hit) full blocks.
@@ -96,6 +114,28 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.content[table[i]] = block_tokens
         return True
 
+    def check_partial_hit(self, tokens: list[int], computed, parent) -> None:
+        start = len(computed.blocks) * self.bs
+        want = tokens[start:min(start + self.bs, len(tokens) - 1)]
+        lcp = {}  # cached sibling -> tokens it shares with what comes next
+        for b in self.mgr.pool.blocks:
+            if b.block_hash is not None and b.parent_hash == parent and want:
+                n = 0
+                while n < len(want) and b.token_ids[n] == want[n]:
+                    n += 1
+                lcp[b.block_id] = n
+        best = max(lcp.values(), default=0)
+        if computed.partial_block is None:
+            assert computed.num_partial_tokens == 0
+            # None: partial hits off, nothing shares a token, or a best one is not computed yet.
+            assert (not self.partial or best == 0
+                    or any(n == best and b in self.pending for b, n in lcp.items()))
+            return
+        src, n = computed.partial_block.block_id, computed.num_partial_tokens
+        assert self.partial and src not in self.pending
+        assert n == min(best, self.bs - 1) == min(lcp[src], self.bs - 1) > 0
+        assert self.content[src][:n] == tuple(want[:n])
+
     # -- rules -------------------------------------------------------------------------------
 
     @rule(target=live, which=st.integers(0, 2), cut=st.integers(0, 14),
@@ -106,16 +146,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         req = Request(request_id=rid, prompt_token_ids=tokens,
                       sampling_params=SamplingParams(max_tokens=8))
-        computed = self.mgr.get_computed_blocks(req)
+        computed = self.mgr.get_computed_blocks(req, partial_hits=self.partial)
         k = len(computed.blocks)
         hashes = hash_request_tokens(tokens, self.bs)
         # A hit is the longest cached run, short of the whole request, and holds its tokens.
-        assert computed.num_computed_tokens == k * self.bs < len(tokens)
+        assert computed.num_computed_tokens == k * self.bs + computed.num_partial_tokens \
+            < len(tokens)
         assert [b.block_hash for b in computed.blocks] == hashes[:k]
         if k < (len(tokens) - 1) // self.bs:
             assert hashes[k] not in self.mgr.pool.cached_blocks
         for i, block in enumerate(computed.blocks):
             assert self.content[block.block_id] == tuple(tokens[i * self.bs:(i + 1) * self.bs])
+        self.check_partial_hit(tokens, computed, hashes[k - 1] if k else None)
         num_new = min(chunk, len(tokens) - computed.num_computed_tokens)
         if not self.allocate(req, num_new, computed):
             self.mgr.free(req)  # the scheduler would keep it waiting; drop it here
@@ -124,6 +166,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.counts["requests"] += 1
             self.counts["queries"] += len(tokens)
             self.counts["hits"] += computed.num_computed_tokens
+            self.counts["partial"] += computed.num_partial_tokens
         return rid
 
     @rule(rid=live, chunk=st.integers(1, 8), token=VOCAB)
@@ -136,6 +179,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         else:  # decode: the sampled token's K/V is computed next step
             req.append_output_token(token)
             self.allocate(req, 1)
+
+    @rule()
+    def end_schedule(self):
+        copies = self.mgr.end_schedule()
+        assert [(c.src_block_id, c.dst_block_id) for c in copies] == self.expected_copies
+        self.expected_copies = []
+        self.pending.clear()
 
     @rule(rid=consumes(live))
     def free_request(self, rid):
@@ -220,9 +270,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def counters_add_up(self):
         stats = self.mgr.stats
-        assert (stats.requests, stats.queries, stats.hits, stats.evictions) == (
+        assert (stats.requests, stats.queries, stats.hits, stats.evictions,
+                stats.partial_hits) == (
             self.counts["requests"], self.counts["queries"], self.counts["hits"],
-            self.counts["evictions"])
+            self.counts["evictions"], self.counts["partial"])
 
     def teardown(self):
         if not hasattr(self, "mgr"):
@@ -234,6 +285,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=300, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestPrefixCache = PrefixCacheMachine.TestCase
