@@ -94,6 +94,23 @@ def test_partial_hit_copies_the_cached_part_of_a_block():
     assert mgr.get_computed_blocks(c).num_computed_tokens == 4
 
 
+def test_a_block_cached_again_in_the_open_schedule_is_no_source():
+    mgr = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 8, 9])
+    admit(mgr, a)
+    mgr.end_schedule()
+    mgr.free(a)  # all three cached and free
+    # r evicts blocks 2 and 1 and caches them again with its own tokens, in this schedule.
+    admit(mgr, make_request("r", [1, 2, 5, 6, 7, 7]))
+    assert mgr.get_block_ids("r") == [0, 2, 1]
+    q = make_request("q", [1, 2, 5, 9])
+    got = mgr.get_computed_blocks(q, partial_hits=True)
+    assert got.partial_block is None and got.num_computed_tokens == 2
+    mgr.end_schedule()  # the step computed r's blocks
+    got = mgr.get_computed_blocks(q, partial_hits=True)
+    assert got.partial_block is mgr.pool.blocks[2] and got.num_computed_tokens == 3
+
+
 def test_partial_hit_leaves_the_last_token_to_compute():
     mgr = KVCacheManager(num_blocks=8, block_size=4)
     admit(mgr, make_request("a", list(range(12))))

@@ -100,8 +100,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if src in self.free_order:  # still free and cached: used just now, to the tail
                 self.free_order.remove(src)
                 self.free_order.append(src)
-        self.pending |= {b.block_id for b in mgr.pool.blocks
-                         if b.block_hash is not None} - hashed_before
+        # Cached by this allocation: newly, or again after its eviction handed it out here.
+        self.pending |= {b.block_id for b in mgr.pool.blocks if b.block_hash is not None
+                         and (b.block_id not in hashed_before or b.block_id in new_ids)}
         self.requests[req.request_id] = req
         req.num_computed_tokens = total
         # Record what the request wrote into its own (non-hit) full blocks.
