@@ -141,7 +141,7 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
             start = len(hashes) * self.block_size
-            new_tokens = request.all_token_ids[start:num_full * self.block_size]
+            new_tokens = request.token_ids_between(start, num_full * self.block_size)
             hashes.extend(hash_request_tokens(new_tokens, self.block_size,
                                               parent=hashes[-1] if hashes else None))
         return hashes
@@ -181,7 +181,7 @@ class KVCacheManager:
         if end <= start:
             return
         parent = hashes[len(computed.blocks) - 1] if computed.blocks else None
-        hit = self.pool.longest_partial_hit(parent, request.all_token_ids[start:end])
+        hit = self.pool.longest_partial_hit(parent, request.token_ids_between(start, end))
         if hit is None or hit.block.block_id in self._cached_this_schedule:
             return
         # A whole block's match would have been a hash hit; never claim one here.
@@ -271,7 +271,7 @@ class KVCacheManager:
             raise ValueError(f"a partial hit of {n} tokens after {full} does not fit request "
                              f"{request.request_id} of {request.num_tokens} tokens")
         if (src.block_hash is None or src.token_ids is None
-                or list(src.token_ids[:n]) != request.all_token_ids[full:full + n]):
+                or list(src.token_ids[:n]) != request.token_ids_between(full, full + n)):
             raise RuntimeError(f"partial-hit block {src.block_id} of request "
                                f"{request.request_id} was evicted or does not match its tokens; "
                                "call allocate_slots right after get_computed_blocks")
@@ -300,11 +300,10 @@ class KVCacheManager:
         hashes = self._block_hashes(request)
         blocks = self._req_blocks[rid]
         bs = self.block_size
-        token_ids = request.all_token_ids
         for i in range(start, end):
             if self.pool.cache_full_block(
                     blocks[i], hashes[i], parent_block_hash=hashes[i - 1] if i else None,
-                    token_ids=token_ids[i * bs:(i + 1) * bs],
+                    token_ids=request.token_ids_between(i * bs, (i + 1) * bs),
                     publish_token_ids=self.event_token_ids):
                 self._cached_this_schedule.add(blocks[i].block_id)
         self._num_cached_blocks[rid] = end

@@ -176,7 +176,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
     for i, s in enumerate(sched.scheduled):
         req, n = s.request, s.num_new_tokens
         start = req.num_computed_tokens
-        input_ids.extend(_token_slice(req, start, n))
+        input_ids.extend(req.token_ids_between(start, start + n))
         positions.extend(range(start, start + n))
         seq_index.extend([i] * n)
         query_start.append(query_start[-1] + n)
@@ -235,13 +235,3 @@ def _token_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
-
-def _token_slice(req, start: int, n: int) -> list[int]:
-    """Tokens [start, start + n) of prompt + output without concatenating the two lists."""
-    p = req.prompt_token_ids
-    if start + n <= len(p):
-        return p[start:start + n]
-    if start >= len(p):
-        o = req.output_token_ids
-        return o[start - len(p):start - len(p) + n]
-    return p[start:] + req.output_token_ids[:start + n - len(p)]

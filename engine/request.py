@@ -65,6 +65,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole list: per-step
+        callers would otherwise copy every long prompt each time."""
+        p = self.prompt_token_ids
+        if stop <= len(p):
+            return p[start:stop]
+        o = self.output_token_ids
+        if start >= len(p):
+            return o[start - len(p):stop - len(p)]
+        return p[start:] + o[:stop - len(p)]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -269,3 +269,13 @@ def test_lookup_counted_once_when_admission_is_retried():
     mgr.free(a)
     assert mgr.allocate_slots(b, 10, mgr.get_computed_blocks(b)) is not None
     assert mgr.stats.requests == 2 and mgr.stats.queries == 20
+
+
+def test_token_ids_between_slices_prompt_and_output_as_one_list():
+    req = make_request("r", [10, 11, 12, 13])
+    for t in (14, 15, 16):
+        req.append_output_token(t)
+    whole = req.all_token_ids
+    for start in range(len(whole) + 1):
+        for stop in range(start, len(whole) + 1):
+            assert req.token_ids_between(start, stop) == whole[start:stop], (start, stop)
