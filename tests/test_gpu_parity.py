@@ -50,3 +50,24 @@ def test_bf16_greedy_tokens_follow_hf(preset_path, preset):
                 break
         distinct.update(out.token_ids)
     assert len(distinct) > 10, "greedy outputs are too repetitive to compare"
+
+
+def test_partial_block_hits_on_the_gpu_match_whole_block_hits():
+    # 70 shared tokens: 4 whole blocks and 6 tokens of a fifth that the first prompt fills;
+    # the others copy that block on the GPU (before a forward, with CUDA graphs on for the
+    # decodes) instead of recomputing the 6. float32, so both ways give the same tokens.
+    rng = random.Random(5)
+    shared = [rng.randint(5, 7000) for _ in range(70)]
+    prompts = [shared + [rng.randint(5, 7000) for _ in range(n)] for n in (30, 9, 17)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = {}
+    for partial in (True, False):
+        with LLM("tiny-llama", device="cuda", dtype="float32",
+                 enable_partial_block_hits=partial) as llm:
+            assert llm.engine.executor.runner.graphs is not None
+            outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+            got[partial] = ([o.token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                            llm.engine.kv_manager.stats.partial_hits)
+    assert got[True][0] == got[False][0]
+    assert len({t for ids in got[True][0] for t in ids}) > 10
+    assert got[True][1:] == ([0, 70, 70], 12) and got[False][1:] == ([0, 64, 64], 0)
