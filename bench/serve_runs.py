@@ -115,12 +115,14 @@ def run(cfg: ServeConfig) -> ServeReport:
     stream = ["--decode-stream", cfg.decode_stream]
     router_args = stream + ([] if cfg.max_local_prefill_length is None
                             else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
-    blocks = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
+    # Every worker of both clusters, and the in-process engine below, alike.
+    worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     if not cfg.partial_block_hits:
-        blocks.append("--no-enable-partial-block-hits")
+        worker_args.append("--no-enable-partial-block-hits")
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
-                       worker_args=blocks, router_args=router_args, share_cores=cfg.share_cores)
-    agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=blocks,
+                       worker_args=worker_args, router_args=router_args,
+                       share_cores=cfg.share_cores)
+    agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=worker_args,
                            router_args=stream, share_cores=cfg.share_cores)
     rounds = ([[pt for pt in plan_points(cfg, vocab, r) if pt.mode == "concurrency"]
                for r in range(cfg.rounds)] if cfg.concurrency else [])
