@@ -5,6 +5,7 @@ The engine talks to one ``Executor``: the single-process one for TP=1, the multi
 """
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import torch
@@ -50,6 +51,15 @@ class Executor(ABC):
         """Rank 0's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_size]."""
         return self.runner.kv_cache
 
+    def _release_device_memory(self) -> None:
+        """A stopped engine on a GPU gives rank 0's memory back: torch's caching allocator
+        would keep it from other processes, and a later engine in this process sizes its cache
+        from what the device has free (``with LLM(...)`` in a loop). On the CPU the memory goes
+        back when the engine is dropped. Called only while no step runs on the runner."""
+        runner = getattr(self, "runner", None)  # None: shut down before the runner was built
+        if runner is not None and runner.device.type == "cuda":
+            runner.release()
+
     def kv_handles(self) -> list:
         """Every rank's kvtransfer handle, in rank order ([] without a KV transfer backend)."""
         return list(self._kv_handles)
@@ -80,9 +90,12 @@ class UniProcExecutor(Executor):
                                   cpu_graph=cpu_graph_enabled(spec))
         self.kv_agent = make_rank_agent(spec, self.runner)
         self._kv_handles = [self.kv_agent.handle()] if self.kv_agent is not None else []
+        # Held by a step: shutdown frees the runner's memory only when no step is using it.
+        self._step_lock = threading.Lock()
 
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
-        return self.runner.run(inp)
+        with self._step_lock:
+            return self.runner.run(inp)
 
     def kv_cache_layouts(self) -> list[KVCacheLayout]:
         return [self.runner.layout]
@@ -91,6 +104,11 @@ class UniProcExecutor(Executor):
         if self.kv_agent is not None:
             self.kv_agent.close()
             self.kv_agent = None
+        if self._step_lock.acquire(blocking=False):  # else a step still runs: leave it be
+            try:
+                self._release_device_memory()
+            finally:
+                self._step_lock.release()
 
 
 def make_rank_agent(spec: RankSpec, runner: ModelRunner):

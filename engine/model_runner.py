@@ -69,6 +69,25 @@ class ModelRunner:
         elif cpu_graph:  # None where the model has a piece the C graph does not reproduce
             self.graphs = CPUModelGraph.build(model)
 
+    def release(self) -> None:
+        """Frees the KV cache, the weights and the graphs, and on a GPU hands the caching
+        allocator's idle memory back to the device for other engines and processes. The
+        storages themselves are emptied (those torch allocated: not the CPU cache's huge
+        pages), so the memory goes back even where the caller still holds a layer, a view of
+        the cache or a graph runner. The runner cannot run afterwards. Idempotent."""
+        if self.model is None:
+            return
+        tensors = [self.kv_cache, *self.model.parameters(), *self.model.buffers()]
+        self.graphs = None
+        self.model = None
+        self.kv_cache = None
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def run(self, inp: ModelInput) -> torch.Tensor | None:
         """The forward pass; float32 logits of the sample_indices rows [num_rows, vocab] (the

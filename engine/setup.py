@@ -6,6 +6,7 @@ rank 0 builds from it in the engine's process and each worker process builds fro
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,15 +119,30 @@ def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
     if config.kv_cache_memory_gib is not None:
         budget = config.kv_cache_memory_gib * (1 << 30)
     elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.gpu_memory_utilization - (total - free)
+        budget = _cuda_kv_budget(device, config.gpu_memory_utilization)
     else:
         budget = _CPU_KV_GIB * (1 << 30)
     num_blocks = int(budget // bytes_per_block)
     if num_blocks < 1:
+        hint = (" (lower what else uses the GPU, raise --gpu-memory-utilization, or set "
+                "--num-gpu-blocks / --kv-cache-memory-gib)" if device.type == "cuda" else "")
         raise ValueError(f"the KV-cache budget ({budget / (1 << 20):.1f} MiB) holds no "
-                         f"{bytes_per_block / (1 << 20):.2f} MiB block")
+                         f"{bytes_per_block / (1 << 20):.2f} MiB block{hint}")
     return num_blocks
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float) -> float:
+    """Bytes left for the KV cache when this process may use ``utilization`` of the device.
+
+    An engine dropped earlier in this process may still sit in a reference cycle or in torch's
+    caching allocator, which the driver counts as used, and one large idle cached block may
+    not fit the new cache's allocation (seen on an H100): so collect and hand idle memory back
+    first, then size from what the device has free.
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total * utilization - (total - free)
 
 
 def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:

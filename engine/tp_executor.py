@@ -230,6 +230,8 @@ class MultiprocExecutor(Executor):
         if self.kv_agent is not None:
             self.kv_agent.close()
             self.kv_agent = None
+        if not self._step_in_flight:
+            self._release_device_memory()
         torch.set_num_threads(self._previous_threads)
 
 

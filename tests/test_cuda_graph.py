@@ -47,14 +47,14 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def expected(prompts):
-    with LLM("tiny-llama", enforce_eager=True) as llm:
+    with LLM("tiny-llama", enforce_eager=True, num_gpu_blocks=512) as llm:
         outs = [o.token_ids for o in llm.generate(prompts, _params())]
     assert len({t for o in outs for t in o}) > 15, "greedy outputs are too repetitive to compare"
     return outs
 
 
 def _padded_llm(max_batch_size: int, max_blocks: int) -> LLM:
-    llm = LLM("tiny-llama")
+    llm = LLM("tiny-llama", num_gpu_blocks=512)
     llm.engine.executor.runner.graphs = _uncaptured(llm, max_batch_size, max_blocks)
     return llm
 
@@ -127,9 +127,11 @@ def test_only_pure_decode_steps_qualify(small_llm):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_matches_eager_on_gpu(prompts, dtype):
     params = _params()
-    with LLM("tiny-llama", device="cuda", dtype=dtype, enforce_eager=True) as llm:
+    with LLM("tiny-llama", device="cuda", dtype=dtype, enforce_eager=True,
+             num_gpu_blocks=512) as llm:
         eager = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=8) as llm:
+    with LLM("tiny-llama", device="cuda", dtype=dtype, max_num_seqs=8,
+             num_gpu_blocks=512) as llm:
         graphs = llm.engine.executor.runner.graphs
         assert graphs is not None and graphs.capture
         assert sorted(graphs.graphs) == graphs.cfg.batch_sizes == [1, 2, 4, 8]

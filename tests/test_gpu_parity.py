@@ -27,7 +27,7 @@ def test_bf16_greedy_tokens_follow_hf(preset_path, preset):
     rng = random.Random(3)
     prompts = [[rng.randint(5, 7000) for _ in range(n)] for n in (5, 40, 130, 300)]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    with LLM(preset, device="cuda", dtype="bfloat16") as llm:
+    with LLM(preset, device="cuda", dtype="bfloat16", num_gpu_blocks=512) as llm:
         assert llm.engine.executor.runner.graphs is not None  # graphs on: the served path
         ours = llm.generate(prompts, params)
     hf = AutoModelForCausalLM.from_pretrained(preset_path(preset), dtype=torch.bfloat16)
@@ -62,7 +62,7 @@ def test_partial_block_hits_on_the_gpu_match_whole_block_hits():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     got = {}
     for partial in (True, False):
-        with LLM("tiny-llama", device="cuda", dtype="float32",
+        with LLM("tiny-llama", device="cuda", dtype="float32", num_gpu_blocks=512,
                  enable_partial_block_hits=partial) as llm:
             assert llm.engine.executor.runner.graphs is not None
             outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
@@ -71,3 +71,20 @@ def test_partial_block_hits_on_the_gpu_match_whole_block_hits():
     assert got[True][0] == got[False][0]
     assert len({t for ids in got[True][0] for t in ids}) > 10
     assert got[True][1:] == ([0, 70, 70], 12) and got[False][1:] == ([0, 64, 64], 0)
+
+
+def test_a_stopped_engine_gives_its_gpu_memory_back():
+    # The default budget is 90% of the device: a second engine in this process fits only if
+    # the first one's memory went back when it stopped, though the caller still holds the LLM
+    # and one of its layers (a view of the cache and weights, as hooks or tests keep them).
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    num_blocks, kept = [], []
+    for _ in range(2):
+        with LLM("tiny-llama", device="cuda", dtype="bfloat16") as llm:
+            num_blocks.append(llm.engine.executor.num_blocks)
+            assert torch.cuda.memory_allocated() - base > (1 << 30)
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+            kept.append((llm, llm.engine.decoder_layers()[0]))
+        assert torch.cuda.memory_allocated() - base < (64 << 20), torch.cuda.memory_summary()
+    assert num_blocks[1] >= 0.99 * num_blocks[0]

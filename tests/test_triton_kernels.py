@@ -452,6 +452,6 @@ def test_gpu_engine_greedy_tokens_match_torch_backend():
     results = {}
     for backend in ("torch", "triton"):
         with LLM("tiny-llama", device="cuda", dtype="float32", attention_backend=backend,
-                 enforce_eager=True) as llm:
+                 enforce_eager=True, num_gpu_blocks=512) as llm:
             results[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert results["triton"] == results["torch"]
