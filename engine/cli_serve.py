@@ -101,6 +101,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-queue-threshold", type=int, default=2,
                    help="prefill locally only while the chosen prefill worker has at least this "
                         "many prefill requests in flight from this router (0: always)")
+    p.add_argument("--decode-prefix-reuse-min-tokens", type=int, default=64,
+                   help="a decode worker holding at least this many more of a prompt's tokens "
+                        "than the chosen prefill worker (a chat's next turn, after the reply "
+                        "it streamed) prefills the prompt itself, when it has no more than that "
+                        "lead left to compute; 0 turns this off")
     p.add_argument("--decode-stream", default="multiplexed",
                    choices=("multiplexed", "per-request"),
                    help="multiplexed: one DecodeMany stream per decode worker carries every "
@@ -188,7 +193,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(
                           max_local_prefill_length=args.max_local_prefill_length,
-                          local_prefill_queue_threshold=args.local_prefill_queue_threshold)))
+                          local_prefill_queue_threshold=args.local_prefill_queue_threshold,
+                          decode_prefix_reuse_min_tokens=args.decode_prefix_reuse_min_tokens)))
     return 0
 
 

@@ -224,10 +224,10 @@ class WorkerRuntime:
 
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:
-        events = engine.take_kv_events()  # taken in every role, so they never pile up
-        # The router matches prompts against prefill workers only: a decode worker's blocks
-        # would cost a Redis round trip on its event loop (the engine's GIL) for nothing.
-        if events and self._presence is not None and self.config.role == "prefill":
+        events = engine.take_kv_events()
+        # Both roles: a decode worker's blocks hold the replies it streamed, which a chat's
+        # next turn starts with (router/local_prefill.py).
+        if events and self._presence is not None:
             self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
 
     def record_transfer(self, event) -> None:
@@ -281,7 +281,7 @@ class WorkerRuntime:
 
         self._presence = WorkerPresence(
             self.config.redis_url, self.config.namespace, self.config.heartbeat_interval_s,
-            self.worker_info, self._republish if self.config.role == "prefill" else None)
+            self.worker_info, self._republish)
         registry = self._presence.registry
         if self.config.role == "prefill":  # before the first heartbeat makes it routable
             await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
@@ -291,9 +291,10 @@ class WorkerRuntime:
             self._peers.start()
 
     async def _republish(self, registry) -> None:
-        """After a Redis outage: this prefill worker's KV handles, and its whole prefix cache
-        in place of whatever the index kept of it (events were lost; Redis may be new)."""
-        await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
+        """After a Redis outage: a prefill worker's KV handles, and either role's whole prefix
+        cache in place of whatever the index kept of it (events were lost; Redis may be new)."""
+        if self.config.role == "prefill":
+            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
         hashes = await asyncio.to_thread(self.llm.cached_block_hashes)
         await registry.set_worker_blocks(self.worker_id, hashes)
 

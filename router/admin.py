@@ -49,6 +49,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             prefix_tokens_matched=s.prefix_tokens_matched,
             requests_prefilled_locally=s.requests_prefilled_locally,
             requests_prefilled_remotely=s.requests_prefilled_remotely,
+            requests_prefilled_on_decode_cache=s.requests_prefilled_on_decode_cache,
             requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted,
             worker_hangs=self.directory.worker_hangs, decode_waits=s.decode_waits)
 

@@ -9,7 +9,9 @@ a queued request delays this one by roughly a prompt's prefill, hence the exchan
 Decode: among workers with enough free blocks for the prompt, the fewest requests in flight,
 then the most free blocks; when no worker's last heartbeat shows enough, the workers are asked
 for their current free blocks before the request is refused. Ties go to the smaller worker id,
-so routing is deterministic.
+so routing is deterministic. Decode workers publish their cached blocks too:
+``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn), which
+router/local_prefill.py may let prefill it.
 
 Redis is the registry and the prefix index, not a dependency of the request path: while it
 fails or hangs, requests route on the last view of the workers, by load alone (no prefix
@@ -301,6 +303,22 @@ class WorkerDirectory:
             except Exception as e:  # noqa: BLE001 - routing goes on without prefix hits
                 self._registry_failed("the prefix lookup", e)
         return {}
+
+    async def longest_decode_prefix(self, block_hashes: list[bytes], num_tokens: int,
+                                    avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
+        """The decode worker with room for the prompt that holds the longest prefix of it, and
+        that prefix in tokens; (None, 0) when none holds any. Workers in ``avoid`` are left
+        out: the prompt has somewhere else to go."""
+        need = -(-(num_tokens + 1) // self.block_size)
+        cands = [w for w in await self._candidates_now("decode")
+                 if w.worker_id not in avoid and w.info.num_free_blocks >= need]
+        if not cands or not block_hashes:
+            return None, 0
+        matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
+        best = max(cands, key=lambda w: (matched.get(w.worker_id, 0), -w.inflight,
+                                         _neg(w.worker_id)))
+        cached = min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
+        return (best, cached) if cached else (None, 0)
 
     async def pick_decode(self, num_tokens: int,
                           avoid: frozenset[str] = frozenset()) -> WorkerHandle:

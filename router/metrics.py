@@ -16,7 +16,8 @@ _COUNTERS = (
     ("requests_failed_total", "requests_failed", "Requests that ended with an error status."),
     ("prompt_tokens_total", "prompt_tokens_routed", "Prompt tokens routed."),
     ("prefix_tokens_matched_total", "prefix_tokens_matched",
-     "Prompt tokens the chosen prefill worker already held in its prefix cache."),
+     "Prompt tokens the worker that ran the prompt already held in its prefix cache, as the "
+     "index showed them."),
     ("generation_tokens_total", "generation_tokens", "Output tokens streamed to clients."),
     ("requests_migrated_total", "requests_migrated",
      "Moves of a running request to other workers after its worker failed."),
@@ -24,6 +25,9 @@ _COUNTERS = (
      "Requests failed once --migration-limit was spent."),
     ("decode_waits_total", "decode_waits",
      "Prefilled requests that waited for room on a decode worker, then went on."),
+    ("requests_prefilled_on_decode_cache_total", "requests_prefilled_on_decode_cache",
+     "Local prefills sent to the decode worker that held more of the prompt than any prefill "
+     "worker (a chat's next turn)."),
 )
 
 _WORKER_GAUGES = (

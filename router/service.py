@@ -28,11 +28,12 @@ from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
-from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
+from router.directory import (LOAD_COST_TOKENS, NoWorkerError, WorkerDirectory, WorkerHandle,
+                              prefilling)
 from router.errors import RouterRejectError, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
-from router.local_prefill import should_prefill_locally
+from router.local_prefill import should_prefill_locally, should_reuse_decode_cache
 from router.migration import RequestRun, is_migratable
 from router.parallel import check_n, fan_out, sequence_request
 from router.prompts import ServedModel
@@ -232,12 +233,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         hashes = hash_request_tokens(ids, self.config.block_size)
         prefill, matched = await self._pick_prefill(hashes, len(ids), avoid)
         self.directory.check_prompt_fits(len(ids))
-        decode = await self._local_candidate(len(ids), avoid)
-        local = self._prefill_locally(prefill, decode, len(ids), matched)
+        decode, held = await self._decode_cache_holder(hashes, len(ids), avoid, matched)
+        if decode is not None:
+            local, matched = True, held
+        else:
+            decode = await self._local_candidate(len(ids), avoid)
+            local = self._prefill_locally(prefill, decode, len(ids), matched)
+            matched = 0 if local else matched
         if not run.started:
-            # prefix_tokens_matched counts the chosen prefill worker's cache: none when skipped.
-            self.stats.routed(len(ids), 0 if local else matched)
-            self.stats.prefilled(local)
+            # prefix_tokens_matched counts the cache of the worker that runs the prompt as
+            # the index saw it: none for a local prefill chosen without looking.
+            self.stats.routed(len(ids), matched)
+            self.stats.prefilled(local, on_decode_cache=held > 0 and local)
             run.timings.router_queue_s = time.monotonic() - run.t0
         run.usage.local_prefill = local
         if local:
@@ -278,6 +285,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not self.config.local_prefill.enabled:
                 raise
             return None, 0
+
+    async def _decode_cache_holder(self, hashes: list[bytes], num_tokens: int,
+                                   avoid: frozenset[str],
+                                   prefill_cached: int) -> tuple[WorkerHandle | None, int]:
+        """The decode worker that should prefill the prompt because it holds more of it (a
+        chat's next turn, router/local_prefill.py), and its cached tokens; (None, 0) else."""
+        cfg = self.config.local_prefill
+        if (cfg.decode_prefix_reuse_min_tokens == 0
+                or num_tokens - prefill_cached < cfg.decode_prefix_reuse_min_tokens):
+            return None, 0  # no decode worker can lead by enough: spare the index a lookup
+        holder, held = await self.directory.longest_decode_prefix(hashes, num_tokens, avoid)
+        if holder is None or not should_reuse_decode_cache(
+                cfg, num_tokens, held, prefill_cached, holder.prefilling, LOAD_COST_TOKENS):
+            return None, 0
+        return holder, held
 
     async def _local_candidate(self, num_tokens: int,
                                avoid: frozenset[str]) -> WorkerHandle | None:

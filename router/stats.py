@@ -31,6 +31,8 @@ class RouterStats:
     # Where prompts ran: on a decode worker (conditional disaggregation) or a prefill worker.
     requests_prefilled_locally: int = 0
     requests_prefilled_remotely: int = 0
+    # Of the local ones: those sent to the decode worker because it held more of the prompt.
+    requests_prefilled_on_decode_cache: int = 0
     # Migrations after a worker failed under a request, and requests failed once
     # --migration-limit was spent.
     requests_migrated: int = 0
@@ -65,9 +67,10 @@ class RouterStats:
         self.prompt_tokens_routed += prompt_tokens
         self.prefix_tokens_matched += matched_tokens
 
-    def prefilled(self, local: bool) -> None:
+    def prefilled(self, local: bool, on_decode_cache: bool = False) -> None:
         if local:
             self.requests_prefilled_locally += 1
+            self.requests_prefilled_on_decode_cache += on_decode_cache
         else:
             self.requests_prefilled_remotely += 1
 

@@ -140,3 +140,33 @@ def test_a_worker_that_fails_its_probe_gets_no_requests_until_it_returns(redis_u
             await server.stop(0)
 
     asyncio.run(body())
+
+
+def test_the_decode_worker_holding_most_of_a_prompt_is_found(redis_url):
+    async def body():
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir4"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir4")
+        prompt = list(range(100, 200))  # 6 whole blocks
+        hashes = hash_request_tokens(prompt, 16)
+        full = common_pb2.WorkerInfo(worker_id="d0", role="decode", address="127.0.0.1:1",
+                                     block_size=16, num_free_blocks=3)
+        for info in (_info("d1", "decode"), _info("d2", "decode"), full,
+                     _info("p1", "prefill")):
+            await writer.heartbeat(info)
+        await writer.set_worker_blocks("d1", hashes[:2])
+        await writer.set_worker_blocks("d2", hashes[:5])
+        await writer.set_worker_blocks("d0", hashes)  # all of it, but no room for the prompt
+        await writer.set_worker_blocks("p1", hashes)  # a prefill worker is not a candidate
+        await d.start()
+        try:
+            w, cached = await d.longest_decode_prefix(hashes, len(prompt), frozenset())
+            assert (w.worker_id, cached) == ("d2", 80)
+            w, cached = await d.longest_decode_prefix(hashes, len(prompt), frozenset({"d2"}))
+            assert (w.worker_id, cached) == ("d1", 32)
+            other = hash_request_tokens(list(range(300, 400)), 16)
+            assert await d.longest_decode_prefix(other, 100, frozenset()) == (None, 0)
+        finally:
+            await d.stop()
+            await writer.r.aclose()
+
+    asyncio.run(body())

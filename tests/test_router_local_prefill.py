@@ -7,7 +7,8 @@ import pytest
 
 from engine.cli_serve import add_router_args
 from router.config import RouterConfig
-from router.local_prefill import LocalPrefillConfig, should_prefill_locally
+from router.local_prefill import (LocalPrefillConfig, should_prefill_locally,
+                                  should_reuse_decode_cache)
 
 CFG = LocalPrefillConfig(max_local_prefill_length=100, local_prefill_queue_threshold=2)
 
@@ -54,7 +55,37 @@ def test_defaults_leave_the_feature_off():
     assert not should_prefill_locally(cfg, 1, 0, 100, 0)
 
 
+@pytest.mark.parametrize("prompt,decode_cached,prefill_cached,reuse", [
+    (190, 176, 80, True),    # a chat's next turn: the reply's blocks on the decode worker
+    (190, 176, 112, True),   # a lead of exactly the minimum
+    (190, 176, 113, False),  # one token short of it
+    (400, 176, 80, False),   # more left to compute (224) than the lead (96)
+    (272, 176, 80, True),    # left to compute (96) equal to the lead
+    (190, 0, 0, False),      # nothing cached anywhere
+    (100, 300, 0, True),     # counts clipped to the prompt: lead 100, nothing left
+])
+def test_a_decode_worker_holding_more_of_the_prompt_prefills_it(prompt, decode_cached,
+                                                                 prefill_cached, reuse):
+    cfg = LocalPrefillConfig()  # local prefill for load stays off: this is a separate reason
+    assert cfg.decode_prefix_reuse_min_tokens == 64 and not cfg.enabled
+    assert should_reuse_decode_cache(cfg, prompt, decode_cached, prefill_cached) is reuse
+
+
+def test_a_decode_worker_busy_prefilling_needs_a_longer_lead():
+    cfg = LocalPrefillConfig()
+    # Lead 416: enough alone; less 256 per prompt it is prefilling: 160, then -96.
+    assert should_reuse_decode_cache(cfg, 500, 496, 80, decode_prefilling=1)
+    assert not should_reuse_decode_cache(cfg, 500, 496, 80, decode_prefilling=2)
+
+
+def test_zero_turns_decode_cache_reuse_off():
+    cfg = LocalPrefillConfig(decode_prefix_reuse_min_tokens=0)
+    assert not should_reuse_decode_cache(cfg, 1000, 990, 0)
+
+
 @pytest.mark.parametrize("kw", [
+    {"decode_prefix_reuse_min_tokens": -1},
+    {"decode_prefix_reuse_min_tokens": 2.0},
     {"max_local_prefill_length": -1},
     {"local_prefill_queue_threshold": -1},
     {"max_local_prefill_length": 1.5},
@@ -79,10 +110,13 @@ def test_router_flags_default_to_the_config_defaults():
     add_router_args(p)
     args = p.parse_args(["--redis-url", "redis://x"])
     assert LocalPrefillConfig(args.max_local_prefill_length,
-                              args.local_prefill_queue_threshold) == LocalPrefillConfig()
+                              args.local_prefill_queue_threshold,
+                              args.decode_prefix_reuse_min_tokens) == LocalPrefillConfig()
     args = p.parse_args(["--redis-url", "redis://x", "--max-local-prefill-length", "0",
-                         "--local-prefill-queue-threshold", "7"])
-    assert (args.max_local_prefill_length, args.local_prefill_queue_threshold) == (0, 7)
+                         "--local-prefill-queue-threshold", "7",
+                         "--decode-prefix-reuse-min-tokens", "0"])
+    assert (args.max_local_prefill_length, args.local_prefill_queue_threshold,
+            args.decode_prefix_reuse_min_tokens) == (0, 7, 0)
 
 
 def test_a_decode_workers_local_prefills_are_counted_until_they_end():

@@ -8,7 +8,9 @@ import redis
 
 from client import Chat, Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
+from engine.block_hash import hash_request_tokens
 from router.launcher import Cluster, ClusterSpec
+from tests.proc_signals import wait_until
 from tests.serving_helpers import (WORKER_ARGS, assert_same_logprobs, free_port, parse_metrics,
                                    random_prompts, scrape, stream_greedy, wait_all_blocks_free)
 
@@ -359,20 +361,19 @@ def test_request_finished_by_prefill_never_reaches_decode(cluster, reference):
     wait_all_blocks_free(_workers(cluster))
 
 
-def test_only_prefill_workers_publish_their_blocks(cluster):
-    """The router matches prompts against prefill workers only; a decode worker's index entries
-    would cost a Redis round trip on its event loop per step for nothing."""
+def test_both_roles_publish_their_blocks(cluster):
+    """Prefill workers publish the prompt's blocks; the decode worker those it pulled and those
+    its reply filled, which a chat's next turn starts with (router/local_prefill.py)."""
     names = {p.name.split("-")[0]: p.name for p in cluster.procs if p.name != "router"}
+    prompt = random_prompts(1, seed=13, lo=64, hi=64)[0]
     with Client(cluster.router_address, timeout=60) as c:
-        c.complete(random_prompts(1, seed=13, lo=64, hi=64)[0], max_tokens=40,
-                   temperature=0.0, ignore_eos=True)
+        out = c.complete(prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+    # 103 tokens hold K/V (the last sampled token has none yet): 6 whole blocks.
+    reply_blocks = {h.hex().encode() for h in hash_request_tokens(prompt + out.token_ids, 16)[:6]}
+    prompt_blocks = {h.hex().encode() for h in hash_request_tokens(prompt, 16)}
     r = redis.Redis.from_url(cluster.redis_url)
-    deadline = time.monotonic() + 10
-    while not r.scard(f"pdserve:wblocks:{names['prefill']}"):
-        assert time.monotonic() < deadline, "the prefill worker's blocks never reached Redis"
-        time.sleep(0.05)
-    time.sleep(0.5)  # a decode worker's events would be flushed by now
-    assert r.scard(f"pdserve:wblocks:{names['decode']}") == 0
+    assert wait_until(lambda: prompt_blocks <= r.smembers(f"pdserve:wblocks:{names['prefill']}")
+                      and reply_blocks <= r.smembers(f"pdserve:wblocks:{names['decode']}"), 10)
 
 
 def test_prometheus_metrics_from_the_router_and_from_a_worker(cluster):

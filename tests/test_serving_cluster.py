@@ -87,6 +87,38 @@ def test_a_prefix_that_ends_inside_a_block_is_reused_to_its_last_token(cluster, 
     assert second.token_ids == want and len(set(want)) > 1
 
 
+def test_a_chats_next_turn_is_prefilled_on_the_decode_worker_holding_its_reply(cluster,
+                                                                               reference):
+    # Turn 1: 80 prompt tokens on a prefill worker, 100 reply tokens on the decode worker,
+    # which caches (and publishes) 11 whole blocks of prompt and reply. Turn 2 goes on from the
+    # reply: the prefill worker holds 80 of its tokens, the decode worker 176, a lead of 96
+    # (>= the default 64) with 14 tokens left to compute; so the decode worker prefills it.
+    first_prompt = random_prompts(1, seed=17, lo=80, hi=80)[0]
+    decode = _by_role(cluster, "decode")[0]
+    admin = _admin(cluster)
+    before = admin.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=10)
+    with Client(cluster.router_address, timeout=60) as c:
+        first = c.complete(first_prompt, max_tokens=100, **GREEDY)
+        assert first.usage.prefill_worker_id.startswith("prefill-")
+        assert not first.usage.local_prefill
+        reply_hashes = hash_request_tokens(first_prompt + first.token_ids, 16)[:11]
+        assert wait_until(
+            lambda: decode.name.encode() in _index_holders(cluster, reply_hashes[-1:]), 10)
+        hits_before = worker_info(decode.address).prefix_cache_hits
+        second_prompt = first_prompt + first.token_ids + list(range(40, 50))
+        second = c.complete(second_prompt, max_tokens=12, **GREEDY)
+    u = second.usage
+    assert u.local_prefill and u.prefill_worker_id == u.decode_worker_id == decode.name
+    assert u.cached_tokens >= 176 and u.timings.kv_transfer_s == 0.0
+    assert worker_info(decode.address).prefix_cache_hits >= hits_before + 176
+    after = admin.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=10)
+    assert after.requests_prefilled_on_decode_cache == before.requests_prefilled_on_decode_cache + 1
+    want = reference.generate([first_prompt, second_prompt], [
+        SamplingParams(max_tokens=m, **GREEDY) for m in (100, 12)])
+    assert first.token_ids == want[0].token_ids and second.token_ids == want[1].token_ids
+    assert len(set(first.token_ids)) > 10
+
+
 def _index_holders(cluster, hashes) -> set[bytes]:
     r = redis.Redis.from_url(cluster.redis_url)
     return set().union(*(r.smembers(f"pdserve:block:{h.hex()}") for h in hashes))
@@ -116,7 +148,18 @@ def test_resetting_prefix_caches_forgets_them_in_the_workers_and_the_index(clust
         assert done.worker_id == holder and done.role == "prefill" and done.reset
         assert done.num_blocks_evicted >= 4 and done.num_blocks_in_use == 0
         assert wait_until(lambda: holder.encode() not in _index_holders(cluster, hashes), 10)
-        assert c.complete(prefix + [5, 6], max_tokens=4, **GREEDY).usage.cached_tokens == 0
+        # The decode worker still holds the prefix it pulled, now 64 tokens more than any
+        # prefill worker: it prefills the prompt from its own cache.
+        again = c.complete(prefix + [5, 6], max_tokens=4, **GREEDY).usage
+        assert again.local_prefill and again.decode_worker_id.startswith("decode-")
+        assert again.cached_tokens == 64
+        wait_all_blocks_free(workers)
+        resp = admin.ResetPrefixCache(router_pb2.ResetPrefixCacheRequest(role="decode"),
+                                      timeout=60)
+        assert [w.reset for w in resp.workers] == [True]
+        assert wait_until(lambda: not _index_holders(cluster, hashes), 10)
+        gone = c.complete(prefix + [7, 8], max_tokens=4, **GREEDY).usage
+        assert gone.cached_tokens == 0 and gone.prefill_worker_id.startswith("prefill-")
         # Every worker, from the command line.
         wait_all_blocks_free(workers)
         assert cli_main(["admin", "--router", cluster.router_address,

@@ -252,11 +252,16 @@ def test_an_aggregated_cluster_serves_every_prompt_on_its_decode_worker(referenc
                                 **GREEDY)
         wait_all_blocks_free([p.address for p in c.procs if p.name.startswith("decode")])
         # Scaling out: a prefill worker joins the running cluster, nothing restarts, and an
-        # idle prefill worker takes the next prompt (the local-prefill balancing rule).
+        # idle prefill worker takes the next new prompt (the local-prefill balancing rule).
         c.add_worker("prefill")
         c.wait_routable(1, 1)
-        [(toks, final)] = stream_greedy(c.router_address, prompts[:1], lens[:1])
-        assert toks == want[0].token_ids
+        fresh = random_prompts(1, seed=75, lo=120, hi=120)
+        [(toks, final)] = stream_greedy(c.router_address, fresh, [6])
+        assert toks == reference.generate(fresh, SamplingParams(max_tokens=6, **GREEDY))[0].token_ids
         assert not final.usage.local_prefill
         assert final.usage.prefill_worker_id.startswith("prefill-")
+        # A prompt the decode worker already holds stays there (its cache, not load).
+        [(toks, final)] = stream_greedy(c.router_address, prompts[:1], lens[:1])
+        assert toks == want[0].token_ids
+        assert final.usage.local_prefill and final.usage.cached_tokens >= 64
         wait_all_blocks_free(_workers(c))
