@@ -185,6 +185,8 @@ BENCHMARKS = [
     ("kvtransfer", "KV block transfer between processes vs memcpy"),
     ("streams", "the router's multiplexed decode stream vs a Decode call per request: "
                 "throughput and CPU per token of each process"),
+    ("chat_turns", "a chat's next turn prefilled on the decode worker holding its reply vs "
+                   "on the prefill worker: turn-2 TTFT"),
     ("failover", "a worker SIGKILLed under running streams: migrated streams' stall vs the "
                  "undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
