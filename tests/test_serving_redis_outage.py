@@ -1,16 +1,18 @@
 """A Redis outage across real processes: the cluster keeps serving on the router's last view
 while Redis hangs (SIGSTOP) or is gone (SIGKILL), and takes the registry and the prefix index
-up again when a new Redis comes back on the same address: the prefill worker republishes its
-whole prefix cache, so prefixes cached before the outage are found again."""
+up again when a new Redis comes back on the same address: the workers republish their whole
+prefix caches, so prefixes cached before the outage are found again."""
 from __future__ import annotations
 
 import signal
 
 import grpc
 import pytest
+import redis as redis_client
 
 from client import Client
 from engine import SamplingParams
+from engine.block_hash import hash_request_tokens
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.redis_server import RedisServer
@@ -84,6 +86,12 @@ def test_serving_survives_redis_hanging_dying_and_coming_back(cluster, reference
                                                timeout=30).workers) == 2
 
     assert wait_until(registered, timeout_s=30)
+    # The decode worker republishes its cache too (the blocks it pulled before the outage),
+    # which is how a chat's next turn finds its reply there (router/local_prefill.py).
+    decode = next(p.name for p in cluster.procs if p.name.startswith("decode"))
+    index = redis_client.Redis.from_url(cluster.redis.url)
+    old_blocks = {h.hex().encode() for h in hash_request_tokens(old_prefix, 16)}
+    assert wait_until(lambda: old_blocks <= index.smembers(f"pdserve:wblocks:{decode}"), 30)
 
     def old_prefix_routes() -> bool:
         before = _matched(cluster)
