@@ -192,7 +192,7 @@ def _run_part(part: str, opts: GpuBenchOptions, res: GpuBenchResult, log) -> Non
     """One part; a failure is recorded and the run goes on, so an unattended run still
     reports every part that worked."""
     from bench import gpu_parts
-    from bench.gpu_decode import free_device_memory
+    from engine.setup import free_device_memory
 
     try:
         if part == "kernel":

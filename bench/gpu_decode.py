@@ -9,7 +9,6 @@ ids on the host; HF ``generate`` reads its stop flag every step), so the stamps 
 """
 from __future__ import annotations
 
-import gc
 import itertools
 import random
 import time
@@ -47,13 +46,6 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 def token_id_limit(vocab_size: int) -> int:
     # nano-vllm draws ids in [0, 10000]; small vocabularies clip to their own size.
     return max(2, min(vocab_size - 1, 10000))
-
-
-def free_device_memory() -> None:
-    """Lets the next engine or HF model size itself against an empty device."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def build_engine(model: str, device: str, dtype: str, max_num_seqs: int,

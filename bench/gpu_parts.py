@@ -11,8 +11,9 @@ import math
 import random
 from dataclasses import dataclass
 
-from bench.gpu_decode import (RunTiming, build_engine, free_device_memory, load_hf_model,
-                              random_prompts, timed_engine_run, timed_hf_run, token_id_limit)
+from bench.gpu_decode import (RunTiming, build_engine, load_hf_model, random_prompts,
+                              timed_engine_run, timed_hf_run, token_id_limit)
+from engine.setup import free_device_memory
 
 # Published H100 output-token throughput for this workload on Qwen3-0.6B (nano-vllm's
 # benchmark); a reference constant, not measured by this run.

@@ -131,16 +131,20 @@ def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
     return num_blocks
 
 
-def _cuda_kv_budget(device: torch.device, utilization: float) -> float:
-    """Bytes left for the KV cache when this process may use ``utilization`` of the device.
-
-    An engine dropped earlier in this process may still sit in a reference cycle or in torch's
-    caching allocator, which the driver counts as used, and one large idle cached block may
-    not fit the new cache's allocation (seen on an H100): so collect and hand idle memory back
-    first, then size from what the device has free.
-    """
+def free_device_memory() -> None:
+    """Collects what nothing refers to any more (an engine or model dropped earlier in this
+    process, in a reference cycle) and hands torch's idle cached GPU memory back to the
+    device, which counts it as used until then; a no-op for the device without CUDA."""
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float) -> float:
+    """Bytes left for the KV cache when this process may use ``utilization`` of the device,
+    sized from what the device has free once idle memory went back (seen on an H100: a
+    dropped engine's cache, still cached, left the next one no budget)."""
+    free_device_memory()
     free, total = torch.cuda.mem_get_info(device)
     return total * utilization - (total - free)
 
