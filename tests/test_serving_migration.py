@@ -98,22 +98,30 @@ async def _until(pred, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.005)
 
 
+# Long enough that no stream can finish while the last one still waits for its prefill: on
+# the 2-core VM 13 prompts queue for up to ~450 ms, and a 48-token stream that went first
+# once finished in ~540 ms, before the kill (CI, session 25).
+KILL_MAX_TOKENS = 96
+
+
 def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
     prompts = random_prompts(10, seed=31, lo=20, hi=90)
-    params = [dict(max_tokens=48, **(SEEDED if i % 5 == 4 else GREEDY)) for i in range(10)]
+    params = [dict(max_tokens=KILL_MAX_TOKENS, **(SEEDED if i % 5 == 4 else GREEDY))
+              for i in range(10)]
     want = reference.generate(prompts, [SamplingParams(**p) for p in params])
     assert len({t for w in want for t in w.token_ids}) > 50  # diverse outputs
     victim, survivor = _live(cluster, "decode")
     # And one request of n = 3 seeded sequences: each migrates on its own.
     par_prompt = random_prompts(1, seed=33, lo=40, hi=40)[0]
     par_want = reference.generate([par_prompt] * 3, [
-        SamplingParams(max_tokens=48, **{**SEEDED, "seed": SEEDED["seed"] + i})
+        SamplingParams(max_tokens=KILL_MAX_TOKENS, **{**SEEDED, "seed": SEEDED["seed"] + i})
         for i in range(3)])
     par_got: list[list[int]] = [[], [], []]
     par_moved = []
 
     async def par_stream(client):
-        async for chunk in client.generate(par_prompt, n=3, max_tokens=48, **SEEDED):
+        async for chunk in client.generate(par_prompt, n=3, max_tokens=KILL_MAX_TOKENS,
+                                           **SEEDED):
             par_got[chunk.index].extend(chunk.token_ids)
             if chunk.usage is not None and chunk.usage.migrations:
                 par_moved.append(chunk.index)
