@@ -21,9 +21,47 @@ WORKER_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024",
 SHORT_CONTEXT_WORKER_ARGS = [*WORKER_ARGS[:2], "--max-model-len", "96", *WORKER_ARGS[4:]]
 
 
+# A greedy output is the same on two engines only where every step's argmax wins by more than
+# float rounding. A request's logits move with what it is batched with and on how many threads
+# (oneMKL computes calls of under 4 rows, and at 2 threads a split's last rows, with other
+# kernels: up to 3e-5 in a logprob in process), and in a cluster its KV comes from another
+# process. The 32-stream parity test's prompt 29 had a step whose top two logprobs were 1.9e-4
+# apart, and it flipped in two of 14 runs one afternoon. 2e-3 is ~60x what rounding moved.
+MIN_GREEDY_GAP = 2e-3
+
+
+def _draw(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))]
+
+
 def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return [_draw(rng, lo, hi) for _ in range(n)]
+
+
+def decisive_prompts(reference, n: int, seed: int, max_tokens: int | list[int], lo: int = 5,
+                     hi: int = 120) -> list[list[int]]:
+    """``n`` prompts drawn as ``random_prompts`` draws them, skipping any whose greedy output on
+    ``reference`` (an LLM) has a step decided by less than MIN_GREEDY_GAP: a parity test on
+    these compares the serving path's tokens, not float rounding. ``max_tokens``: one count,
+    or the i-th kept prompt's."""
+    from engine import SamplingParams
+
+    counts = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    if len(counts) != n:
+        raise ValueError(f"{len(counts)} max_tokens for {n} prompts")
+    rng, kept = random.Random(seed), []
+    while len(kept) < n:
+        batch = [_draw(rng, lo, hi) for _ in range(n - len(kept) + 2)]
+        outs = reference.generate(batch, SamplingParams(
+            max_tokens=max(counts), temperature=0.0, ignore_eos=True, logprobs=2))
+        for prompt, out in zip(batch, outs):
+            steps = out.logprobs[:counts[len(kept)]]
+            if min(t.top[0].logprob - t.top[1].logprob for t in steps) >= MIN_GREEDY_GAP:
+                kept.append(prompt)
+                if len(kept) == n:
+                    break
+    return kept
 
 
 def worker_info(address: str) -> common_pb2.WorkerInfo:

@@ -18,7 +18,8 @@ from engine import SamplingParams
 from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts,
+                                   wait_all_blocks_free)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -90,8 +91,8 @@ def _tokens(events: list[worker_pb2.DecodeEvent]) -> list[int]:
 
 def test_requests_on_one_stream_match_the_in_process_engine_and_share_messages(cluster,
                                                                                  reference):
-    prompts = random_prompts(6, seed=71, lo=10, hi=60)
     max_tokens = [12, 20, 16, 9, 24, 14]
+    prompts = decisive_prompts(reference, 6, seed=71, max_tokens=max_tokens, lo=10, hi=60)
     want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
                                         for m in max_tokens])
     assert len({tuple(w.token_ids) for w in want}) == len(want)  # diverse outputs
@@ -132,7 +133,7 @@ def test_requests_on_one_stream_match_the_in_process_engine_and_share_messages(c
      grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),
 ])
 def test_a_failing_request_ends_alone_with_its_status(cluster, reference, start, code, match):
-    prompt = random_prompts(1, seed=72, lo=30, hi=30)[0]
+    prompt = decisive_prompts(reference, 1, seed=72, max_tokens=10, lo=30, hi=30)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
     bad = start.start.request.request_id
 
@@ -248,7 +249,7 @@ def test_a_caller_that_stops_its_heartbeats_is_taken_as_hung(cluster, reference)
 
 # --- the router's end ---------------------------------------------------------------------
 def test_router_mux_streams_cancels_and_times_out(cluster, reference):
-    prompts = random_prompts(3, seed=76, lo=20, hi=50)
+    prompts = decisive_prompts(reference, 3, seed=76, max_tokens=15, lo=20, hi=50)
     want = reference.generate(prompts, SamplingParams(max_tokens=15, **GREEDY))
 
     async def run():

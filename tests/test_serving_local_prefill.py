@@ -12,7 +12,7 @@ from client import Client, DeadlineExceededError, InvalidArgumentError, Unavaila
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, random_prompts, stream_greedy,
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts, stream_greedy,
                                    wait_all_blocks_free)
 
 LOCAL_MAX = 64
@@ -82,10 +82,10 @@ def test_concurrent_local_prefill_streams_match_the_in_process_engine(cluster, r
 
 
 def test_mixed_local_and_remote_prefill_match_and_are_counted(cluster, reference):
-    prompts = random_prompts(8, seed=41, lo=20, hi=120)
+    max_tokens = [5 + i % 4 for i in range(8)]
+    prompts = decisive_prompts(reference, 8, seed=41, max_tokens=max_tokens, lo=20, hi=120)
     num_local = sum(len(p) <= LOCAL_MAX for p in prompts)
     assert 0 < num_local < len(prompts)  # the seed gives both kinds
-    max_tokens = [5 + i % 4 for i in range(len(prompts))]
     assert (_run_matched(cluster, reference, prompts, max_tokens)
             == (num_local, len(prompts) - num_local))
 

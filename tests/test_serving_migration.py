@@ -18,7 +18,8 @@ from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import _descendants
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts,
+                                   wait_all_blocks_free, worker_info)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SEEDED = dict(temperature=1.0, top_p=0.9, seed=23, ignore_eos=True)
@@ -105,7 +106,7 @@ KILL_MAX_TOKENS = 96
 
 
 def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
-    prompts = random_prompts(10, seed=31, lo=20, hi=90)
+    prompts = decisive_prompts(reference, 10, seed=31, max_tokens=KILL_MAX_TOKENS, lo=20, hi=90)
     params = [dict(max_tokens=KILL_MAX_TOKENS, **(SEEDED if i % 5 == 4 else GREEDY))
               for i in range(10)]
     want = reference.generate(prompts, [SamplingParams(**p) for p in params])
@@ -173,7 +174,7 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     survivor = _live(cluster, "decode")[0]
     hung = cluster.add_worker("decode")
     cluster.wait_routable(2, 2)
-    prompts = random_prompts(8, seed=35, lo=20, hi=60)
+    prompts = decisive_prompts(reference, 8, seed=35, max_tokens=40, lo=20, hi=60)
     params = dict(max_tokens=40, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
 
@@ -247,7 +248,7 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
 def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference):
     # Long prompts queue on both prefill workers; one dies with some of them queued there,
     # in its step, or leased to a decode worker that is pulling their KV.
-    prompts = random_prompts(12, seed=41, lo=300, hi=500)
+    prompts = decisive_prompts(reference, 12, seed=41, max_tokens=6, lo=300, hi=500)
     params = dict(max_tokens=6, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
     victim, survivor = _live(cluster, "prefill")
@@ -305,7 +306,7 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
     cluster.add_worker("decode")
     first, second = _live(cluster, "decode")
     cluster.wait_routable(1, 2)
-    prompt = random_prompts(1, seed=51, lo=30, hi=30)[0]
+    prompt = decisive_prompts(reference, 1, seed=51, max_tokens=400, lo=30, hi=30)[0]
     exhausted = _stats(cluster).migrations_exhausted
 
     async def run():
