@@ -10,6 +10,25 @@ import threading
 import time
 
 
+def add_lifecycle_args(p: argparse.ArgumentParser) -> None:
+    """The flags every service's lifecycle takes (engine/grpc_server.py)."""
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="after SIGTERM: how long requests in flight may run before stopping")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                   help="then gRPC's stop grace; calls still running after it are cut (the "
+                        "router moves cut requests to other workers)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port); default: none")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="an inherited pipe: HOST:PORT is written to it once serving (how "
+                        "pdserve up learns a port 0 choice)")
+    p.add_argument("--parent-fd", type=int, default=None,
+                   help="the read end of an inherited pipe whose write end only the launcher "
+                        "holds: at its end of file (the launcher is gone, even SIGKILLed) "
+                        "the service stops as on SIGTERM (pdserve up passes it)")
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -29,17 +48,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="an engine step running longer is taken as wedged (a hung device or "
                         "collective): the worker leaves, its requests move on, and it exits "
                         "non-zero for its supervisor to restart it (0: no limit)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="after SIGTERM: how long requests in flight may run before stopping")
-    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
-                   help="then gRPC's stop grace; calls still running after it are cut (the "
-                        "router moves cut requests to other workers)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
-                        "port); default: none")
-    p.add_argument("--ready-fd", type=int, default=None,
-                   help="an inherited pipe: HOST:PORT is written to it once serving (how "
-                        "pdserve up learns a port 0 choice)")
+    add_lifecycle_args(p)
     p.add_argument("--core-share", default=None, metavar="PATH",
                    help="a file co-located workers share: while the others are idle, this "
                         "worker's steps borrow their cores (pdserve up sets it)")
@@ -61,6 +70,7 @@ def _worker_config(args: argparse.Namespace, role: str):
     return WorkerConfig(engine=engine,
                         server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                              args.shutdown_grace_s, ready_fd=args.ready_fd,
+                                             parent_fd=args.parent_fd,
                                              metrics_port=args.metrics_port),
                         worker_id=args.worker_id, redis_url=args.redis_url,
                         namespace=args.namespace, heartbeat_interval_s=args.heartbeat_interval_s,
@@ -147,17 +157,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a prefilled request that decode workers refuse for want of room "
                         "tries again for up to this long while its prefill lease holds the "
                         "KV (0: the client gets RESOURCE_EXHAUSTED at once)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="after SIGTERM: how long requests in flight may run before stopping")
-    p.add_argument("--shutdown-grace-s", type=float, default=5.0,
-                   help="then gRPC's stop grace; calls still running after it are cut (the "
-                        "router moves cut requests to other workers)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
-                        "port); default: none")
-    p.add_argument("--ready-fd", type=int, default=None,
-                   help="an inherited pipe: HOST:PORT is written to it once serving (how "
-                        "pdserve up learns a port 0 choice)")
+    add_lifecycle_args(p)
     p.add_argument("--router-id", default="",
                    help="this router's name in Redis, unique among the routers sharing it; "
                         "restarted under it, the router releases the KV leases its "
@@ -175,6 +175,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     main(RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                           args.shutdown_grace_s, ready_fd=args.ready_fd,
+                                          parent_fd=args.parent_fd,
                                           metrics_port=args.metrics_port,
                                           tls_cert_file=args.tls_cert_file,
                                           tls_key_file=args.tls_key_file),

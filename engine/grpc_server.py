@@ -52,6 +52,11 @@ class ServerConfig:
     # An inherited pipe to write "HOST:PORT\n" to once serving, then close: how a launcher
     # that passed port 0 learns the port (router.launcher). None: nobody is told.
     ready_fd: int | None = None
+    # The read end of an inherited pipe whose write end only the launcher holds: its end of
+    # file means the launcher is gone, however it died (SIGKILL, the OOM killer), and the
+    # service stops as on SIGTERM rather than serve on, orphaned, holding its port, its cores
+    # or its GPU and its Redis registration. None: the service outlives whoever started it.
+    parent_fd: int | None = None
     # Serve Prometheus metrics at http://host:metrics_port/metrics (engine/metrics.py); 0 picks
     # a free port, None serves none.
     metrics_port: int | None = None
@@ -69,9 +74,10 @@ class ServerConfig:
                              f"got {self.metrics_port!r}")
         if self.drain_timeout_s < 0 or self.grace_s < 0:
             raise ValueError("drain_timeout_s and grace_s must be >= 0")
-        if self.ready_fd is not None and not (isinstance(self.ready_fd, int)
-                                              and self.ready_fd >= 0):
-            raise ValueError(f"ready_fd must be a file descriptor, got {self.ready_fd!r}")
+        for name in ("ready_fd", "parent_fd"):
+            fd = getattr(self, name)
+            if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
+                raise ValueError(f"{name} must be a file descriptor, got {fd!r}")
 
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
@@ -137,6 +143,32 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        if self.config.parent_fd is not None:
+            self._watch_parent(loop, self.config.parent_fd)
+
+    def _watch_parent(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        """Stops the service at the parent pipe's end of file (see ServerConfig.parent_fd)."""
+        def readable() -> None:
+            try:
+                data = os.read(fd, 64)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                data = b""
+                logger.warning("the parent pipe (fd %d) failed: %s", fd, e)
+            if data:  # nobody writes to it; a launcher that does is ignored
+                return
+            loop.remove_reader(fd)
+            os.close(fd)
+            if not self.stopping.is_set():
+                logger.warning("the launcher that started this service is gone: stopping")
+                self.stopping.set()
+
+        try:
+            os.set_blocking(fd, False)
+            loop.add_reader(fd, readable)
+        except OSError as e:
+            raise ValueError(f"parent_fd {fd} is not an open pipe: {e}") from None
 
     async def drain_and_stop(self, num_inflight: Callable[[], int]) -> None:
         """NOT_SERVING at once, wait for requests in flight, then stop with the grace period."""

@@ -15,7 +15,10 @@ silently). A port the user passed is used as given, never changed.
 
 Stop: SIGTERM, and the service stops itself in bounded time (drain, the gRPC stop grace, the
 engine's shutdown); a process still alive after the grace dumps its stacks and is killed, with
-every process it started: a TP worker its rank 0 could not stop must not outlive it.
+every process it started: a TP worker its rank 0 could not stop must not outlive it. A launcher
+that dies without stopping them (SIGKILL, the OOM killer) leaves no service behind: each holds
+the read end of a pipe only the launcher writes to (``--parent-fd``), and stops as on SIGTERM
+at its end of file.
 """
 from __future__ import annotations
 
@@ -187,6 +190,9 @@ class Cluster:
         # The folder of the workers' core-share file, made with the first worker.
         self._share_dir: str | None = None
         self._num_routers = 0
+        # Every service gets the read end (--parent-fd); only this process holds the write
+        # end, so when it dies, however, the services read end of file and stop.
+        self._lifeline: tuple[int, int] | None = None
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> Cluster:
@@ -195,7 +201,7 @@ class Cluster:
                                "`Cluster(spec).start()`, not both")
         try:
             if self.redis_url is None:
-                self.redis = RedisServer()
+                self.redis = RedisServer(exit_with_parent=True)
                 self.redis_url = self.redis.url
             for _ in range(self.spec.num_prefill):
                 self.add_worker("prefill", wait=False)
@@ -244,11 +250,15 @@ class Cluster:
         return proc
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        if self._lifeline is None:
+            self._lifeline = os.pipe()
+        parent_fd = self._lifeline[0]
         read_fd, write_fd = os.pipe()
         try:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd)],
-                env=env, pass_fds=(write_fd,))
+                [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd),
+                 "--parent-fd", str(parent_fd)],
+                env=env, pass_fds=(write_fd, parent_fd))
         except BaseException:
             os.close(read_fd)
             raise
@@ -381,6 +391,10 @@ class Cluster:
         if self._share_dir is not None:
             shutil.rmtree(self._share_dir, ignore_errors=True)
             self._share_dir = None
+        if self._lifeline is not None:
+            for fd in self._lifeline:
+                os.close(fd)
+            self._lifeline = None
 
     def __enter__(self) -> Cluster:
         return self.start()

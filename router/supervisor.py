@@ -42,7 +42,8 @@ class Supervisor:
         if redis is not None and redis.proc.poll() is not None:
             if not self._may_restart("redis", f"redis-server exited with {redis.proc.returncode}"):
                 return 1
-            self.cluster.redis = RedisServer(port=redis.port, host=redis.host)
+            self.cluster.redis = RedisServer(port=redis.port, host=redis.host,
+                                             exit_with_parent=True)
             self.say(f"pdserve up: redis-server serving again on {redis.host}:{redis.port}")
         for proc in list(self.cluster.procs):
             code = proc.popen.poll()

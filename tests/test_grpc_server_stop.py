@@ -1,9 +1,13 @@
 """A service's stop is bounded (engine/grpc_server.py): a shutdown step that never ends does not
-keep the process up until its supervisor's SIGKILL; the stuck coroutine's stack is logged."""
+keep the process up until its supervisor's SIGKILL; the stuck coroutine's stack is logged. And
+a service whose launcher died stops on its own (``parent_fd``)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+
+import pytest
 
 from engine import grpc_server
 from engine.grpc_server import GrpcServer, ServerConfig, serve
@@ -41,3 +45,50 @@ def test_a_normal_stop_logs_nothing_wrong(caplog):
     with caplog.at_level(logging.ERROR, logger="engine.grpc_server"):
         asyncio.run(run())
     assert "has not stopped" not in caplog.text
+
+
+def test_a_service_stops_when_its_launcher_is_gone():
+    # The launcher holds the pipe's only write end: its end of file is the launcher's death.
+    read_fd, write_fd = os.pipe()
+
+    async def run() -> bool:
+        server = GrpcServer(ServerConfig(drain_timeout_s=0.1, grace_s=0.1, parent_fd=read_fd),
+                            [])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, os.close, write_fd)
+        # SIGTERM's effect, should the pipe go unnoticed; serve then still returns.
+        fallback = loop.call_later(20.0, server.stopping.set)
+        await serve(server, lambda: 0)
+        fallback.cancel()
+        return fallback.when() > loop.time()
+
+    assert asyncio.run(run())  # stopped by the pipe, well before the fallback
+    with pytest.raises(OSError):  # the service closed its end
+        os.fstat(read_fd)
+
+
+def test_a_launcher_writing_to_the_pipe_does_not_stop_the_service():
+    read_fd, write_fd = os.pipe()
+
+    async def run() -> bool:
+        server = GrpcServer(ServerConfig(drain_timeout_s=0.1, grace_s=0.1, parent_fd=read_fd),
+                            [])
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, os.write, write_fd, b"x")
+        stopped_early = []
+        loop.call_later(0.6, lambda: stopped_early.append(server.stopping.is_set()))
+        loop.call_later(0.7, server.stopping.set)
+        await serve(server, lambda: 0)
+        return stopped_early == [False]
+
+    try:
+        assert asyncio.run(run())
+    finally:
+        os.close(write_fd)
+        os.close(read_fd)  # still open: the service stopped for another reason
+
+
+@pytest.mark.parametrize("fd", [-1, True, "3"])
+def test_a_bad_parent_fd_is_refused(fd):
+    with pytest.raises(ValueError, match="parent_fd must be a file descriptor"):
+        ServerConfig(parent_fd=fd)

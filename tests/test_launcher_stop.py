@@ -95,3 +95,43 @@ def test_a_clean_service_exits_at_once_with_its_status():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=45)
     assert proc.returncode == 0 and "has not exited" not in proc.stderr
+
+
+# A launcher that starts a real cluster, prints its services' pids and redis', then waits.
+_LAUNCHER = textwrap.dedent("""
+    import json, time
+    from router.launcher import Cluster, ClusterSpec
+    from tests.serving_helpers import WORKER_ARGS
+    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS, drain_timeout_s=2.0)).start()
+    print(json.dumps({"services": [p.popen.pid for p in cluster.procs],
+                      "redis": cluster.redis.proc.pid}), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_launcher_leaves_no_service_behind():
+    import json
+
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE,
+                                text=True)
+    pids = {}
+    try:
+        # The services print to the stdout they inherit too.
+        line = next(line for line in launcher.stdout if line.startswith("{"))
+        pids = json.loads(line)
+        assert len(pids["services"]) == 3  # router, prefill, decode
+        launcher.kill()  # no SIGTERM for it to stop them by: SIGKILL, as the OOM killer does
+        launcher.wait()
+        # Each drains (nothing in flight) and exits as on SIGTERM; the kernel stops redis.
+        deadline = time.monotonic() + 60.0
+        left = [pid for pid in [*pids["services"], pids["redis"]]
+                if not _wait_gone(pid, max(0.0, deadline - time.monotonic()))]
+        assert not left, f"processes {left} of {pids} outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in [*pids.get("services", []), pids.get("redis")]:
+            if pid is not None and not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
