@@ -18,6 +18,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the GPU's memory this process may use (weights, "
+                        "KV cache, activations); processes sharing a GPU split it, e.g. 0.45 "
+                        "each for two")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="exact KV block count (overrides the memory budget)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
@@ -102,6 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                gpu_memory_utilization=args.gpu_memory_utilization,
                 num_gpu_blocks=args.num_gpu_blocks,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_partial_block_hits=args.enable_partial_block_hits,

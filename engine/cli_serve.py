@@ -211,6 +211,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="the router's port")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks per worker (default: from the memory budget)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the share of each GPU's memory its workers use, split evenly "
+                        "where workers share a GPU (default 0.9). Workers get GPUs of their "
+                        "own while CUDA_VISIBLE_DEVICES has enough (a prefill worker -tp of "
+                        "them), else share them round-robin")
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="each worker keeps its own share of the cores, even while the others "
                         "are idle (default: a busy worker borrows idle workers' cores)")
@@ -248,6 +253,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                    else f"{args.prefill} prefill, {args.decode} decode")
         print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
               f"{args.model}); Ctrl-C stops everything", flush=True)
+        for proc in cluster.procs:
+            if proc.gpus is not None:
+                print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)
         supervisor = Supervisor(cluster, args.max_restarts,
                                 say=lambda line: print(line, file=sys.stderr, flush=True))
         while not stop.is_set():
@@ -281,7 +289,8 @@ def up_spec(args: argparse.Namespace):
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
-                       router_args=_up_router_args(args))
+                       router_args=_up_router_args(args),
+                       gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

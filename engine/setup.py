@@ -141,12 +141,28 @@ def free_device_memory() -> None:
 
 
 def _cuda_kv_budget(device: torch.device, utilization: float) -> float:
-    """Bytes left for the KV cache when this process may use ``utilization`` of the device,
-    sized from what the device has free once idle memory went back (seen on an H100: a
-    dropped engine's cache, still cached, left the next one no budget)."""
+    """Bytes left for the KV cache when this process may use ``utilization`` of the device:
+    that share less what this process holds already (its weights). Per process, as vLLM's
+    flag is: two workers on one GPU at 0.45 each get the same caches whichever sized its cache
+    first; one that counted the other's memory as its own would leave the second none.
+    Idle cached memory goes back first (seen on an H100: a dropped engine's cache, still
+    cached, left the next one no budget). A share the device cannot hold beside its other
+    users is an error here, not an out-of-memory error at the first long batch."""
     free_device_memory()
     free, total = torch.cuda.mem_get_info(device)
-    return total * utilization - (total - free)
+    own = torch.cuda.memory_reserved(device)
+    budget = total * utilization - own
+    # What the share still lacks must be free now, beside the (1 - utilization) of the device
+    # left to this process's activations, its CUDA context and every other process.
+    if budget > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"--gpu-memory-utilization {utilization} gives this process "
+            f"{total * utilization / gib:.1f} GiB of {device} ({total / gib:.1f} GiB), "
+            f"{budget / gib:.1f} GiB of it for the KV cache, but only {free / gib:.1f} GiB is "
+            "free: other processes use the rest. Lower --gpu-memory-utilization, or set "
+            "--num-gpu-blocks / --kv-cache-memory-gib")
+    return budget
 
 
 def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from router.gpu_placement import (DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, WorkerGpus,
+                                  plan_gpus, visible_gpus)
 from router.proc_family import kill_family, pin_family
 from router.redis_server import RedisServer
 
@@ -81,6 +83,12 @@ class ClusterSpec:
     # takes every core. Only where this spec shares the cores out itself (no OMP_NUM_THREADS
     # in the environment, no threads_per_rank) and every worker is one process (TP=1).
     share_cores: bool = True
+    # Workers on CUDA: the GPUs to spread them over (CUDA_VISIBLE_DEVICES entries; None: the
+    # launcher's own visible GPUs), and each GPU's memory share for the workers on it,
+    # divided among them where they share it (router/gpu_placement.py). None: 0.9, or the
+    # --gpu-memory-utilization of worker_args, which then applies to each worker as given.
+    gpus: tuple[str, ...] | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -96,6 +104,9 @@ class ClusterSpec:
                              "--max-local-prefill-length 0 would leave nothing to serve it")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
 
     @property
     def aggregated(self) -> bool:
@@ -132,6 +143,26 @@ class ClusterSpec:
                 and "--no-enable-chunked-prefill" not in args):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
         return args
+
+    def gpu_plan(self) -> GpuPlan | None:
+        """Where the workers go on this host's GPUs; None where they compute on the CPU or
+        their flags pin a device (``--device cuda:N``): then the flags say it all."""
+        device = flag_value(self.worker_args, "--device") or "auto"
+        if device not in ("auto", "cuda") or _on_cpu(self.worker_args):
+            return None
+        if flag_value(self.worker_args, "--gpu-memory-utilization") is not None:
+            util = None  # the worker flag, as given, for every worker
+        else:
+            util = self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        gpus = self.gpus
+        if gpus is None:
+            import torch
+
+            gpus = visible_gpus(torch.cuda.device_count())
+        plan = plan_gpus(self.num_prefill, self.prefill_tp, self.num_decode, gpus,
+                         util or DEFAULT_GPU_MEMORY_UTILIZATION, self.kv_transfer_backend)
+        plan.split_memory = util is not None
+        return plan
 
     def step_budget(self, role: str) -> int:
         """The --max-num-batched-tokens a ``role`` worker of this spec runs with."""
@@ -173,6 +204,7 @@ class Proc:
     template: str = ""
     args: list[str] = field(default_factory=list, repr=False)
     env: dict[str, str] | None = field(default=None, repr=False)
+    gpus: WorkerGpus | None = None  # a worker's GPUs, where the cluster placed it on some
 
     @property
     def role(self) -> str:
@@ -193,12 +225,16 @@ class Cluster:
         # Every service gets the read end (--parent-fd); only this process holds the write
         # end, so when it dies, however, the services read end of file and stop.
         self._lifeline: tuple[int, int] | None = None
+        self.gpu_plan: GpuPlan | None = None
+        self._gpu_slots: list[WorkerGpus] = []  # the plan's places no worker took yet
 
     # --- start ----------------------------------------------------------------------------
     def start(self) -> Cluster:
         if self.procs:  # e.g. `with Cluster(spec).start()`: a second, competing set of services
             raise RuntimeError("this cluster is already started: use `with Cluster(spec)` or "
                                "`Cluster(spec).start()`, not both")
+        self.gpu_plan = self.spec.gpu_plan()  # a plan the GPUs cannot hold fails here
+        self._gpu_slots = list(self.gpu_plan.workers) if self.gpu_plan else []
         try:
             if self.redis_url is None:
                 self.redis = RedisServer(exit_with_parent=True)
@@ -244,10 +280,29 @@ class Cluster:
             if self._share_dir is None:
                 self._share_dir = tempfile.mkdtemp(prefix="pdserve-cores-")
             args += ["--core-share", os.path.join(self._share_dir, "cores")]
-        proc = self._spawn(f"{role}-{{port}}", args, self.spec.worker_env())
+        env = self.spec.worker_env()
+        gpus = self._place(role, _tp_size(args))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus.visible_devices
+            if self.gpu_plan.split_memory:
+                args += ["--gpu-memory-utilization", f"{gpus.gpu_memory_utilization:.4g}"]
+        proc = self._spawn(f"{role}-{{port}}", args, env)
+        proc.gpus = gpus
         if wait:
             self._wait_healthy(proc)
         return proc
+
+    def _place(self, role: str, tp: int) -> WorkerGpus | None:
+        """The GPUs of a new ``role`` worker: its place in the plan, or for one added to the
+        running cluster the least used GPUs."""
+        if self.gpu_plan is None:
+            return None
+        for slot in self._gpu_slots:
+            if slot.role == role:
+                self._gpu_slots.remove(slot)
+                return slot
+        util = self.spec.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        return self.gpu_plan.next_for(role, tp, util)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         if self._lifeline is None:
@@ -278,6 +333,9 @@ class Cluster:
         if proc.role == "router" and proc.address:
             args[args.index("--port") + 1] = proc.address.rpartition(":")[2]
         new = self._spawn(proc.template, args, proc.env)
+        new.gpus = proc.gpus
+        if new.gpus is not None and self.gpu_plan is not None:
+            self.gpu_plan.workers.append(new.gpus)  # its old place, given up by stop_proc
         try:
             self._wait_healthy(new)
         except BaseException:
@@ -373,6 +431,8 @@ class Cluster:
                 proc.ready = None
         if proc in self.procs:
             self.procs.remove(proc)
+            if proc.gpus is not None and self.gpu_plan is not None:
+                self.gpu_plan.workers.remove(proc.gpus)  # its GPUs are free for the next one
         return proc.popen.returncode
 
     def stop(self) -> None:

@@ -1,0 +1,120 @@
+"""Which GPUs each worker of a local cluster (``pdserve up``) runs on, and how much of each.
+
+A worker process sees only its own GPUs (``CUDA_VISIBLE_DEVICES``), so every worker can say
+``cuda`` and its TP ranks ``cuda:0..tp-1``. Where the GPUs suffice, every worker has its own:
+prefill workers first (``tp`` consecutive GPUs each), then decode workers. Where they do not,
+workers share GPUs round-robin, and each worker's ``--gpu-memory-utilization`` is the
+cluster's divided by the number of workers on its busiest GPU: the engine sizes its KV cache
+from its own share of the device (engine/setup.py), so two workers at 0.45 fill what one at
+0.9 would, whichever starts first.
+
+NCCL refuses two ranks of one group on one GPU, so the torch KV-transfer backend (an NCCL pair
+group per prefill/decode pair on CUDA) cannot serve a prefill and a decode worker on one GPU;
+NIXL (UCX's CUDA IPC) can. That is refused here, before anything starts.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class WorkerGpus:
+    role: str  # "prefill" or "decode"
+    gpus: tuple[str, ...]  # entries of the launcher's CUDA_VISIBLE_DEVICES (ids or UUIDs)
+    gpu_memory_utilization: float
+    shared: bool  # another worker of the plan uses one of these GPUs
+
+    @property
+    def visible_devices(self) -> str:
+        return ",".join(self.gpus)
+
+    def describe(self) -> str:
+        share = f", {self.gpu_memory_utilization:.2f} of its memory" if self.shared else ""
+        return f"{self.role} on GPU {self.visible_devices}{share}"
+
+
+@dataclass
+class GpuPlan:
+    workers: list[WorkerGpus]
+    gpus: tuple[str, ...]
+    kv_transfer_backend: str = "nixl"
+    # Whether workers get their memory share as --gpu-memory-utilization (False: the
+    # launcher's caller set that flag for every worker itself).
+    split_memory: bool = True
+
+    @property
+    def shared(self) -> bool:
+        return any(w.shared for w in self.workers)
+
+    def next_for(self, role: str, tp: int, utilization: float) -> WorkerGpus:
+        """GPUs for a worker added to the running cluster: the least used ones. It gets the
+        whole utilization only where they were free; else a share as in ``plan_gpus``."""
+        load = _load(self.workers, self.gpus)
+        order = sorted(self.gpus, key=lambda g: (load[g], self.gpus.index(g)))
+        chosen = tuple(sorted(order[:tp], key=self.gpus.index))
+        busiest = max(load[g] for g in chosen) + 1
+        other = "decode" if role == "prefill" else "prefill"
+        if self.kv_transfer_backend == "torch" and any(
+                w.role == other and set(w.gpus) & set(chosen) for w in self.workers):
+            raise ValueError(f"a new {role} worker would share GPU {','.join(chosen)} with a "
+                             f"{other} worker, which --kv-transfer-backend torch (NCCL) "
+                             "cannot pair on one GPU")
+        worker = WorkerGpus(role, chosen, utilization / busiest, busiest > 1)
+        self.workers.append(worker)
+        return worker
+
+
+def visible_gpus(count: int, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The GPUs this launcher may hand out: its own CUDA_VISIBLE_DEVICES entries where set
+    (ids or UUIDs, passed on as written), else ``0..count-1``."""
+    env = os.environ if environ is None else environ
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return tuple(str(i) for i in range(count))
+    return tuple(e.strip() for e in listed.split(",") if e.strip())[:count]
+
+
+def plan_gpus(num_prefill: int, prefill_tp: int, num_decode: int, gpus: tuple[str, ...],
+              utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+              kv_transfer_backend: str = "nixl") -> GpuPlan:
+    """Every worker's GPUs and memory share; ValueError where the GPUs cannot hold the plan."""
+    if not gpus:
+        raise ValueError("no GPU to place the workers on")
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    if prefill_tp > len(gpus):
+        raise ValueError(f"-tp {prefill_tp} needs {prefill_tp} GPUs per prefill worker; "
+                         f"{len(gpus)} visible ({','.join(gpus)})")
+    wants = [("prefill", prefill_tp)] * num_prefill + [("decode", 1)] * num_decode
+    cursor, slots = 0, []
+    for role, n in wants:
+        # A TP worker's GPUs must be distinct: wrap the cursor instead of splitting a worker
+        # over the end of the list and the start.
+        if cursor % len(gpus) + n > len(gpus):
+            cursor += len(gpus) - cursor % len(gpus)
+        slots.append((role, tuple(gpus[(cursor + k) % len(gpus)] for k in range(n))))
+        cursor += n
+    load = Counter(g for _, chosen in slots for g in chosen)
+    workers = []
+    for role, chosen in slots:
+        busiest = max(load[g] for g in chosen)
+        workers.append(WorkerGpus(role, chosen, utilization / busiest, busiest > 1))
+    mixed = sorted({g for g in gpus if {"prefill", "decode"} <= {r for r, c in slots if g in c}},
+                   key=gpus.index)
+    if mixed and kv_transfer_backend == "torch":
+        raise ValueError(
+            f"{num_prefill} prefill (x{prefill_tp} GPUs) and {num_decode} decode workers on "
+            f"{len(gpus)} GPU(s) put a prefill and a decode worker on GPU {','.join(mixed)}, "
+            "and --kv-transfer-backend torch pairs them over NCCL, which cannot put both ranks "
+            "of a pair on one GPU: use the nixl backend, or give them GPUs of their own")
+    return GpuPlan(workers, tuple(gpus), kv_transfer_backend)
+
+
+def _load(workers: list[WorkerGpus], gpus: tuple[str, ...]) -> Counter:
+    load = Counter(dict.fromkeys(gpus, 0))
+    load.update(g for w in workers for g in w.gpus)
+    return load
