@@ -36,7 +36,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="pdserve")
     p.add_argument("--worker-id", default="",
                    help="unique in the cluster; {port} in it becomes the bound port")
-    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl"])
+    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
+                   help="how decode workers pull KV: NIXL (RDMA or host memory), or a "
+                        "torch.distributed pair group per prefill/decode pair (gloo on CPU, "
+                        "NCCL on CUDA)")
     p.add_argument("--kv-transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0)
     p.add_argument("--kv-quarantine-s", type=float, default=60.0,
@@ -211,6 +214,14 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="the router's port")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks per worker (default: from the memory budget)")
+    # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
+                   help="how decode workers pull KV from prefill workers")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA: the share of each GPU's memory its workers use, split evenly "
                         "where workers share a GPU (default 0.9). Workers get GPUs of their "
@@ -286,10 +297,17 @@ def up_spec(args: argparse.Namespace):
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     if args.scheduling_policy:
         extra += ["--scheduling-policy", args.scheduling_policy]
+    for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            extra += [flag, str(value)]
+    if args.enforce_eager:
+        extra.append("--enforce-eager")
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
                        router_args=_up_router_args(args),
+                       kv_transfer_backend=args.kv_transfer_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 

@@ -96,6 +96,18 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     assert args[args.index("--generation-config") + 1] == str(tmp_path / "gen")
     assert args[args.index("--api-key") + 1] == "k3y"
     assert spec.worker_args == ["--scheduling-policy", "priority"]
+    assert spec.kv_transfer_backend == "nixl" and spec.gpu_memory_utilization is None
+    spec = up_spec(build_parser().parse_args(
+        ["up", "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64",
+         "--max-num-batched-tokens", "1024", "--enforce-eager", "--kv-transfer-backend", "torch",
+         "--gpu-memory-utilization", "0.8"]))
+    assert spec.worker_args == ["--dtype", "bfloat16", "--max-model-len", "4096",
+                                "--max-num-seqs", "64", "--max-num-batched-tokens", "1024",
+                                "--enforce-eager"]
+    assert spec.kv_transfer_backend == "torch" and spec.gpu_memory_utilization == 0.8
+    # Every flag it forwards is one the workers take.
+    for role in ("prefill", "decode"):
+        build_parser().parse_args([role, *spec.worker_args, "--kv-transfer-backend", "torch"])
     for bad, match in ((["--chat-template", "missing.jinja"], "does not exist"),
                        (["--generation-config", "nowhere"], "'auto', 'engine' or a folder"),
                        (["--max-restarts", "-1"], "max-restarts")):
