@@ -372,12 +372,14 @@ def compile_for_gpu(capabilities=(80, 90)) -> None:
 
     from kernels.triton_cache import _reshape_and_cache_kernel
     from kernels.triton_decode import _decode_partition_kernel, _decode_reduce_kernel
+    from kernels.triton_fused import _rms_norm_kernel, _rotary_neox_kernel, _silu_and_mul_kernel
     from kernels.triton_prefill import _prefill_kernel
 
     def build(fn, cap, pointers, constexprs):
         # Arguments not named are ints (strides, counts), but for the float softmax scale.
         sig = {a: "constexpr" if a in constexprs
-               else pointers.get(a, "fp32" if a == "qk_scale" else "i32") for a in fn.arg_names}
+               else pointers.get(a, "fp32" if a in ("qk_scale", "eps") else "i32")
+               for a in fn.arg_names}
         kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", cap, 32),
                                 options={"num_warps": 4})
         assert kernel.metadata.shared <= SHARED_LIMIT[cap], (fn.__name__, kernel.metadata.shared)
@@ -407,6 +409,12 @@ def compile_for_gpu(capabilities=(80, 90)) -> None:
                        query_start_loc_ptr="*i32", seq_lens_ptr="*i32", out_ptr=p),
                   dict(GROUP=2, BLOCK_SIZE=16, HEAD_SIZE=128, DOT_DTYPE=dot, BLOCK_M=64,
                        BLOCK_N=32))
+            build(_rms_norm_kernel, cap, dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p),
+                  dict(HAS_RESIDUAL=True, BLOCK=4096))
+            build(_silu_and_mul_kernel, cap, dict(x_ptr=p, out_ptr=p), dict(BLOCK=1024))
+            build(_rotary_neox_kernel, cap,
+                  dict(pos_ptr="*i64", q_ptr=p, k_ptr=p, cache_ptr=f32),
+                  dict(HALF=64, BLOCK_H=32))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="with a GPU the gpu tests run compiled kernels")
@@ -421,7 +429,7 @@ def test_kernels_compile_for_gpus(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(proc.stdout.split()) == 2 * 2 * 5  # capabilities x dtypes x kernel variants
+    assert len(proc.stdout.split()) == 2 * 2 * 8  # capabilities x dtypes x kernel variants
 
 
 # --- GPU: compiled kernels on bigger shapes -----------------------------------------------------

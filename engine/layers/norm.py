@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers.triton_gate import use_triton_fused
 from kernels.cpu_fused import fused_ops_usable, rms_norm_cpu
 
 
@@ -20,17 +21,30 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def _triton_takes(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (x.dim() in (2, 3) and x.stride(-1) == 1 and use_triton_fused(x)
+                and self.weight.dtype == x.dtype and self.weight.is_contiguous()
+                and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1
+                                          and residual.dtype == x.dtype)))
+
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: norm(x). With it: (norm(x + residual), x + residual).
 
-        On the CPU in float32 one compiled pass does it in place: ``residual`` becomes the sum
-        and ``x`` (a layer's fresh output, read by nobody else) the normed values."""
+        On the CPU in float32 one compiled pass does it in place, and on CUDA one Triton
+        kernel: ``residual`` becomes the sum and ``x`` (a layer's fresh output, read by nobody
+        else) the normed values."""
         if x.dim() in (2, 3) and x.stride(-1) == 1 and fused_ops_usable(x):
             if residual is None:
                 return rms_norm_cpu(x, self.weight, self.eps)
             return rms_norm_cpu(x, self.weight, self.eps, residual=residual, out=x), residual
+        if self._triton_takes(x, residual):
+            from kernels.triton_fused import rms_norm_triton
+
+            if residual is None:
+                return rms_norm_triton(x, self.weight, self.eps)
+            return rms_norm_triton(x, self.weight, self.eps, residual=residual, out=x), residual
         if residual is None:
             return self._norm(x)
         x = x + residual

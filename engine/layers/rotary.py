@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.triton_gate import use_triton_fused
 from kernels.cpu_fused import fused_ops_usable, rotary_neox_cpu
 
 
@@ -64,7 +65,22 @@ class RotaryEmbedding(nn.Module):
                             positions_checked=positions is self._checked_positions)
             self._checked_positions = positions
             return query, key
+        if self._triton_takes(positions, query, key):
+            from kernels.triton_fused import rotary_neox_triton
+
+            rotary_neox_triton(positions, query, key, self.cos_sin_cache)  # in place
+            return query, key
         return self.forward_torch(positions, query, key)
+
+    def _triton_takes(self, positions: torch.Tensor, query: torch.Tensor,
+                      key: torch.Tensor) -> bool:
+        head_size = self.head_size
+        return (use_triton_fused(query) and key.dtype == query.dtype
+                and query.stride(2) == 1 and key.stride(2) == 1
+                and head_size & (head_size - 1) == 0 and positions.device == query.device
+                and positions.dtype in (torch.int32, torch.int64)
+                and self.cos_sin_cache.dtype == torch.float32
+                and self.cos_sin_cache.device == query.device)
 
     def forward_torch(self, positions: torch.Tensor, query: torch.Tensor,
                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
