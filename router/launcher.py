@@ -287,7 +287,8 @@ class Cluster:
             if self.gpu_plan.split_memory:
                 args += ["--gpu-memory-utilization", f"{gpus.gpu_memory_utilization:.4g}"]
         proc = self._spawn(f"{role}-{{port}}", args, env)
-        proc.gpus = gpus
+        if gpus is not None:
+            proc.gpus = gpus
         if wait:
             self._wait_healthy(proc)
         return proc
