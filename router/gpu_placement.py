@@ -53,6 +53,8 @@ class GpuPlan:
     def next_for(self, role: str, tp: int, utilization: float) -> WorkerGpus:
         """GPUs for a worker added to the running cluster: the least used ones. It gets the
         whole utilization only where they were free; else a share as in ``plan_gpus``."""
+        if tp > len(self.gpus):
+            raise ValueError(f"a worker of -tp {tp} needs {tp} GPUs; {len(self.gpus)} visible")
         load = _load(self.workers, self.gpus)
         order = sorted(self.gpus, key=lambda g: (load[g], self.gpus.index(g)))
         chosen = tuple(sorted(order[:tp], key=self.gpus.index))

@@ -66,6 +66,8 @@ def test_a_worker_added_later_takes_the_least_used_gpu():
     assert (late.gpus, late.gpu_memory_utilization, late.shared) == (("0",), 0.45, True)
     plan.workers.remove(plan.workers[2])  # decode on GPU 2 stopped
     assert plan.next_for("decode", 1, 0.9).gpus == ("2",)
+    with pytest.raises(ValueError, match="-tp 4 needs 4 GPUs"):
+        plan.next_for("prefill", 4, 0.9)
     torch_plan = plan_gpus(1, 1, 1, ("0", "1"), kv_transfer_backend="torch")
     with pytest.raises(ValueError, match="NCCL"):
         torch_plan.next_for("decode", 1, 0.9)  # both GPUs hold a worker; GPU 0 a prefill one

@@ -24,8 +24,11 @@ def _children(pid: int) -> set[int]:
     """Live (not yet reaped) child processes of ``pid``."""
     kids: set[int] = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/children") as f:
-            kids.update(int(c) for c in f.read().split())
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.update(int(c) for c in f.read().split())
+        except FileNotFoundError:  # the thread ended after listdir: it holds no child now
+            pass
     return kids
 
 
