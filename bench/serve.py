@@ -51,6 +51,9 @@ class ServeConfig:
     share_cores: bool = True
     # The routers' --decode-stream (router/config.py), in both clusters.
     decode_stream: str = "multiplexed"
+    # The routers' --stream-interval, in both clusters (protos/stream_interval.py): tokens per
+    # chunk to the client, and from the decode worker to the router.
+    stream_interval: int = 1
     # Partial-block prefix hits (engine/kv_cache_manager.py) in every engine of the run.
     partial_block_hits: bool = True
 
@@ -137,6 +140,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-stream", default=d.decode_stream,
                    choices=("multiplexed", "per-request"),
                    help="the routers' --decode-stream: how requests reach decode workers")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="the routers' --stream-interval: output tokens per chunk, to the "
+                        "client and from the decode workers")
     p.add_argument("--no-enable-partial-block-hits", dest="partial_block_hits",
                    action="store_false",
                    help="every engine of the run reuses cached prefixes in whole blocks only")
@@ -198,7 +204,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         aggregated=args.aggregated, rounds=args.rounds,
         max_local_prefill_length=args.max_local_prefill_length,
         share_cores=args.share_cores, decode_stream=args.decode_stream,
-        partial_block_hits=args.partial_block_hits)
+        stream_interval=args.stream_interval, partial_block_hits=args.partial_block_hits)
+    if not 1 <= cfg.stream_interval <= 1024:
+        raise ValueError(f"--stream-interval must be in [1, 1024], got {cfg.stream_interval}")
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:
         raise ValueError("--max-local-prefill-length must be >= 0")
     if not cfg.concurrency and not cfg.request_rates and not cfg.prefix_requests:

@@ -93,7 +93,9 @@ def markdown(report) -> str:
              f"{report.torch_threads} for the in-process engine, on {report.cpu_count} CPUs. "
              f"Steps of up to {report.prefill_step_tokens} tokens on the prefill workers, "
              f"{report.inprocess_step_tokens} on the in-process engine, "
-             f"{report.aggregated_step_tokens} on the aggregated worker.",
+             f"{report.aggregated_step_tokens} on the aggregated worker. Routers stream "
+             f"{'every token' if c.stream_interval == 1 else f'{c.stream_interval} tokens a chunk'}"
+             f" (--stream-interval).",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if report.ratios:
         parts.append("#### Disaggregated vs aggregated and in-process (same requests, closed "

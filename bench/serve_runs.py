@@ -112,7 +112,7 @@ def run(cfg: ServeConfig) -> ServeReport:
     from router.launcher import ClusterSpec
 
     vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
-    stream = ["--decode-stream", cfg.decode_stream]
+    stream = ["--decode-stream", cfg.decode_stream, "--stream-interval", str(cfg.stream_interval)]
     router_args = stream + ([] if cfg.max_local_prefill_length is None
                             else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     # Every worker of both clusters, and the in-process engine below, alike.

@@ -21,6 +21,7 @@ from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from protos.stream_interval import MAX_STREAM_INTERVAL, every_n_tokens
 from router.ledger import TransferPulling
 
 
@@ -40,10 +41,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         async for batch in serve_decode_many(self, request_iterator, context):
             yield batch
 
-    async def decode(self, request: worker_pb2.DecodeRequest,
-                     time_remaining: Callable[[], float | None]):
-        """One request's chunks (both RPCs). ``time_remaining``: seconds left to its deadline,
-        or None for none. The caller holds ``rt.admit()``."""
+    def decode(self, request: worker_pb2.DecodeRequest,
+               time_remaining: Callable[[], float | None]):
+        """One request's chunks (both RPCs), one per ``request.stream_interval`` tokens after
+        the first. ``time_remaining``: seconds left to its deadline, or None for none. The
+        caller holds ``rt.admit()``."""
+        if request.stream_interval > MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be at most {MAX_STREAM_INTERVAL}, got "
+                             f"{request.stream_interval}")
+        chunks = self._decode(request, time_remaining)
+        if request.stream_interval > 1:
+            return every_n_tokens(chunks, request.stream_interval)
+        return chunks
+
+    async def _decode(self, request: worker_pb2.DecodeRequest,
+                      time_remaining: Callable[[], float | None]):
         rid = request.request_id
         if not rid:
             raise ValueError("request_id is empty")

@@ -8,6 +8,7 @@ from client.keepalive import check_keepalive
 from engine.chat_template import load_chat_template
 from engine.generation_defaults import check_generation_config
 from engine.grpc_server import ServerConfig
+from protos.stream_interval import MAX_STREAM_INTERVAL
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
 from router.router_presence import check_router_id
@@ -55,7 +56,8 @@ class RouterConfig:
     # taken as hung and its calls migrate (router/liveness.py); keepalive alone takes ~60 s.
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     # A client stream gets one chunk per this many output tokens (the first at once; see
-    # router/stream_interval.py); 1 sends every token as it comes.
+    # protos/stream_interval.py; decode workers group theirs to the router alike); 1 sends
+    # every token as it comes.
     stream_interval: int = 1
     # Callers of Router and RouterAdmin must send it (router/auth.py); None: no key.
     api_key: str | None = field(default=None, repr=False)
@@ -102,8 +104,8 @@ class RouterConfig:
         check_keepalive("keepalive_time_s", self.keepalive_time_s)
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
-                or not 1 <= self.stream_interval <= 1024:
-            raise ValueError(f"stream_interval must be an integer in [1, 1024], "
+                or not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
                              f"got {self.stream_interval!r}")
         check_api_key(self.api_key)
         self.chat_template_text = load_chat_template(self.chat_template)

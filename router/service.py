@@ -38,7 +38,7 @@ from router.migration import RequestRun, is_migratable
 from router.parallel import check_n, fan_out, sequence_request
 from router.prompts import ServedModel
 from router.stats import RouterStats
-from router.stream_interval import every_n_tokens, merge_chunk
+from protos.stream_interval import every_n_tokens, merge_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         dreq = worker_pb2.DecodeRequest(request_id=run.attempt_id,
                                         prompt_token_ids=run.prompt_token_ids,
                                         resume_token_ids=run.output_so_far,
-                                        sampling=request.sampling, local_prefill=True)
+                                        sampling=request.sampling, local_prefill=True,
+                                        stream_interval=self.config.stream_interval)
         # Counted as prefilling on the decode worker until its first token (or failure).
         with contextlib.ExitStack() as in_prefill:
             in_prefill.enter_context(prefilling(decode))
@@ -373,7 +374,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
                                             resume_token_ids=resume,
                                             first_token_id=presp.first_token_id,
-                                            sampling=request.sampling, kv_handle=presp.kv_handle)
+                                            sampling=request.sampling, kv_handle=presp.kv_handle,
+                                            stream_interval=self.config.stream_interval)
             chunks, chunk = await self._start_decode(run, dreq, prefill, avoid, context)
             async with contextlib.aclosing(chunks):
                 while chunk is not None:

@@ -88,7 +88,7 @@ def test_ratios_compare_each_concurrency_against_the_baselines_that_ran():
                                          ("--request-rates", "-1"), ("--prompt-len", "50-10"),
                                          ("--output-len", "x"), ("--num-prompts", "0"),
                                          ("--max-local-prefill-length", "-1"),
-                                         ("--rounds", "0")])
+                                         ("--rounds", "0"), ("--stream-interval", "0")])
 def test_bad_arguments_are_value_errors(flag, value):
     p = argparse.ArgumentParser()
     serve.add_args(p)
@@ -101,9 +101,10 @@ def test_tiny_run_end_to_end(capsys):
                    "--rounds", "2",
                    "--num-prompts", "4", "--prompt-len", "16-48", "--output-len", "6",
                    "--num-gpu-blocks", "128", "--prefix-requests", "2", "--prefix-len", "64",
-                   "--unique-len", "8", "--prefix-output-len", "2"])
+                   "--unique-len", "8", "--prefix-output-len", "2", "--stream-interval", "4"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)  # stdout holds the one object alone
+    assert report["config"]["stream_interval"] == 4
     assert set(report) == {"config", "torch_threads", "worker_threads",
                            "aggregated_worker_threads", "prefill_step_tokens",
                            "inprocess_step_tokens", "aggregated_step_tokens", "cpu_count",

@@ -129,6 +129,8 @@ def test_requests_on_one_stream_match_the_in_process_engine_and_share_messages(c
      grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be"),
     (_start(_request("bad-handle", [1, 2, 3], 4, first_token_id=5)),
      grpc.StatusCode.INVALID_ARGUMENT, "must not carry a first_token_id"),
+    (_start(_request("bad-interval", [1, 2, 3], 4, stream_interval=2000)),
+     grpc.StatusCode.INVALID_ARGUMENT, "stream_interval must be at most 1024"),
     (_start(_request("slow", list(range(10, 400)), 200), timeout_s=0.05),
      grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"),
 ])
@@ -371,7 +373,7 @@ def _chunk(tokens, text="", finish=""):
 
 
 def test_every_n_tokens_sends_the_first_at_once_then_groups_with_the_final_merged():
-    from router.stream_interval import every_n_tokens
+    from protos.stream_interval import every_n_tokens
 
     async def source(chunks, fail=False):
         for c in chunks:
@@ -415,10 +417,39 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
         assert cluster.stop_proc(router) == 0
 
 
+def test_a_decode_worker_groups_its_chunks_by_the_requests_stream_interval(cluster, reference):
+    # The router passes its --stream-interval down, so the worker -> router hop shrinks too:
+    # on DecodeMany and on a Decode call of its own alike.
+    prompts = random_prompts(2, seed=79, lo=20, hi=40)
+    want = reference.generate(prompts, SamplingParams(max_tokens=14, **GREEDY))
+
+    async def many():
+        s = _Stream(_decode_address(cluster))
+        s.send(_start(_request("grouped", prompts[0], 14, stream_interval=4)))
+        s.close_sending()
+        events = (await s.read_until(lambda _: False))["grouped"]
+        await s.close()
+        return [ev.chunk for ev in events]
+
+    async def single():
+        async with grpc.aio.insecure_channel(_decode_address(cluster)) as ch:
+            call = worker_pb2_grpc.DecodeWorkerStub(ch).Decode(
+                _request("grouped-1", prompts[1], 14, stream_interval=4), timeout=60)
+            return [c async for c in call]
+
+    for chunks, w in ((asyncio.run(many()), want[0]), (asyncio.run(single()), want[1])):
+        assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 4, 1]
+        assert [t for c in chunks for t in c.token_ids] == w.token_ids
+        assert "".join(c.text_delta for c in chunks) == w.text
+        assert [len(c.logprobs) for c in chunks] == [0] * 5  # none asked, none merged in
+        assert chunks[0].HasField("timings") and chunks[-1].finish_reason == "length"
+    wait_all_blocks_free([_decode_address(cluster)])
+
+
 def test_a_cancelled_stream_with_held_tokens_stays_cancelled():
     """A client cancel or deadline (CancelledError) while tokens are held must end the stream:
     flushing them then would swallow the cancel."""
-    from router.stream_interval import every_n_tokens
+    from protos.stream_interval import every_n_tokens
 
     async def source():
         for i in range(3):
