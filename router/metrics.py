@@ -19,6 +19,8 @@ _COUNTERS = (
      "Prompt tokens the worker that ran the prompt already held in its prefix cache, as the "
      "index showed them."),
     ("generation_tokens_total", "generation_tokens", "Output tokens streamed to clients."),
+    ("decode_chunks_received_total", "decode_chunks_received",
+     "Chunks received from decode workers (a message each; --stream-interval groups tokens)."),
     ("requests_migrated_total", "requests_migrated",
      "Moves of a running request to other workers after its worker failed."),
     ("migrations_exhausted_total", "migrations_exhausted",

@@ -445,6 +445,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         first = False
                         _record_first_decode_chunk(d, dreq.local_prefill, run)
                     run.usage.completion_tokens += len(d.token_ids)
+                    self.stats.decode_chunks_received += 1
                     chunk = router_pb2.GenerateChunk(request_id=run.request_id,
                                                      token_ids=d.token_ids,
                                                      text_delta=d.text_delta, logprobs=d.logprobs,

@@ -39,8 +39,10 @@ class RouterStats:
     migrations_exhausted: int = 0
     # Prefilled requests that waited for room on a decode worker (router/decode_wait.py).
     decode_waits: int = 0
-    # Output tokens streamed to clients.
+    # Output tokens streamed to clients, and the chunks decode workers sent them in (one per
+    # --stream-interval tokens after a request's first: protos/stream_interval.py).
     generation_tokens: int = 0
+    decode_chunks_received: int = 0
     # Finished requests by finish reason, and their latencies (seconds).
     finished: Counter = field(default_factory=Counter)
     ttft: Histogram = field(default_factory=_latency)

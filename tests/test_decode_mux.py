@@ -18,8 +18,8 @@ from engine import SamplingParams
 from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from router.decode_mux import DecodeMux
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts,
-                                   wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, free_port, parse_metrics,
+                                   random_prompts, scrape, wait_all_blocks_free)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -402,7 +402,8 @@ def test_every_n_tokens_sends_the_first_at_once_then_groups_with_the_final_merge
 
 def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(cluster,
                                                                                  reference):
-    router = cluster.start_router(extra=["--stream-interval", "4"])
+    port = free_port()
+    router = cluster.start_router(extra=["--stream-interval", "4", "--metrics-port", str(port)])
     prompts = random_prompts(3, seed=77, lo=20, hi=40)
     want = reference.generate(prompts, SamplingParams(max_tokens=14, **GREEDY))
     try:
@@ -413,6 +414,11 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
                 assert [t for ch in chunks for t in ch.token_ids] == w.token_ids
                 assert "".join(ch.text for ch in chunks) == w.text
                 assert chunks[-1].usage.completion_tokens == 14
+        # The router passed the interval down: the decode worker sent 5 messages a request,
+        # not 14.
+        metrics = parse_metrics(scrape(port)[2])
+        assert metrics[("pdserve_router_decode_chunks_received_total", frozenset())] == 3 * 5
+        assert metrics[("pdserve_router_generation_tokens_total", frozenset())] == 3 * 14
     finally:
         assert cluster.stop_proc(router) == 0
 
