@@ -234,7 +234,9 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
     cluster.wait_routable(3, 1)
     (rank1,) = [pid for pid in _descendants(tp2.popen.pid)
                 if b"engine.tp_worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
-    prompts = random_prompts(9, seed=37, lo=150, hi=250)
+    # Enough long prompts that the router gives the TP worker several and it stays busy long
+    # enough to be seen busy: with 9 shorter ones it once got one, done between two polls.
+    prompts = decisive_prompts(reference, 18, seed=37, max_tokens=6, lo=200, hi=400)
     params = dict(max_tokens=6, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
     got, finals = _fault_when_busy(cluster, tp2.address, prompts, params,
