@@ -33,12 +33,14 @@ def check_local_prefill_request(request: worker_pb2.DecodeRequest) -> None:
 async def stream_local_prefill(engine: AsyncEngine, request_id: str, prompt_token_ids: list[int],
                                params: SamplingParams,
                                to_chunk: Callable[[RequestOutput], worker_pb2.DecodeChunk],
-                               resume_token_ids: list[int] = (),
+                               resume_token_ids: list[int] = (), stream_interval: int = 1,
                                ) -> AsyncIterator[worker_pb2.DecodeChunk]:
-    """Runs the prompt here and streams every output; the first chunk carries the first token,
-    the prompt tokens this worker's prefix cache served, and the timings."""
+    """Runs the prompt here and streams its outputs (one per ``stream_interval`` tokens after
+    the first); the first chunk carries the first token, the prompt tokens this worker's prefix
+    cache served, and the timings."""
     arrival = time.monotonic()
-    outs = engine.generate(request_id, prompt_token_ids, params, resume_token_ids)
+    outs = engine.generate(request_id, prompt_token_ids, params, resume_token_ids,
+                           stream_interval)
     async with contextlib.aclosing(outs) as outs:
         first = True
         async for out in outs:

@@ -17,11 +17,11 @@ import grpc
 
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import serve_decode_many
+from engine.output_processor import check_stream_interval
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
-from protos.stream_interval import MAX_STREAM_INTERVAL, every_n_tokens
 from router.ledger import TransferPulling
 
 
@@ -41,37 +41,32 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         async for batch in serve_decode_many(self, request_iterator, context):
             yield batch
 
-    def decode(self, request: worker_pb2.DecodeRequest,
-               time_remaining: Callable[[], float | None]):
+    async def decode(self, request: worker_pb2.DecodeRequest,
+                     time_remaining: Callable[[], float | None]):
         """One request's chunks (both RPCs), one per ``request.stream_interval`` tokens after
-        the first. ``time_remaining``: seconds left to its deadline, or None for none. The
+        the first: the engine makes its outputs that way, so this loop wakes once a chunk, not
+        once a step. ``time_remaining``: seconds left to its deadline, or None for none. The
         caller holds ``rt.admit()``."""
-        if request.stream_interval > MAX_STREAM_INTERVAL:
-            raise ValueError(f"stream_interval must be at most {MAX_STREAM_INTERVAL}, got "
-                             f"{request.stream_interval}")
-        chunks = self._decode(request, time_remaining)
-        if request.stream_interval > 1:
-            return every_n_tokens(chunks, request.stream_interval)
-        return chunks
-
-    async def _decode(self, request: worker_pb2.DecodeRequest,
-                      time_remaining: Callable[[], float | None]):
         rid = request.request_id
         if not rid:
             raise ValueError("request_id is empty")
+        interval = max(request.stream_interval, 1)  # 0: unset, every token
+        check_stream_interval(interval)
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
         if request.local_prefill:
             check_local_prefill_request(request)
-            chunks = stream_local_prefill(self.rt.engine, rid, ids, params, _chunk, resume)
+            chunks = stream_local_prefill(self.rt.engine, rid, ids, params, _chunk, resume,
+                                          interval)
             async with contextlib.aclosing(chunks) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
-        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume)
+        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
+                                                         interval)
         self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, rid,
                                                 self.rt.worker_id, time.time(),
                                                 request.kv_handle.lease_timeout_s))

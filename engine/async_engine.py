@@ -183,14 +183,16 @@ class AsyncEngine:
         return stream
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams,
-                       resume_token_ids: list[int] = ()) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, resume_token_ids: list[int] = (),
+                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its outputs; leaving early aborts it (blocks freed).
-        ``resume_token_ids``: see ``LLMEngine.add_request``."""
+        ``resume_token_ids``, ``stream_interval``: see ``LLMEngine.add_request`` (an interval
+        of N also wakes this loop once per N steps for the request, not every step)."""
         self._check_alive()
         stream = self._open(request_id)
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids)
+            self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids,
+                                    stream_interval)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -200,11 +202,13 @@ class AsyncEngine:
 
     async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
                                  first_token_id: int, params: SamplingParams,
-                                 resume_token_ids: list[int] = ()) -> KVAllocation:
+                                 resume_token_ids: list[int] = (),
+                                 stream_interval: int = 1) -> KVAllocation:
         """Decode role: blocks for a prompt whose KV arrives from outside."""
         self._check_alive()
         return await self._off_loop(request_id, self.engine.add_prefilled_request, request_id,
-                                    prompt_token_ids, first_token_id, params, resume_token_ids)
+                                    prompt_token_ids, first_token_id, params, resume_token_ids,
+                                    stream_interval)
 
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""

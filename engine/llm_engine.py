@@ -22,7 +22,7 @@ from engine.model_config import ModelConfig
 from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
 from engine.model_runner import prepare_input, sample_tokens, score_prompt_tokens
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, check_stream_interval
 from engine.outputs import (EngineStats, KVAllocation, KVLease, LeaseEnded, PrefixCacheReset,
                             RequestOutput)
 from engine.request import Request, RequestStatus
@@ -117,18 +117,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    resume_token_ids: list[int] = ()) -> list[int]:
+                    resume_token_ids: list[int] = (), stream_interval: int = 1) -> list[int]:
         """Validates and queues a request; returns its prompt token ids.
 
         ``resume_token_ids`` continues a request that already produced those output tokens
         elsewhere (a migration): their KV is recomputed with the prompt's, as after a
         preemption, and sampling goes on from output number ``len(resume_token_ids)``.
+        ``stream_interval``: after its first output, the request makes one per this many
+        tokens (and its final one), each carrying every token since the last.
         """
         params = params if params is not None else SamplingParams()
+        check_stream_interval(stream_interval)
         token_ids = self.tokenize(prompt)
         resume = self.validate_resume(token_ids, resume_token_ids, params)
         req = Request(request_id, token_ids, params, output_token_ids=resume,
-                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
+                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
+                      stream_interval=stream_interval)
         self._claim_id(request_id)
         self._inbox.put(("add", req))
         return token_ids
@@ -181,17 +185,21 @@ class LLMEngine:
     # --- decode role ----------------------------------------------------------------------
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int],
                               first_token_id: int, params: SamplingParams,
-                              resume_token_ids: list[int] = ()) -> KVAllocation:
+                              resume_token_ids: list[int] = (),
+                              stream_interval: int = 1) -> KVAllocation:
         """Allocates blocks for a prompt whose KV will be written from outside.
 
         Leading blocks this engine already holds in its prefix cache are reused; the caller
         fills ``block_ids_to_fill`` and then calls ``commit_prefilled`` (or ``abort``). A
         migrated request's ``resume_token_ids`` follow the prompt in the KV written.
+        ``stream_interval``: as for ``add_request``.
         """
+        check_stream_interval(stream_interval)
         resume = self.validate_resume(prompt_token_ids, list(resume_token_ids) + [first_token_id],
                                       params)
         req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume,
-                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words))
+                      bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
+                      stream_interval=stream_interval)
         req.prompt_logprobs = None  # the prompt was computed, and scored, where it ran
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id
@@ -258,10 +266,13 @@ class LLMEngine:
                 return outputs
             for i, rid in enumerate(inp.sample_request_ids):
                 req = self.scheduler.requests[rid]
-                outputs.append(self._on_token(req, out.token_ids[i], out.logprobs[i]))
+                output = self._on_token(req, out.token_ids[i], out.logprobs[i])
+                if output is not None:
+                    outputs.append(output)
             return outputs
 
-    def _on_token(self, req: Request, token_id: int, logprobs) -> RequestOutput:
+    def _on_token(self, req: Request, token_id: int, logprobs) -> RequestOutput | None:
+        """The request's output for this token: None while its stream interval holds it."""
         decision = self.outputs.append_token(req, token_id, logprobs)
         if decision.status is not None:
             req.stop_reason = decision.stop_reason
@@ -269,6 +280,8 @@ class LLMEngine:
             return self._final(req)
         if self.config.role == "prefill":
             return self._lease(req)
+        if not self.outputs.output_due(req):
+            return None
         return self.outputs.make_output(req, finished=False)
 
     def _final(self, req: Request) -> RequestOutput:

@@ -8,6 +8,16 @@ from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+# The most tokens one output may hold back (a stream interval past this is a mistake, and its
+# chunks would approach gRPC's message size limit with logprobs).
+MAX_STREAM_INTERVAL = 1024
+
+
+def check_stream_interval(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_STREAM_INTERVAL:
+        raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
+                         f"got {n!r}")
+
 
 @dataclass
 class StopDecision:
@@ -25,9 +35,13 @@ class OutputProcessor:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         # Output tokens already reported per request (streams report deltas).
         self._reported: dict[str, int] = {}
+        # Requests that have made no output yet: their first leaves at once, whatever their
+        # stream interval (it carries the first token, or the decode role's first timings).
+        self._unreported: set[str] = set()
 
     def add_request(self, req: Request) -> None:
         self._reported[req.request_id] = len(req.output_token_ids)
+        self._unreported.add(req.request_id)
         if self.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                            skip_special_tokens=req.sampling_params.skip_special_tokens)
@@ -47,6 +61,15 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
         self._reported.pop(request_id, None)
+        self._unreported.discard(request_id)
+
+    def output_due(self, req: Request) -> bool:
+        """Whether an unfinished request makes an output this step: its first, then one per
+        ``req.stream_interval`` tokens. Held tokens (and their text) go out with the next."""
+        rid = req.request_id
+        if req.stream_interval <= 1 or rid in self._unreported:
+            return True
+        return req.num_output_tokens - self._reported.get(rid, 0) >= req.stream_interval
 
     def append_token(self, req: Request, token_id: int, logprobs: TokenLogprobs | None) -> StopDecision:
         """Records one sampled token, updates text, and decides whether the request stops."""
@@ -84,6 +107,7 @@ class OutputProcessor:
         rid = req.request_id
         start = self._reported.get(rid, 0)
         self._reported[rid] = req.num_output_tokens
+        self._unreported.discard(rid)
         text = delta = ""
         detok = self.detokenizers.get(rid)
         if detok is not None:

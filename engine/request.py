@@ -56,6 +56,9 @@ class Request:
     # sampling_params.bad_words as token sequences (engine/bad_words.py), set at intake.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
                                                  compare=False)
+    # Outputs are made once per this many new tokens after the first (and on finishing): a
+    # stream that sends N tokens a chunk need not wake its reader every step.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:

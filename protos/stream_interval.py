@@ -2,12 +2,14 @@
 
 Each chunk costs a gRPC message to send and another to read: at GPU decode rates, a message per
 token per request is most of a router's CPU, and on a small host the hops cost what the model
-needs. The router groups its chunks to a client, and passes N on to the decode worker
-(``DecodeRequest.stream_interval``), which groups its chunks to the router the same way. The
-first chunk still leaves at once (TTFT is unchanged), then the tokens, text and logprobs of N
-tokens travel together, and the final chunk carries whatever is left with the finish reason
-and usage. Tokens already held when the stream fails are sent before the error, so a caller
-that fails over resumes from everything that was produced. Works on any chunk message with
+needs. The router groups its chunks to a client here, and passes N on to the decode worker
+(``DecodeRequest.stream_interval``), whose engine makes one output per N tokens in the first
+place (``LLMEngine.add_request(stream_interval=)``), so its event loop wakes once a chunk, not
+once a step. The first chunk still leaves at once (TTFT is unchanged), then the tokens, text
+and logprobs of N tokens travel together, and the final chunk carries whatever is left with the
+finish reason and usage. Tokens already held when the stream fails are sent before the error,
+so a caller that fails over resumes from everything that reached it (tokens a dying decode
+engine still held are recomputed where the request resumes). Works on any chunk message with
 ``token_ids``, ``text_delta`` and ``finish_reason`` (router.GenerateChunk, worker.DecodeChunk).
 """
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
+from engine.output_processor import MAX_STREAM_INTERVAL  # noqa: F401 - the one limit, re-exported
+
 Chunk = TypeVar("Chunk", bound=Message)
-MAX_STREAM_INTERVAL = 1024
 
 
 async def every_n_tokens(chunks: AsyncIterator[Chunk], n: int) -> AsyncIterator[Chunk]:

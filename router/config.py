@@ -8,7 +8,7 @@ from client.keepalive import check_keepalive
 from engine.chat_template import load_chat_template
 from engine.generation_defaults import check_generation_config
 from engine.grpc_server import ServerConfig
-from protos.stream_interval import MAX_STREAM_INTERVAL
+from engine.output_processor import check_stream_interval
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
 from router.router_presence import check_router_id
@@ -103,10 +103,7 @@ class RouterConfig:
                              f"{self.decode_wait_timeout_s!r}")
         check_keepalive("keepalive_time_s", self.keepalive_time_s)
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
-        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
-                or not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
-            raise ValueError(f"stream_interval must be an integer in [1, {MAX_STREAM_INTERVAL}], "
-                             f"got {self.stream_interval!r}")
+        check_stream_interval(self.stream_interval)
         check_api_key(self.api_key)
         self.chat_template_text = load_chat_template(self.chat_template)
         check_generation_config(self.generation_config)
