@@ -187,27 +187,30 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the engine tests run the kernels for real")
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
-def test_the_model_runs_the_same_through_the_kernels(model):
+def test_the_models_run_the_same_through_the_kernels():
     # The layers' CUDA wiring (in-place norm and residual, rotary on qkv views, per-head q/k
     # norms) exercised on the CPU: the gate opened, kernels interpreted, compiled CPU kernels
-    # off so both runs take the torch ops everywhere else.
+    # off so both runs take the torch ops everywhere else. One process per model, side by side.
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     env = dict(os.environ, TRITON_INTERPRET="1", PDSERVE_DISABLE_CPU_KERNELS="1")
-    proc = subprocess.run([sys.executable, "-c", _WIRING, model], env=env, text=True,
-                          capture_output=True, timeout=600, cwd=Path(__file__).parent.parent)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(n > 0 for n in res["calls"].values()), res["calls"]
-    plain, fused = res["False"], res["True"]
-    assert len({tuple(t) for t, _ in plain}) == len(plain)  # diverse outputs
-    for (t0, lp0), (t1, lp1) in zip(plain, fused):
-        assert t1 == t0
-        # The kernels sum in another order, and the two engines' GEMMs may split rows apart
-        # under load (up to 5e-4 seen with the suite running beside); a wiring fault (a lost
-        # residual, a double rotation) moves them by far more.
-        assert lp1 == pytest.approx(lp0, abs=2e-3)
+    procs = {model: subprocess.Popen([sys.executable, "-c", _WIRING, model], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     cwd=Path(__file__).parent.parent)
+             for model in ("tiny-llama", "tiny-qwen3")}
+    for model, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (model, err[-4000:])
+        res = json.loads(out.strip().splitlines()[-1])
+        assert all(n > 0 for n in res["calls"].values()), (model, res["calls"])
+        plain, fused = res["False"], res["True"]
+        assert len({tuple(t) for t, _ in plain}) == len(plain), model  # diverse outputs
+        for (t0, lp0), (t1, lp1) in zip(plain, fused):
+            assert t1 == t0, model
+            # The kernels sum in another order, and the two engines' GEMMs may split rows
+            # apart under load (up to 5e-4 seen with the suite running beside); a wiring fault
+            # (a lost residual, a double rotation) moves them by far more.
+            assert lp1 == pytest.approx(lp0, abs=2e-3), model

@@ -425,11 +425,19 @@ def test_kernels_compile_for_gpus(tmp_path):
         pytest.skip("this triton build ships no ptxas")
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path),
                TRITON_DEFAULT_FP_FUSION="1")
-    code = "from tests.test_triton_kernels import compile_for_gpu; compile_for_gpu()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(proc.stdout.split()) == 2 * 2 * 8  # capabilities x dtypes x kernel variants
+    # One process per capability, side by side: compiling is single-threaded, the host not.
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_triton_kernels import compile_for_gpu; "
+         f"compile_for_gpu(({cap},))"], cwd=Path(__file__).parent.parent,
+        env=dict(env, TRITON_CACHE_DIR=str(tmp_path / str(cap))), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for cap in SHARED_LIMIT]
+    lines = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+        lines += out.split()
+    assert len(lines) == 2 * 2 * 8  # capabilities x dtypes x kernel variants
+    assert {line.rsplit(":", 1)[1] for line in lines} == {"80", "90"}
 
 
 # --- GPU: compiled kernels on bigger shapes -----------------------------------------------------
