@@ -246,6 +246,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "auto, the model's generation_config.json)")
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
                    help="every worker's (prefill|decode --scheduling-policy; default fcfs)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="router --stream-interval: one chunk per N output tokens after the "
+                        "first, from the decode workers and to clients (default 1)")
+    p.add_argument("--max-local-prefill-length", type=int, default=None,
+                   help="router --max-local-prefill-length: conditional disaggregation, short "
+                        "uncached prompts prefilled on the decode worker while the prefill "
+                        "workers are busy (default 0: off; aggregated clusters: every prompt)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -294,6 +301,14 @@ def up_spec(args: argparse.Namespace):
         from engine.generation_defaults import check_generation_config
 
         args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
+    if args.stream_interval is not None:
+        from engine.output_processor import check_stream_interval
+
+        check_stream_interval(args.stream_interval)
+    if args.max_local_prefill_length is not None:
+        from router.local_prefill import LocalPrefillConfig
+
+        LocalPrefillConfig(max_local_prefill_length=args.max_local_prefill_length)
     extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
     if args.scheduling_policy:
         extra += ["--scheduling-policy", args.scheduling_policy]
@@ -314,7 +329,8 @@ def up_spec(args: argparse.Namespace):
 def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
-                 "--chat-template", "--generation-config"):
+                 "--chat-template", "--generation-config", "--stream-interval",
+                 "--max-local-prefill-length"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

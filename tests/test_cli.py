@@ -108,8 +108,19 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     # Every flag it forwards is one the workers take.
     for role in ("prefill", "decode"):
         build_parser().parse_args([role, *spec.worker_args, "--kv-transfer-backend", "torch"])
+    spec = up_spec(build_parser().parse_args(
+        ["up", "--stream-interval", "8", "--max-local-prefill-length", "96"]))
+    args = spec.router_args
+    assert args[args.index("--stream-interval") + 1] == "8"
+    assert args[args.index("--max-local-prefill-length") + 1] == "96"
+    # Every flag it forwards is one the router takes.
+    build_parser().parse_args(["router", "--redis-url", "redis://x", *args])
     for bad, match in ((["--chat-template", "missing.jinja"], "does not exist"),
                        (["--generation-config", "nowhere"], "'auto', 'engine' or a folder"),
-                       (["--max-restarts", "-1"], "max-restarts")):
+                       (["--max-restarts", "-1"], "max-restarts"),
+                       (["--stream-interval", "0"], "stream_interval must be"),
+                       (["--max-local-prefill-length", "-1"], "max_local_prefill_length"),
+                       (["--prefill", "0", "--max-local-prefill-length", "0"],
+                        "nothing to serve it")):
         with pytest.raises(ValueError, match=match):
             up_spec(build_parser().parse_args(["up", *bad]))
