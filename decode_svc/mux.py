@@ -8,9 +8,10 @@ worker's event loop (and, through the GIL, by its engine thread) and again on th
 
 Each request runs exactly as a ``Decode`` call does (``DecodeServicer.decode``): the same
 admission, validation, KV pull, deadline and abort when it is left early, and it fails alone,
-with the status its ``Decode`` call would have ended with. The stream ends once the caller has
-closed its side and every request on it is done; when the stream is cancelled (the caller went
-away, or this server is stopping) every request on it is aborted and its blocks freed.
+with the status its ``Decode`` call would have ended with. The stream ends (OK) once the caller has
+closed its side, or this worker drains, and every request on it is done; when the stream is
+cancelled (the caller went away, or the server's stop grace ran out) every request on it is
+aborted and its blocks freed.
 
 A caller that hangs with the stream open (a stopped router, a host gone without closing its
 connection) would leave its requests decoding for nobody until they finish: gRPC's buffers take
@@ -39,12 +40,15 @@ async def serve_decode_many(servicer, request_iterator,
                             context) -> AsyncIterator[worker_pb2.DecodeBatch]:
     """The body of ``DecodeWorker.DecodeMany`` for ``servicer`` (a ``DecodeServicer``)."""
     mux = _DecodeMux(servicer)
+    mux.draining = servicer.rt.draining  # opened during a drain: ends once idle
+    servicer.streams.add(mux)
     reader = asyncio.create_task(mux.read(request_iterator))
     watch = asyncio.create_task(mux.watch_caller())
     try:
         async for batch in mux.batches():
             yield batch
     finally:
+        servicer.streams.discard(mux)
         reader.cancel()
         watch.cancel()
         mux.cancel_all()
@@ -59,6 +63,9 @@ class _DecodeMux:
         self.pending = worker_pb2.DecodeBatch()
         self.ready = asyncio.Event()
         self.reading = True
+        # The worker is draining: the stream ends (OK) once its requests are done. Starts that
+        # still arrive are refused UNAVAILABLE by admission, so the caller moves them on.
+        self.draining = False
         # The caller's heartbeat (interval_s, misses) once it sent one; when it last spoke.
         self.heartbeat: worker_pb2.DecodeHeartbeat | None = None
         self.heard = asyncio.get_running_loop().time()
@@ -154,6 +161,10 @@ class _DecodeMux:
         ev.error.message = message
         self.ready.set()
 
+    def drain(self) -> None:
+        self.draining = True
+        self.ready.set()
+
     def cancel_all(self) -> None:
         for task in self.tasks.values():
             task.cancel()
@@ -171,7 +182,7 @@ class _DecodeMux:
             elif self.pending.events:
                 batch, self.pending = self.pending, worker_pb2.DecodeBatch()
                 yield batch
-            elif not self.reading and not self.tasks:
+            elif (not self.reading or self.draining) and not self.tasks:
                 return
             else:
                 await self.ready.wait()

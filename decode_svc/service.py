@@ -28,6 +28,14 @@ from router.ledger import TransferPulling
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
+        # The open DecodeMany streams (decode_svc/mux.py): when the worker drains, each ends
+        # once its requests are done, rather than being cut when the server stops.
+        self.streams: set = set()
+        rt.on_drain.append(self._drain_streams)
+
+    def _drain_streams(self) -> None:
+        for stream in self.streams:
+            stream.drain()
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         try:

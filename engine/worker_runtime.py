@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -165,6 +166,9 @@ class WorkerRuntime:
         self.worker_id = config.worker_id
         self.inflight = 0
         self.draining = False
+        # Called on the loop when the drain starts (e.g. to end idle long-lived streams, which
+        # the server's stop would otherwise cut).
+        self.on_drain: list[Callable[[], None]] = []
         self.kv_bytes = 0
         self.kv_failures = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
@@ -301,6 +305,8 @@ class WorkerRuntime:
     async def stop_presence(self) -> None:
         """Leave the registry first, so the router stops sending work while we drain."""
         self.draining = True
+        for callback in self.on_drain:
+            callback()
         if self._peers is not None:
             await self._peers.stop()
         if self._presence is not None:

@@ -472,3 +472,31 @@ def test_a_cancelled_stream_with_held_tokens_stays_cancelled():
             await pending
 
     asyncio.run(run())
+
+
+def test_a_draining_worker_ends_its_open_streams_cleanly(cluster, reference, capfd):
+    # The router keeps a DecodeMany stream open on every decode worker, idle or not. A worker
+    # stopping must end it (OK) once its requests are done, not leave it for the server's stop
+    # to cut (the caller saw CANCELLED, and the worker logged a traceback for every stream).
+    prompt = decisive_prompts(reference, 1, seed=74, max_tokens=8, lo=20, hi=40)[0]
+    want = reference.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+    worker = cluster.add_worker("decode")
+
+    async def run():
+        s = _Stream(worker.address)
+        s.send(_start(_request("before-stop", prompt, 8)))
+        by_rid = await s.read_until(lambda got: _ended(got.get("before-stop", [])))
+        assert _tokens(by_rid["before-stop"]) == want.token_ids
+        # The stream stays open, as the router's does; now the worker is told to stop.
+        stop = asyncio.get_running_loop().run_in_executor(None, cluster.stop_proc, worker)
+        await asyncio.wait_for(s.read_until(lambda _: False), timeout=60)
+        code = await s.call.code()
+        await s.close()
+        return code, await stop
+
+    code, exit_code = asyncio.run(run())
+    assert code == grpc.StatusCode.OK
+    assert exit_code == 0
+    err = capfd.readouterr().err
+    assert "stopping: draining" in err  # the worker's own log reached this capture
+    assert "Exception not handled" not in err and "Traceback" not in err
