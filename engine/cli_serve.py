@@ -371,7 +371,10 @@ def cmd_demo_serving(args: argparse.Namespace, prompts: list[str]) -> int:
     print(f"preparing {args.model} (built-in presets are generated on first use) ...", flush=True)
     resolve_model(args.model)
     print("starting redis-server, the router, a prefill and a decode worker ...", flush=True)
-    spec = ClusterSpec(model=args.model, worker_args=["--num-gpu-blocks", "512"])
+    # No access log: its line per request would land in the middle of the streamed text, and
+    # the demo prints its own summary of each request.
+    spec = ClusterSpec(model=args.model, worker_args=["--num-gpu-blocks", "512"],
+                       router_args=["--disable-log-requests"])
     with Cluster(spec) as cluster, Client(cluster.router_address, timeout=120) as client:
         print(f"router on {cluster.router_address}", flush=True)
         for prompt in prompts:

@@ -24,10 +24,12 @@ def test_unknown_preset_is_a_clean_error(capsys):
     assert "no-such-preset" in capsys.readouterr().err
 
 
-def test_demo_streams_text(capsys):
+def test_demo_streams_text(capfd):
     assert main(["demo", "--max-tokens", "5"]) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()  # the services' output too: they share this terminal
     assert out.count("[5 tokens, TTFT") == 4
+    assert "stopping: draining" in err  # the services' logs are seen here...
+    assert "pdserve.access" not in out + err  # ...but no access line cuts into the text
 
 
 def test_generate(capsys):
