@@ -17,7 +17,6 @@ import grpc
 
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import serve_decode_many
-from engine.output_processor import check_stream_interval
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle
@@ -58,8 +57,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if not rid:
             raise ValueError("request_id is empty")
-        interval = max(request.stream_interval, 1)  # 0: unset, every token
-        check_stream_interval(interval)
+        # 0: unset, every token; the engine refuses one past its limit (INVALID_ARGUMENT).
+        interval = max(request.stream_interval, 1)
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
         resume = convert.check_token_ids(request.resume_token_ids, "resume")

@@ -20,8 +20,6 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from engine.output_processor import MAX_STREAM_INTERVAL  # noqa: F401 - the one limit, re-exported
-
 Chunk = TypeVar("Chunk", bound=Message)
 
 
