@@ -1,9 +1,13 @@
-"""bfloat16 parity with Hugging Face on a GPU: the Triton backend with CUDA graphs (the default
-GPU path) against ``transformers`` running the same weights in bfloat16 on the same GPU.
+"""bfloat16 parity on a GPU: the Triton backend with its fused kernels and CUDA graphs (the
+default GPU path) against ``transformers`` running the same weights on the same GPU.
 
-Two correct bf16 implementations may round a near-tie apart, so the check is vLLM-style: greedy
-tokens agree up to the first divergence, and there each side's token is among the other's
-top-5. The first token's logprob agrees within 0.1 nats (bf16 has about 3 significant digits).
+bf16 rounding moves these small random models a long way: on an H100, HF's own bf16 run puts a
+first-token logprob 0.02-0.57 nats from its float32 run, and two correct bf16 implementations
+that round a few elements apart (a different summation order in a norm, a 2-ulp exp) land
+0.1-0.2 nats from each other. So the logprob check is against the float32 oracle: ours may be at
+most 0.1 nats farther from it than HF's bf16 run is. Greedy tokens follow HF's bf16 tokens
+vLLM-style: they agree up to the first divergence, and there each side's token is among the
+other's top-5.
 """
 from __future__ import annotations
 
@@ -17,23 +21,31 @@ from engine import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 MAX_NEW = 24
-LOGPROB_ATOL = 0.1
+LOGPROB_MARGIN = 0.1
+
+
+def _hf(preset_path, preset: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(preset_path(preset), dtype=dtype).cuda().eval()
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_bf16_greedy_tokens_follow_hf(preset_path, preset):
-    from transformers import AutoModelForCausalLM
-
     rng = random.Random(3)
     prompts = [[rng.randint(5, 7000) for _ in range(n)] for n in (5, 40, 130, 300)]
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=5)
     with LLM(preset, device="cuda", dtype="bfloat16", num_gpu_blocks=512) as llm:
         assert llm.engine.executor.runner.graphs is not None  # graphs on: the served path
         ours = llm.generate(prompts, params)
-    hf = AutoModelForCausalLM.from_pretrained(preset_path(preset), dtype=torch.bfloat16)
-    hf = hf.cuda().eval()
+    hf32 = _hf(preset_path, preset, torch.float32)
+    with torch.inference_mode():  # [vocab] float32 first-token logprobs per prompt
+        oracle = [hf32(torch.tensor([p], device="cuda")).logits[0, -1].log_softmax(-1)
+                  for p in prompts]
+    del hf32
+    hf = _hf(preset_path, preset, torch.bfloat16)
     distinct = set()
-    for prompt, out in zip(prompts, ours):
+    for prompt, out, truth in zip(prompts, ours, oracle):
         ids = torch.tensor([prompt], device="cuda")
         with torch.inference_mode():
             gen = hf.generate(ids, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
@@ -42,7 +54,9 @@ def test_bf16_greedy_tokens_follow_hf(preset_path, preset):
         theirs = gen.sequences[0, len(prompt):].tolist()
         scores = [s[0].float().log_softmax(-1) for s in gen.scores]  # [vocab] per step
         first = out.logprobs[0].sampled
-        assert abs(first.logprob - scores[0][first.token_id].item()) < LOGPROB_ATOL
+        ours_off = abs(first.logprob - truth[first.token_id].item())
+        hf_off = abs(scores[0][first.token_id].item() - truth[first.token_id].item())
+        assert ours_off <= hf_off + LOGPROB_MARGIN, (ours_off, hf_off)
         for i, (a, b) in enumerate(zip(out.token_ids, theirs)):
             if a != b:  # a near-tie rounded apart: both picks must be plausible to the other
                 assert a in scores[i].topk(5).indices.tolist()
