@@ -299,6 +299,8 @@ class LLMEngine:
                         req.num_tokens - 1, self.block_size,
                         time.monotonic() + self.config.kv_lease_timeout_s)
         self._leases[req.request_id] = _Lease(req, lease)
+        if self.kv_connector is not None:  # a reader comes next: the owner must be polling
+            self.kv_connector.agent.reads_due_soon()
         out = self.outputs.make_output(req, finished=False, kv_lease=lease)
         self.outputs.remove(req.request_id)
         return out

@@ -107,7 +107,7 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
     group.all_reduce(torch.zeros(1, device=device))  # connect while everyone is known alive
     freeze_startup_heap()  # engine/gc_policy.py: later full collections skip the model
     try:
-        _loop(runner, conn, device)
+        _loop(runner, conn, device, agent if spec.config.role == "prefill" else None)
     finally:
         if kv_server is not None:
             kv_server.close()
@@ -115,11 +115,15 @@ def _serve(spec: RankSpec, rank: int, size: int, store_port: int, conn: Connecti
             agent.close()
 
 
-def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+def _loop(runner: ModelRunner, conn: Connection, device: torch.device, owner=None) -> None:
+    """``owner``: a prefill rank's agent. Leases live on rank 0, so this rank cannot see one
+    come; a step is its cue that a reader of its heads may follow."""
     while True:
         op, payload = tp_comm.recv(conn)
         if op == tp_comm.OP_STEP:
             runner.run(decode_model_input(payload, device))
+            if owner is not None:
+                owner.reads_due_soon()
         elif op == tp_comm.OP_READ_BLOCKS:
             tp_comm.send(conn, tp_comm.OP_OK, read_blocks(runner, payload))
         elif op == tp_comm.OP_QUIT:

@@ -74,6 +74,12 @@ class KVTransferAgent(ABC):
         be cheap and thread-safe; None: the agent guesses from the notifications it receives."""
         self._reads_due = reads_due
 
+    def reads_due_soon(self) -> None:
+        """Tells an owner that a read of its blocks may come now (its engine just leased
+        blocks, or ran a step that may have): a backend that serves reads only while it polls
+        (NIXL) polls at once and then promptly, instead of finishing an idle wait first.
+        Cheap and thread-safe; nothing to do for a backend that needs no polling."""
+
     def _reads_due_now(self) -> bool | None:
         due = self._reads_due
         return None if due is None else bool(due())

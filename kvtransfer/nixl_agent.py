@@ -42,9 +42,10 @@ _OWNER_PROGRESS_S = 0.001
 # ~5% of a core, and on a host whose cores it shares they interrupt the co-located decode
 # worker's steps: a prefill worker kept on the fast loop by one release notice a request
 # slowed the decode worker's batch-1 step by 0.5 ms (7.2 against 6.7 ms, session 13).
-# Reads over CMA (or RDMA) need no owner progress; what waits for an idle owner is a new
-# reader's connection set-up (once per pair), over TCP a first read, and release notices, each
-# by at most one idle interval.
+# A read waits for its owner's progress (measured on the 2-core VM: a pull of 10 blocks from a
+# prefill engine took 1-20 ms, mean 8.4, while its owner slept out an idle interval, 1.5 ms on
+# the fast loop), so an engine that leases blocks wakes its agent (``reads_due_soon``) and a
+# read never waits for an idle interval to end.
 _OWNER_IDLE_AFTER_S = 1.0
 _OWNER_IDLE_PROGRESS_S = 0.02
 # An agent nobody reads from (a decode engine's: it only pulls) still wakes now and then, for
@@ -106,6 +107,9 @@ class NixlKVAgent(KVTransferAgent):
             raise
         self._notifs: list[bytes] = []  # received, not yet polled by the caller
         self._closed = threading.Event()
+        # Set by close() and reads_due_soon(): either ends the progress thread's wait early.
+        self._wake = threading.Event()
+        self._reads_announced = False
         self._progress = threading.Thread(target=self._progress_loop, daemon=True,
                                           name=f"{self.name}-progress")
         self._progress.start()
@@ -187,11 +191,23 @@ class NixlKVAgent(KVTransferAgent):
                                         f"{e}") from None
         return True
 
+    def reads_due_soon(self) -> None:
+        if self._serves_reads:
+            self._reads_announced = True
+            self._wake.set()
+
     def _progress_loop(self) -> None:
         # Fetching notifications progresses the UCX worker, which serves remote readers.
         last_notice = time.monotonic()  # an owner starts on the fast loop
         interval = progress_interval(self._serves_reads, 0.0, self._reads_due_now())
-        while not self._closed.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            if self._reads_announced:  # counts as a notice: fast polls for a while
+                self._reads_announced = False
+                last_notice = time.monotonic()
             with self._main.lock:
                 if self._main.agent is None:
                     return
@@ -215,6 +231,7 @@ class NixlKVAgent(KVTransferAgent):
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         if threading.current_thread() is not self._progress:
             self._progress.join(timeout=5)
         for s in self._streams:

@@ -377,6 +377,37 @@ def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
         time.sleep(_OWNER_IDLE_AFTER_S + 0.5)
 
 
+def test_an_owner_told_reads_are_due_serves_them_without_waiting_out_its_idle_poll(
+        monkeypatch):
+    # A read completes only as its owner progresses. An engine that leases blocks says so
+    # (reads_due_soon); until then its owner may sleep a whole idle interval, here an hour.
+    import kvtransfer.nixl_agent as nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "_OWNER_IDLE_PROGRESS_S", 3600.0)
+    leased = threading.Event()
+    owner = make_agent("nixl", seeded_cache(BASE, 6), BASE)
+    owner.expect_reads(leased.is_set)
+    reader, cache = _reader(BASE, "nixl")
+    try:
+        reader.preconnect(owner.handle())
+        time.sleep(0.05)  # past the owner's first poll: it sleeps its idle hour now
+        leased.set()  # a lease nobody announced: the owner sleeps on through the read
+        with pytest.raises(TransferTimeout):
+            reader.pull([owner.handle()], [1, 2], [3, 4], timeout_s=1.0)
+        owner.reads_due_soon()
+        reader.pull([owner.handle()], [5, 6], [7, 8], timeout_s=20.0, notify=b"release:r")
+        assert torch.equal(cache[[7, 8]], owner.cache[[5, 6]])
+        deadline = time.monotonic() + 20.0
+        got: list[bytes] = []
+        while not got and time.monotonic() < deadline:  # polled fast while the lease lasts
+            got = owner.poll_notifications()
+            time.sleep(0.01)
+        assert got == [b"release:r"]
+    finally:
+        reader.close()
+        owner.close()
+
+
 def test_layout_json_needs_every_field():
     assert KVCacheLayout.from_json(BASE.to_json()) == BASE
     fields = json.loads(BASE.to_json())

@@ -335,10 +335,16 @@ def test_a_prefill_engines_owner_expects_reads_only_while_it_leases_blocks(model
     try:
         agent = engine.executor.kv_agent
         assert agent._reads_due_now() is False
+        # The owner hears of each lease as it is made (then its reader never waits for an
+        # idle poll to end: tests/test_kvtransfer.py), and finds it made when it looks.
+        announced: list[int] = []
+        real = agent.reads_due_soon
+        agent.reads_due_soon = lambda: (announced.append(engine.num_leases), real())
         engine.add_request("r0", list(range(100, 140)),
                            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         [out] = engine.step()
         assert out.kv_lease is not None and agent._reads_due_now() is True
+        assert announced == [1]
         engine.release_kv("r0")
         engine.step()
         assert engine.num_leases == 0 and agent._reads_due_now() is False
@@ -347,3 +353,37 @@ def test_a_prefill_engines_owner_expects_reads_only_while_it_leases_blocks(model
     # A fresh notice with no read due: the idle interval; a lease out: the fast one.
     assert progress_interval(True, 0.0, reads_due=False) == _OWNER_IDLE_PROGRESS_S
     assert progress_interval(True, 10.0, reads_due=True) == _OWNER_PROGRESS_S
+
+
+def test_a_prefill_tp_rank_tells_its_owner_after_each_step(monkeypatch):
+    """Leases live on rank 0, so ranks 1.. take each step as the cue that a reader of their
+    heads may follow; a decode rank (passed no owner) tells nobody."""
+    from multiprocessing import Pipe
+
+    from engine import tp_comm, tp_worker
+
+    class Runner:
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def run(self, model_input) -> None:
+            self.steps += 1
+
+    class Owner:
+        def __init__(self) -> None:
+            self.cues = 0
+
+        def reads_due_soon(self) -> None:
+            self.cues += 1
+
+    monkeypatch.setattr(tp_worker, "decode_model_input", lambda payload, device: payload)
+    for owner in (Owner(), None):
+        ours, theirs = Pipe()
+        for _ in range(3):
+            tp_comm.send(theirs, tp_comm.OP_STEP, b"step")
+        tp_comm.send(theirs, tp_comm.OP_QUIT)
+        runner = Runner()
+        tp_worker._loop(runner, ours, "cpu", owner)
+        assert runner.steps == 3
+        if owner is not None:
+            assert owner.cues == 3
