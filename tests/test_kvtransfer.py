@@ -380,9 +380,10 @@ def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
 def test_an_owner_told_reads_are_due_serves_them_without_waiting_out_its_idle_poll(
         monkeypatch):
     # A read completes only as its owner progresses. An engine that leases blocks says so
-    # (reads_due_soon); until then its owner may sleep a whole idle interval, here an hour.
+    # (reads_due_soon); until then its owner may be asleep, here for an hour from the start.
     import kvtransfer.nixl_agent as nixl_agent
 
+    monkeypatch.setattr(nixl_agent, "_OWNER_PROGRESS_S", 3600.0)
     monkeypatch.setattr(nixl_agent, "_OWNER_IDLE_PROGRESS_S", 3600.0)
     leased = threading.Event()
     owner = make_agent("nixl", seeded_cache(BASE, 6), BASE)
@@ -390,10 +391,10 @@ def test_an_owner_told_reads_are_due_serves_them_without_waiting_out_its_idle_po
     reader, cache = _reader(BASE, "nixl")
     try:
         reader.preconnect(owner.handle())
-        time.sleep(0.05)  # past the owner's first poll: it sleeps its idle hour now
         leased.set()  # a lease nobody announced: the owner sleeps on through the read
         with pytest.raises(TransferTimeout):
             reader.pull([owner.handle()], [1, 2], [3, 4], timeout_s=1.0)
+        monkeypatch.setattr(nixl_agent, "_OWNER_PROGRESS_S", 0.001)  # once it looks again
         owner.reads_due_soon()
         reader.pull([owner.handle()], [5, 6], [7, 8], timeout_s=20.0, notify=b"release:r")
         assert torch.equal(cache[[7, 8]], owner.cache[[5, 6]])
