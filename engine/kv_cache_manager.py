@@ -18,6 +18,7 @@ block alignment.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_request_tokens
@@ -81,6 +82,9 @@ class KVCacheManager:
         self.event_token_ids = event_token_ids
         self.pool = BlockPool(num_blocks, enable_prefix_caching, block_size)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids in C ints, grown alongside: a step's input copies them
+        # as memory (engine/model_runner.py) instead of converting a list of ints per step.
+        self._req_tables: dict[str, array] = {}
         # Hashes of each request's full blocks, extended as the request grows.
         self._req_hashes: dict[str, list[BlockHash]] = {}
         # How many of a request's leading blocks have been offered to the cache.
@@ -108,6 +112,12 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def block_table(self, request_id: str) -> array:
+        """The request's block ids as ``array("i")``: the live table, which later allocations
+        grow, so read it now and never write it."""
+        table = self._req_tables.get(request_id)
+        return table if table is not None else array("i")
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()
@@ -223,9 +233,12 @@ class KVCacheManager:
             self._copy_partial_hit(computed.partial_block, new_blocks[0])
         if request.request_id not in self._req_blocks:
             self._req_blocks[request.request_id] = held
+            self._req_tables[request.request_id] = array("i")
             self._num_cached_blocks[request.request_id] = len(computed.blocks)
         held.extend(computed.blocks)
         held.extend(new_blocks)
+        self._req_tables[request.request_id].extend(
+            [b.block_id for b in computed.blocks] + [b.block_id for b in new_blocks])
         if looked_up:
             # Counted on admission only, so a request retried while the pool is short counts once.
             self._stats.requests += 1
@@ -314,5 +327,6 @@ class KVCacheManager:
         self._req_hashes.pop(rid, None)
         self._num_cached_blocks.pop(rid, None)
         blocks = self._req_blocks.pop(rid, None)
+        self._req_tables.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))

@@ -6,6 +6,8 @@ thread steps the engine; never on an event loop.
 """
 from __future__ import annotations
 
+import functools
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -179,28 +181,35 @@ def request_generator(req, device: torch.device) -> torch.Generator | None:
 
 
 def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
-    """Flattens the scheduled requests (decodes first) into one batch."""
+    """Flattens the scheduled requests (decodes first) into one batch.
+
+    Built in ``array`` buffers that become tensors without a copy: ``torch.tensor`` of nested
+    lists converts ~140 ns an element, so a 32-request block table cost ~0.27 ms a step,
+    about a decode step of a small model on a GPU."""
     bs = block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    seq_index: list[int] = []
-    query_start = [0]
-    seq_lens: list[int] = []
+    input_ids, positions, slots = array("q"), array("q"), array("q")
+    query_start, seq_lens = array("i", [0]), array("i")
     sample_idx: list[int] = []
     sample_ids: list[str] = []
     prompt_idx: list[int] = []
     prompt_rows: list[PromptLogprobRows] = []
     max_blocks = max(len(s.block_ids) for s in sched.scheduled)
-    table_rows: list[list[int]] = []
-    for i, s in enumerate(sched.scheduled):
-        req, n = s.request, s.num_new_tokens
+    tables = array("i")  # [num_seqs * max_blocks], padded with block 0
+    for s in sched.scheduled:
+        req, n, ids = s.request, s.num_new_tokens, s.block_ids
         start = req.num_computed_tokens
         input_ids.extend(req.token_ids_between(start, start + n))
-        positions.extend(range(start, start + n))
-        seq_index.extend([i] * n)
+        if n == 1:
+            positions.append(start)
+            slots.append(ids[start // bs] * bs + start % bs)
+        else:
+            positions.extend(range(start, start + n))
+            _append_slots(slots, ids, start, start + n, bs)
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
-        table_rows.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+        tables.extend(ids)
+        if len(ids) < max_blocks:
+            tables.extend(_zeros(max_blocks - len(ids)))
         if s.samples:
             sample_idx.append(query_start[-1] - 1)
             sample_ids.append(req.request_id)
@@ -214,18 +223,15 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
                                         query_start[-2] + last - start))
                 prompt_rows.append(PromptLogprobRows(
                     req.request_id, req.prompt_token_ids[first + 1:last + 1]))
-    block_tables = torch.tensor(table_rows, dtype=torch.int32)  # [num_seqs, max_blocks]
-    pos_t = torch.tensor(positions, dtype=torch.int64)
-    # slot = block_table[seq, pos // block_size] * block_size + pos % block_size
-    blocks = block_tables[torch.tensor(seq_index), pos_t // bs].to(torch.int64)
-    slot_mapping = blocks * bs + pos_t % bs
+    num_seqs = len(sched.scheduled)
+    block_tables = _tensor(tables, torch.int32).view(num_seqs, max_blocks)
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=_tensor(slots, torch.int64).to(device),
+        query_start_loc=_tensor(query_start, torch.int32).to(device),
+        seq_lens=_tensor(seq_lens, torch.int32).to(device),
         block_tables=block_tables.to(device),
         query_lens_list=[s.num_new_tokens for s in sched.scheduled],
-        seq_lens_list=seq_lens,
+        seq_lens_list=seq_lens.tolist(),
         max_query_len=max(s.num_new_tokens for s in sched.scheduled),
         max_seq_len=max(seq_lens),
         block_size=bs,
@@ -238,13 +244,40 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
                               dtype=torch.int64)
     return ModelInput(
         block_copies=copies,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=pos_t.to(device),
+        input_ids=_tensor(input_ids, torch.int64).to(device),
+        positions=_tensor(positions, torch.int64).to(device),
         meta=meta,
         sample_indices=torch.tensor(sample_idx + prompt_idx, dtype=torch.int64, device=device),
         sample_request_ids=sample_ids,
         prompt_logprob_rows=prompt_rows,
     )
+
+
+def _append_slots(slots: array, block_ids, start: int, stop: int, bs: int) -> None:
+    """Cache slots of positions [start, stop): a range per block, not a division per token."""
+    pos = start
+    while pos < stop:
+        b = pos // bs
+        end = min(stop, (b + 1) * bs)
+        first = block_ids[b] * bs + pos - b * bs
+        slots.extend(range(first, first + end - pos))
+        pos = end
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_run(n: int) -> array:
+    return array("i", bytes(4 * n))
+
+
+def _zeros(n: int) -> array:
+    return _zero_run(n) if n <= 4096 else array("i", bytes(4 * n))
+
+
+def _tensor(buf: array, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over ``buf``'s memory (it keeps ``buf`` alive); ``buf`` is not reused."""
+    if not len(buf):
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype)
 
 
 def _token_seed(seed: int, index: int) -> int:

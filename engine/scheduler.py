@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -34,8 +35,9 @@ MAX_PROMPT_LOGPROB_TOKENS = 512
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    # The request's whole block table (owned by the KV cache manager; read-only here).
-    block_ids: list[int]
+    # The request's whole block table (the KV cache manager's live ``array("i")``, or any
+    # sequence of ints; read-only here).
+    block_ids: Sequence[int]
 
     @property
     def samples(self) -> bool:
@@ -128,7 +130,8 @@ class Scheduler:
                 continue
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # the request preempted itself: nothing lower in priority is left
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, num_new,
+                                                  self.kv.block_table(req.request_id)))
             budget -= num_new
             i += 1
         return budget
@@ -187,7 +190,8 @@ class Scheduler:
                 _insert_in_order(self.running, req)
             else:
                 self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, num_new,
+                                                  self.kv.block_table(req.request_id)))
             budget -= num_new
 
     def _preempt_waiting_holder(self, head: Request) -> bool:

@@ -196,6 +196,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         table = self.mgr.get_block_ids(rid)
         self.mgr.free(req)
+        assert not self.mgr.block_table(rid)  # freed with the blocks
         for block_id in reversed(table):
             if self.model_ref(block_id) == 0:
                 self.free_order.append(block_id)
@@ -233,6 +234,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for rid in self.requests:
             table = self.mgr.get_block_ids(rid)
             assert len(table) == len(set(table)), "a block held twice by one request"
+            # The C-int mirror a step's input copies (engine/model_runner.py) keeps pace.
+            assert self.mgr.block_table(rid).tolist() == table
             held.update(table)
         for block in pool.blocks:
             assert block.ref_cnt == self.model_ref(block.block_id)
