@@ -20,6 +20,7 @@ def test_bad_arguments_are_refused(argv):
         chat_turns.main(p.parse_args(argv))
 
 
+@pytest.mark.slow  # ~33 s; the routing itself: tests/test_serving_cluster.py (a chat's next turn)
 def test_turn_two_runs_on_the_decode_worker_only_with_reuse_on(capsys):
     assert cli_main(["bench", "chat_turns", "--chats", "2", "--rounds", "1", "--prompt-len",
                      "80", "--reply-len", "100", "--new-len", "10", "--json"]) == 0

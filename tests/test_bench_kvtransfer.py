@@ -79,6 +79,7 @@ def test_cma_refusals():
         cma.block_iovecs(LAYOUT, 4096, half, 4096, np.arange(2), np.arange(2))
 
 
+@pytest.mark.slow  # ~15 s of bench sizes; the CMA reads and refusals are tested above
 def test_bench_reports_the_cma_limit(capsys):
     ap = argparse.ArgumentParser()
     bench_kv.add_args(ap)

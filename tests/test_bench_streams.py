@@ -20,6 +20,7 @@ def test_bad_arguments_are_refused(argv):
         streams.main(p.parse_args(argv))
 
 
+@pytest.mark.slow  # ~35 s; the decode-stream modes themselves: tests/test_decode_mux.py
 def test_every_setting_serves_the_same_load(capsys):
     assert cli_main(["bench", "streams", "--rounds", "1", "--concurrency", "4",
                      "--num-prompts", "8", "--output-len", "8-16", "--stream-interval", "4",
