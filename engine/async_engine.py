@@ -20,6 +20,7 @@ from engine.core_share import CoreShare
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.thread_names import named_thread
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class AsyncEngine:
         # A step that runs longer than this kills the engine (None: steps may run forever).
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the running step
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread = named_thread(self._run, "pdserve-engine")
         self._thread.start()
         if step_timeout_s:
             self.loop.call_soon_threadsafe(self._watch_steps)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from engine.outputs import KVAllocation
+from engine.thread_names import named_thread
 from kvtransfer import KVAgentHandle, TransferStats, TransferTimeout
 from kvtransfer.plan import plan_pull
 
@@ -67,8 +68,7 @@ class KVConnector:
         if engine.config.role == "prefill":  # readers pull only while blocks are leased
             self.agent.expect_reads(lambda: engine.num_leases > 0)
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll_releases, name="pdserve-kv-release",
-                                        daemon=True)
+        self._poller = named_thread(self._poll_releases, "pdserve-kv-release")
         self._poller.start()
 
     def preconnect(self, remotes: list[KVAgentHandle]) -> bool:

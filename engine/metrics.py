@@ -15,10 +15,11 @@ import asyncio
 import bisect
 import logging
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from engine.thread_names import named_thread
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,7 @@ class MetricsServer:
         self.httpd.daemon_threads = True
         self.host = host
         self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="pdserve-metrics",
-                                        daemon=True)
+        self._thread = named_thread(self.httpd.serve_forever, "pdserve-metrics")
 
     @property
     def url(self) -> str:

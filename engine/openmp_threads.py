@@ -22,11 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from engine.thread_names import named_thread
 
 T = TypeVar("T")
 
@@ -43,7 +44,7 @@ def call_in_own_thread(fn: Callable[..., T], *args, name: str = "pdserve-build")
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             error.append(e)
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread = named_thread(run, name)
     thread.start()
     thread.join()
     if error:

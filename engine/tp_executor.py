@@ -34,6 +34,7 @@ from engine.model_runner import ModelInput, ModelRunner
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_to_json)
 from engine.step_codec import encode_model_input
+from engine.thread_names import named_thread
 from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
 
@@ -113,8 +114,8 @@ class MultiprocExecutor(Executor):
             raise
         # The monitor holds only a weak reference, so an executor nobody shut down can still
         # be collected (its finalizer then stops the workers and the monitor wakes and ends).
-        threading.Thread(target=_monitor, args=(weakref.ref(self), list(self.workers)),
-                         name="pdserve-tp-monitor", daemon=True).start()
+        named_thread(_monitor, "pdserve-tp-monitor",
+                     (weakref.ref(self), list(self.workers))).start()
 
     # --- steps ----------------------------------------------------------------------------
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:

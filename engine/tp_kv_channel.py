@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 from engine import tp_comm
 from engine.openmp_threads import use_one_openmp_thread
+from engine.thread_names import named_thread
 from kvtransfer import (KVAgentHandle, LayoutMismatchError, PeerGoneError, TransferError,
                         TransferStats, TransferTimeout)
 
@@ -45,7 +46,7 @@ class WorkerKVServer:
         self.conn = conn
         self.agent = agent
         self._send_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="pdserve-tp-kv", daemon=True)
+        self._thread = named_thread(self._loop, "pdserve-tp-kv")
         self._thread.start()
 
     def _loop(self) -> None:
@@ -57,8 +58,7 @@ class WorkerKVServer:
             if op != OP_KV_PULL:
                 logger.error("unknown KV channel op %r", op)
                 return
-            threading.Thread(target=self._pull, args=(payload,), name="pdserve-tp-kv-pull",
-                             daemon=True).start()
+            named_thread(self._pull, "pdserve-tp-kv-pull", (payload,)).start()
 
     def _pull(self, payload: bytes) -> None:
         use_one_openmp_thread()  # its copies must not start a team beside the rank's own
@@ -94,8 +94,7 @@ class KVChannelClient:
         self._send_locks = [threading.Lock() for _ in conns]
         self._closed = False
         for i, c in enumerate(conns):
-            threading.Thread(target=self._read, args=(i + 1, c), name="pdserve-tp-kv-replies",
-                             daemon=True).start()
+            named_thread(self._read, "pdserve-tp-kv-replies", (i + 1, c)).start()
 
     def submit(self, rank: int, remotes: list[KVAgentHandle], remote_block_ids: list[int],
                local_block_ids: list[int], timeout_s: float) -> Future:

@@ -10,7 +10,6 @@ import argparse
 import datetime
 import os
 import socket
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -27,6 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_from_json)
 from engine.step_codec import decode_model_input
+from engine.thread_names import named_thread
 from engine.tp_kv_channel import WorkerKVServer
 
 
@@ -148,7 +148,7 @@ def _exit_with_parent(parent_pid: int) -> None:
             time.sleep(0.5)
         os._exit(1)
 
-    threading.Thread(target=watch, name="pdserve-tp-parent-watch", daemon=True).start()
+    named_thread(watch, "pdserve-tp-parent-watch").start()
 
 
 if __name__ == "__main__":

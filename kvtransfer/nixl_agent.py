@@ -26,6 +26,7 @@ import time
 import torch
 
 from engine.kv_layout import KVCacheLayout
+from engine.thread_names import named_thread
 from kvtransfer.agent import KVTransferAgent
 from kvtransfer.errors import PeerGoneError, TransferError
 from kvtransfer.handle import KVAgentHandle
@@ -110,8 +111,7 @@ class NixlKVAgent(KVTransferAgent):
         # Set by close() and reads_due_soon(): either ends the progress thread's wait early.
         self._wake = threading.Event()
         self._reads_announced = False
-        self._progress = threading.Thread(target=self._progress_loop, daemon=True,
-                                          name=f"{self.name}-progress")
+        self._progress = named_thread(self._progress_loop, f"{self.name}-progress")
         self._progress.start()
 
     def handle(self) -> KVAgentHandle:

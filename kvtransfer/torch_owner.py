@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.kv_layout import KVCacheLayout
 from engine.openmp_threads import use_one_openmp_thread
+from engine.thread_names import named_thread
 from kvtransfer import wire
 from kvtransfer.errors import TransferError
 from kvtransfer.plan import check_block_ids
@@ -45,8 +46,7 @@ class TorchOwnerServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="pdserve-kv-owner",
-                                          daemon=True)
+        self._acceptor = named_thread(self._accept_loop, "pdserve-kv-owner")
         self._acceptor.start()
 
     def take_notifications(self) -> list[bytes]:
@@ -70,8 +70,7 @@ class TorchOwnerServer:
                     conn.close()
                     return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="pdserve-kv-serve",
-                             daemon=True).start()
+            named_thread(self._serve, "pdserve-kv-serve", (conn,)).start()
 
     def _serve(self, conn: socket.socket) -> None:
         use_one_openmp_thread()  # its gathers must not start a team beside the engine's
