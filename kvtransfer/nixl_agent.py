@@ -111,7 +111,9 @@ class NixlKVAgent(KVTransferAgent):
         # Set by close() and reads_due_soon(): either ends the progress thread's wait early.
         self._wake = threading.Event()
         self._reads_announced = False
-        self._progress = named_thread(self._progress_loop, f"{self.name}-progress")
+        # "kv-progress-R" to the OS (its 15 bytes); the agent's own name is too long for it.
+        self._progress = named_thread(self._progress_loop,
+                                      f"pdserve-kv-progress-{layout.tp_rank}")
         self._progress.start()
 
     def handle(self) -> KVAgentHandle:
