@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 
@@ -43,8 +44,15 @@ def test_an_engine_thread_is_named_in_the_os():
     async def engine_thread_name() -> str:
         async_engine = AsyncEngine(LLMEngine(EngineConfig("tiny-llama", num_gpu_blocks=16)))
         try:
-            with open(f"/proc/self/task/{async_engine._thread.native_id}/comm") as f:
-                return f.read().strip()
+            # The thread names itself as it begins, which may be just after start() returns.
+            comm = f"/proc/self/task/{async_engine._thread.native_id}/comm"
+            deadline = time.monotonic() + 30.0
+            while True:
+                with open(comm) as f:
+                    name = f.read().strip()
+                if name == "engine" or time.monotonic() > deadline:
+                    return name
+                await asyncio.sleep(0.01)
         finally:
             async_engine.shutdown()
 
