@@ -6,7 +6,6 @@ thread steps the engine; never on an event loop.
 """
 from __future__ import annotations
 
-import functools
 from array import array
 from dataclasses import dataclass, field
 
@@ -208,8 +207,7 @@ def prepare_input(sched: SchedulerOutput, block_size: int, device: torch.device)
         query_start.append(query_start[-1] + n)
         seq_lens.append(start + n)
         tables.extend(ids)
-        if len(ids) < max_blocks:
-            tables.extend(_zeros(max_blocks - len(ids)))
+        tables.frombytes(bytes(tables.itemsize * (max_blocks - len(ids))))  # the padding
         if s.samples:
             sample_idx.append(query_start[-1] - 1)
             sample_ids.append(req.request_id)
@@ -262,15 +260,6 @@ def _append_slots(slots: array, block_ids, start: int, stop: int, bs: int) -> No
         first = block_ids[b] * bs + pos - b * bs
         slots.extend(range(first, first + end - pos))
         pos = end
-
-
-@functools.lru_cache(maxsize=64)
-def _zero_run(n: int) -> array:
-    return array("i", bytes(4 * n))
-
-
-def _zeros(n: int) -> array:
-    return _zero_run(n) if n <= 4096 else array("i", bytes(4 * n))
 
 
 def _tensor(buf: array, dtype: torch.dtype) -> torch.Tensor:

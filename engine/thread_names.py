@@ -4,6 +4,7 @@ progress thread (CPython before 3.14 leaves every thread named after the process
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 from collections.abc import Callable
@@ -24,10 +25,14 @@ def set_os_thread_name(name: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(os_thread_name(name).encode()), 0, 0, 0)
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(os_thread_name(name).encode()), 0, 0, 0)
     except (OSError, AttributeError):  # no prctl here: the name is a convenience
         pass
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def named_thread(target: Callable[..., object], name: str, args: tuple = (),
