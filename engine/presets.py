@@ -56,6 +56,14 @@ PRESETS: dict[str, PresetSpec] = {p.name: p for p in (
         intermediate_size=1408, vocab_size=DEFAULT_VOCAB_SIZE, max_position_embeddings=2048,
         tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5, seed=1,
         description="~32M-parameter Llama: GQA 8/4 heads, untied embeddings"),
+    # A step that costs what a GPU's does (well under a millisecond on one CPU thread), so the
+    # serving path's fixed costs (gRPC hops, queues, KV transfer, the GIL) stand out on a CPU.
+    PresetSpec(
+        name="micro-llama", architecture="LlamaForCausalLM", model_type="llama",
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=176, vocab_size=DEFAULT_VOCAB_SIZE, max_position_embeddings=2048,
+        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5, seed=5,
+        description="~1M-parameter Llama whose step is nearly free: serving-path overheads"),
     PresetSpec(
         name="tiny-qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2",
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,

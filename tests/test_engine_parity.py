@@ -6,7 +6,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.hf_oracle import hf_greedy, hf_last_logprobs
 
-PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "micro-llama"]
 MAX_NEW = 20
 
 
