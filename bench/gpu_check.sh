@@ -11,8 +11,9 @@
 #            the serving stack on one GPU
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
-#   serve    `bench serve` at --stream-interval 1 and 8 (~2 min each), the prefill worker sampled
-#            with py-spy during the first
+#   serve    `bench serve` at --stream-interval 1 and 8, then at 1 with --engine-process (each
+#            worker's engine in a process of its own: no GIL shared with its gRPC loop); ~2 min
+#            each, the prefill worker sampled with py-spy during the first
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -66,6 +67,8 @@ part_serve() {
   wait
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
     --stream-interval 8
+  step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
+    --stream-interval 1 --engine-process --no-aggregated
 }
 
 parts=("$@")

@@ -56,6 +56,8 @@ class ServeConfig:
     stream_interval: int = 1
     # Partial-block prefix hits (engine/kv_cache_manager.py) in every engine of the run.
     partial_block_hits: bool = True
+    # Every worker of both clusters runs its engine in a process of its own (--engine-process).
+    engine_process: bool = False
 
 
 @dataclass
@@ -146,6 +148,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-partial-block-hits", dest="partial_block_hits",
                    action="store_false",
                    help="every engine of the run reuses cached prefixes in whole blocks only")
+    p.add_argument("--engine-process", action="store_true",
+                   help="every worker of both clusters steps its engine in a process of its "
+                        "own (the workers' --engine-process)")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--no-aggregated", dest="aggregated", action="store_false",
@@ -204,7 +209,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         aggregated=args.aggregated, rounds=args.rounds,
         max_local_prefill_length=args.max_local_prefill_length,
         share_cores=args.share_cores, decode_stream=args.decode_stream,
-        stream_interval=args.stream_interval, partial_block_hits=args.partial_block_hits)
+        stream_interval=args.stream_interval, partial_block_hits=args.partial_block_hits,
+        engine_process=args.engine_process)
     if not 1 <= cfg.stream_interval <= 1024:
         raise ValueError(f"--stream-interval must be in [1, 1024], got {cfg.stream_interval}")
     if cfg.max_local_prefill_length is not None and cfg.max_local_prefill_length < 0:

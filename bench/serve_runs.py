@@ -119,6 +119,8 @@ def run(cfg: ServeConfig) -> ServeReport:
     worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     if not cfg.partial_block_hits:
         worker_args.append("--no-enable-partial-block-hits")
+    if cfg.engine_process:
+        worker_args.append("--engine-process")
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=worker_args, router_args=router_args,
                        share_cores=cfg.share_cores)

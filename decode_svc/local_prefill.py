@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engine.async_engine import AsyncEngine
+from engine.engine_front import EngineFront
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import convert, worker_pb2
@@ -30,7 +30,7 @@ def check_local_prefill_request(request: worker_pb2.DecodeRequest) -> None:
                          f"worker samples the first token itself), got {request.first_token_id}")
 
 
-async def stream_local_prefill(engine: AsyncEngine, request_id: str, prompt_token_ids: list[int],
+async def stream_local_prefill(engine: EngineFront, request_id: str, prompt_token_ids: list[int],
                                params: SamplingParams,
                                to_chunk: Callable[[RequestOutput], worker_pb2.DecodeChunk],
                                resume_token_ids: list[int] = (), stream_interval: int = 1,

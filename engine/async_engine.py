@@ -11,12 +11,12 @@ import faulthandler
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 import torch
 
 from engine.core_share import CoreShare
+from engine.engine_front import EngineDeadError, EngineFront, EngineStepTimeout  # noqa: F401 - EngineDeadError re-exported
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -39,44 +39,24 @@ _THREAD_EXIT_S = 2.0
 SHUTDOWN_TIMEOUT_S = 12.0
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a step raised, or the engine was shut down)."""
-
-
-class EngineStepTimeout(RuntimeError):
-    """A step ran past the step timeout: the engine is taken as wedged (a hung device or
-    collective) and dies as if the step had raised."""
-
-
-@dataclass
-class _Stream:
-    queue: asyncio.Queue
-    finished: bool = False
-
-
-class AsyncEngine:
+class AsyncEngine(EngineFront):
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop | None = None,
                  on_step: Callable[[LLMEngine], None] | None = None,
                  core_share: CoreShare | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
                  step_timeout_s: float | None = None) -> None:
+        super().__init__(loop or asyncio.get_running_loop(), on_dead)
         self.engine = engine
-        self.loop = loop or asyncio.get_running_loop()
         # Called in the engine thread after every step (e.g. to publish KV-cache events).
         self.on_step = on_step
-        # Called on the loop once the engine thread died of a failed step (not at shutdown),
-        # after every waiting stream got EngineDeadError.
-        self.on_dead = on_dead
         # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py),
         # and between decoder layers gives back borrowed cores another worker now needs.
         self.core_share = core_share
         if core_share is not None:
             for layer in engine.decoder_layers():
                 layer.register_forward_pre_hook(self._give_back_cores)
-        self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.error: BaseException | None = None
         self.stats: EngineStats = engine.get_stats()
         # A step that runs longer than this kills the engine (None: steps may run forever).
         self.step_timeout_s = step_timeout_s
@@ -104,10 +84,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self._step_started = None
                 self.stats = self.engine.get_stats()
-                if self.on_step is not None:
-                    self.on_step(self.engine)
-                if outputs:
-                    self.loop.call_soon_threadsafe(self._deliver, outputs)
+                self._after_step(outputs)
         except BaseException as e:  # a failed step must reach every waiting stream
             if self.core_share is not None:  # a dead engine computes nothing: lend the cores
                 self.core_share.idle()
@@ -116,10 +93,21 @@ class AsyncEngine:
             else:
                 logger.exception("engine thread died")
             self.error = e
-            if not self.loop.is_closed():
-                self.loop.call_soon_threadsafe(self._fail_all)
-                if self.on_dead is not None and not self._stop.is_set():
-                    self.loop.call_soon_threadsafe(self.on_dead, e)
+            self._died(e)
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """In the engine thread, after each step: its hook, then its outputs to the loop."""
+        if self.on_step is not None:
+            self.on_step(self.engine)
+        if outputs:
+            self.loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _died(self, e: BaseException) -> None:
+        """In the engine thread, once a step failed: every stream and ``on_dead`` learn it."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_all)
+            if self.on_dead is not None and not self._stop.is_set():
+                self.loop.call_soon_threadsafe(self.on_dead, e)
 
     # --- step watchdog (on the loop) ---------------------------------------------------------
     def _watch_steps(self) -> None:
@@ -155,102 +143,29 @@ class AsyncEngine:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(out)
-
-    def _fail_all(self) -> None:
-        for stream in self._streams.values():
-            stream.queue.put_nowait(self._dead())
-
-    def _dead(self) -> EngineDeadError:
-        return EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
-                               else "the engine is shut down")
-
     # --- loop side ------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def _check_alive(self) -> None:
-        if not self.alive:
-            raise self._dead()
-
-    def _open(self, request_id: str) -> _Stream:
-        stream = _Stream(asyncio.Queue())
-        self._streams[request_id] = stream
-        return stream
-
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, resume_token_ids: list[int] = (),
-                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
-        """Queues a request and yields its outputs; leaving early aborts it (blocks freed).
-        ``resume_token_ids``, ``stream_interval``: see ``LLMEngine.add_request`` (an interval
-        of N also wakes this loop once per N steps for the request, not every step)."""
-        self._check_alive()
-        stream = self._open(request_id)
-        try:
-            self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids,
-                                    stream_interval)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+    async def _add_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, resume_token_ids: list[int],
+                           stream_interval: int) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids,
+                                stream_interval)
         self._wake.set()
-        async for out in self._drain(request_id, stream):
-            yield out
 
-    async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
-                                 first_token_id: int, params: SamplingParams,
-                                 resume_token_ids: list[int] = (),
-                                 stream_interval: int = 1) -> KVAllocation:
-        """Decode role: blocks for a prompt whose KV arrives from outside."""
-        self._check_alive()
-        return await self._off_loop(request_id, self.engine.add_prefilled_request, request_id,
-                                    prompt_token_ids, first_token_id, params, resume_token_ids,
-                                    stream_interval)
+    def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                       params: SamplingParams, resume_token_ids: list[int],
+                       stream_interval: int) -> Awaitable[KVAllocation]:
+        # Off the loop: it waits for the running step.
+        return asyncio.to_thread(self.engine.add_prefilled_request, request_id,
+                                 prompt_token_ids, first_token_id, params, resume_token_ids,
+                                 stream_interval)
 
-    async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Decode role: admits the request; yields its outputs; leaving early aborts it."""
-        self._check_alive()
-        stream = self._open(request_id)
-        try:
-            await self._off_loop(request_id, self.engine.commit_prefilled, request_id)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+    async def _commit(self, request_id: str) -> None:
+        await asyncio.to_thread(self.engine.commit_prefilled, request_id)
         self._wake.set()
-        async for out in self._drain(request_id, stream):
-            yield out
-
-    async def _off_loop(self, request_id: str, fn: Callable, *args):
-        """``fn(*args)`` in the thread pool (it waits for the running step). A caller cancelled
-        meanwhile (client cancel, deadline) cannot stop it, so once it has allocated or admitted
-        the request, the request is aborted: no blocks stay held, no steps decode for nobody."""
-        job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:
-            job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                  or self.abort(request_id))
-            raise
-
-    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished or item.kv_lease is not None:
-                    stream.finished = True
-                yield item
-                if stream.finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not stream.finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks (at once when idle, else at the next step)."""
@@ -260,10 +175,6 @@ class AsyncEngine:
     def release_kv(self, request_id: str) -> None:
         self.engine.release_kv(request_id)
         self._wake.set()
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     async def fresh_stats(self, wait_s: float = FRESH_STATS_WAIT_S) -> EngineStats:
         """Stats taken now, off the loop; when a running step holds the engine longer than

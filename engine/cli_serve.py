@@ -51,6 +51,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="an engine step running longer is taken as wedged (a hung device or "
                         "collective): the worker leaves, its requests move on, and it exits "
                         "non-zero for its supervisor to restart it (0: no limit)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="the engine steps in a process of its own, so this worker's gRPC event "
+                        "loop never waits for the GIL its step needs, nor the step for it")
     add_lifecycle_args(p)
     p.add_argument("--core-share", default=None, metavar="PATH",
                    help="a file co-located workers share: while the others are idle, this "
@@ -80,7 +83,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                         max_pending_requests=args.max_pending_requests,
                         core_share_path=args.core_share,
                         core_share_cores=args.core_share_cores,
-                        engine_step_timeout_s=args.engine_step_timeout_s or None)
+                        engine_step_timeout_s=args.engine_step_timeout_s or None,
+                        engine_process=args.engine_process)
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
@@ -230,6 +234,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="each worker keeps its own share of the cores, even while the others "
                         "are idle (default: a busy worker borrows idle workers' cores)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="every worker's engine steps in a process of its own (prefill|decode "
+                        "--engine-process)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router serves Prometheus metrics, its own and every worker's "
                         "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
@@ -318,6 +325,8 @@ def up_spec(args: argparse.Namespace):
             extra += [flag, str(value)]
     if args.enforce_eager:
         extra.append("--enforce-eager")
+    if args.engine_process:
+        extra.append("--engine-process")
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,

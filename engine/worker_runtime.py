@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineProcess, RemoteLLM
+from engine.engine_front import EngineDeadError, EngineFront
+from engine.engine_proc import EngineProcSpec
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
 from engine.grpc_server import ServerConfig
@@ -53,6 +56,9 @@ class WorkerConfig:
     # An engine step running longer than this is taken as wedged (a hung device or
     # collective): the engine dies, the worker leaves and exits non-zero. None: no limit.
     engine_step_timeout_s: float | None = 120.0
+    # The engine steps in a process of its own (engine/engine_proc.py), so this process's
+    # event loop (gRPC, protobuf, asyncio: per token) never holds the GIL its step needs.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.engine.role not in ("prefill", "decode"):
@@ -149,14 +155,23 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 class WorkerRuntime:
     """One worker's engine, load and cluster presence. Build with ``await WorkerRuntime.create``."""
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine) -> None:
+    def __init__(self, config: WorkerConfig, engine: LLMEngine | RemoteLLM,
+                 front: EngineProcess | None = None) -> None:
         self.config = config
+        # The engine's methods this worker calls itself (KV pulls, prefix-cache reset, its
+        # layout): the engine, or with --engine-process its proxy.
         self.llm = engine
-        share = config.core_share_config(torch.get_num_threads())
-        self.engine = AsyncEngine(engine, on_step=self._on_step,
-                                  core_share=CoreShare(share) if share else None,
-                                  on_dead=self._engine_died,
-                                  step_timeout_s=config.engine_step_timeout_s)
+        self.engine: EngineFront
+        if front is None:
+            share = config.core_share_config(torch.get_num_threads())
+            self.engine = AsyncEngine(engine, on_step=self._on_step,
+                                      core_share=CoreShare(share) if share else None,
+                                      on_dead=self._engine_died,
+                                      step_timeout_s=config.engine_step_timeout_s)
+        else:
+            front.on_dead = self._engine_died
+            front.on_kv_events = self._add_kv_events
+            self.engine = front
         # Set once a step failed: the engine cannot serve again (a TP rank died, a CUDA
         # error), so the worker stops and exits non-zero for its supervisor to restart it.
         self.engine_failure: BaseException | None = None
@@ -185,6 +200,11 @@ class WorkerRuntime:
         # OpenMP thread each, so they never start teams beside the engine thread's.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
             thread_name_prefix="pdserve-worker", initializer=use_one_openmp_thread))
+        if config.engine_process:
+            front = await EngineProcess.start(EngineProcSpec(
+                config.engine_config(), config.core_share_config(torch.get_num_threads()),
+                config.engine_step_timeout_s))
+            return cls(config, front.llm, front)
         # Loading weights (and starting TP ranks) takes seconds: off the loop, and in a thread
         # that ends once built, so its OpenMP team does not outlive it (engine/openmp_threads).
         engine = await asyncio.to_thread(call_in_own_thread, LLMEngine, config.engine_config())
@@ -229,10 +249,14 @@ class WorkerRuntime:
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:
         events = engine.take_kv_events()
-        # Both roles: a decode worker's blocks hold the replies it streamed, which a chat's
-        # next turn starts with (router/local_prefill.py).
         if events and self._presence is not None:
-            self.engine.loop.call_soon_threadsafe(self._presence.add_events, events)
+            self.engine.loop.call_soon_threadsafe(self._add_kv_events, events)
+
+    def _add_kv_events(self, events: list) -> None:
+        """On the loop. Both roles: a decode worker's blocks hold the replies it streamed,
+        which a chat's next turn starts with (router/local_prefill.py)."""
+        if self._presence is not None:
+            self._presence.add_events(events)
 
     def record_transfer(self, event) -> None:
         """A transfer-ledger event (router/ledger.py) for Redis, in order with the KV events;

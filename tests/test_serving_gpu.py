@@ -14,10 +14,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_one_gpu_serves_a_prefill_and_a_decode_worker():
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_one_gpu_serves_a_prefill_and_a_decode_worker(engine_process):
+    """With --engine-process too: each worker's CUDA context, KV cache and NIXL agent are its
+    engine process's, the worker itself never touches the GPU."""
     pytest.importorskip("nixl")
     spec = ClusterSpec(worker_args=["--dtype", "float32", "--max-model-len", "1024",
-                                    "--heartbeat-interval-s", "0.3"],
+                                    "--heartbeat-interval-s", "0.3",
+                                    *(["--engine-process"] if engine_process else [])],
                        router_args=["--max-local-prefill-length", "0"], gpus=("0",))
     prompts = random_prompts(6, seed=3)
     with Cluster(spec) as cluster:

@@ -1,0 +1,287 @@
+"""The worker's side of ``--engine-process``: the engine steps in a process of its own.
+
+``EngineProcess`` is what ``AsyncEngine`` is to a service (engine/engine_front.py): requests
+in, one stream of outputs per request, the same aborts and the same death. Behind it is the
+process of engine/engine_proc.py. Its pipe is read on the event loop: one message per engine
+step carries every output of the step, so the loop wakes once a step, as with the thread.
+``RemoteLLM`` answers what the worker otherwise asks its ``LLMEngine`` directly (KV pulls,
+prefix-cache reset, the KV layout and handles), from the threads it asks from.
+
+When the process dies (a crash, an OOM kill), every stream and every call waiting on it fails
+with ``EngineDeadError`` and ``on_dead`` runs, as when an engine thread's step fails: the
+worker leaves the registry and exits for its supervisor to restart it.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from engine.async_engine import FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S
+from engine.engine_front import EngineDeadError, EngineFront
+from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed
+from engine.engine_proc import EngineProcInfo, EngineProcSpec
+from engine.outputs import EngineStats, KVAllocation
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# The folder holding the engine package: the child imports it as this process did.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class EngineProcess(EngineFront):
+    """Build with ``await EngineProcess.start(spec)``."""
+
+    def __init__(self, proc: subprocess.Popen, reader: FrameReader, writer: FrameWriter,
+                 info: EngineProcInfo, loop: asyncio.AbstractEventLoop,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__(loop, on_dead)
+        self.proc, self.info = proc, info
+        self.stats: EngineStats = info.stats
+        # Called on the loop with each step's KV-cache events (the prefix index's feed).
+        self.on_kv_events: Callable[[list], None] | None = None
+        self.llm = RemoteLLM(self, info)
+        self._reader, self._writer = reader, writer
+        self._lock = threading.Lock()  # _calls and _closed: from the loop and from threads
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count()
+        self._closed = False  # the pipe ended: nothing more comes or goes
+        self._stopping = False
+        self._fd = reader.sock.fileno()
+        loop.add_reader(self._fd, self._on_readable)
+
+    @classmethod
+    async def start(cls, spec: EngineProcSpec,
+                    on_dead: Callable[[BaseException], None] | None = None) -> EngineProcess:
+        """Starts the process and waits until its engine is built (or raises why not)."""
+        down_ours, down_theirs = socket.socketpair()
+        up_ours, up_theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        fds = [down_theirs.fileno(), up_theirs.fileno()]
+        proc = subprocess.Popen([sys.executable, "-m", "engine.engine_proc", *map(str, fds)],
+                                pass_fds=fds, env=env)
+        down_theirs.close()
+        up_theirs.close()
+        reader, writer = FrameReader(up_ours), FrameWriter(down_ours)
+        try:
+            writer.send(spec)
+            info = await asyncio.to_thread(_wait_ready, reader, proc)
+        except BaseException:
+            reader.close()
+            writer.close()
+            proc.kill()  # still building, or ended (it failed): either way, not needed now
+            proc.wait()
+            raise
+        logger.info("the engine runs in process %d", info.pid)
+        return cls(proc, reader, writer, info, asyncio.get_running_loop(), on_dead)
+
+    # --- the pipe ---------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            msgs = self._reader.read_ready()
+        except PipeClosed:
+            self._lost()
+            return
+        for msg in msgs:
+            self._handle(msg)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, outputs, stats, events = msg
+            if stats is not None:
+                self.stats = stats
+            if events and self.on_kv_events is not None:
+                self.on_kv_events(events)
+            if outputs:
+                self._deliver(outputs)
+        elif kind == "reply":
+            _, call_id, ok, value = msg
+            with self._lock:
+                fut = self._calls.pop(call_id, None)
+            if fut is None or fut.done():  # a caller that left cancelled it
+                return
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+        elif kind == "dead":
+            self._die(msg[1])
+
+    def _lost(self) -> None:
+        self.loop.remove_reader(self._fd)
+        if self._stopping:
+            self._close_calls(self._dead())
+            return
+        try:  # the pipe ends as the process dies: its exit code follows at once
+            code = self.proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            code = None
+        e = EngineDeadError(f"the engine process (pid {self.proc.pid}) ended"
+                            + (f" with exit code {code}" if code is not None else ""))
+        self._close_calls(e)
+        self._die(e)
+
+    def _close_calls(self, e: BaseException) -> None:
+        """Nothing more comes or goes: every call still waiting fails with ``e``."""
+        with self._lock:
+            self._closed = True
+            calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            fut.set_exception(e)
+
+    def _die(self, e: BaseException) -> None:
+        if self.error is not None:
+            return
+        logger.error("the engine died: %r", e)
+        self.error = e
+        self._fail_all()
+        if self.on_dead is not None and not self._stopping:
+            self.on_dead(e)
+
+    def _send(self, msg: tuple) -> None:
+        """Sends unless the pipe is gone (then the death is, or will be, reported). Never
+        under ``_lock``: a send may wait for the engine process to read."""
+        if self._closed:
+            return
+        try:
+            self._writer.send(msg)
+        except OSError:
+            pass
+
+    def submit(self, method: str, *args) -> concurrent.futures.Future:
+        """Calls ``method`` of the engine in its process; from any thread."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(self._dead())
+                return fut
+            call_id = next(self._ids)
+            self._calls[call_id] = fut
+        try:
+            self._writer.send(("call", call_id, method, args))
+        except OSError as e:
+            with self._lock:
+                self._calls.pop(call_id, None)
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"the engine process is gone: {e}"))
+        return fut
+
+    def _call(self, method: str, *args) -> asyncio.Future:
+        return asyncio.wrap_future(self.submit(method, *args), loop=self.loop)
+
+    # --- EngineFront ------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self._closed and not self._stopping
+
+    async def _add_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, resume_token_ids: list[int],
+                           stream_interval: int) -> None:
+        # Guarded: a caller cancelled while the engine adds it must not leave it running.
+        await self._guarded(request_id, self._call(
+            "add_request", request_id, list(prompt_token_ids), params, list(resume_token_ids),
+            stream_interval))
+
+    def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                       params: SamplingParams, resume_token_ids: list[int],
+                       stream_interval: int) -> Awaitable[KVAllocation]:
+        return self._call("add_prefilled_request", request_id, list(prompt_token_ids),
+                          first_token_id, params, list(resume_token_ids), stream_interval)
+
+    def _commit(self, request_id: str) -> Awaitable[None]:
+        return self._call("commit_prefilled", request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def release_kv(self, request_id: str) -> None:
+        self._send(("release_kv", request_id))
+
+    async def fresh_stats(self, wait_s: float = FRESH_STATS_WAIT_S) -> EngineStats:
+        """As ``AsyncEngine.fresh_stats``: now, or the last step's after ``wait_s``."""
+        fresh = self._call("get_stats")
+        done, _ = await asyncio.wait({fresh}, timeout=wait_s)
+        if done and fresh.exception() is None:
+            self.stats = fresh.result()
+        return self.stats
+
+    def shutdown(self) -> None:
+        """Stops the engine and its process, within ``SHUTDOWN_TIMEOUT_S``."""
+        self._stopping = True
+        self._send(("shutdown",))
+        _stop_process(self.proc, SHUTDOWN_TIMEOUT_S)
+        if not self._closed:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self._fd)
+            self._close_calls(self._dead())
+        self._reader.close()
+        self._writer.close()
+
+
+class RemoteLLM:
+    """The ``LLMEngine`` methods a worker calls itself (``WorkerRuntime.llm``), run in the
+    engine process. Blocking, like the engine's own: callers run them in threads."""
+
+    def __init__(self, proc: EngineProcess, info: EngineProcInfo) -> None:
+        self._proc, self._info = proc, info
+        self.max_model_len = info.max_model_len
+
+    def kv_cache_layouts(self) -> list:
+        return list(self._info.kv_cache_layouts)
+
+    def kv_transfer_handles(self) -> list:
+        return list(self._info.kv_transfer_handles)
+
+    def pull_kv(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
+                timeout_s: float):
+        return self._proc.submit("pull_kv", alloc, list(remotes), list(remote_block_ids),
+                                 timeout_s).result()
+
+    def preconnect_kv(self, remotes: list) -> bool:
+        return self._proc.submit("preconnect_kv", list(remotes)).result()
+
+    def reset_prefix_cache(self):
+        return self._proc.submit("reset_prefix_cache").result()
+
+    def cached_block_hashes(self) -> list:
+        return self._proc.submit("cached_block_hashes").result()
+
+
+def _wait_ready(reader: FrameReader, proc: subprocess.Popen) -> EngineProcInfo:
+    """The engine's info once built; its error if building failed; RuntimeError if the process
+    ended first."""
+    while True:
+        try:
+            msg = reader.read_blocking(1.0)
+        except PipeClosed:
+            break
+        if msg is not None:
+            kind, value = msg
+            if kind == "failed":
+                raise value
+            return value
+        if proc.poll() is not None:
+            break
+    raise RuntimeError(f"the engine process exited with code {proc.wait()} before its engine "
+                       f"was built")
+
+
+def _stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        logger.error("the engine process (pid %d) did not stop in %.0f s; killing it",
+                     proc.pid, timeout_s)
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,167 @@
+"""What a service sees of its engine: requests in, one asyncio queue of outputs per request.
+
+Two engines stand behind this face: ``AsyncEngine`` (engine/async_engine.py) steps in a thread
+of the service's own process; ``EngineProcess`` (engine/engine_client.py) steps in a process of
+its own, so the service's event loop and the engine's step never wait for one GIL. The streams,
+their aborts when a caller leaves early, and the failure of every stream when the engine dies
+are the same for both, and live here.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from engine.outputs import EngineStats, KVAllocation, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a step raised, its process exited, or it was shut down)."""
+
+
+class EngineStepTimeout(RuntimeError):
+    """A step ran past the step timeout: the engine is taken as wedged (a hung device or
+    collective) and dies as if the step had raised."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class EngineFront:
+    """The loop side. Subclasses submit work to their engine (``_add_request``,
+    ``_add_prefilled``, ``_commit``, ``abort``) and feed ``_deliver`` with its outputs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 on_dead: Callable[[BaseException], None] | None) -> None:
+        self.loop = loop
+        # Called on the loop once the engine died of a failure (not at shutdown), after every
+        # waiting stream got EngineDeadError.
+        self.on_dead = on_dead
+        self.error: BaseException | None = None
+        self.stats: EngineStats | None = None
+        self._streams: dict[str, _Stream] = {}
+
+    # --- what subclasses provide ------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def _add_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, resume_token_ids: list[int],
+                           stream_interval: int) -> None:
+        raise NotImplementedError
+
+    def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                       params: SamplingParams, resume_token_ids: list[int],
+                       stream_interval: int) -> Awaitable[KVAllocation]:
+        raise NotImplementedError
+
+    def _commit(self, request_id: str) -> Awaitable[None]:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        """Frees the request's blocks (at once when idle, else at the next step)."""
+        raise NotImplementedError
+
+    # --- outputs in, failures out -----------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _fail_all(self) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(self._dead())
+
+    def _dead(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine stopped: {self.error!r}" if self.error
+                               else "the engine is shut down")
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise self._dead()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # --- requests ---------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams, resume_token_ids: list[int] = (),
+                       stream_interval: int = 1) -> AsyncIterator[RequestOutput]:
+        """Queues a request and yields its outputs; leaving early aborts it (blocks freed).
+        ``resume_token_ids``, ``stream_interval``: see ``LLMEngine.add_request`` (an interval
+        of N also wakes this loop once per N steps for the request, not every step)."""
+        self._check_alive()
+        stream = self._open(request_id)
+        try:
+            await self._add_request(request_id, prompt_token_ids, params, resume_token_ids,
+                                    stream_interval)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                                 first_token_id: int, params: SamplingParams,
+                                 resume_token_ids: list[int] = (),
+                                 stream_interval: int = 1) -> KVAllocation:
+        """Decode role: blocks for a prompt whose KV arrives from outside."""
+        self._check_alive()
+        return await self._guarded(request_id, self._add_prefilled(
+            request_id, prompt_token_ids, first_token_id, params, resume_token_ids,
+            stream_interval))
+
+    async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Decode role: admits the request; yields its outputs; leaving early aborts it."""
+        self._check_alive()
+        stream = self._open(request_id)
+        try:
+            await self._guarded(request_id, self._commit(request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def _guarded(self, request_id: str, work: Awaitable):
+        """``work``, which waits for the running step. A caller cancelled meanwhile (client
+        cancel, deadline) cannot stop it, so once it has allocated or admitted the request, the
+        request is aborted: no blocks stay held, no steps decode for nobody."""
+        job = asyncio.ensure_future(work)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                  or self.abort(request_id))
+            raise
+
+    def _open(self, request_id: str) -> _Stream:
+        if request_id in self._streams:
+            # Checked here, not only by the engine: the running request's stream must stay.
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        stream = _Stream(asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished or item.kv_lease is not None:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished:
+                self.abort(request_id)

@@ -1,0 +1,95 @@
+"""Messages between a worker and its engine process: pickled, each behind its 4-byte length.
+
+Two socket pairs, one per direction, so that each socket has one writer side and one reader
+side: the reader is an event loop's (uvloop makes a socket it watches non-blocking, so reads
+take whatever is there and keep the rest of a message for later), the writer blocks until its
+message is out (a lock keeps the writer threads' messages whole).
+"""
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import threading
+import time
+
+_HEADER = struct.Struct("!I")
+_READ_BYTES = 1 << 20
+
+
+class PipeClosed(Exception):
+    """The other side closed its end (its process ended)."""
+
+
+class FrameWriter:
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, msg: object) -> None:
+        """Raises OSError once the other side is gone."""
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class FrameReader:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray()
+
+    def read_ready(self) -> list:
+        """The messages complete after reading what the socket has now (none, if a message is
+        still arriving). Raises PipeClosed at the end of the stream."""
+        try:
+            data = self.sock.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError as e:
+            raise PipeClosed(str(e)) from e
+        if not data:
+            raise PipeClosed("end of stream")
+        self._buf += data
+        return self._take()
+
+    def read_blocking(self, timeout_s: float | None) -> object | None:
+        """One message, waiting for it up to ``timeout_s`` (None: forever); None on timeout.
+        Only before the socket is handed to an event loop."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            msgs = self._take(limit=1)
+            if msgs:
+                return msgs[0]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(_READ_BYTES)
+            except TimeoutError:
+                return None
+            finally:
+                self.sock.settimeout(None)
+            if not data:
+                raise PipeClosed("end of stream")
+            self._buf += data
+
+    def _take(self, limit: int | None = None) -> list:
+        msgs, pos, buf = [], 0, self._buf
+        while len(buf) - pos >= _HEADER.size and (limit is None or len(msgs) < limit):
+            (size,) = _HEADER.unpack_from(buf, pos)
+            end = pos + _HEADER.size + size
+            if len(buf) < end:
+                break
+            msgs.append(pickle.loads(buf[pos + _HEADER.size:end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return msgs
+
+    def close(self) -> None:
+        self.sock.close()

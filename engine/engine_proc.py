@@ -1,0 +1,255 @@
+"""The engine's own process (``--engine-process``): the child side.
+
+A worker's gRPC event loop and its engine thread share one GIL in one process: every token the
+loop streams (protobuf, gRPC's Cython, asyncio) is time the step's Python waits for, on a host
+with idle cores. With ``--engine-process`` the worker starts this process, which builds the
+engine and steps it (``AsyncEngine``'s engine thread, unchanged); the worker keeps the network
+side (engine/engine_client.py). Per step one message goes up the pipe, with every output of
+the step (only what is new in each), the stats when they changed and the KV-cache events.
+
+Messages (engine/engine_pipe.py: pickled, one socket pair each way):
+- down: ``("call", id, method, args)`` answered by ``("reply", id, ok, value)``;
+  ``("abort", rid)``, ``("release_kv", rid)``; ``("shutdown",)``.
+- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs,
+  stats, events)``; ``("dead", exc)`` when a step failed or the step watchdog fired.
+
+The worker drives this process's life: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C
+reaches the whole process group; the worker drains first), and the end of the pipe (the worker
+exited, even SIGKILLed) shuts the engine down and ends the process.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import faulthandler
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.core_share import CoreShare, CoreShareConfig
+from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed
+from engine.llm_engine import LLMEngine
+from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
+from engine.outputs import EngineStats, RequestOutput
+from engine.thread_names import named_thread, set_os_thread_name
+
+logger = logging.getLogger(__name__)
+
+# What the worker may call; each runs in this process's thread pool (it may wait for a step).
+POOL_METHODS = frozenset({"add_prefilled_request", "commit_prefilled", "pull_kv",
+                          "preconnect_kv", "reset_prefix_cache", "cached_block_hashes",
+                          "get_stats"})
+# Quick, and in order with the steps: run on this process's loop.
+INLINE_METHODS = frozenset({"add_request"})
+
+
+@dataclass
+class EngineProcSpec:
+    """What the worker sends first: how to build and run the engine."""
+
+    engine: EngineConfig
+    core_share: CoreShareConfig | None = None
+    step_timeout_s: float | None = None
+
+
+@dataclass
+class EngineProcInfo:
+    """What the worker learns once the engine is built (static for the engine's life)."""
+
+    pid: int
+    max_model_len: int
+    kv_cache_layouts: list
+    kv_transfer_handles: list
+    stats: EngineStats
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError with its type and text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception that cannot cross the pipe
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def delta(out: RequestOutput) -> RequestOutput:
+    """The output as it crosses the pipe: only what is new (the prompt and the tokens so far
+    grow with the request, and the worker streams the new ones)."""
+    lp = out.logprobs
+    if lp:
+        lp = lp[len(lp) - len(out.new_token_ids):]
+    return dataclasses.replace(out, prompt_token_ids=[], token_ids=[], logprobs=lp)
+
+
+class _Pipe:
+    """The child's sending end. The engine thread sends its steps itself (blocking while the
+    worker is behind is right for it); the loop hands its replies to a thread of their own, so
+    it always goes on reading: a loop blocked on a full pipe while the worker's loop is blocked
+    sending to it would wait forever."""
+
+    def __init__(self, writer: FrameWriter) -> None:
+        self.writer = writer
+        self._later: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = named_thread(self._send_later, "pdserve-engine-replies")
+        self._thread.start()
+
+    def send(self, msg: tuple) -> None:
+        try:
+            self.writer.send(msg)
+        except OSError:  # the worker is gone; the loop sees the end of the pipe and stops
+            pass
+
+    def send_later(self, msg: tuple) -> None:
+        self._later.put(msg)
+
+    def _send_later(self) -> None:
+        while (msg := self._later.get()) is not None:
+            self.send(msg)
+
+    def close(self) -> None:
+        self._later.put(None)
+        self._thread.join(timeout=5)
+
+
+class _ChildEngine(AsyncEngine):
+    """``AsyncEngine`` whose steps go up the pipe instead of to local streams."""
+
+    def __init__(self, engine: LLMEngine, pipe: _Pipe, core_share: CoreShare | None,
+                 step_timeout_s: float | None) -> None:
+        self.pipe = pipe
+        self._sent_stats: EngineStats | None = None
+        super().__init__(engine, core_share=core_share, step_timeout_s=step_timeout_s,
+                         on_dead=lambda e: pipe.send(("dead", portable(e))))
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        events = self.engine.take_kv_events()
+        stats = self.stats if self.stats != self._sent_stats else None
+        if outputs or events or stats is not None:
+            self._sent_stats = self.stats
+            self.pipe.send(("step", [delta(o) for o in outputs], stats, events))
+
+    def _died(self, e: BaseException) -> None:
+        if not self._stop.is_set():
+            self.pipe.send(("dead", portable(e)))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+
+class _Server:
+    def __init__(self, reader: FrameReader, pipe: _Pipe, engine: _ChildEngine) -> None:
+        self.reader, self.pipe, self.engine = reader, pipe, engine
+        self.done = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    def on_readable(self) -> None:
+        try:
+            msgs = self.reader.read_ready()
+        except PipeClosed:
+            if not self.done.is_set():
+                logger.warning("the worker closed the engine's pipe: shutting the engine down")
+            self.done.set()
+            return
+        for msg in msgs:
+            self._handle(msg)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "call":
+            _, call_id, method, args = msg
+            if method in POOL_METHODS:
+                task = asyncio.ensure_future(self._call(call_id, method, args))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:  # now, in order with the aborts that may follow it
+                self._call_inline(call_id, method, args)
+        elif kind == "abort":
+            self.engine.abort(msg[1])
+        elif kind == "release_kv":
+            self.engine.release_kv(msg[1])
+        elif kind == "shutdown":
+            self.done.set()
+        else:
+            logger.error("unknown message from the worker: %r", kind)
+
+    def _call_inline(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            if method not in INLINE_METHODS:
+                raise ValueError(f"the engine process has no method {method!r}")
+            value = getattr(self.engine.engine, method)(*args)
+            self.engine.wake()
+            reply = ("reply", call_id, True, value)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            reply = ("reply", call_id, False, portable(e))
+        self.pipe.send_later(reply)
+
+    async def _call(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            value = await asyncio.to_thread(getattr(self.engine.engine, method), *args)
+            if method == "commit_prefilled":
+                self.engine.wake()
+            reply = ("reply", call_id, True, value)
+        except Exception as e:  # noqa: BLE001 - the caller raises it
+            reply = ("reply", call_id, False, portable(e))
+        self.pipe.send_later(reply)
+
+
+async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
+    spec: EngineProcSpec = reader.read_blocking(None)
+    loop = asyncio.get_running_loop()
+    # Side jobs (KV pulls, stats, commits) on one OpenMP thread each, as in a worker.
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="pdserve-engine-pool",
+                                                 initializer=use_one_openmp_thread))
+    pipe = _Pipe(writer)
+    try:
+        llm = await asyncio.to_thread(call_in_own_thread, LLMEngine, spec.engine)
+    except Exception as e:  # noqa: BLE001 - the worker reports it and exits
+        logger.exception("building the engine failed")
+        pipe.send(("failed", portable(e)))
+        pipe.close()
+        return
+    share = CoreShare(spec.core_share) if spec.core_share is not None else None
+    engine = _ChildEngine(llm, pipe, share, spec.step_timeout_s)
+    handles = llm.kv_transfer_handles() if spec.engine.kv_transfer_backend else []
+    pipe.send(("ready", EngineProcInfo(os.getpid(), llm.max_model_len, llm.kv_cache_layouts(),
+                                       handles, engine.stats)))
+    server = _Server(reader, pipe, engine)
+    fd = reader.sock.fileno()
+    loop.add_reader(fd, server.on_readable)
+    try:
+        await server.done.wait()
+    finally:
+        loop.remove_reader(fd)
+        await asyncio.to_thread(engine.shutdown)
+        pipe.close()
+
+
+def main(down_fd: int, up_fd: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    set_os_thread_name("engine-core")
+    faulthandler.enable()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    reader = FrameReader(socket.socket(fileno=down_fd))
+    writer = FrameWriter(socket.socket(fileno=up_fd))
+    try:
+        asyncio.run(_serve(reader, writer))
+    finally:
+        reader.close()
+        writer.close()
+
+
+if __name__ == "__main__":
+    # Through the module's own name: what crosses the pipe must pickle as
+    # engine.engine_proc.*, not __main__.*, which the worker cannot find.
+    from engine.engine_proc import main as _main
+
+    _main(int(sys.argv[1]), int(sys.argv[2]))

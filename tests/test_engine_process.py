@@ -1,0 +1,224 @@
+"""`--engine-process`: the engine steps in a process of its own behind the face AsyncEngine
+has (engine/engine_client.py, engine/engine_proc.py). A real child process each time."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine_client import EngineProcess
+from engine.engine_front import EngineDeadError
+from engine.engine_proc import EngineProcSpec
+
+MODEL = "micro-llama"
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 7000 + 5 for j in range(5 + 9 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    with LLM(MODEL, num_gpu_blocks=64) as llm:
+        outs = llm.generate(_prompts(), [_greedy(12 + i) for i in range(6)])
+    want = [o.token_ids for o in outs]
+    assert len({tuple(w) for w in want}) == len(want)  # varied, so equality means something
+    return want
+
+
+async def _start(**config) -> EngineProcess:
+    return await EngineProcess.start(EngineProcSpec(EngineConfig(MODEL, num_gpu_blocks=64,
+                                                                 **config)))
+
+
+async def _collect(proc: EngineProcess, rid: str, prompt: list[int], n: int) -> list[int]:
+    tokens: list[int] = []
+    async for out in proc.generate(rid, prompt, _greedy(n)):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def test_concurrent_streams_equal_the_in_process_engine_and_free_every_block(expected):
+    async def run():
+        proc = await _start()
+        try:
+            assert proc.info.pid != os.getpid() and proc.llm.max_model_len > 0
+            got = await asyncio.gather(*[_collect(proc, f"r{i}", p, 12 + i)
+                                         for i, p in enumerate(_prompts())])
+            stats = await proc.fresh_stats(wait_s=5)
+        finally:
+            proc.shutdown()
+        return got, stats, proc.proc.returncode
+
+    got, stats, code = asyncio.run(run())
+    assert got == expected and code == 0
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+def test_leaving_a_stream_early_aborts_it_and_bad_requests_raise_in_the_caller():
+    async def run():
+        proc = await _start()
+        try:
+            stream = proc.generate("long", _prompts()[3], _greedy(500))
+            async for _ in stream:
+                break
+            await stream.aclose()  # the caller went away: the engine drops the request
+            with pytest.raises(ValueError, match="token id"):
+                await _collect(proc, "bad", [5, 10**9], 4)
+            with pytest.raises(ValueError, match="already"):  # a running id, refused
+                running = proc.generate("dup", _prompts()[1], _greedy(500))
+                await anext(running)
+                await _collect(proc, "dup", _prompts()[1], 4)
+            await running.aclose()
+            for _ in range(50):  # aborts apply at the next step
+                stats = await proc.fresh_stats(wait_s=5)
+                if stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            still_serves = await _collect(proc, "after", _prompts()[0], 3)
+            return stats, still_serves, proc.num_streams
+        finally:
+            proc.shutdown()
+
+    stats, still_serves, streams = asyncio.run(run())
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert len(still_serves) == 3 and streams == 0
+
+
+def test_a_request_cancelled_while_the_engine_adds_it_is_aborted_once_added():
+    async def run():
+        proc = await _start()
+        try:
+            before = (await proc.fresh_stats(wait_s=5)).num_steps
+            caller = asyncio.ensure_future(_collect(proc, "cancelled", _prompts()[4], 1900))
+            await asyncio.sleep(0)  # its add_request is on the way to the engine
+            caller.cancel()
+            while (stats := await proc.fresh_stats(wait_s=5)).num_running or stats.num_waiting:
+                await asyncio.sleep(0.01)
+            return stats, before
+        finally:
+            proc.shutdown()
+
+    stats, before = asyncio.run(run())
+    # Aborted within a few steps, not decoded to its 1900 tokens for nobody.
+    assert stats.num_steps - before < 100
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_killed_engine_process_fails_its_streams_and_says_so_once():
+    async def run():
+        deaths: list[BaseException] = []
+        proc = await _start()
+        proc.on_dead = deaths.append
+        try:
+            stream = proc.generate("r", _prompts()[2], _greedy(1000))
+            await anext(stream)
+            os.kill(proc.info.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exit code -9"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await _collect(proc, "later", _prompts()[0], 2)
+            with pytest.raises(EngineDeadError):
+                await asyncio.to_thread(proc.llm.cached_block_hashes)
+            return deaths, proc.alive
+        finally:
+            proc.shutdown()
+
+    deaths, alive = asyncio.run(run())
+    assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError) and not alive
+
+
+def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error():
+    async def run():
+        await _start(max_model_len=10**9)
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(run())
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return kids
+
+
+def _engine_child(pid: int) -> int:
+    kids = [k for k in _children(pid)
+            if b"engine.engine_proc" in open(f"/proc/{k}/cmdline", "rb").read()]
+    assert len(kids) == 1, kids
+    return kids[0]
+
+
+def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_does(reference):
+    """Real processes: router, a prefill and a decode worker each with its engine in a child
+    process, KV over NIXL between the children. Greedy tokens equal the in-process engine's,
+    every lease and block is freed, and a killed engine process takes its worker down
+    (non-zero exit, for its supervisor to restart)."""
+    from router.launcher import Cluster, ClusterSpec
+    from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, stream_greedy,
+                                       wait_all_blocks_free)
+
+    max_tokens = [10 + (i * 7) % 13 for i in range(12)]
+    prompts = decisive_prompts(reference, 12, seed=31, max_tokens=max_tokens)
+    want = reference.generate(prompts, [_greedy(m) for m in max_tokens])
+    spec = ClusterSpec(worker_args=[*WORKER_ARGS, "--engine-process"],
+                       router_args=["--max-local-prefill-length", "0"])
+    with Cluster(spec) as cluster:
+        workers = [p for p in cluster.procs if p.role != "router"]
+        engines = {p.role: _engine_child(p.popen.pid) for p in workers}
+        got = stream_greedy(cluster.router_address, prompts, max_tokens)
+        wait_all_blocks_free([p.address for p in workers])
+        decode = next(p for p in workers if p.role == "decode")
+        os.kill(engines["decode"], signal.SIGKILL)
+        code = decode.popen.wait(timeout=60)
+    assert len({tuple(w.token_ids) for w in want}) > 5
+    for (toks, final), w in zip(got, want):
+        assert toks == w.token_ids
+        assert final.usage.timings.kv_transfer_s > 0
+    assert code != 0
+
+
+def test_messages_arrive_whole_through_a_non_blocking_reader_whatever_their_size():
+    """The worker's loop reads whatever the socket has (uvloop makes a watched socket
+    non-blocking): a message arriving in pieces is kept until complete, and several that
+    arrive together all come out, in order."""
+    import select
+    import socket
+    import threading
+
+    from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed
+
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader, writer = FrameReader(ours), FrameWriter(theirs)
+    sent = [("step", list(range(n)), "x" * n) for n in (0, 3, 5_000_000, 7, 200_000)]
+    sender = threading.Thread(target=lambda: [writer.send(m) for m in sent])
+    sender.start()
+    got, reads = [], 0
+    while len(got) < len(sent):
+        select.select([ours], [], [], 5)
+        got += reader.read_ready()
+        reads += 1
+    sender.join()
+    assert got == sent and reads > len(sent)  # the big one came in pieces
+    writer.close()
+    select.select([ours], [], [], 5)
+    with pytest.raises(PipeClosed):
+        reader.read_ready()
