@@ -166,11 +166,27 @@ def _engine_child(pid: int) -> int:
     return kids[0]
 
 
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    """Whether ``pid`` ended (its zombie reaped by init counts as ended) within the time."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_does(reference):
     """Real processes: router, a prefill and a decode worker each with its engine in a child
     process, KV over NIXL between the children. Greedy tokens equal the in-process engine's,
-    every lease and block is freed, and a killed engine process takes its worker down
-    (non-zero exit, for its supervisor to restart)."""
+    every lease and block is freed, a killed engine process takes its worker down (non-zero
+    exit, for its supervisor to restart), and a killed worker takes its engine process down."""
     from router.launcher import Cluster, ClusterSpec
     from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, stream_greedy,
                                        wait_all_blocks_free)
@@ -188,11 +204,16 @@ def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_
         decode = next(p for p in workers if p.role == "decode")
         os.kill(engines["decode"], signal.SIGKILL)
         code = decode.popen.wait(timeout=60)
+        # A worker SIGKILLed leaves no engine behind (on a GPU it would hold the memory).
+        prefill = next(p for p in workers if p.role == "prefill")
+        os.kill(prefill.popen.pid, signal.SIGKILL)
+        prefill.popen.wait(timeout=10)
+        orphan_gone = _wait_gone(engines["prefill"], timeout_s=60)
     assert len({tuple(w.token_ids) for w in want}) > 5
     for (toks, final), w in zip(got, want):
         assert toks == w.token_ids
         assert final.usage.timings.kv_transfer_s > 0
-    assert code != 0
+    assert code != 0 and orphan_gone
 
 
 def test_messages_arrive_whole_through_a_non_blocking_reader_whatever_their_size():
