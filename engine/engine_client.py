@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine.async_engine import FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S
 from engine.engine_front import EngineDeadError, EngineFront
-from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed
+from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed, decode_output
 from engine.engine_proc import EngineProcInfo, EngineProcSpec
 from engine.outputs import EngineStats, KVAllocation
 from engine.sampling_params import SamplingParams
@@ -104,7 +104,7 @@ class EngineProcess(EngineFront):
             if events and self.on_kv_events is not None:
                 self.on_kv_events(events)
             if outputs:
-                self._deliver(outputs)
+                self._deliver([decode_output(t) for t in outputs])
         elif kind == "reply":
             _, call_id, ok, value = msg
             with self._lock:

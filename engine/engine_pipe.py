@@ -13,6 +13,8 @@ import struct
 import threading
 import time
 
+from engine.outputs import RequestOutput
+
 _HEADER = struct.Struct("!I")
 _READ_BYTES = 1 << 20
 
@@ -93,3 +95,21 @@ class FrameReader:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def encode_output(out: RequestOutput) -> tuple:
+    """A step's output as it crosses: only what is new (the prompt and the tokens so far grow
+    with the request, and the worker streams the new ones), as a tuple in field order (a
+    dataclass pickles with its field names, and unpickles ~3x slower: at a batch of 256 that
+    was 1.7 ms a step on the worker's loop)."""
+    lp = out.logprobs
+    if lp:
+        lp = lp[len(lp) - len(out.new_token_ids):]
+    return (out.request_id, out.new_token_ids, out.text, out.text_delta, out.finished,
+            out.finish_reason, out.stop_reason, lp, out.prompt_logprobs, out.num_cached_tokens,
+            out.kv_lease, out.arrival_time, out.first_scheduled_time)
+
+
+def decode_output(t: tuple) -> RequestOutput:
+    """``encode_output``'s tuple as a RequestOutput (no prompt, no tokens before these)."""
+    return RequestOutput(t[0], [], [], *t[1:])

@@ -10,8 +10,8 @@ the step (only what is new in each), the stats when they changed and the KV-cach
 Messages (engine/engine_pipe.py: pickled, one socket pair each way):
 - down: ``("call", id, method, args)`` answered by ``("reply", id, ok, value)``;
   ``("abort", rid)``, ``("release_kv", rid)``; ``("shutdown",)``.
-- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs,
-  stats, events)``; ``("dead", exc)`` when a step failed or the step watchdog fired.
+- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs
+  (engine_pipe.encode_output's tuples), stats, events)``; ``("dead", exc)`` when a step failed or the step watchdog fired.
 
 The worker drives this process's life: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C
 reaches the whole process group; the worker drains first), and the end of the pipe (the worker
@@ -20,7 +20,6 @@ exited, even SIGKILLed) shuts the engine down and ends the process.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import faulthandler
 import logging
 import os
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
-from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed
+from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed, encode_output
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
@@ -78,15 +77,6 @@ def portable(exc: BaseException) -> BaseException:
         return exc
     except Exception:  # noqa: BLE001 - any exception that cannot cross the pipe
         return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def delta(out: RequestOutput) -> RequestOutput:
-    """The output as it crosses the pipe: only what is new (the prompt and the tokens so far
-    grow with the request, and the worker streams the new ones)."""
-    lp = out.logprobs
-    if lp:
-        lp = lp[len(lp) - len(out.new_token_ids):]
-    return dataclasses.replace(out, prompt_token_ids=[], token_ids=[], logprobs=lp)
 
 
 class _Pipe:
@@ -134,7 +124,7 @@ class _ChildEngine(AsyncEngine):
         stats = self.stats if self.stats != self._sent_stats else None
         if outputs or events or stats is not None:
             self._sent_stats = self.stats
-            self.pipe.send(("step", [delta(o) for o in outputs], stats, events))
+            self.pipe.send(("step", [encode_output(o) for o in outputs], stats, events))
 
     def _died(self, e: BaseException) -> None:
         if not self._stop.is_set():

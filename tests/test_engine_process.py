@@ -243,3 +243,26 @@ def test_messages_arrive_whole_through_a_non_blocking_reader_whatever_their_size
     select.select([ours], [], [], 5)
     with pytest.raises(PipeClosed):
         reader.read_ready()
+
+
+def test_an_output_crosses_with_every_field_but_what_came_before():
+    """The wire tuple keeps every RequestOutput field except the prompt and earlier tokens
+    (and earlier tokens' logprobs): a field added to RequestOutput and not to the tuple fails
+    here."""
+    import dataclasses
+
+    from engine.engine_pipe import decode_output, encode_output
+    from engine.outputs import KVLease, RequestOutput
+
+    out = RequestOutput(
+        request_id="r", prompt_token_ids=[1, 2], token_ids=[7, 8, 9], new_token_ids=[8, 9],
+        text="all", text_delta="new", finished=True, finish_reason="stop", stop_reason=9,
+        logprobs=["lp7", "lp8", "lp9"], prompt_logprobs=[None, "p2"], num_cached_tokens=16,
+        kv_lease=KVLease("r", [4], 2, 16, 99.0), arrival_time=1.5, first_scheduled_time=2.5)
+    assert {f.name for f in dataclasses.fields(RequestOutput)} == {
+        "request_id", "prompt_token_ids", "token_ids", "new_token_ids", "text", "text_delta",
+        "finished", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs",
+        "num_cached_tokens", "kv_lease", "arrival_time", "first_scheduled_time"}
+    got = decode_output(encode_output(out))
+    assert got == dataclasses.replace(out, prompt_token_ids=[], token_ids=[],
+                                      logprobs=["lp8", "lp9"])
