@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from engine.core_share import CoreShare
-from engine.engine_front import EngineDeadError, EngineFront, EngineStepTimeout  # noqa: F401 - EngineDeadError re-exported
+# EngineDeadError: re-exported (callers catch it from here).
+from engine.engine_front import EngineDeadError, EngineFront, EngineStepTimeout  # noqa: F401
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams

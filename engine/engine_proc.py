@@ -10,8 +10,9 @@ the step (only what is new in each), the stats when they changed and the KV-cach
 Messages (engine/engine_pipe.py: pickled, one socket pair each way):
 - down: ``("call", id, method, args)`` answered by ``("reply", id, ok, value)``;
   ``("abort", rid)``, ``("release_kv", rid)``; ``("shutdown",)``.
-- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs
-  (engine_pipe.encode_output's tuples), stats, events)``; ``("dead", exc)`` when a step failed or the step watchdog fired.
+- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs,
+  stats, events)``, the outputs as ``engine_pipe.encode_output`` tuples; ``("dead", exc)``
+  when a step failed or the step watchdog fired.
 
 The worker drives this process's life: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C
 reaches the whole process group; the worker drains first), and the end of the pipe (the worker
