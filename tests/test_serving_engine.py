@@ -211,3 +211,26 @@ def test_the_step_timeout_flag_reaches_the_worker_config():
     assert cfg("--engine-step-timeout-s", "0").engine_step_timeout_s is None
     with pytest.raises(ValueError, match="engine_step_timeout_s"):
         cfg("--engine-step-timeout-s", "0.5")
+
+
+def test_a_second_stream_for_a_running_request_id_is_refused_and_the_first_keeps_streaming():
+    """The id check comes before the stream is opened: a duplicate used to replace the running
+    request's stream, which then streamed to nobody while its caller waited forever."""
+    from engine import LLM, SamplingParams
+
+    async def run():
+        with LLM("micro-llama", num_gpu_blocks=32) as llm:
+            ae = AsyncEngine(llm.engine)
+            try:
+                params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+                first = ae.generate("same", [5, 6, 7], params)
+                tokens = list((await anext(first)).new_token_ids)
+                with pytest.raises(ValueError, match="already in the engine"):
+                    await anext(ae.generate("same", [8, 9], params))
+                async for out in first:
+                    tokens.extend(out.new_token_ids)
+                return tokens
+            finally:
+                ae.shutdown()
+
+    assert len(asyncio.run(asyncio.wait_for(run(), 60))) == 30
