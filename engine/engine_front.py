@@ -97,14 +97,8 @@ class EngineFront:
         """Queues a request and yields its outputs; leaving early aborts it (blocks freed).
         ``resume_token_ids``, ``stream_interval``: see ``LLMEngine.add_request`` (an interval
         of N also wakes this loop once per N steps for the request, not every step)."""
-        self._check_alive()
-        stream = self._open(request_id)
-        try:
-            await self._add_request(request_id, prompt_token_ids, params, resume_token_ids,
-                                    stream_interval)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        stream = await self._admit(request_id, lambda: self._add_request(
+            request_id, prompt_token_ids, params, resume_token_ids, stream_interval))
         async for out in self._drain(request_id, stream):
             yield out
 
@@ -120,15 +114,22 @@ class EngineFront:
 
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""
+        stream = await self._admit(request_id, lambda: self._guarded(
+            request_id, self._commit(request_id)))
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def _admit(self, request_id: str, admit: Callable[[], Awaitable]) -> _Stream:
+        """The request's stream, opened before ``admit()`` puts the request in the engine (its
+        outputs may come before that returns), and closed again if that fails."""
         self._check_alive()
         stream = self._open(request_id)
         try:
-            await self._guarded(request_id, self._commit(request_id))
+            await admit()
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        async for out in self._drain(request_id, stream):
-            yield out
+        return stream
 
     async def _guarded(self, request_id: str, work: Awaitable):
         """``work``, which waits for the running step. A caller cancelled meanwhile (client
