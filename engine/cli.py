@@ -210,7 +210,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"bench.{args.bench}").main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """``benchmarks`` False leaves the bench modules unimported (several import torch, which
+    the router, the launcher and the client side otherwise never load)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -274,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     import importlib
-    for name, text in BENCHMARKS:
+    for name, text in BENCHMARKS if benchmarks else ():
         b = bsub.add_parser(name, help=text)
         importlib.import_module(f"bench.{name}").add_args(b)
         b.set_defaults(func=cmd_bench)
@@ -282,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(benchmarks="bench" in argv).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

@@ -8,14 +8,32 @@ the engine's own defaults (temperature 1.0, ...); a folder takes the file from t
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-from engine.model_config import read_generation_config
 from engine.sampling_params import SamplingParams
 
 # generation_config.json key -> SamplingParams field.
 _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding one object (a model folder's config files); ValueError when not."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """The folder's generation_config.json ({} when it has none); ValueError when broken."""
+    path = folder / "generation_config.json"
+    return read_json_object(path) if path.is_file() else {}
 
 
 def check_generation_config(value: str) -> str:

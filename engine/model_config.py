@@ -6,12 +6,11 @@ Parsed by hand (no transformers import) so the engine only depends on the json f
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from engine.generation_defaults import read_generation_config, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -26,12 +25,13 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# config.json's dtype names -> torch's (the router reads configs too, and never loads torch).
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 # rope types whose cos/sin table can be precomputed once for all positions.
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
@@ -65,10 +65,17 @@ class ModelConfig:
     # Per-head RMSNorm on q and k before RoPE (Qwen3).
     qk_norm: bool
     hidden_act: str
-    # Dtype the checkpoint was saved in.
-    torch_dtype: torch.dtype
+    # Dtype the checkpoint was saved in: "float32", "float16" or "bfloat16".
+    dtype: str
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as a torch.dtype (imports torch: not for the router's side)."""
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def q_size(self) -> int:
@@ -99,27 +106,7 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"model folder {folder} has no config.json")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def read_generation_config(folder: Path) -> dict[str, Any]:
-    """The folder's generation_config.json ({} when it has none); ValueError when broken."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return raw
+    return read_json_object(path)
 
 
 def _generation_eos(folder: Path) -> list[int]:
@@ -179,7 +166,7 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)) and architecture == "LlamaForCausalLM",
         qk_norm=architecture == "Qwen3ForCausalLM",
         hidden_act=hidden_act,
-        torch_dtype=_parse_dtype(raw, where),
+        dtype=_parse_dtype(raw, where),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_parse_eos(raw.get("eos_token_id"), where),
     )
@@ -253,7 +240,7 @@ def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] 
     return theta, {"rope_type": rope_type, **values}
 
 
-def _parse_dtype(raw: dict[str, Any], where: str) -> torch.dtype:
+def _parse_dtype(raw: dict[str, Any], where: str) -> str:
     # transformers 5.x writes "dtype", 4.x "torch_dtype"; absent means float32.
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     name = str(name).removeprefix("torch.")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampler import TokenLogprobs
+from engine.logprobs import TokenLogprobs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # The most tokens one output may hold back (a stream interval past this is a mistake, and its

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampler import TokenLogprobs
+from engine.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -24,25 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.logprobs import Logprob, TokenLogprobs
 from engine.penalties import PenaltyState, apply_penalties
 from engine.sampling_params import SamplingParams
-
-
-@dataclass
-class Logprob:
-    token_id: int
-    logprob: float
-    # 1 = the most likely token under the raw distribution.
-    rank: int
-    # The token as text on its own (vLLM's decoded_token), set where outputs are detokenized.
-    decoded_token: str | None = None
-
-
-@dataclass
-class TokenLogprobs:
-    sampled: Logprob
-    # The params.logprobs most likely tokens, most likely first.
-    top: list[Logprob]
 
 
 @dataclass

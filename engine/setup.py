@@ -90,7 +90,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
         return _DTYPES[name]
     if device.type == "cpu":
         return torch.float32  # CPU bf16/fp16 matmuls are slow and less exact
-    ckpt = _DTYPES.get(str(cfg.torch_dtype).replace("torch.", ""), torch.float32)
+    ckpt = _DTYPES[cfg.dtype]
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 

@@ -1,19 +1,24 @@
 """Attention backends behind one interface (kernels.attention_backend).
 
 Triton is imported only when the Triton backend is asked for: it ships for Linux x86_64 only,
-and importing ``kernels`` must work everywhere.
+and importing ``kernels`` must work everywhere. Nor does importing ``kernels`` import torch:
+the router and the command line's client side import ``engine`` (and so this package) for
+torch-free parts, and torch's import costs each such process ~1.5 s and ~200 MB.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 # Before torch loads oneMKL: see kernels/mkl_vendor.py.
 from kernels.mkl_vendor import enable_mkl_cpu_dispatch
 
 enable_mkl_cpu_dispatch()
 
-import torch  # noqa: E402
+if TYPE_CHECKING:
+    import torch
 
-from kernels.attention_backend import AttentionBackend, AttentionMetadata
-from kernels.torch_attention import TorchAttentionBackend
+    from kernels.attention_backend import AttentionBackend, AttentionMetadata
+    from kernels.torch_attention import TorchAttentionBackend
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -25,6 +30,10 @@ def get_attention_backend(name: str = "auto",
     torch otherwise. ``device`` None means the CPU."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    import torch
+
+    from kernels.torch_attention import TorchAttentionBackend
+
     device = torch.device(device if device is not None else "cpu")
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         from kernels.cpu_decode import cpu_kernels_available
@@ -63,6 +72,19 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+def __getattr__(name: str):
+    # The backend classes, imported (with torch) when first asked for.
+    if name in ("AttentionBackend", "AttentionMetadata"):
+        from kernels import attention_backend
+
+        return getattr(attention_backend, name)
+    if name == "TorchAttentionBackend":
+        from kernels.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "TorchAttentionBackend",

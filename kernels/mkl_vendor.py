@@ -8,9 +8,9 @@ thread; SDPA over 256 causal tokens 1.73 -> 0.85 ms). The environment switches t
 did this (MKL_DEBUG_CPU_TYPE) are gone, and MKL_CBWR / MKL_ENABLE_INSTRUCTIONS measured no change.
 
 The shim in ``csrc/mkl_vendor_shim.c`` answers oneMKL's vendor query. It only takes effect when
-loaded into the global symbol scope *before* torch is imported, so ``kernels/__init__.py``
-calls :func:`enable_mkl_cpu_dispatch` ahead of its ``import torch`` and ``engine`` imports
-``kernels`` first. This module must not import torch.
+loaded into the global symbol scope *before* torch is imported, so importing ``kernels`` calls
+:func:`enable_mkl_cpu_dispatch` (the package imports torch only when first used) and ``engine``
+imports ``kernels`` first. This module must not import torch.
 
 Set ``PDSERVE_MKL_VENDOR_SHIM=0`` to leave oneMKL alone.
 """

@@ -1,7 +1,7 @@
 """Conversions between the protos and the engine's dataclasses (both directions)."""
 from __future__ import annotations
 
-from engine.sampler import Logprob, TokenLogprobs
+from engine.logprobs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from protos import common_pb2
 

@@ -22,6 +22,7 @@ at its end of file.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import select
@@ -156,9 +157,7 @@ class ClusterSpec:
             util = self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         gpus = self.gpus
         if gpus is None:
-            import torch
-
-            gpus = visible_gpus(torch.cuda.device_count())
+            gpus = visible_gpus(cuda_device_count())
         plan = plan_gpus(self.num_prefill, self.prefill_tp, self.num_decode, gpus,
                          util or DEFAULT_GPU_MEMORY_UTILIZATION, self.kv_transfer_backend)
         plan.split_memory = util is not None
@@ -505,9 +504,20 @@ def _on_cpu(args: list[str]) -> bool:
     device = flag_value(args, "--device") or "auto"
     if device != "auto":
         return device.startswith("cpu")
-    import torch  # only here: the launcher itself computes nothing
+    return cuda_device_count() == 0
 
-    return not torch.cuda.is_available()
+
+@functools.cache
+def cuda_device_count() -> int:
+    """The GPUs torch sees on this host, asked of a short-lived process: the launcher runs as
+    long as its cluster and computes nothing, so it does not keep torch (~250 MB) loaded."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0 or not probe.stdout.strip().isdigit():
+        raise RuntimeError(f"could not ask torch for this host's GPUs: "
+                           f"{probe.stderr.strip()[-2000:]}")
+    return int(probe.stdout.strip())
 
 
 def _max_position(model: str) -> int:

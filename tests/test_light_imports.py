@@ -1,0 +1,71 @@
+"""The control plane's processes do not import torch: client-side commands start in a fraction
+of a second, and `pdserve up`, which runs as long as its cluster, stays small."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_client_side_modules_and_commands_leave_torch_unloaded():
+    out = _run("""
+import sys
+import client, engine, kernels, protos.convert, router.admin, router.launcher
+import engine.cli, engine.cli_admin, engine.cli_chat, engine.cli_serve, engine.grpc_server
+import engine.generation_defaults, engine.model_config, engine.outputs, engine.tokenizer
+from engine.cli import main
+for argv in (["admin", "--help"], ["generate", "--help"], ["up", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code == 0, (argv, e.code)
+print("TORCH", "torch" in sys.modules)
+""")
+    assert out.strip().splitlines()[-1] == "TORCH False"
+
+
+def test_a_launcher_that_found_no_gpu_keeps_torch_out():
+    # The launcher asks a short-lived process for the GPUs, and plans for the CPU here.
+    out = _run("""
+import sys
+from router.launcher import ClusterSpec, cuda_device_count
+spec = ClusterSpec()
+print("PLAN", cuda_device_count(), spec.gpu_plan(), "torch" in sys.modules)
+""")
+    import torch
+
+    expected = torch.cuda.device_count()
+    if expected:
+        pytest.skip("this host has GPUs: the plan places workers on them")
+    assert out.strip().splitlines()[-1] == "PLAN 0 None False"
+
+
+def test_the_engine_packages_names_load_when_first_used():
+    out = _run("""
+import sys
+import engine, kernels
+assert "torch" not in sys.modules
+from engine import LLM, SamplingParams
+from kernels import TorchAttentionBackend, get_attention_backend
+assert "torch" in sys.modules
+assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
+assert SamplingParams(max_tokens=3).max_tokens == 3
+for package, name in ((engine, "NotAName"), (kernels, "NotAName")):
+    try:
+        getattr(package, name)
+    except AttributeError as e:
+        assert name in str(e)
+    else:
+        raise AssertionError(name)
+print("OK", LLM.__name__)
+""")
+    assert out.strip().splitlines()[-1] == "OK LLM"
