@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bench import cma
-from engine.kv_layout import DTYPE_NAMES, KVCacheLayout
+from engine.kv_layout import KVCacheLayout
 from engine.presets import PRESETS
 from kvtransfer import BACKENDS, KVAgentHandle, make_agent
 from kvtransfer.nixl_agent import SPLIT_MIN_BYTES, pull_streams_setting
@@ -36,7 +36,6 @@ from kvtransfer.nixl_agent import SPLIT_MIN_BYTES, pull_streams_setting
 SIZES_MB = (1, 4, 16, 64, 256)
 MB = 1 << 20
 HANDOFF_TOKENS = 1024
-_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 @dataclass
@@ -78,7 +77,7 @@ def preset_layout(name: str, num_blocks: int, block_size: int = 16,
 
 
 def _cache(layout: KVCacheLayout, fill: bool) -> torch.Tensor:
-    cache = torch.empty(layout.shape, dtype=_DTYPES[layout.dtype])
+    cache = torch.empty(layout.shape, dtype=getattr(torch, layout.dtype))
     if fill:  # distinct bytes everywhere, cheaply (randn over 256 MB is slow on 2 cores)
         flat = cache.view(-1)
         flat.copy_(torch.arange(flat.numel(), dtype=torch.float32).to(cache.dtype))

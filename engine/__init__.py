@@ -12,7 +12,7 @@ import kernels  # noqa: F401  (first: it sets up oneMKL's dispatch before torch 
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "NoFreeBlocksError": "engine.llm_engine",
+    "NoFreeBlocksError": "engine.kv_cache_manager",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",

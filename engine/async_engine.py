@@ -17,7 +17,8 @@ import torch
 
 from engine.core_share import CoreShare
 # EngineDeadError: re-exported (callers catch it from here).
-from engine.engine_front import EngineDeadError, EngineFront, EngineStepTimeout  # noqa: F401
+from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S,  # noqa: F401
+                                 EngineDeadError, EngineFront, EngineStepTimeout)
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -32,12 +33,8 @@ _IDLE_TICK_S = 0.2
 # kill), which also fails a collective stuck on one of them, and the thread gets this long to
 # unwind. A worker that is stopped or wedged never holds shutdown longer than that.
 _STEP_GRACE_S = 3.0
-# How long fresh_stats() waits for a running step before answering with the last step's stats.
-FRESH_STATS_WAIT_S = 0.25
 _THREAD_EXIT_S = 2.0
-# What shutdown() takes at worst (the sum above). A service's stop is its drain, the gRPC
-# server's stop grace, then this: the launcher's stop grace (router.launcher) covers all three.
-SHUTDOWN_TIMEOUT_S = 12.0
+# shutdown() takes at worst SHUTDOWN_TIMEOUT_S (engine.engine_front): the sum above.
 
 
 class AsyncEngine(EngineFront):

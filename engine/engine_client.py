@@ -25,10 +25,10 @@ import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from engine.async_engine import FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S
-from engine.engine_front import EngineDeadError, EngineFront
-from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed, decode_output
-from engine.engine_proc import EngineProcInfo, EngineProcSpec
+from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S, EngineDeadError,
+                                 EngineFront)
+from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
+                                PipeClosed, decode_output)
 from engine.outputs import EngineStats, KVAllocation
 from engine.sampling_params import SamplingParams
 

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
 
+# How long fresh_stats() waits for a running step before answering with the last step's stats.
+FRESH_STATS_WAIT_S = 0.25
+# What shutdown() takes at worst (the engine thread's: engine.async_engine; the engine
+# process's stop waits as long). A service's stop is its drain, the gRPC server's stop grace,
+# then this: the launcher's stop grace (router.launcher) covers all three.
+SHUTDOWN_TIMEOUT_S = 12.0
+
 
 class EngineDeadError(RuntimeError):
     """The engine stopped (a step raised, its process exited, or it was shut down)."""

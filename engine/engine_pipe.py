@@ -12,11 +12,36 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 
-from engine.outputs import RequestOutput
+from engine.config import EngineConfig
+from engine.core_share import CoreShareConfig
+from engine.outputs import EngineStats, RequestOutput
 
 _HEADER = struct.Struct("!I")
 _READ_BYTES = 1 << 20
+
+
+@dataclass
+class EngineProcSpec:
+    """What the worker sends first: how to build and run the engine."""
+
+    engine: EngineConfig
+    # Its base_threads is at most the engine's: the engine process lowers it to its torch
+    # thread count (the worker never imports torch to ask).
+    core_share: CoreShareConfig | None = None
+    step_timeout_s: float | None = None
+
+
+@dataclass
+class EngineProcInfo:
+    """What the worker learns once the engine is built (static for the engine's life)."""
+
+    pid: int
+    max_model_len: int
+    kv_cache_layouts: list
+    kv_transfer_handles: list
+    stats: EngineStats
 
 
 class PipeClosed(Exception):

@@ -21,6 +21,7 @@ exited, even SIGKILLed) shuts the engine down and ends the process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -30,12 +31,13 @@ import signal
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+
+import torch
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core_share import CoreShare, CoreShareConfig
-from engine.engine_pipe import FrameReader, FrameWriter, PipeClosed, encode_output
+from engine.core_share import CoreShare
+from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
+                                PipeClosed, encode_output)
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
@@ -49,26 +51,6 @@ POOL_METHODS = frozenset({"add_prefilled_request", "commit_prefilled", "pull_kv"
                           "get_stats"})
 # Quick, and in order with the steps: run on this process's loop.
 INLINE_METHODS = frozenset({"add_request"})
-
-
-@dataclass
-class EngineProcSpec:
-    """What the worker sends first: how to build and run the engine."""
-
-    engine: EngineConfig
-    core_share: CoreShareConfig | None = None
-    step_timeout_s: float | None = None
-
-
-@dataclass
-class EngineProcInfo:
-    """What the worker learns once the engine is built (static for the engine's life)."""
-
-    pid: int
-    max_model_len: int
-    kv_cache_layouts: list
-    kv_transfer_handles: list
-    stats: EngineStats
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -207,7 +189,10 @@ async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
         pipe.send(("failed", portable(e)))
         pipe.close()
         return
-    share = CoreShare(spec.core_share) if spec.core_share is not None else None
+    share = None
+    if spec.core_share is not None:
+        share = CoreShare(dataclasses.replace(spec.core_share, base_threads=min(
+            spec.core_share.base_threads, torch.get_num_threads())))
     engine = _ChildEngine(llm, pipe, share, spec.step_timeout_s)
     handles = llm.kv_transfer_handles() if spec.engine.kv_transfer_backend else []
     pipe.send(("ready", EngineProcInfo(os.getpid(), llm.max_model_len, llm.kv_cache_layouts(),

@@ -27,6 +27,10 @@ from engine.outputs import PrefixCacheReset
 from engine.request import Request
 
 
+class NoFreeBlocksError(RuntimeError):
+    """The KV cache cannot hold the request right now (retry later or elsewhere)."""
+
+
 @dataclass
 class ComputedBlocks:
     """Leading blocks of a request found in the prefix cache (not yet held by it)."""

@@ -18,13 +18,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: workers and routers read layouts too
+    import torch
 
-from engine.model_config import ModelConfig
-from engine.parallel_state import kv_head_range
+    from engine.model_config import ModelConfig
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The cache dtypes a layout names.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # Named in every layout so that a peer built with another dimension order is refused by the
 # layout check instead of moving the wrong bytes.
 BLOCK_MAJOR = "block,layer,kv,token,head,dim"
@@ -91,11 +93,21 @@ class KVCacheLayout:
         return cls.from_dict(fields)
 
 
+def dtype_name(dtype: torch.dtype) -> str | None:
+    """A torch dtype's name in layouts ("float32", ...); None for a dtype caches never have."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in DTYPE_NAMES else None
+
+
 def make_layout(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                 tp_rank: int = 0, tp_size: int = 1) -> KVCacheLayout:
+    from engine.parallel_state import kv_head_range
+
+    if dtype_name(dtype) is None:
+        raise ValueError(f"a KV cache cannot hold {dtype} (choose from {DTYPE_NAMES})")
     heads = kv_head_range(cfg.num_key_value_heads, tp_size, tp_rank)
     return KVCacheLayout(
         num_layers=cfg.num_hidden_layers, num_blocks=num_blocks, block_size=block_size,
         num_kv_heads=heads.num, kv_head_start=heads.start,
         total_num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim,
-        dtype=DTYPE_NAMES[dtype], tp_rank=tp_rank, tp_size=tp_size)
+        dtype=dtype_name(dtype), tp_rank=tp_rank, tp_size=tp_size)

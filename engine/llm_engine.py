@@ -17,7 +17,7 @@ import torch
 
 from engine.bad_words import tokenize_bad_words
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, NoFreeBlocksError  # noqa: F401 (re-export)
 from engine.model_config import ModelConfig
 from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
@@ -30,10 +30,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sampler import Sampler
 from engine.setup import EngineSetup, resolve_engine, resolve_max_model_len
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The KV cache cannot hold the request right now (retry later or elsewhere)."""
 
 
 @dataclass

@@ -16,21 +16,22 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
-from engine.async_engine import AsyncEngine
-from engine.engine_client import EngineProcess, RemoteLLM
-from engine.engine_front import EngineDeadError, EngineFront
-from engine.engine_proc import EngineProcSpec
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
+from engine.engine_client import EngineProcess, RemoteLLM
+from engine.engine_front import EngineDeadError, EngineFront
+from engine.engine_pipe import EngineProcSpec
 from engine.grpc_server import ServerConfig
+from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
-from engine.llm_engine import LLMEngine, NoFreeBlocksError
-from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from protos import common_pb2
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,12 @@ class WorkerRuntime:
         self.llm = engine
         self.engine: EngineFront
         if front is None:
+            # With the engine in this process (the engine thread); torch only then, so that a
+            # worker whose engine runs in a process of its own never loads it.
+            import torch
+
+            from engine.async_engine import AsyncEngine
+
             share = config.core_share_config(torch.get_num_threads())
             self.engine = AsyncEngine(engine, on_step=self._on_step,
                                       core_share=CoreShare(share) if share else None,
@@ -196,15 +203,20 @@ class WorkerRuntime:
 
     @classmethod
     async def create(cls, config: WorkerConfig) -> WorkerRuntime:
-        # The loop's executor runs the engine's side jobs (KV pulls, stats, commits): on one
-        # OpenMP thread each, so they never start teams beside the engine thread's.
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(
-            thread_name_prefix="pdserve-worker", initializer=use_one_openmp_thread))
+        loop = asyncio.get_running_loop()
         if config.engine_process:
+            loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="pdserve-worker"))
             front = await EngineProcess.start(EngineProcSpec(
-                config.engine_config(), config.core_share_config(torch.get_num_threads()),
+                config.engine_config(), config.core_share_config(config.shared_cores),
                 config.engine_step_timeout_s))
             return cls(config, front.llm, front)
+        from engine.llm_engine import LLMEngine
+        from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
+
+        # The loop's executor runs the engine's side jobs (KV pulls, stats, commits): on one
+        # OpenMP thread each, so they never start teams beside the engine thread's.
+        loop.set_default_executor(ThreadPoolExecutor(
+            thread_name_prefix="pdserve-worker", initializer=use_one_openmp_thread))
         # Loading weights (and starting TP ranks) takes seconds: off the loop, and in a thread
         # that ends once built, so its OpenMP team does not outlive it (engine/openmp_threads).
         engine = await asyncio.to_thread(call_in_own_thread, LLMEngine, config.engine_config())

@@ -1,14 +1,39 @@
-"""Moving paged KV blocks between engines (per TP rank): handles, layout checks, backends."""
+"""Moving paged KV blocks between engines (per TP rank): handles, layout checks, backends.
+
+The package's names are imported when first used: a worker whose engine runs in a process of
+its own (``--engine-process``) reads handles and errors here without loading torch.
+"""
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING
 
-from engine.kv_layout import KVCacheLayout
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.errors import LayoutMismatchError, PeerGoneError, TransferError, TransferTimeout
-from kvtransfer.handle import BACKENDS, KVAgentHandle
-from kvtransfer.plan import check_compatible, plan_heads
-from kvtransfer.types import TransferCounters, TransferStats
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kv_layout import KVCacheLayout
+    from kvtransfer.agent import KVTransferAgent
+
+_EXPORTS = {
+    "KVTransferAgent": "kvtransfer.agent",
+    "LayoutMismatchError": "kvtransfer.errors",
+    "PeerGoneError": "kvtransfer.errors",
+    "TransferError": "kvtransfer.errors",
+    "TransferTimeout": "kvtransfer.errors",
+    "BACKENDS": "kvtransfer.handle",
+    "KVAgentHandle": "kvtransfer.handle",
+    "check_compatible": "kvtransfer.plan",
+    "plan_heads": "kvtransfer.plan",
+    "TransferCounters": "kvtransfer.types",
+    "TransferStats": "kvtransfer.types",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
@@ -21,6 +46,8 @@ def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
     $PDSERVE_NIXL_PULL_STREAMS, else 1): threads a large pull's bytes are copied on.
     ``serves_reads`` False (an agent that only pulls) lets NIXL's owner-side progress idle.
     """
+    from kvtransfer.handle import BACKENDS
+
     if backend == "nixl":
         from kvtransfer.nixl_agent import NixlKVAgent
         return NixlKVAgent(cache, layout, name, pull_streams, serves_reads)
@@ -32,6 +59,4 @@ def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
     raise ValueError(f"unknown KV transfer backend {backend!r} (choose from {BACKENDS})")
 
 
-__all__ = ["BACKENDS", "KVAgentHandle", "KVTransferAgent", "LayoutMismatchError",
-           "PeerGoneError", "TransferCounters", "TransferError", "TransferStats",
-           "TransferTimeout", "check_compatible", "make_agent", "plan_heads"]
+__all__ = [*_EXPORTS, "make_agent"]

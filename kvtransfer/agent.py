@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.kv_layout import DTYPE_NAMES, KVCacheLayout
+from engine.kv_layout import KVCacheLayout, dtype_name
 from kvtransfer.errors import TransferError, TransferTimeout
 from kvtransfer.handle import KVAgentHandle
 from kvtransfer.plan import PullJob, plan_pull
@@ -34,7 +34,7 @@ class KVTransferAgent(ABC):
         if tuple(cache.shape) != layout.shape or not cache.is_contiguous():
             raise ValueError(f"cache of shape {tuple(cache.shape)} (contiguous: "
                              f"{cache.is_contiguous()}) does not match layout {layout.shape}")
-        if DTYPE_NAMES.get(cache.dtype) != layout.dtype:
+        if dtype_name(cache.dtype) != layout.dtype:
             raise ValueError(f"cache dtype {cache.dtype} does not match layout {layout.dtype}")
         self.cache = cache
         self.layout = layout

@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_client import EngineProcess
 from engine.engine_front import EngineDeadError
-from engine.engine_proc import EngineProcSpec
+from engine.engine_pipe import EngineProcSpec
 
 MODEL = "micro-llama"
 
@@ -200,6 +200,9 @@ def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_
         workers = [p for p in cluster.procs if p.role != "router"]
         engines = {p.role: _engine_child(p.popen.pid) for p in workers}
         got = stream_greedy(cluster.router_address, prompts, max_tokens)
+        # The workers serve without torch (~250 MB each); their engine processes load it.
+        torch_in = {pid: _maps_torch(pid) for pid in [p.popen.pid for p in workers]
+                    + list(engines.values())}
         wait_all_blocks_free([p.address for p in workers])
         decode = next(p for p in workers if p.role == "decode")
         os.kill(engines["decode"], signal.SIGKILL)
@@ -214,6 +217,13 @@ def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_
         assert toks == w.token_ids
         assert final.usage.timings.kv_transfer_s > 0
     assert code != 0 and orphan_gone
+    assert [torch_in[p.popen.pid] for p in workers] == [False, False]
+    assert all(torch_in[pid] for pid in engines.values())
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
 
 
 def test_messages_arrive_whole_through_a_non_blocking_reader_whatever_their_size():
