@@ -5,9 +5,8 @@ The names below are imported when first used, so that importing a torch-free par
 package (the gRPC server's lifecycle, the tokenizer, sampling parameters) does not import
 torch: the router and the command line's client side stay light.
 """
-import importlib
-
 import kernels  # noqa: F401  (first: it sets up oneMKL's dispatch before torch is imported)
+from engine.lazy_names import lazy_getattr
 
 _EXPORTS = {
     "LLM": "engine.llm",
@@ -19,13 +18,5 @@ _EXPORTS = {
     "KVLease": "engine.outputs",
     "KVAllocation": "engine.outputs",
 }
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 __all__ = list(_EXPORTS)

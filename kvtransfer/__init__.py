@@ -5,8 +5,9 @@ its own (``--engine-process``) reads handles and errors here without loading tor
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from engine.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
     import torch
@@ -27,13 +28,7 @@ _EXPORTS = {
     "TransferCounters": "kvtransfer.types",
     "TransferStats": "kvtransfer.types",
 }
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 def make_agent(backend: str, cache: torch.Tensor, layout: KVCacheLayout,
