@@ -51,6 +51,10 @@ async def first_while_watched(calls: WatchedCalls, chunks: AsyncIterator):
             first.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await first  # the leg's cleanup (its cancel to the decode worker) runs
+        elif not first.cancelled():
+            # Read now: a caller cancelled as the item failed (a deadline ends both the
+            # handler and the leg in one loop turn) never asks, and asyncio would log it.
+            first.exception()
     if cut.reason is not None and first.cancelled():
         raise cut.error()
     return first.result()

@@ -170,6 +170,36 @@ def test_watched_calls_are_forgotten_once_done():
     assert calls.cut_all("again") == 0
 
 
+def test_a_first_item_failing_as_its_caller_is_cancelled_leaves_nothing_unread():
+    # A client's deadline cancels the router's handler and fails the decode leg in the same
+    # loop turn: the leg's error must not reach asyncio's "never retrieved" log (found by a
+    # soak run: dozens of tracebacks in the router's log under short deadlines).
+    import gc
+
+    from router.liveness import first_while_watched
+
+    unread = []
+
+    async def run():
+        asyncio.get_running_loop().set_exception_handler(lambda _l, ctx: unread.append(ctx))
+        handler = None
+
+        async def chunks():
+            handler.cancel()
+            raise RuntimeError("the leg's deadline")
+            yield  # an async generator
+
+        handler = asyncio.ensure_future(first_while_watched(WatchedCalls(), chunks()))
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    gc.collect()
+    assert unread == []
+
+
 @pytest.mark.parametrize("bad", [dict(interval_s=-1), dict(interval_s=0.001),
                                  dict(interval_s=True), dict(misses=0), dict(misses=2.5),
                                  dict(interval_s="2")])
