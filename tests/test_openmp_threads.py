@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from engine import worker_runtime
+from engine import llm_engine
 from engine.config import EngineConfig
 from engine.openmp_threads import _libgomp, call_in_own_thread, use_one_openmp_thread
 from engine.worker_runtime import WorkerConfig, WorkerRuntime
@@ -154,7 +154,8 @@ def test_a_worker_builds_its_engine_in_a_thread_that_ends_and_pins_its_executor(
         seen["threads"] = torch.get_num_threads()
         raise Built  # stop create() here: what follows needs a real engine
 
-    monkeypatch.setattr(worker_runtime, "LLMEngine", fake_engine)
+    # create() imports LLMEngine when it builds an engine thread's engine.
+    monkeypatch.setattr(llm_engine, "LLMEngine", fake_engine)
     cfg = WorkerConfig(engine=EngineConfig("tiny-llama", role="prefill", kv_transfer_backend="nixl"))
 
     async def main() -> int:
