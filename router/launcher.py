@@ -510,7 +510,11 @@ def _on_cpu(args: list[str]) -> bool:
 @functools.cache
 def cuda_device_count() -> int:
     """The GPUs torch sees on this host, asked of a short-lived process: the launcher runs as
-    long as its cluster and computes nothing, so it does not keep torch (~250 MB) loaded."""
+    long as its cluster and computes nothing, so it does not keep torch (~250 MB) loaded.
+    A process that has torch already (a test, a benchmark) asks it directly."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.device_count()
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
         capture_output=True, text=True, timeout=120)
