@@ -60,23 +60,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # --- RPCs -----------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
         try:
-            with self.stats.track():
-                chunks = self._generate(request, context, time.monotonic())
-                async with contextlib.aclosing(chunks):
-                    async for chunk in chunks:
-                        yield chunk
+            chunks = self._generate(request, context, time.monotonic())
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await self._abort(context, e)
 
     async def Complete(self, request: router_pb2.GenerateRequest, context):
         merged: dict[int, router_pb2.GenerateChunk] = {}  # per sequence index
         try:
-            with self.stats.track():
-                async for chunk in self._generate(request, context, time.monotonic()):
-                    if chunk.index in merged:
-                        merge_chunk(merged[chunk.index], chunk)
-                    else:
-                        merged[chunk.index] = chunk
+            async for chunk in self._generate(request, context, time.monotonic()):
+                if chunk.index in merged:
+                    merge_chunk(merged[chunk.index], chunk)
+                else:
+                    merged[chunk.index] = chunk
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
         return _complete_response([merged[i] for i in sorted(merged)])
@@ -124,6 +122,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         runs: list[RequestRun] = []
         status, error, finish = "OK", "", ""
+        self.stats.requests_total += 1
         try:
             check_request_id(rid)
             # Filled in the request itself, so that the workers get the same values.
@@ -133,6 +132,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
             prompt = self.model.truncated(self.model.prompt_ids(request), request.sampling)
+            # Checked again per attempt, once the workers are known (0 until then).
+            self.directory.check_prompt_fits(len(prompt) + len(resumed))
             if n == 1:
                 runs.append(RequestRun(rid, prompt, t0, resumed=resumed))
                 chunks = self._sequence(runs[0], request, context)
@@ -141,7 +142,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 chunks = fan_out(rid, [functools.partial(
                     self._sequence, run, sequence_request(request, i), context)
                     for i, run in enumerate(runs)])
-            with self.inflight.track(rid, runs) as entry:
+            # Admitted only once valid: a bad request is INVALID_ARGUMENT under any load, and
+            # one the router is too full for is still logged.
+            with self.stats.admit(), self.inflight.track(rid, runs) as entry:
                 try:
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:

@@ -52,13 +52,13 @@ class RouterStats:
         default_factory=lambda: {p: _latency() for p in PHASES})
 
     @contextlib.contextmanager
-    def track(self):
-        """Counts a request; refuses it at once when the router is full."""
+    def admit(self):
+        """Counts a valid request in flight while it runs; refuses it at once when the router
+        is full. (``requests_total`` counts every request received, valid or not.)"""
         if self.requests_in_flight >= self.max_inflight:
             raise RouterRejectError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"the router has {self.requests_in_flight} requests in "
                                     f"flight (max_inflight_requests={self.max_inflight})")
-        self.requests_total += 1
         self.requests_in_flight += 1
         try:
             yield

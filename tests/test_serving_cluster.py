@@ -260,6 +260,41 @@ def test_more_load_than_allowed_is_refused_not_queued(cluster):
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
 
 
+def _raw_complete_error(cluster, request: router_pb2.GenerateRequest) -> grpc.RpcError:
+    """What the router answers ``request`` with, past the SDK's own checks."""
+    with grpc.insecure_channel(cluster.router_address) as ch, \
+            pytest.raises(grpc.RpcError) as refused:
+        router_pb2_grpc.RouterStub(ch).Complete(request, timeout=10)
+    return refused.value
+
+
+def test_a_full_router_still_names_a_bad_request(cluster):
+    # The router admits a request once it is valid: a bad one is INVALID_ARGUMENT however
+    # full the router is (a client must not retry it), a good one RESOURCE_EXHAUSTED.
+    prompts = random_prompts(6, seed=17, lo=8, hi=8)
+    with Client(cluster.router_address, timeout=120) as c:
+        streams = [c.generate(p, max_tokens=250, **GREEDY) for p in prompts]
+        try:
+            for s in streams:  # each one's first token: all 6 (the limit) are in flight
+                next(s)
+            stats = _admin(cluster).GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=10)
+            assert stats.requests_in_flight == 6
+            bad_sampling = _raw_complete_error(cluster, router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=prompts[0]),
+                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=-1.0)))
+            too_long = _raw_complete_error(cluster, router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=[5] * 1100)))  # max_model_len is 1024
+            for refused, what in ((bad_sampling, "temperature"), (too_long, "max_model_len")):
+                assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert what in refused.details()
+            with pytest.raises(ResourceExhaustedError, match="in flight"):
+                c.complete(prompts[0], max_tokens=4, **GREEDY)
+        finally:
+            for s in streams:
+                s.close()
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"])
+
+
 def test_the_admin_command_lists_counts_and_drains(cluster, capsys):
     from engine.cli import main as cli_main
 
