@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from engine.call_abort import abort_call
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
 from engine.engine_client import EngineProcess, RemoteLLM
@@ -150,7 +151,7 @@ def status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    await context.abort(*status_and_message(exc))
+    await abort_call(context, *status_and_message(exc))
 
 
 class WorkerRuntime:

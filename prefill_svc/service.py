@@ -12,6 +12,7 @@ import uuid
 
 import grpc
 
+from engine.call_abort import abort_call
 from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
@@ -37,7 +38,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await abort_for(context, e)
         if resp is None:
-            await context.abort(grpc.StatusCode.CANCELLED, "the request's KV was released "
+            await abort_call(context, grpc.StatusCode.CANCELLED, "the request's KV was released "
                                 "(ReleaseKV) before its prefill ended")
         return resp
 
@@ -103,7 +104,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKVResponse:
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         held = self._leases.pop(request.request_id, None)
         if held is None:
             self._released_early[request.request_id] = True

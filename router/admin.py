@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from engine.call_abort import abort_call
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory, WorkerHandle
 from router.inflight import InflightRequests
@@ -30,7 +31,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
 
     async def ListWorkers(self, request, context):
         if request.role and request.role not in ROLES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"role must be one of {ROLES} or empty, got {request.role!r}")
         async with _registry(context):
             workers = await self.directory.registry.live_workers(request.role or None)
@@ -57,7 +58,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         async with _registry(context):
             known = {w.worker_id for w in await self.directory.registry.live_workers()}
         if request.worker_id not in known:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await abort_call(context, grpc.StatusCode.NOT_FOUND,
                                 f"no live worker {request.worker_id!r}")
         async with _registry(context):
             await self.directory.registry.set_drained(request.worker_id, not request.undrain)
@@ -69,13 +70,13 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
 
     async def CancelRequest(self, request, context):
         if not self.inflight.cancel(request.request_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await abort_call(context, grpc.StatusCode.NOT_FOUND,
                                 f"no request {request.request_id!r} in flight on this router")
         return router_pb2.CancelRequestResponse()
 
     async def ListTransfers(self, request, context):
         if not 0 <= request.limit <= MAX_LIST_LIMIT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
         ledger = self.directory.registry.ledger
         async with _registry(context):
@@ -95,7 +96,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
 
     async def ResetPrefixCache(self, request, context):
         if request.role and request.role not in ROLES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
                                 f"role must be one of {ROLES} or empty, got {request.role!r}")
         await self.directory.refresh_if_reachable()
         workers = sorted((w for w in self.directory.workers.values()
@@ -103,7 +104,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
                           and (not request.worker_id or w.worker_id == request.worker_id)),
                          key=lambda w: w.worker_id)
         if request.worker_id and not workers:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await abort_call(context, grpc.StatusCode.NOT_FOUND,
                                 f"no routable worker {request.worker_id!r}"
                                 + (f" with role {request.role}" if request.role else ""))
         done = await asyncio.gather(*(_reset_prefix_cache(w) for w in workers))
@@ -131,5 +132,5 @@ async def _registry(context):
     try:
         yield
     except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
+        await abort_call(context, grpc.StatusCode.UNAVAILABLE,
                             f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")

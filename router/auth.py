@@ -13,6 +13,7 @@ import hmac
 import grpc
 
 from client.channels import check_api_key
+from engine.call_abort import abort_call
 
 PROTECTED_PREFIXES = ("/pdserve.v1.Router/", "/pdserve.v1.RouterAdmin/")
 
@@ -42,10 +43,10 @@ def _deny_handlers() -> dict[str, grpc.RpcMethodHandler]:
     message = "a valid API key is required (authorization: Bearer <key>)"
 
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await abort_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await abort_call(context, grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # an async generator, as a server-streaming handler is
 
     return {"unary": grpc.unary_unary_rpc_method_handler(unary),

@@ -24,6 +24,7 @@ import uuid
 import grpc
 
 from engine.block_hash import hash_request_tokens
+from engine.call_abort import abort_call
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.config import RouterConfig
@@ -544,4 +545,4 @@ async def _refuse(context, e: Exception) -> None:
     code, msg = status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-    await context.abort(code, msg)
+    await abort_call(context, code, msg)

@@ -24,10 +24,19 @@ from router.service import RouterServicer
 from router.stats import RouterStats
 
 
+class _Directory:
+    @contextlib.contextmanager
+    def inflight(self, worker):
+        yield
+
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        """As WorkerDirectory's while no worker is known: any length passes."""
+
+
 def _servicer(stall_after: int | None = None) -> RouterServicer:
     model = load_served_model("tiny-llama", "auto", None)
     servicer = RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused"),
-                              None, model, RouterStats(8))
+                              _Directory(), model, RouterStats(8))
 
     async def sequence(run, request, context):  # what the workers would stream
         for i in range(100):
@@ -127,12 +136,6 @@ class _PrefillStub:
         return worker_pb2.ReleaseKVResponse(released=True)
 
 
-class _Directory:
-    @contextlib.contextmanager
-    def inflight(self, worker):
-        yield
-
-
 class _Context:
     def time_remaining(self) -> float:
         return 30.0
@@ -141,7 +144,6 @@ class _Context:
 def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str]:
     """The ids ReleaseKV was called with: "attempt" for the attempt's own."""
     servicer = _servicer()
-    servicer.directory = _Directory()
     prefill = WorkerHandle(common_pb2.WorkerInfo(worker_id="prefill-x", role="prefill"),
                            None, stub, None)
     run = RequestRun("r9", [11, 12, 13], time.monotonic())

@@ -1,0 +1,24 @@
+"""Ending a gRPC call with an error status, for every service's handlers.
+
+A status send fails (grpc's ExecuteBatchError) only when the call has already ended under the
+handler: its deadline passed, or the client left, in the instant the handler refused it.
+Nothing can reach the caller then, and grpc logs a handler that raises that error as a failure
+with a traceback (a soak run of ~20,000 requests met it 8 times); a handler that ends cancelled
+is logged at debug level, as a client's cancel is.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import NoReturn
+
+import grpc
+from grpc._cython.cygrpc import ExecuteBatchError  # grpc.aio does not export it
+
+
+async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                     message: str) -> NoReturn:
+    try:
+        await context.abort(code, message)
+    except ExecuteBatchError:
+        raise asyncio.CancelledError from None
+    raise AssertionError("context.abort returned")  # it always raises AbortError

@@ -1,0 +1,49 @@
+"""engine/call_abort.py: a refusal reaches the caller with its status; one that finds the call
+already ended ends the handler cancelled, which grpc does not log as a failure."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc._cython.cygrpc import ExecuteBatchError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.call_abort import abort_call
+
+
+class _Refusing(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):
+        await abort_call(context, grpc.StatusCode.NOT_FOUND, f"no service {request.service!r}")
+
+
+def test_the_caller_reads_the_status_and_message():
+    async def main():
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(_Refusing(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="x"), timeout=10)
+            return refused.value
+        finally:
+            await server.stop(0)
+
+    refused = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.details() == "no service 'x'"
+
+
+class _EndedCall:
+    """A context whose call ended before the status could be sent (grpc fails the batch)."""
+
+    async def abort(self, code, message):
+        raise ExecuteBatchError("Failed \"execute_batch\"")
+
+
+def test_a_refusal_after_the_call_ended_ends_the_handler_cancelled():
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(abort_call(_EndedCall(), grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
