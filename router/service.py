@@ -24,7 +24,7 @@ import uuid
 import grpc
 
 from engine.block_hash import hash_request_tokens
-from engine.call_abort import abort_call
+from engine.call_abort import abort_call, write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.config import RouterConfig
@@ -64,7 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             chunks = self._generate(request, context, time.monotonic())
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    yield chunk
+                    await write_message(context, chunk)
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
             await self._abort(context, e)
 

@@ -1,5 +1,6 @@
 """engine/call_abort.py: a refusal reaches the caller with its status; one that finds the call
-already ended ends the handler cancelled, which grpc does not log as a failure."""
+already ended, or a write to such a call, ends the handler cancelled, which grpc does not log
+as a failure."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ import pytest
 from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.call_abort import abort_call
+from engine.call_abort import abort_call, write_message
 
 
 class _Refusing(health_pb2_grpc.HealthServicer):
@@ -38,12 +39,20 @@ def test_the_caller_reads_the_status_and_message():
 
 
 class _EndedCall:
-    """A context whose call ended before the status could be sent (grpc fails the batch)."""
+    """A context whose call ended before anything could be sent (grpc fails the batch)."""
 
     async def abort(self, code, message):
+        raise ExecuteBatchError("Failed \"execute_batch\"")
+
+    async def write(self, message):
         raise ExecuteBatchError("Failed \"execute_batch\"")
 
 
 def test_a_refusal_after_the_call_ended_ends_the_handler_cancelled():
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(abort_call(_EndedCall(), grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+
+
+def test_a_write_after_the_call_ended_ends_the_handler_cancelled():
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(write_message(_EndedCall(), health_pb2.HealthCheckResponse()))
