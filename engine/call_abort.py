@@ -11,25 +11,30 @@ level, as a client's cancel is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import NoReturn
 
 import grpc
 from grpc._cython.cygrpc import ExecuteBatchError  # grpc.aio does not export it
 
 
-async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                     message: str) -> NoReturn:
+@contextlib.asynccontextmanager
+async def _ended_call_cancels():
     try:
-        await context.abort(code, message)
+        yield
     except ExecuteBatchError:
         raise asyncio.CancelledError from None
+
+
+async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                     message: str) -> NoReturn:
+    async with _ended_call_cancels():
+        await context.abort(code, message)
     raise AssertionError("context.abort returned")  # it always raises AbortError
 
 
 async def write_message(context: grpc.aio.ServicerContext, message) -> None:
     """``context.write``, in a server-streaming handler that writes rather than yields: a
     generator's messages are written by grpc, out of the handler's reach."""
-    try:
+    async with _ended_call_cancels():
         await context.write(message)
-    except ExecuteBatchError:
-        raise asyncio.CancelledError from None

@@ -39,7 +39,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_for(context, e)
         if resp is None:
             await abort_call(context, grpc.StatusCode.CANCELLED, "the request's KV was released "
-                                "(ReleaseKV) before its prefill ended")
+                             "(ReleaseKV) before its prefill ended")
         return resp
 
     async def _prefill(self, request: worker_pb2.PrefillRequest

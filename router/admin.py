@@ -32,7 +32,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def ListWorkers(self, request, context):
         if request.role and request.role not in ROLES:
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role must be one of {ROLES} or empty, got {request.role!r}")
+                             f"role must be one of {ROLES} or empty, got {request.role!r}")
         async with _registry(context):
             workers = await self.directory.registry.live_workers(request.role or None)
         return router_pb2.ListWorkersResponse(workers=workers)
@@ -59,7 +59,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             known = {w.worker_id for w in await self.directory.registry.live_workers()}
         if request.worker_id not in known:
             await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                                f"no live worker {request.worker_id!r}")
+                             f"no live worker {request.worker_id!r}")
         async with _registry(context):
             await self.directory.registry.set_drained(request.worker_id, not request.undrain)
             await self.directory.refresh()
@@ -71,13 +71,13 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def CancelRequest(self, request, context):
         if not self.inflight.cancel(request.request_id):
             await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                                f"no request {request.request_id!r} in flight on this router")
+                             f"no request {request.request_id!r} in flight on this router")
         return router_pb2.CancelRequestResponse()
 
     async def ListTransfers(self, request, context):
         if not 0 <= request.limit <= MAX_LIST_LIMIT:
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
+                             f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
         ledger = self.directory.registry.ledger
         async with _registry(context):
             entries, omitted = await ledger.entries(request.limit or DEFAULT_LIST_LIMIT)
@@ -97,7 +97,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
     async def ResetPrefixCache(self, request, context):
         if request.role and request.role not in ROLES:
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role must be one of {ROLES} or empty, got {request.role!r}")
+                             f"role must be one of {ROLES} or empty, got {request.role!r}")
         await self.directory.refresh_if_reachable()
         workers = sorted((w for w in self.directory.workers.values()
                           if (not request.role or w.info.role == request.role)
@@ -105,8 +105,8 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
                          key=lambda w: w.worker_id)
         if request.worker_id and not workers:
             await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                                f"no routable worker {request.worker_id!r}"
-                                + (f" with role {request.role}" if request.role else ""))
+                             f"no routable worker {request.worker_id!r}"
+                             + (f" with role {request.role}" if request.role else ""))
         done = await asyncio.gather(*(_reset_prefix_cache(w) for w in workers))
         return router_pb2.ResetPrefixCacheResponse(workers=done)
 
@@ -133,4 +133,4 @@ async def _registry(context):
         yield
     except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
         await abort_call(context, grpc.StatusCode.UNAVAILABLE,
-                            f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")
+                         f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")
