@@ -5,10 +5,13 @@
 #
 #   bash bench/gpu_check.sh [PART...]   # logs and JSON land in $OUT (or /tmp/gpu-check)
 #
-# Parts (all of them, in this order, when none is named; ~5.5 min on an H100 without serve):
+# Parts (tests, bench, profile and serve, in this order, when none is named; ~5.5 min on an H100
+# without serve):
 #   tests    NIXL's VRAM path between two processes; the fused Triton kernels against their
 #            torch references; engine parity and CUDA graphs (fused kernels on, the default);
 #            the serving stack on one GPU
+#   smoke    NIXL's VRAM path, the attention kernels' compile-once check and the serving
+#            stack: ~2 min, for a lease too short for the whole of tests beside serve
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
 #   serve    `bench serve` at --stream-interval 1 and 8, then at 1 with --engine-process (each
@@ -31,15 +34,26 @@ step() {  # step LIMIT_S CMD...: runs CMD under LIMIT_S seconds, logs its output
   echo "== rc=${PIPESTATUS[0]}" | tee -a "$log"
 }
 
-part_tests() {
+versions() {
   step 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   step 60 python3 -c "import torch, triton, transformers, grpc, google.protobuf as pb, nixl
 print(torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__,
       grpc.__version__, pb.__version__, torch.cuda.get_device_name())"
+}
+
+part_tests() {
+  versions
   step 60 "${pytest_q[@]}" -m gpu tests/test_kvtransfer.py
-  step 120 "${pytest_q[@]}" tests/test_triton_fused.py
+  step 150 "${pytest_q[@]}" tests/test_triton_fused.py tests/test_triton_kernels.py
   step 240 "${pytest_q[@]}" -m "not slow" tests/test_gpu_parity.py tests/test_cuda_graph.py \
     tests/test_model_parity.py
+  step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
+}
+
+part_smoke() {
+  versions
+  step 60 "${pytest_q[@]}" -m gpu tests/test_kvtransfer.py
+  step 90 "${pytest_q[@]}" tests/test_triton_kernels.py -k compiles_once
   step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
 }
 
@@ -75,8 +89,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench profile serve)
 for p in "${parts[@]}"; do
   case $p in
-    tests | bench | profile | serve) "part_$p" ;;
-    *) echo "unknown part $p (tests, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
+    tests | smoke | bench | profile | serve) "part_$p" ;;
+    *) echo "unknown part $p (tests, smoke, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
   esac
 done
 grep "^== rc=" "$log" | sort | uniq -c

@@ -21,25 +21,31 @@ from kernels.triton_cache import (check_int_vector, check_kv_caches, check_last_
 DEFAULT_PARTITION_SIZE = 512
 # tl.dot wants every dimension >= 16 on tensor-core GPUs; the padded query rows are masked.
 _MIN_GROUP_BLOCK = 16
+# The reduce kernel's partition tile: 16 x 512 tokens covers contexts up to 8192 in one variant.
+_MIN_REDUCE_BLOCK = 16
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Nothing that follows the batch compiles a variant of its own (see kernels/triton_prefill.py):
+# the partition count is a plain argument, not a constexpr, since outside CUDA graphs it grows
+# with the longest context; the table's row stride likewise.
+@triton.jit(do_not_specialize=["stride_bts", "num_partitions"])
 def _decode_partition_kernel(
     q_ptr,  # [num_seqs, num_heads, head_size]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_tables_ptr,  # [num_seqs, max_num_blocks]
     seq_lens_ptr,  # [num_seqs]
-    out_ptr,  # [num_seqs, num_heads, head_size]: written when NUM_PARTITIONS == 1
-    part_out_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS, head_size] float32
-    part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS] float32
+    out_ptr,  # [num_seqs, num_heads, head_size]: written when num_partitions == 1
+    part_out_ptr,  # [num_seqs, num_heads, num_partitions, head_size] float32
+    part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     stride_qs, stride_qh, stride_os, stride_oh,
     stride_cb, stride_co, stride_ch,
     stride_bts,
+    num_partitions,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PARTITIONS: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,12 +86,12 @@ def _decode_partition_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                                input_precision="ieee")
             m_i = m_new
-        if NUM_PARTITIONS == 1:
+        if num_partitions == 1:
             o = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + dims[None, :]
             tl.store(o, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         else:
-            # Partition stats row of (seq, head): ((seq * num_heads + head) * NUM_PARTITIONS).
-            stat = ((seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * NUM_PARTITIONS
+            # Partition stats row of (seq, head): ((seq * num_heads + head) * num_partitions).
+            stat = ((seq * tl.num_programs(1) * GROUP + heads).to(tl.int64) * num_partitions
                     + part)  # [BLOCK_G]
             tl.store(part_max_ptr + stat, m_i, mask=g_mask)
             tl.store(part_sum_ptr + stat, l_i, mask=g_mask)
@@ -93,15 +99,15 @@ def _decode_partition_kernel(
                      acc / l_i[:, None], mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])
 def _decode_reduce_kernel(
     out_ptr,  # [num_seqs, num_heads, head_size]
-    part_out_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS, head_size] float32
-    part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, NUM_PARTITIONS] float32 (base 2)
+    part_out_ptr,  # [num_seqs, num_heads, num_partitions, head_size] float32
+    part_max_ptr, part_sum_ptr,  # [num_seqs, num_heads, num_partitions] float32 (base 2)
     seq_lens_ptr,  # [num_seqs]
     stride_os, stride_oh,
-    HEAD_SIZE: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-    NUM_PARTITIONS: tl.constexpr, BLOCK_P: tl.constexpr,
+    num_partitions,
+    HEAD_SIZE: tl.constexpr, PARTITION_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -109,7 +115,7 @@ def _decode_reduce_kernel(
     num_parts = tl.cdiv(seq_len, PARTITION_SIZE)  # only these were written
     parts = tl.arange(0, BLOCK_P)
     p_mask = parts < num_parts
-    row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_PARTITIONS
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_partitions
     m = tl.load(part_max_ptr + row + parts, mask=p_mask, other=float("-inf"))  # [BLOCK_P]
     l = tl.load(part_sum_ptr + row + parts, mask=p_mask, other=0.0)
     # Each partition's output is already normalized by its own sum; reweight by its share
@@ -169,26 +175,30 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_max = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32,
                                device=query.device)
         part_sum = torch.empty_like(part_max)
-    else:  # never touched: the partition kernel writes straight to out
-        part_out = part_max = part_sum = out
+    else:
+        # Never touched (the partition kernel writes straight to out), but float32 like the
+        # real ones: a pointer's dtype is part of the kernel's signature, so out's would
+        # compile a second variant for short contexts.
+        part_out = part_max = part_sum = torch.empty(0, dtype=torch.float32, device=query.device)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
         scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), num_partitions,
         GROUP=group, BLOCK_G=max(_MIN_GROUP_BLOCK, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, HEAD_SIZE=head_size,
         DOT_DTYPE=dot_dtype(_decode_partition_kernel, query.dtype),
         # 256-wide heads halve the key tile to keep float32 operands in shared memory.
         PARTITION_SIZE=partition_size, BLOCK_N=min(partition_size, 64 if head_size <= 128 else 32),
-        NUM_PARTITIONS=num_partitions,
     )
     if num_partitions > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens,
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), num_partitions,
             HEAD_SIZE=head_size, PARTITION_SIZE=partition_size,
-            NUM_PARTITIONS=num_partitions, BLOCK_P=triton.next_power_of_2(num_partitions),
+            # One tile width for every context up to _MIN_REDUCE_BLOCK partitions: no variant
+            # per power of two as contexts grow.
+            BLOCK_P=max(_MIN_REDUCE_BLOCK, triton.next_power_of_2(num_partitions)),
         )
     return out

@@ -23,7 +23,14 @@ from kernels.triton_cache import (check_int_vector, check_kv_caches, check_last_
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Arguments that change from step to step compile no variants of their own: Triton would
+# otherwise specialize the table's row stride on divisibility (its width follows the longest
+# context) and the per-sequence vectors on 16-byte alignment (a mixed batch passes them from
+# row num_decodes on), and compile each new combination mid-serving, a second or more each.
+# All three are read as scalars or gathers, so the specializations buy nothing.
+@triton.jit(do_not_specialize=["stride_bts"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_size]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
