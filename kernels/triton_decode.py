@@ -179,7 +179,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         # Never touched (the partition kernel writes straight to out), but float32 like the
         # real ones: a pointer's dtype is part of the kernel's signature, so out's would
         # compile a second variant for short contexts.
-        part_out = part_max = part_sum = torch.empty(0, dtype=torch.float32, device=query.device)
+        part_out = part_max = part_sum = torch.empty(1, dtype=torch.float32, device=query.device)
     _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
         query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
         scale * _LOG2E,
