@@ -56,8 +56,9 @@ class ServeConfig:
     stream_interval: int = 1
     # Partial-block prefix hits (engine/kv_cache_manager.py) in every engine of the run.
     partial_block_hits: bool = True
-    # Every worker of both clusters runs its engine in a process of its own (--engine-process).
-    engine_process: bool = False
+    # Every worker of both clusters runs its engine in a process of its own (--engine-process);
+    # None: the launcher's default (on GPUs, yes), which the run resolves and reports.
+    engine_process: bool | None = None
 
 
 @dataclass
@@ -148,9 +149,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-partial-block-hits", dest="partial_block_hits",
                    action="store_false",
                    help="every engine of the run reuses cached prefixes in whole blocks only")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="every worker of both clusters steps its engine in a process of its "
-                        "own (the workers' --engine-process)")
+                        "own (the workers' --engine-process); default: on a GPU")
     p.add_argument("--no-inprocess", dest="inprocess", action="store_false",
                    help="skip the in-process engine comparison")
     p.add_argument("--no-aggregated", dest="aggregated", action="store_false",

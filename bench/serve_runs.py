@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 from collections import defaultdict
@@ -119,13 +120,14 @@ def run(cfg: ServeConfig) -> ServeReport:
     worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     if not cfg.partial_block_hits:
         worker_args.append("--no-enable-partial-block-hits")
-    if cfg.engine_process:
-        worker_args.append("--engine-process")
+    if cfg.engine_process is None:  # the launcher's default, resolved so the report says it
+        cfg = dataclasses.replace(cfg, engine_process=torch.cuda.is_available())
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=worker_args, router_args=router_args,
-                       share_cores=cfg.share_cores)
+                       share_cores=cfg.share_cores, engine_process=cfg.engine_process)
     agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=worker_args,
-                           router_args=stream, share_cores=cfg.share_cores)
+                           router_args=stream, share_cores=cfg.share_cores,
+                           engine_process=cfg.engine_process)
     rounds = ([[pt for pt in plan_points(cfg, vocab, r) if pt.mode == "concurrency"]
                for r in range(cfg.rounds)] if cfg.concurrency else [])
     open_points = [(k, pt) for k, pt in enumerate(plan_points(cfg, vocab))

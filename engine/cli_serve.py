@@ -234,9 +234,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-core-share", dest="share_cores", action="store_false",
                    help="each worker keeps its own share of the cores, even while the others "
                         "are idle (default: a busy worker borrows idle workers' cores)")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="every worker's engine steps in a process of its own (prefill|decode "
-                        "--engine-process)")
+                        "--engine-process); default: the workers placed on GPUs, TP 1")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router serves Prometheus metrics, its own and every worker's "
                         "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
@@ -325,14 +325,13 @@ def up_spec(args: argparse.Namespace):
             extra += [flag, str(value)]
     if args.enforce_eager:
         extra.append("--enforce-eager")
-    if args.engine_process:
-        extra.append("--engine-process")
     return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
                        router_args=_up_router_args(args),
                        kv_transfer_backend=args.kv_transfer_backend,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       engine_process=args.engine_process)
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

@@ -90,6 +90,12 @@ class ClusterSpec:
     # --gpu-memory-utilization of worker_args, which then applies to each worker as given.
     gpus: tuple[str, ...] | None = None
     gpu_memory_utilization: float | None = None
+    # Workers step their engine in a process of their own (the workers' --engine-process).
+    # None: those the launcher places on GPUs do, where TP is 1. There the step is mostly
+    # Python that would wait on the worker's gRPC loop for the GIL, and the host has idle
+    # cores (an H100, tiny-llama: 1.17-1.18x the cluster's output tokens/s, docs/benchmarks.md);
+    # on CPUs both would compete for the cores the model uses. Not yet run on GPUs with TP.
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -285,12 +291,19 @@ class Cluster:
             env["CUDA_VISIBLE_DEVICES"] = gpus.visible_devices
             if self.gpu_plan.split_memory:
                 args += ["--gpu-memory-utilization", f"{gpus.gpu_memory_utilization:.4g}"]
+        if self._engine_process(gpus, _tp_size(args)) and "--engine-process" not in args:
+            args.append("--engine-process")
         proc = self._spawn(f"{role}-{{port}}", args, env)
         if gpus is not None:
             proc.gpus = gpus
         if wait:
             self._wait_healthy(proc)
         return proc
+
+    def _engine_process(self, gpus: WorkerGpus | None, tp: int) -> bool:
+        if self.spec.engine_process is not None:
+            return self.spec.engine_process
+        return gpus is not None and tp == 1
 
     def _place(self, role: str, tp: int) -> WorkerGpus | None:
         """The GPUs of a new ``role`` worker: its place in the plan, or for one added to the

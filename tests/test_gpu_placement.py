@@ -177,3 +177,37 @@ def test_worker_cli_passes_gpu_memory_utilization_and_checks_it():
     bad = build_parser().parse_args(["decode", "--gpu-memory-utilization", "0"])
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         _worker_config(bad, "decode")
+
+
+@pytest.mark.parametrize("device, engine_process, tp, expected", [
+    ("cuda", None, 1, [True, True]),  # the default on GPUs
+    ("cuda", None, 2, [False, True]),  # ... for TP 1 workers only
+    ("cuda", False, 1, [False, False]),  # --no-engine-process
+    ("cpu", None, 1, [False, False]),  # the default on CPUs
+    ("cpu", True, 1, [True, True]),  # --engine-process
+])
+def test_workers_on_gpus_step_their_engine_in_a_process_of_their_own(
+        stand_in_spawns, device, engine_process, tp, expected):
+    spec = ClusterSpec(num_prefill=1, num_decode=1, prefill_tp=tp, worker_args=["--device", device],
+                       gpus=("0", "1", "2"), redis_url="redis://127.0.0.1:1/0",
+                       engine_process=engine_process)
+    cluster = Cluster(spec)
+    cluster.gpu_plan = spec.gpu_plan()
+    cluster._gpu_slots = list(cluster.gpu_plan.workers) if cluster.gpu_plan else []
+    try:
+        for role in ("prefill", "decode"):
+            cluster.add_worker(role, wait=False)
+        assert [p.args.count("--engine-process") == 1 for p in stand_in_spawns] == expected
+    finally:
+        for p in list(cluster.procs):
+            cluster.stop_proc(p, grace_s=5)
+
+
+def test_up_takes_engine_process_either_way():
+    from engine.cli import build_parser
+    from engine.cli_serve import up_spec
+
+    for flags, expected in (([], None), (["--engine-process"], True),
+                            (["--no-engine-process"], False)):
+        args = build_parser().parse_args(["up", *flags])
+        assert up_spec(args).engine_process is expected
