@@ -16,13 +16,13 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
 def test_one_gpu_serves_a_prefill_and_a_decode_worker(engine_process):
-    """With --engine-process too: each worker's CUDA context, KV cache and NIXL agent are its
+    """With --engine-process (the default on GPUs) and without: each worker's CUDA context, KV cache and NIXL agent are its
     engine process's, the worker itself never touches the GPU."""
     pytest.importorskip("nixl")
     spec = ClusterSpec(worker_args=["--dtype", "float32", "--max-model-len", "1024",
-                                    "--heartbeat-interval-s", "0.3",
-                                    *(["--engine-process"] if engine_process else [])],
-                       router_args=["--max-local-prefill-length", "0"], gpus=("0",))
+                                    "--heartbeat-interval-s", "0.3"],
+                       router_args=["--max-local-prefill-length", "0"], gpus=("0",),
+                       engine_process=engine_process)
     prompts = random_prompts(6, seed=3)
     with Cluster(spec) as cluster:
         workers = [p for p in cluster.procs if p.role != "router"]
