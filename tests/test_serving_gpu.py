@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
 def test_one_gpu_serves_a_prefill_and_a_decode_worker(engine_process):
-    """With --engine-process (the default on GPUs) and without: each worker's CUDA context, KV cache and NIXL agent are its
-    engine process's, the worker itself never touches the GPU."""
+    """With the engine in the worker and in a process of its own (the default on GPUs; then
+    each worker's CUDA context, KV cache and NIXL agent are its engine process's)."""
     pytest.importorskip("nixl")
     spec = ClusterSpec(worker_args=["--dtype", "float32", "--max-model-len", "1024",
                                     "--heartbeat-interval-s", "0.3"],
