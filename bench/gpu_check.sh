@@ -14,9 +14,10 @@
 #            stack: ~2 min, for a lease too short for the whole of tests beside serve
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
-#   serve    `bench serve` at --stream-interval 1 and 8, then at 1 with --engine-process (each
-#            worker's engine in a process of its own: no GIL shared with its gRPC loop); ~2 min
-#            each, the prefill worker sampled with py-spy during the first
+#   serve    `bench serve` at --stream-interval 1 and 8 with each engine in its worker, then
+#            at 1 with --engine-process (each worker's engine in a process of its own, the
+#            default on GPUs since session 33); ~2 min each, the prefill worker sampled with
+#            py-spy during the first, the decode worker and its engine process during the last
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -75,14 +76,30 @@ sample_prefill_worker() {  # py-spy over the prefill worker once the closed loop
     -o "$out/prefill.spy" --nonblocking >/dev/null 2>&1
 }
 
+sample_decode_worker() {  # py-spy over the decode worker and its engine process, as above
+  sleep 40
+  local worker engine
+  worker=$(pgrep -f "engine.cli decode" | head -1)
+  [ -n "$worker" ] || return
+  engine=$(pgrep -P "$worker" -f engine.engine_proc | head -1)
+  py-spy record -p "$worker" -d 20 -r 200 -f raw --threads --idle -o "$out/decode-worker.spy" \
+    --nonblocking >/dev/null 2>&1 &
+  [ -n "$engine" ] && py-spy record -p "$engine" -d 20 -r 200 -f raw --threads --idle \
+    -o "$out/decode-engine.spy" --nonblocking >/dev/null 2>&1
+  wait
+}
+
 part_serve() {
   sample_prefill_worker &
-  step 200 python3 -m engine.cli bench serve --request-rates '' --stream-interval 1
+  step 200 python3 -m engine.cli bench serve --request-rates '' --stream-interval 1 \
+    --no-engine-process
   wait
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
-    --stream-interval 8
+    --stream-interval 8 --no-engine-process
+  sample_decode_worker &
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
     --stream-interval 1 --engine-process --no-aggregated
+  wait
 }
 
 parts=("$@")
