@@ -17,7 +17,8 @@
 #   serve    `bench serve` at --stream-interval 1 and 8 with each engine in its worker, then
 #            at 1 with --engine-process (each worker's engine in a process of its own, the
 #            default on GPUs since session 33); ~2 min each, the prefill worker sampled with
-#            py-spy during the first, the decode worker and its engine process during the last
+#            py-spy during the first, the decode worker and its engine process during the
+#            third; a fourth as the third with PDSERVE_SWITCH_INTERVAL_MS=1 (GIL hand-offs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -100,6 +101,8 @@ part_serve() {
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
     --stream-interval 1 --engine-process --no-aggregated
   wait
+  step 200 env PDSERVE_SWITCH_INTERVAL_MS=1 python3 -m engine.cli bench serve --request-rates '' \
+    --prefix-requests 0 --stream-interval 1 --engine-process --no-aggregated
 }
 
 parts=("$@")

@@ -41,6 +41,7 @@ from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, Fra
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
+from engine.switch_interval import apply_switch_interval
 from engine.thread_names import named_thread, set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -213,6 +214,7 @@ def main(down_fd: int, up_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_os_thread_name("engine-core")
     faulthandler.enable()
+    apply_switch_interval()  # the worker checked it when it started
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     reader = FrameReader(socket.socket(fileno=down_fd))
     writer = FrameWriter(socket.socket(fileno=up_fd))

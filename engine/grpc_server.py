@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.gc_policy import freeze_startup_heap
+from engine.switch_interval import apply_switch_interval
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,9 @@ def _start_metrics(config: ServerConfig, metrics: Callable[[], list] | None):
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """asyncio.run on uvloop when it is installed. SIGUSR1 dumps every thread's stack to
-    stderr (the launcher sends it to a process that outlives its shutdown grace)."""
+    stderr (the launcher sends it to a process that outlives its shutdown grace). A bad
+    $PDSERVE_SWITCH_INTERVAL_MS is a ValueError before anything starts."""
+    apply_switch_interval()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     async def main_then_bounded_exit() -> None:
