@@ -14,11 +14,12 @@
 #            stack: ~2 min, for a lease too short for the whole of tests beside serve
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
-#   serve    `bench serve` at --stream-interval 1 and 8 with each engine in its worker, then
-#            at 1 with --engine-process (each worker's engine in a process of its own, the
-#            default on GPUs since session 33); ~2 min each, the prefill worker sampled with
-#            py-spy during the first, the decode worker and its engine process during the
-#            third; a fourth as the third with PDSERVE_SWITCH_INTERVAL_MS=1 (GIL hand-offs)
+#   serve    `bench serve` with each engine in its worker, then with --engine-process (each
+#            worker's engine in a process of its own, the default on GPUs since session 33),
+#            then that with PDSERVE_SWITCH_INTERVAL_MS=1 (GIL hand-offs), all at
+#            --stream-interval 1 (session 33 ran 8 too: the same c=1 TPOT); ~6 min, the prefill
+#            worker sampled with py-spy during the first, the decode worker and its engine
+#            process during the second
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
@@ -95,8 +96,6 @@ part_serve() {
   step 200 python3 -m engine.cli bench serve --request-rates '' --stream-interval 1 \
     --no-engine-process
   wait
-  step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
-    --stream-interval 8 --no-engine-process
   sample_decode_worker &
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
     --stream-interval 1 --engine-process --no-aggregated
