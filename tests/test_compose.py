@@ -39,6 +39,7 @@ def test_compose_services_and_commands():
             assert args.worker_id == name == svc["hostname"]  # the router dials the hostname
             assert args.redis_url == "redis://redis:6379/0"
             assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+            assert args.engine_process  # as `pdserve up` places GPU workers
         if args.command == "router":  # named in the ledger alike across restarts
             assert args.router_id
     assert roles == {"router", "prefill", "decode"}
