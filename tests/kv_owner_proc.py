@@ -1,16 +1,24 @@
 """KV-cache owners in their own processes (tests).
 
 ``python -m tests.kv_owner_proc LAYOUT_JSON SEED [BACKEND [DEVICE]]``: registers a seeded random
-cache (on DEVICE, the CPU by default) with an agent, prints its handle as hex, then echoes release notifications until stdin closes.
+cache (on DEVICE, the CPU by default) with an agent, prints its handle as hex, then echoes
+release notifications until stdin closes.
 
 ``python -m tests.kv_owner_proc engine CONFIG_JSON``: a prefill-role LLMEngine with a KV
 transfer backend. It prints its ranks' handles, then answers one JSON command per stdin line:
 ``{"op": "prefill", "id", "prompt"}`` -> ``LEASE {...}`` once the first token is out, and
 ``{"op": "stats"}`` -> ``STATS {...}``. Releases arrive through the engine's own agent.
+
+``python -m tests.kv_owner_proc standby [engine]``: the imports either mode needs done ahead,
+then one JSON line on stdin, ``{"argv": [...], "env": {...}}``, and on as if started with
+those arguments in that environment (``Standby`` keeps such processes ready, so a test's owner
+does not wait seconds for torch, NIXL and the engine to import).
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -75,7 +83,69 @@ def engine_main(config_json: str) -> None:
     engine.shutdown()
 
 
+class Standby:
+    """``size`` owner processes started ahead (``engine``: for the engine mode), their imports
+    done or under way while the test before runs. ``start(argv)``: one of them, told its
+    arguments and this process's environment as it is now, and another started in its
+    place."""
+
+    def __init__(self, engine: bool = False, size: int = 1) -> None:
+        self.engine, self.size = engine, size
+        self._procs: list[subprocess.Popen] = []
+        self._fill()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.kv_owner_proc", "standby",
+             *(["engine"] if self.engine else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _fill(self) -> None:
+        self._procs = [p for p in self._procs if p.poll() is None]
+        while len(self._procs) < self.size:
+            self._procs.append(self._spawn())
+
+    def start(self, argv: list[str]) -> subprocess.Popen:
+        proc = self._procs.pop(0) if self._procs else self._spawn()
+        if proc.poll() is not None:
+            proc = self._spawn()
+        proc.stdin.write(json.dumps({"argv": argv, "env": dict(os.environ)}) + "\n")
+        proc.stdin.flush()
+        self._fill()
+        return proc
+
+    def close(self) -> None:
+        for proc in self._procs:  # never told to start: nothing of it to stop cleanly
+            proc.kill()
+            proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
+        self._procs = []
+
+
+def standby_main(engine: bool) -> None:
+    import kvtransfer.nixl_agent  # noqa: F401
+    import kvtransfer.torch_agent  # noqa: F401
+
+    if engine:
+        import transformers.models.auto.configuration_auto  # noqa: F401
+        import transformers.models.auto.tokenization_auto  # noqa: F401
+
+        import engine as _engine  # noqa: F401
+    line = sys.stdin.readline()
+    if not line:  # closed unused
+        return
+    started = json.loads(line)
+    os.environ.clear()  # the caller's environment now (a test may have set UCX_TLS since)
+    os.environ.update(started["env"])
+    sys.argv = [sys.argv[0], *started["argv"]]
+    main()
+
+
 def main() -> None:
+    if sys.argv[1] == "standby":
+        standby_main(sys.argv[2:] == ["engine"])
+        return
     if sys.argv[1] == "engine":
         engine_main(sys.argv[2])
         return

@@ -21,7 +21,7 @@ from engine.kv_layout import KVCacheLayout
 from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, TransferTimeout,
                         make_agent, plan_heads)
 from kvtransfer import plan as plan_mod
-from tests.kv_owner_proc import pull_concurrently, seeded_cache
+from tests.kv_owner_proc import Standby, pull_concurrently, seeded_cache
 from tests.proc_signals import stop_process
 
 BACKENDS = ["nixl", "torch"]
@@ -39,19 +39,27 @@ def rank_layout(tp_rank: int, tp_size: int, base: KVCacheLayout = BASE) -> KVCac
 
 class Owner:
     def __init__(self, layout: KVCacheLayout, seed: int, backend: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", wait: bool = True, standby: Standby | None = None) -> None:
+        """``wait=False``: started, its handle read by ``wait_ready`` (several owners then
+        start side by side). ``standby``: a process of that pool, its imports done."""
         self.layout, self.seed = layout, seed
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kv_owner_proc", layout.to_json(), str(seed), backend,
-             device],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        argv = [layout.to_json(), str(seed), backend, device]
+        if standby is not None:
+            self.proc = standby.start(argv)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.kv_owner_proc", *argv],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.cache = seeded_cache(layout, seed)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         # NIXL logs to stdout too: the handle is the line we tagged.
         line = ""
         while not line.startswith("HANDLE "):
             line = self.proc.stdout.readline()
             assert line, "the owner process exited before printing its handle"
         self.handle = KVAgentHandle.from_bytes(bytes.fromhex(line.split()[1]))
-        self.cache = seeded_cache(layout, seed)
 
     def next_notification(self) -> str:
         """Blocks until the owner reports a notification (the test's timeout bounds it)."""
@@ -66,12 +74,21 @@ class Owner:
         self.proc.wait()
 
 
+@pytest.fixture(scope="module")
+def standby():
+    """Owner processes kept ready: two, for the tests that start two owners at once."""
+    pool = Standby(size=2)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def owners():
+def owners(standby):
     made: list[Owner] = []
 
-    def make(layout: KVCacheLayout, seed: int, backend: str, device: str = "cpu") -> Owner:
-        made.append(Owner(layout, seed, backend, device))
+    def make(layout: KVCacheLayout, seed: int, backend: str, device: str = "cpu",
+             wait: bool = True) -> Owner:
+        made.append(Owner(layout, seed, backend, device, wait, standby))
         return made[-1]
 
     yield make
@@ -172,7 +189,9 @@ def test_many_concurrent_pulls_for_different_requests(owners, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tp2_owner_into_tp1_reader_fills_each_head_slice(owners, backend):
-    ranks = [owners(rank_layout(r, 2), 10 + r, backend) for r in range(2)]
+    ranks = [owners(rank_layout(r, 2), 10 + r, backend, wait=False) for r in range(2)]
+    for o in ranks:
+        o.wait_ready()
     agent, cache = _reader(BASE, backend)
     try:
         agent.pull([o.handle for o in ranks], [0, 7, 9], [4, 5, 6], timeout_s=20.0,
@@ -364,8 +383,8 @@ def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
     from kvtransfer.nixl_agent import _OWNER_IDLE_AFTER_S
 
     owner = owners(BASE, 4, "nixl")
-    time.sleep(_OWNER_IDLE_AFTER_S + 0.5)  # the owner is on its slow progress loop now
     for round_ in range(2):  # a first reader connects to the idle owner; then a second one
+        time.sleep(_OWNER_IDLE_AFTER_S + 0.5)  # the owner is on its slow progress loop now
         agent, cache = _reader(BASE, "nixl")
         try:
             agent.pull([owner.handle], [1, 7], [2, 3], timeout_s=20.0,
@@ -374,7 +393,6 @@ def test_an_idle_owner_still_serves_a_new_reader_and_hears_its_release(owners):
         finally:
             agent.close()
         assert owner.next_notification() == f"release:idle-{round_}"
-        time.sleep(_OWNER_IDLE_AFTER_S + 0.5)
 
 
 def test_an_owner_told_reads_are_due_serves_them_without_waiting_out_its_idle_poll(

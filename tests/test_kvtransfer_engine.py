@@ -16,10 +16,25 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvtransfer import KVAgentHandle, LayoutMismatchError, TransferError
+from tests.kv_owner_proc import Standby
 from tests.proc_signals import stop_process
 
 MAX_NEW = 8
 pytestmark = pytest.mark.timeout(240)
+
+
+_STANDBY: list[Standby] = []  # the module's pool of prefill processes, while it runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _standby():
+    """A prefill process kept ready, its imports (torch, NIXL, the engine) done while the test
+    before runs: each test's PrefillProc then only builds its engine."""
+    pool = Standby(engine=True)
+    _STANDBY.append(pool)
+    yield
+    _STANDBY.remove(pool)
+    pool.close()
 
 
 @pytest.fixture(scope="module")
@@ -46,16 +61,32 @@ def expected(model, prompts):
 
 
 class PrefillProc:
-    """A prefill-role engine in its own process (tests/kv_owner_proc.py, engine mode)."""
+    """A prefill-role engine in its own process (tests/kv_owner_proc.py, engine mode).
 
-    def __init__(self, model: str, tp: int, backend: str, **extra) -> None:
+    ``wait=False``: started, its handles read by ``wait_ready``, so that the caller builds its
+    decode engine while this one starts (each takes seconds)."""
+
+    def __init__(self, model: str, tp: int, backend: str, wait: bool = True, **extra) -> None:
         cfg = dict(model=model, role="prefill", tensor_parallel_size=tp, num_gpu_blocks=64,
                    kv_transfer_backend=backend, max_num_batched_tokens=32, **extra)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kv_owner_proc", "engine", json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.handles = [KVAgentHandle.from_bytes(bytes.fromhex(h))
-                        for h in json.loads(self._expect("HANDLES"))]
+        argv = ["engine", json.dumps(cfg)]
+        if _STANDBY:
+            self.proc = _STANDBY[0].start(argv)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.kv_owner_proc", *argv],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "PrefillProc":
+        try:
+            self.handles = [KVAgentHandle.from_bytes(bytes.fromhex(h))
+                            for h in json.loads(self._expect("HANDLES"))]
+        except BaseException:
+            self.close()
+            raise
+        return self
 
     def _expect(self, tag: str) -> str:
         while True:
@@ -97,6 +128,23 @@ class PrefillProc:
 def _decode_engine(model: str, tp: int, backend: str, **extra) -> LLMEngine:
     return LLMEngine(EngineConfig(model, role="decode", tensor_parallel_size=tp,
                                   num_gpu_blocks=64, kv_transfer_backend=backend, **extra))
+
+
+def _started_side_by_side(prefill: PrefillProc, build):
+    """``build()``'s engines, built while ``prefill`` (started with wait=False) starts; then
+    ``prefill`` ready. A failure closes what was started."""
+    try:
+        built = build()
+    except BaseException:
+        prefill.close()
+        raise
+    try:
+        prefill.wait_ready()
+    except BaseException:
+        for engine in built if isinstance(built, tuple) else (built,):
+            engine.shutdown()
+        raise
+    return built
 
 
 def _all_free(engine: LLMEngine) -> bool:
@@ -161,8 +209,8 @@ def _disaggregate(prefill: PrefillProc, decode: LLMEngine, prompts, concurrent: 
 ])
 def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill_tp, decode_tp,
                                                backend, concurrent):
-    prefill = PrefillProc(model, prefill_tp, backend)
-    decode = _decode_engine(model, decode_tp, backend)
+    prefill = PrefillProc(model, prefill_tp, backend, wait=False)
+    decode = _started_side_by_side(prefill, lambda: _decode_engine(model, decode_tp, backend))
     try:
         got, cached = _disaggregate(prefill, decode, prompts, concurrent)
         assert got == expected
@@ -193,11 +241,12 @@ def test_lease_expiry_frees_an_idle_owners_blocks(model):
 
 
 def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
-    prefill = PrefillProc(model, 1, "torch")
+    prefill = PrefillProc(model, 1, "torch", wait=False)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    other = LLMEngine(EngineConfig(str(preset_path("tiny-qwen3")), role="decode",
-                                   num_gpu_blocks=32, kv_transfer_backend="torch"))
-    decode = _decode_engine(model, 1, "torch")
+    other, decode = _started_side_by_side(prefill, lambda: (
+        LLMEngine(EngineConfig(str(preset_path("tiny-qwen3")), role="decode",
+                               num_gpu_blocks=32, kv_transfer_backend="torch")),
+        _decode_engine(model, 1, "torch")))
     try:
         lease = prefill.prefill("a", list(range(200, 240)))
         alloc = other.add_prefilled_request("a", lease["prompt"], lease["first_token"], params)
@@ -228,8 +277,9 @@ def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
 def _connected_over_tcp(model: str, kv_quarantine_s: float):
     """A prefill process and a decode engine over NIXL (UCX_TLS set by the caller), connected
     by one pull while the owner runs; and greedy sampling parameters."""
-    prefill = PrefillProc(model, 1, "nixl")
-    decode = _decode_engine(model, 1, "nixl", kv_quarantine_s=kv_quarantine_s)
+    prefill = PrefillProc(model, 1, "nixl", wait=False)
+    decode = _started_side_by_side(
+        prefill, lambda: _decode_engine(model, 1, "nixl", kv_quarantine_s=kv_quarantine_s))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     try:
         warm = prefill.prefill("warm", list(range(300, 340)))
@@ -305,9 +355,9 @@ def test_a_pull_cut_short_while_its_owner_serves_it_quarantines_nothing(model, m
 
 def test_a_decode_engine_connects_to_a_prefill_engine_ahead_of_its_first_pull(model, expected,
                                                                               prompts):
-    prefill = PrefillProc(model, 1, "nixl")
-    decode = _decode_engine(model, 1, "nixl")
-    other = _decode_engine(model, 1, "torch")
+    prefill = PrefillProc(model, 1, "nixl", wait=False)
+    decode, other = _started_side_by_side(prefill, lambda: (
+        _decode_engine(model, 1, "nixl"), _decode_engine(model, 1, "torch")))
     try:
         reader = decode.kv_connector.agent._main
         assert not reader._remotes

@@ -60,7 +60,7 @@ def cluster():
             yield c
 
 
-@settings(max_examples=200, deadline=None,
+@settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(req=requests(), streamed=st.booleans())
 def test_any_request_ends_ok_or_with_a_client_status(cluster, req, streamed):

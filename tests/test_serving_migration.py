@@ -277,14 +277,16 @@ def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):
     """Scale-down: a decode worker told to stop (SIGTERM) drains, and a stream still running
     when its drain and grace end continues on another worker instead of being cut."""
     survivor = _live(cluster, "decode")[0]
-    leaving = cluster.add_worker("decode", extra=["--drain-timeout-s", "0.5",
-                                                  "--shutdown-grace-s", "0.5"])
+    # Drain and grace of 0.5 s in all against a 500-token stream: about the ratio that 900
+    # tokens had to 1 s, so the stream is still running when they end, in half the time.
+    leaving = cluster.add_worker("decode", extra=["--drain-timeout-s", "0.25",
+                                                  "--shutdown-grace-s", "0.25"])
     cluster.wait_routable(1, 2)
     admin = router_pb2_grpc.RouterAdminStub(grpc.insecure_channel(cluster.router_address))
     drain = router_pb2.DrainWorkerRequest(worker_id=survivor.name)
     admin.DrainWorker(drain, timeout=10)  # so the stream starts on the leaving worker
     prompt = random_prompts(1, seed=61, lo=30, hi=30)[0]
-    params = dict(max_tokens=900, **GREEDY)
+    params = dict(max_tokens=500, **GREEDY)
 
     async def run():
         got = []
@@ -327,6 +329,7 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
             return got
 
     got = asyncio.run(run())
-    want = reference.generate([prompt], SamplingParams(max_tokens=400, **GREEDY))[0].token_ids
-    assert got == want[:len(got)]  # what did arrive was right, up to the failure
+    # Greedy: the first len(got) of the 400 tokens (decisive, all 400) are these.
+    want = reference.generate([prompt], SamplingParams(max_tokens=len(got), **GREEDY))[0].token_ids
+    assert len(got) >= 8 and got == want  # what did arrive was right, up to the failure
     assert _stats(cluster).migrations_exhausted == exhausted + 1

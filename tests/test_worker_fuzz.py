@@ -115,7 +115,7 @@ def _worker_requests(draw):
         first_token_id=draw(INT64) if wild == "first" else 0)
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(req=_worker_requests())
 def test_workers_take_any_request_cleanly(workers, req):
