@@ -128,6 +128,8 @@ def run(cfg: ServeConfig) -> ServeReport:
     agg_spec = ClusterSpec(model=cfg.model, num_prefill=0, num_decode=1, worker_args=worker_args,
                            router_args=stream, share_cores=cfg.share_cores,
                            engine_process=cfg.engine_process)
+    # The report says what ran: workers on GPUs share no cores, whatever was asked.
+    cfg = dataclasses.replace(cfg, share_cores=spec.cores_shared)
     rounds = ([[pt for pt in plan_points(cfg, vocab, r) if pt.mode == "concurrency"]
                for r in range(cfg.rounds)] if cfg.concurrency else [])
     open_points = [(k, pt) for k, pt in enumerate(plan_points(cfg, vocab))

@@ -125,9 +125,12 @@ class ClusterSpec:
 
     @property
     def cores_shared(self) -> bool:
-        # A lone worker has every core already: there is nobody to borrow from.
+        # A lone worker has every core already: there is nobody to borrow from. Workers on GPUs
+        # compute there: borrowing cores would buy them nothing and cost every step its
+        # bookkeeping (and every eager layer its check whether to give cores back).
         return (self.share_cores and self.prefill_tp == 1 and self.threads_per_rank is None
-                and "OMP_NUM_THREADS" not in os.environ and self.num_ranks > 1)
+                and "OMP_NUM_THREADS" not in os.environ and self.num_ranks > 1
+                and _on_cpu(self.worker_args))
 
     def router_flags(self) -> list[str]:
         """The router's flags: the spec's, and for an aggregated cluster a local-prefill limit

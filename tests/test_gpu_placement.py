@@ -187,7 +187,8 @@ def test_worker_cli_passes_gpu_memory_utilization_and_checks_it():
     ("cpu", True, 1, [True, True]),  # --engine-process
 ])
 def test_workers_on_gpus_step_their_engine_in_a_process_of_their_own(
-        stand_in_spawns, device, engine_process, tp, expected):
+        stand_in_spawns, monkeypatch, device, engine_process, tp, expected):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the launcher shares cores out
     spec = ClusterSpec(num_prefill=1, num_decode=1, prefill_tp=tp, worker_args=["--device", device],
                        gpus=("0", "1", "2"), redis_url="redis://127.0.0.1:1/0",
                        engine_process=engine_process)
@@ -198,6 +199,8 @@ def test_workers_on_gpus_step_their_engine_in_a_process_of_their_own(
         for role in ("prefill", "decode"):
             cluster.add_worker(role, wait=False)
         assert [p.args.count("--engine-process") == 1 for p in stand_in_spawns] == expected
+        # Workers on GPUs borrow no cores: they compute there.
+        assert ["--core-share" in p.args for p in stand_in_spawns] == [device == "cpu"] * 2
     finally:
         for p in list(cluster.procs):
             cluster.stop_proc(p, grace_s=5)
