@@ -471,6 +471,33 @@ def test_gpu_engine_greedy_tokens_match_torch_backend():
     assert results["triton"] == results["torch"]
 
 
+def _unspecialized(kernel) -> tuple[set[str], set[str]]:
+    """The names ``kernel`` was decorated with: do_not_specialize, do_not_specialize_on_alignment
+    (an interpreted kernel keeps the decorator's keywords as they were given)."""
+    opts = getattr(kernel, "kwargs", None)
+    if opts is None:
+        opts = {"do_not_specialize": kernel.do_not_specialize,
+                "do_not_specialize_on_alignment": kernel.do_not_specialize_on_alignment}
+    return (set(opts["do_not_specialize"] or ()),
+            set(opts["do_not_specialize_on_alignment"] or ()))
+
+
+def test_arguments_that_follow_the_batch_are_not_specialized():
+    # What the gpu test below measures, by name here: Triton ignores a name that is not one of
+    # the kernel's parameters, so a typo or a renamed parameter would go unnoticed on a CPU.
+    from kernels.triton_decode import _decode_partition_kernel, _decode_reduce_kernel
+    from kernels.triton_prefill import _prefill_kernel
+    expected = {
+        _prefill_kernel: ({"stride_bts"},
+                          {"block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"}),
+        _decode_partition_kernel: ({"stride_bts", "num_partitions"}, set()),
+        _decode_reduce_kernel: ({"num_partitions"}, set()),
+    }
+    for kernel, (ints, pointers) in expected.items():
+        assert _unspecialized(kernel) == (ints, pointers)
+        assert ints | pointers <= set(kernel.arg_names)
+
+
 def compiled_variants(kernel) -> int:
     """Binaries Triton holds for ``kernel``: its per-device caches' first item is the kernel
     cache (Triton 3.2 through 3.9)."""
