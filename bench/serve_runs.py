@@ -120,8 +120,6 @@ def run(cfg: ServeConfig) -> ServeReport:
     worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
     if not cfg.partial_block_hits:
         worker_args.append("--no-enable-partial-block-hits")
-    if cfg.engine_process is None:  # the launcher's default, resolved so the report says it
-        cfg = dataclasses.replace(cfg, engine_process=torch.cuda.is_available())
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
                        worker_args=worker_args, router_args=router_args,
                        share_cores=cfg.share_cores, engine_process=cfg.engine_process)
@@ -139,6 +137,9 @@ def run(cfg: ServeConfig) -> ServeReport:
         _log(f"starting a cluster: {cfg.num_prefill} prefill + {cfg.num_decode} decode, "
              f"{cfg.model}")
         disagg = stack.enter_context(quiet_cluster(spec))
+        # The report says what ran: the launcher's choice where the run left it the choice.
+        cfg = dataclasses.replace(cfg, engine_process=any(
+            "--engine-process" in p.args for p in disagg.procs))
         runners: dict[str, Runner] = {"disagg": _cluster_runner(disagg.router_address)}
         if cfg.aggregated and rounds:
             _log("starting an aggregated cluster: 1 decode worker prefilling itself")

@@ -4,6 +4,7 @@ No GPU needed: the placement is arithmetic, the launcher's workers here are stan
 and the budget reads a fake device."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 
 import pytest
@@ -100,13 +101,24 @@ def _flag(args, name):
     return args[args.index(name) + 1] if name in args else None
 
 
+@contextlib.contextmanager
+def _placing(spec):
+    """A cluster of ``spec`` with its GPU plan made, as ``start`` makes it, that adds workers
+    (stand-ins) one by one; every one of them stopped after."""
+    cluster = Cluster(spec)
+    cluster.gpu_plan = spec.gpu_plan()
+    cluster._gpu_slots = list(cluster.gpu_plan.workers) if cluster.gpu_plan else []
+    try:
+        yield cluster
+    finally:
+        for p in list(cluster.procs):
+            cluster.stop_proc(p, grace_s=5)
+
+
 def test_the_launcher_hands_each_worker_its_gpus_and_share(stand_in_spawns):
     spec = ClusterSpec(num_prefill=1, num_decode=2, worker_args=["--device", "cuda"],
                        gpus=("4", "7"), redis_url="redis://127.0.0.1:1/0")
-    cluster = Cluster(spec)
-    cluster.gpu_plan = spec.gpu_plan()
-    cluster._gpu_slots = list(cluster.gpu_plan.workers)
-    try:
+    with _placing(spec) as cluster:
         for role in ("prefill", "decode", "decode"):
             cluster.add_worker(role, wait=False)
         got = [(p.env["CUDA_VISIBLE_DEVICES"], _flag(p.args, "--gpu-memory-utilization"))
@@ -117,9 +129,6 @@ def test_the_launcher_hands_each_worker_its_gpus_and_share(stand_in_spawns):
         cluster.add_worker("decode", wait=False)
         assert stand_in_spawns[3].env["CUDA_VISIBLE_DEVICES"] == "7"
         assert _flag(stand_in_spawns[3].args, "--gpu-memory-utilization") == "0.9"
-    finally:
-        for p in list(cluster.procs):
-            cluster.stop_proc(p, grace_s=5)
 
 
 def test_a_worker_flag_wins_and_a_pinned_or_cpu_device_is_left_alone(stand_in_spawns):
@@ -192,18 +201,12 @@ def test_workers_on_gpus_step_their_engine_in_a_process_of_their_own(
     spec = ClusterSpec(num_prefill=1, num_decode=1, prefill_tp=tp, worker_args=["--device", device],
                        gpus=("0", "1", "2"), redis_url="redis://127.0.0.1:1/0",
                        engine_process=engine_process)
-    cluster = Cluster(spec)
-    cluster.gpu_plan = spec.gpu_plan()
-    cluster._gpu_slots = list(cluster.gpu_plan.workers) if cluster.gpu_plan else []
-    try:
+    with _placing(spec) as cluster:
         for role in ("prefill", "decode"):
             cluster.add_worker(role, wait=False)
         assert [p.args.count("--engine-process") == 1 for p in stand_in_spawns] == expected
         # Workers on GPUs borrow no cores: they compute there.
         assert ["--core-share" in p.args for p in stand_in_spawns] == [device == "cpu"] * 2
-    finally:
-        for p in list(cluster.procs):
-            cluster.stop_proc(p, grace_s=5)
 
 
 def test_up_takes_engine_process_either_way():
