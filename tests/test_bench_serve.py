@@ -112,6 +112,10 @@ def test_tiny_run_end_to_end(capsys):
     assert report["inprocess_step_tokens"] == report["aggregated_step_tokens"] == 2048
     shared_cpu = "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available()
     assert report["prefill_step_tokens"] == (512 if shared_cpu else 2048)
+    # What the launcher chose where the run left it the choice: workers on a GPU step their
+    # engine in a process of their own and share no cores; on a CPU, the reverse.
+    assert report["config"]["engine_process"] is torch.cuda.is_available()
+    assert report["config"]["share_cores"] is shared_cpu
     loads = [(p["system"], p["mode"]) for p in report["points"]]
     assert loads == [("disagg", "concurrency"), ("disagg", "poisson"), ("agg", "concurrency"),
                      ("inprocess", "concurrency")]

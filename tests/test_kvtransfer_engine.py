@@ -130,21 +130,21 @@ def _decode_engine(model: str, tp: int, backend: str, **extra) -> LLMEngine:
                                   num_gpu_blocks=64, kv_transfer_backend=backend, **extra))
 
 
-def _started_side_by_side(prefill: PrefillProc, build):
-    """``build()``'s engines, built while ``prefill`` (started with wait=False) starts; then
-    ``prefill`` ready. A failure closes what was started."""
+def _started_side_by_side(prefill: PrefillProc, *builders):
+    """The engines of ``builders``, built in turn while ``prefill`` (started with wait=False)
+    starts; then ``prefill`` ready. One engine, or a tuple of them. A failure shuts down the
+    engines already built and closes ``prefill``."""
+    built = []
     try:
-        built = build()
-    except BaseException:
-        prefill.close()
-        raise
-    try:
+        for build in builders:
+            built.append(build())
         prefill.wait_ready()
     except BaseException:
-        for engine in built if isinstance(built, tuple) else (built,):
+        for engine in built:
             engine.shutdown()
+        prefill.close()
         raise
-    return built
+    return built[0] if len(built) == 1 else tuple(built)
 
 
 def _all_free(engine: LLMEngine) -> bool:
@@ -243,10 +243,11 @@ def test_lease_expiry_frees_an_idle_owners_blocks(model):
 def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
     prefill = PrefillProc(model, 1, "torch", wait=False)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    other, decode = _started_side_by_side(prefill, lambda: (
-        LLMEngine(EngineConfig(str(preset_path("tiny-qwen3")), role="decode",
-                               num_gpu_blocks=32, kv_transfer_backend="torch")),
-        _decode_engine(model, 1, "torch")))
+    other, decode = _started_side_by_side(
+        prefill,
+        lambda: LLMEngine(EngineConfig(str(preset_path("tiny-qwen3")), role="decode",
+                                       num_gpu_blocks=32, kv_transfer_backend="torch")),
+        lambda: _decode_engine(model, 1, "torch"))
     try:
         lease = prefill.prefill("a", list(range(200, 240)))
         alloc = other.add_prefilled_request("a", lease["prompt"], lease["first_token"], params)
@@ -356,8 +357,9 @@ def test_a_pull_cut_short_while_its_owner_serves_it_quarantines_nothing(model, m
 def test_a_decode_engine_connects_to_a_prefill_engine_ahead_of_its_first_pull(model, expected,
                                                                               prompts):
     prefill = PrefillProc(model, 1, "nixl", wait=False)
-    decode, other = _started_side_by_side(prefill, lambda: (
-        _decode_engine(model, 1, "nixl"), _decode_engine(model, 1, "torch")))
+    decode, other = _started_side_by_side(
+        prefill, lambda: _decode_engine(model, 1, "nixl"),
+        lambda: _decode_engine(model, 1, "torch"))
     try:
         reader = decode.kv_connector.agent._main
         assert not reader._remotes
