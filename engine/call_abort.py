@@ -15,7 +15,11 @@ import contextlib
 from typing import NoReturn
 
 import grpc
-from grpc._cython.cygrpc import ExecuteBatchError  # grpc.aio does not export it
+
+try:
+    from grpc._cython.cygrpc import ExecuteBatchError  # grpc.aio does not export it
+except ImportError:  # a grpc that moved it: every service must still start; late sends then
+    ExecuteBatchError = ()  # log grpc's traceback again, as before this module existed
 
 
 @contextlib.asynccontextmanager
