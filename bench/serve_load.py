@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from bench.cpu_usage import CPUShare
 from bench.serve_metrics import BREAKDOWN_FIELDS, RequestRecord
 from client import AsyncClient, PdserveError
 
@@ -34,6 +35,8 @@ class LoadRequests:
 class LoadRun:
     records: list[RequestRecord]
     duration_s: float
+    # What the cores did meanwhile (bench.cpu_usage), where the runner measured it.
+    cpu: CPUShare | None = None
 
 
 # --- through the router -------------------------------------------------------------------

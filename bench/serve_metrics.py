@@ -111,6 +111,10 @@ class PointResult:
     mean_cached_tokens: float = 0.0
     # Distinct failure messages ("STATUS: details"), so a failed point says why.
     errors: list[str] = field(default_factory=list)
+    # Cores in use while the point ran (closed loops): "machine" (every process on the host)
+    # and each service's processes ("router", "prefill", "decode", "client"; "engine" for the
+    # in-process engine). Empty where not measured.
+    cpu_cores: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(system: str, mode: str, load: float, records: list[RequestRecord],

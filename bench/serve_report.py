@@ -28,6 +28,22 @@ def latency_table(points: list[PointResult]) -> str:
     return "\n".join(rows) + "\n\nLatencies: mean / p50 / p90 / p99."
 
 
+_CPU_COLUMNS = ("machine", "router", "prefill", "decode", "client", "engine")
+
+
+def cpu_table(points: list[PointResult], num_cpus: int) -> str:
+    measured = [p for p in points if p.cpu_cores]
+    cols = [c for c in _CPU_COLUMNS if any(c in p.cpu_cores for p in measured)]
+    rows = ["| system | load | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for p in measured:
+        cells = " | ".join(_f(p.cpu_cores[c], 2) if c in p.cpu_cores else "" for c in cols)
+        rows.append(f"| {p.system} | {_load(p)} | {cells} |")
+    return ("\n".join(rows) + f"\n\nCores in use while each closed loop ran (of {num_cpus}), "
+            "pooled over the rounds: the whole machine, and each service with the processes "
+            "it started. On shared cores a service's share also stalls the engine's "
+            "multi-threaded steps it preempts (docs/benchmarks.md, session 34).")
+
+
 def _with_rounds(pooled: float | None, rounds: list[float]) -> str:
     cell = _f(pooled, 2)
     return f"**{cell}** ({', '.join(_f(x, 2) for x in rounds)})" if len(rounds) > 1 else cell
@@ -98,6 +114,8 @@ def markdown(report) -> str:
              f"{'every token' if c.stream_interval == 1 else f'{c.stream_interval} tokens a chunk'}"
              f" (--stream-interval).",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
+    if any(p.cpu_cores for p in report.points):
+        parts.append("#### CPU use\n\n" + cpu_table(report.points, report.cpu_count))
     if report.ratios:
         parts.append("#### Disaggregated vs aggregated and in-process (same requests, closed "
                      "loop)\n\n"

@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 
+from bench.cpu_usage import CPUMeter, CPUShare
 from bench.serve import (Point, PrefixResult, ServeConfig, ServeReport, plan_points,
                          prefix_requests, throughput_ratios)
 from bench.serve_load import (LoadRun, closed_loop, inprocess_closed_loop, one_request, poisson,
@@ -33,7 +34,8 @@ def _log(*a) -> None:
 
 
 # --- runners ------------------------------------------------------------------------------
-async def _closed_loops(address: str, points: list[Point]) -> list[tuple[Point, LoadRun]]:
+async def _closed_loops(address: str, points: list[Point],
+                        meter: CPUMeter) -> list[tuple[Point, LoadRun]]:
     from client import AsyncClient
 
     out = []
@@ -42,20 +44,37 @@ async def _closed_loops(address: str, points: list[Point]) -> list[tuple[Point, 
         for pt in points:
             # The first KV transfer to a peer pays connection set-up; keep it out of the point.
             await sequential(client, pt.warmup)
-            out.append((pt, await closed_loop(client, pt.reqs, int(pt.load))))
+            meter.start()
+            run = await closed_loop(client, pt.reqs, int(pt.load))
+            run.cpu = meter.stop()
+            out.append((pt, run))
     return out
 
 
-def _cluster_runner(address: str) -> Runner:
-    return lambda points: asyncio.run(_closed_loops(address, points))
+def _cluster_meter(cluster) -> CPUMeter:
+    """Each role's services with the processes they started; the client is this process."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for proc in cluster.procs:
+        groups[proc.role].append(proc.popen.pid)
+    groups["client"] = [os.getpid()]  # alone: the clusters' services are its children too
+    return CPUMeter(dict(groups), alone=frozenset({"client"}))
+
+
+def _cluster_runner(cluster) -> Runner:
+    return lambda points: asyncio.run(_closed_loops(cluster.router_address, points,
+                                                    _cluster_meter(cluster)))
 
 
 def _inprocess_runner(engine) -> Runner:
     def run(points: list[Point]) -> list[tuple[Point, LoadRun]]:
+        meter = CPUMeter({"engine": [os.getpid()]}, alone=frozenset({"engine"}))
         out = []
         for pt in points:
             inprocess_closed_loop(engine, pt.warmup, 1)
-            out.append((pt, inprocess_closed_loop(engine, pt.reqs, int(pt.load))))
+            meter.start()
+            load_run = inprocess_closed_loop(engine, pt.reqs, int(pt.load))
+            load_run.cpu = meter.stop()
+            out.append((pt, load_run))
         return out
 
     return run
@@ -140,11 +159,10 @@ def run(cfg: ServeConfig) -> ServeReport:
         # The report says what ran: the launcher's choice where the run left it the choice.
         cfg = dataclasses.replace(cfg, engine_process=any(
             "--engine-process" in p.args for p in disagg.procs))
-        runners: dict[str, Runner] = {"disagg": _cluster_runner(disagg.router_address)}
+        runners: dict[str, Runner] = {"disagg": _cluster_runner(disagg)}
         if cfg.aggregated and rounds:
             _log("starting an aggregated cluster: 1 decode worker prefilling itself")
-            runners["agg"] = _cluster_runner(stack.enter_context(quiet_cluster(agg_spec))
-                                             .router_address)
+            runners["agg"] = _cluster_runner(stack.enter_context(quiet_cluster(agg_spec)))
         if cfg.inprocess and rounds:
             llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks,
                                           enable_partial_block_hits=cfg.partial_block_hits))
@@ -180,9 +198,17 @@ def _log_round(r: int, num_rounds: int, system: str, pt: Point, run: LoadRun) ->
 
 def _pooled(runs: dict[tuple[str, float], list[LoadRun]], system: str) -> list[PointResult]:
     """One result per concurrency: every round's requests, over the rounds' summed time."""
-    return [summarize(system, "concurrency", load, [rec for x in xs for rec in x.records],
-                      sum(x.duration_s for x in xs))
-            for (name, load), xs in runs.items() if name == system]
+    out = []
+    for (name, load), xs in runs.items():
+        if name != system:
+            continue
+        res = summarize(system, "concurrency", load, [rec for x in xs for rec in x.records],
+                        sum(x.duration_s for x in xs))
+        cpu = CPUShare.pooled([x.cpu for x in xs])
+        if cpu is not None:
+            res.cpu_cores = {"machine": cpu.machine_cores} | cpu.cores
+        out.append(res)
+    return out
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from bench.cpu_usage import process_cpu_s
 from bench.serve import _range
 from bench.serve_load import LoadRequests, closed_loop
 from bench.serve_runs import quiet_cluster, services_print_to_stderr
@@ -31,7 +31,6 @@ from client import AsyncClient
 from protos import router_pb2, router_pb2_grpc
 
 BASELINE = "per-request"
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -112,12 +111,6 @@ def _requests(seed: int, n: int, prompt_len: tuple[int, int],
                          for _ in range(n)], [rng.randint(*output_len) for _ in range(n)])
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
 def _reset_prefix_caches(address: str, timeout_s: float = 30.0) -> None:
     """Every worker's prefix cache forgotten; retried while the last run's leases and
     streams still hold blocks."""
@@ -144,9 +137,9 @@ def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests,
     asyncio.run(load(router.address, warm, 4))
     pids = {"router": router.popen.pid,
             **{p.role: p.popen.pid for p in cluster.procs if p.role in ("prefill", "decode")}}
-    before = {role: _cpu_s(pid) for role, pid in pids.items()}
+    before = {role: process_cpu_s(pid) for role, pid in pids.items()}
     run = asyncio.run(load(router.address, reqs, concurrency))
-    after = {role: _cpu_s(pid) for role, pid in pids.items()}
+    after = {role: process_cpu_s(pid) for role, pid in pids.items()}
     tokens = sum(n for rec in run.records for _, n in rec.chunks)
     return StreamRun(name, rnd, tokens / run.duration_s,
                      sum(not rec.ok for rec in run.records),

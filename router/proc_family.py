@@ -7,7 +7,7 @@ import os
 import signal
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (Linux's /proc children lists)."""
     found: list[int] = []
     todo = [pid]
@@ -36,7 +36,7 @@ def pin_family(proc) -> None:
     proc.family = []
     if proc.popen.poll() is not None:
         return
-    for pid in _descendants(proc.popen.pid):
+    for pid in descendants(proc.popen.pid):
         try:
             proc.family.append(os.pidfd_open(pid))
         except OSError:  # it ended meanwhile

@@ -131,6 +131,18 @@ def test_tiny_run_end_to_end(capsys):
         assert p["ttft"]["mean"] <= p["e2e"]["mean"]
         assert set(p["breakdown_ms"]) == (set() if p["system"] == "inprocess"
                                           else set(BREAKDOWN_FIELDS))
+    # Where the cores went in each closed loop: every service of each system, none for the
+    # Poisson point (not measured).
+    services = {"disagg": {"router", "prefill", "decode", "client"},
+                "agg": {"router", "decode", "client"}, "inprocess": {"engine"}}
+    for p in report["points"]:
+        cpu = p["cpu_cores"]
+        if p["mode"] == "poisson":
+            assert cpu == {}
+            continue
+        assert set(cpu) == services[p["system"]] | {"machine"}
+        assert all(v >= 0 for v in cpu.values())
+        assert cpu["decode" if p["system"] != "inprocess" else "engine"] > 0
     [ratio] = report["ratios"]
     by_system = {p["system"]: p["output_tok_s"] for p in report["points"]
                  if p["mode"] == "concurrency"}

@@ -17,7 +17,7 @@ from client import AsyncClient, UnavailableError
 from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from router.proc_family import _descendants
+from router.proc_family import descendants
 from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts,
                                    wait_all_blocks_free, worker_info)
 
@@ -232,7 +232,7 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
     orchestrator) to start it again."""
     tp2 = cluster.add_worker("prefill", extra=["--tensor-parallel-size", "2"])
     cluster.wait_routable(3, 1)
-    (rank1,) = [pid for pid in _descendants(tp2.popen.pid)
+    (rank1,) = [pid for pid in descendants(tp2.popen.pid)
                 if b"engine.tp_worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
     # Enough long prompts that the router gives the TP worker several and it stays busy long
     # enough to be seen busy: with 9 shorter ones it once got one, done between two polls.
