@@ -40,8 +40,9 @@ def test_a_group_counts_its_processes_children_unless_alone(sleeping_parent_of_a
     meter = CPUMeter({"tree": [parent], "alone": [parent], "child": [child]},
                      alone=frozenset({"alone"}))
     meter.start()
-    spun = tree_cpu_s(child)
+    spun, deadline = tree_cpu_s(child), time.monotonic() + 60
     while tree_cpu_s(child) - spun < 0.3:  # until the child has spun 0.3 s of CPU
+        assert time.monotonic() < deadline, "the spinning child got no CPU for a minute"
         time.sleep(0.05)
     share = meter.stop()
     assert share.wall_s > 0
