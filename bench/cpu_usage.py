@@ -53,8 +53,9 @@ class CPUShare:
     cores: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
-    def pooled(shares: list[CPUShare]) -> CPUShare | None:
-        """One share over several runs, each weighted by its length."""
+    def pooled(shares: list[CPUShare | None]) -> CPUShare | None:
+        """One share over several runs, each weighted by its length (runs not measured, None,
+        left out)."""
         shares = [s for s in shares if s is not None and s.wall_s > 0]
         if not shares:
             return None
