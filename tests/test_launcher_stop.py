@@ -97,6 +97,36 @@ def test_a_clean_service_exits_at_once_with_its_status():
     assert proc.returncode == 0 and "has not exited" not in proc.stderr
 
 
+# A service that stopped ends without the interpreter's teardown (CPython freeing every module's
+# objects, over a second of CPU in a worker), but as a process that exits normally would: its
+# non-daemon threads finish, its exit handlers run, what it printed without a flush arrives.
+_ENDING = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from engine.grpc_server import run
+
+    class FreedAtTeardown:
+        def __del__(self):
+            print("torn down", flush=True)
+
+    kept = FreedAtTeardown()  # a module global: freed only by the interpreter's teardown
+    def late():
+        time.sleep(0.3)
+        print("thread done", end=" ")
+    async def main():
+        atexit.register(lambda: print("exit handler", end=" "))
+        threading.Thread(target=late).start()
+        print("served", end=" ")
+    run(main)
+""")
+
+
+def test_a_stopped_service_ends_as_an_exit_would_less_the_teardown():
+    proc = subprocess.run([sys.executable, "-c", _ENDING], capture_output=True, text=True,
+                          timeout=45)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["served", "thread", "done", "exit", "handler"]
+
+
 # A launcher that starts a real cluster, prints its services' pids and redis', then waits.
 _LAUNCHER = textwrap.dedent("""
     import json, time
