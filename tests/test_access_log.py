@@ -77,7 +77,8 @@ def _access_lines(proc, log) -> list[str]:
             if "pdserve.access " in line]
 
 
-@pytest.mark.parametrize("flags, logged", [([], True), (["--disable-log-requests"], False)])
+@pytest.mark.parametrize("flags, logged", [
+    ([], True), pytest.param(["--disable-log-requests"], False, marks=pytest.mark.slow)])
 def test_a_router_logs_each_request_once(redis_url, flags, logged):
     proc, log, address = _router(redis_url, "--namespace", f"access-{logged}", *flags)
     try:

@@ -28,10 +28,10 @@ def test_bad_arguments_are_refused(argv):
         failover.main(p.parse_args(argv))
 
 
-# One fault in the default suite: the tool's path is the same for each, and the faults
-# themselves are tested in tests/test_serving_migration.py.
+# The tool end to end runs in the slow tier (27 s on the 2-core VM); the faults themselves are
+# tested in tests/test_serving_migration.py, the tool's metrics and flags above.
 @pytest.mark.parametrize("role, metric, fault", [
-    ("decode", "max_gap", "kill"),
+    pytest.param("decode", "max_gap", "kill", marks=pytest.mark.slow),
     pytest.param("prefill", "ttft", "kill", marks=pytest.mark.slow),
     pytest.param("decode", "max_gap", "hang", marks=pytest.mark.slow)])
 def test_a_failed_worker_moves_its_streams_with_the_same_tokens(capsys, role, metric, fault):

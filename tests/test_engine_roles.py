@@ -219,7 +219,7 @@ def _stream_deltas(engine: LLMEngine, rid: str) -> tuple[list[str], list[int]]:
     return deltas, ids
 
 
-@pytest.mark.parametrize("with_stop", [False, True])
+@pytest.mark.parametrize("with_stop", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_migrated_request_streams_exactly_the_text_not_yet_streamed(model, with_stop):
     """Wherever a stream is cut, what was streamed before plus what the continuation streams
     is the uninterrupted text: nothing repeated or lost (unfinished characters and possible

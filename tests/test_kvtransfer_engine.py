@@ -201,10 +201,12 @@ def _disaggregate(prefill: PrefillProc, decode: LLMEngine, prompts, concurrent: 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,backend,concurrent", [
     (1, 1, "nixl", True),
-    (2, 1, "nixl", False),
+    # TP2 prefill into TP1 decode over NIXL also runs, as a cluster, in
+    # tests/test_serving_cluster.py (test_tp2_prefill_worker_matches_the_in_process_engine).
+    pytest.param(2, 1, "nixl", False, marks=pytest.mark.slow),
     (2, 2, "nixl", True),
     (1, 1, "torch", False),
-    (2, 1, "torch", True),
+    pytest.param(2, 1, "torch", True, marks=pytest.mark.slow),
     (1, 2, "torch", False),
 ])
 def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill_tp, decode_tp,

@@ -80,8 +80,9 @@ _BLOCKED_EXECUTOR = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("after, code", [("pass", 1), ("raise SystemExit(3)", 1)],
-                         ids=["returned", "raised"])
+@pytest.mark.parametrize("after, code", [
+    ("pass", 1), pytest.param("raise SystemExit(3)", 1, marks=pytest.mark.slow)],
+    ids=["returned", "raised"])
 def test_a_thread_left_blocked_does_not_hold_the_exit(after, code):
     proc = subprocess.run([sys.executable, "-c", _BLOCKED_EXECUTOR.format(after=after)],
                           capture_output=True, text=True, timeout=45)

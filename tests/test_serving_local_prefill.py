@@ -203,6 +203,9 @@ def test_bad_local_prefill_requests_get_invalid_argument(cluster, fields, match)
     wait_all_blocks_free(_workers(cluster))
 
 
+# The slow tier: a decode worker prefilling with no prefill worker up is the aggregated
+# cluster's case below; what this adds is the refusal of a longer prompt once the last one left.
+@pytest.mark.slow
 def test_without_a_prefill_worker_short_prompts_are_prefilled_on_the_decode_worker(reference):
     # The default threshold (2): with a prefill worker up, an idle one would take the prompt.
     spec = ClusterSpec(worker_args=WORKER_ARGS,

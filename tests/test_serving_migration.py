@@ -202,6 +202,9 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     assert cluster.stop_proc(hung) == 0
 
 
+# The slow tier: the health checks that cut a hung worker's calls are the decode hang's above
+# (router/liveness.py), and prompts moving off a prefill worker is the kill's below.
+@pytest.mark.slow
 def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, reference):
     """A prefill worker that hangs with prompts on it: the router's health checks cut its
     Prefill calls, and the prompts are prefilled by the other prefill workers."""
