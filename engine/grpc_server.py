@@ -283,10 +283,10 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
         asyncio.run(main_then_bounded_exit())
     else:
         uvloop.run(main_then_bounded_exit())
-    exit_process(0)
+    exit_process()
 
 
-def exit_process(status: int) -> None:
+def exit_process() -> None:
     """Ends a service whose work is done as the interpreter would, less its teardown.
 
     Non-daemon threads are joined and exit handlers and finalizers run (a TP engine's ranks
@@ -302,7 +302,7 @@ def exit_process(status: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe must not change it
             stream.flush()
-    os._exit(status)
+    os._exit(0)
 
 
 # After the service has stopped, the loop's executor and the interpreter join their threads.

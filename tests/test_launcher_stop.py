@@ -102,7 +102,7 @@ def test_a_clean_service_exits_at_once_with_its_status():
 # objects, over a second of CPU in a worker), but as a process that exits normally would: its
 # non-daemon threads finish, its exit handlers run, what it printed without a flush arrives.
 _ENDING = textwrap.dedent("""
-    import atexit, sys, threading, time
+    import atexit, threading, time
     from engine.grpc_server import run
 
     class FreedAtTeardown:

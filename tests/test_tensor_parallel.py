@@ -62,7 +62,8 @@ def _assert_all_free(llm: LLM) -> None:
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
-# tiny-qwen2 differs from tiny-llama by its qkv bias alone: the slow tier.
+# The slow tier for tiny-qwen2: what only it has is the q/k/v bias, whose split across ranks
+# tests/test_parallel_layers.py checks (tied embeddings and its rope theta are qwen3's too).
 @pytest.mark.parametrize("preset", [
     pytest.param(p, marks=pytest.mark.slow) if p == "tiny-qwen2" else p for p in PRESETS])
 def test_tp2_matches_tp1(preset, preset_path):
