@@ -97,20 +97,38 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
     assistant's turn, or, with ``continue_final_message``, leaves the last message open so the
     model continues it (an assistant reply begun by the caller)."""
     msgs = check_messages(messages)
-    template = chat_template if chat_template is not None else tokenizer.hf.chat_template
+    template = chat_template if chat_template is not None else tokenizer.chat_template
     if not template:
         raise ChatTemplateMissing(f"model {tokenizer.folder.name!r} has no chat template: "
                                   "start the router with --chat-template, or send text or "
                                   "token ids")
     if continue_final_message and not msgs[-1].content:
         raise ValueError("continue_final_message needs a final message with content")
+    text = render_chat(tokenizer, msgs, template, continue_final_message)
+    return tokenizer.encode_plain(text)
+
+
+def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
+                continue_final_message: bool) -> str:
+    """The conversation as text, rendered as ``apply_chat_template(tokenize=False)`` does:
+    transformers' sandboxed Jinja environment, with the special tokens' strings as variables."""
     from jinja2 import TemplateError
 
+    render_jinja_template = chat_renderer()
     try:
-        text = tokenizer.hf.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in msgs], chat_template=template,
-            add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message, tokenize=False)
+        rendered, _ = render_jinja_template(
+            conversations=[[{"role": m.role, "content": m.content} for m in msgs]],
+            chat_template=template, add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message, **tokenizer.special_tokens_map)
     except TemplateError as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from None
-    return tokenizer.hf.encode(text, add_special_tokens=False)
+    return rendered[0]
+
+
+def chat_renderer():
+    """transformers' template renderer. Its import costs ~1 s (part of transformers), so
+    processes that render no chats never pay it and a router with a template pays it at start
+    (``load_served_model``), not on its first chat request."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template

@@ -9,6 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from engine.tokenizer_snapshot import (TokenizerSnapshot, backend_matches, read_snapshot,
+                                       snapshot_key, snapshot_of, write_snapshot)
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prompt tokens decoded ahead of the output so that decoders whose output depends on the
 # neighbouring token (SentencePiece's leading-space strip) render the first output token as
@@ -23,32 +26,42 @@ _REPLACEMENT_CHAR = "\ufffd"
 class Tokenizer:
     """A Hugging Face fast tokenizer loaded from a local folder (see ``load_tokenizer``).
 
+    It runs on the ``tokenizers`` backend alone, rebuilt from a snapshot of what transformers
+    set up (engine/tokenizer_snapshot.py); ``hf`` is the transformers tokenizer only for the
+    classes whose encoding the bare backend does not reproduce, and None otherwise.
+
     ``vocab_size`` counts the tokenizer's ids (added tokens included); the model's vocab may be
     larger. Ids outside ``[0, vocab_size)`` decode to "".
     """
 
-    def __init__(self, hf_tokenizer, folder: Path) -> None:
-        self.hf = hf_tokenizer
+    def __init__(self, snapshot: TokenizerSnapshot, folder: Path, hf=None) -> None:
         self.folder = folder
-        self._backend = hf_tokenizer.backend_tokenizer
-        self.vocab_size: int = len(hf_tokenizer)
-        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
-        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        self.pad_token_id: int | None = hf_tokenizer.pad_token_id
-        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
-        # What the backend drops under skip_special_tokens: added tokens flagged special.
-        self.skipped_special_ids: frozenset[int] = frozenset(
-            i for i, tok in hf_tokenizer.added_tokens_decoder.items() if tok.special)
+        self.hf = hf
+        self._backend = hf.backend_tokenizer if hf is not None else snapshot.build_backend()
+        self.vocab_size: int = snapshot.vocab_size
+        self.eos_token_id: int | None = snapshot.eos_token_id
+        self.bos_token_id: int | None = snapshot.bos_token_id
+        self.pad_token_id: int | None = snapshot.pad_token_id
+        self.all_special_ids: list[int] = list(snapshot.all_special_ids)
+        self.skipped_special_ids: frozenset[int] = frozenset(snapshot.skipped_special_ids)
+        self.chat_template: str | None = snapshot.chat_template
+        # Variables every chat template sees (bos_token, eos_token, ...), as transformers passes.
+        self.special_tokens_map: dict = dict(snapshot.special_tokens_map)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of text, with bos prepended when the tokenizer's config asks for it."""
-        if not isinstance(text, str):
-            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
-        return self.hf.encode(text)
+        return self._encode(text, True)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of text alone: no bos or other special tokens added."""
-        return self.hf.encode(text, add_special_tokens=False)
+        return self._encode(text, False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        if self.hf is not None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.decode_known(self.known_ids(ids), skip_special_tokens)
@@ -71,6 +84,8 @@ class Tokenizer:
 def load_tokenizer(folder: str | Path) -> Tokenizer:
     """Loads the fast tokenizer saved in folder, from local files only.
 
+    A snapshot cached by an earlier load of the same files is used when there is one;
+    otherwise transformers loads the tokenizer and the snapshot is written for next time.
     Raises ValueError naming the folder when it has no tokenizer or the files are broken.
     """
     path = Path(folder)
@@ -79,6 +94,21 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(f"no tokenizer files in {str(path)!r} "
                          f"(looked for {', '.join(_TOKENIZER_FILES)})")
+    key = snapshot_key(path)
+    snapshot = read_snapshot(key)
+    if snapshot is not None:
+        return Tokenizer(snapshot, path)
+    hf = load_hf_tokenizer(path)
+    snapshot = snapshot_of(hf)
+    if not backend_matches(hf, snapshot):
+        return Tokenizer(snapshot, path, hf=hf)
+    write_snapshot(key, snapshot)
+    # The same path a cached load takes, so a process behaves alike before and after caching.
+    return Tokenizer(snapshot, path)
+
+
+def load_hf_tokenizer(path: Path):
+    """transformers' fast tokenizer for the folder; ValueError naming it when that fails."""
     from transformers import AutoTokenizer
 
     try:
@@ -89,7 +119,7 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
                          f"{type(e).__name__}: {e}") from e
     if not getattr(hf, "is_fast", False) or getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"the tokenizer in {str(path)!r} is not a fast (tokenizers) tokenizer")
-    return Tokenizer(hf, path)
+    return hf
 
 
 class IncrementalDetokenizer:

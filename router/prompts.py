@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.chat_template import ChatMessage, ChatTemplateMissing, chat_prompt_ids
+from engine.chat_template import (ChatMessage, ChatTemplateMissing, chat_prompt_ids,
+                                  chat_renderer)
 from engine.tokenizer import Tokenizer
 from protos import common_pb2, convert, router_pb2
 from router.errors import RouterRejectError
@@ -26,7 +27,7 @@ class ServedModel:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_template or self.tokenizer.hf.chat_template)
+        return bool(self.chat_template or self.tokenizer.chat_template)
 
     def prompt_ids(self, msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
         """The prompt's token ids; ValueError (INVALID_ARGUMENT) when empty or outside the
@@ -95,5 +96,8 @@ def load_served_model(model: str, generation_config: str,
 
     path = resolve_model(EngineConfig(model=model).model)
     mc = ModelConfig.from_pretrained(path)
-    return ServedModel(model, load_tokenizer(path), mc.vocab_size, list(mc.eos_token_ids),
-                       load_sampling_defaults(generation_config, path), chat_template)
+    served = ServedModel(model, load_tokenizer(path), mc.vocab_size, list(mc.eos_token_ids),
+                         load_sampling_defaults(generation_config, path), chat_template)
+    if served.has_chat_template:
+        chat_renderer()
+    return served

@@ -9,6 +9,9 @@ import kernels  # noqa: F401  (before torch: oneMKL's dispatch, see kernels/mkl_
 # the suite never writes to the user's home and reruns skip generation.
 os.environ.setdefault("PDSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent
                                                / ".cache" / "test-models"))
+# Tokenizer snapshots (engine/tokenizer_snapshot.py) likewise, for every process a test starts.
+os.environ.setdefault("PDSERVE_TOKENIZER_CACHE", str(Path(__file__).resolve().parent.parent
+                                                     / ".cache" / "test-tokenizers"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Without a GPU the Triton kernels run under Triton's interpreter. Triton settles that when it
 # is first imported, which any test may do first, so it is decided here, before all of them.

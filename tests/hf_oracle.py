@@ -13,6 +13,13 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@functools.lru_cache(maxsize=4)
+def hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
 @torch.inference_mode()
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation with EOS disabled (the engine runs with ignore_eos)."""

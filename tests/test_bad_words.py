@@ -9,6 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.bad_words import bad_word_bans, tokenize_bad_words
 from engine.tokenizer import load_tokenizer
+from tests.hf_oracle import hf_tokenizer
 from tests.hf_oracle import hf_model
 
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -19,8 +20,8 @@ def tokenizer(preset_path):
     return load_tokenizer(preset_path("tiny-llama"))
 
 
-def test_each_word_is_spelled_both_ways_without_special_tokens(tokenizer):
-    hf = tokenizer.hf
+def test_each_word_is_spelled_both_ways_without_special_tokens(tokenizer, preset_path):
+    hf = hf_tokenizer(preset_path("tiny-llama"))
     seqs = tokenize_bad_words(tokenizer, ["  quick fox", "quick fox"])
     plain = hf.encode("quick fox", add_special_tokens=False)
     spaced = hf.encode(" quick fox", add_special_tokens=False)

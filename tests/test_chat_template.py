@@ -17,7 +17,7 @@ from engine.chat_template import (ChatMessage, ChatTemplateMissing, chat_prompt_
 from engine.tokenizer import load_tokenizer
 from engine.tokenizer_builder import CHAT_TEMPLATE
 from router.config import RouterConfig
-from tests.hf_oracle import hf_greedy
+from tests.hf_oracle import hf_greedy, hf_tokenizer
 
 CHATS = [
     [{"role": "user", "content": "Hello there, who are you?"}],
@@ -37,10 +37,15 @@ def tok(preset_path):
     return load_tokenizer(preset_path("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def hf_tok(preset_path):
+    return hf_tokenizer(preset_path("tiny-llama"))
+
+
 @pytest.mark.parametrize("chat", CHATS)
-def test_prompt_ids_equal_hugging_faces(tok, chat):
-    assert tok.hf.chat_template == CHAT_TEMPLATE
-    want = tok.hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+def test_prompt_ids_equal_hugging_faces(tok, hf_tok, chat):
+    assert tok.chat_template == hf_tok.chat_template == CHAT_TEMPLATE
+    want = hf_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                       return_dict=False)
     got = chat_prompt_ids(tok, chat)
     assert got == want
@@ -48,9 +53,9 @@ def test_prompt_ids_equal_hugging_faces(tok, chat):
     assert tok.decode(got, skip_special_tokens=False).endswith("### assistant\n")
 
 
-def test_continue_final_message_leaves_the_reply_open(tok):
+def test_continue_final_message_leaves_the_reply_open(tok, hf_tok):
     chat = CHATS[1][:3]
-    want = tok.hf.apply_chat_template(chat, continue_final_message=True, tokenize=True,
+    want = hf_tok.apply_chat_template(chat, continue_final_message=True, tokenize=True,
                                       return_dict=False)
     got = chat_prompt_ids(tok, chat, continue_final_message=True)
     assert got == want
@@ -79,7 +84,7 @@ def test_bad_conversations_are_refused(tok, messages, match):
 
 def test_a_model_without_a_template_needs_the_operators(preset_path, tmp_path):
     tok = load_tokenizer(preset_path("tiny-llama"))
-    tok.hf.chat_template = None
+    tok.chat_template = None
     with pytest.raises(ChatTemplateMissing, match="--chat-template"):
         chat_prompt_ids(tok, CHATS[0])
     path = tmp_path / "qa.jinja"
@@ -108,12 +113,12 @@ def test_check_messages_takes_messages_and_mappings():
     assert msgs == [ChatMessage("user", "a"), ChatMessage("assistant", "b")]
 
 
-def test_llm_chat_equals_hf_generate_on_the_rendered_prompt(reference, preset_path):
+def test_llm_chat_equals_hf_generate_on_the_rendered_prompt(reference, hf_tok, preset_path):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = [reference.chat(chat, params) for chat in CHATS[:2]]
     for chat, out in zip(CHATS, outs):
-        ids = reference.tokenizer.hf.apply_chat_template(chat, add_generation_prompt=True,
-                                                         tokenize=True, return_dict=False)
+        ids = hf_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
         assert out.prompt_token_ids == ids
         assert out.token_ids == hf_greedy(preset_path("tiny-llama"), ids, 12)
     assert outs[0].token_ids != outs[1].token_ids
@@ -154,7 +159,7 @@ def test_router_answers_failed_precondition_without_a_template(preset_path):
     from router.prompts import ServedModel
 
     tok = load_tokenizer(preset_path("tiny-llama"))
-    tok.hf.chat_template = None
+    tok.chat_template = None
     model = ServedModel("tiny-llama", tok, tok.vocab_size)
     req = build_request(CHATS[0], None, {})
     assert not model.has_chat_template

@@ -28,6 +28,14 @@ def tok(tok_dir) -> Tokenizer:
     return load_tokenizer(tok_dir)
 
 
+@pytest.fixture(scope="session")
+def hf_tok(tok_dir):
+    """transformers' tokenizer for the same folder: the oracle."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+
+
 def stream(tok: Tokenizer, prompt: list[int], output: list[int], stop: list[str] | None = None,
            include: bool = False) -> tuple[list[str], IncrementalDetokenizer]:
     """Feeds output one token at a time the way the engine does; returns the deltas."""
@@ -43,7 +51,7 @@ def stream(tok: Tokenizer, prompt: list[int], output: list[int], stop: list[str]
     return deltas, detok
 
 
-def byte_token_ids(tok: Tokenizer) -> list[int]:
+def byte_token_ids(hf_tok) -> list[int]:
     """Id of the single-byte token for each byte value 0..255 (GPT-2's byte-to-char map)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     chars, extra = {}, 0
@@ -53,7 +61,7 @@ def byte_token_ids(tok: Tokenizer) -> list[int]:
         else:
             chars[b] = chr(256 + extra)
             extra += 1
-    return tok.hf.convert_tokens_to_ids([chars[b] for b in range(256)])
+    return hf_tok.convert_tokens_to_ids([chars[b] for b in range(256)])
 
 
 def split_char(tok: Tokenizer) -> tuple[str, list[int]]:
@@ -67,11 +75,11 @@ def split_char(tok: Tokenizer) -> tuple[str, list[int]]:
 
 # ---------------------------------------------------------------- the tokenizer itself
 
-def test_special_tokens_and_vocab(tok):
+def test_special_tokens_and_vocab(tok, hf_tok):
     assert tok.vocab_size == 8192
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (8189, 8190, 8191)
     assert sorted(tok.all_special_ids) == [8189, 8190, 8191]
-    assert tok.hf.convert_ids_to_tokens([8189, 8190]) == [BOS_TOKEN, EOS_TOKEN]
+    assert hf_tok.convert_ids_to_tokens([8189, 8190]) == [BOS_TOKEN, EOS_TOKEN]
 
 
 @pytest.mark.parametrize("text", [
@@ -163,10 +171,10 @@ def test_arbitrary_ids_stream_a_prefix_of_the_final_text(tok, ids):
 
 @PROPERTY
 @given(data=st.data())
-def test_byte_soup_in_chunks(tok, data):
+def test_byte_soup_in_chunks(tok, hf_tok, data):
     # Mostly single-byte tokens, fed in chunks of several tokens (as the decode role does):
     # valid characters, cut characters and invalid bytes all mixed, so long runs end in U+FFFD.
-    byte_ids = byte_token_ids(tok)
+    byte_ids = byte_token_ids(hf_tok)
     lead = st.sampled_from([byte_ids[b] for b in (0xC3, 0xE6, 0xF0, 0xF0, 0x9F)])
     cont = st.sampled_from([byte_ids[b] for b in (0x80, 0x97, 0x98, 0xA5, 0xBF)])
     ids = data.draw(st.lists(st.one_of(lead, cont, cont, st.integers(0, 8191)), max_size=40))
@@ -183,8 +191,8 @@ def test_byte_soup_in_chunks(tok, data):
     assert emitted == detok.output_text == final
 
 
-def test_byte_tokens_cover_all_bytes(tok):
-    byte_ids = byte_token_ids(tok)
+def test_byte_tokens_cover_all_bytes(tok, hf_tok):
+    byte_ids = byte_token_ids(hf_tok)
     assert len(set(byte_ids)) == 256
     assert tok.decode(byte_ids[0xE6:0xE7] + byte_ids[0x97:0x98] + byte_ids[0xA5:0xA6]) == "日"
 
