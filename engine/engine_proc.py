@@ -41,6 +41,7 @@ from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, Fra
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
+from engine.process_exit import exit_process
 from engine.switch_interval import apply_switch_interval
 from engine.thread_names import named_thread, set_os_thread_name
 
@@ -223,6 +224,8 @@ def main(down_fd: int, up_fd: int) -> None:
     finally:
         reader.close()
         writer.close()
+    # The worker waits for this exit when it stops: skip the interpreter's teardown.
+    exit_process()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,10 @@ finish for up to ``drain_timeout_s``, then stop with a grace period.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
 import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.gc_policy import freeze_startup_heap
+from engine.process_exit import exit_process
 from engine.switch_interval import apply_switch_interval
 
 logger = logging.getLogger(__name__)
@@ -284,25 +282,6 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
     else:
         uvloop.run(main_then_bounded_exit())
     exit_process()
-
-
-def exit_process() -> None:
-    """Ends a service whose work is done as the interpreter would, less its teardown.
-
-    Non-daemon threads are joined and exit handlers and finalizers run (a TP engine's ranks
-    are stopped there), stdio is flushed; what is skipped is CPython freeing every module's
-    objects one by one, with full collections over torch's, transformers' and gRPC's heaps:
-    1.1 s of CPU in a process that loaded a tokenizer, on the 2-core VM, paid by every
-    service at every stop (a cluster's three at once took 2.3-2.8 s to exit with nothing in
-    flight, nearly all of it there). The exit watchdog still bounds the joins."""
-    shutdown_threads = getattr(threading, "_shutdown", None)  # what the interpreter calls
-    if shutdown_threads is not None:
-        shutdown_threads()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or broken pipe must not change it
-            stream.flush()
-    os._exit(0)
 
 
 # After the service has stopped, the loop's executor and the interpreter join their threads.

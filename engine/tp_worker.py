@@ -23,6 +23,7 @@ from engine.gc_policy import freeze_startup_heap
 from engine.kv_layout import make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.process_exit import exit_process
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_from_json)
 from engine.step_codec import decode_model_input
@@ -53,6 +54,8 @@ def worker_main(spec: RankSpec, rank: int, size: int, store_port: int,
     _exit_with_parent(os.getppid())
     try:
         _serve(spec, rank, size, store_port, conn, kv_conn)
+        # Rank 0 waits for this exit when it shuts down: skip the interpreter's teardown.
+        exit_process()
     except (EOFError, BrokenPipeError):
         os._exit(0)  # rank 0 is gone: nothing left to serve
     except BaseException as e:  # report anything to rank 0 before dying

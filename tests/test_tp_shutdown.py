@@ -85,6 +85,19 @@ def test_shutdown_of_an_idle_engine_with_a_stopped_worker_kills_it(preset_path):
             worker.wait()
 
 
+def test_a_worker_told_to_quit_exits_cleanly(preset_path):
+    # The worker ends through engine.process_exit (its threads joined, exit handlers run, no
+    # interpreter teardown): status 0 within the quit grace, where a hang there would be -9.
+    with LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+                                num_gpu_blocks=32)) as engine:
+        worker = engine.executor.workers[0].process
+        engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert worker.returncode == 0
+    assert worker.pid not in _children(os.getpid())
+
+
 def test_a_services_stop_fits_in_the_launchers_grace():
     """Drain, the gRPC stop grace and the engine's shutdown end before the launcher kills."""
     from engine import async_engine, tp_executor
