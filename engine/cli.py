@@ -201,6 +201,8 @@ BENCHMARKS = [
                           "folded vs a K/V copy per query head"),
     ("gpu", "GPU suite: engine vs HF decode, nano-vllm W1, CUDA graphs on/off, decode-kernel "
             "bandwidth vs copy"),
+    ("startup", "a cluster's start, scale-out and stop with the tokenizer snapshot cached vs "
+                "not: seconds and CPU"),
 ]
 
 
