@@ -69,3 +69,18 @@ for package, name in ((engine, "NotAName"), (kernels, "NotAName")):
 print("OK", LLM.__name__)
 """)
     assert out.strip().splitlines()[-1] == "OK LLM"
+
+
+def test_a_router_whose_tokenizer_is_cached_leaves_torch_unloaded(preset_path):
+    from engine.tokenizer import load_tokenizer
+
+    path = preset_path("tiny-llama")
+    load_tokenizer(path)  # the snapshot is cached now, if no earlier test did it
+    out = _run(f"""
+import sys
+from router.prompts import load_served_model
+model = load_served_model({str(path)!r}, "auto", None)
+assert model.has_chat_template and model.tokenizer.hf is None
+print("TORCH", "torch" in sys.modules, "transformers.tokenization_utils_base" in sys.modules)
+""")
+    assert out.strip().splitlines()[-1] == "TORCH False False"
