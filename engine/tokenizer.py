@@ -6,11 +6,14 @@ contain a half-decoded multi-byte character, and applies stop strings.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from engine.tokenizer_snapshot import (TokenizerSnapshot, backend_matches, read_snapshot,
                                        snapshot_key, snapshot_of, write_snapshot)
+
+logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prompt tokens decoded ahead of the output so that decoders whose output depends on the
@@ -97,7 +100,12 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     key = snapshot_key(path)
     snapshot = read_snapshot(key)
     if snapshot is not None:
-        return Tokenizer(snapshot, path)
+        try:
+            return Tokenizer(snapshot, path)
+        except Exception as e:  # the tokenizers library's errors have no common base
+            # Readable but not buildable (edited by hand, say): loaded anew and rewritten.
+            logger.warning("ignoring the tokenizer snapshot of %s: %s: %s", path,
+                           type(e).__name__, e)
     hf = load_hf_tokenizer(path)
     snapshot = snapshot_of(hf)
     if not backend_matches(hf, snapshot):

@@ -132,6 +132,18 @@ def test_a_damaged_snapshot_is_replaced(empty_cache, preset_path, caplog):
     assert json.loads(snapshot.read_text())["vocab_size"] == 8192
 
 
+def test_a_snapshot_that_does_not_build_is_replaced(empty_cache, preset_path, caplog):
+    path = preset_path("tiny-llama")
+    want = load_tokenizer(path).encode("damaged")
+    snapshot = empty_cache / f"{snapshot_key(path)}.json"
+    raw = json.loads(snapshot.read_text())
+    snapshot.write_text(json.dumps({**raw, "backend_json": '{"model": 3}'}))
+    with caplog.at_level(logging.WARNING, logger="engine.tokenizer"):
+        assert load_tokenizer(path).encode("damaged") == want
+    assert "ignoring the tokenizer snapshot of" in caplog.text
+    assert json.loads(snapshot.read_text())["backend_json"] == raw["backend_json"]
+
+
 def test_an_unwritable_cache_only_costs_the_snapshot(tmp_path, monkeypatch, preset_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
