@@ -46,7 +46,9 @@ _MAX_TOKEN_PROBES = 64
 
 @dataclass(frozen=True)
 class TokenizerSnapshot:
-    backend_json: str  # tokenizers.Tokenizer.to_str() after transformers set it up
+    # tokenizers.Tokenizer.to_str() after transformers set it up; None where the backend
+    # cannot be serialized (a component written in Python).
+    backend_json: str | None
     vocab_size: int  # len(hf): the tokenizer's ids, added tokens included
     eos_token_id: int | None
     bos_token_id: int | None
@@ -78,8 +80,12 @@ def snapshot_of(hf) -> TokenizerSnapshot:
     template = hf.chat_template
     if isinstance(template, dict):
         template = template.get("default")
+    try:
+        backend_json = hf.backend_tokenizer.to_str()
+    except Exception:  # tokenizers raises a bare Exception for custom components
+        backend_json = None
     return TokenizerSnapshot(
-        backend_json=hf.backend_tokenizer.to_str(),
+        backend_json=backend_json,
         vocab_size=len(hf),
         eos_token_id=hf.eos_token_id,
         bos_token_id=hf.bos_token_id,
@@ -99,7 +105,7 @@ def backend_matches(hf, snapshot: TokenizerSnapshot) -> bool:
     True only when the class encodes through transformers' generic fast path (no override of
     the encode methods) and the rebuilt backend agrees with ``hf`` on a set of probe texts.
     """
-    if not _generic_fast_encode(type(hf)):
+    if snapshot.backend_json is None or not _generic_fast_encode(type(hf)):
         return False
     backend = snapshot.build_backend()
     added = [tok.content for tok in list(hf.added_tokens_decoder.values())[:_MAX_TOKEN_PROBES]]

@@ -173,3 +173,22 @@ def test_a_class_that_encodes_its_own_way_keeps_transformers(empty_cache, preset
     assert tok.hf is hf
     assert tok.encode("abc def") == hf.encode("abc def") != hf_tokenizer(path).encode("abc def")
     assert not empty_cache.exists() or not list(empty_cache.glob("*.json"))
+
+
+def test_a_backend_that_cannot_be_serialized_keeps_transformers(empty_cache, preset_path,
+                                                                monkeypatch):
+    from tokenizers.pre_tokenizers import PreTokenizer
+
+    class Words:  # a pre-tokenizer written in Python: tokenizers cannot save it
+        def pre_tokenize(self, pretok):
+            pretok.split(lambda i, s: s.split(" ", "removed"))
+
+    path = preset_path("tiny-llama")
+    hf = hf_tokenizer(path).__class__.from_pretrained(str(path), local_files_only=True)
+    hf.backend_tokenizer.pre_tokenizer = PreTokenizer.custom(Words())
+    monkeypatch.setattr("engine.tokenizer.load_hf_tokenizer", lambda folder: hf)
+    tok = load_tokenizer(path)
+    assert tok.hf is hf
+    assert tok.encode("one two") == hf.encode("one two")
+    assert tok.chat_template == hf.chat_template
+    assert not empty_cache.exists() or not list(empty_cache.glob("*.json"))
