@@ -180,8 +180,8 @@ def write_snapshot(key: str, snapshot: TokenizerSnapshot) -> None:
         # Processes starting together may all write: each renames a whole file into place.
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
         try:
-            os.fchmod(fd, 0o644)  # mkstemp makes it private; nothing in it is secret
             with os.fdopen(fd, "w", encoding="utf-8") as f:
+                os.fchmod(f.fileno(), 0o644)  # mkstemp makes it private; nothing here is secret
                 json.dump({"format": SNAPSHOT_FORMAT, **asdict(snapshot)}, f)
             os.replace(tmp, folder / f"{key}.json")
         except BaseException:
@@ -189,3 +189,6 @@ def write_snapshot(key: str, snapshot: TokenizerSnapshot) -> None:
             raise
     except OSError as e:
         logger.warning("cannot write the tokenizer snapshot to %s: %s", folder, e)
+        return
+    logger.info("tokenizer snapshot saved to %s: later loads of these files skip transformers",
+                folder / f"{key}.json")

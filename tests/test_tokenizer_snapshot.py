@@ -89,11 +89,14 @@ def test_a_cached_load_renders_chats_as_transformers(pair):
         assert chat_prompt_ids(tok, CHAT, continue_final_message=continue_final) == want
 
 
-def test_the_first_load_writes_a_snapshot_the_next_one_reads(empty_cache, preset_path):
+def test_the_first_load_writes_a_snapshot_the_next_one_reads(empty_cache, preset_path, caplog):
     path = preset_path("tiny-llama")
-    load_tokenizer(path)
+    with caplog.at_level(logging.INFO, logger="engine.tokenizer_snapshot"):
+        load_tokenizer(path)
     files = list(empty_cache.glob("*.json"))
     assert [f.stem for f in files] == [snapshot_key(path)]
+    assert f"tokenizer snapshot saved to {files[0]}" in caplog.text
+    assert files[0].stat().st_mode & 0o777 == 0o644
     assert json.loads(files[0].read_text())["vocab_size"] == 8192
     # The child process loads from the snapshot: transformers (and the torch it pulls in)
     # are never imported.
