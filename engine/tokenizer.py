@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from engine.tokenizer_snapshot import (TokenizerSnapshot, backend_matches, read_snapshot,
-                                       snapshot_key, snapshot_of, write_snapshot)
+                                       snapshot_key, snapshot_lock, snapshot_of,
+                                       write_snapshot)
 
 logger = logging.getLogger(__name__)
 
@@ -98,21 +99,34 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
         raise ValueError(f"no tokenizer files in {str(path)!r} "
                          f"(looked for {', '.join(_TOKENIZER_FILES)})")
     key = snapshot_key(path)
-    snapshot = read_snapshot(key)
-    if snapshot is not None:
-        try:
-            return Tokenizer(snapshot, path)
-        except Exception as e:  # the tokenizers library's errors have no common base
-            # Readable but not buildable (edited by hand, say): loaded anew and rewritten.
-            logger.warning("ignoring the tokenizer snapshot of %s: %s: %s", path,
-                           type(e).__name__, e)
-    hf = load_hf_tokenizer(path)
-    snapshot = snapshot_of(hf)
-    if not backend_matches(hf, snapshot):
-        return Tokenizer(snapshot, path, hf=hf)
-    write_snapshot(key, snapshot)
+    tokenizer = _from_snapshot(key, path)
+    if tokenizer is not None:
+        return tokenizer
+    with snapshot_lock(key):
+        # Another process may have written it while this one waited for the lock.
+        tokenizer = _from_snapshot(key, path)
+        if tokenizer is not None:
+            return tokenizer
+        hf = load_hf_tokenizer(path)
+        snapshot = snapshot_of(hf)
+        if not backend_matches(hf, snapshot):
+            return Tokenizer(snapshot, path, hf=hf)
+        write_snapshot(key, snapshot)
     # The same path a cached load takes, so a process behaves alike before and after caching.
     return Tokenizer(snapshot, path)
+
+
+def _from_snapshot(key: str, path: Path) -> Tokenizer | None:
+    snapshot = read_snapshot(key)
+    if snapshot is None:
+        return None
+    try:
+        return Tokenizer(snapshot, path)
+    except Exception as e:  # the tokenizers library's errors have no common base
+        # Readable but not buildable (edited by hand, say): loaded anew and rewritten.
+        logger.warning("ignoring the tokenizer snapshot of %s: %s: %s", path,
+                       type(e).__name__, e)
+        return None
 
 
 def load_hf_tokenizer(path: Path):

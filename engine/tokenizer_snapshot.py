@@ -15,11 +15,15 @@ that class (see ``backend_matches``); other tokenizers keep the transformers obj
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -42,6 +46,9 @@ _PROBES = ("", " ", "Hello world", "  two leading spaces", "tabs\tand\nnew\n\nli
            "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001f642", "12345 67.89 1e-3",
            "don't STOP", "a" * 40)
 _MAX_TOKEN_PROBES = 64
+# How long a process waits for another one loading the same tokenizer before loading it too:
+# far above a load's few seconds; a holder that died has already released the lock.
+LOCK_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -192,3 +199,37 @@ def write_snapshot(key: str, snapshot: TokenizerSnapshot) -> None:
         return
     logger.info("tokenizer snapshot saved to %s: later loads of these files skip transformers",
                 folder / f"{key}.json")
+
+
+@contextlib.contextmanager
+def snapshot_lock(key: str) -> Iterator[bool]:
+    """Held while one process loads a tokenizer through transformers and writes its snapshot,
+    so that processes starting together (a cluster's services) load it once: the others wait,
+    then read the snapshot. Yields whether the lock is held: not where the cache cannot be
+    written, nor past ``LOCK_WAIT_S`` of waiting (a holder that hangs), when the caller loads
+    the tokenizer itself."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / f".{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        yield _acquire(fd, LOCK_WAIT_S)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _acquire(fd: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                logger.warning("another process has been loading this tokenizer for %.0f s; "
+                               "loading it here too", wait_s)
+                return False
+            time.sleep(0.05)

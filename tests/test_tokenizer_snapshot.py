@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from engine.chat_template import chat_prompt_ids
 from engine.tokenizer import load_tokenizer
-from engine.tokenizer_snapshot import cache_dir, snapshot_key
+from engine.tokenizer_snapshot import cache_dir, snapshot_key, snapshot_lock
 from tests.hf_oracle import hf_tokenizer
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
@@ -195,3 +196,37 @@ def test_a_backend_that_cannot_be_serialized_keeps_transformers(empty_cache, pre
     assert tok.encode("one two") == hf.encode("one two")
     assert tok.chat_template == hf.chat_template
     assert not empty_cache.exists() or not list(empty_cache.glob("*.json"))
+
+
+def test_processes_starting_together_load_through_transformers_once(empty_cache, preset_path):
+    # The test holds the lock while two processes start, so both find no snapshot; released,
+    # one loads through transformers and writes it, the other waits and reads it.
+    path = preset_path("tiny-llama")
+    code = ("import sys; from engine.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer({str(path)!r}); "
+            "print(t.encode('together'), 'transformers' in sys.modules)")
+    env = {**os.environ, "PDSERVE_TOKENIZER_CACHE": str(empty_cache)}
+    with snapshot_lock(snapshot_key(path)) as held:
+        assert held
+        procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(2)]
+        time.sleep(3)  # time to reach the lock; arriving later changes nothing checked below
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    lines = [out.split() for out, _ in outs]
+    assert sorted(line[-1] for line in lines) == ["False", "True"]
+    want = str(hf_tokenizer(path).encode("together")).replace(" ", "")
+    assert all("".join(line[:-1]) == want for line in lines)
+
+
+def test_a_loader_that_hangs_is_waited_for_only_so_long(empty_cache, preset_path, monkeypatch,
+                                                         caplog):
+    monkeypatch.setattr("engine.tokenizer_snapshot.LOCK_WAIT_S", 0.3)
+    path = preset_path("tiny-llama")
+    with snapshot_lock(snapshot_key(path)) as held, \
+            caplog.at_level(logging.WARNING, logger="engine.tokenizer_snapshot"):
+        assert held
+        tok = load_tokenizer(path)
+    assert tok.encode("late") == hf_tokenizer(path).encode("late")
+    assert "loading it here too" in caplog.text
