@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from bench.serve_runs import services_print_to_stderr
 
 SETTINGS = ("cold", "warm")
+FIELDS = ("start_s", "scale_out_s", "stop_s", "cpu_s")  # StartupRun's measured fields
 _CACHE_ENV = "PDSERVE_TOKENIZER_CACHE"
 
 
@@ -114,10 +115,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(model: str, runs: list[StartupRun]) -> StartupReport:
-    fields = ("start_s", "scale_out_s", "stop_s", "cpu_s")
     median = {s: {f: statistics.median(getattr(r, f) for r in runs if r.setting == s)
-                  for f in fields} for s in SETTINGS}
-    ratio = {f: median["warm"][f] / median["cold"][f] for f in fields}
+                  for f in FIELDS} for s in SETTINGS}
+    ratio = {f: median["warm"][f] / median["cold"][f] for f in FIELDS}
     return StartupReport(model, runs, median, ratio)
 
 
@@ -133,6 +133,4 @@ def _print(r: StartupReport) -> None:
     print("|---|---|---|---|---|")
     for s in (*SETTINGS, "warm / cold"):
         row = r.ratio if s == "warm / cold" else r.median[s]
-        fmt = "{:.2f}"
-        print(f"| {s} | " + " | ".join(fmt.format(row[f]) for f in
-                                        ("start_s", "scale_out_s", "stop_s", "cpu_s")) + " |")
+        print(f"| {s} | " + " | ".join(f"{row[f]:.2f}" for f in FIELDS) + " |")
