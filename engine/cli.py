@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from engine.grpc_experiments import apply_grpc_experiments
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help="HF folder or preset name")
@@ -286,6 +288,8 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any gRPC channel or server exists in this process or the ones it starts.
+    apply_grpc_experiments()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(benchmarks="bench" in argv).parse_args(argv)
     try:

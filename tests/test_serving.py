@@ -1,6 +1,7 @@
 """End to end through real processes: redis-server, router, a prefill and a decode worker."""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from client import Chat, Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
 from engine.block_hash import hash_request_tokens
 from router.launcher import Cluster, ClusterSpec
+from tests.grpc_wakeups import event_engine_wakeups
 from tests.proc_signals import wait_until
 from tests.serving_helpers import (MIN_GREEDY_GAP, WORKER_ARGS, assert_same_logprobs,
                                    decisive_prompts, free_port, parse_metrics, random_prompts,
@@ -432,3 +434,20 @@ def test_prometheus_metrics_from_the_router_and_from_a_worker(cluster):
         assert scrape(port, "/")[0] == 404
     finally:
         assert cluster.stop_proc(worker) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_services_stream_tokens_without_waking_grpcs_event_engine(cluster):
+    # `pdserve` turns the EventEngine's socket I/O off in every service it starts
+    # (engine/grpc_experiments.py). The router, which reads each token from the decode worker
+    # and writes it to the client, woke its EventEngine threads 893-944 times over these 256
+    # tokens with gRPC's defaults and 109-120 times with pdserve's (the rest: timers, which
+    # the EventEngine still runs, as it does in idle workers).
+    router = next(p.popen.pid for p in cluster.procs if p.name == "router")
+    before, tokens = event_engine_wakeups(router), 0
+    with Client(cluster.router_address, timeout=60) as c:
+        for ch in c.generate(random_prompts(1, seed=11)[0], max_tokens=256, temperature=0.0,
+                             ignore_eos=True):
+            tokens += len(ch.token_ids)
+    assert tokens == 256
+    assert event_engine_wakeups(router) - before < tokens
