@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.tokenizer_builder import DEFAULT_VOCAB_SIZE, TokenizerInfo, build_tokenizer
+from kernels.cache_dirs import pdserve_cache_dir
 
 # Bump when the generated files change for the same spec, so cached folders are rebuilt.
 _FORMAT_VERSION = 2  # 2: the tokenizer has a chat template
@@ -91,9 +92,9 @@ def list_presets() -> list[str]:
 
 
 def default_cache_dir() -> Path:
-    """Where resolve_model generates presets: $PDSERVE_CACHE_DIR or ~/.cache/pdserve/models."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve" / "models"
+    """Where resolve_model generates presets: $PDSERVE_CACHE_DIR, else the models folder of
+    pdserve's cache (kernels/cache_dirs.py)."""
+    return pdserve_cache_dir("PDSERVE_CACHE_DIR", "models")
 
 
 def _get_spec(preset: str) -> PresetSpec:

@@ -29,6 +29,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from kernels.cache_dirs import pdserve_cache_dir
+
 logger = logging.getLogger(__name__)
 
 # Bump when the fields below or their meaning change.
@@ -158,9 +160,9 @@ def snapshot_key(folder: Path) -> str:
 
 
 def cache_dir() -> Path:
-    """$PDSERVE_TOKENIZER_CACHE, else ~/.cache/pdserve/tokenizers."""
-    env = os.environ.get("PDSERVE_TOKENIZER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve" / "tokenizers"
+    """$PDSERVE_TOKENIZER_CACHE, else the tokenizers folder of pdserve's cache
+    (kernels/cache_dirs.py)."""
+    return pdserve_cache_dir("PDSERVE_TOKENIZER_CACHE", "tokenizers")
 
 
 def read_snapshot(key: str) -> TokenizerSnapshot | None:

@@ -21,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kernels.cache_dirs import pdserve_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -31,9 +33,8 @@ _lock = threading.Lock()
 
 
 def cache_dir() -> Path:
-    """$PDSERVE_KERNEL_CACHE, else ~/.cache/pdserve/kernels."""
-    env = os.environ.get("PDSERVE_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pdserve" / "kernels"
+    """$PDSERVE_KERNEL_CACHE, else the kernels folder of pdserve's cache (kernels/cache_dirs.py)."""
+    return pdserve_cache_dir("PDSERVE_KERNEL_CACHE", "kernels")
 
 
 def compiler() -> str | None:

@@ -46,6 +46,7 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path
     monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert default_cache_dir() == Path.home() / ".cache" / "pdserve" / "models"
 
 
