@@ -103,6 +103,9 @@ class ServeReport:
     inprocess_step_tokens: int
     aggregated_step_tokens: int
     cpu_count: int
+    # GRPC_EXPERIMENTS as every process of the run had it (engine/grpc_experiments.py);
+    # "" for gRPC's own defaults
+    grpc_experiments: str
     points: list[PointResult]
     ratios: list[ThroughputRatio]
     shared_prefix: PrefixResult | None

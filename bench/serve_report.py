@@ -112,7 +112,8 @@ def markdown(report) -> str:
              f"{report.inprocess_step_tokens} on the in-process engine, "
              f"{report.aggregated_step_tokens} on the aggregated worker. Routers stream "
              f"{'every token' if c.stream_interval == 1 else f'{c.stream_interval} tokens a chunk'}"
-             f" (--stream-interval).",
+             f" (--stream-interval). gRPC experiments: "
+             f"{report.grpc_experiments or 'gRPC defaults'} (GRPC_EXPERIMENTS).",
              "#### Latency and throughput\n\n" + latency_table(report.points)]
     if any(p.cpu_cores for p in report.points):
         parts.append("#### CPU use\n\n" + cpu_table(report.points, report.cpu_count))

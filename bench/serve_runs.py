@@ -181,7 +181,7 @@ def run(cfg: ServeConfig) -> ServeReport:
                        int(spec.worker_env()["OMP_NUM_THREADS"]),
                        int(agg_spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
                        DEFAULT_MAX_NUM_BATCHED_TOKENS, agg_spec.step_budget("decode"),
-                       os.cpu_count() or 0, points,
+                       os.cpu_count() or 0, os.environ.get("GRPC_EXPERIMENTS", ""), points,
                        throughput_ratios(points, per_round), prefix)
 
 

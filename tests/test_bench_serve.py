@@ -84,6 +84,25 @@ def test_ratios_compare_each_concurrency_against_the_baselines_that_ran():
     assert r1.ratio_vs_agg_rounds == pytest.approx([0.8, 1.5]) and r1.ratio_rounds == []
 
 
+def test_the_markdown_report_says_what_ran_and_what_it_measured():
+    from bench.serve_report import markdown
+
+    def point(system, tokens):
+        return summarize(system, "concurrency", 8, [_record(0.0, [(0.1, tokens)], 0.2)], 1.0)
+
+    points = [point("disagg", 30), point("agg", 40), point("inprocess", 60)]
+    report = serve.ServeReport(serve.ServeConfig(), 2, 1, 2, 512, 2048, 2048, 2,
+                               "-event_engine_client,-event_engine_listener", points,
+                               serve.throughput_ratios(points), None)
+    text = markdown(report)
+    assert ("gRPC experiments: -event_engine_client,-event_engine_listener "
+            "(GRPC_EXPERIMENTS)") in text
+    assert "| 8 | 30.0 | 40.0 | 60.0 | 0.75 | 0.50 |" in text
+    assert "1 thread(s) per worker" in text and "2 for the in-process engine, on 2 CPUs" in text
+    report.grpc_experiments = ""
+    assert "gRPC experiments: gRPC defaults" in markdown(report)
+
+
 @pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--concurrency", "a,b"),
                                          ("--request-rates", "-1"), ("--prompt-len", "50-10"),
                                          ("--output-len", "x"), ("--num-prompts", "0"),
@@ -108,7 +127,9 @@ def test_tiny_run_end_to_end(capsys):
     assert set(report) == {"config", "torch_threads", "worker_threads",
                            "aggregated_worker_threads", "prefill_step_tokens",
                            "inprocess_step_tokens", "aggregated_step_tokens", "cpu_count",
-                           "points", "ratios", "shared_prefix"}
+                           "grpc_experiments", "points", "ratios", "shared_prefix"}
+    # What the run's processes had: `pdserve`'s default unless the environment set its own.
+    assert report["grpc_experiments"] == os.environ["GRPC_EXPERIMENTS"]
     assert report["inprocess_step_tokens"] == report["aggregated_step_tokens"] == 2048
     shared_cpu = "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available()
     assert report["prefill_step_tokens"] == (512 if shared_cpu else 2048)

@@ -1,4 +1,5 @@
-"""pdserve's processes poll gRPC's sockets on grpc.aio's own thread (engine/grpc_experiments.py)."""
+"""pdserve's processes poll gRPC's sockets on grpc.aio's own thread
+(engine/grpc_experiments.py)."""
 from __future__ import annotations
 
 import os
