@@ -32,8 +32,9 @@ def _wakeups(mode: str, env: dict[str, str]) -> int:
 def test_with_the_default_no_event_engine_thread_wakes_per_message():
     env = {k: v for k, v in os.environ.items() if k != ENV}
     # The control: with gRPC's own defaults, each message wakes the EventEngine's threads
-    # (~3 times a message with grpcio 1.85). If this fails, the installed gRPC no longer moves
-    # bytes through them and the default may have nothing left to switch off.
-    assert _wakeups("plain", {**env, ENV: ""}) >= MESSAGES
-    # The default, applied as `pdserve` applies it: grpc.aio's own poller reads the sockets.
-    assert _wakeups("apply", env) < MESSAGES // 4
+    # (318-322 times for 100 messages with grpcio 1.85). If this fails, the installed gRPC no
+    # longer moves bytes through them and the default may have nothing left to switch off.
+    assert _wakeups("plain", {**env, ENV: ""}) >= 2 * MESSAGES
+    # The default, applied as `pdserve` applies it: grpc.aio's own poller reads the sockets;
+    # what still wakes them is timers (14-32 times here, more on a busy host).
+    assert _wakeups("apply", env) < MESSAGES

