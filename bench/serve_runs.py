@@ -24,6 +24,7 @@ from bench.serve import (Point, PrefixResult, ServeConfig, ServeReport, plan_poi
 from bench.serve_load import (LoadRun, closed_loop, inprocess_closed_loop, one_request, poisson,
                               sequential)
 from bench.serve_metrics import PointResult, summarize
+from engine.grpc_experiments import ENV as GRPC_EXPERIMENTS
 
 # Runs closed loops at the given points, returning each point with its run.
 Runner = Callable[[list[Point]], list[tuple[Point, LoadRun]]]
@@ -181,7 +182,7 @@ def run(cfg: ServeConfig) -> ServeReport:
                        int(spec.worker_env()["OMP_NUM_THREADS"]),
                        int(agg_spec.worker_env()["OMP_NUM_THREADS"]), spec.step_budget("prefill"),
                        DEFAULT_MAX_NUM_BATCHED_TOKENS, agg_spec.step_budget("decode"),
-                       os.cpu_count() or 0, os.environ.get("GRPC_EXPERIMENTS", ""), points,
+                       os.cpu_count() or 0, os.environ.get(GRPC_EXPERIMENTS, ""), points,
                        throughput_ratios(points, per_round), prefix)
 
 

@@ -20,7 +20,6 @@ def pdserve_cache_dir(env_var: str, name: str, environ: Mapping[str, str] = os.e
     if own:
         return Path(own).expanduser()
     # The XDG spec: a relative XDG_CACHE_HOME is invalid and is ignored.
-    xdg = environ.get("XDG_CACHE_HOME", "")
-    root = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() \
-        else Path.home() / ".cache"
+    xdg = Path(environ.get("XDG_CACHE_HOME", "")).expanduser()  # "" reads as "."
+    root = xdg if xdg.is_absolute() else Path.home() / ".cache"
     return root / "pdserve" / name
