@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import shlex
 
 import yaml
 
@@ -59,3 +60,37 @@ def test_prometheus_scrapes_every_pdserve_service():
                for cfg in job["static_configs"] for t in cfg["targets"]}
     want = {f"{n}:{METRICS_PORT}" for n in services if n not in ("redis", "prometheus")}
     assert targets == want
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(instruction, arguments) per Dockerfile instruction, continuation lines joined."""
+    text = (COMPOSE.parent / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
+
+
+def test_image_can_compile_kernels_at_run_time():
+    """Triton builds each kernel's launcher, a Python extension, with the system C compiler
+    when the kernel first runs on a GPU, and the CPU kernels are built on first use: an image
+    without gcc and Python's headers fails at the first step, not at build time."""
+    installed = set()
+    for op, args in _dockerfile_instructions():
+        if op == "RUN" and "apt-get install" in args:
+            installed |= set(shlex.split(args.split("apt-get install", 1)[1].split("&&")[0]))
+    assert {"gcc", "libc6-dev", "python3-dev", "redis-server"} <= installed
+
+
+def test_image_keeps_caches_on_the_models_volume():
+    """What a worker builds on first use (presets, tokenizer snapshots, Triton's and the CPU
+    kernels) lands on the volume every pdserve service mounts, so a restart does not redo it."""
+    env = {}
+    for op, args in _dockerfile_instructions():
+        if op == "ENV":
+            env.update(kv.split("=", 1) for kv in shlex.split(args))
+    caches = ("PDSERVE_CACHE_DIR", "PDSERVE_TOKENIZER_CACHE", "PDSERVE_KERNEL_CACHE",
+              "TRITON_CACHE_DIR")
+    assert all(env[name].startswith("/models") for name in caches), env
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, svc in services.items():
+        if name not in ("redis", "prometheus"):
+            assert any(v.endswith(":/models") for v in svc["volumes"]), name
