@@ -85,12 +85,21 @@ def _build_and_load(name: str, flags: tuple[str, ...],
         logger.warning("no C compiler found: %s is not built (plain-torch paths instead)", name)
         return None
     source = CSRC / f"{name}.c"
+    mode = ctypes.RTLD_GLOBAL if global_symbols else ctypes.DEFAULT_MODE
     try:
         target = cache_dir() / f"{name}-{cache_key(cc, source, flags)}.so"
         if not target.exists():
             _compile(cc, source, target, flags)
-        return ctypes.CDLL(str(target),
-                           mode=ctypes.RTLD_GLOBAL if global_symbols else ctypes.DEFAULT_MODE)
+            return ctypes.CDLL(str(target), mode=mode)
+        try:
+            return ctypes.CDLL(str(target), mode=mode)
+        except OSError as e:
+            # A cached library that does not load (truncated by a full disk, damaged by hand)
+            # would otherwise pin this host to the torch path until someone deletes it.
+            logger.warning("cached %s does not load (%s): building it again", target, e)
+            target.unlink(missing_ok=True)
+            _compile(cc, source, target, flags)
+            return ctypes.CDLL(str(target), mode=mode)
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("could not build %s (%s): using the plain-torch path", name, e)
         return None

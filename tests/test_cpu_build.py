@@ -47,3 +47,13 @@ def test_every_kernel_compiles(source: Path, tmp_path: Path):
     # kernel's own tests skip: a compile error has to fail here.
     cpu_build._compile(compiler(), source, tmp_path / f"{source.stem}.so", cpu_build.FLAGS)
     assert (tmp_path / f"{source.stem}.so").stat().st_size > 0
+
+
+def test_a_damaged_cached_library_is_built_again(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    name = "kv_write_cpu"
+    target = tmp_path / f"{name}-{cache_key(compiler(), CSRC / f'{name}.c', cpu_build.FLAGS)}.so"
+    target.write_bytes(b"\x7fELF truncated")  # what a full disk may leave behind
+    lib = cpu_build._build_and_load(name, cpu_build.FLAGS, global_symbols=False)
+    assert lib is not None and target.stat().st_size > 1000
+    assert cpu_build._build_and_load(name, cpu_build.FLAGS, global_symbols=False) is not None
