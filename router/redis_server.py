@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
+from typing import IO
 
 
 def find_redis_server() -> str:
@@ -73,11 +74,12 @@ class RedisServer:
                 [*prefix, find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
                  "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
                 stdout=self._log, stderr=subprocess.STDOUT)
-            self._finalizer = weakref.finalize(self, _stop, self.proc)
+            self._finalizer = weakref.finalize(self, _stop, self.proc, self._log)
             try:
                 self._wait_ready(start_timeout_s)
                 return
             except _PortTaken as e:
+                self.stop()  # its log's file: the next attempt opens its own
                 if port or attempt == _PORT_ATTEMPTS - 1:
                     raise RuntimeError(str(e)) from None
 
@@ -124,7 +126,7 @@ class RedisServer:
         self.stop()
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, log: IO[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -132,3 +134,4 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    log.close()

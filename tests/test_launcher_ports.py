@@ -4,6 +4,7 @@ used as given, and a taken one fails clearly instead of being shared."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 
 import grpc
@@ -35,10 +36,17 @@ def test_redis_picks_again_when_its_port_is_taken_first(monkeypatch, taken_port)
 
     monkeypatch.setattr(redis_server, "free_port",
                         lambda host="127.0.0.1": next(picks, None) or real(host))
+    fds = _open_fds()
     with RedisServer() as r:
         assert r.port != taken_port
     with pytest.raises(RuntimeError, match="Address already in use"):
         RedisServer(port=taken_port)  # a port asked for is never changed
+    # Every attempt's server log was closed with it: a launcher that restarts Redis leaks none.
+    assert _open_fds() == fds
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
 
 
 def test_the_router_binds_its_own_port_and_reports_it(monkeypatch, taken_port, preset_path):
