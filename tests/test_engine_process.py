@@ -161,7 +161,7 @@ def _children(pid: int) -> list[int]:
 
 def _engine_child(pid: int) -> int:
     kids = [k for k in _children(pid)
-            if b"engine.engine_proc" in open(f"/proc/{k}/cmdline", "rb").read()]
+            if b"engine.engine_proc" in Path(f"/proc/{k}/cmdline").read_bytes()]
     assert len(kids) == 1, kids
     return kids[0]
 

@@ -236,7 +236,7 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
     tp2 = cluster.add_worker("prefill", extra=["--tensor-parallel-size", "2"])
     cluster.wait_routable(3, 1)
     (rank1,) = [pid for pid in descendants(tp2.popen.pid)
-                if b"engine.tp_worker" in open(f"/proc/{pid}/cmdline", "rb").read()]
+                if b"engine.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     # Enough long prompts that the router gives the TP worker several and it stays busy long
     # enough to be seen busy: with 9 shorter ones it once got one, done between two polls.
     prompts = decisive_prompts(reference, 18, seed=37, max_tokens=6, lo=200, hi=400)
