@@ -39,8 +39,14 @@ def sequence_request(request: router_pb2.GenerateRequest,
     if index > 0:
         seq.sampling.ClearField("prompt_logprobs")
     if seq.sampling.HasField("seed"):
-        seq.sampling.seed = request.sampling.seed + index
+        seq.sampling.seed = _wrap_int64(request.sampling.seed + index)
     return seq
+
+
+def _wrap_int64(v: int) -> int:
+    # Every int64 is a valid seed: one near the top wraps around rather than making an n > 1
+    # request fail where the same seed alone is served.
+    return (v + 2**63) % 2**64 - 2**63
 
 
 @dataclass

@@ -88,6 +88,10 @@ def test_check_n_and_sequence_seeds():
     req = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(n=3, seed=5))
     seqs = [sequence_request(req, i) for i in range(3)]
     assert [q.sampling.seed for q in seqs] == [5, 6, 7]
+    top = router_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(
+        n=3, seed=2**63 - 2))  # any int64 is a valid seed, with n > 1 too
+    assert [sequence_request(top, i).sampling.seed for i in range(3)] == [2**63 - 2, 2**63 - 1,
+                                                                          -2**63]
     assert not any(q.sampling.HasField("n") for q in seqs) and req.sampling.n == 3
     unseeded = sequence_request(router_pb2.GenerateRequest(
         text="hi", sampling=common_pb2.SamplingParams(n=3)), 2)
