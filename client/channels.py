@@ -7,17 +7,15 @@ from collections.abc import Sequence
 import grpc
 
 from client.failover import FailoverPolicy
+from protos.limits import message_size_options
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 def open_channels(addresses: Sequence[str], failover: FailoverPolicy, tls: bool,
                   root_certificates: bytes | None, aio: bool) -> list:
     """A channel per router. ``tls`` (implied by ``root_certificates``) verifies the router's
     certificate against ``root_certificates``, or the system's roots when None."""
-    options = CHANNEL_OPTIONS + failover.channel_options()
+    options = message_size_options() + failover.channel_options()
     mod = grpc.aio if aio else grpc
     if not (tls or root_certificates is not None):
         return [mod.insecure_channel(a, options=options) for a in addresses]

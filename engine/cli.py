@@ -7,6 +7,7 @@ import sys
 import time
 
 from engine.grpc_experiments import apply_grpc_experiments
+from protos.limits import max_message_bytes
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(benchmarks="bench" in argv).parse_args(argv)
     try:
+        max_message_bytes()  # a bad value fails here, not in each service it would start
         return args.func(args)
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)

@@ -22,23 +22,20 @@ from grpc_reflection.v1alpha import reflection
 from engine.gc_policy import freeze_startup_heap
 from engine.process_exit import exit_process
 from engine.switch_interval import apply_switch_interval
+from protos.limits import message_size_options
 
 logger = logging.getLogger(__name__)
 
-# KV handles and long token lists are small, but a 1M-token prompt as int64s is 8+ MB.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)]
 # gRPC binds with SO_REUSEPORT by default: a second server on a taken port binds without error
 # and the kernel splits connections between the two. A port in use must fail instead.
 # Callers ping every connection (client/keepalive.py) to find a peer that hangs without
 # closing it; by default a server answers pings more often than every 5 minutes while it sends
 # nothing (a long prefill, a stalled stream) with GOAWAY, which would fail every call on the
 # connection. Pings are accepted at any rate, with or without calls.
-_SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0),
-                                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
-                                  ("grpc.http2.max_ping_strikes", 0),
-                                  ("grpc.keepalive_permit_without_calls", 1)]
+_SERVER_OPTIONS = [("grpc.so_reuseport", 0),
+                   ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
+                   ("grpc.http2.max_ping_strikes", 0),
+                   ("grpc.keepalive_permit_without_calls", 1)]
 
 
 
@@ -105,7 +102,8 @@ class GrpcServer:
                  interceptors: list | None = None) -> None:
         self.config = config
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(options=_SERVER_OPTIONS, interceptors=interceptors)
+        self.server = grpc.aio.server(options=message_size_options() + _SERVER_OPTIONS,
+                                      interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

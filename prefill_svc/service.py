@@ -16,6 +16,8 @@ from engine.call_abort import abort_call
 from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from protos.limits import ENV as MAX_MESSAGE_ENV
+from protos.limits import max_message_bytes
 from router.ledger import TransferOpened
 from router.router_presence import check_incarnation, check_router_id
 
@@ -25,6 +27,9 @@ _MAX_RELEASED_EARLY = 1024
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
+        # What gRPC would refuse to send (its error would read as a refusal to the router,
+        # which then releases nothing): an answer over it is refused here, its lease freed.
+        self.max_answer_bytes = max_message_bytes()
         # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
         self._leases: dict[str, float] = {}
         # Ids released before this servicer saw their lease (see _prefill), oldest first.
@@ -73,6 +78,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             stop = convert.stop_reason_to_proto(out.stop_reason)
             if stop is not None:
                 resp.stop_reason.CopyFrom(stop)
+            self._check_size(resp, request)
             return resp
         lease = out.kv_lease
         if self._released_early.pop(rid, False):
@@ -80,15 +86,30 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             # release found nothing: this one frees it (it is never listed in the ledger).
             self.rt.engine.release_kv(rid)
             return None
-        self._prune()
-        self._leases[rid] = lease.expires_at
-        self._record(request, lease)
         resp.kv_handle.CopyFrom(common_pb2.KVHandle(
             worker_id=self.rt.worker_id, worker_address=self.rt.address,
             backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
             block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
             lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0)))
+        try:
+            self._check_size(resp, request)
+        except ValueError:
+            self.rt.engine.release_kv(rid)
+            raise
+        self._prune()
+        self._leases[rid] = lease.expires_at
+        self._record(request, lease)
         return resp
+
+    def _check_size(self, resp: worker_pb2.PrefillResponse,
+                    request: worker_pb2.PrefillRequest) -> None:
+        size = resp.ByteSize()
+        if size > self.max_answer_bytes:
+            raise ValueError(
+                f"the prefill answer would be {size} bytes, over the {self.max_answer_bytes}-byte "
+                f"message limit ({MAX_MESSAGE_ENV}): prompt_logprobs="
+                f"{request.sampling.prompt_logprobs} for {len(request.prompt_token_ids)} prompt "
+                f"tokens; ask for fewer")
 
     def _record(self, request: worker_pb2.PrefillRequest, lease: KVLease) -> None:
         """Opens the lease's transfer-ledger entry; its close (``LeaseEnded``) comes from the

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from client.tasks import stop_task
-from engine.grpc_server import GRPC_OPTIONS
 from protos import common_pb2, worker_pb2_grpc
+from protos.limits import message_size_options
 from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls, check_loop
 from router.registry import Registry
@@ -107,7 +107,7 @@ class WorkerDirectory:
     block_size: int
     refresh_interval_s: float = 0.5
     # Options of the channel to each worker (client/keepalive.py's pings among them).
-    channel_options: list = field(default_factory=lambda: list(GRPC_OPTIONS))
+    channel_options: list = field(default_factory=message_size_options)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None

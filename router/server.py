@@ -6,8 +6,9 @@ import logging
 
 from client.keepalive import keepalive_options
 from client.tasks import stop_task
-from engine.grpc_server import GRPC_OPTIONS, GrpcServer, run, serve
+from engine.grpc_server import GrpcServer, run, serve
 from protos import router_pb2, router_pb2_grpc
+from protos.limits import message_size_options
 from router.admin import RouterAdminServicer
 from router.auth import ApiKeyInterceptor
 from router.config import RouterConfig
@@ -37,8 +38,9 @@ async def serve_router(config: RouterConfig) -> None:
                                                                   config.server.port))
     await presence.claim()
     directory = WorkerDirectory(registry, config.block_size, config.refresh_interval_s,
-                                GRPC_OPTIONS + keepalive_options(config.keepalive_time_s,
-                                                                 config.keepalive_timeout_s),
+                                message_size_options()
+                                + keepalive_options(config.keepalive_time_s,
+                                                    config.keepalive_timeout_s),
                                 config.liveness)
     await directory.start()
     presence.start()
