@@ -193,6 +193,10 @@ class WorkerDirectory:
             if handle is not None and handle.info.address == info.address:
                 handle.info = info
                 continue
+            if handle is not None and handle.watchers == 0:
+                # Registered anew at another address (a restart): the old channel goes too.
+                # One with calls on it is retired when they end (watched).
+                self._retire(handle)
             channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
             self.workers[wid] = WorkerHandle(info, channel,
                                              worker_pb2_grpc.PrefillWorkerStub(channel),

@@ -170,3 +170,36 @@ def test_the_decode_worker_holding_most_of_a_prompt_is_found(redis_url):
             await writer.r.aclose()
 
     asyncio.run(body())
+
+
+def test_a_worker_registered_at_another_address_has_its_old_channel_closed(redis_url,
+                                                                           monkeypatch):
+    from grpc import ChannelConnectivity
+
+    from router import directory
+
+    monkeypatch.setattr(directory, "RETIRE_AFTER_S", 0.0)
+
+    async def body():
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir6"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir6")
+        try:
+            info = _info("d1", "decode")
+            await writer.heartbeat(info)
+            await d.start()
+            old = d.workers["d1"]
+            info.address = "127.0.0.1:2"  # the worker restarted on another port
+            await writer.heartbeat(info)
+            await d.refresh()
+            assert d.workers["d1"] is not old and d.workers["d1"].info.address == info.address
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if old.channel.get_state() == ChannelConnectivity.SHUTDOWN:
+                    break
+            assert old.channel.get_state() == ChannelConnectivity.SHUTDOWN
+            assert d.workers["d1"].channel.get_state() != ChannelConnectivity.SHUTDOWN
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+
+    asyncio.run(body())
