@@ -1,9 +1,14 @@
 """Per-request sampling parameters, validated when built."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Past ~10 sampling is as good as uniform already; a bound keeps logits / temperature finite in
+# float32 (1e39 is a finite Python float but inf there, and -inf / inf is NaN, which wins the
+# argmax: a token masked out by allowed_token_ids, min_tokens or bad_words would be sampled).
+MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 256
@@ -66,8 +71,9 @@ class SamplingParams:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
                 or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -144,4 +150,5 @@ class SamplingParams:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -48,10 +48,24 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
     (dict(logprobs=99), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(temperature=float("nan")), "temperature"),
+    # -inf / inf is NaN, which would win the argmax over every masked-out token; 1e39 is
+    # finite here and inf in float32.
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(temperature=100.5), "temperature"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_the_hottest_temperature_still_keeps_masked_tokens_out(llm):
+    allowed = [100, 200, 300]
+    for seed in range(3):
+        out = llm.generate(["hi"], SamplingParams(temperature=100.0, seed=seed, max_tokens=6,
+                                                  allowed_token_ids=allowed))[0]
+        assert set(out.token_ids) <= set(allowed), out.token_ids
 
 
 def test_sampling_params_checked_against_vocab(llm):
