@@ -143,6 +143,6 @@ def _check_stop_strings(detok: IncrementalDetokenizer, params,
     """The stop string the newest text completes, once the output is past min_tokens (as in
     vLLM, the token that may end it is number min_tokens + 1, as for stop tokens)."""
     if num_output_tokens <= params.min_tokens:
-        detok.skip_stop_check()
+        detok.skip_stop_check(params.stop)
         return None
     return detok.check_stop(params.stop, params.include_stop_str_in_output)

@@ -196,6 +196,7 @@ class IncrementalDetokenizer:
         self._stop: list[str] | None = None  # last stop list given to check_stop
         self._include_stop = False
         self._stop_holdback = 0
+        self._stop_deferred = False  # skip_stop_check since the last check_stop
 
     def _keep(self, ids: Iterable[int]) -> list[int]:
         return [i for i in self.tokenizer.known_ids(ids) if i not in self._dropped]
@@ -260,6 +261,7 @@ class IncrementalDetokenizer:
             return self.stop_str
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop_str_in_output
+        self._stop_deferred = False
         if not self._stop:
             self._stop_holdback = 0
             self._checked = len(self.output_text)
@@ -281,12 +283,16 @@ class IncrementalDetokenizer:
         self.stop_str = s
         return s
 
-    def skip_stop_check(self) -> None:
+    def skip_stop_check(self, stop: Sequence[str]) -> None:
         """Marks the text so far as searched without searching it (min_tokens: stop strings
-        cannot end the output yet, and what has been produced meanwhile never will)."""
+        cannot end the output yet). A stop string the first token past min_tokens completes
+        may have begun before it, so its possible beginning is held back all the same: text
+        handed out is never cut later."""
         if self.stop_str is None:
+            self._stop = [s for s in stop if s]
+            self._stop_deferred = True
             self._checked = len(self.output_text)
-            self._stop_holdback = 0
+            self._stop_holdback = _partial_stop_len(self.output_text, self._stop)
 
     def take_delta(self) -> str:
         """Text not handed out yet that can no longer change or turn into a stop string."""
@@ -304,7 +310,7 @@ class IncrementalDetokenizer:
         if not self.finished:
             if self.stop_str is None:
                 self._advance(flush=True)
-                if self._stop:
+                if self._stop and not self._stop_deferred:  # no token passed min_tokens
                     self.check_stop(self._stop, self._include_stop)
             self.finished = True
         return self.take_delta()

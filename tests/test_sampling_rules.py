@@ -195,6 +195,30 @@ def test_min_tokens_defers_stop_strings(reference):
     assert len(held.token_ids) > 10 and held.text.startswith(early.text + stop)
 
 
+def test_a_stop_string_begun_within_min_tokens_is_never_streamed(reference):
+    """The first token past min_tokens may complete a stop string that began in the tokens
+    before it: the stream must have held that beginning back, not sent text the end cuts."""
+    cases = 0
+    for prompt in random_prompts(12, seed=33, lo=4, hi=12):
+        plain = reference.generate([prompt], SamplingParams(**GREEDY))[0]
+        first, second = (reference.tokenizer.decode(plain.token_ids[i:i + 1]) for i in (0, 1))
+        if len(first) < 2 or len(second) < 2 or "\ufffd" in first + second:
+            continue
+        stop = first[-2:] + second[:2]  # straddles min_tokens=1's boundary
+        if stop in first:
+            continue
+        for include in (False, True):
+            params = SamplingParams(stop=[stop], min_tokens=1, include_stop_str_in_output=include,
+                                    **GREEDY)
+            outs = list(reference.stream(prompt, params))
+            final = outs[-1]
+            assert final.stop_reason == stop and len(final.token_ids) == 2
+            assert "".join(o.text_delta for o in outs) == final.text
+            assert final.text == first[:-2] + (stop if include else "")
+        cases += 1
+    assert cases >= 2  # the prompts gave tokens long enough to straddle
+
+
 def test_logit_bias_equals_the_definition_on_hf(reference, preset_path):
     prompt = PROMPTS[0]
     plain = reference.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
