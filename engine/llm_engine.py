@@ -69,6 +69,7 @@ class LLMEngine:
         self._leases: dict[str, _Lease] = {}
         self._lease_events: list[LeaseEnded] = []
         self._awaiting_kv: dict[str, Request] = {}
+        self._admitting: dict[str, Request] = {}  # committed; its "admit" not drained yet
         # request id -> (request, when its blocks may be reused): see quarantine_kv.
         self._quarantined: dict[str, tuple[Request, float]] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -219,6 +220,9 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r} is not waiting for KV")
             req.num_computed_tokens = req.num_tokens - 1
             self.kv_manager.cache_blocks(req, req.num_computed_tokens)
+            # Until its "admit" is drained it is in neither the scheduler nor _awaiting_kv:
+            # an abort meanwhile (another thread's cancel) must still find it here.
+            self._admitting[request_id] = req
         self._inbox.put(("admit", req))
 
     # --- stepping -------------------------------------------------------------------------
@@ -307,6 +311,8 @@ class LLMEngine:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if kind == "admit" and self._admitting.pop(arg.request_id, None) is None:
+                continue  # aborted between its commit and now
             if kind == "add" or kind == "admit":
                 self.scheduler.add_request(arg)
                 self.outputs.add_request(arg)
@@ -321,7 +327,8 @@ class LLMEngine:
         if request_id in self._leases:
             self._release_now(request_id)
             return
-        req = self.scheduler.requests.get(request_id) or self._awaiting_kv.pop(request_id, None)
+        req = (self.scheduler.requests.get(request_id) or self._awaiting_kv.pop(request_id, None)
+               or self._admitting.pop(request_id, None))
         if req is None:
             return
         self._finish(req, RequestStatus.FINISHED_ABORTED)

@@ -115,6 +115,33 @@ def test_abort_waiting_for_kv_frees_blocks(model):
     assert _free(decode)
 
 
+def test_an_abort_between_commit_and_admission_is_not_lost(model):
+    """commit_prefilled takes the request out of the KV wait, then queues its admission: a
+    cancel from another thread in between must still abort it, not let it run to max_tokens
+    for nobody."""
+    decode = LLMEngine(EngineConfig(model, role="decode"))
+    decode.add_prefilled_request("a", list(range(5, 70)), 9,
+                                 SamplingParams(max_tokens=20, ignore_eos=True))
+    real = decode._inbox
+
+    class Inbox:  # the other thread's abort lands just before the admission is queued
+        def put(self, item):
+            if item[0] == "admit":
+                decode._inbox = real
+                decode.abort("a")
+            real.put(item)
+
+    decode._inbox = Inbox()
+    try:
+        decode.commit_prefilled("a")
+    finally:
+        decode._inbox = real
+    outs = [o for _ in range(3) for o in decode.step()]
+    # Its one token is the prefill worker's: no decode step ran for it.
+    assert [(o.finish_reason, o.token_ids) for o in outs] == [("abort", [9])]
+    assert _free(decode) and not decode.has_unfinished_requests()
+
+
 def test_decode_role_refuses_when_full(model):
     decode = LLMEngine(EngineConfig(model, role="decode", num_gpu_blocks=8))
     params = SamplingParams(max_tokens=4)
