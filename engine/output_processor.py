@@ -79,11 +79,15 @@ class OutputProcessor:
             req.logprobs.append(logprobs)
         params = req.sampling_params
         detok = self.detokenizers.get(req.request_id)
-        if detok is not None:
+        stop_token = token_id in params.stop_token_ids
+        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        # As a stop string's, a stop token's text (eos's too) stays out of the text unless
+        # include_stop_str_in_output (vLLM's rule); its id is in token_ids all the same.
+        if detok is not None and (params.include_stop_str_in_output or not (stop_token or eos)):
             detok.update([token_id])
-        if token_id in params.stop_token_ids:
+        if stop_token:
             return StopDecision(RequestStatus.FINISHED_STOPPED, token_id)
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if eos:
             return StopDecision(RequestStatus.FINISHED_STOPPED, None)
         if detok is not None and params.stop:
             hit = _check_stop_strings(detok, params, req.num_output_tokens)

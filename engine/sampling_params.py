@@ -31,7 +31,7 @@ class SamplingParams:
     # The same for every prompt token after the first (its logprob given the tokens before
     # it); None: none. Such a request computes its whole prompt (no prefix-cache hits).
     prompt_logprobs: int | None = None
-    # Keep the stop string in the returned text.
+    # Keep the stop string, or the stop token's (or eos's) text, in the returned text.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # engine/penalties.py: > 1 discourages tokens already in the prompt or output (1: off);

@@ -195,6 +195,21 @@ def test_min_tokens_defers_stop_strings(reference):
     assert len(held.token_ids) > 10 and held.text.startswith(early.text + stop)
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(reference):
+    prompt = PROMPTS[0]
+    plain = reference.generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    k = next(i for i in range(3, len(plain)) if plain[i] not in plain[:i])
+    cut = reference.generate([prompt], SamplingParams(**{**GREEDY, "max_tokens": k}))[0]
+    kept = reference.generate([prompt], SamplingParams(**{**GREEDY, "max_tokens": k + 1}))[0]
+    assert kept.text != cut.text  # the stop token has text of its own
+    for include, want in ((False, cut.text), (True, kept.text)):
+        params = SamplingParams(stop_token_ids=[plain[k]], include_stop_str_in_output=include,
+                                **GREEDY)
+        outs = list(reference.stream(prompt, params))
+        assert outs[-1].token_ids == plain[:k + 1] and outs[-1].stop_reason == plain[k]
+        assert outs[-1].text == want == "".join(o.text_delta for o in outs)
+
+
 def test_a_stop_string_begun_within_min_tokens_is_never_streamed(reference):
     """The first token past min_tokens may complete a stop string that began in the tokens
     before it: the stream must have held that beginning back, not sent text the end cuts."""
