@@ -11,7 +11,7 @@ import grpc
 from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             resumable, take_chunk)
+                             take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
 from client.tasks import stop_task
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
@@ -69,7 +69,7 @@ class AsyncClient:
                        timeout: float | None = None, **sampling) -> AsyncIterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
-        tries.resumable = resumable(req)
+        tries.track(req)
         received: list[int] = []
         while True:
             call = self._stubs[tries.router].Generate(
@@ -83,6 +83,8 @@ class AsyncClient:
                         yield take_chunk(msg, received, tries)
                 return
             except grpc.RpcError as e:
+                if tries.complete:  # all of it arrived: a continuation would generate more
+                    return
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None

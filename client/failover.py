@@ -87,6 +87,20 @@ class Attempts:
         # router resumes one sequence): it fails over only while nothing has arrived.
         self.resumable = True
         self.streamed = False
+        # A stream ends with one final chunk per sequence: once all have arrived, a failure
+        # of the call (the router lost before it sent the closing status) ends nothing.
+        self.num_sequences = 1
+        self.finished: set[int] = set()
+
+    def track(self, req: router_pb2.GenerateRequest) -> None:
+        """For a Generate stream: whether it can go on elsewhere, and what ends it."""
+        self.resumable = resumable(req)
+        self.num_sequences = req.sampling.n if req.sampling.HasField("n") else 1
+
+    @property
+    def complete(self) -> bool:
+        """Every sequence's final chunk has arrived."""
+        return len(self.finished) >= max(self.num_sequences, 1)
 
     @property
     def router(self) -> int:
@@ -144,6 +158,8 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
     chunk = chunk_from_proto(msg)
     received.extend(chunk.token_ids)
     tries.streamed = True
+    if chunk.finish_reason:
+        tries.finished.add(chunk.index)
     if chunk.usage is not None:
         chunk.usage.migrations += tries.retries
     return chunk

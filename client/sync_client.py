@@ -10,7 +10,7 @@ import grpc
 from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             resumable, take_chunk)
+                             take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
                           build_request, completion_from_proto, detokenize_request,
@@ -53,7 +53,7 @@ class Client:
                  timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
         tries = self._attempts(timeout)
-        tries.resumable = resumable(req)
+        tries.track(req)
         return self._stream(req, tries)
 
     def _stream(self, req, tries: Attempts) -> Iterator[GenerationChunk]:
@@ -73,6 +73,8 @@ class Client:
                             raise cut.error() from None
                         raise
             except grpc.RpcError as e:
+                if tries.complete:  # all of it arrived: a continuation would generate more
+                    return
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None

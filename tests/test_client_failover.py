@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from client import AsyncClient, FailoverPolicy
-from client.failover import Attempts, attempt_request, check_addresses
+from client.failover import Attempts, attempt_request, check_addresses, take_chunk
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -69,6 +69,67 @@ def test_a_continuation_carries_what_arrived_under_its_own_id():
     longest = router_pb2.GenerateRequest(request_id="x" * MAX_REQUEST_ID_CHARS)
     again = attempt_request(longest, [], 12)
     assert again.request_id.endswith("x~r12") and check_request_id(again.request_id)
+
+
+class _EndsThenFails(router_pb2_grpc.RouterServicer):
+    """A router that streams every final chunk, then is lost before the closing status."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.calls = n, 0
+
+    def Generate(self, request, context):
+        self.calls += 1
+        for i in range(self.n):
+            yield router_pb2.GenerateChunk(token_ids=[10 + i], index=i)
+        for i in range(self.n):
+            yield router_pb2.GenerateChunk(token_ids=[20 + i], index=i, finish_reason="stop",
+                                           usage=router_pb2.Usage(completion_tokens=2))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "router lost before its trailers")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_whose_final_chunks_arrived_is_not_resumed_elsewhere(n):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from client import Client
+
+    routers, servers, addresses = [], [], []
+    for _ in range(2):
+        routers.append(_EndsThenFails(n))
+        servers.append(grpc.server(ThreadPoolExecutor(4)))
+        router_pb2_grpc.add_RouterServicer_to_server(routers[-1], servers[-1])
+        addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
+        servers[-1].start()
+    policy = FailoverPolicy(health_check_interval_s=0, backoff_s=0.0)
+    want = sorted([10 + i for i in range(n)] + [20 + i for i in range(n)])
+    try:
+        with Client(addresses, timeout=30, failover=policy) as c:
+            got = [t for ch in c.generate([5, 6], max_tokens=2, n=n) for t in ch.token_ids]
+        assert sorted(got) == want
+
+        async def stream():
+            async with AsyncClient(addresses, timeout=30, failover=policy) as ac:
+                return [t async for ch in ac.generate([5, 6], max_tokens=2, n=n)
+                        for t in ch.token_ids]
+
+        assert sorted(asyncio.run(stream())) == want
+        # Each client's stream ran once: no continuation, no second answer.
+        assert sum(r.calls for r in routers) == 2
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_attempts_know_when_every_sequence_has_ended():
+    tries = Attempts(FailoverPolicy(), 1, 0, None)
+    req = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(n=2))
+    tries.track(req)
+    assert not tries.resumable and not tries.complete
+    for index, reason in ((0, ""), (0, "stop"), (1, "")):
+        take_chunk(router_pb2.GenerateChunk(index=index, finish_reason=reason), [], tries)
+    assert not tries.complete
+    take_chunk(router_pb2.GenerateChunk(index=1, finish_reason="length"), [], tries)
+    assert tries.complete
 
 
 @pytest.mark.parametrize("bad", [[], [""], 5])
