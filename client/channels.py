@@ -29,8 +29,10 @@ def check_api_key(key: str | None) -> None:
     """What both ends accept as an API key (None: no key)."""
     if key is None:
         return
-    if not isinstance(key, str) or not key or not key.isprintable() or " " in key:
-        raise ValueError("api_key must be a non-empty string of printable characters "
+    # gRPC sends it as a header value: ASCII only (others fail every call with INTERNAL).
+    if not isinstance(key, str) or not key or not key.isascii() or not key.isprintable() \
+            or " " in key:
+        raise ValueError("api_key must be a non-empty string of printable ASCII characters "
                          "without spaces")
 
 

@@ -5,6 +5,7 @@ the history, which the model's chat template renders into every next prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +30,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     interactive = sys.stdin.isatty()
-    with _replier(args) as reply:
+    try:
+        replier = _replier(args)
+        reply = replier.open()
+    except PdserveError as e:  # no router to talk to (down, wrong address, refused key)
+        print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    with contextlib.closing(replier):
         while True:
             if interactive:
                 print("you> ", end="", flush=True)
@@ -69,10 +76,10 @@ class _replier:
         self.args = args
         self._close = lambda: None
 
-    def __enter__(self) -> Replier:
+    def open(self) -> Replier:
         return self._remote() if self.args.router else self._local()
 
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._close()
 
     def _remote(self) -> Replier:
@@ -82,8 +89,12 @@ class _replier:
 
         client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
                         **connection_kwargs(self.args))
+        try:
+            sampling = sampling_kwargs(self.args, client.model_info().sampling_defaults)
+        except BaseException:
+            client.close()
+            raise
         self._close = client.close
-        sampling = sampling_kwargs(self.args, client.model_info().sampling_defaults)
 
         def reply(history: list[dict]):
             t0 = time.perf_counter()

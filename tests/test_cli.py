@@ -19,6 +19,21 @@ def test_make_model_writes_a_loadable_folder(tmp_path):
     assert len(outs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_client_commands_without_a_router_end_with_a_clean_error(command):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt = [] if command == "chat" else ["--prompt", "hi"]  # chat reads its turns
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", command, "--router",
+                           f"127.0.0.1:{port}", *prompt], input="hi\n", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("pdserve: error: UNAVAILABLE") and "Traceback" not in proc.stderr
+
+
 def test_unknown_preset_is_a_clean_error(capsys):
     assert main(["make-model", "no-such-preset", "--out", "/tmp/unused"]) == 2
     assert "no-such-preset" in capsys.readouterr().err

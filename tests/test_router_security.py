@@ -95,7 +95,7 @@ def test_the_cli_reaches_the_router_with_the_ca_and_the_key(cluster, tls_files, 
     assert "4 tokens" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("key", ["", " x", "a b", "x\n", 5])
+@pytest.mark.parametrize("key", ["", " x", "a b", "x\n", 5, "clé", "ключ"])
 def test_bad_api_keys_are_refused_on_both_sides(key):
     with pytest.raises(ValueError, match="api_key"):
         check_api_key(key)
