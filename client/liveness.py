@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.errors import CancelledError
+
 logger = logging.getLogger(__name__)
 
 _MISSED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
@@ -138,7 +140,7 @@ async def watched_unary(calls: WatchedCalls, call):
             return await call
         except asyncio.CancelledError:
             if cut.reason is None:
-                raise
+                _raise_local_cancel()
     raise cut.error()
 
 
@@ -152,10 +154,21 @@ async def watched_stream(calls: WatchedCalls, call) -> AsyncIterator:
             return
         except asyncio.CancelledError:
             if cut.reason is None:
-                raise
+                _raise_local_cancel()
         finally:
             call.cancel()  # no-op when finished; otherwise the peer aborts the request
     raise cut.error()
+
+
+def _raise_local_cancel() -> None:
+    """In an ``except asyncio.CancelledError``: the caller's own cancellation goes on as is;
+    a call cancelled under a task nobody cancelled (its channel closed: ``AsyncClient.close``
+    from another task) fails with the SDK's CancelledError, as the blocking client's does, so
+    the task does not end as if it had been cancelled itself."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        raise  # noqa: PLE0704 - re-raises the CancelledError being handled
+    raise CancelledError("the call was cancelled: its client was closed") from None
 
 
 async def check_loop(interval_s: float, misses: int, busy: Callable[[], list],

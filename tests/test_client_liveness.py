@@ -98,6 +98,34 @@ def test_the_asyncio_client_cuts_a_hung_router_and_fails_over(routers):
     _check(routers, *asyncio.run(run()))
 
 
+def test_closing_the_asyncio_client_fails_the_calls_of_other_tasks_with_its_own_error(routers):
+    """Closing the channels cancels their calls: a task that did not cancel itself gets the
+    SDK's CancelledError, as the blocking client's callers do, while a task its owner cancels
+    stays cancelled."""
+    from client import CancelledError
+
+    hung = routers[0].address
+    off = FailoverPolicy(health_check_interval_s=0, keepalive_time_s=None)
+
+    async def run():
+        c = AsyncClient(hung, timeout=60, failover=off)
+
+        async def stream():
+            return [chunk async for chunk in c.generate([1, 2, 3], max_tokens=3)]
+
+        tasks = [asyncio.create_task(stream()),
+                 asyncio.create_task(c.complete([1, 2, 3], max_tokens=2)),
+                 asyncio.create_task(stream())]
+        await asyncio.sleep(0.5)  # every call is on the router, which holds them
+        tasks[2].cancel()
+        await c.close()
+        return await asyncio.gather(*tasks, return_exceptions=True), tasks
+
+    results, tasks = asyncio.run(run())
+    assert [type(r) for r in results[:2]] == [CancelledError, CancelledError]
+    assert not tasks[0].cancelled() and not tasks[1].cancelled() and tasks[2].cancelled()
+
+
 def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(routers):
     from client import DeadlineExceededError
 
