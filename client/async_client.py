@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from client.channels import call_metadata, open_channels
+from client.channels import call_metadata, check_root_certificates, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              take_chunk)
@@ -32,7 +32,8 @@ class AsyncClient:
     A router with calls on it that stops answering health checks has them cut, and they fail
     over (client/liveness.py). A prompt is text, token ids, or a conversation (a list of
     ``{"role": ..., "content": ...}`` messages, or a ``Chat``) that the router renders with
-    the model's chat template.
+    the model's chat template. Its channels open on the event loop of its first call and
+    serve that loop only (grpc.aio's channels belong to one loop): one client per loop.
     """
 
     def __init__(self, address: str | Sequence[str], *, timeout: float | None = None,
@@ -43,12 +44,28 @@ class AsyncClient:
         self.timeout = timeout
         self.failover = failover
         self._metadata = call_metadata(api_key)
-        self._channels = open_channels(self.addresses, failover, tls, root_certificates,
-                                       aio=True)
-        self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
-        self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
+        check_root_certificates(root_certificates)
+        self._tls = (tls, root_certificates)
+        # Opened by _connect on the first call's loop: a client built outside any loop (at
+        # import, before asyncio.run) must not tie its channels to another one.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channels: list = []
+        self._stubs: list = []
+        self._routers: list[Peer] = []
         self._next = itertools.count()
         self._checks: asyncio.Task | None = None
+
+    def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None:
+            raise RuntimeError("this AsyncClient's channels belong to the event loop of its "
+                               "first call; use a client per event loop (one per asyncio.run)")
+        self._channels = open_channels(self.addresses, self.failover, *self._tls, aio=True)
+        self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
+        self._loop = loop
 
     def _watch(self, i: int) -> Peer:
         """Router ``i``, with the health checks of busy routers running on this event loop."""
@@ -62,6 +79,7 @@ class AsyncClient:
         return self._routers[i]
 
     def _attempts(self, timeout: float | None) -> Attempts:
+        self._connect()
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
                         timeout if timeout is not None else self.timeout)
 
@@ -135,6 +153,7 @@ class AsyncClient:
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the first router's channel connects (raises DeadlineExceededError)."""
+        self._connect()
         try:
             async with asyncio.timeout(timeout):  # not wait_for: client/tasks.py
                 await self._channels[0].channel_ready()

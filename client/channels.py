@@ -17,12 +17,16 @@ def open_channels(addresses: Sequence[str], failover: FailoverPolicy, tls: bool,
     certificate against ``root_certificates``, or the system's roots when None."""
     options = message_size_options() + failover.channel_options()
     mod = grpc.aio if aio else grpc
+    check_root_certificates(root_certificates)
     if not (tls or root_certificates is not None):
         return [mod.insecure_channel(a, options=options) for a in addresses]
-    if root_certificates is not None and not isinstance(root_certificates, bytes):
-        raise ValueError("root_certificates must be PEM bytes")
     creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
     return [mod.secure_channel(a, creds, options=options) for a in addresses]
+
+
+def check_root_certificates(root_certificates: bytes | None) -> None:
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise ValueError("root_certificates must be PEM bytes")
 
 
 def check_api_key(key: str | None) -> None:

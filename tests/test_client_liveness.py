@@ -126,6 +126,23 @@ def test_closing_the_asyncio_client_fails_the_calls_of_other_tasks_with_its_own_
     assert not tasks[0].cancelled() and not tasks[1].cancelled() and tasks[2].cancelled()
 
 
+def test_an_asyncio_client_built_outside_a_loop_serves_the_loop_of_its_first_call(routers):
+    c = AsyncClient(routers[1].address, timeout=60, failover=POLICY)  # no loop runs yet
+
+    async def ask():
+        return (await c.complete([1, 2, 3], max_tokens=2)).token_ids
+
+    async def ask_then_close():
+        try:
+            return await ask()
+        finally:
+            await c.close()
+
+    assert asyncio.run(ask_then_close()) == [8, 9]
+    with pytest.raises(RuntimeError, match="a client per event loop"):
+        asyncio.run(ask())  # its channels are the first loop's, now closed
+
+
 def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(routers):
     from client import DeadlineExceededError
 
