@@ -11,7 +11,7 @@ import grpc
 from client.channels import call_metadata, check_root_certificates, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             take_chunk)
+                             check_timeout, take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
 from client.tasks import stop_task
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
@@ -41,7 +41,7 @@ class AsyncClient:
                  tls: bool = False, root_certificates: bytes | None = None) -> None:
         self.addresses = check_addresses(address)
         self.address = self.addresses[0]
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.failover = failover
         self._metadata = call_metadata(api_key)
         check_root_certificates(root_certificates)

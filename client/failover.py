@@ -61,6 +61,21 @@ class FailoverPolicy:
         return keepalive_options(self.keepalive_time_s, self.keepalive_timeout_s)
 
 
+# gRPC turns a deadline past ~1e10 s into one already passed: every call failed at once.
+MAX_TIMEOUT_S = 1e8
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """A call's timeout: None (no deadline) or seconds in (0, MAX_TIMEOUT_S]."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be None (no deadline) or seconds in (0, "
+                         f"{MAX_TIMEOUT_S:g}], got {timeout!r}")
+    return timeout
+
+
 def check_addresses(address: str | Sequence[str]) -> list[str]:
     if isinstance(address, str):
         addresses = [address]
@@ -82,6 +97,7 @@ class Attempts:
         self.num_routers = num_routers
         self.first = first
         self.retries = 0
+        timeout = check_timeout(timeout)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         # A stream of n > 1 sequences cannot continue elsewhere once it has streamed (the
         # router resumes one sequence): it fails over only while nothing has arrived.

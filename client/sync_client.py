@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -10,7 +11,7 @@ import grpc
 from client.channels import call_metadata, open_channels
 from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
-                             take_chunk)
+                             check_timeout, take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
 from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
                           build_request, completion_from_proto, detokenize_request,
@@ -31,7 +32,7 @@ class Client:
                  tls: bool = False, root_certificates: bytes | None = None) -> None:
         self.addresses = check_addresses(address)
         self.address = self.addresses[0]
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.failover = failover
         self._metadata = call_metadata(api_key)
         self._channels = open_channels(self.addresses, failover, tls, root_certificates,
@@ -44,6 +45,9 @@ class Client:
             self._checks = CheckThread(failover.health_check_interval_s,
                                        failover.health_check_misses, self._routers, cut_router)
             self._checks.start()
+        # A client dropped without close() must not leave its health-check thread, which
+        # holds the channels, running for the rest of the process.
+        self._finalizer = weakref.finalize(self, _release, self._checks, self._channels)
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
@@ -135,13 +139,17 @@ class Client:
                 from None
 
     def close(self) -> None:
-        if self._checks is not None:
-            self._checks.stop()
-        for channel in self._channels:
-            channel.close()
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _release(checks: CheckThread | None, channels: list) -> None:
+    if checks is not None:
+        checks.stop()
+    for channel in channels:
+        channel.close()

@@ -132,6 +132,19 @@ def test_attempts_know_when_every_sequence_has_ended():
     assert tries.complete
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), 1e10, True, "5"])
+def test_bad_timeouts_are_refused_before_any_call(timeout):
+    from client import Client
+
+    with pytest.raises(ValueError, match="timeout"):
+        Client("127.0.0.1:1", timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        AsyncClient("127.0.0.1:1", timeout=timeout)
+    with Client("127.0.0.1:1", failover=FailoverPolicy(health_check_interval_s=0)) as c:
+        with pytest.raises(ValueError, match="timeout"):
+            c.model_info(timeout=timeout)
+
+
 @pytest.mark.parametrize("bad", [[], [""], 5])
 def test_bad_addresses_and_policies_are_refused(bad):
     with pytest.raises(ValueError):

@@ -143,6 +143,24 @@ def test_an_asyncio_client_built_outside_a_loop_serves_the_loop_of_its_first_cal
         asyncio.run(ask())  # its channels are the first loop's, now closed
 
 
+def test_a_blocking_client_dropped_without_close_leaves_no_thread_behind(routers):
+    import gc
+
+    from tests.proc_signals import wait_until
+
+    def checkers() -> int:
+        return sum(t.name == "pdserve-health-checks" for t in threading.enumerate())
+
+    before = checkers()
+    for _ in range(3):
+        c = Client(routers[1].address, timeout=60, failover=POLICY)
+        assert c.complete([1, 2, 3], max_tokens=2).token_ids == [8, 9]
+    assert checkers() > before
+    del c
+    gc.collect()
+    assert wait_until(lambda: checkers() == before, 10)
+
+
 def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(routers):
     from client import DeadlineExceededError
 
