@@ -19,9 +19,13 @@ from decode_svc.local_prefill import check_local_prefill_request, stream_local_p
 from decode_svc.mux import serve_decode_many
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
-from kvtransfer import KVAgentHandle
+from kvtransfer import KVAgentHandle, TransferError
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from router.ledger import TransferPulling
+
+# A pull must end this long before the prefill lease does: the handle's lease time was measured
+# on another host and crossed the network since.
+LEASE_READ_MARGIN_S = 0.5
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -72,13 +76,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
+        # On this host's clock: the handle says what was left of the lease when it was sent.
+        lease_ends = time.monotonic() + request.kv_handle.lease_timeout_s
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
                                                          interval)
         self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, rid,
                                                 self.rt.worker_id, time.time(),
                                                 request.kv_handle.lease_timeout_s))
         t0 = time.monotonic()
-        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining())
+        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
+                         lease_ends)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         async with contextlib.aclosing(self.rt.engine.commit_prefilled(rid)) as outs:
@@ -117,10 +124,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return [KVAgentHandle.from_bytes(b) for b in h.rank_handles]
 
     async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
-                    remote_block_ids: list[int], remaining: float | None) -> None:
+                    remote_block_ids: list[int], remaining: float | None,
+                    lease_ends: float) -> None:
+        """Reads the prompt's KV, within the caller's deadline and before the prefill lease
+        ends: a one-sided read past it would copy blocks the prefill worker may have given to
+        another prompt, and this worker would decode, and cache, another prompt's KV."""
         timeout = self.rt.config.engine.kv_transfer_timeout_s
         if remaining is not None:
             timeout = max(min(timeout, remaining), 0.001)
+        lease_left = lease_ends - time.monotonic() - LEASE_READ_MARGIN_S
+        if lease_left <= 0:
+            self.rt.kv_failures += 1
+            self.rt.engine.abort(alloc.request_id)
+            raise TransferError(f"the prefill worker's lease on this KV ends in "
+                                f"{lease_left + LEASE_READ_MARGIN_S:.2f} s: too soon to read it")
+        timeout = min(timeout, lease_left)
         pull = asyncio.ensure_future(asyncio.to_thread(
             self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, timeout))
         try:

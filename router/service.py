@@ -347,6 +347,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                               router_id=self.router_id,
                                               router_incarnation=self.incarnation),
                     timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
+                lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
             except BaseException as e:
                 if not _refused_by_worker(e):
                     # A cancel, deadline or lost call leaves it unknown whether the worker
@@ -380,7 +381,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             first_token_id=presp.first_token_id,
                                             sampling=request.sampling, kv_handle=presp.kv_handle,
                                             stream_interval=self.config.stream_interval)
-            chunks, chunk = await self._start_decode(run, dreq, prefill, avoid, context)
+            chunks, chunk = await self._start_decode(run, dreq, prefill, avoid, context,
+                                                     lease_ends)
             async with contextlib.aclosing(chunks):
                 while chunk is not None:
                     done = done or bool(chunk.finish_reason)
@@ -393,10 +395,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release_later(prefill, rid)
 
     async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
-                            prefill: WorkerHandle, avoid: frozenset[str], context):
+                            prefill: WorkerHandle, avoid: frozenset[str], context,
+                            lease_ends: float):
         """A prefilled request's decode leg, open and past its first chunk: (the leg's chunks,
         that chunk). A refusal for want of room is tried again, elsewhere when it can be,
-        while the prefill lease keeps the KV (router/decode_wait.py)."""
+        while the prefill lease keeps the KV (router/decode_wait.py). ``lease_ends``: when the
+        lease ends, on this host's monotonic clock."""
         wait = DecodeWait.after_prefill(self.config.decode_wait_timeout_s,
                                         dreq.kv_handle.lease_timeout_s, context.time_remaining())
         num_tokens = len(dreq.prompt_token_ids) + len(dreq.resume_token_ids) + 1
@@ -409,6 +413,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await wait.backoff(e)
                 continue
             run.usage.decode_worker_id = decode.worker_id
+            # What is left of the lease now, not when the prefill answered: the decode worker
+            # bounds its pull by it, so that it never reads blocks the lease no longer holds.
+            dreq.kv_handle.lease_timeout_s = max(lease_ends - time.monotonic(), 0.0)
             chunks = self._decode(dreq, decode, context, run)
             try:
                 # Until its first chunk the decode worker is pulling the KV from the prefill
