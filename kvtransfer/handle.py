@@ -65,7 +65,7 @@ class KVAgentHandle:
             raise ValueError("a KV agent handle needs an agent name")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"unknown memory type {self.mem_type!r}")
-        if self.backend == "torch" and self.address.rpartition(":")[2].isdigit() is False:
+        if self.backend == "torch" and not _is_host_port(self.address):
             raise ValueError(f"torch handle of {self.agent_name!r} has no host:port address, "
                              f"got {self.address!r}")
         lay = self.layout
@@ -81,3 +81,10 @@ class KVAgentHandle:
         if self.num_bytes != need or not 0 < self.base_addr < 2**64 - need:
             raise ValueError(f"handle of {self.agent_name!r} describes {self.num_bytes} bytes at "
                              f"{self.base_addr:#x}; its layout needs {need}")
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    # isdigit alone let "99999999999999999999" through, which failed the connect with an
+    # OverflowError (INTERNAL) instead of a refused handle.
+    return bool(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536

@@ -280,6 +280,10 @@ def test_bad_handle_bytes_raise_value_error():
            json.dumps({**d, "num_bytes": d["num_bytes"] + 4}).encode(),
            json.dumps({**d, "backend": "carrier-pigeon"}).encode(),
            json.dumps({**d, "address": "nowhere"}).encode(),
+           json.dumps({**d, "address": "127.0.0.1:99999999999999999999"}).encode(),
+           json.dumps({**d, "address": "127.0.0.1:0"}).encode(),
+           json.dumps({**d, "address": ":5000"}).encode(),
+           json.dumps({**d, "address": "127.0.0.1:٥٠"}).encode(),  # Arabic-Indic digits
            json.dumps({**d, "metadata": "***"}).encode(),
            # Integers NIXL takes as unsigned 64-bit (or device ids) must not overflow there.
            json.dumps({**d, "device_id": -2**63}).encode(),
