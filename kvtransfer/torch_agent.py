@@ -76,7 +76,9 @@ class TorchKVAgent(KVTransferAgent):
             if pair is not None:
                 return pair
             connecting = self._connecting.setdefault(remote.agent_name, threading.Lock())
-        with connecting:  # one connection per remote even when pulls race to make it
+        # One connection per remote even when pulls race to make it.
+        _acquire(connecting, deadline, f"connecting to KV owner {remote.agent_name!r}")
+        try:
             with self._pairs_lock:
                 pair = self._pairs.get(remote.agent_name)
             if pair is None:
@@ -84,6 +86,8 @@ class TorchKVAgent(KVTransferAgent):
                 with self._pairs_lock:
                     self._pairs[remote.agent_name] = pair
             return pair
+        finally:
+            connecting.release()
 
     def _connect(self, remote: KVAgentHandle, deadline: float) -> _Pair:
         host, _, port = remote.address.rpartition(":")
@@ -130,12 +134,16 @@ class TorchKVAgent(KVTransferAgent):
         # Locks in a fixed order, so two pulls over the same remotes cannot deadlock.
         pairs = {j.remote.agent_name: self._pair(j.remote, deadline) for j in jobs}
         names = sorted(pairs)
-        for n in names:
-            pairs[n].lock.acquire()
+        held = []
         try:
+            for n in names:
+                # A pull stuck on this pair (a stalled owner) must not hold this one past
+                # its own deadline.
+                _acquire(pairs[n].lock, deadline, f"KV pull from {n!r}")
+                held.append(n)
             self._transfer(jobs, pairs, deadline)
         finally:
-            for n in reversed(names):
+            for n in reversed(held):
                 pairs[n].lock.release()
         return len(jobs), False
 
@@ -189,13 +197,15 @@ class TorchKVAgent(KVTransferAgent):
     def _send_notification(self, remote: KVAgentHandle, msg: bytes) -> None:
         deadline = _now() + 10.0
         pair = self._pair(remote, deadline)
-        with pair.lock:
-            try:
-                pair.sock.settimeout(10.0)
-                wire.send_frame(pair.sock, {"op": "notify", "msg": base64.b64encode(msg).decode()})
-            except OSError as e:
-                self._drop(remote.agent_name, pair)
-                raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
+        _acquire(pair.lock, deadline, f"notifying {remote.agent_name!r}")
+        try:
+            pair.sock.settimeout(check_deadline(deadline, f"notifying {remote.agent_name!r}"))
+            wire.send_frame(pair.sock, {"op": "notify", "msg": base64.b64encode(msg).decode()})
+        except OSError as e:
+            self._drop(remote.agent_name, pair)
+            raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
+        finally:
+            pair.lock.release()
 
     def _poll_notifications(self) -> list[bytes]:
         return self._server.take_notifications()
@@ -225,3 +235,10 @@ def _as_transfer_error(e: BaseException, what: str) -> BaseException:
     if isinstance(e, RuntimeError):
         return classify(e, what)
     return e
+
+
+def _acquire(lock: threading.Lock, deadline: float, what: str) -> None:
+    """``lock``, waited for until ``deadline`` at most (TransferTimeout after)."""
+    if not lock.acquire(timeout=check_deadline(deadline, what)):
+        raise TransferTimeout(f"{what} did not complete within its timeout: another transfer "
+                              f"on the same connection held it")

@@ -373,6 +373,36 @@ def test_stalled_owner_times_out_over_torch(owners):
         agent.close()
 
 
+def test_a_pull_waiting_behind_a_stuck_one_keeps_its_own_timeout_over_torch(owners):
+    import threading
+
+    owner = owners(BASE, 8, "torch")
+    agent, _ = _reader(BASE, "torch")
+    try:
+        agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
+        stop_process(owner.proc)
+        stuck_done = threading.Event()
+
+        def stuck():  # holds the pair's connection until its own, long, timeout
+            try:
+                agent.pull([owner.handle], [2], [2], timeout_s=30.0)
+            except TransferError:
+                pass
+            finally:
+                stuck_done.set()
+
+        thread = threading.Thread(target=stuck)
+        thread.start()
+        time.sleep(0.3)  # the stuck pull holds the connection by now
+        with pytest.raises(TransferTimeout):
+            agent.pull([owner.handle], [3], [3], timeout_s=1.0)
+        assert not stuck_done.is_set()  # it ended on its own timeout, not the stuck one's
+    finally:
+        os.kill(owner.proc.pid, signal.SIGCONT)
+        agent.close()
+    thread.join(60)
+
+
 def test_owner_progress_slows_down_only_after_a_quiet_spell():
     from kvtransfer.nixl_agent import (_OWNER_IDLE_AFTER_S, _OWNER_IDLE_PROGRESS_S,
                                        _OWNER_PROGRESS_S, _READER_PROGRESS_S, progress_interval)
