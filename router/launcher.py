@@ -455,8 +455,16 @@ class Cluster:
         # Families first: once a service exits, the workers it left behind are no one's child.
         for proc in self.procs:
             pin_family(proc)
-        # The router first, so no new work reaches workers that are going away.
-        for proc in sorted(self.procs, key=lambda p: p.name != "router"):
+        # The routers first, and to the end of their drain: a request they still run may need
+        # a worker for its next leg (the decode after its prefill), and a worker told to stop
+        # leaves the registry and refuses new calls at once. Then the workers, together.
+        routers = [p for p in self.procs if p.role == "router"]
+        for proc in routers:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in routers:
+            self.stop_proc(proc)
+        for proc in self.procs:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)
         for proc in list(self.procs):

@@ -166,3 +166,43 @@ def test_a_killed_launcher_leaves_no_service_behind():
         for pid in [*pids.get("services", []), pids.get("redis")]:
             if pid is not None and not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_stopping_the_cluster_lets_requests_in_flight_finish():
+    """``pdserve up``'s stop drains the router before any worker leaves: a request between its
+    prefill and its decode leg still finds a decode worker."""
+    import threading
+
+    from client import Client, FailoverPolicy
+    from tests.serving_helpers import WORKER_ARGS, random_prompts
+
+    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS,
+                                  router_args=["--max-local-prefill-length", "0"])).start()
+    outcomes: list = []
+    first = threading.Event()
+
+    def stream(prompt):
+        try:
+            with Client(cluster.router_address, timeout=120,
+                        failover=FailoverPolicy(max_retries=0)) as c:
+                chunks = []
+                for chunk in c.generate(prompt, max_tokens=24, temperature=0.0,
+                                        ignore_eos=True):
+                    chunks.append(chunk)
+                    first.set()
+                outcomes.append((sum(len(ch.token_ids) for ch in chunks),
+                                 chunks[-1].finish_reason))
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=stream, args=(p,))
+               for p in random_prompts(8, seed=3, lo=200, hi=400)]
+    try:
+        for t in threads:
+            t.start()
+        assert first.wait(120)
+    finally:
+        cluster.stop()  # with the requests in flight: every one at its own stage
+    for t in threads:
+        t.join(120)
+    assert outcomes == [(24, "length")] * 8
