@@ -30,11 +30,14 @@ from engine.grpc_server import ServerConfig
 from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
 from protos import common_pb2
+from router.registry import ROUTER_TTL_S
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+# Two beats fit in the routers' TTL: one late beat does not drop the worker.
+_MAX_HEARTBEAT_INTERVAL_S = ROUTER_TTL_S / 2
 
 
 @dataclass
@@ -66,8 +69,10 @@ class WorkerConfig:
         if self.engine.role not in ("prefill", "decode"):
             raise ValueError(f"a worker's engine role must be prefill or decode, "
                              f"got {self.engine.role!r}")
-        if not self.heartbeat_interval_s > 0:
-            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if not 0 < self.heartbeat_interval_s <= _MAX_HEARTBEAT_INTERVAL_S:
+            raise ValueError(f"heartbeat_interval_s must be in (0, {_MAX_HEARTBEAT_INTERVAL_S:g}] "
+                             f"(routers take a worker {ROUTER_TTL_S:g} s without one for gone), "
+                             f"got {self.heartbeat_interval_s}")
         if not isinstance(self.max_pending_requests, int) or self.max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {self.max_pending_requests!r}")
         if self.engine.kv_transfer_backend is None:

@@ -52,10 +52,13 @@ class WorkerPresence:
         while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
-                await self.registry.heartbeat(self.info())
-                if self._lost and self.republish is not None:
+                dropped = await self.registry.heartbeat(self.info())
+                if (self._lost or dropped) and self.republish is not None:
+                    # A purge (a router took a late heartbeat for a dead worker) took the
+                    # worker's index entries and KV handles too, as a new empty Redis has none.
                     await self.republish(self.registry)
-                    logger.info("Redis answers again: registry entries republished")
+                    logger.info("registry entries republished (%s)", "Redis answers again"
+                                if self._lost else "this worker had been dropped from it")
                 self._lost = False
             except Exception as e:  # noqa: BLE001 - Redis away: keep serving, retry next beat
                 if not self._lost:

@@ -48,9 +48,13 @@ return out
 """
 
 
+# How stale a heartbeat the routers take for a worker gone (Registry.ttl_s's default).
+ROUTER_TTL_S = 5.0
+
+
 class Registry:
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
-                 ttl_s: float = 5.0) -> None:
+                 ttl_s: float = ROUTER_TTL_S) -> None:
         if not namespace or ":" in namespace:
             raise ValueError(f"namespace must be non-empty without ':', got {namespace!r}")
         self.r = client
@@ -60,7 +64,8 @@ class Registry:
         self.ledger = TransferLedger(self)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = 5.0) -> Registry:
+    def from_url(cls, url: str, namespace: str = "pdserve",
+                 ttl_s: float = ROUTER_TTL_S) -> Registry:
         # socket_timeout None: redis-py's default (5 s) would await writes through
         # asyncio.wait_for; each call is bounded by router/redis_bound.py instead.
         return cls(aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
@@ -71,14 +76,16 @@ class Registry:
 
     # --- workers --------------------------------------------------------------------------
     @bounded
-    async def heartbeat(self, info: common_pb2.WorkerInfo) -> None:
-        """Registers or refreshes a worker (its load travels with the heartbeat)."""
+    async def heartbeat(self, info: common_pb2.WorkerInfo) -> bool:
+        """Registers or refreshes a worker (its load travels with the heartbeat); whether it
+        was not registered: new, or dropped meanwhile (purged as stale, a new empty Redis)."""
         if info.role not in ROLES or not info.worker_id:
             raise ValueError(f"bad worker info: role {info.role!r}, id {info.worker_id!r}")
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self._k("workers"), info.worker_id, info.SerializeToString())
             p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
-            await p.execute()
+            added, _ = await p.execute()
+        return bool(added)
 
     @bounded
     async def deregister(self, worker_id: str) -> None:

@@ -172,3 +172,50 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
 
     with RedisServer() as server:
         _run(body(server))
+
+
+def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url):
+    """A router purges a worker whose heartbeat came late, its KV handles and index entries
+    with it; the worker's next heartbeat registers it again, and it republishes them."""
+    from router.presence import WorkerPresence
+
+    async def body():
+        info = _info("w-drop")
+        republished = []
+
+        async def republish(registry: Registry) -> None:
+            republished.append(time.monotonic())
+            await registry.set_kv_handles("w-drop", [b"handle"])
+
+        presence = WorkerPresence(redis_url, "drop", 0.1, lambda: info, republish)
+        await presence.registry.set_kv_handles("w-drop", [b"handle"])
+        await presence.start()
+        router = Registry.from_url(redis_url, "drop")
+        try:
+            await asyncio.sleep(0.35)  # beats of a registered worker put nothing back
+            assert republished == [] and await router.kv_handles("w-drop") == [b"handle"]
+            await router.deregister("w-drop")  # what a router's purge of it does
+            assert await router.kv_handles("w-drop") == []
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if republished:
+                    break
+            assert len(republished) == 1
+            assert [i.worker_id for i in await router.live_workers()] == ["w-drop"]
+            assert await router.kv_handles("w-drop") == [b"handle"]
+        finally:
+            await presence.stop()
+            await router.r.aclose()
+
+    _run(body())
+
+
+@pytest.mark.parametrize("interval", [0, -1, 2.6, 6.0])
+def test_a_worker_cannot_beat_slower_than_the_routers_ttl_allows(interval):
+    from engine.config import EngineConfig
+    from engine.worker_runtime import WorkerConfig
+
+    engine = EngineConfig("tiny-llama", role="prefill", kv_transfer_backend="nixl")
+    assert WorkerConfig(engine=engine, heartbeat_interval_s=2.5).heartbeat_interval_s == 2.5
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        WorkerConfig(engine=engine, heartbeat_interval_s=interval)
