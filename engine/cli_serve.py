@@ -265,15 +265,38 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "per role within 10 minutes; then, or with 0, everything stops")
 
 
+class _StopWhileStarting(Exception):
+    """SIGINT or SIGTERM reached ``pdserve up`` before its cluster was up."""
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from router.launcher import Cluster
     from router.supervisor import Supervisor
 
     spec = up_spec(args)
     stop = threading.Event()
+
+    def stop_starting(*_) -> None:
+        # While the services start (minutes, for a large model), a stop must not wait for
+        # them: the exception unwinds Cluster.start, which stops what it started. Once only:
+        # a second signal must not cut that cleanup short.
+        if not stop.is_set():
+            stop.set()
+            raise _StopWhileStarting
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with Cluster(spec) as cluster:
+        signal.signal(sig, stop_starting)
+    cluster = None
+    try:
+        cluster = Cluster(spec).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    except _StopWhileStarting:
+        if cluster is not None:  # the signal came as start returned
+            cluster.stop()
+        print("pdserve up: stopped while starting", flush=True)
+        return 0
+    with cluster:
         workers = (f"{args.decode} decode, aggregated: no prefill workers" if spec.aggregated
                    else f"{args.prefill} prefill, {args.decode} decode")
         print(f"pdserve up: router on {cluster.router_address} ({workers}, model "

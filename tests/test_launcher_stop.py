@@ -206,3 +206,35 @@ def test_stopping_the_cluster_lets_requests_in_flight_finish():
     for t in threads:
         t.join(120)
     assert outcomes == [(24, "length")] * 8
+
+
+@pytest.mark.timeout(180)
+def test_pdserve_up_stops_at_once_when_told_to_while_starting():
+    """SIGTERM before the services are up (a large model loading): ``pdserve up`` stops what
+    it started then, instead of waiting for every service to come up first."""
+    from tests.proc_signals import wait_until
+
+    up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "tiny-llama"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+    try:
+        # Its services are starting: a process of its own each, none serving yet.
+        assert wait_until(lambda: len(_children(up.pid)) >= 3, 60)
+        services = _children(up.pid)
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=120)
+        assert up.returncode == 0, err[-3000:]
+        assert "stopped while starting" in out and "router on" not in out
+        assert all(_wait_gone(pid, 30) for pid in services)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
