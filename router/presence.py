@@ -35,6 +35,7 @@ class WorkerPresence:
         self._tasks: list[asyncio.Task] = []
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
+        self._drained = False  # an admin drained it, as its last beat while registered saw
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = False
 
@@ -52,10 +53,17 @@ class WorkerPresence:
         while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
-                dropped = await self.registry.heartbeat(self.info())
-                if (self._lost or dropped) and self.republish is not None:
+                info = self.info()
+                beat = await self.registry.heartbeat(info)
+                if beat.dropped:
                     # A purge (a router took a late heartbeat for a dead worker) took the
-                    # worker's index entries and KV handles too, as a new empty Redis has none.
+                    # worker's index entries, KV handles and drain flag too, as a new empty
+                    # Redis has none: an admin's drain must outlive that.
+                    if self._drained:
+                        await self.registry.set_drained(info.worker_id, True)
+                else:
+                    self._drained = beat.drained
+                if (self._lost or beat.dropped) and self.republish is not None:
                     await self.republish(self.registry)
                     logger.info("registry entries republished (%s)", "Redis answers again"
                                 if self._lost else "this worker had been dropped from it")

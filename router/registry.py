@@ -16,6 +16,7 @@ A worker is live while its heartbeat is younger than the TTL; a stale worker dro
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -52,6 +53,14 @@ return out
 ROUTER_TTL_S = 5.0
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    # The worker was not registered: new, or dropped since its last beat (purged as stale,
+    # or a new empty Redis), with its index entries, KV handles and drain flag.
+    dropped: bool
+    drained: bool  # an admin drained it (as Redis has it after this beat)
+
+
 class Registry:
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
                  ttl_s: float = ROUTER_TTL_S) -> None:
@@ -76,16 +85,16 @@ class Registry:
 
     # --- workers --------------------------------------------------------------------------
     @bounded
-    async def heartbeat(self, info: common_pb2.WorkerInfo) -> bool:
-        """Registers or refreshes a worker (its load travels with the heartbeat); whether it
-        was not registered: new, or dropped meanwhile (purged as stale, a new empty Redis)."""
+    async def heartbeat(self, info: common_pb2.WorkerInfo) -> Heartbeat:
+        """Registers or refreshes a worker (its load travels with the heartbeat)."""
         if info.role not in ROLES or not info.worker_id:
             raise ValueError(f"bad worker info: role {info.role!r}, id {info.worker_id!r}")
         async with self.r.pipeline(transaction=True) as p:
             p.hset(self._k("workers"), info.worker_id, info.SerializeToString())
             p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
-            added, _ = await p.execute()
-        return bool(added)
+            p.sismember(self._k("drained"), info.worker_id)
+            added, _, drained = await p.execute()
+        return Heartbeat(dropped=bool(added), drained=bool(drained))
 
     @bounded
     async def deregister(self, worker_id: str) -> None:

@@ -175,8 +175,9 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
 
 
 def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url):
-    """A router purges a worker whose heartbeat came late, its KV handles and index entries
-    with it; the worker's next heartbeat registers it again, and it republishes them."""
+    """A router purges a worker whose heartbeat came late, its KV handles, index entries and
+    an admin's drain with it; the worker's next heartbeat registers it again, and it puts them
+    back (a new empty Redis is the same case)."""
     from router.presence import WorkerPresence
 
     async def body():
@@ -192,16 +193,18 @@ def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url):
         await presence.start()
         router = Registry.from_url(redis_url, "drop")
         try:
+            await router.set_drained("w-drop", True)  # `pdserve admin drain`
             await asyncio.sleep(0.35)  # beats of a registered worker put nothing back
             assert republished == [] and await router.kv_handles("w-drop") == [b"handle"]
             await router.deregister("w-drop")  # what a router's purge of it does
-            assert await router.kv_handles("w-drop") == []
+            assert await router.kv_handles("w-drop") == [] and not await router.live_workers()
             for _ in range(100):
                 await asyncio.sleep(0.05)
                 if republished:
                     break
             assert len(republished) == 1
-            assert [i.worker_id for i in await router.live_workers()] == ["w-drop"]
+            assert [(i.worker_id, i.draining) for i in await router.live_workers()] == \
+                [("w-drop", True)]
             assert await router.kv_handles("w-drop") == [b"handle"]
         finally:
             await presence.stop()
