@@ -15,7 +15,6 @@ A worker is live while its heartbeat is younger than the TTL; a stale worker dro
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -48,6 +47,21 @@ for _, w in ipairs(ARGV) do out[#out + 1] = count[w] end
 return out
 """
 
+# Heartbeats are stamped, and judged stale, by Redis's clock: workers and routers on other
+# hosts may disagree by more than the TTL, and a worker whose clock runs behind would be
+# purged at every refresh. replicate_commands: older Redis refuses a write after TIME without.
+_HEARTBEAT_LUA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local added = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], string.format('%.6f', t[1] + t[2] / 1000000), ARGV[1])
+return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1])}
+"""
+_STALE_LUA = """
+local t = redis.call('TIME')
+local cutoff = t[1] + t[2] / 1000000 - tonumber(ARGV[1])
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', cutoff))
+"""
 
 # How stale a heartbeat the routers take for a worker gone (Registry.ttl_s's default).
 ROUTER_TTL_S = 5.0
@@ -70,6 +84,8 @@ class Registry:
         self.ns = namespace
         self.ttl_s = ttl_s
         self._match = client.register_script(_MATCH_LUA)
+        self._beat = client.register_script(_HEARTBEAT_LUA)
+        self._stale = client.register_script(_STALE_LUA)
         self.ledger = TransferLedger(self)
 
     @classmethod
@@ -89,11 +105,9 @@ class Registry:
         """Registers or refreshes a worker (its load travels with the heartbeat)."""
         if info.role not in ROLES or not info.worker_id:
             raise ValueError(f"bad worker info: role {info.role!r}, id {info.worker_id!r}")
-        async with self.r.pipeline(transaction=True) as p:
-            p.hset(self._k("workers"), info.worker_id, info.SerializeToString())
-            p.zadd(self._k("heartbeats"), {info.worker_id: time.time()})
-            p.sismember(self._k("drained"), info.worker_id)
-            added, _, drained = await p.execute()
+        added, drained = await self._beat(
+            keys=[self._k("workers"), self._k("heartbeats"), self._k("drained")],
+            args=[info.worker_id, info.SerializeToString()])
         return Heartbeat(dropped=bool(added), drained=bool(drained))
 
     @bounded
@@ -102,8 +116,7 @@ class Registry:
 
     @bounded
     async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
-        cutoff = time.time() - self.ttl_s
-        stale = await self.r.zrangebyscore(self._k("heartbeats"), "-inf", f"({cutoff}")
+        stale = await self._stale(keys=[self._k("heartbeats")], args=[self.ttl_s])
         if stale:
             await self._purge([s.decode() for s in stale])
         raw = await self.r.hgetall(self._k("workers"))

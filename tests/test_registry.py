@@ -222,3 +222,24 @@ def test_a_worker_cannot_beat_slower_than_the_routers_ttl_allows(interval):
     assert WorkerConfig(engine=engine, heartbeat_interval_s=2.5).heartbeat_interval_s == 2.5
     with pytest.raises(ValueError, match="heartbeat_interval_s"):
         WorkerConfig(engine=engine, heartbeat_interval_s=interval)
+
+
+def test_liveness_goes_by_redis_clock_not_the_hosts(redis_url, monkeypatch):
+    """A worker on a host whose clock runs a minute behind the router's is as live as any: its
+    heartbeats are stamped, and judged, by Redis's clock."""
+    real = time.time
+
+    async def body():
+        worker = Registry.from_url(redis_url, "skew")
+        router = Registry.from_url(redis_url, "skew")
+        try:
+            monkeypatch.setattr(time, "time", lambda: real() - 60.0)  # the worker's host
+            await worker.heartbeat(_info("behind"))
+            monkeypatch.setattr(time, "time", lambda: real() + 60.0)  # the router's, ahead
+            assert [i.worker_id for i in await router.live_workers()] == ["behind"]
+        finally:
+            monkeypatch.setattr(time, "time", real)
+            await worker.r.aclose()
+            await router.r.aclose()
+
+    _run(body())
