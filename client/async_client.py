@@ -68,12 +68,11 @@ class AsyncClient:
         self._loop = loop
 
     def _watch(self, i: int) -> Peer:
-        """Router ``i``, with the health checks of busy routers running on this event loop."""
+        """Router ``i``, with the health checks of busy routers running on the client's loop
+        (the one ``_connect`` bound it to)."""
         interval = self.failover.health_check_interval_s
-        loop = asyncio.get_running_loop()
-        if interval and (self._checks is None or self._checks.done()
-                         or self._checks.get_loop() is not loop):
-            self._checks = loop.create_task(check_loop(
+        if interval and (self._checks is None or self._checks.done()):
+            self._checks = self._loop.create_task(check_loop(
                 interval, self.failover.health_check_misses,
                 lambda: [r for r in self._routers if len(r.calls)], cut_router))
         return self._routers[i]

@@ -10,7 +10,6 @@ from client.failover import FailoverPolicy
 from protos.limits import message_size_options
 
 
-
 def open_channels(addresses: Sequence[str], failover: FailoverPolicy, tls: bool,
                   root_certificates: bytes | None, aio: bool) -> list:
     """A channel per router. ``tls`` (implied by ``root_certificates``) verifies the router's
