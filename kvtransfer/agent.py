@@ -64,6 +64,16 @@ class KVTransferAgent(ABC):
         ...
 
     @abstractmethod
+    def forget_peer(self, agent_name: str) -> bool:
+        """Drops what this reader holds for remote ``agent_name`` (its connection, its loaded
+        metadata): a peer gone for good. A later pull from it connects again. Whether it is
+        gone now; False while a transfer with it runs (the caller tries again later)."""
+
+    @abstractmethod
+    def peer_names(self) -> list[str]:
+        """The remote agents this reader holds something for, sorted."""
+
+    @abstractmethod
     def close(self) -> None:
         """Stops serving and frees the backend's resources; idempotent."""
 

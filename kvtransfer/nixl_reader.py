@@ -37,6 +37,23 @@ def _region(h: KVAgentHandle) -> tuple:
     return h.base_addr, h.num_bytes, h.device_id, h.mem_type
 
 
+@dataclass
+class _Peer:
+    """A remote agent this reader loaded: the name NIXL knows it by and what describes it.
+
+    Reads go by a handle's addresses, and a cache shifted inside its registration reads wrong
+    bytes with no error, so every later handle must describe the same cache. Which handle to
+    believe: the registry's (``trusted``, from the owner itself), else the first one a read
+    succeeded with. A handle no read confirmed yet (one that only failed) is replaced by the
+    next, so a corrupted handle met first cannot lock out the owner's genuine ones."""
+
+    nixl_name: str
+    metadata: bytes
+    region: tuple
+    confirmed: bool
+    reads_in_flight: int = 0
+
+
 @dataclass(frozen=True)
 class ReadPart:
     """Runs of one remote rank's cache (``rdesc``) into runs of ours (``ldesc``), pairwise."""
@@ -56,26 +73,65 @@ class NixlReader:
                                                         backends=["UCX"]))  # None once closed
         self._reg = self.agent.register_memory(cache)
         self.lock = threading.Lock()
-        self._remotes: dict[str, str] = {}  # agent name -> name NIXL knows it by
-        # agent name -> its cache as its first handle described it (_region)
-        self._regions: dict[str, tuple] = {}
+        self._peers: dict[str, _Peer] = {}  # by agent name
 
-    def connect(self, remote: KVAgentHandle) -> str:
-        """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held)."""
-        known = self._remotes.get(remote.agent_name)
-        if known is None:
-            known = self.agent.add_remote_agent(remote.metadata)
-            if isinstance(known, bytes):
-                known = known.decode()
-            self._remotes[remote.agent_name] = known
-            self._regions[remote.agent_name] = _region(remote)
-        elif self._regions[remote.agent_name] != _region(remote):
-            # Its metadata was loaded when first met; reads go by the handle's addresses, and
-            # a shifted cache would still be inside the registration (wrong bytes, no error).
+    def connect(self, remote: KVAgentHandle, trusted: bool = False) -> str:
+        """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held).
+        ``trusted``: the handle comes from the owner itself (the registry), and overrides
+        what an unconfirmed or differing handle recorded."""
+        peer = self._peers.get(remote.agent_name)
+        if peer is not None and (peer.metadata, peer.region) == (remote.metadata, _region(remote)):
+            peer.confirmed = peer.confirmed or trusted
+            return peer.nixl_name
+        if peer is not None and peer.confirmed and not trusted:
             raise ValueError(f"handle of {remote.agent_name!r} describes a cache other than "
-                             f"the one it registered: {_region(remote)} against "
-                             f"{self._regions[remote.agent_name]}")
-        return known
+                             f"the one it registered: {_region(remote)} against {peer.region}")
+        if peer is not None and peer.metadata == remote.metadata:
+            peer.region, peer.confirmed = _region(remote), trusted
+            return peer.nixl_name
+        if peer is not None:  # metadata an unconfirmed handle loaded: replaced
+            if peer.reads_in_flight:
+                raise ValueError(f"handle of {remote.agent_name!r} differs from the one a read "
+                                 "in flight uses")
+            self._unload(remote.agent_name)
+        return self._load(remote, trusted).nixl_name
+
+    def _load(self, remote: KVAgentHandle, trusted: bool) -> _Peer:
+        known = self.agent.add_remote_agent(remote.metadata)
+        if isinstance(known, bytes):
+            known = known.decode()
+        if known != remote.agent_name:
+            # Metadata of another agent under this name: reads would go to that agent.
+            if known not in {p.nixl_name for p in self._peers.values()}:
+                self.agent.remove_remote_agent(known)
+            raise ValueError(f"handle of {remote.agent_name!r} carries the metadata of "
+                             f"agent {known!r}")
+        peer = _Peer(known, remote.metadata, _region(remote), trusted)
+        self._peers[remote.agent_name] = peer
+        return peer
+
+    def _unload(self, agent_name: str) -> None:
+        peer = self._peers.pop(agent_name)
+        try:
+            self.agent.remove_remote_agent(peer.nixl_name)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            logger.warning("could not unload NIXL agent %r: %s", agent_name, e)
+
+    def forget(self, agent_name: str) -> bool:
+        """Unloads ``agent_name`` (a peer gone for good) and closes its connection; whether
+        it is gone now (False: a read from it is in flight, try again later)."""
+        with self.lock:
+            peer = self._peers.get(agent_name)
+            if self.agent is None or peer is None:
+                return True
+            if peer.reads_in_flight:
+                return False
+            self._unload(agent_name)
+            return True
+
+    def peer_names(self) -> list[str]:
+        with self.lock:
+            return sorted(self._peers)
 
     def read(self, parts: list[ReadPart], deadline: float, notify: bytes = b"") -> None:
         """Posts one READ per part, waits for all until ``deadline`` and releases them.
@@ -84,13 +140,17 @@ class NixlReader:
         if notify and len(parts) != 1:
             raise ValueError(f"a notification rides on a single READ, got {len(parts)} parts")
         handles: list = []
+        peers: list[_Peer] = []  # whose reads are in flight: forget() leaves them loaded
         try:
             with self.lock:
                 if self.agent is None:
                     raise TransferError(f"NIXL agent {self.name!r} is closed")
                 for p in parts:
                     handles.append(self._start(p, notify))
+                    peers.append(self._peers[p.remote.agent_name])
+                    peers[-1].reads_in_flight += 1
             self._wait(handles, deadline, [p.remote.agent_name for p in parts])
+            self._confirm(parts)
         except TransferError as e:
             # Releasing a running READ asks UCX to cancel it, but nothing confirms the cancel:
             # a late completion could still write into blocks the caller is about to reuse.
@@ -99,7 +159,15 @@ class NixlReader:
             e.writes_may_land = e.writes_may_land or not self._settle(handles, _SETTLE_S)
             raise
         finally:
-            self._release(handles)
+            self._release(handles, peers)
+
+    def _confirm(self, parts: list[ReadPart]) -> None:
+        """A read with these handles succeeded: they describe their owners' caches."""
+        with self.lock:
+            for p in parts:
+                peer = self._peers.get(p.remote.agent_name)
+                if peer is not None and peer.region == _region(p.remote):
+                    peer.confirmed = True
 
     def _start(self, part: ReadPart, msg: bytes):
         remote = part.remote
@@ -154,9 +222,11 @@ class NixlReader:
                     return True
         return False
 
-    def _release(self, handles: list) -> None:
+    def _release(self, handles: list, peers: list[_Peer]) -> None:
         # Releasing a handle whose READ is still running asks NIXL to abort it.
         with self.lock:
+            for peer in peers:
+                peer.reads_in_flight -= 1
             for h in handles:
                 try:
                     self.agent.release_xfer_handle(h)
@@ -167,9 +237,9 @@ class NixlReader:
         with self.lock:
             if self.agent is None:
                 return
-            for name in self._remotes.values():
+            for peer in self._peers.values():
                 try:
-                    self.agent.remove_remote_agent(name)
+                    self.agent.remove_remote_agent(peer.nixl_name)
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
             self.agent.deregister_memory(self._reg)

@@ -128,6 +128,25 @@ class TorchKVAgent(KVTransferAgent):
         except OSError:
             pass
 
+    def forget_peer(self, agent_name: str) -> bool:
+        with self._pairs_lock:
+            connecting = self._connecting.get(agent_name)
+            if connecting is not None and connecting.locked():
+                return False
+            pair = self._pairs.get(agent_name)
+            if pair is not None and not pair.lock.acquire(blocking=False):
+                return False  # a pull or a notification uses it
+            self._connecting.pop(agent_name, None)
+            self._pairs.pop(agent_name, None)
+        if pair is not None:
+            pair.sock.close()  # its group and store go with their last reference
+            pair.lock.release()
+        return True
+
+    def peer_names(self) -> list[str]:
+        with self._pairs_lock:
+            return sorted(self._pairs)
+
     # --- pulls --------------------------------------------------------------------------------
     def _run_pull(self, jobs: list[PullJob], deadline: float,
                   notify: bytes | None) -> tuple[int, bool]:

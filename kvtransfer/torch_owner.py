@@ -49,6 +49,12 @@ class TorchOwnerServer:
         self._acceptor = named_thread(self._accept_loop, "pdserve-kv-owner")
         self._acceptor.start()
 
+    @property
+    def num_readers(self) -> int:
+        """Reader agents connected now."""
+        with self._lock:
+            return len(self._conns)
+
     def take_notifications(self) -> list[bytes]:
         out = []
         while self._notifs:
