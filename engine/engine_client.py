@@ -251,6 +251,12 @@ class RemoteLLM:
     def preconnect_kv(self, remotes: list) -> bool:
         return self._proc.submit("preconnect_kv", list(remotes)).result()
 
+    def forget_kv_peers(self, agent_names: list[str]) -> list[str]:
+        return self._proc.submit("forget_kv_peers", list(agent_names)).result()
+
+    def kv_peer_names(self) -> list[str]:
+        return self._proc.submit("kv_peer_names").result()
+
     def reset_prefix_cache(self):
         return self._proc.submit("reset_prefix_cache").result()
 

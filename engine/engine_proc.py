@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 # What the worker may call; each runs in this process's thread pool (it may wait for a step).
 POOL_METHODS = frozenset({"add_prefilled_request", "commit_prefilled", "pull_kv",
-                          "preconnect_kv", "reset_prefix_cache", "cached_block_hashes",
-                          "get_stats"})
+                          "preconnect_kv", "forget_kv_peers", "kv_peer_names",
+                          "reset_prefix_cache", "cached_block_hashes", "get_stats"})
 # Quick, and in order with the steps: run on this process's loop.
 INLINE_METHODS = frozenset({"add_request"})
 

@@ -70,6 +70,9 @@ class Executor(ABC):
         A single-process executor has no other ranks."""
         return []
 
+    def forget_worker_peers(self, agent_names: list[str]) -> None:
+        """Tells ranks 1.. to drop their connections to these remote agents (none here)."""
+
     @property
     def comm_seconds(self) -> float:
         """Time rank 0 spent in collectives so far."""

@@ -78,6 +78,18 @@ class KVConnector:
         plan_pull(self.agent.layout, self.agent.backend, list(remotes), [], [])
         return all([self.agent.preconnect(r) for r in remotes])
 
+    def forget_peers(self, agent_names: list[str]) -> list[str]:
+        """Drops every rank's connections to these remote agents (peers gone for good); the
+        names rank 0 still uses (a transfer with them in flight), to try again later. Ranks
+        1.. keep a peer they are reading from, which their next forget drops."""
+        names = [str(n) for n in agent_names]
+        self.engine.executor.forget_worker_peers(names)
+        return [n for n in names if not self.agent.forget_peer(n)]
+
+    def peer_names(self) -> list[str]:
+        """The remote agents rank 0 holds connections to."""
+        return self.agent.peer_names()
+
     def pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
              remote_block_ids: list[int], timeout_s: float) -> TransferStats:
         """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``

@@ -5,16 +5,25 @@ Prefill workers publish their ranks' KV-agent handles in the registry when they 
 otherwise load the peer's metadata and open the UCX connection on the request's path: 29 ms
 for a 2-block pull on the 2-core VM, 4.5 ms once connected. This loop watches the registry
 and connects to every live prefill worker it has not seen, off the event loop.
+
+It also lets go of prefill workers that left: each connection holds sockets, a process group
+or a loaded NIXL agent and its UCX endpoints, so a long-lived decode worker would otherwise
+grow with every prefill restart. A peer is dropped once gone from the registry for
+``FORGET_AFTER_S``, not at once: a worker purged for a late heartbeat comes back with the
+same agents, and its leases may still be read meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from client.tasks import stop_task
 from kvtransfer import KVAgentHandle
 
 logger = logging.getLogger(__name__)
+# Longer than a prefill lease (20 s by default) and than a registry purge's flap.
+FORGET_AFTER_S = 60.0
 
 
 class KVPeerConnector:
@@ -26,6 +35,12 @@ class KVPeerConnector:
         # agents and is connected again.
         self._tried: set[tuple[str, ...]] = set()
         self.num_connected = 0
+        # Agent names held (met in the registry, or the engine reported them) and, for those
+        # gone from the registry, since when.
+        self._held: set[str] = set()
+        self._missing_since: dict[str, float] = {}
+        self._next_census = 0.0
+        self.num_forgotten = 0
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -47,24 +62,55 @@ class KVPeerConnector:
             await asyncio.sleep(self.interval_s)
 
     async def connect_new(self) -> None:
-        """One round: connects to each live prefill worker not tried yet."""
+        """One round: connects to each live prefill worker not tried yet, and drops the
+        peers gone long enough."""
+        live: set[str] = set()
         for info in await self.registry.live_workers("prefill"):
             blobs = await self.registry.kv_handles(info.worker_id)
             if not blobs:
                 continue  # not published (yet): the next round looks again
-            try:
-                handles = [KVAgentHandle.from_bytes(b) for b in blobs]
-            except ValueError as e:
-                logger.warning("prefill worker %s published unreadable KV handles: %s",
-                               info.worker_id, e)
-                continue
-            key = tuple(h.agent_name for h in handles)
-            if key in self._tried:
-                continue
-            self._tried.add(key)  # tried once: a peer that fails now fails on its pull too
-            try:
-                if await asyncio.to_thread(self.llm.preconnect_kv, handles):
-                    self.num_connected += 1
-            except Exception as e:  # noqa: BLE001 - the pull will connect (or fail) itself
-                logger.warning("could not connect ahead to prefill worker %s: %s",
-                               info.worker_id, e)
+            await self._connect(info, blobs, live)
+        await self._forget_gone(live)
+
+    async def _connect(self, info, blobs: list[bytes], live: set[str]) -> None:
+        try:
+            handles = [KVAgentHandle.from_bytes(b) for b in blobs]
+        except ValueError as e:
+            logger.warning("prefill worker %s published unreadable KV handles: %s",
+                           info.worker_id, e)
+            return
+        key = tuple(h.agent_name for h in handles)
+        live.update(key)
+        if key in self._tried:
+            return
+        self._tried.add(key)  # tried once: a peer that fails now fails on its pull too
+        self._held.update(key)
+        try:
+            if await asyncio.to_thread(self.llm.preconnect_kv, handles):
+                self.num_connected += 1
+        except Exception as e:  # noqa: BLE001 - the pull will connect (or fail) itself
+            logger.warning("could not connect ahead to prefill worker %s: %s",
+                           info.worker_id, e)
+
+    async def _forget_gone(self, live: set[str]) -> None:
+        now = time.monotonic()
+        if now >= self._next_census:  # peers met only through a request's handle too
+            self._next_census = now + FORGET_AFTER_S / 2
+            self._held.update(await asyncio.to_thread(self.llm.kv_peer_names))
+        for name in self._held:
+            if name in live:
+                self._missing_since.pop(name, None)
+            else:
+                self._missing_since.setdefault(name, now)
+        due = sorted(n for n, t in self._missing_since.items() if now - t >= FORGET_AFTER_S)
+        if not due:
+            return
+        busy = set(await asyncio.to_thread(self.llm.forget_kv_peers, due))
+        gone = set(due) - busy  # a busy one is tried again next round
+        for name in gone:
+            self._held.discard(name)
+            del self._missing_since[name]
+        self._tried = {k for k in self._tried if not gone.intersection(k)}
+        self.num_forgotten += len(gone)
+        logger.info("dropped the KV connections to %d prefill agent(s) gone from the "
+                    "registry: %s", len(gone), sorted(gone))

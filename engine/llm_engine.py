@@ -449,6 +449,17 @@ class LLMEngine:
         self._need_connector()
         return self.kv_connector.preconnect(remotes)
 
+    def forget_kv_peers(self, agent_names: list[str]) -> list[str]:
+        """Decode role: drops the connections to these prefill agents (their worker left for
+        good); the names still in use now, to try again later. Blocking."""
+        self._need_connector()
+        return self.kv_connector.forget_peers(agent_names)
+
+    def kv_peer_names(self) -> list[str]:
+        """The remote KV agents this engine's rank 0 holds connections to."""
+        self._need_connector()
+        return self.kv_connector.peer_names()
+
     def kv_transfer_counters(self):
         """engine.kv_connector.KVConnectorCounters: bytes, transfers, failures, releases..."""
         self._need_connector()

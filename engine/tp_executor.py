@@ -143,6 +143,11 @@ class MultiprocExecutor(Executor):
         return [self._kv_channel.submit(w.rank, remotes, remote_block_ids, local_block_ids,
                                         timeout_s) for w in self.workers]
 
+    def forget_worker_peers(self, agent_names: list[str]) -> None:
+        self._check_usable()
+        if self._kv_channel is not None:
+            self._kv_channel.forget(agent_names)
+
     def read_blocks(self, rank: int, block_ids: list[int]) -> torch.Tensor:
         """kv_cache[block_ids] of ``rank`` as a CPU tensor (inspection and tests):
         [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_size]."""

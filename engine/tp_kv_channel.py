@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 OP_KV_PULL = b"P"  # rank 0 -> worker: {"id", "remotes": [handle json], "remote_block_ids",
 #                    "local_block_ids", "timeout_s"}
 OP_KV_DONE = b"D"  # worker -> rank 0: {"id", "ok", "stats"} or {"id", "ok": false, "kind", "error"}
+OP_KV_FORGET = b"F"  # rank 0 -> worker: {"agent_names"}; no answer (one busy is kept)
 
 _KINDS = {"timeout": TransferTimeout, "peer_gone": PeerGoneError,
           "layout": LayoutMismatchError, "value": ValueError, "transfer": TransferError}
@@ -55,10 +56,21 @@ class WorkerKVServer:
                 op, payload = tp_comm.recv(self.conn)
             except (EOFError, OSError):
                 return  # rank 0 closed the channel
-            if op != OP_KV_PULL:
+            if op == OP_KV_FORGET:
+                self._forget(payload)
+            elif op == OP_KV_PULL:
+                named_thread(self._pull, "pdserve-tp-kv-pull", (payload,)).start()
+            else:
                 logger.error("unknown KV channel op %r", op)
                 return
-            named_thread(self._pull, "pdserve-tp-kv-pull", (payload,)).start()
+
+    def _forget(self, payload: bytes) -> None:
+        try:
+            names = tp_comm.parse_json(payload)["agent_names"]
+            for name in names:
+                self.agent.forget_peer(str(name))
+        except Exception:  # noqa: BLE001 - a peer kept is a leak, not a failure
+            logger.exception("forgetting KV peers failed")
 
     def _pull(self, payload: bytes) -> None:
         use_one_openmp_thread()  # its copies must not start a team beside the rank's own
@@ -117,6 +129,16 @@ class KVChannelClient:
                 self._pending.pop(rid, None)
             raise PeerGoneError(f"tensor-parallel rank {rank} is gone: {e}") from None
         return fut
+
+    def forget(self, agent_names: list[str]) -> None:
+        """Asks every worker to drop its connections to these remote agents."""
+        msg = json.dumps({"agent_names": list(agent_names)}).encode()
+        for lock, conn in zip(self._send_locks, self.conns):
+            try:
+                with lock:
+                    tp_comm.send(conn, OP_KV_FORGET, msg)
+            except OSError:
+                pass  # a rank that is gone holds nothing
 
     def _read(self, rank: int, conn: Connection) -> None:
         try:

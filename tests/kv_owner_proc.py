@@ -7,7 +7,7 @@ release notifications until stdin closes.
 ``python -m tests.kv_owner_proc engine CONFIG_JSON``: a prefill-role LLMEngine with a KV
 transfer backend. It prints its ranks' handles, then answers one JSON command per stdin line:
 ``{"op": "prefill", "id", "prompt"}`` -> ``LEASE {...}`` once the first token is out, and
-``{"op": "stats"}`` -> ``STATS {...}``. Releases arrive through the engine's own agent.
+``{"op": "stats"}`` -> ``STATS {...}`` (with, over torch, the reader connections of rank 0). Releases arrive through the engine's own agent.
 
 ``python -m tests.kv_owner_proc standby [engine]``: the imports either mode needs done ahead,
 then one JSON line on stdin, ``{"argv": [...], "env": {...}}``, and on as if started with
@@ -76,9 +76,11 @@ def engine_main(config_json: str) -> None:
                 "first_token": lease.token_ids[0], "prompt": lease.prompt_token_ids}), flush=True)
         elif cmd["op"] == "stats":
             s = engine.get_stats()
+            server = getattr(engine.kv_connector.agent, "_server", None)  # the torch backend's
             print("STATS", json.dumps({"free": s.num_free_blocks, "total": s.num_total_blocks,
                                        "leased": s.num_leased, "expired": s.num_expired_leases,
-                                       "released": engine.kv_connector.num_released}),
+                                       "released": engine.kv_connector.num_released,
+                                       "readers": server and server.num_readers}),
                   flush=True)
     engine.shutdown()
 

@@ -229,6 +229,27 @@ def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill
         prefill.close()
 
 
+def test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank(model, prompts, expected):
+    """A decode worker drops the connections to a prefill worker that left (engine/kv_peers.py):
+    both TP ranks here, rank 1 through the TP KV channel; a later pull connects again."""
+    prefill = PrefillProc(model, 1, "torch", wait=False)
+    decode = _started_side_by_side(prefill, lambda: _decode_engine(model, 2, "torch"))
+    try:
+        assert _disaggregate(prefill, decode, prompts[:1], concurrent=False)[0] == expected[:1]
+        names = [h.agent_name for h in prefill.handles]
+        assert decode.kv_peer_names() == names
+        assert prefill.stats()["readers"] == 2  # one connection from each decode rank
+        assert decode.forget_kv_peers(names) == []
+        assert decode.kv_peer_names() == []
+        assert prefill.wait_stats(lambda s: s["readers"] == 0)["readers"] == 0
+        got = _disaggregate(prefill, decode, prompts[1:3], concurrent=False)[0]
+        assert got == expected[1:3]
+        assert prefill.stats()["readers"] == 2
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
 def test_lease_expiry_frees_an_idle_owners_blocks(model):
     prefill = PrefillProc(model, 1, "nixl", kv_lease_timeout_s=1.0)
     try:
@@ -363,10 +384,9 @@ def test_a_decode_engine_connects_to_a_prefill_engine_ahead_of_its_first_pull(mo
         prefill, lambda: _decode_engine(model, 1, "nixl"),
         lambda: _decode_engine(model, 1, "torch"))
     try:
-        reader = decode.kv_connector.agent._main
-        assert not reader._remotes
+        assert decode.kv_peer_names() == []
         assert decode.preconnect_kv(prefill.handles) is True
-        assert set(reader._remotes) == {h.agent_name for h in prefill.handles}
+        assert decode.kv_peer_names() == sorted(h.agent_name for h in prefill.handles)
         assert decode.preconnect_kv(prefill.handles) is True  # again: already known, no harm
         # The pull that follows uses that connection and moves the right bytes.
         assert _disaggregate(prefill, decode, prompts[:2], concurrent=False)[0] == expected[:2]
