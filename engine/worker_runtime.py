@@ -29,6 +29,7 @@ from engine.engine_pipe import EngineProcSpec
 from engine.grpc_server import ServerConfig
 from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
+from engine.outputs import LeaseEnded
 from protos import common_pb2
 from router.registry import ROUTER_TTL_S
 
@@ -197,6 +198,9 @@ class WorkerRuntime:
         # Called on the loop when the drain starts (e.g. to end idle long-lived streams, which
         # the server's stop would otherwise cut).
         self.on_drain: list[Callable[[], None]] = []
+        # Called on the loop with each lease's request id as the engine ends it (a reader's
+        # release, ReleaseKV or expiry): the prefill servicer's view of what it still leases.
+        self.on_lease_ended: Callable[[str], None] | None = None
         self.kv_bytes = 0
         self.kv_failures = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
@@ -267,12 +271,16 @@ class WorkerRuntime:
     # --- engine thread hook: KV-cache events for the prefix index -------------------------
     def _on_step(self, engine: LLMEngine) -> None:
         events = engine.take_kv_events()
-        if events and self._presence is not None:
+        if events and (self._presence is not None or self.on_lease_ended is not None):
             self.engine.loop.call_soon_threadsafe(self._add_kv_events, events)
 
     def _add_kv_events(self, events: list) -> None:
         """On the loop. Both roles: a decode worker's blocks hold the replies it streamed,
         which a chat's next turn starts with (router/local_prefill.py)."""
+        if self.on_lease_ended is not None:
+            for ev in events:
+                if isinstance(ev, LeaseEnded):
+                    self.on_lease_ended(ev.request_id)
         if self._presence is not None:
             self._presence.add_events(events)
 

@@ -21,7 +21,7 @@ from protos.limits import max_message_bytes
 from router.ledger import TransferOpened
 from router.router_presence import check_incarnation, check_router_id
 
-_MAX_RELEASED_EARLY = 1024
+_MAX_REMEMBERED_IDS = 1024
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -30,10 +30,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # What gRPC would refuse to send (its error would read as a refusal to the router,
         # which then releases nothing): an answer over it is refused here, its lease freed.
         self.max_answer_bytes = max_message_bytes()
-        # request id -> lease deadline, to answer ReleaseKV truthfully; pruned as leases expire.
+        # request id -> lease deadline, to answer ReleaseKV truthfully: dropped as the engine
+        # ends each lease (a reader's release, expiry), and pruned past its deadline.
         self._leases: dict[str, float] = {}
+        rt.on_lease_ended = self._lease_ended
         # Ids released before this servicer saw their lease (see _prefill), oldest first.
         self._released_early: dict[str, bool] = {}
+        # Ids whose lease the engine ended lately: a ReleaseKV for one is answered, not
+        # mistaken for one that came before its lease.
+        self._ended: dict[str, bool] = {}
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -122,16 +127,21 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_blocks=len(lease.block_ids), num_tokens=lease.num_tokens, leased_at=now_wall,
             expires_at=now_wall + max(lease.expires_at - now, 0.0)))
 
+    def _lease_ended(self, request_id: str) -> None:
+        self._leases.pop(request_id, None)
+        _remember(self._ended, request_id)
+
     async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKVResponse:
         if not request.request_id:
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         held = self._leases.pop(request.request_id, None)
-        if held is None:
-            self._released_early[request.request_id] = True
-            while len(self._released_early) > _MAX_RELEASED_EARLY:
-                del self._released_early[next(iter(self._released_early))]
+        if held is None and self._ended.pop(request.request_id, None) is None:
+            _remember(self._released_early, request.request_id)
         self.rt.engine.release_kv(request.request_id)  # idempotent in the engine
+        # True only for a lease this call ended: one a reader's pull released, or that
+        # expired, was not held any more (as of the engine's events, which reach the loop
+        # after its next step: an idle one ticks every 0.2 s).
         return worker_pb2.ReleaseKVResponse(released=held is not None
                                             and held > time.monotonic())
 
@@ -147,3 +157,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if len(self._leases) > 1024:
             for rid in [r for r, t in self._leases.items() if t <= now]:
                 del self._leases[rid]
+
+
+def _remember(ids: dict[str, bool], request_id: str) -> None:
+    """Adds ``request_id`` to a bounded record of ids, oldest dropped first."""
+    ids[request_id] = True
+    while len(ids) > _MAX_REMEMBERED_IDS:
+        del ids[next(iter(ids))]

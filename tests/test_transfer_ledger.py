@@ -104,6 +104,27 @@ def test_a_release_that_comes_before_its_prefill_ends_frees_the_lease(cluster):
     wait_all_blocks_free([prefill.address])
 
 
+def test_release_kv_says_whether_it_ended_the_lease(cluster):
+    """``released`` is true only for a lease the call ended: not for one a decode worker's
+    pull already released (nor is that call taken for one that came before its lease)."""
+    prefill, decode = _proc(cluster, "prefill"), _proc(cluster, "decode")
+    prompt = random_prompts(1, seed=36, lo=30, hi=30)[0]
+    resp = _prefill(prefill.address, "rel~1", prompt, router_id="ops")
+    with grpc.insecure_channel(decode.address) as ch:
+        chunks = list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(worker_pb2.DecodeRequest(
+            request_id="rel~1", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+            sampling=GREEDY, kv_handle=resp.kv_handle), timeout=60))
+    assert chunks[-1].finish_reason
+    # The lease's end reaches the servicer with the engine's events, as it reaches the ledger.
+    assert wait_until(lambda: not _transfers(cluster).transfers, 10)
+    assert not _release(prefill.address, "rel~1")
+    # The same id prefilled again gets a lease (that release was not held against it).
+    assert _prefill(prefill.address, "rel~1", prompt, router_id="ops").HasField("kv_handle")
+    assert _release(prefill.address, "rel~1")
+    assert wait_until(lambda: not _transfers(cluster).transfers, 10)
+    wait_all_blocks_free([prefill.address, decode.address])
+
+
 def test_requests_through_the_router_leave_no_entry_behind(cluster):
     prompts = random_prompts(6, seed=32, lo=20, hi=90)
     with Client(cluster.router_address, timeout=60) as c:
