@@ -89,10 +89,13 @@ class Choice:
 @dataclass
 class Completion:
     """The whole result: every sequence in index order in ``choices`` (n of them; one when
-    n = 1), and sequence 0's fields directly (``token_ids``, ``text``, ``usage``, ...)."""
+    n = 1), and sequence 0's fields directly (``token_ids``, ``text``, ...)."""
 
     request_id: str
     choices: list[Choice]
+    # The request's: with n > 1 the prompt counted once and completion tokens summed over the
+    # choices (OpenAI's and vLLM's usage), each choice's own in ``choices``. n = 1: choice 0's.
+    usage: Usage
     # With prompt_logprobs: as on GenerationChunk (they belong to the prompt, not a choice).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -111,10 +114,6 @@ class Completion:
     @property
     def stop_reason(self) -> int | str | None:
         return self.choices[0].stop_reason
-
-    @property
-    def usage(self) -> Usage:
-        return self.choices[0].usage
 
     @property
     def logprobs(self) -> list[TokenLogprobs]:
@@ -266,5 +265,9 @@ def _choice(m, index: int) -> Choice:
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
-    return Completion(m.request_id, [_choice(c, c.index) for c in m.choices] or [_choice(m, 0)],
-                      _prompt_logprobs(m.prompt_logprobs))
+    choices = [_choice(c, c.index) for c in m.choices]
+    if not choices:  # n = 1: the request's usage is its one sequence's
+        choices = [_choice(m, 0)]
+        return Completion(m.request_id, choices, choices[0].usage,
+                          _prompt_logprobs(m.prompt_logprobs))
+    return Completion(m.request_id, choices, _usage(m.usage), _prompt_logprobs(m.prompt_logprobs))

@@ -48,6 +48,9 @@ class RequestRun:
     # Whether a decode leg reported its timings (the first one does; continuations do not).
     decode_timed: bool = False
     usage: router_pb2.Usage = field(default_factory=router_pb2.Usage)
+    # Which of the request's n sequences this is: sequence 0's routing is the request's in
+    # the router's counters.
+    index: int = 0
 
     # Makes the ids the workers see this request's alone: client-chosen request ids are unique
     # per router only, and a release by id must never free another request's lease.

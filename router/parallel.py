@@ -99,3 +99,15 @@ async def fan_out(request_id: str,
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def request_usage(usages: list[router_pb2.Usage]) -> router_pb2.Usage:
+    """A request's usage over its n sequences, as OpenAI and vLLM report it: the prompt once
+    and completion tokens summed; cache hits, workers and timings are sequence 0's (it ran the
+    prompt), but for the end, which is the last sequence's, and migrations are summed."""
+    total = router_pb2.Usage()
+    total.CopyFrom(usages[0])
+    total.completion_tokens = sum(u.completion_tokens for u in usages)
+    total.migrations = sum(u.migrations for u in usages)
+    total.timings.e2e_s = max(u.timings.e2e_s for u in usages)
+    return total

@@ -36,9 +36,9 @@ from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally, should_reuse_decode_cache
 from router.migration import RequestRun, is_migratable
-from router.parallel import check_n, fan_out, sequence_request
+from router.parallel import check_n, fan_out, request_usage, sequence_request
 from router.prompts import ServedModel
-from router.stats import RouterStats
+from router.stats import RouterStats, SequenceEnd
 from protos.stream_interval import every_n_tokens, merge_chunk
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 runs.append(RequestRun(rid, prompt, t0, resumed=resumed))
                 chunks = self._sequence(runs[0], request, context)
             else:  # router/parallel.py; each sequence has its own id on the workers
-                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0) for i in range(n))
+                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0, index=i) for i in range(n))
                 chunks = fan_out(rid, [functools.partial(
                     self._sequence, run, sequence_request(request, i), context)
                     for i, run in enumerate(runs)])
@@ -160,6 +160,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             entry.writing = False
                             if entry.cancelled:  # it came during the write
                                 raise asyncio.CancelledError
+                    self.stats.request_finished(
+                        finish, [SequenceEnd(r.usage, len(r.emitted)) for r in runs])
                 except asyncio.CancelledError:
                     if not entry.cancelled:
                         raise
@@ -193,8 +195,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     async for chunk in chunks:
                         run.emitted.extend(chunk.token_ids)
                         self.stats.generation_tokens += len(chunk.token_ids)
-                        if chunk.finish_reason:
-                            self.stats.request_finished(chunk.finish_reason, chunk.usage)
                         yield chunk
                 return
             except Exception as e:  # noqa: BLE001 - re-raised unless the request can move
@@ -244,11 +244,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             decode = await self._local_candidate(len(ids), avoid)
             local = self._prefill_locally(prefill, decode, len(ids), matched)
             matched = 0 if local else matched
-        if not run.started:
-            # prefix_tokens_matched counts the cache of the worker that runs the prompt as
-            # the index saw it: none for a local prefill chosen without looking.
-            self.stats.routed(len(ids), matched)
-            self.stats.prefilled(local, on_decode_cache=held > 0 and local)
+        if not run.started and not run.migrations:
+            # Once per request: an attempt after a failed one (before any token) is the same
+            # request's, and with n > 1 sequence 0 prefills the prompt (the others find it
+            # cached). prefix_tokens_matched counts the cache of the worker that runs the
+            # prompt as the index saw it: none for a local prefill chosen without looking.
+            if run.index == 0:
+                self.stats.routed(len(ids), matched)
+                self.stats.prefilled(local, on_decode_cache=held > 0 and local)
             run.timings.router_queue_s = time.monotonic() - run.t0
         run.usage.local_prefill = local
         if local:
@@ -413,6 +416,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await wait.backoff(e)
                 continue
             run.usage.decode_worker_id = decode.worker_id
+            opened = time.monotonic()
             # What is left of the lease now, not when the prefill answered: the decode worker
             # bounds its pull by it, so that it never reads blocks the lease no longer holds.
             dreq.kv_handle.lease_timeout_s = max(lease_ends - time.monotonic(), 0.0)
@@ -434,7 +438,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if wait.retries:
                 self.stats.decode_waits += 1
                 if not timed and run.decode_timed:  # this leg's queue began at the refusal
-                    run.timings.decode_queue_s += wait.waited_s
+                    # (its own pull, queue and first step the worker timed itself)
+                    run.timings.decode_queue_s += opened - wait.started
             return chunks, chunk
 
     async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
@@ -529,8 +534,8 @@ def _without_prompt_logprobs(request: router_pb2.GenerateRequest) -> router_pb2.
 
 
 def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.CompleteResponse:
-    """Sequence 0 at the top (the only one when n = 1); every one in ``choices`` when n > 1.
-    ``seqs``: each sequence's chunks merged into one, in index order."""
+    """Sequence 0 at the top (the only one when n = 1), with the request's usage; every one in
+    ``choices`` when n > 1. ``seqs``: each sequence's chunks merged into one, in index order."""
     choices = [router_pb2.Choice(
         index=c.index, token_ids=c.token_ids, text=c.text_delta, logprobs=c.logprobs,
         finish_reason=c.finish_reason, usage=c.usage,
@@ -538,7 +543,8 @@ def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.Compl
     first = choices[0]
     resp = router_pb2.CompleteResponse(
         request_id=seqs[0].request_id, token_ids=first.token_ids, text=first.text,
-        logprobs=first.logprobs, finish_reason=first.finish_reason, usage=first.usage,
+        logprobs=first.logprobs, finish_reason=first.finish_reason,
+        usage=request_usage([c.usage for c in choices]),
         prompt_logprobs=seqs[0].prompt_logprobs)
     if first.HasField("stop_reason"):
         resp.stop_reason.CopyFrom(first.stop_reason)

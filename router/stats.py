@@ -6,6 +6,8 @@ import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
+from protos import router_pb2
+
 import grpc
 
 from engine.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS, Histogram
@@ -14,6 +16,15 @@ from router.errors import RouterRejectError
 # RequestTimings fields observed per finished request, by their metric label.
 PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_queue",
           "first_decode_step")
+
+
+@dataclass(frozen=True)
+class SequenceEnd:
+    """One of a finished request's sequences (n of them with parallel sampling)."""
+
+    usage: router_pb2.Usage  # its final usage
+    # Output tokens this call streamed for it: not the ones a resumed request brought along.
+    tokens_streamed: int
 
 
 def _latency() -> Histogram:
@@ -76,13 +87,18 @@ class RouterStats:
         else:
             self.requests_prefilled_remotely += 1
 
-    def request_finished(self, finish_reason: str, usage) -> None:
-        """A request's final chunk (``usage``: its router_pb2.Usage)."""
-        t = usage.timings
+    def request_finished(self, finish_reason: str, seqs: list[SequenceEnd]) -> None:
+        """A request that ended well (sequence 0's finish reason). Request-level figures
+        count it once, as vLLM's do, whatever its n: the first token is sequence 0's, the end
+        the last sequence's, the phases sequence 0's (the one that ran the prompt). Token
+        spacing (TPOT) is each sequence's own."""
+        t = seqs[0].usage.timings
         self.finished[finish_reason] += 1
         self.ttft.observe(t.ttft_s)
-        self.e2e.observe(t.e2e_s)
-        if usage.completion_tokens > 1:
-            self.tpot.observe((t.e2e_s - t.ttft_s) / (usage.completion_tokens - 1))
+        self.e2e.observe(max(s.usage.timings.e2e_s for s in seqs))
         for phase in PHASES:
             self.phases[phase].observe(getattr(t, f"{phase}_s"))
+        for s in seqs:
+            if s.tokens_streamed > 1:
+                st = s.usage.timings
+                self.tpot.observe((st.e2e_s - st.ttft_s) / (s.tokens_streamed - 1))

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from protos import common_pb2, router_pb2
-from router.parallel import check_n, fan_out, sequence_request
+from router.parallel import check_n, fan_out, request_usage, sequence_request
 
 
 def _run(coro):
@@ -96,3 +96,18 @@ def test_check_n_and_sequence_seeds():
     unseeded = sequence_request(router_pb2.GenerateRequest(
         text="hi", sampling=common_pb2.SamplingParams(n=3)), 2)
     assert not unseeded.sampling.HasField("seed")
+
+
+def test_a_requests_usage_counts_its_prompt_once_and_sums_its_choices_output():
+    usages = []
+    for i, (tokens, e2e) in enumerate([(6, 0.5), (4, 0.9), (5, 0.7)]):
+        u = router_pb2.Usage(prompt_tokens=70, completion_tokens=tokens,
+                             cached_tokens=0 if i == 0 else 64, decode_worker_id=f"d{i}",
+                             migrations=1 if i == 2 else 0)
+        u.timings.ttft_s, u.timings.e2e_s = 0.1 * (i + 1), e2e
+        usages.append(u)
+    total = request_usage(usages)
+    assert (total.prompt_tokens, total.completion_tokens, total.cached_tokens) == (70, 15, 0)
+    assert (total.timings.ttft_s, total.timings.e2e_s) == (0.1, 0.9)
+    assert total.decode_worker_id == "d0" and total.migrations == 1
+    assert usages[0].completion_tokens == 6  # the choices keep their own

@@ -133,7 +133,9 @@ def test_parallel_sampling_streams_n_seeded_sequences(cluster, reference):
     want = reference.generate([prompt] * 4, [SamplingParams(seed=11 + i, **sampling)
                                              for i in range(4)])
     with Client(cluster.router_address, timeout=60) as c:
+        before = parse_metrics(scrape(cluster.metrics_port)[2])
         chunks = list(c.generate(prompt, n=4, seed=11, request_id="par-1", **sampling))
+        after = parse_metrics(scrape(cluster.metrics_port)[2])
         assert {ch.request_id for ch in chunks} == {"par-1"}
         finals = {ch.index: ch for ch in chunks if ch.finish_reason}
         assert sorted(finals) == [0, 1, 2, 3]
@@ -144,12 +146,35 @@ def test_parallel_sampling_streams_n_seeded_sequences(cluster, reference):
         assert finals[0].usage.cached_tokens == 0
         assert all(finals[i].usage.cached_tokens == 64 for i in (1, 2, 3))
 
+        def delta(name, **labels):
+            key = (name, frozenset(labels.items()))
+            return after.get(key, 0.0) - before.get(key, 0.0)
+
+        # Request-level figures count the request once, as vLLM's do; tokens count them all,
+        # and each sequence's token spacing is a TPOT sample.
+        for name, labels in [("pdserve_router_requests_total", {}),
+                             ("pdserve_router_requests_finished_total",
+                              {"finish_reason": "length"}),
+                             ("pdserve_router_requests_prefilled_total", {"where": "remote"}),
+                             ("pdserve_router_time_to_first_token_seconds_count", {}),
+                             ("pdserve_router_e2e_request_latency_seconds_count", {}),
+                             ("pdserve_router_request_phase_seconds_count",
+                              {"phase": "kv_transfer"})]:
+            assert delta(name, **labels) == 1, name
+        assert delta("pdserve_router_prompt_tokens_total") == 70
+        assert delta("pdserve_router_generation_tokens_total") == 48
+        assert delta("pdserve_router_time_per_output_token_seconds_count") == 4
+
         greedy = reference.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0))[0]
         res = c.complete(prompt, n=3, max_tokens=6, temperature=0.0)
         assert [ch.index for ch in res.choices] == [0, 1, 2]
         assert all(ch.token_ids == greedy.token_ids and ch.text == greedy.text
                    for ch in res.choices)
-        assert res.token_ids == greedy.token_ids and res.usage.completion_tokens == 6
+        assert res.token_ids == greedy.token_ids
+        # The request's usage as OpenAI and vLLM give it: the prompt once, the choices' output
+        # summed; each choice has its own.
+        assert (res.usage.prompt_tokens, res.usage.completion_tokens) == (70, 18)
+        assert all(ch.usage.completion_tokens == 6 for ch in res.choices)
         assert len(c.complete(prompt, max_tokens=2).choices) == 1
         for bad in (0, 65):
             with pytest.raises(InvalidArgumentError, match="n must be in"):

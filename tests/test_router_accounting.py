@@ -1,0 +1,178 @@
+"""What the router counts and times for a request whose path has a detour: a prefill worker
+that fails before the first token, a decode worker refusing for room, a resumed request. The
+router's request path in process, its workers' calls replaced by scripted legs (the cluster
+tests in tests/test_serving*.py cover the same figures on plain paths)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+
+from client.liveness import WatchedCalls
+from protos import common_pb2, router_pb2, worker_pb2
+from router import service
+from router.config import RouterConfig
+from router.directory import NoWorkerError
+from router.migration import RequestRun
+from router.prompts import load_served_model
+from router.stats import RouterStats
+
+PROMPT = list(range(10, 50))
+
+
+class _Worker:
+    def __init__(self, worker_id: str, role: str) -> None:
+        self.worker_id = worker_id
+        self.calls = WatchedCalls()
+        self.info = common_pb2.WorkerInfo(worker_id=worker_id, role=role)
+
+
+class _Directory:
+    def __init__(self) -> None:
+        self.decodes = [_Worker("decode-1", "decode"), _Worker("decode-2", "decode")]
+
+    def check_prompt_fits(self, num_tokens: int) -> None:
+        pass
+
+    async def pick_decode(self, num_tokens: int, avoid) -> _Worker:
+        return next(d for d in self.decodes if d.worker_id not in avoid)
+
+    async def probe(self, worker) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def watched(self, worker):
+        yield
+
+    @contextlib.contextmanager
+    def inflight(self, worker):
+        yield
+
+
+class _Context:
+    def time_remaining(self):
+        return None
+
+
+def _servicer(remote_prefill) -> service.RouterServicer:
+    """A router whose every request is prefilled remotely, by ``remote_prefill``'s legs."""
+    s = service.RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
+                                            log_requests=False),
+                               _Directory(), load_served_model("tiny-llama", "auto", None),
+                               RouterStats(8))
+    prefills = iter(_Worker(f"prefill-{i}", "prefill") for i in range(1, 10))
+
+    async def pick_prefill(hashes, num_tokens, avoid):
+        return next(prefills), 0
+
+    async def no_holder(*args):
+        return None, 0
+
+    async def no_local(*args):
+        return None
+
+    s._pick_prefill, s._decode_cache_holder = pick_prefill, no_holder
+    s._local_candidate, s._prefill_locally = no_local, lambda *args: False
+    s._remote_prefill = remote_prefill
+    return s
+
+
+def _request(**extra) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT), **extra)
+
+
+async def _tokens(run: RequestRun, n: int, gap_s: float):
+    """``n`` tokens a leg streams, ``gap_s`` apart; the last one final."""
+    for i in range(n):
+        await asyncio.sleep(gap_s)
+        if i == 0:
+            run.timings.ttft_s = time.monotonic() - run.t0
+        run.usage.completion_tokens += 1
+        chunk = router_pb2.GenerateChunk(request_id=run.request_id, token_ids=[100 + i])
+        if i == n - 1:
+            end = worker_pb2.DecodeChunk(finish_reason="length")
+            service._finish(chunk, end, run)
+        yield chunk
+
+
+def test_a_prefill_that_fails_before_the_first_token_is_counted_and_timed_once():
+    attempts = []
+
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        attempts.append(prefill.worker_id)
+        if len(attempts) == 1:
+            await asyncio.sleep(0.5)  # the worker dies mid-prefill
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "worker gone")
+        async for chunk in _tokens(run, 2, 0.001):
+            yield chunk
+
+    s = _servicer(remote_prefill)
+    req = _request(sampling=common_pb2.SamplingParams(max_tokens=2))
+    out = asyncio.run(_collect(s, req))
+    assert attempts == ["prefill-1", "prefill-2"] and s.stats.requests_migrated == 1
+    # One request, one prompt routed and prefilled: the second attempt is the same request's.
+    assert s.stats.requests_prefilled_remotely == 1
+    assert s.stats.prompt_tokens_routed == len(PROMPT)
+    # Its router queue is the time before the first dispatch, not the failed prefill's 0.5 s.
+    t = out[-1].usage.timings
+    assert t.router_queue_s < 0.25 < t.ttft_s
+
+
+def test_a_refused_decode_legs_wait_counts_as_decode_queue_but_not_the_next_legs_own_time():
+    s = _servicer(None)
+    legs = []
+
+    async def decode(dreq, worker, context, run):
+        run.calls(worker)
+        legs.append(worker.worker_id)
+        if len(legs) == 1:
+            raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+        await asyncio.sleep(1.0)  # the worker pulls for 0.8 s, queues, steps
+        first = worker_pb2.DecodeChunk(token_ids=[7])
+        first.timings.queue_s, first.timings.kv_transfer_s, first.timings.first_step_s = (
+            0.05, 0.8, 0.1)
+        service._record_first_decode_chunk(first, False, run)
+        yield router_pb2.GenerateChunk(token_ids=[7])
+
+    s._decode = decode
+    run = RequestRun("r", PROMPT, time.monotonic())
+    dreq = worker_pb2.DecodeRequest(prompt_token_ids=PROMPT)
+    dreq.kv_handle.lease_timeout_s = 20.0
+
+    async def body():
+        chunks, _ = await s._start_decode(run, dreq, _Worker("prefill-1", "prefill"),
+                                          frozenset(), _Context(), time.monotonic() + 20)
+        await chunks.aclose()
+
+    asyncio.run(body())
+    assert legs == ["decode-1", "decode-2"] and s.stats.decode_waits == 1
+    t = run.timings
+    assert t.kv_transfer_s == 0.8 and t.first_decode_step_s == 0.1
+    # The worker's own queue and the wait before its leg opened (a backoff of ~10 ms); not
+    # the leg's pull and first step, which have their own phases.
+    assert 0.05 < t.decode_queue_s < 0.5
+
+
+def test_tpot_of_a_resumed_request_spaces_only_the_tokens_this_call_streamed():
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        async for chunk in _tokens(run, 10, 0.01):
+            yield chunk
+
+    s = _servicer(remote_prefill)
+    req = _request(resume_token_ids=[7] * 50, sampling=common_pb2.SamplingParams(max_tokens=60))
+    out = asyncio.run(_collect(s, req))
+    usage = out[-1].usage
+    assert usage.completion_tokens == 60  # the 50 the client brought count as output
+    assert s.stats.tpot.count == 1
+    assert s.stats.tpot.total == pytest.approx(
+        (usage.timings.e2e_s - usage.timings.ttft_s) / 9)
+
+
+async def _collect(s: service.RouterServicer, req) -> list[router_pb2.GenerateChunk]:
+    return [c async for c in s._generate(req, _Context(), time.monotonic())]
