@@ -296,22 +296,29 @@ def cmd_up(args: argparse.Namespace) -> int:
             cluster.stop()
         print("pdserve up: stopped while starting", flush=True)
         return 0
-    with cluster:
-        workers = (f"{args.decode} decode, aggregated: no prefill workers" if spec.aggregated
-                   else f"{args.prefill} prefill, {args.decode} decode")
-        print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
-              f"{args.model}); Ctrl-C stops everything", flush=True)
-        for proc in cluster.procs:
-            if proc.gpus is not None:
-                print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)
-        supervisor = Supervisor(cluster, args.max_restarts,
+    try:  # started already: `with cluster` would start it a second time
+        return _serve_until_stopped(args, spec, cluster, Supervisor, stop)
+    finally:
+        cluster.stop()
+
+
+def _serve_until_stopped(args: argparse.Namespace, spec, cluster, supervisor_cls,
+                         stop: threading.Event) -> int:
+    workers = (f"{args.decode} decode, aggregated: no prefill workers" if spec.aggregated
+               else f"{args.prefill} prefill, {args.decode} decode")
+    print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
+          f"{args.model}); Ctrl-C stops everything", flush=True)
+    for proc in cluster.procs:
+        if proc.gpus is not None:
+            print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)
+    supervisor = supervisor_cls(cluster, args.max_restarts,
                                 say=lambda line: print(line, file=sys.stderr, flush=True))
-        while not stop.is_set():
-            code = supervisor.check()
-            if code is not None:
-                return code
-            stop.wait(0.5)
-        print("pdserve up: stopping", flush=True)
+    while not stop.is_set():
+        code = supervisor.check()
+        if code is not None:
+            return code
+        stop.wait(0.5)
+    print("pdserve up: stopping", flush=True)
     return 0
 
 

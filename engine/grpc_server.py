@@ -216,6 +216,9 @@ async def _bounded_stop(server: GrpcServer, num_inflight: Callable[[], int],
     A step that never ends would keep the process up until its supervisor kills it; past the
     bound, the stacks of the coroutines still pending go to the log and the stop goes on."""
     async def stop() -> None:
+        # NOT_SERVING before the service's own stopping work (leaving the registry waits
+        # for Redis): a health check in the meantime must not see it serving.
+        await server.health.enter_graceful_shutdown()
         if on_stopping is not None:
             await on_stopping()
         await server.drain_and_stop(num_inflight)

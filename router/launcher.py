@@ -326,10 +326,13 @@ class Cluster:
         parent_fd = self._lifeline[0]
         read_fd, write_fd = os.pipe()
         try:
+            # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops
+            # the services in order (routers drained first); the lifeline pipe still ends them
+            # if the launcher dies.
             popen = subprocess.Popen(
                 [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd),
                  "--parent-fd", str(parent_fd)],
-                env=env, pass_fds=(write_fd, parent_fd))
+                env=env, pass_fds=(write_fd, parent_fd), start_new_session=True)
         except BaseException:
             os.close(read_fd)
             raise

@@ -73,7 +73,9 @@ class RedisServer:
             self.proc = subprocess.Popen(
                 [*prefix, find_redis_server(), "--port", str(self.port), "--bind", host, "--save", "",
                  "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"],
-                stdout=self._log, stderr=subprocess.STDOUT)
+                # A launcher's Redis must outlive a terminal's Ctrl-C to it, which the launcher
+                # answers by draining its services (they still use Redis meanwhile).
+                stdout=self._log, stderr=subprocess.STDOUT, start_new_session=exit_with_parent)
             self._finalizer = weakref.finalize(self, _stop, self.proc, self._log)
             try:
                 self._wait_ready(start_timeout_s)

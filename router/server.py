@@ -60,8 +60,11 @@ async def serve_router(config: RouterConfig) -> None:
         async def started() -> None:
             print(f"pdserve router serving on {server.address}", flush=True)
 
+        async def stopping() -> None:
+            router.draining = True
+
         await serve(server, lambda: stats.requests_in_flight, on_started=started,
-                    metrics=lambda: router_metrics(stats, directory))
+                    on_stopping=stopping, metrics=lambda: router_metrics(stats, directory))
     finally:
         if reclaim is not None:
             await stop_task(reclaim, 1.0)

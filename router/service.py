@@ -51,6 +51,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ledger (router/router_presence.py)."""
         self.config = config
         self.router_id, self.incarnation = router_id, incarnation
+        # Set once the router stops: new requests go to another router (the SDK fails over
+        # on UNAVAILABLE) while those in flight finish.
+        self.draining = False
         self.model = model
         self.inflight = InflightRequests()
         self.directory = directory
@@ -125,6 +128,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         status, error, finish = "OK", "", ""
         self.stats.requests_total += 1
         try:
+            if self.draining:
+                raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
+                                        "the router is shutting down: try another router")
             check_request_id(rid)
             # Filled in the request itself, so that the workers get the same values.
             convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)

@@ -209,6 +209,57 @@ def test_stopping_the_cluster_lets_requests_in_flight_finish():
 
 
 @pytest.mark.timeout(180)
+def test_a_stopping_router_sends_new_requests_elsewhere_and_finishes_its_own():
+    """From SIGTERM on, a router reports NOT_SERVING and answers new requests UNAVAILABLE (the
+    SDK's failover takes them to another router), while those in flight run to their end."""
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from client import Client, FailoverPolicy, UnavailableError
+    from tests.serving_helpers import WORKER_ARGS, random_prompts
+
+    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS)).start()
+    try:
+        (router,) = [p for p in cluster.procs if p.name == "router"]
+        prompt = random_prompts(1, seed=9, lo=40, hi=40)[0]
+        client = Client(router.address, timeout=120, failover=FailoverPolicy(max_retries=0))
+        chunks: list = []
+        first, done = threading.Event(), threading.Event()
+
+        def stream():
+            try:
+                for chunk in client.generate(prompt, max_tokens=300, temperature=0.0,
+                                             ignore_eos=True):
+                    chunks.append(chunk)
+                    first.set()
+            finally:
+                done.set()
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        assert first.wait(60)
+        router.popen.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(router.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 20
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                    health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert not done.is_set(), "the stream ended before the test could ask"
+        with pytest.raises(UnavailableError, match="shutting down"):
+            client.complete(prompt, max_tokens=2)
+        streaming.join(120)
+        assert sum(len(c.token_ids) for c in chunks) == 300
+        assert chunks[-1].finish_reason == "length"
+        client.close()
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(180)
 def test_pdserve_up_stops_at_once_when_told_to_while_starting():
     """SIGTERM before the services are up (a large model loading): ``pdserve up`` stops what
     it started then, instead of waiting for every service to come up first."""
@@ -226,6 +277,59 @@ def test_pdserve_up_stops_at_once_when_told_to_while_starting():
         assert up.returncode == 0, err[-3000:]
         assert "stopped while starting" in out and "router on" not in out
         assert all(_wait_gone(pid, 30) for pid in services)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+@pytest.mark.timeout(300)
+def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
+    """``pdserve up`` serves until told to stop; Ctrl-C in its terminal reaches its whole
+    process group, yet only the launcher takes it: requests in flight finish, as the routers
+    drain before any worker leaves, and everything exits."""
+    import threading
+
+    from client import Client, FailoverPolicy
+    from tests.serving_helpers import random_prompts
+
+    up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "tiny-llama"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)  # its group: the terminal's stand-in
+    outcomes: list = []
+    try:
+        line = next((ln for ln in up.stdout if "router on" in ln), "")
+        assert line, up.stderr.read()[-3000:]
+        address = line.split("router on ")[1].split()[0]
+        services = _children(up.pid)
+        first = threading.Event()
+
+        def stream(prompt):
+            try:
+                with Client(address, timeout=120, failover=FailoverPolicy(max_retries=0)) as c:
+                    chunks = []
+                    for chunk in c.generate(prompt, max_tokens=24, temperature=0.0,
+                                            ignore_eos=True):
+                        chunks.append(chunk)
+                        first.set()
+                    outcomes.append((sum(len(ch.token_ids) for ch in chunks),
+                                     chunks[-1].finish_reason))
+            except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+                outcomes.append(e)
+
+        threads = [threading.Thread(target=stream, args=(p,))
+                   for p in random_prompts(4, seed=5, lo=100, hi=200)]
+        for t in threads:
+            t.start()
+        assert first.wait(120)
+        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+        for t in threads:
+            t.join(120)
+        out, err = up.communicate(timeout=120)
+        assert up.returncode == 0, err[-3000:]
+        assert "pdserve up: stopping" in out
+        assert outcomes == [(24, "length")] * 4
+        assert len(services) >= 4 and all(_wait_gone(pid, 30) for pid in services)
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
