@@ -55,15 +55,19 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             worker_hangs=self.directory.worker_hangs, decode_waits=s.decode_waits)
 
     async def DrainWorker(self, request, context):
+        registry, wid = self.directory.registry, request.worker_id
         async with _registry(context):
-            known = {w.worker_id for w in await self.directory.registry.live_workers()}
-        if request.worker_id not in known:
-            await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                             f"no live worker {request.worker_id!r}")
+            # An undrain also clears the flag a worker that is gone left behind.
+            changed = await registry.set_drained(wid, not request.undrain)
+            live = {w.worker_id: w for w in await registry.live_workers()}
+        if wid not in live and not (request.undrain and changed):
+            await abort_call(context, grpc.StatusCode.NOT_FOUND, f"no live worker {wid!r}")
         async with _registry(context):
-            await self.directory.registry.set_drained(request.worker_id, not request.undrain)
             await self.directory.refresh()
-        return router_pb2.DrainWorkerResponse(draining=not request.undrain)
+        # As the routers see it now: a worker that is shutting down stays draining after an
+        # undrain.
+        info = live.get(wid)
+        return router_pb2.DrainWorkerResponse(draining=info is not None and info.draining)
 
     async def ListRequests(self, request, context):
         return router_pb2.ListRequestsResponse(requests=self.inflight.list())

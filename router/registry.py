@@ -63,6 +63,15 @@ local cutoff = t[1] + t[2] / 1000000 - tonumber(ARGV[1])
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', cutoff))
 """
 
+# An admin's drain lands only on a registered worker, checked in the same step: one that
+# deregistered between a check and the write would leave its id drained, and the next worker
+# registered under it (ids are role-port) would start drained.
+_DRAIN_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 1
+"""
+
 # How stale a heartbeat the routers take for a worker gone (Registry.ttl_s's default).
 ROUTER_TTL_S = 5.0
 
@@ -86,6 +95,7 @@ class Registry:
         self._match = client.register_script(_MATCH_LUA)
         self._beat = client.register_script(_HEARTBEAT_LUA)
         self._stale = client.register_script(_STALE_LUA)
+        self._drain = client.register_script(_DRAIN_LUA)
         self.ledger = TransferLedger(self)
 
     @classmethod
@@ -130,11 +140,13 @@ class Registry:
         return out
 
     @bounded
-    async def set_drained(self, worker_id: str, drained: bool) -> None:
+    async def set_drained(self, worker_id: str, drained: bool) -> bool:
+        """Whether it changed anything: a drain lands only on a registered worker; an undrain
+        clears the flag of any id (also one whose worker is gone)."""
         if drained:
-            await self.r.sadd(self._k("drained"), worker_id)
-        else:
-            await self.r.srem(self._k("drained"), worker_id)
+            return bool(await self._drain(keys=[self._k("workers"), self._k("drained")],
+                                          args=[worker_id]))
+        return bool(await self.r.srem(self._k("drained"), worker_id))
 
     async def _purge(self, worker_ids: list[str]) -> None:
         for wid in worker_ids:

@@ -5,13 +5,15 @@ import asyncio
 import signal
 import time
 
+import grpc
 import pytest
 
 from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockRemoved, BlockStored
-from protos import common_pb2
+from protos import common_pb2, router_pb2
 from router.redis_server import RedisServer
 from router.registry import Registry
+from router.stats import RouterStats
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,8 @@ def test_match_counts_leading_blocks_only(redis_url):
         assert await reg.match_prefix(hashes, ["x", "y", "z"]) == {"x": 2, "y": 4, "z": 0}
         await reg.deregister("y")
         assert await reg.match_prefix(hashes, ["x", "y"]) == {"x": 2, "y": 0}
-        await reg.set_drained("x", True)
         await reg.heartbeat(_info("x"))
+        assert await reg.set_drained("x", True)
         assert (await reg.live_workers())[0].draining
         await reg.r.aclose()
 
@@ -241,5 +243,60 @@ def test_liveness_goes_by_redis_clock_not_the_hosts(redis_url, monkeypatch):
             monkeypatch.setattr(time, "time", real)
             await worker.r.aclose()
             await router.r.aclose()
+
+    _run(body())
+
+
+class _AbortContext:
+    async def abort(self, code, details):
+        raise _Aborted(code)
+
+
+class _Aborted(Exception):
+    def __init__(self, code) -> None:
+        self.code = code
+
+
+class _Directory:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def refresh(self) -> None:
+        pass
+
+
+def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see(redis_url):
+    """A drain racing the worker's deregistration must not leave its id drained for the next
+    worker registered under it (ids are role-port); an undrain clears a flag a gone worker
+    left; the reply is the worker's state as the routers see it, its own flag included."""
+    from router.admin import RouterAdminServicer
+
+    async def body():
+        reg = Registry.from_url(redis_url, "t-drain")
+        admin = RouterAdminServicer(_Directory(reg), RouterStats(8), None)
+
+        async def drain(wid: str, undrain: bool = False) -> bool:
+            return (await admin.DrainWorker(router_pb2.DrainWorkerRequest(
+                worker_id=wid, undrain=undrain), _AbortContext())).draining
+
+        assert not await reg.set_drained("decode-1", True)  # gone before the drain landed
+        await reg.heartbeat(_info("decode-1", "decode"))
+        assert [i.draining for i in await reg.live_workers()] == [False]
+        with pytest.raises(_Aborted) as err:
+            await drain("nobody")
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+        assert await drain("decode-1") is True
+        assert await drain("decode-1", undrain=True) is False
+        # A worker that is shutting down says it is draining itself: an undrain cannot end that.
+        stopping = _info("decode-1", "decode")
+        stopping.draining = True
+        await reg.heartbeat(stopping)
+        assert await drain("decode-1", undrain=True) is True
+        # A flag left by a worker that is gone can be cleared; then the id is unknown again.
+        await reg.r.sadd("t-drain:drained", "decode-9")
+        assert await drain("decode-9", undrain=True) is False
+        with pytest.raises(_Aborted):
+            await drain("decode-9", undrain=True)
+        await reg.r.aclose()
 
     _run(body())
