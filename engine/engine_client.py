@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S, EngineD
 from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
                                 PipeClosed, decode_output)
 from engine.outputs import EngineStats, KVAllocation
+from engine.process_exit import parent_pid_for_child
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,8 +70,8 @@ class EngineProcess(EngineFront):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         fds = [down_theirs.fileno(), up_theirs.fileno()]
-        proc = subprocess.Popen([sys.executable, "-m", "engine.engine_proc", *map(str, fds)],
-                                pass_fds=fds, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.engine_proc", *map(str, fds),
+                                 str(parent_pid_for_child())], pass_fds=fds, env=env)
         down_theirs.close()
         up_theirs.close()
         reader, writer = FrameReader(up_ours), FrameWriter(down_ours)
@@ -219,8 +221,15 @@ class EngineProcess(EngineFront):
     def shutdown(self) -> None:
         """Stops the engine and its process, within ``SHUTDOWN_TIMEOUT_S``."""
         self._stopping = True
-        self._send(("shutdown",))
-        _stop_process(self.proc, SHUTDOWN_TIMEOUT_S)
+        t0 = time.monotonic()
+        if not self._closed:
+            try:
+                # Bounded: a wedged engine process that no longer reads would block the send,
+                # and this call with it, for good.
+                self._writer.send(("shutdown",), timeout_s=SHUTDOWN_TIMEOUT_S)
+            except OSError:
+                pass  # gone, or not reading: the wait below ends it
+        _stop_process(self.proc, max(SHUTDOWN_TIMEOUT_S - (time.monotonic() - t0), 0.1))
         if not self._closed:
             if not self.loop.is_closed():
                 self.loop.remove_reader(self._fd)

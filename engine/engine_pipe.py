@@ -54,11 +54,23 @@ class FrameWriter:
         self.sock = sock
         self._lock = threading.Lock()
 
-    def send(self, msg: object) -> None:
-        """Raises OSError once the other side is gone."""
+    def send(self, msg: object, timeout_s: float | None = None) -> None:
+        """Raises OSError once the other side is gone; with ``timeout_s``, TimeoutError (an
+        OSError) when the other side has not taken it by then (the stream is then cut short:
+        for a last message only)."""
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+        if not self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError("another send holds the pipe")
+        try:
+            if timeout_s is not None:
+                self.sock.settimeout(timeout_s)
+            try:
+                self.sock.sendall(_HEADER.pack(len(payload)) + payload)
+            finally:
+                if timeout_s is not None:
+                    self.sock.setblocking(True)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self.sock.close()

@@ -41,7 +41,7 @@ from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, Fra
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
-from engine.process_exit import exit_process
+from engine.process_exit import die_with_parent, exit_process
 from engine.switch_interval import apply_switch_interval
 from engine.thread_names import named_thread, set_os_thread_name
 
@@ -186,6 +186,7 @@ async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
     pipe = _Pipe(writer)
     try:
         llm = await asyncio.to_thread(call_in_own_thread, LLMEngine, spec.engine)
+        llm.enable_kv_events()  # the worker publishes them
     except Exception as e:  # noqa: BLE001 - the worker reports it and exits
         logger.exception("building the engine failed")
         pipe.send(("failed", portable(e)))
@@ -210,7 +211,8 @@ async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
         pipe.close()
 
 
-def main(down_fd: int, up_fd: int) -> None:
+def main(down_fd: int, up_fd: int, parent_pid: int = 0) -> None:
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     set_os_thread_name("engine-core")
@@ -233,4 +235,4 @@ if __name__ == "__main__":
     # engine.engine_proc.*, not __main__.*, which the worker cannot find.
     from engine.engine_proc import main as _main
 
-    _main(int(sys.argv[1]), int(sys.argv[2]))
+    _main(*map(int, sys.argv[1:4]))

@@ -277,3 +277,68 @@ def test_an_output_crosses_with_every_field_but_what_came_before():
     got = decode_output(encode_output(out))
     assert got == dataclasses.replace(out, prompt_token_ids=[], token_ids=[],
                                       logprobs=["lp8", "lp9"])
+
+
+_PARENT = """
+import asyncio, sys, time
+from engine.config import EngineConfig
+from engine.engine_client import EngineProcess
+from engine.engine_pipe import EngineProcSpec
+
+async def main():
+    proc = await EngineProcess.start(EngineProcSpec(EngineConfig(sys.argv[1], num_gpu_blocks=16)))
+    print(proc.proc.pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_an_engine_process_dies_with_its_worker_even_when_stopped():
+    """A worker SIGKILLed with its engine process wedged (SIGSTOPped here: it cannot even see
+    its pipe end) must not leave that process behind: the kernel kills it with its parent."""
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, MODEL], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, signal.SIGSTOP)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while _alive(child):
+            assert time.monotonic() < deadline, "the engine process outlived its worker"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie is gone: only unreaped
+    except FileNotFoundError:
+        return False
+
+
+def test_a_bounded_send_to_a_process_that_stopped_reading_times_out():
+    """A worker's shutdown sends a last message to its engine process; one that stopped
+    reading (wedged) must not block that send, and the worker's stop, for good."""
+    import socket
+
+    from engine.engine_pipe import FrameWriter
+
+    ours, theirs = socket.socketpair()
+    try:
+        writer = FrameWriter(ours)
+        with pytest.raises(TimeoutError):  # unbounded, it would wait here for good
+            writer.send(b"x" * (16 << 20), timeout_s=0.3)  # more than the socket buffers
+    finally:
+        ours.close()
+        theirs.close()
