@@ -183,6 +183,8 @@ class BlockPool:
         self._children: dict[BlockHash | None, _Siblings] = {}
         self.num_evictions = 0
         self._events: list[KVCacheEvent] = []
+        # Off where nobody takes the events (an offline engine): they would pile up for good.
+        self.record_events = True
 
     @property
     def num_free_blocks(self) -> int:
@@ -304,6 +306,8 @@ class BlockPool:
         A prompt of N blocks would otherwise publish N messages; consecutive removals merge,
         and a store continuing the previous store's chain extends it.
         """
+        if not self.record_events:
+            return
         last = self._events[-1] if self._events else None
         if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
             last.block_hashes.extend(event.block_hashes)

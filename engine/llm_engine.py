@@ -57,6 +57,8 @@ class LLMEngine:
         self.num_blocks = self.executor.num_blocks
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size,
                                          config.enable_prefix_caching)
+        # Until a consumer asks for them (enable_kv_events): an offline engine's would pile up.
+        self.kv_manager.pool.record_events = False
         self.scheduler = Scheduler(config, self.kv_manager)
         self.sampler = Sampler(parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
@@ -204,6 +206,9 @@ class LLMEngine:
             computed = self.kv_manager.get_computed_blocks(req)
             cached = min(computed.num_computed_tokens, n)
             if self.kv_manager.allocate_slots(req, n - cached, computed, cache_blocks=False) is None:
+                # Its block hashes, kept by id, would otherwise be taken for those of the next
+                # prompt under that id: wrong KV from the prefix cache, for it and for others.
+                self.kv_manager.free(req)
                 self._release_id(request_id)
                 raise NoFreeBlocksError(f"no room for {n} tokens "
                                         f"({self.kv_manager.num_free_blocks} free blocks)")
@@ -347,7 +352,8 @@ class LLMEngine:
         if held is not None:
             self.kv_manager.free(held.request)
             self._release_id(request_id)
-            self._lease_events.append(LeaseEnded(request_id, expired))
+            if self.kv_manager.pool.record_events:  # taken with the block events
+                self._lease_events.append(LeaseEnded(request_id, expired))
 
     def reclaim_expired_leases(self) -> None:
         """Frees expired leases now if no step is running (an idle engine still reclaims)."""
@@ -369,6 +375,11 @@ class LLMEngine:
         for rid in [r for r, h in self._leases.items() if h.lease.expires_at <= now]:
             self._release_now(rid, expired=True)
             self.num_expired_leases += 1
+
+    def enable_kv_events(self) -> None:
+        """Records block-stored/removed events from now on, for ``take_kv_events`` (a served
+        engine, whose worker publishes them to the prefix index). Call before the first step."""
+        self.kv_manager.pool.record_events = True
 
     def take_kv_events(self) -> list:
         """Block-stored/removed events since the last call (for a prefix index elsewhere),

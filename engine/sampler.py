@@ -70,10 +70,11 @@ class Sampler:
         if num_reqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits  # logprobs describe the model: before penalties, bias and bans
-        logits = _penalised(logits, params, penalty_states)
+        # vLLM's order: allowed ids, bans and bias, then penalties (a repetition penalty
+        # divides a biased logit: (x + b) / r, not x / r + b). Bans stay -inf through them.
         logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens,
-                                                                  bad_word_bans),
-                                    owned=logits is not raw)
+                                                                  bad_word_bans))
+        logits = _penalised(logits, params, penalty_states)
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if not random_rows:

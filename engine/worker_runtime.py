@@ -230,6 +230,7 @@ class WorkerRuntime:
         # Loading weights (and starting TP ranks) takes seconds: off the loop, and in a thread
         # that ends once built, so its OpenMP team does not outlive it (engine/openmp_threads).
         engine = await asyncio.to_thread(call_in_own_thread, LLMEngine, config.engine_config())
+        engine.enable_kv_events()  # for the registry's prefix index and the transfer ledger
         return cls(config, engine)
 
     def bind(self, address: str) -> None:

@@ -156,6 +156,34 @@ def test_decode_role_refuses_when_full(model):
     assert len(alloc.block_ids) == 5
 
 
+def test_a_refused_id_used_again_for_another_prompt_gets_its_own_kv(model):
+    """A refusal must leave nothing of the prompt under its id: the block hashes it computed
+    were taken for the next prompt's under that id, which then hit (and cached its KV under)
+    the first prompt's hashes: wrong tokens for it and for a later request with that prompt."""
+    decode = LLMEngine(EngineConfig(model, role="decode", num_gpu_blocks=8))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    p1, p2 = _prompts(5, [48, 48])
+    decode.add_prefilled_request("holder", list(range(5, 95)), 9, greedy)  # 6 of 8 blocks
+    with pytest.raises(NoFreeBlocksError):
+        decode.add_prefilled_request("same", p1, 9, greedy)
+    decode.abort("holder")
+    decode.step()
+    # The id comes back (a client's own request id) with another prompt, run in this engine.
+    decode.add_request("same", p2, greedy)
+    got = {o.request_id: o for o in _run_until(decode, lambda o: any(x.finished for x in o))
+           if o.finished}
+    decode.add_request("victim", p1, greedy)
+    got.update((o.request_id, o) for o in _run_until(decode, lambda o: any(
+        x.finished and x.request_id == "victim" for x in o)) if o.finished)
+    with LLM(model, enable_prefix_caching=False) as ref:
+        want = ref.generate([p2, p1], greedy)
+    assert len({tuple(w.token_ids) for w in want}) == 2
+    assert got["same"].token_ids == want[0].token_ids and got["same"].num_cached_tokens == 0
+    assert got["victim"].token_ids == want[1].token_ids
+    assert got["victim"].num_cached_tokens == 0  # p1 never ran here: nothing of it is cached
+    assert _free(decode)
+
+
 def test_requests_waiting_with_their_kv_cannot_starve_each_other(model):
     """Three 32-token prompts fill a 6-block decode engine exactly, and each needs a third
     block for its first decode step: with nothing running, the last one gives its blocks up
@@ -271,3 +299,25 @@ def test_a_migrated_request_streams_exactly_the_text_not_yet_streamed(model, wit
         assert ids[:k] + rest_ids == ids
         assert "".join(deltas[:k]) + "".join(rest) == text, f"cut after {k} tokens"
     assert _free(engine)
+
+
+def test_kv_events_are_kept_only_for_an_engine_that_publishes_them(model):
+    """An offline engine's block events went unread and piled up for good; a served one
+    (enable_kv_events) gets every store and removal, and its ended leases."""
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(9, [40, 50, 60])
+    offline = LLMEngine(EngineConfig(model, num_gpu_blocks=16))
+    for i, p in enumerate(prompts):
+        offline.add_request(f"o{i}", p, greedy)
+    _run_until(offline, lambda o: sum(x.finished for x in o) == len(prompts))
+    assert offline.take_kv_events() == []
+    served = LLMEngine(EngineConfig(model, role="prefill", num_gpu_blocks=16))
+    served.enable_kv_events()
+    served.add_request("s0", prompts[0], greedy)
+    _run_until(served, lambda o: any(x.kv_lease is not None for x in o))
+    served.release_kv("s0")
+    served.step()
+    events = served.take_kv_events()
+    stored = [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
+    assert len(stored) == 40 // 16
+    assert [e.request_id for e in events if type(e).__name__ == "LeaseEnded"] == ["s0"]

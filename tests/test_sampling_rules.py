@@ -90,6 +90,23 @@ def test_sampler_penalises_only_its_rows_and_reports_raw_logprobs():
         Sampler()(logits, [plain, penalised], [None, None])
 
 
+def test_logit_bias_comes_before_the_penalties_as_in_vllm():
+    """vLLM applies bias (and bans) first, then penalties: a repetition penalty divides a
+    biased logit, (x + b) / r, not x / r + b."""
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, :3] = torch.tensor([3.0, 5.0, -1.0])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: 4.0},
+                            presence_penalty=0.5)
+    out = Sampler()(logits, [params], [None], [_state([0], [])])
+    # Token 0 (in the prompt): (3 + 4) / 2 = 3.5 < 5; the other order gave 3 / 2 + 4 = 5.5.
+    assert out.token_ids == [1]
+    # A banned token stays out whatever the penalties do to -inf.
+    banned = SamplingParams(temperature=0.0, repetition_penalty=2.0, min_tokens=1,
+                            stop_token_ids=[1])
+    out = Sampler()(logits, [banned], [None], [_state([1], [])], [0])
+    assert out.token_ids == [0]
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
