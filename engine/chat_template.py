@@ -8,6 +8,7 @@ the tokenizer's automatic ones, as Hugging Face does.
 """
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from engine.tokenizer import Tokenizer
 # A conversation longer than this is refused before rendering; the prompt's token count is
 # checked against the model's length limit afterwards anyway.
 MAX_CHAT_MESSAGES = 4096
+# The file name jinja2 compiles a template given as a string under.
+_TEMPLATE_CODE = "<template>"
 
 
 class ChatTemplateMissing(ValueError):
@@ -122,7 +125,20 @@ def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
             continue_final_message=continue_final_message, **tokenizer.special_tokens_map)
     except TemplateError as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from None
+    except Exception as e:
+        # Raised by the template's own code ('a' + 1, 1 // 0 on this conversation's values), it
+        # is the template failing on the request, as a TemplateError is; raised outside it, it
+        # is a bug here and stays what it is.
+        if not _raised_in_template(e):
+            raise
+        raise ValueError(f"the chat template failed on the conversation: "
+                         f"{type(e).__name__}: {e}") from e
     return rendered[0]
+
+
+def _raised_in_template(error: Exception) -> bool:
+    return any(frame.f_code.co_filename == _TEMPLATE_CODE
+               for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def chat_renderer():

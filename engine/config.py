@@ -1,12 +1,18 @@
 """The engine's configuration: one dataclass, validated when built."""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
 _KV_TRANSFER_BACKENDS = ("nixl", "torch")
 _LINEAR_BACKENDS = ("auto", "onednn", "mkl", "torch")
+# The devices the engine runs on; torch.device accepts more ("meta", "xpu") that fail later.
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+# torch.manual_seed's range (a negative seed wraps to its unsigned 64-bit value).
+_SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
 # Tokens one engine step may schedule, where the config does not say.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -82,6 +88,10 @@ class EngineConfig:
             raise ValueError("model must be a non-empty path or preset name")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not _is_int(self.seed) or not _SEED_MIN <= self.seed < _SEED_END:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.max_cpu_threads is not None:
             _positive_int("max_cpu_threads", self.max_cpu_threads)
         if self.linear_backend not in _LINEAR_BACKENDS:
@@ -97,16 +107,16 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        if not self.tp_startup_timeout_s > 0:
-            raise ValueError(f"tp_startup_timeout_s must be > 0, got {self.tp_startup_timeout_s}")
+        _positive_number("tp_startup_timeout_s", self.tp_startup_timeout_s)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_seq_len_to_capture", self.max_seq_len_to_capture)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_gpu_blocks is not None:
             _positive_int("num_gpu_blocks", self.num_gpu_blocks)
-        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_memory_gib is not None:
+            _positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
+        _finite_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -116,12 +126,11 @@ class EngineConfig:
                              f"got {self.kv_transfer_backend!r}")
         if self.kv_pull_streams is not None:
             _positive_int("kv_pull_streams", self.kv_pull_streams)
-        if not self.kv_transfer_timeout_s > 0:
-            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+        _positive_number("kv_transfer_timeout_s", self.kv_transfer_timeout_s)
+        _finite_number("kv_quarantine_s", self.kv_quarantine_s)
         if not self.kv_quarantine_s >= 0:
             raise ValueError(f"kv_quarantine_s must be >= 0, got {self.kv_quarantine_s}")
-        if not self.kv_lease_timeout_s > 0:
-            raise ValueError(f"kv_lease_timeout_s must be > 0, got {self.kv_lease_timeout_s}")
+        _positive_number("kv_lease_timeout_s", self.kv_lease_timeout_s)
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(
@@ -129,6 +138,24 @@ class EngineConfig:
                 f"must be >= max_model_len ({self.max_model_len})")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not a count
+
+
 def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _finite_number(name: str, value) -> None:
+    # A string or None would fail the range checks with a TypeError; inf passes them and turns
+    # into NaN block counts or overflowing waits later; bool is no size or duration.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _positive_number(name: str, value) -> None:
+    _finite_number(name, value)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")

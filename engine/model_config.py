@@ -37,6 +37,15 @@ _DTYPES = {
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
+# transformers' config defaults where config.json has no "sliding_window" key. LlamaConfig has
+# none: Llama's attention never slides, whatever the json says.
+_DEFAULT_SLIDING_WINDOW = {
+    "MistralForCausalLM": 4096,
+    "Qwen2ForCausalLM": 4096,
+    "Qwen3ForCausalLM": 4096,
+}
+# Qwen2Config/Qwen3Config's default: layers from this index on use the window.
+_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class ModelConfig:
             # A field of the wrong type (e.g. a string where a number belongs).
             raise ValueError(f"{folder}/config.json: malformed field: {e!r}") from None
         # generation_config.json often lists extra stop ids (Llama 3 instruct's <|eot_id|>).
-        extra = _generation_eos(folder)
+        extra = _generation_eos(folder, cfg.vocab_size)
         eos = cfg.eos_token_ids + [i for i in extra if i not in cfg.eos_token_ids]
         return dataclasses.replace(cfg, eos_token_ids=eos)
 
@@ -109,9 +118,10 @@ def _read_config_json(folder: Path) -> dict[str, Any]:
     return read_json_object(path)
 
 
-def _generation_eos(folder: Path) -> list[int]:
+def _generation_eos(folder: Path, vocab_size: int) -> list[int]:
     raw = read_generation_config(folder)
-    return _parse_eos(raw.get("eos_token_id"), str(folder / "generation_config.json"))
+    return _parse_eos(raw.get("eos_token_id"), vocab_size,
+                      str(folder / "generation_config.json"))
 
 
 def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
@@ -127,11 +137,10 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
 
     hidden_size = need_int("hidden_size")
     num_heads = need_int("num_attention_heads")
-    num_kv_heads = raw.get("num_key_value_heads") or num_heads
-    if not isinstance(num_kv_heads, int) or num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"{where}: num_attention_heads ({num_heads}) must be a multiple of "
-            f"num_key_value_heads ({num_kv_heads})")
+    num_kv_heads = _kv_heads(raw, num_heads, where)
+    num_layers = need_int("num_hidden_layers")
+    max_positions = need_int("max_position_embeddings")
+    vocab_size = need_int("vocab_size")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
@@ -139,7 +148,7 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
     hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
     if hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {hidden_act!r} is not supported (only 'silu')")
-    _check_sliding_window(raw, architecture, where)
+    _check_sliding_window(raw, architecture, num_layers, max_positions, where)
     rope_theta, rope_scaling = _parse_rope(raw, where)
 
     is_qwen2 = architecture == "Qwen2ForCausalLM"
@@ -150,16 +159,16 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
         architecture=architecture,
         model_type=model_type,
         hidden_size=hidden_size,
-        num_hidden_layers=need_int("num_hidden_layers"),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=need_int("intermediate_size"),
-        vocab_size=need_int("vocab_size"),
+        vocab_size=vocab_size,
         rms_norm_eps=_need_float(raw, "rms_norm_eps", 1e-6, where),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=need_int("max_position_embeddings"),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=is_qwen2 or bias_flag,
         o_proj_bias=bias_flag and not is_qwen2,
@@ -168,8 +177,23 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
         hidden_act=hidden_act,
         dtype=_parse_dtype(raw, where),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_parse_eos(raw.get("eos_token_id"), where),
+        eos_token_ids=_parse_eos(raw.get("eos_token_id"), vocab_size, where),
     )
+
+
+def _kv_heads(raw: dict[str, Any], num_heads: int, where: str) -> int:
+    # Absent or null means multi-head attention, as in transformers; 0 or true is a broken
+    # config, not a request for MHA (or for one KV head).
+    value = raw.get("num_key_value_heads")
+    if value is None:
+        return num_heads
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: 'num_key_value_heads' must be a positive integer, "
+                         f"got {value!r}")
+    if num_heads % value:
+        raise ValueError(f"{where}: num_attention_heads ({num_heads}) must be a multiple of "
+                         f"num_key_value_heads ({value})")
+    return value
 
 
 def _need_float(raw: dict[str, Any], key: str, default: float, where: str) -> float:
@@ -197,27 +221,49 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
                      f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _check_sliding_window(raw: dict[str, Any], architecture: str, where: str) -> None:
-    window = raw.get("sliding_window")
-    layer_types = raw.get("layer_types") or []
-    if "sliding_attention" in layer_types:
+def _check_sliding_window(raw: dict[str, Any], architecture: str, num_layers: int,
+                          max_positions: int, where: str) -> None:
+    layer_types = raw.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ValueError(f"{where}: 'layer_types' must be a list, got {layer_types!r}")
+    if "sliding_attention" in (layer_types or []):
         raise ValueError(f"{where}: sliding window attention is not supported")
-    if window is None:
-        return
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        # Qwen configs carry a window but only use it when use_sliding_window is set.
-        active = bool(raw.get("use_sliding_window"))
-    else:
-        active = window < raw.get("max_position_embeddings", 0)
-    if active:
+    window = _sliding_window(raw, architecture, num_layers, where)
+    # A window as long as the model's positions never hides a token: full attention.
+    if window is not None and window < max_positions:
         raise ValueError(f"{where}: sliding window attention is not supported "
                          f"(sliding_window={window})")
 
 
+def _sliding_window(raw: dict[str, Any], architecture: str, num_layers: int,
+                    where: str) -> int | None:
+    """The window transformers gives some layer of this model; None where none has one."""
+    if architecture not in _DEFAULT_SLIDING_WINDOW:
+        return None
+    window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW[architecture])
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"{where}: 'sliding_window' must be a positive integer or null, "
+                         f"got {window!r}")
+    if architecture == "MistralForCausalLM":
+        return window
+    # Qwen2/Qwen3 carry a window but use it only with use_sliding_window, and then only on
+    # layers marked sliding: an explicit layer_types (checked by the caller), else those from
+    # max_window_layers on.
+    if not raw.get("use_sliding_window", False) or raw.get("layer_types") is not None:
+        return None
+    first = raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{where}: 'max_window_layers' must be a non-negative integer, "
+                         f"got {first!r}")
+    return window if num_layers > first else None
+
+
 def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     # transformers 5.x: everything in rope_parameters; 4.x: rope_theta + rope_scaling.
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+    params = dict(_rope_field(raw, "rope_scaling", where))
+    params.update(_rope_field(raw, "rope_parameters", where))
     if isinstance(params.get("full_attention"), dict):
         params = dict(params["full_attention"])  # per-layer-type layout
     if "rope_theta" not in params:
@@ -240,6 +286,15 @@ def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] 
     return theta, {"rope_type": rope_type, **values}
 
 
+def _rope_field(raw: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: '{key}' must be an object or null, got {value!r}")
+    return value
+
+
 def _parse_dtype(raw: dict[str, Any], where: str) -> str:
     # transformers 5.x writes "dtype", 4.x "torch_dtype"; absent means float32.
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -249,10 +304,16 @@ def _parse_dtype(raw: dict[str, Any], where: str) -> str:
     return _DTYPES[name]
 
 
-def _parse_eos(value: Any, where: str) -> list[int]:
+def _parse_eos(value: Any, vocab_size: int, where: str) -> list[int]:
     if value is None:
         return []
     ids = value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"{where}: eos_token_id must be an int or a list of ints, got {value!r}")
+    # The sampler indexes logits with these ids (min_tokens bans them): one outside the
+    # vocabulary would fail every later step, and a negative one would ban another token.
+    outside = [i for i in ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(f"{where}: eos_token_id {outside[0]} is outside the model's "
+                         f"vocabulary [0, {vocab_size})")
     return list(ids)

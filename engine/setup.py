@@ -21,14 +21,13 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.parallel_state import TPGroup, kv_head_range, tp_group_scope
 from engine.presets import resolve_model
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 from kernels import get_attention_backend
 from kernels.cpu_linear import resolve_linear_backend
 from kernels.host_malloc import tune_host_malloc
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_KV_GIB = 1.0
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass
@@ -233,8 +232,7 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(path)
     # A checkpoint without tokenizer files still serves token-id prompts; broken files are an error.
-    has_tokenizer = any((path / f).exists() for f in _TOKENIZER_FILES)
-    tokenizer = load_tokenizer(path) if has_tokenizer else None
+    tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     check_tensor_parallel(model_config, config.tensor_parallel_size, device)

@@ -16,7 +16,10 @@ from engine.tokenizer_snapshot import (TokenizerSnapshot, backend_matches, read_
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Any of these makes a folder one with a tokenizer (vocab.json: a byte-level BPE saved as
+# vocab.json + merges.txt). The engine's start-up and load_tokenizer (the router's way in)
+# both decide by has_tokenizer_files, so the two never disagree on whether a model has one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Prompt tokens decoded ahead of the output so that decoders whose output depends on the
 # neighbouring token (SentencePiece's leading-space strip) render the first output token as
 # a continuation, not as the start of a text.
@@ -85,6 +88,10 @@ class Tokenizer:
         return f"Tokenizer({str(self.folder)!r}, vocab_size={self.vocab_size})"
 
 
+def has_tokenizer_files(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(folder: str | Path) -> Tokenizer:
     """Loads the fast tokenizer saved in folder, from local files only.
 
@@ -95,9 +102,9 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     path = Path(folder)
     if not path.is_dir():
         raise ValueError(f"tokenizer folder {str(path)!r} does not exist")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not has_tokenizer_files(path):
         raise ValueError(f"no tokenizer files in {str(path)!r} "
-                         f"(looked for {', '.join(_TOKENIZER_FILES)})")
+                         f"(looked for {', '.join(TOKENIZER_FILES)})")
     key = snapshot_key(path)
     tokenizer = _from_snapshot(key, path)
     if tokenizer is not None:

@@ -91,8 +91,9 @@ def test_generation_config_eos_ids_are_added(tmp_path):
     ({"eos_token_id": "x"}, "eos_token_id"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 64},
      "sliding window attention is not supported"),
-    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": True},
-     "sliding window attention is not supported"),
+    # Layer 1 slides: transformers' default max_window_layers (28) would leave both layers full.
+    ({"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "use_sliding_window": True,
+      "max_window_layers": 1}, "sliding window attention is not supported"),
 ])
 def test_bad_config_fields(tmp_path, fields, match):
     with pytest.raises(ValueError, match=match) as err:

@@ -5,6 +5,7 @@ head_dim, tied embeddings, GQA/MQA and the RoPE scaling.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,8 @@ from engine.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead
                            SiluAndMul, VocabParallelEmbedding, default_weight_loader)
 from engine.model_config import ModelConfig
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaMLP(nn.Module):
@@ -156,22 +159,24 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         loaded: set[tuple[str, object]] = set()
         unexpected: list[str] = []
+        stored_head = None
         for hf_name, tensor in weights:
             if self._ignored(hf_name):
+                continue
+            if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
+                stored_head = tensor  # settled once the embedding is in
                 continue
             name, shard_id = self._param_name(hf_name)
             param = params.get(name)
             if param is None:
                 unexpected.append(hf_name)
                 continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"weight {hf_name}: {e}") from None
+            self._load_tensor(param, hf_name, tensor, shard_id)
             # An already fused checkpoint tensor (shard None) fills every shard.
             shards = self._shard_ids(name) if shard_id is None else [shard_id]
             loaded.update((name, sid) for sid in shards)
+        if stored_head is not None:
+            self._settle_tied_head(stored_head, loaded)
         missing = [self._hf_name(name, sid) for name in params
                    for sid in self._shard_ids(name) if (name, sid) not in loaded]
         if missing or unexpected:
@@ -180,9 +185,38 @@ class LlamaForCausalLM(nn.Module):
                              f"unexpected weights {_brief(unexpected)}")
 
     def _ignored(self, hf_name: str) -> bool:
-        # RoPE tables are recomputed; some tied checkpoints still store lm_head.weight.
-        return (hf_name.endswith("rotary_emb.inv_freq")
-                or (self.config.tie_word_embeddings and hf_name == "lm_head.weight"))
+        return hf_name.endswith("rotary_emb.inv_freq")  # RoPE tables are recomputed
+
+    def _settle_tied_head(self, head: torch.Tensor, loaded: set[tuple[str, object]]) -> None:
+        """A tied model whose checkpoint stores lm_head.weight too, resolved as transformers'
+        tie_weights does: a head equal to the embedding stays tied, one that differs is kept
+        untied (the config is wrong about the checkpoint), and with no embedding stored the
+        head fills the tied pair."""
+        embed = self.model.embed_tokens.weight
+        if ("model.embed_tokens.weight", None) not in loaded:
+            self._load_tensor(embed, "lm_head.weight", head)
+            loaded.add(("model.embed_tokens.weight", None))
+            return
+        untied = nn.Parameter(torch.empty_like(embed), requires_grad=False)
+        untied.weight_loader = self.lm_head.weight_loader
+        self._load_tensor(untied, "lm_head.weight", head)
+        # Compared in the compute dtype on this rank's vocab slice: where those are equal,
+        # tying computes the same logits without a second copy.
+        if torch.equal(untied, embed):
+            return
+        logger.warning("%s: config.json ties lm_head to embed_tokens, but the checkpoint stores "
+                       "a different lm_head.weight; using it untied, as transformers does",
+                       self.config.folder)
+        self.lm_head.weight = untied
+
+    @staticmethod
+    def _load_tensor(param: nn.Parameter, hf_name: str, tensor: torch.Tensor,
+                     shard_id: object = None) -> None:
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"weight {hf_name}: {e}") from None
 
     def _param_name(self, hf_name: str) -> tuple[str, object]:
         module, _, leaf = hf_name.rpartition(".")
