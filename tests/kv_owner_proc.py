@@ -27,6 +27,7 @@ import torch
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import make_agent
+from tests.proc_signals import reap
 
 
 def pull_concurrently(agent, handles: list, jobs: list[tuple[list[int], list[int]]],
@@ -118,10 +119,7 @@ class Standby:
 
     def close(self) -> None:
         for proc in self._procs:  # never told to start: nothing of it to stop cleanly
-            proc.kill()
-            proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
+            reap(proc)
         self._procs = []
 
 

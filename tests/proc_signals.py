@@ -24,6 +24,20 @@ def stop_process(proc: subprocess.Popen) -> None:
                              f"(si_code {info.si_code}, status {info.si_status})")
 
 
+def reap(proc: subprocess.Popen, kill: bool = True) -> None:
+    """Ends ``proc`` (SIGKILL unless ``kill`` is False: it is exiting by itself) and closes
+    the pipes the test opened to it."""
+    if kill and proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:  # a broken pipe's buffered write
+                pass
+
+
 def wait_until(pred, timeout_s: float = 30.0) -> bool:
     """Polls ``pred`` every 10 ms; whether it held before ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

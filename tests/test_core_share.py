@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core_share import MAX_SLOTS, CoreShare, CoreShareConfig
 from engine.worker_runtime import WorkerConfig
 from router.launcher import Cluster, ClusterSpec
+from tests.proc_signals import reap
 
 # A worker stand-in: holds a slot and obeys "busy" / "idle" lines, answering with its threads.
 _PEER = """
@@ -47,8 +47,7 @@ class Peer:
         return int(self.proc.stdout.readline().split()[1])
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        reap(self.proc)
 
 
 @pytest.fixture

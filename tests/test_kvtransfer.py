@@ -22,7 +22,7 @@ from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, Trans
                         make_agent, plan_heads)
 from kvtransfer import plan as plan_mod
 from tests.kv_owner_proc import Standby, pull_concurrently, seeded_cache
-from tests.proc_signals import stop_process
+from tests.proc_signals import reap, stop_process
 
 BACKENDS = ["nixl", "torch"]
 BASE = KVCacheLayout(num_layers=3, num_blocks=24, block_size=4, num_kv_heads=4, kv_head_start=0,
@@ -70,8 +70,7 @@ class Owner:
                 return json.loads(line[len("NOTIFY "):])["notification"]
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        reap(self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +94,7 @@ def owners(standby):
     for o in made:
         if o.proc.poll() is None:
             o.proc.send_signal(signal.SIGCONT)
-            o.kill()
+        o.kill()
 
 
 def _reader(layout: KVCacheLayout, backend: str):

@@ -17,7 +17,7 @@ import pytest
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from kvtransfer import KVAgentHandle, LayoutMismatchError, TransferError
 from tests.kv_owner_proc import Standby
-from tests.proc_signals import stop_process
+from tests.proc_signals import reap, stop_process
 
 MAX_NEW = 8
 pytestmark = pytest.mark.timeout(240)
@@ -121,8 +121,8 @@ class PrefillProc:
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        reap(self.proc)
 
 
 def _decode_engine(model: str, tp: int, backend: str, **extra) -> LLMEngine:
