@@ -13,7 +13,7 @@ from engine.grpc_server import ServerConfig
 from engine.metrics import (CONTENT_TYPE, Histogram, MetricFamily, MetricsServer, render)
 from engine.worker_metrics import worker_metrics
 from protos import common_pb2, router_pb2
-from router.stats import PHASES, RouterStats
+from router.stats import PHASES, RouterStats, SequenceEnd
 from tests.serving_helpers import parse_metrics, scrape
 
 
@@ -110,8 +110,8 @@ def test_router_families_count_finished_requests_and_their_phases():
                         generation_tokens=11, requests_prefilled_remotely=2)
     usage = router_pb2.Usage(completion_tokens=5, timings=router_pb2.RequestTimings(
         ttft_s=0.2, e2e_s=0.6, prefill_compute_s=0.15, kv_transfer_s=0.01))
-    stats.request_finished("length", usage)
-    stats.request_finished("stop", router_pb2.Usage(completion_tokens=1))
+    stats.request_finished("length", [SequenceEnd(usage, 5)])
+    stats.request_finished("stop", [SequenceEnd(router_pb2.Usage(completion_tokens=1), 1)])
 
     class _Dir:  # no workers known yet
         workers: dict = {}
