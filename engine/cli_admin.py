@@ -8,7 +8,8 @@
     pdserve admin --router HOST:PORT reset-prefix-cache [WORKER_ID] [--role R] [--json]
     pdserve admin --router HOST:PORT transfers [--limit N] [--json]
 
-A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or $PDSERVE_API_KEY).
+A router with TLS or an API key: --tls-ca-file / --tls and --api-key (or
+$PDSERVE_ADMIN_API_KEY, then $PDSERVE_API_KEY: the router's admin key where it has one).
 """
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def _list_limit(text: str) -> int:
 
 def cmd_admin(args: argparse.Namespace) -> int:
     conn = connection_kwargs(args)
-    md = call_metadata(conn["api_key"])
+    # The admin key when the router has one (router --admin-api-key), else its API key.
+    md = call_metadata(args.api_key or os.environ.get("PDSERVE_ADMIN_API_KEY")
+                       or conn["api_key"])
     (ch,) = open_channels([args.router], FailoverPolicy(), conn["tls"],
                           conn["root_certificates"], aio=False)
     with ch:

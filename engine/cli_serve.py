@@ -134,6 +134,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="callers of the Router and RouterAdmin services must send "
                         "'authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="callers of RouterAdmin (drain, cancel, reset caches) must send this key "
+                        "instead of --api-key (default: $PDSERVE_ADMIN_API_KEY, else "
+                        "--api-key's)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="render chat prompts with this Jinja template (a file, or the template "
                         "itself) instead of the model's own; needed for models without one")
@@ -187,6 +191,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                                           tls_cert_file=args.tls_cert_file,
                                           tls_key_file=args.tls_key_file),
                       api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
+                      admin_api_key=(args.admin_api_key
+                                     or os.environ.get("PDSERVE_ADMIN_API_KEY") or None),
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit,
@@ -245,6 +251,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key-file", default=None, help="...and this PEM key")
     p.add_argument("--api-key", default=None,
                    help="the router's API key (router --api-key; default: $PDSERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the router's admin API key (router --admin-api-key; default: "
+                        "$PDSERVE_ADMIN_API_KEY)")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the router renders chat prompts with this template (router "
                         "--chat-template; default: the model's own)")
@@ -367,7 +376,7 @@ def up_spec(args: argparse.Namespace):
 def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
-                 "--chat-template", "--generation-config", "--stream-interval",
+                 "--admin-api-key", "--chat-template", "--generation-config", "--stream-interval",
                  "--max-local-prefill-length"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:

@@ -1,10 +1,14 @@
-"""API keys for the router's services: ``--api-key`` (or ``PDSERVE_API_KEY``).
+"""API keys for the router's services: ``--api-key`` (or ``PDSERVE_API_KEY``) and, for the
+admin service alone, ``--admin-api-key`` (or ``PDSERVE_ADMIN_API_KEY``).
 
-Callers of ``Router`` and ``RouterAdmin`` send ``authorization: Bearer <key>`` metadata (the
-SDK's ``api_key=``); a call without it, or with another key, ends with UNAUTHENTICATED before
-it reaches the service. The health and reflection services stay open, so load balancers and
-orchestrators can probe the router without the key. Keys are compared in constant time. With
-``--tls-cert-file`` the key travels encrypted; without, only use it on a trusted network.
+Callers send ``authorization: Bearer <key>`` metadata (the SDK's ``api_key=``); a call without
+it, or with another key, ends with UNAUTHENTICATED before it reaches the service. ``Router``
+takes the API key; ``RouterAdmin`` (drain workers, cancel any request, reset caches) the admin
+key when one is set, so that a client allowed to generate is not allowed to operate the
+cluster; without an admin key it takes the API key, as ``Router`` does. The health and
+reflection services stay open, so load balancers and orchestrators can probe the router
+without a key. Keys are compared in constant time. With ``--tls-cert-file`` the key travels
+encrypted; without, only use it on a trusted network.
 """
 from __future__ import annotations
 
@@ -15,28 +19,41 @@ import grpc
 from client.channels import check_api_key
 from engine.call_abort import abort_call
 
-PROTECTED_PREFIXES = ("/pdserve.v1.Router/", "/pdserve.v1.RouterAdmin/")
+ROUTER_PREFIX = "/pdserve.v1.Router/"
+ADMIN_PREFIX = "/pdserve.v1.RouterAdmin/"
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str | None, admin_api_key: str | None = None) -> None:
+        """``api_key`` guards Router, and RouterAdmin unless ``admin_api_key`` is given (None:
+        that service is open). At least one key."""
+        if api_key is None and admin_api_key is None:
+            raise ValueError("an API key interceptor needs api_key or admin_api_key")
         check_api_key(api_key)
-        self._expected = f"Bearer {api_key}".encode()
+        check_api_key(admin_api_key)
+        admin = admin_api_key if admin_api_key is not None else api_key
+        self._expected = {ROUTER_PREFIX: _bearer(api_key), ADMIN_PREFIX: _bearer(admin)}
         self._deny = _deny_handlers()
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        if not details.method.startswith(PROTECTED_PREFIXES):
+        expected = next((key for prefix, key in self._expected.items()
+                         if details.method.startswith(prefix)), None)
+        if expected is None:  # health, reflection, or a service without a key
             return await continuation(details)
         given = next((v for k, v in (details.invocation_metadata or ())
                       if k == "authorization"), "")
         if isinstance(given, str):
             given = given.encode()
-        if hmac.compare_digest(given, self._expected):
+        if hmac.compare_digest(given, expected):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
             return None
         return self._deny["stream" if handler.response_streaming else "unary"]
+
+
+def _bearer(key: str | None) -> bytes | None:
+    return None if key is None else f"Bearer {key}".encode()
 
 
 def _deny_handlers() -> dict[str, grpc.RpcMethodHandler]:

@@ -61,6 +61,8 @@ class RouterConfig:
     stream_interval: int = 1
     # Callers of Router and RouterAdmin must send it (router/auth.py); None: no key.
     api_key: str | None = field(default=None, repr=False)
+    # Callers of RouterAdmin must send this one instead, when set (router/auth.py).
+    admin_api_key: str | None = field(default=None, repr=False)
     # Chat prompts are rendered with this Jinja template (a file, or the template inline)
     # instead of the model's own; None: the model's (engine/chat_template.py).
     chat_template: str | None = None
@@ -105,6 +107,7 @@ class RouterConfig:
         check_keepalive("keepalive_timeout_s", self.keepalive_timeout_s)
         check_stream_interval(self.stream_interval)
         check_api_key(self.api_key)
+        check_api_key(self.admin_api_key)
         self.chat_template_text = load_chat_template(self.chat_template)
         check_generation_config(self.generation_config)
         if self.decode_stream not in DECODE_STREAMS:

@@ -501,10 +501,13 @@ def _channel(args: list[str], address: str) -> grpc.Channel:
 
 
 def _metadata(args: list[str]):
-    """The router's API key, from its flags or the environment it inherited."""
+    """What the launcher's calls to the router's admin service send: its admin key, else its
+    API key, from its flags or the environment it inherited."""
     from client.channels import call_metadata
 
-    return call_metadata(flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
+    return call_metadata(flag_value(args, "--admin-api-key")
+                         or os.environ.get("PDSERVE_ADMIN_API_KEY")
+                         or flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
                          or None)
 
 

@@ -47,7 +47,9 @@ async def serve_router(config: RouterConfig) -> None:
     stats = RouterStats(config.max_inflight_requests)
     reclaim = None
     try:
-        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
+        keyed = config.api_key is not None or config.admin_api_key is not None
+        interceptors = [ApiKeyInterceptor(config.api_key, config.admin_api_key)] if keyed \
+            else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
         # After the bind: a router that cannot take its port releases nobody's leases.
         reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))

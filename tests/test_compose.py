@@ -45,7 +45,8 @@ def test_compose_services_and_commands():
             assert args.router_id
     assert roles == {"router", "prefill", "decode"}
     # The router's API key comes from the environment (never the command line: ps shows it).
-    assert services["router"]["environment"] == ["PDSERVE_API_KEY=${PDSERVE_API_KEY:-}"]
+    assert services["router"]["environment"] == ["PDSERVE_API_KEY=${PDSERVE_API_KEY:-}",
+                                                 "PDSERVE_ADMIN_API_KEY=${PDSERVE_ADMIN_API_KEY:-}"]
     gpus = [svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]
             for n, svc in services.items() if n.startswith(("prefill", "decode"))]
     assert len(gpus) == len(set(gpus))  # one GPU per worker

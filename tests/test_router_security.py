@@ -19,6 +19,7 @@ from tests.serving_helpers import WORKER_ARGS, random_prompts
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 KEY = "s3cret-key"
+ADMIN_KEY = "0perator-key"
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,9 @@ def cluster(tls_files):
     cert, key = tls_files
     spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS,
                        router_args=["--tls-cert-file", cert, "--tls-key-file", key,
-                                    "--api-key", KEY])
-    with Cluster(spec) as c:  # its health and routability checks go over TLS with the key
+                                    "--api-key", KEY, "--admin-api-key", ADMIN_KEY])
+    # Its health and routability checks go over TLS, the latter with the admin key.
+    with Cluster(spec) as c:
         yield c
 
 
@@ -83,12 +85,17 @@ def test_the_cli_reaches_the_router_with_the_ca_and_the_key(cluster, tls_files, 
                                                             monkeypatch):
     cert = tls_files[0]
     assert cli_main(["admin", "--router", cluster.router_address, "--tls-ca-file", cert,
-                     "--api-key", KEY, "stats", "--json"]) == 0
+                     "--api-key", ADMIN_KEY, "stats", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["num_decode_workers"] == 1 and stats["num_prefill_workers"] == 0
+    for key in ([], ["--api-key", KEY]):  # none, or the one for generating
+        assert cli_main(["admin", "--router", cluster.router_address, "--tls-ca-file", cert,
+                         *key, "workers"]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", ADMIN_KEY)
     assert cli_main(["admin", "--router", cluster.router_address, "--tls-ca-file", cert,
-                     "workers"]) == 1
-    assert "UNAUTHENTICATED" in capsys.readouterr().err
+                     "workers"]) == 0
+    capsys.readouterr()
     monkeypatch.setenv("PDSERVE_API_KEY", KEY)  # the key from the environment
     assert cli_main(["generate", "--router", cluster.router_address, "--tls-ca-file", cert,
                      "--prompt", "hello", "--max-tokens", "4"]) == 0
@@ -110,3 +117,25 @@ def test_tls_needs_both_files_and_existing_ones(tls_files, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ServerConfig(tls_cert_file=cert, tls_key_file=str(tmp_path / "missing.pem"))
     assert ServerConfig(tls_cert_file=cert, tls_key_file=key).tls
+
+
+def test_the_admin_service_takes_the_admin_key_and_only_it(cluster, tls_files):
+    """A client allowed to generate is not allowed to drain workers or cancel others'
+    requests: RouterAdmin wants --admin-api-key, Router --api-key."""
+    from protos import router_pb2, router_pb2_grpc
+
+    creds = grpc.ssl_channel_credentials(_roots(tls_files))
+    with grpc.secure_channel(cluster.router_address, creds) as ch:
+        admin = router_pb2_grpc.RouterAdminStub(ch)
+        for key in (KEY, None, "wrong"):
+            with pytest.raises(grpc.RpcError) as err:
+                admin.ListRequests(router_pb2.ListRequestsRequest(), timeout=10,
+                                   metadata=call_metadata(key))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        admin.ListRequests(router_pb2.ListRequestsRequest(), timeout=10,
+                           metadata=call_metadata(ADMIN_KEY))
+    with Client(cluster.router_address, timeout=30, api_key=ADMIN_KEY,
+                root_certificates=_roots(tls_files),
+                failover=FailoverPolicy(max_retries=0)) as c:
+        with pytest.raises(UnauthenticatedError):
+            c.complete([1, 2, 3], max_tokens=2)
