@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.engine_front import SHUTDOWN_TIMEOUT_S
 from engine.gc_policy import freeze_startup_heap
 from engine.process_exit import exit_process
 from engine.switch_interval import apply_switch_interval
@@ -208,6 +209,15 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
 
 # Stopping past the drain and the grace by this much is a bug somewhere; the process exits.
 STOP_SLACK_S = 10.0
+
+
+def worst_case_stop_s(drain_timeout_s: float, grace_s: float) -> float:
+    """The longest a service takes from SIGTERM to its exit by its own bounds: the bounded
+    stop (leaving the registry, the drain, the grace, the slack), a stop stuck in gRPC (the
+    slack again), the engine's shutdown, then the exit watchdog. A supervisor that kills it
+    sooner (a launcher, compose's stop_grace_period) may cut a stop that would have ended,
+    leaving its leases and registry entries to expire instead."""
+    return drain_timeout_s + grace_s + 2 * STOP_SLACK_S + SHUTDOWN_TIMEOUT_S + EXIT_GRACE_S
 
 
 async def _bounded_stop(server: GrpcServer, num_inflight: Callable[[], int],

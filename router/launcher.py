@@ -38,17 +38,18 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.grpc_server import ServerConfig, worst_case_stop_s
 from router.gpu_placement import (DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, WorkerGpus,
                                   plan_gpus, visible_gpus)
 from router.proc_family import kill_family, pin_family
 from router.redis_server import RedisServer
 
-# How long a stopped service may take before it is killed. Within it: the drain below, the
-# gRPC server's stop grace (engine.grpc_server.ServerConfig.grace_s, 5 s) and the engine's
-# shutdown (engine.async_engine.SHUTDOWN_TIMEOUT_S, 12 s), with room to spare.
-STOP_GRACE_S = 30.0
 # Requests in flight a stopping service waits for (--drain-timeout-s of every service).
 DRAIN_TIMEOUT_S = 10.0
+# How long a stopped service may take before it is killed: its own worst case with that drain
+# (engine.grpc_server.worst_case_stop_s: 52 s; 30 s cut a stop that Redis or a wedged engine
+# slowed, leaving its leases and registry entries behind), and a little more.
+STOP_GRACE_S = worst_case_stop_s(DRAIN_TIMEOUT_S, ServerConfig.grace_s) + 5.0
 _SPINCOUNT = "20000"
 # A prefill worker's step budget (--max-num-batched-tokens) where the workers share one host's
 # CPU cores, unless the worker flags set one. A 2048-token prefill step on such a host runs for
@@ -427,9 +428,12 @@ class Cluster:
                 time.sleep(0.1)
 
     # --- stop -----------------------------------------------------------------------------
-    def stop_proc(self, proc: Proc, grace_s: float = STOP_GRACE_S) -> int:
-        """SIGTERM (drain, then stop), SIGKILL after the grace period; the exit code. Whatever
-        the service started and did not stop is killed too."""
+    def stop_proc(self, proc: Proc, grace_s: float | None = None) -> int:
+        """SIGTERM (drain, then stop), SIGKILL after the grace period (None: the service's
+        worst case with the spec's drain); the exit code. Whatever the service started and did
+        not stop is killed too."""
+        if grace_s is None:
+            grace_s = worst_case_stop_s(self.spec.drain_timeout_s, ServerConfig.grace_s) + 5.0
         pin_family(proc)
         try:
             if proc.popen.poll() is None:

@@ -7,6 +7,7 @@ import shlex
 import yaml
 
 from engine.cli import build_parser
+from engine.grpc_server import worst_case_stop_s
 
 COMPOSE = pathlib.Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
 PROMETHEUS = COMPOSE.parent / "prometheus.yml"
@@ -43,6 +44,12 @@ def test_compose_services_and_commands():
             assert args.engine_process  # as `pdserve up` places GPU workers
         if args.command == "router":  # named in the ledger alike across restarts
             assert args.router_id
+        # Docker SIGKILLs a service past its stop_grace_period: never before the service's
+        # own bounds would have ended its stop (a kill leaves its leases to expire).
+        grace = svc["stop_grace_period"]
+        assert grace.endswith("s")
+        assert float(grace[:-1]) >= worst_case_stop_s(args.drain_timeout_s,
+                                                      args.shutdown_grace_s), name
     assert roles == {"router", "prefill", "decode"}
     # The router's API key comes from the environment (never the command line: ps shows it).
     assert services["router"]["environment"] == ["PDSERVE_API_KEY=${PDSERVE_API_KEY:-}",
