@@ -74,14 +74,26 @@ async def closed_loop(client: AsyncClient, reqs: LoadRequests, concurrency: int)
 async def poisson(client: AsyncClient, reqs: LoadRequests, rate: float, seed: int) -> LoadRun:
     """Open loop: requests start at Poisson arrivals of ``rate`` per second, whatever is in
     flight."""
-    rng = random.Random(seed)
     tasks = []
     t0 = time.perf_counter()
-    for prompt, n in zip(reqs.prompts, reqs.output_lens):
+    # Sent at times fixed ahead: a client slow to wake does not slow the arrivals down, and
+    # nothing waits after the last one.
+    for due, prompt, n in zip(arrival_times(len(reqs), rate, seed), reqs.prompts,
+                              reqs.output_lens):
+        await asyncio.sleep(max(0.0, t0 + due - time.perf_counter()))
         tasks.append(asyncio.ensure_future(one_request(client, prompt, n)))
-        await asyncio.sleep(rng.expovariate(rate))
     records = await asyncio.gather(*tasks)
     return LoadRun(list(records), time.perf_counter() - t0)
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each of ``n`` requests arrives: a Poisson process of
+    ``rate`` per second (exponential gaps), the first at once."""
+    rng = random.Random(seed)
+    times = [0.0]
+    for _ in range(n - 1):
+        times.append(times[-1] + rng.expovariate(rate))
+    return times[:n]
 
 
 async def sequential(client: AsyncClient, reqs: LoadRequests) -> list[RequestRecord]:
@@ -92,10 +104,12 @@ async def sequential(client: AsyncClient, reqs: LoadRequests) -> list[RequestRec
 _ids = itertools.count()
 
 
-def inprocess_closed_loop(engine, reqs: LoadRequests, concurrency: int) -> LoadRun:
+def inprocess_closed_loop(engine, reqs: LoadRequests, concurrency: int,
+                          stream_interval: int = 1) -> LoadRun:
     """The same closed loop on an ``LLMEngine``: a finished request's slot is refilled
     before the next step, as a client would do at once. Tokens count as arriving when the
-    step that made them returns."""
+    step that made them returns; ``stream_interval``: the cluster's, so that the engine
+    hands out outputs as the cluster's decode engine does."""
     from engine import SamplingParams
 
     records: dict[str, RequestRecord] = {}
@@ -111,7 +125,8 @@ def inprocess_closed_loop(engine, reqs: LoadRequests, concurrency: int) -> LoadR
             order.append(rid)
             active.add(rid)
             engine.add_request(rid, reqs.prompts[i], SamplingParams(
-                max_tokens=reqs.output_lens[i], temperature=0.0, ignore_eos=True))
+                max_tokens=reqs.output_lens[i], temperature=0.0, ignore_eos=True),
+                stream_interval=stream_interval)
 
     t0 = time.perf_counter()
     admit()

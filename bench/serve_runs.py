@@ -66,14 +66,14 @@ def _cluster_runner(cluster) -> Runner:
                                                     _cluster_meter(cluster)))
 
 
-def _inprocess_runner(engine) -> Runner:
+def _inprocess_runner(engine, stream_interval: int) -> Runner:
     def run(points: list[Point]) -> list[tuple[Point, LoadRun]]:
         meter = CPUMeter({"engine": [os.getpid()]}, alone=frozenset({"engine"}))
         out = []
         for pt in points:
-            inprocess_closed_loop(engine, pt.warmup, 1)
+            inprocess_closed_loop(engine, pt.warmup, 1, stream_interval)
             meter.start()
-            load_run = inprocess_closed_loop(engine, pt.reqs, int(pt.load))
+            load_run = inprocess_closed_loop(engine, pt.reqs, int(pt.load), stream_interval)
             load_run.cpu = meter.stop()
             out.append((pt, load_run))
         return out
@@ -167,7 +167,7 @@ def run(cfg: ServeConfig) -> ServeReport:
         if cfg.inprocess and rounds:
             llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks,
                                           enable_partial_block_hits=cfg.partial_block_hits))
-            runners["inprocess"] = _inprocess_runner(llm.engine)
+            runners["inprocess"] = _inprocess_runner(llm.engine, cfg.stream_interval)
         for r, points in enumerate(rounds):
             for system in (list(runners) if r % 2 == 0 else list(reversed(runners))):
                 for pt, load_run in runners[system](points):

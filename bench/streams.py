@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from bench.cpu_usage import process_cpu_s
-from bench.serve import _range
+from bench.serve import _no_nan, _range, _ratio
 from bench.serve_load import LoadRequests, closed_loop
 from bench.serve_runs import quiet_cluster, services_print_to_stderr
 from client import AsyncClient
@@ -92,16 +92,19 @@ def main(args: argparse.Namespace) -> int:
         with services_print_to_stderr():
             routers = {name: cluster.start_router(extra=flags)
                        for name, flags in settings.items()}
+        # Prompts of their own: warming up with measured ones would leave those cached.
+        warm = _requests(args.seed - 1, 4, prompt_len, (8, 8))
         for r in range(args.rounds):
             reqs = _requests(args.seed + r, args.num_prompts, prompt_len, output_len)
             order = list(settings) if r % 2 == 0 else list(settings)[::-1]
             for name in order:
-                runs.append(_run(cluster, routers[name], name, r, reqs, args.concurrency))
+                runs.append(_run(cluster, routers[name], name, r, reqs, warm,
+                                 args.concurrency))
                 print(f"[bench streams] round {r + 1}/{args.rounds} {name}: "
                       f"{runs[-1].tok_s:.1f} out tok/s", file=sys.stderr, flush=True)
     report = _report(args, runs)
-    print(json.dumps(asdict(report), indent=2) if args.json else _format(report))
-    return 0
+    print(json.dumps(_no_nan(asdict(report)), indent=2) if args.json else _format(report))
+    return 1 if any(run.failed for run in runs) else 0
 
 
 def _requests(seed: int, n: int, prompt_len: tuple[int, int],
@@ -126,21 +129,20 @@ def _reset_prefix_caches(address: str, timeout_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests,
+def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests, warm: LoadRequests,
          concurrency: int) -> StreamRun:
     async def load(address: str, todo: LoadRequests, c: int):
         async with AsyncClient(address) as client:
             return await closed_loop(client, todo, c)
 
     _reset_prefix_caches(router.address)
-    warm = LoadRequests(reqs.prompts[:4], [8] * min(4, len(reqs)))
     asyncio.run(load(router.address, warm, 4))
     pids = {"router": router.popen.pid,
             **{p.role: p.popen.pid for p in cluster.procs if p.role in ("prefill", "decode")}}
     before = {role: process_cpu_s(pid) for role, pid in pids.items()}
     run = asyncio.run(load(router.address, reqs, concurrency))
     after = {role: process_cpu_s(pid) for role, pid in pids.items()}
-    tokens = sum(n for rec in run.records for _, n in rec.chunks)
+    tokens = sum(n for rec in run.records if rec.ok for _, n in rec.chunks)
     return StreamRun(name, rnd, tokens / run.duration_s,
                      sum(not rec.ok for rec in run.records),
                      {role: 1e3 * (after[role] - before[role]) / max(tokens, 1)
@@ -157,9 +159,9 @@ def _report(args, runs: list[StreamRun]) -> StreamsReport:
     base_tok = mean(BASELINE, lambda r: r.tok_s)
     return StreamsReport(
         args.concurrency, args.num_prompts, runs,
-        {m: mean(m, lambda r: r.tok_s) / base_tok for m in others},
-        {m: {role: mean(m, lambda r: r.cpu_ms_per_token[role])
-             / mean(BASELINE, lambda r: r.cpu_ms_per_token[role]) for role in roles}
+        {m: _ratio(mean(m, lambda r: r.tok_s), base_tok) for m in others},
+        {m: {role: _ratio(mean(m, lambda r: r.cpu_ms_per_token[role]),
+                          mean(BASELINE, lambda r: r.cpu_ms_per_token[role])) for role in roles}
          for m in others})
 
 

@@ -176,3 +176,30 @@ def test_tiny_run_end_to_end(capsys):
     assert pre["num_requests"] == 2
     assert pre["cold_cached_tokens"] == 0 and pre["warm_cached_tokens"] == 64
     assert pre["ratio"] > 0
+
+
+def test_poisson_arrivals_are_scheduled_ahead_from_exponential_gaps():
+    import random
+
+    from bench.serve_load import arrival_times
+
+    times = arrival_times(200, 4.0, seed=7)
+    rng = random.Random(7)
+    want = [0.0]
+    for _ in range(199):
+        want.append(want[-1] + rng.expovariate(4.0))
+    assert times == want  # the first at once, then seeded exponential gaps of mean 1/rate
+    assert arrival_times(1, 4.0, 7) == [0.0] and arrival_times(0, 4.0, 7) == []
+
+
+def test_the_in_process_baseline_hands_out_tokens_at_the_clusters_stream_interval(preset_path):
+    """The baseline engine groups its outputs as the cluster's decode engine does, so the
+    two compare the same engine setting."""
+    from bench.serve_load import LoadRequests, inprocess_closed_loop
+    from engine import LLM
+
+    with LLM(str(preset_path("tiny-llama")), num_gpu_blocks=64) as llm:
+        reqs = LoadRequests([[11, 12, 13, 14], [21, 22, 23]], [9, 9])
+        run = inprocess_closed_loop(llm.engine, reqs, 2, stream_interval=4)
+    for rec in run.records:
+        assert [n for _, n in rec.chunks] == [1, 4, 4]  # the first token at once

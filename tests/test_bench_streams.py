@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -34,3 +35,12 @@ def test_every_setting_serves_the_same_load(capsys):
         assert all(v > 0 for v in run["cpu_ms_per_token"].values())
     assert set(r["tok_s_ratio"]) == set(r["cpu_ratio"]) == set(settings) - {"per-request"}
     assert all(v > 0 for v in r["tok_s_ratio"].values())
+
+
+def test_a_baseline_whose_requests_all_failed_gives_undefined_ratios_not_a_crash():
+    runs = [streams.StreamRun("multiplexed", 0, 120.0, 0, {"router": 0.2}),
+            streams.StreamRun(streams.BASELINE, 0, 0.0, 8, {"router": 0.0})]
+    report = streams._report(argparse.Namespace(concurrency=8, num_prompts=8), runs)
+    assert math.isnan(report.tok_s_ratio["multiplexed"])
+    assert math.isnan(report.cpu_ratio["multiplexed"]["router"])
+    assert "nan" in streams._format(report)
