@@ -170,7 +170,8 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     if device.type == "cpu":  # activations live in host memory: reuse it step to step
         tune_host_malloc()
     torch.manual_seed(spec.config.seed)
-    backend = get_attention_backend(spec.config.attention_backend, device)
+    head_size = ModelConfig.from_pretrained(spec.model_path).head_dim
+    backend = get_attention_backend(spec.config.attention_backend, device, head_size)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
     # The compiled CPU step runs on one packed GEMM's layers: where it can run, it is preferred.
     prefer = preferred_linear_kernel(spec.torch_dtype, group.size) \
@@ -190,7 +191,7 @@ def cuda_graph_config(spec: RankSpec, cfg: ModelConfig, num_blocks: int) -> CUDA
     device = spec.rank_device(0)
     if c.enforce_eager or device.type != "cuda":
         return None
-    if not get_attention_backend(c.attention_backend, device).supports_cuda_graphs:
+    if not get_attention_backend(c.attention_backend, device, cfg.head_dim).supports_cuda_graphs:
         return None
     max_len = min(c.max_model_len or cfg.max_position_embeddings, num_blocks * c.block_size,
                   c.max_seq_len_to_capture)

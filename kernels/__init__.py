@@ -23,11 +23,17 @@ if TYPE_CHECKING:
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def get_attention_backend(name: str = "auto",
-                          device: torch.device | str | None = None) -> AttentionBackend:
+def triton_supports_head_size(head_size: int) -> bool:
+    # The Triton kernels tile the head dimension with one power-of-two block and no mask.
+    return head_size >= 16 and not head_size & (head_size - 1)
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | str | None = None,
+                          head_size: int | None = None) -> AttentionBackend:
     """The attention backend called ``name``; "auto" picks Triton on CUDA devices (when triton
-    is installed), the compiled CPU kernels on the CPU (when a C compiler built them), and
-    torch otherwise. ``device`` None means the CPU."""
+    is installed and runs the model's ``head_size``: head_dim 80 or 96 does not), the compiled
+    CPU kernels on the CPU (when a C compiler built them), and torch otherwise. ``device`` None
+    means the CPU; ``head_size`` None: not checked here (the kernels check it per call)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
     import torch
@@ -47,8 +53,13 @@ def get_attention_backend(name: str = "auto",
         if name == "cpu":
             raise ValueError("attention backend 'cpu' needs a working C compiler (cc or gcc) "
                              "to build kernels/csrc; use 'torch' instead")
-    if name == "torch" or (name == "auto" and not (device.type == "cuda" and _has_triton())):
+    triton_fits = head_size is None or triton_supports_head_size(head_size)
+    if name == "torch" or (name == "auto" and not (device.type == "cuda" and _has_triton()
+                                                   and triton_fits)):
         return TorchAttentionBackend()
+    if not triton_fits:
+        raise ValueError(f"attention backend 'triton' needs a head size that is a power of two "
+                         f">= 16; this model's is {head_size} (use 'torch' or 'auto')")
     if not _has_triton():
         raise ValueError("attention backend 'triton' needs the triton package (Linux x86_64)")
     if device.type == "cpu" and not _interpreter_on():

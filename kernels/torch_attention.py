@@ -34,6 +34,10 @@ class _DecodeChunk:
     num_blocks: int
     # [n, 1, 1, num_blocks * block_size] additive (0 / -inf); None: no padding
     mask: torch.Tensor | None
+    # [n, 1, num_blocks * block_size, 1] True at the padding (None: none). Its gathered K/V
+    # are zeroed: they are stale slots, or another request's (block 0 pads short tables), and
+    # a non-finite value there would make the masked score NaN (inf + -inf, 0 * inf).
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -167,7 +171,9 @@ def _plan_decodes(meta: AttentionMetadata, block_tables: torch.Tensor, token_bud
             seq_lens = meta.seq_lens.index_select(0, rows)
             visible = positions[None, :] < seq_lens[:, None]
             mask = _additive_mask(visible, dtype)[:, None, None, :]
-        chunks.append(_DecodeChunk(rows, block_ids, num_blocks, mask))
+            hidden = ~visible[:, None, :, None]
+        chunks.append(_DecodeChunk(rows, block_ids, num_blocks, mask,
+                                   hidden if mask is not None else None))
         i = j
     return chunks
 
@@ -230,6 +236,9 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     q = query.index_select(0, chunk.rows).view(n, num_kv_heads, -1, head_size)
     k = _gather(k_cache, chunk.block_ids).view(n, -1, num_kv_heads, head_size).transpose(1, 2)
     v = _gather(v_cache, chunk.block_ids).view(n, -1, num_kv_heads, head_size).transpose(1, 2)
+    if chunk.hidden is not None:
+        k = k.masked_fill(chunk.hidden, 0.0)
+        v = v.masked_fill(chunk.hidden, 0.0)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
     out.index_copy_(0, chunk.rows, o.reshape(n, num_heads, head_size))
 

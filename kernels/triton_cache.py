@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from kernels import triton_supports_head_size
 from kernels.torch_attention import write_kv_by_slots
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,8 +73,7 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
 
 
 def check_head_size(head_size: int) -> None:
-    # Kernels tile the head dimension with one power-of-two block and no mask.
-    if head_size < 16 or head_size & (head_size - 1):
+    if not triton_supports_head_size(head_size):
         raise ValueError(f"head_size must be a power of two >= 16, got {head_size}")
 
 

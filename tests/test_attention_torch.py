@@ -95,6 +95,30 @@ def backend(request):
     return BACKENDS[request.param]()
 
 
+def test_non_finite_values_in_masked_padding_do_not_reach_any_output(backend):
+    """Decodes read whole blocks: stale slots past a sequence's end, and block 0 wherever a
+    shorter table is padded (another request's block). An inf there (an fp16 overflow in
+    that other request) must stay out of every output, as the reference keeps it."""
+    gen = torch.Generator().manual_seed(3)
+    meta = make_meta([1, 1, 1], [40, 5, 21], 3, gen)
+    q, k, v, k_cache, v_cache = random_inputs(meta, 4, 2, gen)
+    owned = [row[:-(-s // BLOCK_SIZE)] for row, s in
+             zip(meta.block_tables.tolist(), meta.seq_lens_list)]
+    other = next(b for b in range(NUM_BLOCKS) if all(b not in row for row in owned))
+    table = meta.block_tables.clone()
+    table[1, 1:] = other  # the 5-token decode's padding: a block it does not own
+    meta.block_tables = table
+    for cache in (k_cache, v_cache):
+        cache[other] = float("inf")
+        for row, s in zip(owned, meta.seq_lens_list):  # each sequence's own stale tail
+            cache[row[-1], (s - 1) % BLOCK_SIZE + 1:] = float("nan")
+    expected = reference_paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta,
+                                         HEAD_SIZE ** -0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, HEAD_SIZE ** -0.5)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_decodes_only(backend, group):
     # One token, exactly one block, block boundaries, and longer contexts.
@@ -249,6 +273,17 @@ def test_get_attention_backend():
         get_attention_backend("cpu", "cuda")
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("flashinfer")
+
+
+def test_auto_leaves_triton_for_a_head_size_its_kernels_cannot_tile():
+    """A model with head_dim 80 or 96 on a GPU: "auto" must not pick Triton, which would fail
+    at the first forward; asking for Triton itself fails at start-up, saying why."""
+    pytest.importorskip("triton")
+    assert get_attention_backend("auto", "cuda", head_size=64).name == "triton"
+    for head_size in (80, 96, 8):
+        assert get_attention_backend("auto", "cuda", head_size=head_size).name == "torch"
+        with pytest.raises(ValueError, match="power of two >= 16; this model's is"):
+            get_attention_backend("triton", "cuda", head_size=head_size)
 
 
 def test_bench_prefill_attention_smoke(capsys):
