@@ -29,11 +29,14 @@ from collections.abc import AsyncIterator
 
 from engine.worker_runtime import status_and_message
 from protos import worker_pb2
+from protos.limits import max_message_bytes
 
 logger = logging.getLogger(__name__)
 
 # At most this many events per DecodeBatch (a chunk with 20 top logprobs per token is ~1 KB).
 MAX_EVENTS_PER_BATCH = 1024
+# A batch's framing beside its events' own bytes: each event's field tag and length.
+_EVENT_FRAMING_BYTES = 8
 
 
 async def serve_decode_many(servicer, request_iterator,
@@ -181,9 +184,34 @@ class _DecodeMux:
                 yield batch
             elif self.pending.events:
                 batch, self.pending = self.pending, worker_pb2.DecodeBatch()
-                yield batch
+                for part in _within_message_limit(batch):
+                    yield part
             elif (not self.reading or self.draining) and not self.tasks:
                 return
             else:
                 await self.ready.wait()
                 self.ready.clear()
+
+
+@functools.cache
+def _message_limit() -> int:
+    return max_message_bytes()  # read once: the environment is the process's
+
+
+def _within_message_limit(batch: worker_pb2.DecodeBatch) -> list[worker_pb2.DecodeBatch]:
+    """``batch``, split where it would be over gRPC's message limit: one step's events of
+    several requests (a local prefill's prompt_logprobs each) could add up past it, and a
+    message over the limit fails the stream of every request on it. Each event fits alone
+    (decode_svc/service.py refuses a chunk over the limit)."""
+    limit = _message_limit()
+    if batch.ByteSize() <= limit:
+        return [batch]
+    parts, size = [worker_pb2.DecodeBatch()], 0
+    for ev in batch.events:
+        n = ev.ByteSize() + _EVENT_FRAMING_BYTES
+        if size + n > limit and parts[-1].events:
+            parts.append(worker_pb2.DecodeBatch())
+            size = 0
+        parts[-1].events.append(ev)
+        size += n
+    return parts

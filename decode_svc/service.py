@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,8 @@ from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle, TransferError
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
+from protos.limits import ENV as MAX_MESSAGE_ENV
+from protos.limits import max_message_bytes
 from router.ledger import TransferPulling
 
 # A pull must end this long before the prefill lease does: the handle's lease time was measured
@@ -35,6 +38,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # once its requests are done, rather than being cut when the server stops.
         self.streams: set = set()
         rt.on_drain.append(self._drain_streams)
+        # Room for a chunk in a message, with its request's id around it in a DecodeMany batch.
+        self.max_chunk_bytes = max_message_bytes() - 1024
 
     def _drain_streams(self) -> None:
         for stream in self.streams:
@@ -72,6 +77,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                           interval)
             async with contextlib.aclosing(chunks) as chunks:
                 async for chunk in chunks:
+                    self._check_size(chunk)
                     yield chunk
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
@@ -88,6 +94,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                          lease_ends)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
+        first_chunk = True
+        try:
+            async with contextlib.aclosing(self._committed(rid, alloc, timings, t1)) as chunks:
+                async for chunk in chunks:
+                    first_chunk = False
+                    yield chunk
+        except BaseException:
+            if first_chunk:  # a commit that failed leaves the allocation: its blocks go back
+                self.rt.engine.abort(rid)
+            raise
+
+    async def _committed(self, rid: str, alloc, timings: worker_pb2.DecodeTimings,
+                         pulled_at: float):
+        """The request's chunks once admitted into the batch, the first with its timings."""
+        t1 = pulled_at
         async with contextlib.aclosing(self.rt.engine.commit_prefilled(rid)) as outs:
             first_chunk = True
             async for out in outs:
@@ -100,7 +121,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     timings.first_step_s = max(now - sched, 0.0)
                     chunk.timings.CopyFrom(timings)
                     chunk.num_cached_tokens = alloc.num_cached_tokens
+                self._check_size(chunk)
                 yield chunk
+
+    def _check_size(self, chunk: worker_pb2.DecodeChunk) -> None:
+        """Refuses a chunk gRPC could not send (its RESOURCE_EXHAUSTED would read as a worker
+        without room): only one with logprobs can come near the limit."""
+        if not (chunk.prompt_logprobs or chunk.logprobs):
+            return
+        size = chunk.ByteSize()
+        if size > self.max_chunk_bytes:
+            raise ValueError(f"an output chunk would be {size} bytes, over the "
+                             f"{self.max_chunk_bytes}-byte room in a message "
+                             f"({MAX_MESSAGE_ENV}): ask for fewer logprobs or prompt_logprobs, "
+                             f"or a smaller stream_interval")
 
     def _check_handle(self, h: common_pb2.KVHandle, num_tokens: int) -> list[KVAgentHandle]:
         """The handle's ranks, once it matches this worker and covers ``num_tokens`` (the
@@ -108,6 +142,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         cfg = self.rt.config.engine
         if not h.rank_handles:
             raise ValueError("kv_handle has no rank handles")
+        if not (math.isfinite(h.lease_timeout_s) and h.lease_timeout_s >= 0):
+            # NaN or inf would lift the bound that keeps the pull inside the lease.
+            raise ValueError(f"kv_handle lease_timeout_s must be a finite number >= 0, got "
+                             f"{h.lease_timeout_s}")
         if h.backend != cfg.kv_transfer_backend:
             raise ValueError(f"kv_handle uses backend {h.backend!r}; this decode worker uses "
                              f"{cfg.kv_transfer_backend!r}")

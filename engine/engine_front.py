@@ -51,6 +51,11 @@ class EngineFront:
         self.error: BaseException | None = None
         self.stats: EngineStats | None = None
         self._streams: dict[str, _Stream] = {}
+        # Ids the engine holds for a caller here, until the request's last output reaches this
+        # loop: allocated (decode role) or admitted. The engine frees an aborted request's id
+        # before that output arrives, and a new request taking the id meanwhile would get it
+        # (its stream ended at once, the request left decoding for nobody).
+        self._held: set[str] = set()
 
     # --- what subclasses provide ------------------------------------------------------------
     @property
@@ -77,11 +82,14 @@ class EngineFront:
     # --- outputs in, failures out -----------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished or out.kv_lease is not None:  # its last output here
+                self._held.discard(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out)
 
     def _fail_all(self) -> None:
+        self._held.clear()  # no output comes any more
         for stream in self._streams.values():
             stream.queue.put_nowait(self._dead())
 
@@ -115,6 +123,7 @@ class EngineFront:
                                  stream_interval: int = 1) -> KVAllocation:
         """Decode role: blocks for a prompt whose KV arrives from outside."""
         self._check_alive()
+        self._check_free(request_id)  # before any block is taken for it
         return await self._guarded(request_id, self._add_prefilled(
             request_id, prompt_token_ids, first_token_id, params, resume_token_ids,
             stream_interval))
@@ -122,20 +131,23 @@ class EngineFront:
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""
         stream = await self._admit(request_id, lambda: self._guarded(
-            request_id, self._commit(request_id)))
+            request_id, self._commit(request_id)), allocated=True)
         async for out in self._drain(request_id, stream):
             yield out
 
-    async def _admit(self, request_id: str, admit: Callable[[], Awaitable]) -> _Stream:
+    async def _admit(self, request_id: str, admit: Callable[[], Awaitable],
+                     allocated: bool = False) -> _Stream:
         """The request's stream, opened before ``admit()`` puts the request in the engine (its
-        outputs may come before that returns), and closed again if that fails."""
+        outputs may come before that returns), and closed again if that fails. ``allocated``:
+        the id is held by its own allocation (allocate_prefilled)."""
         self._check_alive()
-        stream = self._open(request_id)
+        stream = self._open(request_id, allocated)
         try:
             await admit()
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        self._held.add(request_id)
         return stream
 
     async def _guarded(self, request_id: str, work: Awaitable):
@@ -144,16 +156,27 @@ class EngineFront:
         request is aborted: no blocks stay held, no steps decode for nobody."""
         job = asyncio.ensure_future(work)
         try:
-            return await asyncio.shield(job)
+            result = await asyncio.shield(job)
         except asyncio.CancelledError:
             job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                  or self.abort(request_id))
+                                  or self._abort_held(request_id))
             raise
+        self._held.add(request_id)
+        return result
 
-    def _open(self, request_id: str) -> _Stream:
-        if request_id in self._streams:
-            # Checked here, not only by the engine: the running request's stream must stay.
+    def _abort_held(self, request_id: str) -> None:
+        self._held.add(request_id)  # until its aborted output arrives
+        self.abort(request_id)
+
+    def _check_free(self, request_id: str, allocated: bool = False) -> None:
+        # Checked here, not only by the engine: the running request's stream must stay, and
+        # the engine frees an id before its last output reaches this loop (see _held).
+        # ``allocated``: held by the caller's own allocation, which is no conflict.
+        if request_id in self._streams or (request_id in self._held and not allocated):
             raise ValueError(f"request id {request_id!r} is already in the engine")
+
+    def _open(self, request_id: str, allocated: bool = False) -> _Stream:
+        self._check_free(request_id, allocated)
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
         return stream

@@ -53,7 +53,7 @@ class KVAgentHandle:
                          base_addr=int(d["base_addr"]), num_bytes=int(d["num_bytes"]),
                          device_id=int(d["device_id"]), mem_type=str(d["mem_type"]),
                          layout=KVCacheLayout.from_dict(d["layout"]), address=str(d["address"]))
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, RecursionError) as e:  # deep JSON nesting
             raise ValueError(f"not a KV agent handle: {type(e).__name__}: {e}") from None
         handle.validate()
         return handle

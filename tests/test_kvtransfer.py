@@ -299,7 +299,8 @@ def test_bad_handle_bytes_raise_value_error():
            json.dumps({**d, "version": 1}).encode(),
            json.dumps({**d, "layout": {k: v for k, v in d["layout"].items()
                                        if k != "order"}}).encode(),
-           good.to_bytes()[:-7]]
+           good.to_bytes()[:-7],
+           b"[" * 200_000]  # nested past the parser's recursion limit
     for raw in bad:
         with pytest.raises(ValueError,
                            match="KV agent handle|KV cache layout|handle of|unknown|invalid"):

@@ -234,3 +234,82 @@ def test_a_second_stream_for_a_running_request_id_is_refused_and_the_first_keeps
                 ae.shutdown()
 
     assert len(asyncio.run(asyncio.wait_for(run(), 60))) == 30
+
+
+def _decode_engine(preset_path):
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(str(preset_path("tiny-llama")), role="decode",
+                                  num_gpu_blocks=64, max_model_len=256))
+
+
+async def _retry_until_taken(make, within_s: float = 10.0):
+    """``make()`` once the id it uses is free again (ValueError until then)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await make()
+        except ValueError:
+            assert time.monotonic() < deadline, "the id was never free again"
+            await asyncio.sleep(0.01)
+
+
+def test_an_aborted_requests_last_output_never_reaches_a_new_request_under_its_id(preset_path):
+    """The engine frees an aborted request's id before the request's last output reaches the
+    loop: a new request under that id meanwhile got that output (its stream ended at once
+    with 'abort', and it was left decoding for nobody). The id stays taken until then."""
+    from engine import SamplingParams
+
+    engine = _decode_engine(preset_path)
+
+    async def run():
+        ae = AsyncEngine(engine)
+        try:
+            greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            await ae.allocate_prefilled("x", list(range(10, 50)), 7, greedy)
+            ae.abort("x")  # the pull failed: what the decode servicer does
+            with pytest.raises(ValueError, match="already in the engine"):
+                await ae.allocate_prefilled("x", list(range(60, 90)), 7, greedy)
+
+            async def fresh():
+                return [o async for o in ae.generate("x", [21, 22, 23], greedy)]
+
+            outs = await _retry_until_taken(fresh)
+            assert outs[-1].finish_reason == "length"
+            assert sum(len(o.new_token_ids) for o in outs) == 5
+            await asyncio.sleep(0.2)
+            stats = engine.get_stats()
+            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            ae.shutdown()
+
+    asyncio.run(run())
+
+
+def test_an_id_whose_stream_is_still_open_takes_no_blocks(preset_path):
+    """A decode-role allocation under the id of a request whose last output is still unread
+    is refused before it takes blocks (its commit was refused later, leaving them held)."""
+    from engine import SamplingParams
+
+    engine = _decode_engine(preset_path)
+
+    async def run():
+        ae = AsyncEngine(engine)
+        try:
+            greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            old = ae.generate("x", [11, 12, 13], greedy)
+            await old.__anext__()
+            await asyncio.sleep(0.3)  # it finished in the engine; its caller reads on later
+            with pytest.raises(ValueError, match="already in the engine"):
+                await ae.allocate_prefilled("x", list(range(100, 140)), 5, greedy)
+            stats = engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
+            async for _ in old:
+                pass
+            await asyncio.sleep(0.2)
+            stats = engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
+        finally:
+            ae.shutdown()
+
+    asyncio.run(run())

@@ -50,3 +50,69 @@ def test_an_answer_over_the_limit_is_refused_and_its_lease_freed(cluster, monkey
         res = c.complete(prompt, max_tokens=4, prompt_logprobs=0, temperature=0.0)
         assert len(res.prompt_logprobs) == len(prompt) and len(res.token_ids) == 4
     wait_all_blocks_free(workers, timeout_s=30)
+
+
+def test_decode_chunks_over_the_limit_are_refused_and_a_batch_is_split_under_it(cluster):
+    """A local prefill's first chunk carries its prompt_logprobs: one over the limit is refused
+    (INVALID_ARGUMENT, its blocks freed), not sent for gRPC to refuse; chunks that fit alone
+    but not together in one DecodeMany batch go out in several, and no request on the stream
+    fails for another's size."""
+    import asyncio
+
+    import grpc
+
+    from protos import common_pb2, worker_pb2, worker_pb2_grpc
+    from tests.decode_stream import DecodeStream, ended, local_request, start
+
+    decode = next(p.address for p in cluster.procs if p.name.startswith("decode"))
+    sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                         prompt_logprobs=20)
+    fits = random_prompts(3, seed=7, lo=110, hi=110)  # ~48 KB of prompt logprobs each
+    too_big = random_prompts(1, seed=8, lo=600, hi=600)[0]
+
+    def req(rid, prompt):
+        r = local_request(rid, prompt, 3)
+        r.sampling.CopyFrom(sampling)
+        return r
+
+    with grpc.insecure_channel(decode, options=message_size_options({ENV: str(LIMIT)})) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(req("big", too_big), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "message" in err.value.details()
+
+    async def run():
+        s = DecodeStream(decode)
+        for i, p in enumerate(fits):
+            s.send(start(req(f"fit{i}", p)))
+        s.send(start(req("big", too_big)))
+        s.close_sending()
+        by_rid = await s.read_until(lambda _: False)
+        await s.close()
+        return s.batches, by_rid
+
+    batches, by_rid = asyncio.run(run())
+    assert all(b.ByteSize() <= LIMIT for b in batches)
+    assert by_rid["big"][-1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    for i in range(3):
+        events = by_rid[f"fit{i}"]
+        assert ended(events) and events[-1].chunk.finish_reason == "length"
+        assert len(events[0].chunk.prompt_logprobs) == 109  # the first prompt token has none
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], timeout_s=30)
+
+
+def test_a_decode_batch_over_the_limit_is_split_in_order(monkeypatch):
+    from decode_svc import mux
+    from protos import worker_pb2
+
+    monkeypatch.setattr(mux, "_message_limit", lambda: MIN_MESSAGE_BYTES)
+    batch = worker_pb2.DecodeBatch()
+    for i in range(7):
+        ev = batch.events.add(request_id=f"r{i}")
+        ev.chunk.text_delta = "x" * (20_000 + 1000 * i)
+    parts = mux._within_message_limit(batch)
+    assert len(parts) > 1 and all(p.ByteSize() <= MIN_MESSAGE_BYTES for p in parts)
+    assert [ev.request_id for p in parts for ev in p.events] == [f"r{i}" for i in range(7)]
+    small = worker_pb2.DecodeBatch()
+    small.events.add(request_id="s").chunk.token_ids.append(5)
+    assert mux._within_message_limit(small) == [small]

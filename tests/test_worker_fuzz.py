@@ -85,6 +85,15 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
         request_id="lease-d2", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
         sampling=SAMPLING, kv_handle=resp.kv_handle), timeout=30))
     assert chunks[-1].finish_reason
+    # A lease that is not a finite number of seconds (NaN, inf) would lift that bound.
+    for bad in (float("nan"), float("inf"), -1.0):
+        handle.lease_timeout_s = bad
+        with pytest.raises(grpc.RpcError) as err:
+            list(decode.Decode(worker_pb2.DecodeRequest(
+                request_id="lease-bad", prompt_token_ids=prompt,
+                first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle),
+                timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
 
 
