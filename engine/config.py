@@ -86,6 +86,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or preset name")
+        for name in ("enable_prefix_caching", "enable_partial_block_hits",
+                     "enable_chunked_prefill", "detokenize", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):  # "false" would read as on
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):

@@ -299,6 +299,9 @@ def test_absent_or_null_kv_heads_mean_mha(tmp_path):
     ("device", "cuda:x", "device must be auto, cpu, cuda or cuda:N"),
     ("device", "xpu", "device must be auto, cpu, cuda or cuda:N"),
     ("device", None, "device must be auto, cpu, cuda or cuda:N"),
+    ("enable_prefix_caching", "false", "enable_prefix_caching must be true or false"),
+    ("enforce_eager", 1, "enforce_eager must be true or false"),
+    ("detokenize", None, "detokenize must be true or false"),
 ])
 def test_engine_config_refuses(field, value, match):
     with pytest.raises(ValueError, match=match):
