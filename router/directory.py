@@ -272,9 +272,12 @@ class WorkerDirectory:
         return cands
 
     def max_model_len(self) -> int:
-        """The longest sequence every known worker takes; 0 while none is known."""
-        return min((w.info.max_model_len for w in self.workers.values() if w.info.max_model_len),
-                   default=0)
+        """The longest sequence every routable worker takes (every known one while none is
+        routable); 0 while none is known. A draining or down worker, or one of another block
+        size, takes no request: its shorter limit must not refuse prompts the others take."""
+        routable = self._candidates("prefill") + self._candidates("decode")
+        workers = routable or list(self.workers.values())
+        return min((w.info.max_model_len for w in workers if w.info.max_model_len), default=0)
 
     def check_prompt_fits(self, num_tokens: int) -> None:
         limit = self.max_model_len()
@@ -326,8 +329,10 @@ class WorkerDirectory:
 
     async def pick_decode(self, num_tokens: int,
                           avoid: frozenset[str] = frozenset()) -> WorkerHandle:
+        """A decode worker with room for ``num_tokens``; of those, one not in ``avoid`` when
+        there is one (an avoided worker with room beats a refusal)."""
         need = -(-num_tokens // self.block_size)
-        cands = _prefer(await self._candidates_now("decode"), avoid)
+        cands = await self._candidates_now("decode")
         if not cands:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         roomy = [w for w in cands if w.info.num_free_blocks >= need]
@@ -340,7 +345,8 @@ class WorkerDirectory:
             raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room on any decode worker: none has {need} free KV "
                                 f"blocks")
-        return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
+        return min(_prefer(roomy, avoid),
+                   key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
 
     async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
         """Each decode worker's own current info; one that does not answer keeps its view.
@@ -419,5 +425,7 @@ def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHand
 
 
 def _neg(s: str) -> tuple:
-    """Sorts strings descending inside a max(): the smaller id wins a tie."""
-    return tuple(-ord(c) for c in s)
+    """Sorts strings descending inside a max(): the smaller id wins a tie. The end marker
+    ranks above every character, so that an id beats the longer ids it is a prefix of ("p1"
+    before "p10"), as it sorts before them."""
+    return (*(-ord(c) for c in s), 1)

@@ -23,6 +23,7 @@ import uuid
 
 import grpc
 
+from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import abort_call, write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
@@ -114,10 +115,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                              f"(max_tokens={params.max_tokens})")
         return ids
 
-    def _timeout(self, context) -> float:
+    def _time_left(self, context, run: RequestRun) -> float | None:
+        """Seconds left of the request's deadline: the client's, else --default-timeout-s from
+        its arrival (once for the whole request, not again for each call or migration); None
+        without either."""
         remaining = context.time_remaining()
+        if remaining is None and self.config.default_timeout_s:
+            remaining = run.t0 + self.config.default_timeout_s - time.monotonic()
+        return remaining
+
+    def _timeout(self, context, run: RequestRun) -> float:
+        """The timeout of a call to a worker for ``run``: what is left of its deadline."""
+        remaining = self._time_left(context, run)
         if remaining is None:
-            remaining = self.config.default_timeout_s or self.config.prefill_timeout_s * 10
+            remaining = self.config.prefill_timeout_s * 10
         if remaining <= 0:
             raise RouterRejectError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return remaining
@@ -212,7 +223,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not is_migratable(e) or not run.workers:
             return False
         failed = run.workers[-1]
-        remaining = context.time_remaining()
+        remaining = self._time_left(context, run)
         if remaining is not None and remaining <= 0:
             return False
         if run.migrations >= self.config.migration_limit:
@@ -355,7 +366,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                               resume_token_ids=resume, sampling=request.sampling,
                                               router_id=self.router_id,
                                               router_incarnation=self.incarnation),
-                    timeout=min(self._timeout(context), self.config.prefill_timeout_s)))
+                    timeout=min(self._timeout(context, run), self.config.prefill_timeout_s)))
                 lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
             except BaseException as e:
                 if not _refused_by_worker(e):
@@ -363,6 +374,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # leased the prompt's KV (its answer may have been on the wire): without a
                     # release the lease would hold the blocks until it expires.
                     self._release_later(prefill, rid)
+                if _past_prefill_cap(e, self._time_left(context, run)):
+                    # --prefill-timeout-s ran out, not the request's deadline: the worker is
+                    # stuck, which another may not be (the request moves on, as documented).
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill worker {prefill.worker_id} did not answer within "
+                                    f"--prefill-timeout-s ({self.config.prefill_timeout_s:g} s)"
+                                    ) from None
                 raise
         timings, usage = run.timings, run.usage
         if not run.started:
@@ -410,8 +428,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         that chunk). A refusal for want of room is tried again, elsewhere when it can be,
         while the prefill lease keeps the KV (router/decode_wait.py). ``lease_ends``: when the
         lease ends, on this host's monotonic clock."""
+        # What is left of the lease now: the first token's write to the client came between.
         wait = DecodeWait.after_prefill(self.config.decode_wait_timeout_s,
-                                        dreq.kv_handle.lease_timeout_s, context.time_remaining())
+                                        max(lease_ends - time.monotonic(), 0.0),
+                                        self._time_left(context, run))
         num_tokens = len(dreq.prompt_token_ids) + len(dreq.resume_token_ids) + 1
         refused: set[str] = set()
         timed = run.decode_timed
@@ -451,7 +471,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
                       run: RequestRun):
         run.calls(decode)
-        timeout = self._timeout(context)
+        timeout = self._timeout(context, run)
         if self.config.decode_stream == "multiplexed":
             chunks = decode.mux.decode(dreq, timeout)
         else:
@@ -493,6 +513,12 @@ _REFUSALS = frozenset({
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def _past_prefill_cap(e: BaseException, time_left: float | None) -> bool:
+    """Whether a Prefill call ended at the router's cap on it while the request had time."""
+    return (isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            and (time_left is None or time_left > 0))
 
 
 def _refused_by_worker(e: BaseException) -> bool:

@@ -203,3 +203,48 @@ def test_a_worker_registered_at_another_address_has_its_old_channel_closed(redis
             await d.stop()
 
     asyncio.run(body())
+
+
+def test_routing_picks_an_avoided_worker_with_room_over_a_refusal_and_ignores_unroutable_limits(
+        redis_url):
+    """A migrated request avoids the worker that failed it only while another can take it: a
+    full one cannot. Ties go to the smaller id ("d1" before "d10"). The cluster's
+    max_model_len is the routable workers' (a draining one's shorter limit refused prompts
+    the others take)."""
+    async def body():
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir7"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir7")
+        try:
+            roomy, full = _info("d10", "decode"), _info("d2", "decode")
+            full.num_free_blocks = 0
+            for info in (roomy, full):
+                info.max_model_len = 4096
+                await writer.heartbeat(info)
+            await d.refresh()
+            d._ask_fresh = _no_fresh_info  # the heartbeats are the workers' own view here
+            assert (await d.pick_decode(33, avoid=frozenset({"d10"}))).worker_id == "d10"
+            tie = _info("d1", "decode")
+            tie.max_model_len = 4096
+            await writer.heartbeat(tie)
+            for wid in ("p1", "p10"):
+                p = _info(wid, "prefill")
+                p.max_model_len = 4096
+                await writer.heartbeat(p)
+            old = _info("p0", "prefill")
+            old.max_model_len, old.draining = 256, True  # on its way out
+            await writer.heartbeat(old)
+            await d.refresh()
+            assert (await d.pick_decode(33)).worker_id == "d1"
+            worker, _ = await d.pick_prefill(hash_request_tokens(list(range(32)), 16), 32)
+            assert worker.worker_id == "p1"
+            assert d.max_model_len() == 4096
+            d.check_prompt_fits(1000)
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+
+    asyncio.run(body())
+
+
+async def _no_fresh_info(workers) -> None:
+    pass

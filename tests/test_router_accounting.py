@@ -176,3 +176,29 @@ def test_tpot_of_a_resumed_request_spaces_only_the_tokens_this_call_streamed():
 
 async def _collect(s: service.RouterServicer, req) -> list[router_pb2.GenerateChunk]:
     return [c async for c in s._generate(req, _Context(), time.monotonic())]
+
+
+def test_the_default_timeout_is_one_deadline_for_the_whole_request():
+    """Without a client deadline, --default-timeout-s counts from the request's arrival: each
+    call to a worker (and each migration) gets what is left of it, not the whole again."""
+    s = service.RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
+                                            log_requests=False, default_timeout_s=10.0),
+                               _Directory(), load_served_model("tiny-llama", "auto", None),
+                               RouterStats(8))
+    run = RequestRun("r", PROMPT, time.monotonic() - 3.0)  # arrived 3 s ago
+    assert 6.0 < s._timeout(_Context(), run) <= 7.0
+    late = RequestRun("r", PROMPT, time.monotonic() - 10.5)
+    with pytest.raises(service.RouterRejectError) as err:
+        s._timeout(_Context(), late)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_prefill_cut_by_the_routers_own_cap_is_a_worker_failure_not_the_clients_deadline():
+    cut = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                               grpc.aio.Metadata(), "Deadline Exceeded")
+    assert service._past_prefill_cap(cut, None)  # no client deadline: only the cap ran out
+    assert service._past_prefill_cap(cut, 5.0)
+    assert not service._past_prefill_cap(cut, 0.0)  # the client's own deadline
+    other = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(), "gone")
+    assert not service._past_prefill_cap(other, 5.0)
