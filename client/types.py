@@ -181,7 +181,11 @@ def build_request(prompt: Prompt, request_id: str | None,
                         f"(accepted: {', '.join(sorted(SAMPLING_FIELDS))})")
     if isinstance(sampling.get("stop"), str):
         sampling = {**sampling, "stop": [sampling["stop"]]}
-    params = common_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    given = {k: v for k, v in sampling.items() if v is not None}
+    try:
+        params = common_pb2.SamplingParams(**given)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"sampling argument {_misfit(given)} cannot be sent: {e}") from None
     req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
     if isinstance(prompt, str):
         req.text = prompt
@@ -194,6 +198,17 @@ def build_request(prompt: Prompt, request_id: str | None,
         raise TypeError("prompt must be a str, a list of token ids, a list of chat messages "
                         "or a Chat")
     return req
+
+
+def _misfit(given: dict) -> str:
+    """The first of ``given``'s fields the request message refuses (out of its integer range,
+    of the wrong type), as ``name=value``: protobuf's own error does not name it."""
+    for k, v in given.items():
+        try:
+            common_pb2.SamplingParams(**{k: v})
+        except (ValueError, TypeError):
+            return f"{k}={v!r}"
+    return "?"
 
 
 def tokenize_request(prompt: str | list | Chat) -> router_pb2.TokenizeRequest:

@@ -167,6 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 
+    SamplingParams(**sampling_kwargs(args, {}))  # a bad flag fails before the model loads
     with LLM(args.model, **engine_kwargs(args)) as llm:
         defaults = llm.sampling_defaults
         params = SamplingParams(**{**defaults, **sampling_kwargs(args, defaults)})

@@ -71,7 +71,7 @@ def connection_kwargs(args: argparse.Namespace) -> dict:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="HOST:PORT of a running router")
     add_connection_args(p)
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    p.add_argument("--timeout", type=_call_timeout, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="admin", required=True)
     w = sub.add_parser("workers", help="the live workers and their load")
     w.add_argument("--role", choices=["prefill", "decode"], default="")
@@ -100,6 +100,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--limit", type=_list_limit, default=0,
                    help="at most this many (0: 1000; at most 10000)")
     t.add_argument("--json", action="store_true")
+
+
+def _call_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < value <= 1e6:  # NaN, inf and huge values would not time out at all
+        raise argparse.ArgumentTypeError(f"must be in (0, 1e6] seconds, got {text!r}")
+    return value
 
 
 def _list_limit(text: str) -> int:

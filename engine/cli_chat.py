@@ -36,13 +36,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except PdserveError as e:  # no router to talk to (down, wrong address, refused key)
         print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
         return 1
+    failed = 0
     with contextlib.closing(replier):
         while True:
             if interactive:
                 print("you> ", end="", flush=True)
             line = sys.stdin.readline()
             if not line or line.strip() in ("/exit", "/quit"):
-                return 0
+                # A script piping turns in learns that some failed; a person saw each error.
+                return 1 if failed and not interactive else 0
             text = line.rstrip("\n")
             if text.strip() == "/reset":
                 history = list(system)
@@ -61,6 +63,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                         print(f"\n[{usage}]", file=sys.stderr, flush=True)
             except (PdserveError, ValueError) as e:
                 history.pop()  # the turn failed: the next one starts from before it
+                failed += 1
                 code = getattr(e, "code", None)
                 print(f"\npdserve: error: {f'{code.name}: ' if code else ''}{e}",
                       file=sys.stderr, flush=True)
@@ -112,6 +115,7 @@ class _replier:
         from engine.cli import engine_kwargs, sampling_kwargs
 
         template = load_chat_template(self.args.chat_template)
+        SamplingParams(**sampling_kwargs(self.args, {}))  # a bad flag fails before the model loads
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
         defaults = llm.sampling_defaults

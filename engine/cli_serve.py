@@ -176,14 +176,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from router.server import main
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    main(_router_config(args))
+    return 0
+
+
+def _router_config(args: argparse.Namespace):
     from engine.grpc_server import ServerConfig
     from router.config import RouterConfig
     from router.liveness import LivenessConfig
     from router.local_prefill import LocalPrefillConfig
-    from router.server import main
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    main(RouterConfig(model=args.model, redis_url=args.redis_url,
+    return (RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                           args.shutdown_grace_s, ready_fd=args.ready_fd,
                                           parent_fd=args.parent_fd,
@@ -209,7 +215,6 @@ def cmd_router(args: argparse.Namespace) -> int:
                           max_local_prefill_length=args.max_local_prefill_length,
                           local_prefill_queue_threshold=args.local_prefill_queue_threshold,
                           decode_prefix_reuse_min_tokens=args.decode_prefix_reuse_min_tokens)))
-    return 0
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -305,6 +310,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             cluster.stop()
         print("pdserve up: stopped while starting", flush=True)
         return 0
+    except RuntimeError as e:  # a service that did not come up (its own log says why)
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 1
     try:  # started already: `with cluster` would start it a second time
         return _serve_until_stopped(args, spec, cluster, Supervisor, stop)
     finally:
@@ -355,7 +363,7 @@ def up_spec(args: argparse.Namespace):
         from router.local_prefill import LocalPrefillConfig
 
         LocalPrefillConfig(max_local_prefill_length=args.max_local_prefill_length)
-    extra = ["--num-gpu-blocks", str(args.num_gpu_blocks)] if args.num_gpu_blocks else []
+    extra = [] if args.num_gpu_blocks is None else ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.scheduling_policy:
         extra += ["--scheduling-policy", args.scheduling_policy]
     for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
@@ -364,13 +372,31 @@ def up_spec(args: argparse.Namespace):
             extra += [flag, str(value)]
     if args.enforce_eager:
         extra.append("--enforce-eager")
-    return ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+    spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
                        router_args=_up_router_args(args),
                        kv_transfer_backend=args.kv_transfer_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        engine_process=args.engine_process)
+    _check_service_flags(spec)
+    return spec
+
+
+def _check_service_flags(spec) -> None:
+    """Each service's configuration built from the flags it will get, as it will build it: a
+    bad value fails here with its message, not in a service after the others started."""
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    redis = spec.redis_url or "redis://127.0.0.1:6379/0"
+    roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
+    for role in roles:
+        _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url", redis,
+                                          *spec.engine_args(role, [])]), role)
+    _router_config(parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
+                                      "--port", str(spec.router_port),
+                                      *spec.router_flags()]))
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

@@ -72,8 +72,12 @@ class ServerConfig:
                 or not 0 <= self.metrics_port <= 65535):
             raise ValueError(f"metrics_port must be in [0, 65535] or None, "
                              f"got {self.metrics_port!r}")
-        if self.drain_timeout_s < 0 or self.grace_s < 0:
-            raise ValueError("drain_timeout_s and grace_s must be >= 0")
+        for name in ("drain_timeout_s", "grace_s"):
+            value = getattr(self, name)
+            # NaN failed the stop at SIGTERM; inf drained for ever.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("ready_fd", "parent_fd"):
             fd = getattr(self, name)
             if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):

@@ -103,6 +103,9 @@ class ClusterSpec:
             raise ValueError(f"a cluster needs at least one decode worker and 0 or more prefill "
                              f"workers (0: aggregated), got {self.num_prefill} prefill and "
                              f"{self.num_decode} decode")
+        if isinstance(self.prefill_tp, bool) or not isinstance(self.prefill_tp, int) \
+                or self.prefill_tp < 1:
+            raise ValueError(f"-tp must be a positive integer, got {self.prefill_tp!r}")
         if self.aggregated and self.prefill_tp > 1:
             raise ValueError(f"-tp {self.prefill_tp} sets the prefill workers' tensor-parallel "
                              "size, and an aggregated cluster (no prefill worker) has none")

@@ -141,3 +141,62 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
                         "nothing to serve it")):
         with pytest.raises(ValueError, match=match):
             up_spec(build_parser().parse_args(["up", *bad]))
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--prefill", "0", "--max-num-seqs", "-1"], "max_num_seqs must be a positive integer"),
+    (["-tp", "0"], "-tp must be a positive integer"),
+    (["--num-gpu-blocks", "0"], "num_gpu_blocks must be a positive integer"),
+    (["--port", "70000"], "port must be in"),
+    (["--redis-url", "http://x"], "redis_url"),
+    (["--metrics-port", "-3"], "metrics_port"),
+])
+def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
+                                                                       monkeypatch):
+    """Each service's configuration is built from the flags it would get before any starts:
+    a bad value was found by the first worker to start, after the others, with a traceback."""
+    from router import launcher
+
+    def no_start(self):
+        raise AssertionError("a service was started")
+
+    monkeypatch.setattr(launcher.Cluster, "start", no_start)
+    assert main(["up", *flags]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_sampling_flags_and_timeouts_are_checked_before_anything_loads(capsys, monkeypatch):
+    import engine
+    from engine.grpc_server import ServerConfig
+
+    monkeypatch.setattr(engine, "LLM", None)  # loading a model would fail loudly
+    assert main(["generate", "--prompt", "x", "--top-p", "5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    for bad in ("nan", "inf", "-1", "1e300"):
+        with pytest.raises(SystemExit):
+            main(["admin", "--router", "127.0.0.1:1", "--timeout", bad, "stats"])
+        assert "--timeout" in capsys.readouterr().err
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="drain_timeout_s must be a finite number"):
+            ServerConfig(drain_timeout_s=bad)
+
+
+def test_the_sdk_names_a_sampling_argument_the_request_cannot_carry():
+    from client.types import build_request
+
+    for kw, name in ((dict(seed=2 ** 64 - 1), "seed="), (dict(max_tokens=3_000_000_000),
+                                                         "max_tokens="),
+                     (dict(temperature="hot"), "temperature=")):
+        with pytest.raises(ValueError, match=f"sampling argument {name}"):
+            build_request("hi", None, kw)
+
+
+def test_piped_chat_turns_that_fail_end_with_a_nonzero_exit(monkeypatch, capsys):
+    import io
+
+    long_turn = " ".join(["word"] * 400)  # over --max-model-len once templated
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hello\n{long_turn}\n"))
+    assert main(["chat", "--max-model-len", "128", "--max-tokens", "2"]) == 1
+    assert "error" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--max-tokens", "2"]) == 0
