@@ -59,6 +59,18 @@ def redis_url():
         yield server.url
 
 
+async def _registered(redis_url: str, namespace: str, *agents: str):
+    """A prefill worker "p1" registered with these agents' handles, and a decode worker's
+    connector (every 50 ms) over a recording engine: (registry, its info, engine, connector)."""
+    reg = Registry.from_url(redis_url, namespace)
+    info = common_pb2.WorkerInfo(worker_id="p1", role="prefill", address="127.0.0.1:1")
+    engine = RecordingEngine()
+    peers = kv_peers.KVPeerConnector(reg, engine, 0.05)
+    await reg.heartbeat(info)
+    await reg.set_kv_handles("p1", _handles(*agents))
+    return reg, info, engine, peers
+
+
 async def _rounds_until(peers: kv_peers.KVPeerConnector, pred, within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while not pred():
@@ -72,12 +84,7 @@ def test_a_prefill_worker_gone_long_enough_is_forgotten_and_connected_again_on_r
     monkeypatch.setattr(kv_peers, "FORGET_AFTER_S", FORGET_S)
 
     async def body():
-        reg = Registry.from_url(redis_url, "peers1")
-        info = common_pb2.WorkerInfo(worker_id="p1", role="prefill", address="127.0.0.1:1")
-        engine = RecordingEngine()
-        peers = kv_peers.KVPeerConnector(reg, engine, 0.05)
-        await reg.heartbeat(info)
-        await reg.set_kv_handles("p1", _handles("a0", "a1"))
+        reg, info, engine, peers = await _registered(redis_url, "peers1", "a0", "a1")
         await peers.connect_new()
         await peers.connect_new()  # already connected: not again
         assert engine.preconnects == [["a0", "a1"]] and peers.num_connected == 1
@@ -110,12 +117,7 @@ def test_a_prefill_worker_back_before_the_grace_ends_keeps_its_connections(redis
     monkeypatch.setattr(kv_peers, "FORGET_AFTER_S", FORGET_S)
 
     async def body():
-        reg = Registry.from_url(redis_url, "peers2")
-        info = common_pb2.WorkerInfo(worker_id="p1", role="prefill", address="127.0.0.1:1")
-        engine = RecordingEngine()
-        peers = kv_peers.KVPeerConnector(reg, engine, 0.05)
-        await reg.heartbeat(info)
-        await reg.set_kv_handles("p1", _handles("b0"))
+        reg, info, engine, peers = await _registered(redis_url, "peers2", "b0")
         await peers.connect_new()
         await reg.deregister("p1")  # a stale purge, say
         await peers.connect_new()

@@ -171,35 +171,13 @@ def test_a_killed_launcher_leaves_no_service_behind():
 def test_stopping_the_cluster_lets_requests_in_flight_finish():
     """``pdserve up``'s stop drains the router before any worker leaves: a request between its
     prefill and its decode leg still finds a decode worker."""
-    import threading
-
-    from client import Client, FailoverPolicy
     from tests.serving_helpers import WORKER_ARGS, random_prompts
 
     cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS,
                                   router_args=["--max-local-prefill-length", "0"])).start()
-    outcomes: list = []
-    first = threading.Event()
-
-    def stream(prompt):
-        try:
-            with Client(cluster.router_address, timeout=120,
-                        failover=FailoverPolicy(max_retries=0)) as c:
-                chunks = []
-                for chunk in c.generate(prompt, max_tokens=24, temperature=0.0,
-                                        ignore_eos=True):
-                    chunks.append(chunk)
-                    first.set()
-                outcomes.append((sum(len(ch.token_ids) for ch in chunks),
-                                 chunks[-1].finish_reason))
-        except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
-            outcomes.append(e)
-
-    threads = [threading.Thread(target=stream, args=(p,))
-               for p in random_prompts(8, seed=3, lo=200, hi=400)]
     try:
-        for t in threads:
-            t.start()
+        threads, outcomes, first = _stream_in_background(
+            cluster.router_address, random_prompts(8, seed=3, lo=200, hi=400))
         assert first.wait(120)
     finally:
         cluster.stop()  # with the requests in flight: every one at its own stage
@@ -289,9 +267,6 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
     """``pdserve up`` serves until told to stop; Ctrl-C in its terminal reaches its whole
     process group, yet only the launcher takes it: requests in flight finish, as the routers
     drain before any worker leaves, and everything exits."""
-    import threading
-
-    from client import Client, FailoverPolicy
     from tests.serving_helpers import random_prompts
 
     up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "tiny-llama"],
@@ -303,25 +278,8 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
         assert line, up.stderr.read()[-3000:]
         address = line.split("router on ")[1].split()[0]
         services = _children(up.pid)
-        first = threading.Event()
-
-        def stream(prompt):
-            try:
-                with Client(address, timeout=120, failover=FailoverPolicy(max_retries=0)) as c:
-                    chunks = []
-                    for chunk in c.generate(prompt, max_tokens=24, temperature=0.0,
-                                            ignore_eos=True):
-                        chunks.append(chunk)
-                        first.set()
-                    outcomes.append((sum(len(ch.token_ids) for ch in chunks),
-                                     chunks[-1].finish_reason))
-            except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
-                outcomes.append(e)
-
-        threads = [threading.Thread(target=stream, args=(p,))
-                   for p in random_prompts(4, seed=5, lo=100, hi=200)]
-        for t in threads:
-            t.start()
+        threads, outcomes, first = _stream_in_background(
+            address, random_prompts(4, seed=5, lo=100, hi=200))
         assert first.wait(120)
         os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
         for t in threads:
@@ -335,6 +293,36 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def _stream_in_background(address: str, prompts: list[list[int]]):
+    """A thread streaming 24 greedy tokens for each prompt through the router at ``address``
+    (no failover): (the threads, each one's outcome as it ends, an event set at the first
+    token any of them gets). An outcome is (tokens, finish reason) or the exception."""
+    import threading
+
+    from client import Client, FailoverPolicy
+
+    outcomes: list = []
+    first = threading.Event()
+
+    def stream(prompt):
+        try:
+            with Client(address, timeout=120, failover=FailoverPolicy(max_retries=0)) as c:
+                chunks = []
+                for chunk in c.generate(prompt, max_tokens=24, temperature=0.0,
+                                        ignore_eos=True):
+                    chunks.append(chunk)
+                    first.set()
+                outcomes.append((sum(len(ch.token_ids) for ch in chunks),
+                                 chunks[-1].finish_reason))
+        except Exception as e:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    return threads, outcomes, first
 
 
 def _children(pid: int) -> list[int]:
