@@ -31,7 +31,8 @@ from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
 from engine.outputs import LeaseEnded
 from protos import common_pb2
-from router.registry import ROUTER_TTL_S
+from router.registry import ROUTER_TTL_S, check_redis_url
+from router.router_presence import check_worker_id
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -88,6 +89,9 @@ class WorkerConfig:
                               or not 1 <= t <= 86400):
             raise ValueError(f"engine_step_timeout_s must be seconds in [1, 86400] or None, "
                              f"got {t!r}")
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url)
+        check_worker_id(self.worker_id)
         cores = self.core_share_cores
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)
                                   or cores < 1):

@@ -11,6 +11,7 @@ from engine.grpc_server import ServerConfig
 from engine.output_processor import check_stream_interval
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
+from router.registry import check_redis_url
 from router.router_presence import check_router_id
 
 DECODE_STREAMS = ("multiplexed", "per-request")
@@ -81,9 +82,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or preset name")
-        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must be a redis:// URL, got {self.redis_url!r}")
+        check_redis_url(self.redis_url)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if not self.refresh_interval_s > 0:

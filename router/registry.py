@@ -72,6 +72,16 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def check_redis_url(url) -> str:
+    """A URL redis-py connects with; ValueError naming it otherwise."""
+    if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
+        raise ValueError(f"redis_url must be a redis:// URL, got {url!r}")
+    return url
+
+
 # How stale a heartbeat the routers take for a worker gone (Registry.ttl_s's default).
 ROUTER_TTL_S = 5.0
 

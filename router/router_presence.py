@@ -46,6 +46,12 @@ def check_router_id(value) -> str:
     return _check_name("router_id", value, 128, spaces=False)
 
 
+def check_worker_id(value) -> str:
+    """A worker id as --worker-id gives it: as a router id ("" for the default; "{port}" is
+    filled in once the port is bound)."""
+    return _check_name("worker_id", value, 128, spaces=False)
+
+
 def check_incarnation(value) -> str:
     """An incarnation as a Prefill call names it: at most 256 printable characters."""
     return _check_name("router_incarnation", value, 256, spaces=True)

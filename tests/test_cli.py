@@ -200,3 +200,19 @@ def test_piped_chat_turns_that_fail_end_with_a_nonzero_exit(monkeypatch, capsys)
     assert "error" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
     assert main(["chat", "--max-tokens", "2"]) == 0
+
+
+def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
+    from engine.cli import build_parser
+    from engine.cli_serve import _worker_config
+
+    def cfg(*extra):
+        return _worker_config(build_parser().parse_args(["decode", "--model", "tiny-llama",
+                                                         *extra]), "decode")
+
+    assert cfg("--redis-url", "redis://h:1/0", "--worker-id", "decode-{port}").redis_url
+    for extra, match in ((["--redis-url", "http://x"], "redis_url must be a redis:// URL"),
+                         (["--worker-id", "a b"], "worker_id"),
+                         (["--worker-id", "x\ny"], "worker_id")):
+        with pytest.raises(ValueError, match=match):
+            cfg(*extra)
