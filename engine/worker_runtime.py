@@ -335,6 +335,8 @@ class WorkerRuntime:
     # --- lifecycle ------------------------------------------------------------------------
     async def start_presence(self) -> None:
         if self.config.redis_url is None:
+            logger.warning("worker %s: no --redis-url, so it registers nowhere: no router will "
+                           "send it requests (only direct callers of its API)", self.worker_id)
             return
         from router.presence import WorkerPresence
 
