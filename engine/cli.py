@@ -128,9 +128,23 @@ DEMO_PROMPTS = [
 ]
 
 
+def refuse_engine_flags(args: argparse.Namespace, why: str) -> None:
+    """A command that runs no engine here refuses engine flags set to other than their
+    defaults, rather than ignore them (a --dtype that never applies would mislead)."""
+    base = argparse.ArgumentParser()
+    _add_engine_args(base)
+    given, defaults = engine_kwargs(args), engine_kwargs(base.parse_args([]))
+    changed = sorted(k for k in given if given[k] != defaults[k])
+    if changed:
+        raise ValueError(f"engine flags ({', '.join(changed)}) do not apply here: {why}")
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.offline:
         from engine.cli_serve import cmd_demo_serving
+
+        refuse_engine_flags(args, "the demo's cluster takes only --model and --max-tokens "
+                                  "(use --offline, or pdserve up)")
         return cmd_demo_serving(args, DEMO_PROMPTS)
     from engine import LLM
 
@@ -162,8 +176,10 @@ def _demo_prompts(llm, max_tokens: int) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.router:
+    if args.router is not None:  # "" too: not a silent run of the local engine
         from engine.cli_serve import cmd_generate_remote
+
+        refuse_engine_flags(args, "a router's workers run with their own")
         return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 

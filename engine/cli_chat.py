@@ -24,9 +24,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     from client import PdserveError
 
-    if args.router and args.chat_template:
-        raise ValueError("--chat-template applies to the in-process engine; a router renders "
-                         "with its own --chat-template")
+    if args.router is not None:
+        from engine.cli import refuse_engine_flags
+
+        if args.chat_template:
+            raise ValueError("--chat-template applies to the in-process engine; a router "
+                             "renders with its own --chat-template")
+        refuse_engine_flags(args, "a router's workers run with their own")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     interactive = sys.stdin.isatty()
@@ -80,7 +84,7 @@ class _replier:
         self._close = lambda: None
 
     def open(self) -> Replier:
-        return self._remote() if self.args.router else self._local()
+        return self._remote() if self.args.router is not None else self._local()
 
     def close(self) -> None:
         self._close()

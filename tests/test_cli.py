@@ -216,3 +216,15 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
                          (["--worker-id", "x\ny"], "worker_id")):
         with pytest.raises(ValueError, match=match):
             cfg(*extra)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--router", "127.0.0.1:1", "--prompt", "x", "--dtype", "bfloat16"],
+    ["chat", "--router", "127.0.0.1:1", "--tensor-parallel-size", "2"],
+    ["demo", "--block-size", "32"],
+    ["generate", "--router", "", "--prompt", "x"],  # not a silent run of the local engine
+])
+def test_commands_that_run_no_engine_here_refuse_engine_flags(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "do not apply here" in err or "router address" in err
