@@ -124,6 +124,7 @@ class EngineFront:
         """Decode role: blocks for a prompt whose KV arrives from outside."""
         self._check_alive()
         self._check_free(request_id)  # before any block is taken for it
+        self._held.add(request_id)
         return await self._guarded(request_id, self._add_prefilled(
             request_id, prompt_token_ids, first_token_id, params, resume_token_ids,
             stream_interval))
@@ -131,7 +132,7 @@ class EngineFront:
     async def commit_prefilled(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""
         stream = await self._admit(request_id, lambda: self._guarded(
-            request_id, self._commit(request_id)), allocated=True)
+            request_id, self._commit(request_id), release_on_failure=False), allocated=True)
         async for out in self._drain(request_id, stream):
             yield out
 
@@ -142,31 +143,42 @@ class EngineFront:
         the id is held by its own allocation (allocate_prefilled)."""
         self._check_alive()
         stream = self._open(request_id, allocated)
+        # Held from before the engine has it: its last output may come before admit() returns.
+        self._held.add(request_id)
         try:
             await admit()
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            # Not in the engine, unless its own allocation holds it, or a cancel left the
+            # admission to finish (then _guarded aborts it, and its last output frees the id).
+            if not allocated and not isinstance(e, asyncio.CancelledError):
+                self._held.discard(request_id)
             raise
-        self._held.add(request_id)
         return stream
 
-    async def _guarded(self, request_id: str, work: Awaitable):
+    async def _guarded(self, request_id: str, work: Awaitable, release_on_failure: bool = True):
         """``work``, which waits for the running step. A caller cancelled meanwhile (client
         cancel, deadline) cannot stop it, so once it has allocated or admitted the request, the
-        request is aborted: no blocks stay held, no steps decode for nobody."""
+        request is aborted: no blocks stay held, no steps decode for nobody. The id, held by
+        the caller, is let go if ``work`` fails and ``release_on_failure``."""
         job = asyncio.ensure_future(work)
         try:
-            result = await asyncio.shield(job)
+            return await asyncio.shield(job)
         except asyncio.CancelledError:
-            job.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                  or self._abort_held(request_id))
+            job.add_done_callback(lambda f: self._settle(request_id, f, release_on_failure))
             raise
-        self._held.add(request_id)
-        return result
+        except BaseException:
+            if release_on_failure:
+                self._held.discard(request_id)
+            raise
 
-    def _abort_held(self, request_id: str) -> None:
-        self._held.add(request_id)  # until its aborted output arrives
-        self.abort(request_id)
+    def _settle(self, request_id: str, job: asyncio.Future, release_on_failure: bool) -> None:
+        """A guarded job its caller stopped waiting for, now done."""
+        if job.cancelled() or job.exception() is not None:
+            if release_on_failure:
+                self._held.discard(request_id)
+        else:
+            self.abort(request_id)  # the id stays held until its aborted output arrives
 
     def _check_free(self, request_id: str, allocated: bool = False) -> None:
         # Checked here, not only by the engine: the running request's stream must stay, and

@@ -342,3 +342,18 @@ def test_a_bounded_send_to_a_process_that_stopped_reading_times_out():
     finally:
         ours.close()
         theirs.close()
+
+
+def test_an_id_is_free_again_once_its_request_ended_however_fast_it_ended():
+    """The loop holds an id until the request's last output arrives; one that ends before
+    the engine process's reply to its admission (a one-token request) must still let go of
+    it, or the id would be refused for good."""
+    async def run():
+        proc = await _start()
+        try:
+            for _ in range(12):
+                assert len(await _collect(proc, "same", [5, 6, 7], 1)) == 1
+        finally:
+            proc.shutdown()
+
+    asyncio.run(run())
