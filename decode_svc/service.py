@@ -108,7 +108,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def _committed(self, rid: str, alloc, timings: worker_pb2.DecodeTimings,
                          pulled_at: float):
         """The request's chunks once admitted into the batch, the first with its timings."""
-        t1 = pulled_at
         async with contextlib.aclosing(self.rt.engine.commit_prefilled(rid)) as outs:
             first_chunk = True
             async for out in outs:
@@ -117,7 +116,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     first_chunk = False
                     now = time.monotonic()
                     sched = out.first_scheduled_time or now
-                    timings.queue_s = max(sched - t1, 0.0)
+                    timings.queue_s = max(sched - pulled_at, 0.0)
                     timings.first_step_s = max(now - sched, 0.0)
                     chunk.timings.CopyFrom(timings)
                     chunk.num_cached_tokens = alloc.num_cached_tokens

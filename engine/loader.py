@@ -13,6 +13,7 @@ from engine.layers import LinearBase, ParallelLMHead
 from engine.model_config import ModelConfig
 from engine.models import build_model
 from engine.linear_tuning import choose_linear_kernels
+from kernels import get_attention_backend
 from kernels.attention_backend import AttentionBackend
 from kernels.cpu_linear import packed_kernels
 
@@ -21,15 +22,18 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
-               attn_backend: AttentionBackend, linear_backend: str = "torch",
+               attn_backend: AttentionBackend | str, linear_backend: str = "torch",
                pack_threads: int | None = None, prefer_linear: str | None = None) -> nn.Module:
     """The model of ``folder`` with its weights cast to ``dtype`` on ``device``, in eval mode;
     ``linear_backend`` (a resolved name, see kernels.cpu_linear) other than "torch" packs its
     linear layers for that GEMM, or for the fastest one here ("auto", where ``prefer_linear``
     keeps its place unless another is much faster), once the weights are in, for calls of up
-    to ``pack_threads`` threads (default: torch's count)."""
+    to ``pack_threads`` threads (default: torch's count). ``attn_backend``: a backend, or a
+    name (kernels.get_attention_backend) chosen once the model's head size is known."""
     folder = Path(folder)
     cfg = ModelConfig.from_pretrained(folder)
+    if isinstance(attn_backend, str):  # a name: resolved for this model's head size
+        attn_backend = get_attention_backend(attn_backend, device, cfg.head_dim)
     files = weight_files(folder)
     model = build_model(cfg, dtype, device, attn_backend)
     try:

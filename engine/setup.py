@@ -170,14 +170,13 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     if device.type == "cpu":  # activations live in host memory: reuse it step to step
         tune_host_malloc()
     torch.manual_seed(spec.config.seed)
-    head_size = ModelConfig.from_pretrained(spec.model_path).head_dim
-    backend = get_attention_backend(spec.config.attention_backend, device, head_size)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
     # The compiled CPU step runs on one packed GEMM's layers: where it can run, it is preferred.
     prefer = preferred_linear_kernel(spec.torch_dtype, group.size) \
         if cpu_graph_enabled(spec) else None
     with tp_group_scope(group):
-        return load_model(spec.model_path, spec.torch_dtype, device, backend, linear,
+        return load_model(spec.model_path, spec.torch_dtype, device,
+                          spec.config.attention_backend, linear,
                           spec.config.max_cpu_threads, prefer)
 
 

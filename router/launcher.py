@@ -46,10 +46,16 @@ from router.redis_server import RedisServer
 
 # Requests in flight a stopping service waits for (--drain-timeout-s of every service).
 DRAIN_TIMEOUT_S = 10.0
-# How long a stopped service may take before it is killed: its own worst case with that drain
-# (engine.grpc_server.worst_case_stop_s: 52 s; 30 s cut a stop that Redis or a wedged engine
-# slowed, leaving its leases and registry entries behind), and a little more.
-STOP_GRACE_S = worst_case_stop_s(DRAIN_TIMEOUT_S, ServerConfig.grace_s) + 5.0
+
+
+def stop_grace_s(drain_timeout_s: float) -> float:
+    """How long a stopped service may take before it is killed: its own worst case with that
+    drain (engine.grpc_server.worst_case_stop_s: 52 s at 10 s; 30 s cut a stop that Redis or a
+    wedged engine slowed, leaving its leases and registry entries behind), and a little more."""
+    return worst_case_stop_s(drain_timeout_s, ServerConfig.grace_s) + 5.0
+
+
+STOP_GRACE_S = stop_grace_s(DRAIN_TIMEOUT_S)
 _SPINCOUNT = "20000"
 # A prefill worker's step budget (--max-num-batched-tokens) where the workers share one host's
 # CPU cores, unless the worker flags set one. A 2048-token prefill step on such a host runs for
@@ -436,7 +442,7 @@ class Cluster:
         worst case with the spec's drain); the exit code. Whatever the service started and did
         not stop is killed too."""
         if grace_s is None:
-            grace_s = worst_case_stop_s(self.spec.drain_timeout_s, ServerConfig.grace_s) + 5.0
+            grace_s = stop_grace_s(self.spec.drain_timeout_s)
         pin_family(proc)
         try:
             if proc.popen.poll() is None:

@@ -358,12 +358,18 @@ def test_owner_killed_mid_transfer_fails_within_the_timeout(owners, backend):
     assert outcome["at"] - killed_at < 5.0 + 10.0  # the timeout plus the backend's error path
 
 
-def test_stalled_owner_times_out_over_torch(owners):
+def _stalled_torch_owner(owners):
+    """A torch owner stopped (SIGSTOP) once a reader's pair with it is up: (owner, reader)."""
     owner = owners(BASE, 8, "torch")
     agent, _ = _reader(BASE, "torch")
+    agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
+    stop_process(owner.proc)
+    return owner, agent
+
+
+def test_stalled_owner_times_out_over_torch(owners):
+    owner, agent = _stalled_torch_owner(owners)
     try:
-        agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
-        stop_process(owner.proc)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
             agent.pull([owner.handle], [2], [2], timeout_s=1.5)
@@ -376,11 +382,8 @@ def test_stalled_owner_times_out_over_torch(owners):
 def test_a_pull_waiting_behind_a_stuck_one_keeps_its_own_timeout_over_torch(owners):
     import threading
 
-    owner = owners(BASE, 8, "torch")
-    agent, _ = _reader(BASE, "torch")
+    owner, agent = _stalled_torch_owner(owners)
     try:
-        agent.pull([owner.handle], [1], [1], timeout_s=20.0)  # the pair is up
-        stop_process(owner.proc)
         stuck_done = threading.Event()
 
         def stuck():  # holds the pair's connection until its own, long, timeout
