@@ -102,8 +102,10 @@ async def _until(pred, timeout_s: float = 60.0) -> None:
 
 # Long enough that no stream can finish while the last one still waits for its prefill: on
 # the 2-core VM 13 prompts queue for up to ~450 ms, and a 48-token stream that went first
-# once finished in ~540 ms, before the kill (CI, session 25).
-KILL_MAX_TOKENS = 96
+# once finished in ~540 ms, before the kill (CI, session 25); a 96-token one in ~800 ms while
+# the last prompts waited ~540 ms for their first token and more for their fourth (CI,
+# session 39).
+KILL_MAX_TOKENS = 192
 
 
 def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
