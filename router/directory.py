@@ -279,11 +279,19 @@ class WorkerDirectory:
         workers = routable or list(self.workers.values())
         return min((w.info.max_model_len for w in workers if w.info.max_model_len), default=0)
 
-    def check_prompt_fits(self, num_tokens: int) -> None:
+    def check_prompt_fits(self, num_tokens: int, requested_len: int = 0) -> None:
+        """Refuses a prompt of ``num_tokens`` with no room for an output token, and a request
+        whose prompt plus the max_tokens its client set (``requested_len``; 0 when unset)
+        exceeds max_model_len, as vLLM's server and OpenAI's API do: a client that asked for
+        that much output would otherwise get less with finish reason "length". A default
+        max_tokens (the model's or the router's) is capped instead."""
         limit = self.max_model_len()
         if limit and num_tokens + 1 > limit:
             raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {limit} "
                              "(room for at least one output token is needed)")
+        if limit and requested_len > limit:
+            raise ValueError(f"the prompt plus max_tokens is {requested_len} tokens; "
+                             f"max_model_len is {limit}: lower max_tokens or shorten the prompt")
 
     async def pick_prefill(self, block_hashes: list[bytes], num_tokens: int,
                            avoid: frozenset[str] = frozenset()) -> tuple[WorkerHandle, int]:

@@ -51,6 +51,9 @@ class RequestRun:
     # Which of the request's n sequences this is: sequence 0's routing is the request's in
     # the router's counters.
     index: int = 0
+    # The prompt plus the max_tokens the client set (0 when it set none): checked against
+    # max_model_len until the request starts (router/directory.py's check_prompt_fits).
+    requested_len: int = 0
 
     # Makes the ids the workers see this request's alone: client-chosen request ids are unique
     # per router only, and a release by id must never free another request's lease.

@@ -143,6 +143,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
                                         "the router is shutting down: try another router")
             check_request_id(rid)
+            client_max_tokens = request.sampling.HasField("max_tokens")
             # Filled in the request itself, so that the workers get the same values.
             convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
             params = convert.sampling_from_proto(request.sampling)
@@ -150,13 +151,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
             prompt = self.model.truncated(self.model.prompt_ids(request), request.sampling)
+            # resumed tokens count in max_tokens (router.proto).
+            wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
             # Checked again per attempt, once the workers are known (0 until then).
-            self.directory.check_prompt_fits(len(prompt) + len(resumed))
+            self.directory.check_prompt_fits(len(prompt) + len(resumed), wanted)
             if n == 1:
-                runs.append(RequestRun(rid, prompt, t0, resumed=resumed))
+                runs.append(RequestRun(rid, prompt, t0, resumed=resumed, requested_len=wanted))
                 chunks = self._sequence(runs[0], request, context)
             else:  # router/parallel.py; each sequence has its own id on the workers
-                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0, index=i) for i in range(n))
+                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0, index=i, requested_len=wanted)
+                            for i in range(n))
                 chunks = fan_out(rid, [functools.partial(
                     self._sequence, run, sequence_request(request, i), context)
                     for i, run in enumerate(runs)])
@@ -253,7 +257,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         run.workers.clear()
         hashes = hash_request_tokens(ids, self.config.block_size)
         prefill, matched = await self._pick_prefill(hashes, len(ids), avoid)
-        self.directory.check_prompt_fits(len(ids))
+        self.directory.check_prompt_fits(len(ids), 0 if run.started else run.requested_len)
         decode, held = await self._decode_cache_holder(hashes, len(ids), avoid, matched)
         if decode is not None:
             local, matched = True, held

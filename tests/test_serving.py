@@ -344,6 +344,21 @@ def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_max_tokens_past_max_model_len_is_refused_and_a_default_is_capped(cluster):
+    # WORKER_ARGS: max_model_len 1024. A client that asks for more output than fits is told
+    # (as vLLM's server does); one that asked for nothing gets what fits.
+    with Client(cluster.router_address, timeout=60) as c:
+        with pytest.raises(InvalidArgumentError, match="prompt plus max_tokens is 1025"):
+            c.complete([5] * 1000, max_tokens=25)
+        with pytest.raises(InvalidArgumentError, match="prompt plus max_tokens is 1030"):
+            c.complete([5] * 1000, max_tokens=30, n=2)
+        fits = c.complete([5] * 1000, max_tokens=24, ignore_eos=True)
+        assert (len(fits.token_ids), fits.finish_reason) == (24, "length")
+        capped = c.complete([5] * 1020, ignore_eos=True)  # the default max_tokens, 16
+        assert (len(capped.token_ids), capped.finish_reason) == (4, "length")
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_stop_string_and_logprobs_pass_through(cluster, reference):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     want = reference.generate(["Once upon a time"], params)[0]
