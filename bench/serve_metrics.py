@@ -115,6 +115,10 @@ class PointResult:
     # and each service's processes ("router", "prefill", "decode", "client"; "engine" for the
     # in-process engine). Empty where not measured.
     cpu_cores: dict[str, float] = field(default_factory=dict)
+    # Poisson points: the rate the requests were actually sent at (requests after the first
+    # over the time to the last one). A few dozen exponential gaps stray from the nominal
+    # rate, and a client too busy to send on time lowers it: the latencies belong to this one.
+    sent_rate: float = math.nan
 
 
 def summarize(system: str, mode: str, load: float, records: list[RequestRecord],
@@ -136,4 +140,13 @@ def summarize(system: str, mode: str, load: float, records: list[RequestRecord],
         itl=Stats.of_seconds([x for r in done for x in r.itls]),
         e2e=Stats.of_seconds([r.e2e for r in done]), breakdown_ms=breakdown,
         mean_cached_tokens=sum(r.cached_tokens for r in done) / len(done) if done else 0.0,
-        errors=sorted({r.error for r in records if r.error})[:5])
+        errors=sorted({r.error for r in records if r.error})[:5],
+        sent_rate=sent_rate(records) if mode == "poisson" else math.nan)
+
+
+def sent_rate(records: list[RequestRecord]) -> float:
+    """Requests per second between the first request's start and the last's (NaN for fewer
+    than two, or all at once)."""
+    starts = [r.start for r in records]
+    span = max(starts) - min(starts) if len(starts) > 1 else 0.0
+    return (len(starts) - 1) / span if span > 0 else math.nan

@@ -15,7 +15,11 @@ def _stats(s: Stats) -> str:
 
 
 def _load(p: PointResult) -> str:
-    return f"c={int(p.load)}" if p.mode == "concurrency" else f"{p.load:g} req/s"
+    if p.mode == "concurrency":
+        return f"c={int(p.load)}"
+    if math.isnan(p.sent_rate):
+        return f"{p.load:g} req/s"
+    return f"{p.load:g} req/s (sent at {p.sent_rate:.2f})"
 
 
 def latency_table(points: list[PointResult]) -> str:

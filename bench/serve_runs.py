@@ -94,7 +94,8 @@ async def _open_loops_and_prefix(address: str, cfg: ServeConfig,
             await sequential(client, pt.warmup)
             run = await poisson(client, pt.reqs, pt.load, cfg.seed * 1000 + k)
             res = summarize("disagg", "poisson", pt.load, run.records, run.duration_s)
-            _log(f"disagg poisson {pt.load:g}: {res.output_tok_s:.1f} out tok/s, TTFT mean "
+            _log(f"disagg poisson {pt.load:g} (sent at {res.sent_rate:.2f}/s): "
+                 f"{res.output_tok_s:.1f} out tok/s, TTFT mean "
                  f"{res.ttft.mean:.1f} ms, {res.failed} failed"
                  + (f" ({'; '.join(res.errors)})" if res.errors else ""))
             results.append(res)

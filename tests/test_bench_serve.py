@@ -66,6 +66,17 @@ def test_summarize_pools_itl_and_counts_failures():
     assert res.breakdown_ms == pytest.approx({f: 10.0 for f in BREAKDOWN_FIELDS})
 
 
+def test_a_poisson_point_reports_the_rate_its_requests_were_sent_at():
+    from bench.serve_report import latency_table
+
+    recs = [_record(t, [(t + 0.1, 2)], t + 0.2) for t in (10.0, 10.5, 11.0, 12.0, 12.0)]
+    res = summarize("disagg", "poisson", 2.0, recs, duration_s=2.2)
+    assert res.sent_rate == pytest.approx(4 / 2.0)  # 4 gaps over 2 s
+    assert "| 2 req/s (sent at 2.00) |" in latency_table([res])
+    assert math.isnan(summarize("disagg", "poisson", 2.0, recs[:1], 1.0).sent_rate)
+    assert math.isnan(summarize("disagg", "concurrency", 8, recs, 2.2).sent_rate)
+
+
 def test_ratios_compare_each_concurrency_against_the_baselines_that_ran():
     def point(system, load, tokens, mode="concurrency"):
         rec = _record(0.0, [(0.1, tokens)], 0.2)
@@ -159,7 +170,7 @@ def test_tiny_run_end_to_end(capsys):
     for p in report["points"]:
         cpu = p["cpu_cores"]
         if p["mode"] == "poisson":
-            assert cpu == {}
+            assert cpu == {} and p["sent_rate"] > 0
             continue
         assert set(cpu) == services[p["system"]] | {"machine"}
         assert all(v >= 0 for v in cpu.values())
