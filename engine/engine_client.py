@@ -31,7 +31,7 @@ from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S, EngineD
 from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
                                 PipeClosed, decode_output)
 from engine.outputs import EngineStats, KVAllocation
-from engine.process_exit import parent_pid_for_child
+from engine.process_exit import popen_tied
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,8 @@ class EngineProcess(EngineFront):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         fds = [down_theirs.fileno(), up_theirs.fileno()]
-        proc = subprocess.Popen([sys.executable, "-m", "engine.engine_proc", *map(str, fds),
-                                 str(parent_pid_for_child())], pass_fds=fds, env=env)
+        proc = popen_tied([sys.executable, "-m", "engine.engine_proc", *map(str, fds),
+                           str(os.getpid())], pass_fds=fds, env=env)
         down_theirs.close()
         up_theirs.close()
         reader, writer = FrameReader(up_ours), FrameWriter(down_ours)

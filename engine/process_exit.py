@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import os
+import queue
 import signal
+import subprocess
 import sys
 import threading
 
@@ -37,7 +40,7 @@ def die_with_parent(parent_pid: int) -> None:
     """Has the kernel SIGKILL this process when ``parent_pid`` (its parent) ends, however it
     ends: a child stopped or wedged cannot notice by itself (an engine process SIGSTOPped when
     its worker was SIGKILLed outlived both). The signal follows the parent's thread that
-    started the child, so the parent passes 0 (nothing done) unless that was its main thread.
+    started the child, so the parent starts it with ``popen_tied``. 0: nothing done.
     Linux only; elsewhere nothing happens."""
     if not parent_pid or not sys.platform.startswith("linux"):
         return
@@ -49,7 +52,44 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def parent_pid_for_child() -> int:
-    """What a child started now passes to ``die_with_parent``: this pid, or 0 when this is not
-    the main thread (its end would kill the child)."""
-    return os.getpid() if threading.current_thread() is threading.main_thread() else 0
+class _Spawner:
+    """Starts child processes on one thread that lives as long as the process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: a
+    child started from an executor's or asyncio.to_thread's thread would be killed when that
+    thread retires, so such children could not use die_with_parent at all (a TP rank, started
+    while its engine is built on a pool thread, outlived its SIGKILLed parent when stopped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        with self._lock:
+            # Also after a fork: the child process has none of the parent's threads.
+            if self._thread is None or not self._thread.is_alive():
+                # Daemon: never joined at exit, so it outlives every thread that joins.
+                self._thread = threading.Thread(target=self._run, name="pdserve-spawner",
+                                                daemon=True)
+                self._thread.start()
+        job: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((job, argv, kwargs))
+        return job.result()
+
+    def _run(self) -> None:
+        while True:
+            job, argv, kwargs = self._jobs.get()
+            try:
+                job.set_result(subprocess.Popen(argv, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - the caller's to handle
+                job.set_exception(e)
+
+
+_spawner = _Spawner()
+
+
+def popen_tied(argv: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **kwargs)`` for a child that calls ``die_with_parent`` with
+    this process's pid (``os.getpid()``), from whichever thread."""
+    return _spawner.popen(argv, **kwargs)

@@ -34,6 +34,7 @@ from engine.model_runner import ModelInput, ModelRunner
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_to_json)
 from engine.step_codec import encode_model_input
+from engine.process_exit import popen_tied
 from engine.thread_names import named_thread
 from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
@@ -263,14 +264,14 @@ def _spawn_workers(spec: RankSpec, size: int, port: int) -> list[_Worker]:
         ours, theirs = socket.socketpair()
         argv = [sys.executable, "-m", "engine.tp_worker", "--rank", str(rank), "--size",
                 str(size), "--store-port", str(port), "--fd", str(theirs.fileno()),
-                "--spec", spec_json]
+                "--parent-pid", str(os.getpid()), "--spec", spec_json]
         fds = [theirs]
         kv_ours = None
         if with_kv:
             kv_ours, kv_theirs = socket.socketpair()
             argv += ["--kv-fd", str(kv_theirs.fileno())]
             fds.append(kv_theirs)
-        proc = subprocess.Popen(argv, pass_fds=tuple(s.fileno() for s in fds), env=env)
+        proc = popen_tied(argv, pass_fds=tuple(s.fileno() for s in fds), env=env)
         for s in fds:
             s.close()
         workers.append(_Worker(rank, proc, Connection(ours.detach()),

@@ -23,7 +23,7 @@ from engine.gc_policy import freeze_startup_heap
 from engine.kv_layout import make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.process_exit import exit_process
+from engine.process_exit import die_with_parent, exit_process
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_from_json)
 from engine.step_codec import decode_model_input
@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--store-port", type=int, required=True)
     ap.add_argument("--fd", type=int, required=True, help="the control socket from rank 0")
+    ap.add_argument("--parent-pid", type=int, default=0,
+                    help="rank 0's pid: this rank is killed when it ends (0: not)")
     ap.add_argument("--spec", required=True, help="RankSpec as JSON")
     ap.add_argument("--kv-fd", type=int, default=None,
                     help="the KV-transfer pull channel from rank 0 (engine.tp_kv_channel)")
     args = ap.parse_args(argv)
+    # The kernel's kill reaches a rank stopped or wedged, which the watch below cannot.
+    die_with_parent(args.parent_pid)
     conn = Connection(socket.socket(fileno=args.fd).detach())
     kv_conn = (Connection(socket.socket(fileno=args.kv_fd).detach())
                if args.kv_fd is not None else None)

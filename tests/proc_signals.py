@@ -46,3 +46,12 @@ def wait_until(pred, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (or is stopped); a zombie, ended and only not yet reaped, does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.engine_client import EngineProcess
 from engine.engine_front import EngineDeadError
 from engine.engine_pipe import EngineProcSpec
+from tests.proc_signals import alive
 
 MODEL = "micro-llama"
 
@@ -309,7 +310,7 @@ def test_an_engine_process_dies_with_its_worker_even_when_stopped():
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 20
-        while _alive(child):
+        while alive(child):
             assert time.monotonic() < deadline, "the engine process outlived its worker"
             time.sleep(0.05)
     finally:
@@ -317,14 +318,6 @@ def test_an_engine_process_dies_with_its_worker_even_when_stopped():
             parent.kill()
             parent.wait()
         parent.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie is gone: only unreaped
-    except FileNotFoundError:
-        return False
 
 
 def test_a_bounded_send_to_a_process_that_stopped_reading_times_out():

@@ -12,7 +12,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import SHUTDOWN_TIMEOUT_S, AsyncEngine
 from router.launcher import STOP_GRACE_S
-from tests.proc_signals import stop_process, wait_until
+from tests.proc_signals import alive, stop_process, wait_until
 
 # The launcher's grace (router.launcher) bounds the wait below: what a hang costs in a cluster
 # is a kill without cleanup. It is far above shutdown's own budget, so this is no timing test:
@@ -109,3 +109,48 @@ def test_a_services_stop_fits_in_the_launchers_grace():
              + tp_executor._KILL_WAIT_S + async_engine._THREAD_EXIT_S)
     assert parts <= SHUTDOWN_TIMEOUT_S
     assert worst_case_stop_s(DRAIN_TIMEOUT_S, ServerConfig().grace_s) < STOP_GRACE_S
+
+
+_PARENT = """
+import sys, threading, time
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+built = []
+# Built on a thread that then ends, as a service builds its engine off the event loop: the
+# kernel's death signal follows the thread that started a child, so that thread's end must
+# not kill the rank, and the parent's must.
+t = threading.Thread(target=lambda: built.append(LLMEngine(EngineConfig(
+    sys.argv[1], tensor_parallel_size=2, num_gpu_blocks=32))))
+t.start()
+t.join()
+engine = built[0]
+time.sleep(0.5)  # a rank killed with the thread would be gone by now
+engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+tokens = []
+while engine.has_unfinished_requests():
+    tokens += [t for out in engine.step() for t in out.new_token_ids]
+print(len(tokens), engine.executor.workers[0].process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(preset_path("tiny-llama"))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        num_tokens, rank = map(int, parent.stdout.readline().split())
+        assert num_tokens == 3  # the rank outlived the thread that started it
+        os.kill(rank, signal.SIGSTOP)  # it cannot even see its parent go
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not alive(rank), 20), "the stopped rank outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdout.close()
