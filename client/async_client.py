@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -53,9 +54,13 @@ class AsyncClient:
         self._stubs: list = []
         self._routers: list[Peer] = []
         self._next = itertools.count()
-        self._checks: asyncio.Task | None = None
+        self._closed = False
+        # The health checks' task (in a box the finalizer shares).
+        self._checks_box: list[asyncio.Task | None] = [None]
 
     def _connect(self) -> None:
+        if self._closed:  # its channels would raise grpc's UsageError
+            raise RuntimeError("this AsyncClient is closed")
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
@@ -66,16 +71,28 @@ class AsyncClient:
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
         self._loop = loop
+        # A client dropped without close() must not leave its health checks running on the
+        # loop for good (the task holds the routers, not the client).
+        weakref.finalize(self, _cancel_soon, loop, self._checks_box)
 
     def _watch(self, i: int) -> Peer:
         """Router ``i``, with the health checks of busy routers running on the client's loop
         (the one ``_connect`` bound it to)."""
         interval = self.failover.health_check_interval_s
         if interval and (self._checks is None or self._checks.done()):
+            routers = self._routers
             self._checks = self._loop.create_task(check_loop(
                 interval, self.failover.health_check_misses,
-                lambda: [r for r in self._routers if len(r.calls)], cut_router))
+                lambda: [r for r in routers if len(r.calls)], cut_router))
         return self._routers[i]
+
+    @property
+    def _checks(self) -> asyncio.Task | None:
+        return self._checks_box[0]
+
+    @_checks.setter
+    def _checks(self, task: asyncio.Task | None) -> None:
+        self._checks_box[0] = task
 
     def _attempts(self, timeout: float | None) -> Attempts:
         self._connect()
@@ -112,9 +129,7 @@ class AsyncClient:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
         msg = await self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
-        done = completion_from_proto(msg)
-        done.usage.migrations += tries.retries
-        return done
+        return completion_from_proto(msg, req.request_id, tries.retries)
 
     async def tokenize(self, prompt: str | list | Chat, *,
                        timeout: float | None = None) -> Tokenized:
@@ -161,6 +176,7 @@ class AsyncClient:
                 from None
 
     async def close(self) -> None:
+        self._closed = True
         checks, self._checks = self._checks, None
         if checks is not None:
             if checks.get_loop() is asyncio.get_running_loop():
@@ -175,3 +191,11 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _cancel_soon(loop: asyncio.AbstractEventLoop, checks_box: list) -> None:
+    """Cancels a dropped client's health checks from whichever thread collects it."""
+    task = checks_box[0]
+    if task is not None and not task.done():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: so is the task
+            loop.call_soon_threadsafe(task.cancel)

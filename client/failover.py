@@ -107,6 +107,8 @@ class Attempts:
         # of the call (the router lost before it sent the closing status) ends nothing.
         self.num_sequences = 1
         self.finished: set[int] = set()
+        # The id the caller's chunks carry (take_chunk): the first one's.
+        self.request_id: str | None = None
 
     def track(self, req: router_pb2.GenerateRequest) -> None:
         """For a Generate stream: whether it can go on elsewhere, and what ends it."""
@@ -172,6 +174,11 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
     """A streamed chunk, its tokens noted for a continuation; the final usage counts the
     client's own moves beside the router's."""
     chunk = chunk_from_proto(msg)
+    # The caller reads one request: a continuation's chunks carry the id the first attempt's
+    # did (the caller's, or the one the first router chose), not the retry's.
+    if tries.request_id is None:
+        tries.request_id = chunk.request_id
+    chunk.request_id = tries.request_id
     received.extend(chunk.token_ids)
     tries.streamed = True
     if chunk.finish_reason:

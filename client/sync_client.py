@@ -40,6 +40,7 @@ class Client:
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
         self._next = itertools.count()
+        self._closed = False
         self._checks = None
         if failover.health_check_interval_s:
             self._checks = CheckThread(failover.health_check_interval_s,
@@ -56,13 +57,17 @@ class Client:
     def generate(self, prompt: Prompt, *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
         req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
+        check_timeout(timeout)
+        return self._stream(req, timeout)
+
+    def _stream(self, req, timeout: float | None) -> Iterator[GenerationChunk]:
+        # The deadline starts with the call, at the first next(), as AsyncClient's does: not
+        # when the iterator was made (streams made ahead and read in turn timed out unread).
         tries = self._attempts(timeout)
         tries.track(req)
-        return self._stream(req, tries)
-
-    def _stream(self, req, tries: Attempts) -> Iterator[GenerationChunk]:
         received: list[int] = []
         while True:
+            self._check_open()
             call = self._stubs[tries.router].Generate(
                 attempt_request(req, received, tries.retries), timeout=tries.remaining(),
                 metadata=self._metadata)
@@ -91,9 +96,7 @@ class Client:
         req = build_request(prompt, request_id, sampling)
         tries = self._attempts(timeout)
         msg = self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
-        done = completion_from_proto(msg)
-        done.usage.migrations += tries.retries
-        return done
+        return completion_from_proto(msg, req.request_id, tries.retries)
 
     def tokenize(self, prompt: str | list | Chat, *, timeout: float | None = None) -> Tokenized:
         """The token ids Generate would send for a text or a chat (its template applied)."""
@@ -115,6 +118,7 @@ class Client:
         """One unary call (on a future, so that the health checks can cut it), tried again on
         the next router while it fails over (``request_for(retries)``: each attempt's)."""
         while True:
+            self._check_open()
             fut = getattr(self._stubs[tries.router], method).future(
                 request_for(tries.retries), timeout=tries.remaining(), metadata=self._metadata)
             try:
@@ -132,6 +136,7 @@ class Client:
                 time.sleep(delay)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
+        self._check_open()
         try:
             grpc.channel_ready_future(self._channels[0]).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -139,7 +144,12 @@ class Client:
                 from None
 
     def close(self) -> None:
+        self._closed = True
         self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:  # its channels would raise gRPC's own ValueError
+            raise RuntimeError("this Client is closed")
 
     def __enter__(self) -> Client:
         return self

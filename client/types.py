@@ -179,8 +179,13 @@ def build_request(prompt: Prompt, request_id: str | None,
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))} "
                         f"(accepted: {', '.join(sorted(SAMPLING_FIELDS))})")
-    if isinstance(sampling.get("stop"), str):
-        sampling = {**sampling, "stop": [sampling["stop"]]}
+    if request_id is not None and not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    # A lone string is one entry, as SamplingParams takes it: protobuf would take each of
+    # its characters as an entry (every "h", "e", ... banned for bad_words="hello").
+    for name in ("stop", "bad_words"):
+        if isinstance(sampling.get(name), str):
+            sampling = {**sampling, name: [sampling[name]]}
     given = {k: v for k, v in sampling.items() if v is not None}
     try:
         params = common_pb2.SamplingParams(**given)
@@ -279,10 +284,16 @@ def _choice(m, index: int) -> Choice:
                   usage=_usage(m.usage), logprobs=_logprobs(m.logprobs))
 
 
-def completion_from_proto(m: router_pb2.CompleteResponse) -> Completion:
+def completion_from_proto(m: router_pb2.CompleteResponse, request_id: str = "",
+                          retries: int = 0) -> Completion:
+    """``request_id``: the caller's (a retry went out under ``<id>~rN``, the caller's all the
+    same); ``retries``: the client's failovers, counted in the usage's migrations."""
     choices = [_choice(c, c.index) for c in m.choices]
     if not choices:  # n = 1: the request's usage is its one sequence's
         choices = [_choice(m, 0)]
-        return Completion(m.request_id, choices, choices[0].usage,
-                          _prompt_logprobs(m.prompt_logprobs))
-    return Completion(m.request_id, choices, _usage(m.usage), _prompt_logprobs(m.prompt_logprobs))
+        usage = choices[0].usage
+    else:
+        usage = _usage(m.usage)
+    usage.migrations += retries
+    return Completion(request_id or m.request_id, choices, usage,
+                      _prompt_logprobs(m.prompt_logprobs))

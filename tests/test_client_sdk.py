@@ -1,0 +1,163 @@
+"""The SDK against routers of the test's own (real gRPC servers on loopback): what it sends,
+the ids and deadlines the caller sees, and its life after close or without one."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from client import AsyncClient, Client, FailoverPolicy
+from client.types import build_request
+from protos import router_pb2, router_pb2_grpc
+
+NO_CHECKS = FailoverPolicy(health_check_interval_s=0, backoff_s=0.0)
+
+
+class _Router(router_pb2_grpc.RouterServicer):
+    """Streams two tokens, or fails with UNAVAILABLE after ``fail_after`` chunks (None: never),
+    taking ``delay_s`` before answering; a unary Complete echoes the request's id."""
+
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0) -> None:
+        self.fail_after, self.delay_s = fail_after, delay_s
+        self.requests: list[router_pb2.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        time.sleep(self.delay_s)
+        rid = request.request_id or f"assigned-{len(self.requests)}"
+        start = len(request.resume_token_ids)
+        for i in range(start, 2):
+            if self.fail_after is not None and i - start >= self.fail_after:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "router lost")
+            chunk = router_pb2.GenerateChunk(request_id=rid, token_ids=[10 + i])
+            if i == 1:
+                chunk.finish_reason = "length"
+                chunk.usage.completion_tokens = 2
+            yield chunk
+
+    def Complete(self, request, context):
+        self.requests.append(request)
+        time.sleep(self.delay_s)
+        if self.fail_after is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "router lost")
+        return router_pb2.CompleteResponse(request_id=request.request_id, token_ids=[10, 11],
+                                           finish_reason="length")
+
+    def GetModelInfo(self, request, context):
+        return router_pb2.ModelInfo(model="m", vocab_size=100, max_model_len=64)
+
+
+@pytest.fixture
+def routers():
+    """Starts the routers a test asks for; each an address and its servicer."""
+    servers = []
+
+    def start(*servicers: _Router) -> list[str]:
+        addresses = []
+        for servicer in servicers:
+            servers.append(grpc.server(ThreadPoolExecutor(8)))
+            router_pb2_grpc.add_RouterServicer_to_server(servicer, servers[-1])
+            addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
+            servers[-1].start()
+        return addresses
+
+    yield start
+    for server in servers:
+        server.stop(None)
+
+
+def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
+    req = build_request("Hi", None, {"bad_words": "hello", "stop": "world"})
+    assert list(req.sampling.bad_words) == ["hello"]  # not h, e, l, l, o
+    assert list(req.sampling.stop) == ["world"]
+    assert list(build_request("Hi", None, {"bad_words": ["a b", "c"]}).sampling.bad_words) \
+        == ["a b", "c"]
+    with pytest.raises(TypeError, match="request_id must be a str, got int"):
+        build_request("Hi", 123, {})
+
+
+def test_a_failed_over_request_keeps_the_callers_id(routers):
+    lost, other = _Router(fail_after=1), _Router()
+    addresses = routers(lost, other)
+    with Client(addresses, timeout=30, failover=NO_CHECKS) as c:
+        chunks = list(c.generate([5, 6], request_id="my-req", max_tokens=2))
+        # Without an id of the caller's, the first router's choice holds throughout.
+        unnamed = list(c.generate([5, 6], max_tokens=2))
+        assert [ch.token_ids for ch in chunks] == [[10], [11]]
+        assert other.requests[0].request_id == "my-req~r1"  # on the wire only
+        assert [ch.request_id for ch in chunks] == ["my-req", "my-req"]
+        assert chunks[-1].usage.migrations == 1
+        assert {ch.request_id for ch in unnamed} == {"assigned-2"}  # the lost router's 2nd
+
+        done = c.complete([5, 6], request_id="my-req", max_tokens=2)
+        assert (done.request_id, done.usage.migrations) == ("my-req", 1)
+
+    async def unary():
+        async with AsyncClient(addresses, timeout=30, failover=NO_CHECKS) as ac:
+            return await ac.complete([5, 6], request_id="async-req", max_tokens=2)
+
+    done = asyncio.run(unary())
+    assert (done.request_id, done.usage.migrations) == ("async-req", 1)
+
+
+def test_a_blocking_streams_deadline_starts_when_it_is_read(routers):
+    # Each call takes 0.3 s of a 1 s deadline: streams made ahead and read one after another
+    # all fit, as they do with AsyncClient, if each deadline starts with its own call.
+    addresses = routers(_Router(delay_s=0.3))
+    with Client(addresses, timeout=1.0, failover=NO_CHECKS) as c:
+        streams = [c.generate([5], max_tokens=2) for _ in range(4)]
+        assert [[t for ch in s for t in ch.token_ids] for s in streams] == [[10, 11]] * 4
+        with pytest.raises(ValueError, match="timeout"):
+            c.generate([5], timeout=-1)  # still checked when the iterator is made
+
+
+def test_a_closed_client_says_so(routers):
+    addresses = routers(_Router())
+    c = Client(addresses, failover=NO_CHECKS)
+    assert c.complete([5], max_tokens=2).token_ids == [10, 11]
+    c.close()
+    for call in (lambda: c.complete([5]), lambda: list(c.generate([5])), c.model_info):
+        with pytest.raises(RuntimeError, match="this Client is closed"):
+            call()
+
+    async def run():
+        ac = AsyncClient(addresses)
+        assert (await ac.model_info()).model == "m"
+        await ac.close()
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            await ac.model_info()
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            async for _ in ac.generate([5]):
+                pass
+        return _health_checks()
+
+    assert asyncio.run(run()) == []  # nothing started again after the close
+
+
+def _health_checks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if not t.done()
+            and "check_loop" in repr(t.get_coro())]
+
+
+def test_an_async_client_dropped_without_close_stops_its_health_checks(routers):
+    addresses = routers(_Router())
+
+    async def run():
+        clients = [AsyncClient(addresses) for _ in range(3)]
+        for ac in clients:
+            assert (await ac.model_info()).model == "m"  # its health checks start
+        assert len(_health_checks()) == 3
+        refs = [weakref.ref(ac) for ac in clients]
+        del clients, ac
+        gc.collect()
+        for _ in range(5):  # the cancels land on the loop
+            await asyncio.sleep(0)
+        return [r() for r in refs], _health_checks()
+
+    clients, checks = asyncio.run(run())
+    assert clients == [None, None, None] and checks == []
