@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, read_utf8
 
 # A conversation longer than this is refused before rendering; the prompt's token count is
 # checked against the model's length limit afterwards anyway.
@@ -67,7 +67,8 @@ def check_messages(messages: Sequence[ChatMessage | Mapping]) -> list[ChatMessag
 def load_chat_template(value: str | None) -> str | None:
     """The template text of ``--chat-template``: a file's contents, or the value itself when it
     is a template written inline (it contains ``{{`` or ``{%``). None stays None (the model's
-    own). ValueError when the file is missing or the template does not parse."""
+    own). ValueError when the file is missing, unreadable or not UTF-8, or the template does
+    not parse."""
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
@@ -78,7 +79,7 @@ def load_chat_template(value: str | None) -> str | None:
         path = Path(value).expanduser()
         if not path.is_file():
             raise ValueError(f"chat template file {value!r} does not exist")
-        text = path.read_text(encoding="utf-8")
+        text = read_utf8(path, "chat template file")
     _parse(text, value)
     return text
 

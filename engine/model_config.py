@@ -38,14 +38,18 @@ _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 # transformers' config defaults where config.json has no "sliding_window" key. LlamaConfig has
-# none: Llama's attention never slides, whatever the json says.
+# none: Llama's window only counts on layers "layer_types" marks sliding (_sliding_window).
 _DEFAULT_SLIDING_WINDOW = {
     "MistralForCausalLM": 4096,
     "Qwen2ForCausalLM": 4096,
     "Qwen3ForCausalLM": 4096,
 }
+# Architectures whose window applies only with "use_sliding_window" set.
+_USE_SLIDING_WINDOW_FLAG = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Qwen2Config/Qwen3Config's default: layers from this index on use the window.
 _DEFAULT_MAX_WINDOW_LAYERS = 28
+# The entries of config.json's "layer_types" this decoder serves.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -223,41 +227,71 @@ def _architecture(raw: dict[str, Any], where: str) -> str:
 
 def _check_sliding_window(raw: dict[str, Any], architecture: str, num_layers: int,
                           max_positions: int, where: str) -> None:
-    layer_types = raw.get("layer_types")
-    if layer_types is not None and not isinstance(layer_types, list):
-        raise ValueError(f"{where}: 'layer_types' must be a list, got {layer_types!r}")
-    if "sliding_attention" in (layer_types or []):
-        raise ValueError(f"{where}: sliding window attention is not supported")
-    window = _sliding_window(raw, architecture, num_layers, where)
-    # A window as long as the model's positions never hides a token: full attention.
-    if window is not None and window < max_positions:
+    """Refuses a config whose attention transformers masks with a window on some layer: the
+    engine attends over the whole context on every layer. A layer marked sliding whose window
+    is null, switched off or as long as the model's positions is full attention all the same."""
+    layer_types = _layer_types(raw, num_layers, where)
+    window = _sliding_window(raw, architecture, layer_types, where)
+    if window is None:
+        return
+    layers = _sliding_layers(raw, architecture, layer_types, num_layers, where)
+    if layers and window < max_positions:  # a longer window never hides a token
         raise ValueError(f"{where}: sliding window attention is not supported "
-                         f"(sliding_window={window})")
+                         f"(sliding_window={window} on {len(layers)} of {num_layers} layers, "
+                         f"from layer {layers[0]}; max_position_embeddings={max_positions}): "
+                         "this engine serves full attention on every layer only")
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str, num_layers: int,
-                    where: str) -> int | None:
-    """The window transformers gives some layer of this model; None where none has one."""
-    if architecture not in _DEFAULT_SLIDING_WINDOW:
+def _layer_types(raw: dict[str, Any], num_layers: int, where: str) -> list[str] | None:
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
         return None
-    window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW[architecture])
+    if not isinstance(layer_types, list):
+        raise ValueError(f"{where}: 'layer_types' must be a list, got {layer_types!r}")
+    if len(layer_types) != num_layers:  # transformers refuses it too
+        raise ValueError(f"{where}: 'layer_types' has {len(layer_types)} entries for "
+                         f"num_hidden_layers={num_layers}")
+    # Other kinds (linear, chunked attention...) are layers this decoder does not have.
+    unknown = [t for t in layer_types if t not in _LAYER_TYPES]
+    if unknown:
+        raise ValueError(f"{where}: layer type {unknown[0]!r} is not supported "
+                         f"(supported: {', '.join(_LAYER_TYPES)})")
+    return layer_types
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str, layer_types: list[str] | None,
+                    where: str) -> int | None:
+    """The window transformers gives this model's sliding layers; None where none has one."""
+    if architecture not in _DEFAULT_SLIDING_WINDOW and layer_types is None:
+        # LlamaAttention takes no window. Layers marked sliding do slide in transformers'
+        # generate (its cache keeps only the window) and in vLLM, so those are checked.
+        return None
+    window = raw.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(architecture))
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"{where}: 'sliding_window' must be a positive integer or null, "
                          f"got {window!r}")
-    if architecture == "MistralForCausalLM":
-        return window
-    # Qwen2/Qwen3 carry a window but use it only with use_sliding_window, and then only on
-    # layers marked sliding: an explicit layer_types (checked by the caller), else those from
-    # max_window_layers on.
-    if not raw.get("use_sliding_window", False) or raw.get("layer_types") is not None:
+    # Qwen2Config/Qwen3Config drop the window unless use_sliding_window is set, so their
+    # layers marked sliding then attend in full.
+    if architecture in _USE_SLIDING_WINDOW_FLAG and not raw.get("use_sliding_window", False):
         return None
+    return window
+
+
+def _sliding_layers(raw: dict[str, Any], architecture: str, layer_types: list[str] | None,
+                    num_layers: int, where: str) -> list[int]:
+    """The layers that use the window, as transformers' AutoModel picks them: a Mistral
+    config with layer_types loads as Ministral, which follows them."""
+    if layer_types is not None:
+        return [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if architecture not in _USE_SLIDING_WINDOW_FLAG:
+        return list(range(num_layers))
     first = raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"{where}: 'max_window_layers' must be a non-negative integer, "
                          f"got {first!r}")
-    return window if num_layers > first else None
+    return list(range(first, num_layers))
 
 
 def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:

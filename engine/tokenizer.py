@@ -28,6 +28,11 @@ _PROMPT_CONTEXT_TOKENS = 5
 # wait behind a trailing U+FFFD, the older ones can no longer change and are released.
 _MAX_UTF8_TOKENS = 4
 _REPLACEMENT_CHAR = "\ufffd"
+# What transformers reads as UTF-8 text whenever a local folder has it: checked first, so that a
+# file that is not UTF-8 is named in the error instead of surfacing as a bare codec error.
+_TEXT_FILES = (("tokenizer file", "tokenizer_config.json"),
+               ("chat template file", "chat_template.jinja"))
+_EXTRA_TEMPLATES = ("additional_chat_templates", "*.jinja")
 
 
 class Tokenizer:
@@ -140,6 +145,7 @@ def load_hf_tokenizer(path: Path):
     """transformers' fast tokenizer for the folder; ValueError naming it when that fails."""
     from transformers import AutoTokenizer
 
+    _check_text_files(path)
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                            trust_remote_code=False)
@@ -149,6 +155,27 @@ def load_hf_tokenizer(path: Path):
     if not getattr(hf, "is_fast", False) or getattr(hf, "backend_tokenizer", None) is None:
         raise ValueError(f"the tokenizer in {str(path)!r} is not a fast (tokenizers) tokenizer")
     return hf
+
+
+def _check_text_files(path: Path) -> None:
+    files = [(what, path / name) for what, name in _TEXT_FILES]
+    folder, pattern = _EXTRA_TEMPLATES
+    files += [("chat template file", f) for f in sorted((path / folder).glob(pattern))]
+    for what, file in files:
+        if file.is_file():
+            read_utf8(file, what)
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; ValueError naming it (as ``what``) when it cannot be read or is
+    not UTF-8, where a UnicodeDecodeError would name only the codec."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not UTF-8 (byte {e.object[e.start]:#04x} "
+                         f"at offset {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {e.strerror or e}") from None
 
 
 class IncrementalDetokenizer:

@@ -159,13 +159,18 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         loaded: set[tuple[str, object]] = set()
         unexpected: list[str] = []
-        stored_head = None
+        tied = self.config.tie_word_embeddings
+        stored_head = stored_embed = None
         for hf_name, tensor in weights:
             if self._ignored(hf_name):
                 continue
-            if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
+            if tied and hf_name == "lm_head.weight":
                 stored_head = tensor  # settled once the embedding is in
                 continue
+            if tied and hf_name == "model.embed_tokens.weight":
+                # Kept whole (a reference: safetensors maps the file) until the head is
+                # settled, on the full tensor and not on this rank's slice of it.
+                stored_embed = tensor
             name, shard_id = self._param_name(hf_name)
             param = params.get(name)
             if param is None:
@@ -176,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
             shards = self._shard_ids(name) if shard_id is None else [shard_id]
             loaded.update((name, sid) for sid in shards)
         if stored_head is not None:
-            self._settle_tied_head(stored_head, loaded)
+            self._settle_tied_head(stored_head, stored_embed, loaded)
         missing = [self._hf_name(name, sid) for name in params
                    for sid in self._shard_ids(name) if (name, sid) not in loaded]
         if missing or unexpected:
@@ -187,23 +192,25 @@ class LlamaForCausalLM(nn.Module):
     def _ignored(self, hf_name: str) -> bool:
         return hf_name.endswith("rotary_emb.inv_freq")  # RoPE tables are recomputed
 
-    def _settle_tied_head(self, head: torch.Tensor, loaded: set[tuple[str, object]]) -> None:
+    def _settle_tied_head(self, head: torch.Tensor, embed: torch.Tensor | None,
+                          loaded: set[tuple[str, object]]) -> None:
         """A tied model whose checkpoint stores lm_head.weight too, resolved as transformers'
         tie_weights does: a head equal to the embedding stays tied, one that differs is kept
         untied (the config is wrong about the checkpoint), and with no embedding stored the
-        head fills the tied pair."""
-        embed = self.model.embed_tokens.weight
-        if ("model.embed_tokens.weight", None) not in loaded:
-            self._load_tensor(embed, "lm_head.weight", head)
+        head fills the tied pair. ``head`` and ``embed`` are the checkpoint's full tensors."""
+        weight = self.model.embed_tokens.weight
+        if embed is None:
+            self._load_tensor(weight, "lm_head.weight", head)
             loaded.add(("model.embed_tokens.weight", None))
             return
-        untied = nn.Parameter(torch.empty_like(embed), requires_grad=False)
+        # Decided on the full tensors, so every tensor-parallel rank decides alike (a rank's
+        # slice may match where another's differs). In the compute dtype: where the two are
+        # equal there, tying computes the same logits without a second copy.
+        if _equal_in(weight.dtype, head, embed):
+            return
+        untied = nn.Parameter(torch.empty_like(weight), requires_grad=False)
         untied.weight_loader = self.lm_head.weight_loader
         self._load_tensor(untied, "lm_head.weight", head)
-        # Compared in the compute dtype on this rank's vocab slice: where those are equal,
-        # tying computes the same logits without a second copy.
-        if torch.equal(untied, embed):
-            return
         logger.warning("%s: config.json ties lm_head to embed_tokens, but the checkpoint stores "
                        "a different lm_head.weight; using it untied, as transformers does",
                        self.config.folder)
@@ -239,6 +246,16 @@ class LlamaForCausalLM(nn.Module):
         proj = next(p for p, (f, s) in self.packed_modules_mapping.items()
                     if f == fused and s == shard_id)
         return f"{parent}.{proj}.{leaf}"
+
+
+def _equal_in(dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor,
+              rows: int = 4096) -> bool:
+    """Whether a and b are equal once cast to dtype; cast a block of rows at a time, so a
+    vocabulary-sized pair never costs two full copies."""
+    if a.shape != b.shape:
+        return False  # loading the head then names the mismatch
+    return all(torch.equal(a[i:i + rows].to(dtype), b[i:i + rows].to(dtype))
+               for i in range(0, a.shape[0], rows))
 
 
 def _brief(names: list[str], limit: int = 8) -> str:
