@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_backend import AttentionMetadata
-from kernels.cpu_decode import (check_ranges, cpu_kernels_available, paged_decode_attention_cpu,
-                                supports)
-from kernels.cpu_kv_write import check_slots, kv_write_supported, write_kv_cpu
+from kernels.cpu_decode import (check_seq_lens, cpu_kernels_available,
+                                paged_decode_attention_cpu, supports)
+from kernels.cpu_kv_write import kv_write_takes, write_kv_cpu
 from kernels.torch_attention import TorchAttentionBackend, _StepPlan, _write_kv
 
 
@@ -23,10 +23,12 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if not (supports(query, k_cache) and cpu_kernels_available()):
+        if not _kernels_take(query, k_cache, v_cache):
+            # Whatever the kernels cannot read (other dtypes, a K or V cache whose head dim is
+            # padded past head_size): the torch path takes any strides.
             return super().forward(query, key, value, k_cache, v_cache, meta, scale)
         plan = self._step_plan(meta, k_cache, query.dtype, gather_decodes=False)
-        if _compiled_write(meta.slot_mapping) and kv_write_supported(key, k_cache):
+        if _compiled_write(meta.slot_mapping) and kv_write_takes(key, value, k_cache, v_cache):
             # Slots were range-checked once for the step, in _make_plan.
             write_kv_cpu(key, value, k_cache, v_cache, meta.slot_mapping, slots_checked=True)
         else:
@@ -53,13 +55,20 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
                    gather_decodes: bool, ranges_checked: bool) -> _StepPlan:
         # Once per step, not per layer: every layer reads the same tables from same-shaped caches.
+        # The torch plan bounds every slot and block id; the decode kernel also needs its
+        # lengths tensor within the tables' reach.
+        plan = super()._make_plan(meta, k_cache, dtype, gather_decodes, ranges_checked)
         nd = meta.num_decodes
         if not (gather_decodes or ranges_checked):
-            check_ranges(meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[0],
-                         k_cache.shape[1])
-        if _compiled_write(meta.slot_mapping) and not ranges_checked:
-            check_slots(meta.slot_mapping, k_cache.shape[0], k_cache.shape[1])
-        return super()._make_plan(meta, k_cache, dtype, gather_decodes, ranges_checked)
+            check_seq_lens(meta.block_tables[:nd], meta.seq_lens[:nd], k_cache.shape[1])
+        return plan
+
+
+def _kernels_take(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    # The decode kernel reads both caches with k_cache's strides.
+    return (supports(query, k_cache) and v_cache.dtype == k_cache.dtype
+            and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
+            and cpu_kernels_available())
 
 
 def _compiled_write(slot_mapping: torch.Tensor) -> bool:

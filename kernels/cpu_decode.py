@@ -10,6 +10,7 @@ import functools
 import torch
 
 from kernels.cpu_build import load_kernel
+from kernels.input_checks import check_block_range
 
 _LIB_NAME = "paged_decode_cpu"
 # The kernel keeps a [num_heads, head_size] accumulator and [num_heads, block_size] scores on
@@ -46,8 +47,10 @@ def blocks_contiguous(cache: torch.Tensor) -> bool:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel handles these tensors (float32 on the CPU, contiguous blocks)."""
+    """Whether this kernel handles these tensors (float32 on the CPU, contiguous blocks, each
+    query head a contiguous row)."""
     return (query.device.type == "cpu" and query.dtype == torch.float32
+            and query.dim() == 3 and query.stride(2) == 1
             and k_cache.dtype == torch.float32 and k_cache.dim() == 4
             and blocks_contiguous(k_cache)
             and query.shape[1] * (k_cache.shape[3] + k_cache.shape[1]) <= MAX_STACK_FLOATS)
@@ -127,6 +130,14 @@ def _check(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def check_ranges(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int,
                  block_size: int) -> None:
     """Every seq_len in [1, the table's reach] and every block id in [0, num_blocks)."""
+    check_seq_lens(block_tables, seq_lens, block_size)
+    if block_tables.numel():
+        check_block_range(int(block_tables.min()), int(block_tables.max()), num_blocks)
+
+
+def check_seq_lens(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> None:
+    """Every seq_len in [1, the table's reach]. The kernel reads this tensor, not the host list
+    the backends check lengths on, so the tensor itself is checked."""
     if seq_lens.numel() == 0:
         return
     capacity = block_tables.shape[1] * block_size
@@ -134,5 +145,3 @@ def check_ranges(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks:
     if lo < 1 or hi > capacity:
         raise ValueError(f"seq_lens must be in [1, {capacity}] (the block tables' reach), "
                          f"got [{lo}, {hi}]")
-    if int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks:
-        raise ValueError(f"block ids must be in [0, {num_blocks})")

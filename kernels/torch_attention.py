@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
+from kernels.input_checks import check_index_bounds, check_query_lens, index_bounds
 
 # Gathered K+V bytes per decode chunk. ~4 MiB keeps a chunk in a CPU's L2/L3; on accelerators
 # one big batch is better.
@@ -67,6 +68,9 @@ class _StepPlan:
     block_size: int
     decode_chunks: list[_DecodeChunk]
     prefills: list[_PrefillSeq]
+    # Whether decode_chunks were planned: a CPU backend layer whose caches the kernels cannot
+    # read falls back to the torch path, which needs them.
+    decodes_gathered: bool = False
 
     @functools.cached_property
     def slot_index(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,17 +113,21 @@ class TorchAttentionBackend(AttentionBackend):
         decodes to a kernel that reads the cache in place; ``ranges_checked``: the caller
         has checked the step's slots, block ids and lengths against the cache."""
         cached_meta, plan = self._cached
-        if cached_meta is not meta or plan is None:
+        if cached_meta is not meta or plan is None or plan.decodes_gathered != gather_decodes:
             plan = self._make_plan(meta, k_cache, dtype, gather_decodes, ranges_checked)
             self._cached = (meta, plan)
         return plan
 
     def _make_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor, dtype: torch.dtype,
                    gather_decodes: bool, ranges_checked: bool) -> _StepPlan:
-        # ranges_checked does not skip this path's own checks: torch indexing needs them.
+        # ranges_checked does not skip this path's own checks: torch indexing needs them, and
+        # the bounds cost no extra sync (the write reads the smallest slot anyway).
+        check_query_lens(meta)
+        bounds = index_bounds(meta.slot_mapping, meta.block_tables)
+        check_index_bounds(bounds, k_cache.shape[0], k_cache.shape[1])
         slots = meta.slot_mapping.long()
         write_rows = None
-        if bool((slots < 0).any()):
+        if bounds.slot_min < 0:
             write_rows = torch.nonzero(slots >= 0).squeeze(1)
             slots = slots.index_select(0, write_rows)
         budget = self.decode_chunk_bytes
@@ -138,7 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
         decodes = (_plan_decodes(meta, block_tables, max(budget // token_bytes, 1), dtype)
                    if gather_decodes else [])
         return _StepPlan(write_rows, slots, k_cache.shape[1], decodes,
-                         _plan_prefills(meta, block_tables, dtype))
+                         _plan_prefills(meta, block_tables, dtype), gather_decodes)
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
+from kernels.input_checks import (check_index_bounds, check_query_lens, index_bounds,
+                                  index_checks_affordable)
 from kernels.triton_cache import reshape_and_cache
 from kernels.triton_decode import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from kernels.triton_prefill import paged_prefill_attention
@@ -30,7 +32,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         checked_meta, max_decode_len = self._checked
         if checked_meta is not meta:
-            max_decode_len = _check_meta(meta, k_cache.shape[1])
+            max_decode_len = _check_meta(meta, k_cache.shape[0], k_cache.shape[1])
             self._checked = (meta, max_decode_len)
         reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
@@ -50,10 +52,16 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
 
-def _check_meta(meta: AttentionMetadata, block_size: int) -> int:
+def _check_meta(meta: AttentionMetadata, num_blocks: int, block_size: int) -> int:
     """Host-side checks the kernels cannot afford; returns the longest decode context."""
     if meta.block_size != block_size:
         raise ValueError(f"meta.block_size ({meta.block_size}) != the cache's ({block_size})")
+    check_query_lens(meta)
+    # Out-of-range indices make the kernels write outside the cache (under the interpreter,
+    # heap corruption), but bounding them on a GPU is a sync a step: there only on request.
+    if index_checks_affordable(meta):
+        bounds = index_bounds(meta.slot_mapping, meta.block_tables)
+        check_index_bounds(bounds, num_blocks, block_size)
     nd = meta.num_decodes
     if any(n != 1 for n in meta.query_lens_list[:nd]):
         raise ValueError("the first num_decodes sequences must have query length 1")
