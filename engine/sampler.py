@@ -211,31 +211,34 @@ def _gumbel_noise(x: torch.Tensor, generators: list[torch.Generator | None]) -> 
 
 
 def _keep_threshold(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
-    """Lowest scaled logit each row keeps after top-k, top-p and min-p: [num_rows, 1].
+    """Lowest scaled logit each row keeps after min-p, top-k and top-p: [num_rows, 1].
 
     None when no row filters anything; a row that filters nothing gets its minimum or -inf.
     """
     vocab = x.shape[1]
     device = x.device
-    threshold = None
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    needs_top_p = any(p.top_p < 1.0 for p in params)
-    if needs_top_p or any(k < vocab for k in top_k):
-        sorted_x = _sort_descending(x)
-        top_p = ([p.top_p if p.top_p < 1.0 else math.inf for p in params] if needs_top_p
-                 else None)
-        threshold = _top_k_top_p_threshold(
-            sorted_x, torch.tensor(top_k, device=device),
-            None if top_p is None else torch.tensor(top_p, device=device))
+    min_p_threshold = None
     if any(p.min_p > 0.0 for p in params):
         # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps all.
-        # Top-k / top-p always keep the max, and renormalising does not change p_i / p_max,
-        # so this mask is the same whether applied before or after them.
         log_min_p = torch.tensor([p.min_p for p in params], device=device).log()
         min_p_threshold = x.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
-        threshold = (min_p_threshold if threshold is None
-                     else torch.maximum(threshold, min_p_threshold))
-    return threshold
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    needs_top_p = any(p.top_p < 1.0 for p in params)
+    if not needs_top_p and all(k == vocab for k in top_k):
+        return min_p_threshold
+    sorted_x = _sort_descending(x)
+    if min_p_threshold is not None and needs_top_p:
+        # min-p first, as vLLM's v1 sampler has it: top-p's nucleus is taken over what min-p
+        # kept, renormalised (after, it would be taken over the whole distribution and could
+        # keep more). Top-k's count is the same either way: min-p keeps a prefix.
+        sorted_x = sorted_x.masked_fill(sorted_x < min_p_threshold, -math.inf)
+    top_p = [p.top_p if p.top_p < 1.0 else math.inf for p in params] if needs_top_p else None
+    threshold = _top_k_top_p_threshold(
+        sorted_x, torch.tensor(top_k, device=device),
+        None if top_p is None else torch.tensor(top_p, device=device))
+    if min_p_threshold is None:
+        return threshold
+    return torch.maximum(threshold, min_p_threshold)
 
 
 def _sort_descending(x: torch.Tensor) -> torch.Tensor:

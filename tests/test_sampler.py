@@ -86,6 +86,18 @@ def test_min_p_excludes_unlikely_tokens(sampler):
     assert set(out.token_ids) == {0, 1, 2}
 
 
+def test_top_p_applies_to_what_min_p_kept_renormalised(sampler):
+    # vLLM's v1 order: min_p=0.5 keeps 0.40 and 0.35 (renormalised 0.53 / 0.47), so top_p=0.5
+    # then keeps only the first; over the raw distribution 0.40 < 0.5 would have kept both.
+    probs = [0.40, 0.35, 0.05, 0.05, 0.05, 0.05, 0.05]
+    out = _sample(sampler, _repeat(probs, 500), [SamplingParams(min_p=0.5, top_p=0.5)] * 500)
+    assert set(out.token_ids) == {0}
+    # With top-k as well, and in a batch beside rows without min_p.
+    params = [SamplingParams(min_p=0.5, top_p=0.5, top_k=3), SamplingParams(top_p=0.5)] * 500
+    out = _sample(sampler, _repeat(probs, 1000), params)
+    assert set(out.token_ids[0::2]) == {0} and set(out.token_ids[1::2]) == {0, 1}
+
+
 def test_filters_combine_per_row(sampler):
     # Each row has its own filter in one batch; none may leak into another row.
     probs = [0.4, 0.3, 0.2, 0.06, 0.04]
