@@ -144,6 +144,9 @@ class LLMEngine:
         if resume and len(resume) >= params.max_tokens:
             raise ValueError(f"{len(resume)} resumed output tokens leave nothing to generate "
                              f"(max_tokens={params.max_tokens})")
+        ended = self.outputs.resumed_end(list(prompt_token_ids), resume, params)
+        if ended is not None:
+            raise ValueError(f"the resumed output has ended already: {ended}")
         return resume
 
     def abort(self, request_id: str) -> None:

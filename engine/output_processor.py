@@ -79,8 +79,7 @@ class OutputProcessor:
             req.logprobs.append(logprobs)
         params = req.sampling_params
         detok = self.detokenizers.get(req.request_id)
-        stop_token = token_id in params.stop_token_ids
-        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        stop_token, eos = self._ends(token_id, req.num_output_tokens, params)
         # As a stop string's, a stop token's text (eos's too) stays out of the text unless
         # include_stop_str_in_output (vLLM's rule); its id is in token_ids all the same.
         if detok is not None and (params.include_stop_str_in_output or not (stop_token or eos)):
@@ -96,6 +95,37 @@ class OutputProcessor:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return StopDecision(RequestStatus.FINISHED_LENGTH)
         return StopDecision(None)
+
+    def _ends(self, token_id: int, num_output_tokens: int, params) -> tuple[bool, bool]:
+        """Whether output token number ``num_output_tokens`` is a stop token, and whether it
+        is an eos that ends the output. Neither ends it within min_tokens (as stop strings do
+        not): the sampler bans them there, but lifts its bans when they would leave nothing
+        to sample (allowed_token_ids=[eos])."""
+        if num_output_tokens <= params.min_tokens:
+            return False, False
+        return (token_id in params.stop_token_ids,
+                not params.ignore_eos and token_id in self.eos_token_ids)
+
+    def resumed_end(self, prompt_token_ids: list[int], output_token_ids: list[int],
+                    params) -> str | None:
+        """What in output to resume from would have ended the request already (a stop token,
+        eos or a stop string), or None. Resuming it would generate past the request's end, and
+        the replay in add_request cannot go on past a stop string."""
+        detok = None
+        if self.detokenize and params.stop:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                           skip_special_tokens=params.skip_special_tokens)
+        for n, token_id in enumerate(output_token_ids, 1):
+            stop_token, eos = self._ends(token_id, n, params)
+            if stop_token or eos:
+                return f"output token {n} ({token_id}) is {'a stop token' if stop_token else 'eos'}"
+            if detok is not None:
+                detok.update([token_id])
+                hit = _check_stop_strings(detok, params, n)
+                if hit is not None:
+                    return f"output token {n} completes the stop string {hit!r}"
+                detok.take_delta()
+        return None
 
     def decode_logprobs(self, items: list[TokenLogprobs]) -> None:
         """Sets each Logprob's decoded_token: its token as text on its own, special tokens

@@ -53,6 +53,12 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
+        # None, vLLM's default for these, is none of them.
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            if getattr(self, name) is None:
+                setattr(self, name, [])
+        if self.logit_bias is None:
+            self.logit_bias = {}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)

@@ -264,6 +264,41 @@ def test_a_resume_that_leaves_nothing_to_generate_is_refused(model):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_resume_whose_output_has_ended_already_is_refused(model):
+    """Output to resume from that a stop token, eos or stop string ended would be continued
+    past its end: refused at intake (a stop string in it once failed the engine's step, and
+    with it every request on the worker)."""
+    engine = LLMEngine(EngineConfig(model))
+    prompt = _prompts(9, [20])[0]
+    engine.add_request("full", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                      ignore_eos=True))
+    [full] = [o for o in _run_until(engine, lambda o: any(x.finished for x in o)) if o.finished]
+    ids, eos = full.token_ids, min(engine.outputs.eos_token_ids)
+    text6 = engine.tokenizer.decode(ids[:6])
+    stop = next(text6[i:] for i in range(len(text6) - 2, -1, -1)
+                if text6[i:].strip() and text6.find(text6[i:]) == i)  # only at the end
+    refused = [
+        (dict(stop=[stop]), ids[:6], "completes the stop string"),
+        (dict(stop=[stop]), ids[:8], "output token 6 completes the stop string"),
+        (dict(stop_token_ids=[ids[2]]), ids[:6], "output token 3 .* is a stop token"),
+        (dict(), ids[:3] + [eos], "output token 4 .* is eos"),
+    ]
+    for kw, resume, match in refused:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("r", prompt, SamplingParams(max_tokens=12, **kw),
+                               resume_token_ids=resume)
+    # Within min_tokens nothing ends it; eos ends nothing with ignore_eos.
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12, min_tokens=6, temperature=0.0,
+                                                   stop_token_ids=[ids[2]], ignore_eos=True),
+                       resume_token_ids=ids[:6])
+    engine.add_request("b", prompt, SamplingParams(max_tokens=12, ignore_eos=True),
+                       resume_token_ids=ids[:3] + [eos])
+    done = {o.request_id: o for o in _run_until(
+        engine, lambda o: sum(x.finished for x in o) == 2) if o.finished}
+    assert done["a"].token_ids == ids and len(done["b"].token_ids) == 12
+    assert _free(engine)
+
+
 def _stream_deltas(engine: LLMEngine, rid: str) -> tuple[list[str], list[int]]:
     """The text deltas and token ids ``rid`` streams, step by step, to its end."""
     deltas, ids = [], []

@@ -200,6 +200,16 @@ def test_min_tokens_holds_back_stop_tokens_until_then(reference, preset_path):
     assert stop not in held.token_ids[:12]
 
 
+def test_min_tokens_holds_even_when_only_a_stop_token_is_allowed(reference):
+    # The sampler's bans would leave nothing to sample, so it lifts them and samples the stop
+    # token; that token still ends nothing within min_tokens (as a stop string does not).
+    stop = reference.generate([PROMPTS[1]], SamplingParams(**GREEDY))[0].token_ids[2]
+    out = reference.generate([PROMPTS[1]], SamplingParams(
+        stop_token_ids=[stop], allowed_token_ids=[stop], min_tokens=3, max_tokens=32,
+        temperature=0.0))[0]
+    assert out.token_ids == [stop] * 4 and out.finish_reason == "stop"
+
+
 def test_min_tokens_defers_stop_strings(reference):
     prompt = PROMPTS[1]
     plain = reference.generate([prompt], SamplingParams(**GREEDY))[0]
@@ -278,6 +288,13 @@ def test_sampler_bias_and_bans_leave_logprobs_raw():
     assert Sampler([eos])(logits[:1], rows[:1], [None], num_output_tokens=[2]).token_ids == [eos]
     with pytest.raises(ValueError, match="output lengths"):
         Sampler([eos])(logits, rows, [None] * 3)
+
+
+def test_none_is_an_empty_list_as_in_vllm():
+    p = SamplingParams(stop=None, stop_token_ids=None, allowed_token_ids=None, bad_words=None,
+                       logit_bias=None)
+    assert (p.stop, p.stop_token_ids, p.allowed_token_ids, p.bad_words, p.logit_bias) == \
+        ([], [], [], [], {})
 
 
 @pytest.mark.parametrize("kw, match", [
