@@ -351,11 +351,19 @@ class IncrementalDetokenizer:
 
 
 def _partial_stop_len(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
+    """Length of the longest suffix of text that is a proper prefix of a stop string.
+
+    Runs per token on the engine thread, so only lengths n whose prefix ends with text's last
+    character are compared (found with rfind, in C): trying every n cost O(len(s)^2) per
+    token, 7 ms a token for 16 stop strings of 4000 characters."""
+    if not text:
+        return 0
+    last, best = text[-1], 0
     for s in stop:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        end = s.rfind(last, 0, min(len(s) - 1, len(text)))
+        while end >= best:  # s[:end + 1] ends with ``last``: a candidate of length end + 1
+            if text.endswith(s[:end + 1]):
+                best = end + 1
                 break
+            end = s.rfind(last, 0, end)
     return best

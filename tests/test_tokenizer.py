@@ -295,3 +295,20 @@ def test_detokenizer_json_config_has_no_cleanup(tok_dir):
     # clean_up_tokenization_spaces would make decode(a + b) != decode(a) + decode(b).
     assert json.loads((tok_dir / "tokenizer_config.json").read_text())[
         "clean_up_tokenization_spaces"] is False
+
+
+def test_the_held_back_stop_prefix_is_the_longest_by_definition():
+    import random
+
+    from engine.tokenizer import _partial_stop_len
+
+    def longest(text, stop):  # every suffix of text against every proper prefix
+        return max((n for s in stop for n in range(1, min(len(s) - 1, len(text)) + 1)
+                    if text.endswith(s[:n])), default=0)
+
+    rng = random.Random(1)
+    for _ in range(20000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 12)))
+        stop = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 8)))
+                for _ in range(rng.randint(1, 3))]
+        assert _partial_stop_len(text, stop) == longest(text, stop), (text, stop)
