@@ -34,7 +34,8 @@ class KVPeerConnector:
         # Peers by their agents' names: a prefill worker restarted under the same id has new
         # agents and is connected again.
         self._tried: set[tuple[str, ...]] = set()
-        self.num_connected = 0
+        # Those connected ahead, until any of their agents is forgotten (a gauge).
+        self._connected: set[tuple[str, ...]] = set()
         # Agent names held (met in the registry, or the engine reported them) and, for those
         # gone from the registry, since when.
         self._held: set[str] = set()
@@ -43,6 +44,11 @@ class KVPeerConnector:
         self.num_forgotten = 0
         self._task: asyncio.Task | None = None
         self._stopping = False
+
+    @property
+    def num_connected(self) -> int:
+        """Prefill workers (their sets of agents) connected ahead and not forgotten since."""
+        return len(self._connected)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -87,7 +93,7 @@ class KVPeerConnector:
         self._held.update(key)
         try:
             if await asyncio.to_thread(self.llm.preconnect_kv, handles):
-                self.num_connected += 1
+                self._connected.add(key)
         except Exception as e:  # noqa: BLE001 - the pull will connect (or fail) itself
             logger.warning("could not connect ahead to prefill worker %s: %s",
                            info.worker_id, e)
@@ -111,6 +117,7 @@ class KVPeerConnector:
             self._held.discard(name)
             del self._missing_since[name]
         self._tried = {k for k in self._tried if not gone.intersection(k)}
+        self._connected = {k for k in self._connected if not gone.intersection(k)}
         self.num_forgotten += len(gone)
         logger.info("dropped the KV connections to %d prefill agent(s) gone from the "
                     "registry: %s", len(gone), sorted(gone))

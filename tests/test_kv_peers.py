@@ -101,12 +101,12 @@ def test_a_prefill_worker_gone_long_enough_is_forgotten_and_connected_again_on_r
         assert "a1" in sum(engine.forgets[1:], [])
         # The census every FORGET_AFTER_S / 2 found the peer only a request met.
         assert "met-in-a-request" in sum(engine.forgets, [])
-        assert peers.num_forgotten == 3
+        assert peers.num_forgotten == 3 and peers.num_connected == 0  # the gauge went down
         # Back under the same agents: connected again.
         await reg.heartbeat(info)
         await reg.set_kv_handles("p1", _handles("a0", "a1"))
         await peers.connect_new()
-        assert engine.preconnects == [["a0", "a1"], ["a0", "a1"]]
+        assert engine.preconnects == [["a0", "a1"], ["a0", "a1"]] and peers.num_connected == 1
         await reg.r.aclose()
 
     asyncio.run(body())
