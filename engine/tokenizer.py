@@ -6,6 +6,8 @@ contain a half-decoded multi-byte character, and applies stop strings.
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -88,6 +90,13 @@ class Tokenizer:
         # The backend directly: transformers' decode adds Python overhead per call and its
         # clean-up option would break incremental decoding.
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def plain_context(self) -> tuple[list[int], str]:
+        """Ids of a plain text ("a") and their text: what the detokenizer decodes other ids
+        after when it needs them apart from their own context."""
+        ids = self.encode_plain("a")
+        return ids, self.decode_known(ids, skip_special_tokens=False)
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.folder)!r}, vocab_size={self.vocab_size})"
@@ -198,7 +207,9 @@ class IncrementalDetokenizer:
       as a one-shot ``decode`` renders them: as soon as a later character follows, once more
       than 4 tokens wait, or at ``finish()``. So the final text equals
       ``tokenizer.decode(output_ids)``, and for output that is valid UTF-8 no delta ever
-      contains U+FFFD.
+      contains U+FFFD. (One exception: a byte-fallback decoder renders a run of byte tokens
+      that is not UTF-8 as a whole as one U+FFFD per token, characters streamed already
+      included; those stay as streamed, and only the bytes after them become U+FFFD.)
     * Stop strings: ``check_stop`` searches only text decoded since its previous call (plus
       an overlap of len(stop) - 1 characters), picks the earliest match (ties: list order),
       truncates ``output_text`` before it (or after it when included) and returns it. While
@@ -245,6 +256,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode_known(ids, self.skip_special_tokens)
 
+    def _decode_alone(self, ids: list[int]) -> str:
+        """ids' text apart from the context's, yet decoded after some text: at the start a
+        decoder may strip a word's leading space."""
+        plain_ids, plain_text = self.tokenizer.plain_context
+        text = self._decode(plain_ids + ids)
+        return text[len(plain_text):] if text.startswith(plain_text) else self._decode(ids)
+
     def update(self, new_token_ids: Iterable[int]) -> str:
         """Adds sampled tokens; returns the text they completed (appended to output_text).
 
@@ -275,7 +293,14 @@ class IncrementalDetokenizer:
             if len(settled) <= len(prefix_text) or not new_text.startswith(settled):
                 return ""
             new_text = settled
-        delta = new_text[len(prefix_text):]
+        if new_text.startswith(prefix_text):
+            delta = new_text[len(prefix_text):]
+        else:
+            # A byte-fallback decoder (Llama-2's, Mistral's) renders a run of byte tokens that
+            # is not UTF-8 as a whole as one U+FFFD per token, the context's bytes included:
+            # the context's text is then no prefix, and slicing by its length took the wrong
+            # characters (three U+FFFD for one stray byte).
+            delta = self._decode_alone(self._ids[self._read_offset:end])
         # The text just produced becomes the next context; a few tokens of it are enough
         # (after a long batch, decoding it all again would be wasted work).
         prefix = max(self._read_offset, end - _PROMPT_CONTEXT_TOKENS)

@@ -312,3 +312,43 @@ def test_the_held_back_stop_prefix_is_the_longest_by_definition():
         stop = ["".join(rng.choice("ab c") for _ in range(rng.randint(1, 8)))
                 for _ in range(rng.randint(1, 3))]
         assert _partial_stop_len(text, stop) == longest(text, stop), (text, stop)
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tok(tmp_path_factory) -> Tokenizer:
+    """A Llama-2-style tokenizer (SentencePiece spaces, byte fallback, leading space
+    stripped), with a handful of words and the 256 byte tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "a": 4, "x": 5, "▁a": 6, "▁x": 7,
+             "S": 8, "ay": 9, "▁S": 10, "▁Say": 11, "y": 12}
+    vocab.update({f"<0x{b:02X}>": 13 + b for b in range(256)})
+    merges = [("▁", "x"), ("▁", "a"), ("a", "y"), ("▁", "S"), ("▁S", "ay")]
+    backend = Backend(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    folder = tmp_path_factory.mktemp("byte_fallback")
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "unk_token": "<unk>", "clean_up_tokenization_spaces": False}))
+    return load_tokenizer(folder)
+
+
+def test_stray_bytes_after_a_byte_fallback_character_stream_one_fffd_each(byte_fallback_tok):
+    # Such a decoder renders a run of byte tokens that is not UTF-8 as a whole as one U+FFFD
+    # per token, bytes of characters already streamed included: no prefix of the new text.
+    tok = byte_fallback_tok
+    byte = {b: 13 + b for b in range(256)}
+    ni = [byte[0xE6], byte[0x97], byte[0xA5]]  # "日" in byte tokens
+    prompt = tok.encode_plain("Say") + [3] + ni  # 3: "▁"
+    assert tok.decode(prompt) == "Say 日"
+    assert stream(tok, prompt, [byte[0xE6]])[1].output_text == FFFD  # a character cut short
+    deltas, detok = stream(tok, prompt, [byte[0x97], 7])  # a stray byte, then " x"
+    assert detok.output_text == FFFD + " x" == tok.decode([byte[0x97], 7])
+    # In the output too: "日" stays as streamed; only the bytes after it become U+FFFD.
+    deltas, detok = stream(tok, tok.encode_plain("Say"), ni + [byte[0xE6], byte[0x9C]])
+    assert detok.output_text == "日" + FFFD * 2 and "".join(deltas) == detok.output_text
