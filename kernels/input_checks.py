@@ -34,6 +34,14 @@ class IndexBounds:
     block_max: int
 
 
+def check_block_size(meta: AttentionMetadata, cache_block_size: int) -> None:
+    # Slots and block tables are read in the metadata's block size: another cache's would
+    # put every token in the wrong place.
+    if meta.block_size != cache_block_size:
+        raise ValueError(f"meta.block_size ({meta.block_size}) != the cache's "
+                         f"({cache_block_size})")
+
+
 def check_query_lens(meta: AttentionMetadata) -> None:
     """Every sequence's query length in [0, its seq_len]: its new tokens are the last of its
     context, so a longer query would attend to positions before the sequence's start."""

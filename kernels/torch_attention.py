@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
-from kernels.input_checks import check_index_bounds, check_query_lens, index_bounds
+from kernels.input_checks import (check_block_size, check_index_bounds, check_query_lens,
+                                  index_bounds)
 
 # Gathered K+V bytes per decode chunk. ~4 MiB keeps a chunk in a CPU's L2/L3; on accelerators
 # one big batch is better.
@@ -122,6 +123,7 @@ class TorchAttentionBackend(AttentionBackend):
                    gather_decodes: bool, ranges_checked: bool) -> _StepPlan:
         # ranges_checked does not skip this path's own checks: torch indexing needs them, and
         # the bounds cost no extra sync (the write reads the smallest slot anyway).
+        check_block_size(meta, k_cache.shape[1])
         check_query_lens(meta)
         bounds = index_bounds(meta.slot_mapping, meta.block_tables)
         check_index_bounds(bounds, k_cache.shape[0], k_cache.shape[1])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
-from kernels.input_checks import (check_index_bounds, check_query_lens, index_bounds,
-                                  index_checks_affordable)
+from kernels.input_checks import (check_block_size, check_index_bounds, check_query_lens,
+                                  index_bounds, index_checks_affordable)
 from kernels.triton_cache import reshape_and_cache
 from kernels.triton_decode import DEFAULT_PARTITION_SIZE, paged_decode_attention
 from kernels.triton_prefill import paged_prefill_attention
@@ -54,8 +54,7 @@ class TritonAttentionBackend(AttentionBackend):
 
 def _check_meta(meta: AttentionMetadata, num_blocks: int, block_size: int) -> int:
     """Host-side checks the kernels cannot afford; returns the longest decode context."""
-    if meta.block_size != block_size:
-        raise ValueError(f"meta.block_size ({meta.block_size}) != the cache's ({block_size})")
+    check_block_size(meta, block_size)
     check_query_lens(meta)
     # Out-of-range indices make the kernels write outside the cache (under the interpreter,
     # heap corruption), but bounding them on a GPU is a sync a step: there only on request.

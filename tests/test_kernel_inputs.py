@@ -112,6 +112,18 @@ def test_slot_past_the_cache_is_refused(backend, slot):
                     rf"{NUM_BLOCKS * BLOCK_SIZE} .* got {slot}", slots=SLOTS[:-1] + [slot])
 
 
+def test_metadata_of_another_block_size_is_refused(backend):
+    be, dev = backend
+    gen = torch.Generator().manual_seed(0)
+    meta = _meta(dev)
+    meta.block_size = BLOCK_SIZE // 2
+    q, k, v = _qkv(gen, meta.num_tokens, dev)
+    k_cache, v_cache, _, _ = _guarded_caches(gen, dev)
+    with pytest.raises(ValueError, match=rf"meta.block_size \({BLOCK_SIZE // 2}\) != the "
+                       rf"cache's \({BLOCK_SIZE}\)"):
+        be.forward(q, k, v, k_cache, v_cache, meta, SCALE)
+
+
 def test_int32_slot_past_the_cache_is_refused():
     # int32 slots skip the CPU backend's compiled write (and its own slot check).
     for name in ("torch", "cpu"):
