@@ -139,8 +139,12 @@ def test_an_asyncio_client_built_outside_a_loop_serves_the_loop_of_its_first_cal
             await c.close()
 
     assert asyncio.run(ask_then_close()) == [8, 9]
+    with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+        asyncio.run(ask())
+    c = AsyncClient(routers[1].address, timeout=60, failover=POLICY)  # left open this time
+    assert asyncio.run(ask()) == [8, 9]
     with pytest.raises(RuntimeError, match="a client per event loop"):
-        asyncio.run(ask())  # its channels are the first loop's, now closed
+        asyncio.run(ask())  # its channels are the first loop's, which has ended
 
 
 def test_a_blocking_client_dropped_without_close_leaves_no_thread_behind(routers):

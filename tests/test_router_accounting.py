@@ -34,7 +34,7 @@ class _Directory:
     def __init__(self) -> None:
         self.decodes = [_Worker("decode-1", "decode"), _Worker("decode-2", "decode")]
 
-    def check_prompt_fits(self, num_tokens: int) -> None:
+    def check_prompt_fits(self, num_tokens: int, requested_len: int = 0) -> None:
         pass
 
     async def pick_decode(self, num_tokens: int, avoid) -> _Worker:

@@ -29,7 +29,7 @@ class _Directory:
     def inflight(self, worker):
         yield
 
-    def check_prompt_fits(self, num_tokens: int) -> None:
+    def check_prompt_fits(self, num_tokens: int, requested_len: int = 0) -> None:
         """As WorkerDirectory's while no worker is known: any length passes."""
 
 
