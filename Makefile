@@ -4,9 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # With no GPU, install the CPU build of torch first: a bare `torch` requirement
-# would otherwise pull a multi-GB CUDA build.
+# would otherwise pull a multi-GB CUDA build. The CPU build by name (a local wheel, a
+# mirror), else from PyTorch's CPU index: PyPI's Linux torch is the CUDA build.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH_CPU ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test test-all install install-dev bench clean
 
@@ -17,7 +18,8 @@ $(VENV)/.created:
 
 $(VENV)/.installed: $(VENV)/.created pyproject.toml
 ifeq ($(HAS_GPU),)
-	$(PIP) install -q "$(TORCH_CPU)" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" \
+		|| $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
 endif
 	$(PIP) install -q -e .
 	touch $@

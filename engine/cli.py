@@ -212,8 +212,8 @@ BENCHMARKS = [
                 "throughput and CPU per token of each process"),
     ("chat_turns", "a chat's next turn prefilled on the decode worker holding its reply vs "
                    "on the prefill worker: turn-2 TTFT"),
-    ("failover", "a worker SIGKILLed under running streams: migrated streams' stall vs the "
-                 "undisturbed run, token parity"),
+    ("failover", "a worker SIGKILLed (or SIGSTOPped: --fault hang) under running streams: "
+                 "migrated streams' stall vs the undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
     ("huge_pages", "a decode step's linear layers with their packs in huge pages vs 4 KiB "
                    "pages"),
@@ -286,7 +286,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 
     p = sub.add_parser("admin", help="a running router's admin endpoints: workers, stats, "
                        "drain/undrain a worker, requests in flight and their cancel, "
-                       "prefix-cache reset")
+                       "KV transfers in flight, prefix-cache reset")
     cli_admin.add_args(p)
     p.set_defaults(func=cli_admin.cmd_admin)
 

@@ -44,10 +44,12 @@ _TRANSFER_COLUMNS = [("transfer", "transfer_id"), ("state", "state"),
                      ("router live", "router_live")]
 
 
-def add_connection_args(p: argparse.ArgumentParser) -> None:
+def add_connection_args(p: argparse.ArgumentParser, admin: bool = False) -> None:
     """How to reach a router that serves TLS or wants an API key (router/auth.py)."""
-    p.add_argument("--api-key", default=None,
-                   help="the router's --api-key (default: $PDSERVE_API_KEY, else none)")
+    p.add_argument("--api-key", default=None, help=(
+        "the router's --admin-api-key, or its --api-key (default: $PDSERVE_ADMIN_API_KEY, "
+        "else $PDSERVE_API_KEY, else none)" if admin else
+        "the router's --api-key (default: $PDSERVE_API_KEY, else none)"))
     p.add_argument("--tls", action="store_true",
                    help="connect over TLS, verifying the router against the system's roots")
     p.add_argument("--tls-ca-file", default=None,
@@ -70,7 +72,7 @@ def connection_kwargs(args: argparse.Namespace) -> dict:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="HOST:PORT of a running router")
-    add_connection_args(p)
+    add_connection_args(p, admin=True)
     p.add_argument("--timeout", type=_call_timeout, default=10.0, help="seconds per call")
     sub = p.add_subparsers(dest="admin", required=True)
     w = sub.add_parser("workers", help="the live workers and their load")
