@@ -109,7 +109,10 @@ class MultiprocExecutor(Executor):
                     KVAgentHandle.from_bytes(self._expect(w, tp_comm.OP_OK))
                     for w in self.workers]
                 self._kv_channel = KVChannelClient([w.kv_conn for w in self.workers])
-            self.group.all_reduce(torch.zeros(1, device=device))
+            try:
+                self.group.all_reduce(torch.zeros(1, device=device))
+            except RuntimeError as e:  # a rank that died after its last answer
+                raise self._fail(f"start-up failed: {e}") from None
         except BaseException:
             self.shutdown()
             raise
@@ -129,6 +132,14 @@ class MultiprocExecutor(Executor):
             return self.runner.run(inp)
         except (OSError, RuntimeError) as e:
             raise self._fail(f"the step failed: {e}") from None
+        except BaseException as e:
+            # Interrupted between sending the step and the end of its forward (a Ctrl-C, a
+            # notebook's interrupt): the other ranks are still in this step's collectives, and
+            # the next step's would pair with theirs (gloo aborts the process on the mismatch).
+            self._set_error(f"a step was interrupted ({type(e).__name__}); the ranks are "
+                            "out of step")
+            self._abort_collectives()
+            raise
         finally:
             self._step_in_flight = False
 
@@ -176,11 +187,8 @@ class MultiprocExecutor(Executor):
     def _fail(self, context: str) -> ExecutorError:
         """The error every later call raises, naming the worker that died when one did."""
         dead = self._wait_for_death()
-        with self._error_lock:
-            if self._error is None:
-                reason = _describe(dead) if dead else context
-                self._error = ExecutorError(f"tensor-parallel executor failed: {reason}")
-            return self._error
+        self._set_error(_describe(dead) if dead else context)
+        return self._error
 
     def _wait_for_death(self) -> _Worker | None:
         ready = wait([w.sentinel for w in self.workers], timeout=_DEATH_REPORT_S)
@@ -190,11 +198,16 @@ class MultiprocExecutor(Executor):
         return None
 
     def _on_worker_death(self, dead: _Worker) -> None:
+        if not self._closing and self._set_error(_describe(dead)):
+            self._abort_collectives()
+
+    def _set_error(self, reason: str) -> bool:
+        """Makes every later call raise ``reason``; False when an error was set already."""
         with self._error_lock:
-            if self._closing or self._error is not None:
-                return
-            self._error = ExecutorError(f"tensor-parallel executor failed: {_describe(dead)}")
-        self._abort_collectives()
+            if self._error is not None:
+                return False
+            self._error = ExecutorError(f"tensor-parallel executor failed: {reason}")
+            return True
 
     def _abort_collectives(self) -> None:
         group, runner = getattr(self, "group", None), getattr(self, "runner", None)
@@ -239,6 +252,12 @@ class MultiprocExecutor(Executor):
             self.kv_agent = None
         if not self._step_in_flight:
             self._release_device_memory()
+        # Their listening sockets (the store's, gloo's) would stay open for as long as the
+        # shut-down engine is referenced. A step still in flight holds the group itself.
+        self._store = None
+        group = getattr(self, "group", None)
+        if group is not None and not self._step_in_flight:
+            group.backend = None
         torch.set_num_threads(self._previous_threads)
 
 

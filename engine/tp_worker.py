@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import socket
 import time
 import traceback
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     # The kernel's kill reaches a rank stopped or wedged, which the watch below cannot.
     die_with_parent(args.parent_pid)
+    # A terminal's Ctrl-C or a service manager's SIGTERM reaches the whole process group:
+    # rank 0 drains on it, which needs this rank. Its life is rank 0's to end (the quit op,
+    # SIGKILL at shutdown, the death signal above).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     conn = Connection(socket.socket(fileno=args.fd).detach())
     kv_conn = (Connection(socket.socket(fileno=args.kv_fd).detach())
                if args.kv_fd is not None else None)
