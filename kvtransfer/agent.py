@@ -25,6 +25,11 @@ from kvtransfer.plan import PullJob, plan_pull
 from kvtransfer.types import TransferCounters, TransferStats
 
 
+# The longest a pull may be given: a day is far beyond any KV transfer, and well inside what
+# lock, socket and timedelta waits accept.
+MAX_TIMEOUT_S = 86400.0
+
+
 class KVTransferAgent(ABC):
     backend: str
 
@@ -108,8 +113,7 @@ class KVTransferAgent(ABC):
         Every remote rank whose KV heads overlap this rank's contributes its head slice.
         ``notify`` reaches the first remote (the owner's rank 0) only after all data landed.
         """
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        check_timeout(timeout_s)
         if notify is not None and not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes or None, got {type(notify).__name__}")
         jobs = plan_pull(self.layout, self.backend, remotes, remote_block_ids, local_block_ids)
@@ -159,6 +163,15 @@ class KVTransferAgent(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_timeout(timeout_s: object) -> None:
+    """ValueError unless ``timeout_s`` is a number of seconds in (0, MAX_TIMEOUT_S]: inf or
+    1e12 overflowed the lock and socket waits (OverflowError, answered as INTERNAL)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must be > 0 and at most {MAX_TIMEOUT_S:.0f} seconds, "
+                         f"got {timeout_s!r}")
 
 
 def check_deadline(deadline: float, what: str) -> float:

@@ -48,17 +48,20 @@ class KVAgentHandle:
                 raise TypeError("not a JSON object")
             if d.get("version") != _VERSION:
                 raise ValueError(f"version {d.get('version')!r}, this build reads {_VERSION}")
-            handle = cls(backend=str(d["backend"]), agent_name=str(d["agent_name"]),
+            # No int() or str() coercion: int(Infinity) raised OverflowError (answered as
+            # INTERNAL), and a float or "123" address slipped through as a number.
+            handle = cls(backend=d["backend"], agent_name=d["agent_name"],
                          metadata=base64.b64decode(d["metadata"], validate=True),
-                         base_addr=int(d["base_addr"]), num_bytes=int(d["num_bytes"]),
-                         device_id=int(d["device_id"]), mem_type=str(d["mem_type"]),
-                         layout=KVCacheLayout.from_dict(d["layout"]), address=str(d["address"]))
+                         base_addr=d["base_addr"], num_bytes=d["num_bytes"],
+                         device_id=d["device_id"], mem_type=d["mem_type"],
+                         layout=KVCacheLayout.from_dict(d["layout"]), address=d["address"])
         except (ValueError, TypeError, KeyError, RecursionError) as e:  # deep JSON nesting
             raise ValueError(f"not a KV agent handle: {type(e).__name__}: {e}") from None
         handle.validate()
         return handle
 
     def validate(self) -> None:
+        _check_types(self)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown KV transfer backend {self.backend!r}")
         if not self.agent_name:
@@ -68,6 +71,8 @@ class KVAgentHandle:
         if self.backend == "torch" and not _is_host_port(self.address):
             raise ValueError(f"torch handle of {self.agent_name!r} has no host:port address, "
                              f"got {self.address!r}")
+        if self.backend == "torch":
+            torch_store_port(self)
         lay = self.layout
         ints = (lay.num_layers, lay.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_size,
                 lay.total_num_kv_heads, lay.tp_size)
@@ -81,6 +86,35 @@ class KVAgentHandle:
         if self.num_bytes != need or not 0 < self.base_addr < 2**64 - need:
             raise ValueError(f"handle of {self.agent_name!r} describes {self.num_bytes} bytes at "
                              f"{self.base_addr:#x}; its layout needs {need}")
+
+
+def torch_store_port(handle: KVAgentHandle) -> int:
+    """The owner's rendezvous store port from a torch handle's metadata; ValueError if bad."""
+    try:
+        port = json.loads(handle.metadata)["store_port"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        port = None
+    if not _is_int(port) or not 0 < port < 65536:
+        raise ValueError(f"torch handle of {handle.agent_name!r} has bad metadata: no store "
+                         f"port in (0, 65536) in {handle.metadata[:80]!r}")
+    return port
+
+
+def _check_types(h: KVAgentHandle) -> None:
+    for name in ("backend", "agent_name", "mem_type", "address"):
+        if not isinstance(getattr(h, name), str):
+            raise ValueError(f"a KV agent handle's {name} is a string, got "
+                             f"{getattr(h, name)!r}")
+    for name in ("base_addr", "num_bytes", "device_id"):
+        if not _is_int(getattr(h, name)):
+            raise ValueError(f"a KV agent handle's {name} is an integer, got "
+                             f"{getattr(h, name)!r}")
+    if not isinstance(h.metadata, bytes) or not isinstance(h.layout, KVCacheLayout):
+        raise ValueError("a KV agent handle needs metadata bytes and a KVCacheLayout")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_host_port(address: str) -> bool:

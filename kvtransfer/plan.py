@@ -60,10 +60,18 @@ def plan_heads(local: KVCacheLayout, remotes: list[KVCacheLayout]) -> list[HeadS
 
 
 def check_block_ids(ids: list[int], num_blocks: int, side: str) -> np.ndarray:
+    # At most one id per block of the cache (a repeat is allowed): an owner must never gather
+    # more than its cache holds for one request (block 0 asked for 40,000 times took 1.3 GB).
+    if len(ids) > num_blocks:
+        raise ValueError(f"{len(ids)} {side} block ids, more than the {num_blocks} blocks "
+                         f"of the {side} cache")
     if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"{side} block ids must be integers, got {list(ids)[:8]}")
-    arr = np.asarray(list(ids), dtype=np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
+    try:
+        arr = np.asarray(list(ids), dtype=np.int64).reshape(-1)
+    except OverflowError:  # 2**63 and up: out of range like any other id past the cache
+        arr = None
+    if arr is None or arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
         raise ValueError(f"{side} block ids must be in [0, {num_blocks}), got {list(ids)[:8]}...")
     return arr
 

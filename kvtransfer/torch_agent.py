@@ -9,8 +9,10 @@ through the pair group and scatters it into the local blocks' head slice. A pair
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import selectors
 import socket
 import threading
 import time
@@ -22,12 +24,11 @@ import torch
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import wire
 from kvtransfer.agent import KVTransferAgent, check_deadline
-from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
-from kvtransfer.handle import KVAgentHandle
+from kvtransfer.errors import LayoutMismatchError, PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.handle import KVAgentHandle, torch_store_port
 from kvtransfer.plan import PullJob
 from kvtransfer.torch_owner import TorchOwnerServer
-from kvtransfer.torch_pair import (OWNER_RANK, READER_RANK, classify, client_store,
-                                   make_pair_group, wait_work)
+from kvtransfer.torch_pair import OWNER_RANK, READER_RANK, PairJoin, classify, wait_work
 
 # Where the owner's control server and store listen (set it to a reachable address across hosts).
 HOST_ENV = "PDSERVE_KV_HOST"
@@ -49,7 +50,7 @@ class TorchKVAgent(KVTransferAgent):
                  host: str | None = None) -> None:
         super().__init__(cache, layout, name)
         self.host = host or os.environ.get(HOST_ENV, "127.0.0.1")
-        self._server = TorchOwnerServer(cache, layout, self.host)
+        self._server = TorchOwnerServer(cache, layout, self.host, self.name)
         self._pairs: dict[str, _Pair] = {}
         self._pairs_lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}
@@ -58,7 +59,7 @@ class TorchKVAgent(KVTransferAgent):
     def handle(self) -> KVAgentHandle:
         return KVAgentHandle(
             backend="torch", agent_name=self.name,
-            metadata=json.dumps({"store_port": self._server.store.port}).encode(),
+            metadata=json.dumps({"store_port": self._server.store_port}).encode(),
             base_addr=self.cache.data_ptr(),
             num_bytes=self.cache.numel() * self.cache.element_size(),
             device_id=self.device_id, mem_type=self.mem_type, layout=self.layout,
@@ -92,10 +93,7 @@ class TorchKVAgent(KVTransferAgent):
     def _connect(self, remote: KVAgentHandle, deadline: float) -> _Pair:
         host, _, port = remote.address.rpartition(":")
         what = f"connecting to KV owner {remote.agent_name!r} at {remote.address}"
-        try:
-            store_port = int(json.loads(remote.metadata)["store_port"])
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"torch handle of {remote.agent_name!r} has bad metadata") from None
+        store_port = torch_store_port(remote)  # a handle made in code was never validated
         left = check_deadline(deadline, what)
         try:
             sock = socket.create_connection((host, int(port)), timeout=left)
@@ -104,20 +102,32 @@ class TorchKVAgent(KVTransferAgent):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             prefix = f"kvpair/{self.name}/{uuid.uuid4().hex}"
+            # The agent and layout this reader believes it talks to: the owner refuses a
+            # handle that describes another cache, before any byte moves.
             wire.send_frame(sock, {"op": "hello", "reader": self.name, "prefix": prefix,
-                                   "timeout_s": left})
-            store = client_store(host, store_port, left)
-            # This side's address as the owner sees it: the one the group must listen on.
-            pg = make_pair_group(store, prefix, READER_RANK, self.cache.device.type,
-                                 sock.getsockname()[0], left)
-            sock.settimeout(check_deadline(deadline, what))
-            reply = wire.recv_frame(sock)
-            if not reply.get("ok"):
-                raise TransferError(f"{what}: {reply.get('error')}")
+                                   "timeout_s": left, "agent": remote.agent_name,
+                                   "layout": json.loads(remote.layout.to_json())})
+            store, pg = self._join(sock, host, store_port, prefix, deadline, what)
         except BaseException as e:
             sock.close()
             raise _as_transfer_error(e, what) from None
         return _Pair(sock, pg, store)
+
+    def _join(self, sock: socket.socket, host: str, store_port: int, prefix: str,
+              deadline: float, what: str) -> tuple:
+        """(store, group) of this side of the pair, once the owner said yes. Whichever comes
+        first is awaited first: an owner that drops the connection (it is closing, or cannot
+        take the hello) never joins, and a failed join never hears from the owner."""
+        # This side's address as the owner sees it: the one the group must listen on.
+        join = PairJoin(host, store_port, prefix, READER_RANK, self.cache.device.type,
+                        sock.getsockname()[0], deadline, what)
+        try:
+            if sock not in _first_readable((sock, join), check_deadline(deadline, what)):
+                join.result(deadline, what)  # its error, if it failed
+            _check_hello_reply(sock, deadline, what)
+            return join.result(deadline, what)
+        finally:
+            join.close()
 
     def _drop(self, remote_name: str, pair: _Pair) -> None:
         with self._pairs_lock:
@@ -148,22 +158,37 @@ class TorchKVAgent(KVTransferAgent):
             return sorted(self._pairs)
 
     # --- pulls --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked_pairs(self, remotes: dict[str, KVAgentHandle], deadline: float, verb: str):
+        """The current pair with each remote, locked. A pair dropped while this waited for
+        its lock (a pull on it failed, and closed its socket) is replaced, never used: the
+        pulls queued behind a failed one failed with it (Bad file descriptor)."""
+        while True:
+            pairs = {n: self._pair(remotes[n], deadline) for n in sorted(remotes)}
+            held = []
+            try:
+                # In a fixed order, so two pulls over the same remotes cannot deadlock.
+                for n, pair in pairs.items():
+                    # A pull stuck on this pair (a stalled owner) must not hold this one past
+                    # its own deadline.
+                    _acquire(pair.lock, deadline, f"{verb} {n!r}")
+                    held.append(pair)
+                if self._all_current(pairs):
+                    yield pairs
+                    return
+            finally:
+                for pair in reversed(held):
+                    pair.lock.release()
+
+    def _all_current(self, pairs: dict[str, _Pair]) -> bool:
+        with self._pairs_lock:
+            return all(self._pairs.get(n) is p for n, p in pairs.items())
+
     def _run_pull(self, jobs: list[PullJob], deadline: float,
                   notify: bytes | None) -> tuple[int, bool]:
-        # Locks in a fixed order, so two pulls over the same remotes cannot deadlock.
-        pairs = {j.remote.agent_name: self._pair(j.remote, deadline) for j in jobs}
-        names = sorted(pairs)
-        held = []
-        try:
-            for n in names:
-                # A pull stuck on this pair (a stalled owner) must not hold this one past
-                # its own deadline.
-                _acquire(pairs[n].lock, deadline, f"KV pull from {n!r}")
-                held.append(n)
+        remotes = {j.remote.agent_name: j.remote for j in jobs}
+        with self._locked_pairs(remotes, deadline, "KV pull from") as pairs:
             self._transfer(jobs, pairs, deadline)
-        finally:
-            for n in reversed(held):
-                pairs[n].lock.release()
         return len(jobs), False
 
     def _transfer(self, jobs: list[PullJob], pairs: dict[str, _Pair], deadline: float) -> None:
@@ -184,14 +209,15 @@ class TorchKVAgent(KVTransferAgent):
             works = []
             for job, pair, tag in inflight:
                 current = job.remote.agent_name
+                # The time left now: one owner's slow reply must not give the next its own
+                # whole timeout (two stalled owners took twice the pull's timeout).
+                pair.sock.settimeout(check_deadline(deadline, f"KV pull from {current!r}"))
                 reply = wire.recv_frame(pair.sock)
                 if not reply.get("ok"):
                     raise ValueError(f"KV owner {current!r} refused the pull: "
                                      f"{reply.get('error')}")
-                lay = self.layout
-                buf = torch.empty((len(job.local_ids), lay.num_layers, 2, lay.block_size,
-                                   job.num_heads, lay.head_size), dtype=self.cache.dtype,
-                                  device=self.cache.device)
+                buf = self._scratch(job)
+                _check_size(reply, buf, current)
                 works.append((job, buf, pair.pg.recv([buf], OWNER_RANK, tag)))
             for job, buf, work in works:
                 current = job.remote.agent_name
@@ -204,6 +230,12 @@ class TorchKVAgent(KVTransferAgent):
                 raise
             raise _as_transfer_error(e, f"KV pull from {current!r}") from None
 
+    def _scratch(self, job: PullJob) -> torch.Tensor:
+        lay = self.layout
+        return torch.empty((len(job.local_ids), lay.num_layers, 2, lay.block_size,
+                            job.num_heads, lay.head_size), dtype=self.cache.dtype,
+                           device=self.cache.device)
+
     def _scatter(self, job: PullJob, buf: torch.Tensor) -> None:
         index = torch.from_numpy(job.local_ids).to(self.cache.device)
         if job.whole_rows:
@@ -215,16 +247,15 @@ class TorchKVAgent(KVTransferAgent):
     # --- notifications ------------------------------------------------------------------------
     def _send_notification(self, remote: KVAgentHandle, msg: bytes) -> None:
         deadline = _now() + 10.0
-        pair = self._pair(remote, deadline)
-        _acquire(pair.lock, deadline, f"notifying {remote.agent_name!r}")
-        try:
-            pair.sock.settimeout(check_deadline(deadline, f"notifying {remote.agent_name!r}"))
-            wire.send_frame(pair.sock, {"op": "notify", "msg": base64.b64encode(msg).decode()})
-        except OSError as e:
-            self._drop(remote.agent_name, pair)
-            raise PeerGoneError(f"cannot notify {remote.agent_name!r}: {e}") from None
-        finally:
-            pair.lock.release()
+        name = remote.agent_name
+        with self._locked_pairs({name: remote}, deadline, "notifying") as pairs:
+            try:
+                pairs[name].sock.settimeout(check_deadline(deadline, f"notifying {name!r}"))
+                wire.send_frame(pairs[name].sock,
+                                {"op": "notify", "msg": base64.b64encode(msg).decode()})
+            except OSError as e:
+                self._drop(name, pairs[name])
+                raise PeerGoneError(f"cannot notify {name!r}: {e}") from None
 
     def _poll_notifications(self) -> list[bytes]:
         return self._server.take_notifications()
@@ -254,6 +285,35 @@ def _as_transfer_error(e: BaseException, what: str) -> BaseException:
     if isinstance(e, RuntimeError):
         return classify(e, what)
     return e
+
+
+def _first_readable(objs: tuple, timeout_s: float) -> list:
+    """Those of ``objs`` (sockets, or objects with a fileno) readable first, within
+    ``timeout_s``. epoll, not select(): a busy server's descriptors pass 1024."""
+    with selectors.DefaultSelector() as sel:
+        for obj in objs:
+            sel.register(obj, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in sel.select(timeout_s)]
+
+
+def _check_hello_reply(sock: socket.socket, deadline: float, what: str) -> None:
+    sock.settimeout(check_deadline(deadline, what))
+    reply = wire.recv_frame(sock)
+    if not reply.get("ok"):
+        error = LayoutMismatchError if reply.get("kind") == "layout" else TransferError
+        raise error(f"{what}: the owner refused: {reply.get('error')}")
+
+
+def _check_size(reply: dict, buf: torch.Tensor, remote_name: str) -> None:
+    """Refuses, before the receive is posted, a message of another size than ``buf``: gloo
+    aborts the whole process (std::terminate) on a longer one, and a shorter one left the
+    tail of ``buf`` uninitialised, scattered into the cache as if it were KV. A handle whose
+    layout is not the owner's (a stale one) makes them."""
+    want, got = buf.numel() * buf.element_size(), reply.get("nbytes")
+    if isinstance(got, bool) or not isinstance(got, int) or got != want:
+        raise LayoutMismatchError(
+            f"KV owner {remote_name!r} sends {got!r} bytes for this pull where its handle's "
+            f"layout makes {want}: the handle does not describe the owner's cache")
 
 
 def _acquire(lock: threading.Lock, deadline: float, what: str) -> None:

@@ -25,20 +25,33 @@ from engine.thread_names import named_thread
 from kvtransfer import wire
 from kvtransfer.errors import TransferError
 from kvtransfer.plan import check_block_ids
-from kvtransfer.torch_pair import OWNER_RANK, READER_RANK, make_pair_group, wait_work
+from kvtransfer.torch_pair import (OWNER_RANK, READER_RANK, client_store, make_pair_group,
+                                   wait_work)
 
 logger = logging.getLogger(__name__)
 _ACCEPT_TICK_S = 0.5
+# The longest this owner waits on a reader's word (its hello's join, a pull's send), whatever
+# timeout the reader names: a hello naming 1e6 s pinned a thread here for that long.
+MAX_READER_WAIT_S = 120.0
+_MAX_TAG = 2**31 - 1
+_IDLE_CLIENTS = 4
 
 
 class TorchOwnerServer:
-    def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, host: str) -> None:
+    def __init__(self, cache: torch.Tensor, layout: KVCacheLayout, host: str,
+                 name: str) -> None:
         self.cache = cache
         self.layout = layout
         self.host = host
+        self.name = name
         self.device_type = cache.device.type
-        self.store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=60))
+        # Only this reference holds the store's server: close() drops it, which closes the
+        # port. Pair groups join through clients of it (not the server object itself, which a
+        # join still waiting would keep alive), so dropping it also ends their waits.
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host, 0, None, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        self.store_port = self._store.port
+        self._idle_clients: list[dist.TCPStore] = []
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_ACCEPT_TICK_S)
         self.port = self._listener.getsockname()[1]
@@ -106,23 +119,69 @@ class TorchOwnerServer:
             conn.close()
 
     def _hello(self, conn: socket.socket, req: dict):
-        prefix = str(req["prefix"])
-        timeout_s = float(req.get("timeout_s", 30.0))
+        prefix = req.get("prefix")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"a hello names a store prefix, got {prefix!r}")
+        timeout_s = reader_timeout(req)
+        store = self._take_client()
         # The reader builds its side at the same time; the constructor returns once both did.
-        pg = make_pair_group(self.store, prefix, OWNER_RANK, self.device_type, self.host,
-                             timeout_s)
+        # A failed join's client is dropped: its timed-out wait may still be queued at the
+        # server, whose answer would pass for the next join's.
+        pg = make_pair_group(store, prefix, OWNER_RANK, self.device_type, self.host, timeout_s)
+        self._give_back_client(store)
+        try:
+            self._check_hello_names_this_cache(req)
+        except ValueError as e:
+            # Refused only after the join: the reader's side would otherwise wait for it until
+            # its timeout (on a thread it cannot stop), though it has its answer.
+            wire.send_frame(conn, {"ok": False, "kind": "layout", "error": str(e)})
+            raise
         wire.send_frame(conn, {"ok": True})
         return pg
 
+    def _take_client(self) -> dist.TCPStore:
+        """A store client for one join. One per join under way, not one shared: a client
+        serializes its calls, so a reader that never joined held up every other join for its
+        timeout. Kept for the next join once done: the store's server stalls for seconds
+        after every few dozen connections made in a burst."""
+        with self._lock:
+            if self._idle_clients:
+                return self._idle_clients.pop()
+        return client_store(self.host, self.store_port, MAX_READER_WAIT_S)
+
+    def _give_back_client(self, store: dist.TCPStore) -> None:
+        # NCCL reads the store again at its first send (its unique id); gloo only joining.
+        if self.device_type == "cuda":
+            return
+        with self._lock:
+            if not self._closed.is_set() and len(self._idle_clients) < _IDLE_CLIENTS:
+                self._idle_clients.append(store)
+
+    def _check_hello_names_this_cache(self, req: dict) -> None:
+        """ValueError when the reader's handle names another agent or layout than this one (a
+        stale handle, or another owner's that now listens on this port): its pulls would read
+        the wrong blocks, or sizes the reader does not expect. A reader from before these
+        fields sends neither, and is let through."""
+        agent = req.get("agent")
+        if agent is not None and agent != self.name:
+            raise ValueError(f"this is KV agent {self.name!r}, not {agent!r}")
+        if req.get("layout") is not None:
+            theirs = KVCacheLayout.from_dict(req["layout"])
+            if theirs != self.layout:
+                raise ValueError(f"KV agent {self.name!r} has layout {self.layout}; the "
+                                 f"reader's handle says {theirs}")
+
     def _pull(self, conn: socket.socket, pg, req: dict) -> None:
         try:
-            tag = int(req["tag"])
+            tag = req.get("tag")
+            if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= _MAX_TAG:
+                raise ValueError(f"a pull's tag is an integer in [0, {_MAX_TAG}], got {tag!r}")
+            deadline = time.monotonic() + reader_timeout(req)
             data = self._gather(req)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             wire.send_frame(conn, {"ok": False, "error": str(e)})
             return
         wire.send_frame(conn, {"ok": True, "nbytes": data.numel() * data.element_size()})
-        deadline = time.monotonic() + float(req.get("timeout_s", 30.0))
         wait_work(pg.send([data], READER_RANK, tag), deadline, self.device_type,
                   "sending KV blocks")
 
@@ -154,4 +213,18 @@ class TorchOwnerServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        # Stops the store's server (the last reference): its port closes, and a serve thread
+        # waiting in a join for a reader that never joins fails now. One sending to a stalled
+        # reader is left to end by itself, within MAX_READER_WAIT_S.
+        self._store = None
+        with self._lock:
+            self._idle_clients.clear()
         self._acceptor.join(timeout=2 * _ACCEPT_TICK_S + 1)
+
+
+def reader_timeout(req: dict) -> float:
+    """A reader's ``timeout_s``, at most MAX_READER_WAIT_S; ValueError unless a number > 0."""
+    t = req.get("timeout_s", 30.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"timeout_s must be a number > 0, got {t!r}")
+    return float(min(t, MAX_READER_WAIT_S))
