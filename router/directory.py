@@ -15,9 +15,18 @@ router/local_prefill.py may let prefill it.
 
 Redis is the registry and the prefix index, not a dependency of the request path: while it
 fails or hangs, requests route on the last view of the workers, by load alone (no prefix
-hits), and after a failed read the request path leaves Redis alone for ``REGISTRY_RETRY_S``
-so a hung Redis costs one request its timeout, not every request. The periodic refresh keeps
-trying and takes the view up again when Redis answers.
+hits). The request path waits on Redis at most ``REDIS_SLOW_S`` (far below the registry's own
+bound): once any call of the directory's has waited that long, Redis is taken for hung and
+requests skip it until it answers, and after a failed call they skip it for
+``REGISTRY_RETRY_S``. So a hung Redis costs the requests of its first ``REDIS_SLOW_S`` that
+much, not every request its timeout. The periodic refresh keeps trying and takes the view up
+again when Redis answers; any error from the registry (a corrupt entry too) is taken as Redis
+failing, at start as well: the router starts on an empty view and fills it when Redis answers.
+A new, empty Redis (a restart) is not every worker gone: a worker last listed before it started
+keeps its place until it registers again or a heartbeat TTL passes.
+
+Workers serving another model (two clusters sharing a Redis namespace) are left out of the
+view, each logged once (``_model_key``).
 
 Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
 does not answer, or answers that it is draining, no request is routed to it until the registry
@@ -32,18 +41,24 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import TypeVar
 
 import grpc
+import redis.exceptions
 
 from client.tasks import stop_task
 from protos import common_pb2, worker_pb2_grpc
 from protos.limits import message_size_options
 from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls, check_loop
+from router.redis_bound import REDIS_TIMEOUT_S
 from router.registry import Registry
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LOAD_COST_TOKENS = 256
 # A decode worker asked for its current info before a RESOURCE_EXHAUSTED refusal answers
@@ -53,6 +68,11 @@ FRESH_INFO_TIMEOUT_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 # After a failed Redis read, the request path skips Redis for this long.
 REGISTRY_RETRY_S = 2.0
+# A Redis call of the directory's unanswered this long means Redis hangs: the request path
+# stops waiting (a routing decision goes without prefix hits) and skips Redis until the call
+# ends. Far below the registry's own bound (REDIS_TIMEOUT_S), which every request arriving
+# while a call hangs would otherwise wait out; far above a healthy lookup (a millisecond).
+REDIS_SLOW_S = 1.0
 # A dropped worker's channel is closed this long after its last call ended.
 RETIRE_AFTER_S = 30.0
 
@@ -82,6 +102,8 @@ class WorkerHandle:
     liveness: LivenessConfig | None = None
     # The GetWorkerInfo call in flight to it, if any (WorkerDirectory._ask_fresh).
     asking: asyncio.Future | None = None
+    # When (monotonic) a registry listing last held it: before a Redis restart, or since.
+    listed_at: float = 0.0
     _mux: DecodeMux | None = None
 
     @property
@@ -109,6 +131,9 @@ class WorkerDirectory:
     # Options of the channel to each worker (client/keepalive.py's pings among them).
     channel_options: list = field(default_factory=message_size_options)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    # The router's --model: workers registered with another model are left out (_model_key).
+    # "" checks none.
+    model: str = ""
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
@@ -119,6 +144,15 @@ class WorkerDirectory:
     _probes: dict[str, asyncio.Future] = field(default_factory=dict)
     # Until when (monotonic) the request path routes without reading Redis.
     _registry_skip_until: float = 0.0
+    # The Redis calls in flight, each with when (monotonic) it began: one older than
+    # REDIS_SLOW_S means Redis hangs (registry_ok), which no failure says until it times out.
+    _redis_calls: dict[object, float] = field(default_factory=dict)
+    # Whether this outage was logged: once per outage, not per request or retry window.
+    _outage_logged: bool = False
+    # (worker id, model) of the workers logged as serving another model: logged once each.
+    _foreign: set[tuple[str, str]] = field(default_factory=set)
+    # Workers kept through a Redis restart at the last refresh, to log each change once.
+    _kept: frozenset[str] = frozenset()
     # Workers with calls in flight (a worker the registry dropped may still have some).
     _busy: set[WorkerHandle] = field(default_factory=set)
     _liveness_task: asyncio.Task | None = None
@@ -128,7 +162,9 @@ class WorkerDirectory:
     _stopping: bool = False
 
     async def start(self) -> None:
-        await self.refresh()
+        # A registry that fails now (unreachable, or a corrupt entry it cannot read) fails
+        # like one that fails later: the router starts and the refresh loop keeps trying.
+        await self._refresh_tracked("the registry read at start")
         self._task = asyncio.create_task(self._refresh_loop())
         if self.liveness.enabled:
             self._liveness_task = asyncio.create_task(
@@ -148,33 +184,72 @@ class WorkerDirectory:
     async def _refresh_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.refresh_interval_s)
-            try:
+            await self._refresh_tracked("the periodic registry refresh")
+
+    async def _refresh_tracked(self, what: str) -> None:
+        """A refresh off the request path: bounded by the registry alone (REDIS_TIMEOUT_S),
+        and tracked, so requests skip Redis while it hangs."""
+        try:
+            with self._tracked():
                 await self.refresh()
-            except Exception as e:  # noqa: BLE001 - Redis hiccup: keep the last view
-                self._registry_failed("the periodic registry refresh", e)
-            else:
-                self._registry_skip_until = 0.0
+        except Exception as e:  # noqa: BLE001 - Redis hiccup or bad entry: keep the last view
+            self._registry_failed(what, e)
+        else:
+            self._registry_answered()
 
     @property
     def registry_ok(self) -> bool:
-        """False while the request path leaves a failing Redis alone."""
-        return time.monotonic() >= self._registry_skip_until
+        """False while the request path leaves a failing or hanging Redis alone."""
+        now = time.monotonic()
+        return now >= self._registry_skip_until and not any(
+            now - began >= REDIS_SLOW_S for began in self._redis_calls.values())
 
     def _registry_failed(self, what: str, e: Exception) -> None:
-        if self.registry_ok:  # once per outage window, not once per request
+        if not self._outage_logged:  # once per outage, not once per request
+            self._outage_logged = True
             logger.warning("%s failed (%s: %s); routing on the last view of the workers, "
                            "without prefix hits, until Redis answers", what, type(e).__name__, e)
         self._registry_skip_until = time.monotonic() + REGISTRY_RETRY_S
 
+    def _registry_answered(self) -> None:
+        if self._outage_logged:
+            self._outage_logged = False
+            logger.info("Redis answers again: routing with prefix hits")
+        self._registry_skip_until = 0.0
+
+    @contextlib.contextmanager
+    def _tracked(self):
+        """Records a Redis call in flight (registry_ok)."""
+        token = object()
+        self._redis_calls[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            del self._redis_calls[token]
+
+    async def _ask_redis(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` for the request path: tracked, and given up once the oldest Redis call
+        in flight (this one or an earlier) has waited REDIS_SLOW_S, so the requests arriving
+        while Redis hangs all give up together, and later ones skip it (registry_ok)."""
+        with self._tracked():
+            give_up_at = min(self._redis_calls.values()) + REDIS_SLOW_S
+            try:
+                async with asyncio.timeout(give_up_at - time.monotonic()):
+                    return await call()
+            except TimeoutError:
+                raise TimeoutError(f"Redis did not answer within {REDIS_SLOW_S} s") from None
+
     async def refresh_if_reachable(self) -> bool:
-        """A refresh for the request path: False (the last view stands) when Redis fails."""
+        """A refresh for the request path: False (the last view stands) when Redis fails or
+        hangs."""
         if not self.registry_ok:
             return False
         try:
-            await self.refresh()
-        except Exception as e:  # noqa: BLE001 - any Redis failure: the last view stands
+            await self._ask_redis(self.refresh)
+        except Exception as e:  # noqa: BLE001 - any registry failure: the last view stands
             self._registry_failed("a registry refresh", e)
             return False
+        self._registry_answered()
         return True
 
     async def refresh(self) -> None:
@@ -182,8 +257,13 @@ class WorkerDirectory:
             await self._refresh()
 
     async def _refresh(self) -> None:
-        live = {i.worker_id: i for i in await self.registry.live_workers()}
-        for wid in [w for w in self.workers if w not in live]:
+        listed = await self.registry.live_workers()
+        now = time.monotonic()
+        live = {i.worker_id: i for i in self._same_model(listed)}
+        missing = [w for w in self.workers if w not in live]
+        kept = await self._not_registered_since_restart(missing)
+        self._log_kept(kept)
+        for wid in [w for w in missing if w not in kept]:
             gone = self.workers.pop(wid)
             # Requests in flight keep their own reference; closed once they are done.
             if gone.watchers == 0:
@@ -191,7 +271,7 @@ class WorkerDirectory:
         for wid, info in live.items():
             handle = self.workers.get(wid)
             if handle is not None and handle.info.address == info.address:
-                handle.info = info
+                handle.info, handle.listed_at = info, now
                 continue
             if handle is not None and handle.watchers == 0:
                 # Registered anew at another address (a restart): the old channel goes too.
@@ -201,7 +281,54 @@ class WorkerDirectory:
             self.workers[wid] = WorkerHandle(info, channel,
                                              worker_pb2_grpc.PrefillWorkerStub(channel),
                                              worker_pb2_grpc.DecodeWorkerStub(channel),
-                                             liveness=self.liveness)
+                                             liveness=self.liveness, listed_at=now)
+
+    def _same_model(self, listed: list[common_pb2.WorkerInfo]) -> list[common_pb2.WorkerInfo]:
+        """The workers serving the router's model; each other one logged once."""
+        self._foreign &= {(i.worker_id, i.model) for i in listed}  # forget the ones gone
+        kept = []
+        for info in listed:
+            if not self.model or not info.model or \
+                    _model_key(info.model) == _model_key(self.model):
+                kept.append(info)
+            elif (info.worker_id, info.model) not in self._foreign:
+                self._foreign.add((info.worker_id, info.model))
+                logger.warning("worker %s (%s) serves model %r, not this router's %r: it gets "
+                               "no requests (do two clusters share a Redis namespace?)",
+                               info.worker_id, info.address, info.model, self.model)
+        return kept
+
+    async def _not_registered_since_restart(self, missing: list[str]) -> frozenset[str]:
+        """Of the workers missing from the registry, those last listed by an earlier Redis
+        that a new one (empty: no persistence) replaced less than a heartbeat TTL ago: they
+        may not have beaten since, rather than have left. Each live worker beats within the
+        TTL, so after it their absence is leaving. A worker that was listed by this Redis and
+        is missing from it left (deregistered, or went stale): dropped at once, as before."""
+        if not missing:
+            return frozenset()
+        uptime = await self._redis_uptime_s()
+        if uptime >= self.registry.ttl_s:
+            return frozenset()
+        # Redis counts uptime between two whole-second clock readings: ``now - uptime`` may be
+        # up to a second before its start or after it. Taking the later bound keeps every
+        # worker listed before the restart, and lets go at once of one still listed 2 s on.
+        started_by = time.monotonic() - uptime + 1.0
+        return frozenset(w for w in missing if self.workers[w].listed_at < started_by)
+
+    async def _redis_uptime_s(self) -> float:
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                info = await self.registry.r.info("server")
+        except redis.exceptions.ResponseError:  # INFO refused: absence is all there is to go by
+            return float("inf")
+        return float(info.get("uptime_in_seconds", "inf"))
+
+    def _log_kept(self, kept: frozenset[str]) -> None:
+        if kept and kept != self._kept:
+            logger.warning("Redis restarted less than %g s ago: worker(s) %s, not in it (yet), "
+                           "keep receiving requests until they register again or that long "
+                           "passes", self.registry.ttl_s, ", ".join(sorted(kept)))
+        self._kept = kept
 
     def prefill_stub(self, worker_id: str):
         """The prefill worker's stub if the directory knows it, else None."""
@@ -312,12 +439,16 @@ class WorkerDirectory:
 
     async def _match_prefix(self, block_hashes: list[bytes],
                             worker_ids: list[str]) -> dict[str, int]:
-        if self.registry_ok:
-            try:
-                return await self.registry.match_prefix(block_hashes, worker_ids)
-            except Exception as e:  # noqa: BLE001 - routing goes on without prefix hits
-                self._registry_failed("the prefix lookup", e)
-        return {}
+        if not self.registry_ok:
+            return {}
+        try:
+            matched = await self._ask_redis(
+                lambda: self.registry.match_prefix(block_hashes, worker_ids))
+        except Exception as e:  # noqa: BLE001 - routing goes on without prefix hits
+            self._registry_failed("the prefix lookup", e)
+            return {}
+        self._registry_answered()
+        return matched
 
     async def longest_decode_prefix(self, block_hashes: list[bytes], num_tokens: int,
                                     avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
@@ -430,6 +561,17 @@ def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHand
     """The candidates not in ``avoid``, or all of them when that leaves none."""
     kept = [w for w in cands if w.worker_id not in avoid]
     return kept or cands
+
+
+def _model_key(model: str) -> str:
+    """What of a --model names the model wherever it is read: its folder's name. A router and
+    its workers on other hosts or in other containers may reach one folder by different paths
+    (/models/Qwen3-0.6B, ./Qwen3-0.6B), and a preset's name is its folder's name
+    (engine/presets.py), so the whole string is not comparable and no path can be resolved
+    here; the folder name is what they share. Two models in folders of one name still pass,
+    as before this check; one model copied under another folder name is taken for another
+    (its workers get no requests, and the warning names both)."""
+    return PurePath(model.rstrip("/")).name.casefold() or model
 
 
 def _neg(s: str) -> tuple:

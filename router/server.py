@@ -41,7 +41,7 @@ async def serve_router(config: RouterConfig) -> None:
                                 message_size_options()
                                 + keepalive_options(config.keepalive_time_s,
                                                     config.keepalive_timeout_s),
-                                config.liveness)
+                                config.liveness, model=config.model)
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)

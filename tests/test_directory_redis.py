@@ -1,0 +1,181 @@
+"""The router's routing view through Redis trouble, against a real redis-server: a hung Redis
+(SIGSTOP) costs only the first routing decisions a short wait, a Redis restarted empty refuses
+no request, a registry that cannot be read does not stop the router from starting, and workers
+of another model sharing the namespace get no requests."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from engine.block_hash import hash_request_tokens
+from protos import common_pb2
+from router.directory import NoWorkerError, WorkerDirectory
+from router.presence import WorkerPresence
+from router.redis_server import RedisServer
+from router.registry import Registry
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with RedisServer() as server:
+        yield server.url
+
+
+def _info(wid: str, role: str, model: str = "") -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16,
+                                 num_free_blocks=100, max_model_len=2048, model=model)
+
+
+async def _register(url: str, ns: str, *infos: common_pb2.WorkerInfo) -> None:
+    writer = Registry.from_url(url, ns)
+    try:
+        for info in infos:
+            await writer.heartbeat(info)
+    finally:
+        await writer.r.aclose()
+
+
+async def _routing_times(d: WorkerDirectory, n: int, every_s: float) -> list[float]:
+    """How long each of ``n`` prefill routing decisions (a prefix lookup each), started
+    ``every_s`` apart, took."""
+    hashes = hash_request_tokens(list(range(64)), 16)
+
+    async def one() -> float:
+        t = time.monotonic()
+        await d.pick_prefill(hashes, 64)
+        return time.monotonic() - t
+
+    tasks = []
+    for _ in range(n):
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(every_s)
+    return await asyncio.gather(*tasks)
+
+
+def test_a_hung_redis_delays_only_the_first_routing_decisions():
+    """While Redis hangs, requests route on the last view at once: only those that came before
+    any Redis call had waited REDIS_SLOW_S wait, and none the registry's own 5 s bound (which
+    the periodic refresh keeps running into)."""
+    async def body(server: RedisServer) -> list[float]:
+        await _register(server.url, "hung", _info("p1", "prefill"), _info("d1", "decode"))
+        d = WorkerDirectory(Registry.from_url(server.url, "hung", ttl_s=3600), 16,
+                            refresh_interval_s=0.5)
+        await d.start()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            times = await _routing_times(d, 20, 0.4)  # 8 s: the refresh fails, and retries
+            assert not d.registry_ok
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        await d.stop()
+        return times
+
+    with RedisServer() as server:
+        times = asyncio.run(body(server))
+    # Bounds that detect waiting out the registry's timeout, not timings: without the
+    # short bound every decision of the first 5 s (and more later) took 5 s.
+    assert max(times) < 4.5, times
+    assert sum(t < 1.5 for t in times) >= 15, times
+
+
+def test_a_redis_restarted_empty_refuses_no_request_and_a_worker_that_leaves_goes():
+    """The workers kept through the restart are the ones not registered again yet: one that
+    leaves the new Redis goes at once, well within the TTL the others were kept for."""
+    async def body(server: RedisServer) -> RedisServer:
+        presences = [WorkerPresence(server.url, "restart", 1.0, lambda i=_info(w, r): i)
+                     for w, r in (("p1", "prefill"), ("d1", "decode"), ("d2", "decode"))]
+        for p in presences:
+            await p.start()
+        d = WorkerDirectory(Registry.from_url(server.url, "restart", ttl_s=6.0), 16,
+                            refresh_interval_s=0.1)
+        await d.start()
+        try:
+            assert sorted(d.workers) == ["d1", "d2", "p1"]
+            port = server.port
+            server.stop()
+            server = RedisServer(port=port)  # a new Redis, empty (no persistence)
+            deadline = time.monotonic() + 3.0  # past each worker's next heartbeats
+            while time.monotonic() < deadline:
+                await d.pick_prefill([], 10)  # NoWorkerError fails the test
+                await d.pick_decode(10)
+                await asyncio.sleep(0.05)
+            assert sorted(d.workers) == ["d1", "d2", "p1"]
+            await presences.pop().stop()  # d2 leaves the new Redis, younger than the TTL
+            for _ in range(20):  # 1 s: waiting out the TTL would take 2 s more at least
+                await asyncio.sleep(0.05)
+                if "d2" not in d.workers:
+                    break
+            assert sorted(d.workers) == ["d1", "p1"]
+        finally:
+            await d.stop()
+            for p in presences:
+                await p.stop()
+        return server
+
+    server = RedisServer()
+    try:
+        server = asyncio.run(body(server))
+    finally:
+        server.stop()
+
+
+def test_a_registry_that_cannot_be_read_does_not_stop_the_router_starting(redis_url, caplog):
+    async def body():
+        writer = Registry.from_url(redis_url, "broken")
+        # Not a hash: every registry listing fails (WRONGTYPE), as an unreadable entry did.
+        await writer.r.set("broken:workers", b"\xff\xff\xff")
+        d = WorkerDirectory(Registry.from_url(redis_url, "broken"), 16, refresh_interval_s=0.1)
+        try:
+            with caplog.at_level(logging.WARNING, logger="router.directory"):
+                await d.start()
+            assert d.workers == {} and not d.registry_ok
+            assert "the registry read at start failed" in caplog.text
+            with pytest.raises(NoWorkerError) as err:
+                await d.pick_prefill([], 10)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            # Once the registry reads again, the refresh loop fills the view.
+            await writer.r.delete("broken:workers")
+            await writer.heartbeat(_info("p1", "prefill"))
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if d.workers:
+                    break
+            assert (await d.pick_prefill([], 10))[0].worker_id == "p1"
+        finally:
+            await d.stop()
+            await writer.r.aclose()
+
+    asyncio.run(body())
+
+
+def test_workers_of_another_model_get_no_requests(redis_url, caplog):
+    """Two clusters sharing a namespace: each router routes to its own model's workers only,
+    the same model named by another path (another host's mount) included."""
+    async def body():
+        await _register(redis_url, "mix",
+                        _info("p-other", "prefill", "model-B"),
+                        _info("d-other", "decode", "/models/model-B"),
+                        _info("p-ours", "prefill", "/mnt/elsewhere/Model-A/"),
+                        _info("d-ours", "decode", "model-a"))
+        d = WorkerDirectory(Registry.from_url(redis_url, "mix"), 16, refresh_interval_s=3600,
+                            model="/models/model-A")
+        try:
+            with caplog.at_level(logging.WARNING, logger="router.directory"):
+                await d.start()
+                for _ in range(3):
+                    await d.refresh()
+            assert sorted(d.workers) == ["d-ours", "p-ours"]
+            assert (await d.pick_prefill([], 10))[0].worker_id == "p-ours"
+            assert (await d.pick_decode(10)).worker_id == "d-ours"
+            foreign = [r for r in caplog.records if "serves model" in r.getMessage()]
+            assert sorted(r.args[0] for r in foreign) == ["d-other", "p-other"]  # once each
+        finally:
+            await d.stop()
+
+    asyncio.run(body())
