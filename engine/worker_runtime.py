@@ -352,8 +352,11 @@ class WorkerRuntime:
             self._peers.start()
 
     async def _republish(self, registry) -> None:
-        """After a Redis outage: a prefill worker's KV handles, and either role's whole prefix
-        cache in place of whatever the index kept of it (events were lost; Redis may be new)."""
+        """After a Redis outage, a purge or lost KV events: a prefill worker's KV handles, and
+        either role's whole prefix cache in place of whatever the index kept of it (events
+        were lost; Redis may be new). The presence publishes no KV event while this runs
+        (router/presence.py): one landing between the snapshot and its write would be undone
+        by it; those that come meanwhile are published after, on top of the snapshot."""
         if self.config.role == "prefill":
             await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
         hashes = await asyncio.to_thread(self.llm.cached_block_hashes)

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from client.tasks import stop_task
 from protos import common_pb2
-from router.registry import Registry
+from router.registry import ROUTER_TTL_S, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -24,10 +24,17 @@ class WorkerPresence:
                  info: Callable[[], common_pb2.WorkerInfo],
                  republish: Callable[[Registry], Awaitable[None]] | None = None) -> None:
         """``republish`` puts back what the worker keeps in Redis besides its heartbeat (its
-        KV handles, its cached blocks) once Redis answers again after failing: events lost
-        meanwhile, or a new empty Redis, would leave the prefix index wrong for good."""
+        KV handles, its cached blocks) once Redis answers again after failing, once a purge
+        dropped the worker, or once KV events failed to publish: events lost, or a new empty
+        Redis, would leave the prefix index wrong for good."""
         # Stale after a few missed beats, so a killed worker drops out within seconds.
-        self.registry = Registry.from_url(redis_url, namespace, ttl_s=max(3 * interval_s, 1.0))
+        ttl_s = max(3 * interval_s, 1.0)
+        self.registry = Registry.from_url(redis_url, namespace, ttl_s=ttl_s)
+        # Declared with each beat, as how long readers wait for this worker: a decode worker's
+        # reads (its KV peers) purge by their own TTL only workers past theirs too, so a
+        # prefill worker beating slower is not dropped. At most the routers' TTL, so they
+        # drop a dead worker as fast as ever.
+        self.beat_ttl_s = min(ttl_s, ROUTER_TTL_S)
         self.interval_s = interval_s
         self.info = info
         self._events: list = []
@@ -35,14 +42,21 @@ class WorkerPresence:
         self._tasks: list[asyncio.Task] = []
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
-        self._drained = False  # an admin drained it, as its last beat while registered saw
+        # Some KV events never reached Redis (a flush failed): the next beat republishes.
+        self._events_lost = False
+        self._drained = False  # an admin drained it, as its last beat saw
+        # Held by an event flush and by a republish: the republish replaces what the index
+        # says the worker holds with a snapshot, and an event published between the snapshot
+        # and that write would be undone by it (an evicted block listed again, for good).
+        # Events arriving meanwhile wait in _events, and are published after it.
+        self._publishing = asyncio.Lock()
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = False
 
     async def start(self) -> None:
         info = self.info()
         await self.registry.clear_worker(info.worker_id)
-        await self.registry.heartbeat(info)
+        await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
         self._tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self._flush())]
 
     def add_events(self, events: list) -> None:
@@ -53,36 +67,45 @@ class WorkerPresence:
         while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
-                info = self.info()
-                beat = await self.registry.heartbeat(info)
-                if beat.dropped:
-                    # A purge (a router took a late heartbeat for a dead worker) took the
-                    # worker's index entries, KV handles and drain flag too, as a new empty
-                    # Redis has none: an admin's drain must outlive that.
-                    if self._drained:
-                        await self.registry.set_drained(info.worker_id, True)
-                else:
-                    self._drained = beat.drained
-                if (self._lost or beat.dropped) and self.republish is not None:
-                    await self.republish(self.registry)
-                    logger.info("registry entries republished (%s)", "Redis answers again"
-                                if self._lost else "this worker had been dropped from it")
-                self._lost = False
+                await self._beat_once()
             except Exception as e:  # noqa: BLE001 - Redis away: keep serving, retry next beat
                 if not self._lost:
                     logger.warning("heartbeat failed: %s", e)
                 self._lost = True
 
+    async def _beat_once(self) -> None:
+        # The drain as this worker last saw it: Redis puts it back if it forgot it (a
+        # restart), and gives back an admin's later decision if a purge kept it.
+        beat = await self.registry.heartbeat(self.info(), ttl_s=self.beat_ttl_s,
+                                             drained=self._drained)
+        self._drained = beat.drained
+        if self._lost or beat.dropped or self._events_lost:
+            await self._republish_now(beat.dropped)
+        self._lost = False
+
+    async def _republish_now(self, dropped: bool) -> None:
+        if self.republish is None:
+            return
+        why = ("Redis answers again" if self._lost
+               else "this worker had been dropped from it" if dropped
+               else "KV events were lost")
+        async with self._publishing:
+            self._events_lost = False
+            await self.republish(self.registry)
+        logger.info("registry entries republished (%s)", why)
+
     async def _flush(self) -> None:
         wid = self.info().worker_id
         while not self._stopping:
             await self._have_events.wait()
-            self._have_events.clear()
-            events, self._events = self._events, []
-            try:
-                await self.registry.publish_events(wid, events)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("publishing %d KV events failed: %s", len(events), e)
+            async with self._publishing:
+                self._have_events.clear()
+                events, self._events = self._events, []
+                try:
+                    await self.registry.publish_events(wid, events)
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("publishing %d KV events failed: %s", len(events), e)
+                    self._events_lost = True
 
     async def stop(self) -> None:
         """Bounded: a Redis that does not answer costs at most ``_STOP_STEP_S`` per step, and

@@ -5,24 +5,34 @@ Key schema (``ns`` is the namespace, default "pdserve"):
 - ``{ns}:workers``              HASH  worker_id -> WorkerInfo (protobuf bytes, latest heartbeat)
 - ``{ns}:heartbeats``           ZSET  worker_id -> unix time of its last heartbeat
 - ``{ns}:drained``              SET   worker ids an admin drained (no new requests)
+- ``{ns}:ttls``                 HASH  worker_id -> seconds it may go without a heartbeat before
+                                      it is taken for gone, as the worker declared (optional)
+- ``{ns}:purged:{worker_id}``   STRING "1"/"0": whether an admin had drained a worker when it
+                                      was purged, for its return; expires after an hour
 - ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
                                       workers only: prompts are routed by prefix to them alone)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
 - the transfer ledger's keys: router/ledger.py
 
-A worker is live while its heartbeat is younger than the TTL; a stale worker drops out of
-``live_workers`` without anyone deregistering it, and its index entries are purged lazily.
+A worker is live while its heartbeat is younger than the reader's TTL or its own, whichever is
+longer; a stale worker drops out of ``live_workers`` without anyone deregistering it, and its
+index entries are purged lazily. An entry that does not parse is dropped, never raised: one bad
+value must not blind every router.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
 from router.ledger import TransferLedger
 from router.redis_bound import REDIS_TIMEOUT_S, bounded
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 # Blocks per prefix-match round trip: a long prompt's chain is walked in pieces, stopping at
@@ -50,17 +60,38 @@ return out
 # Heartbeats are stamped, and judged stale, by Redis's clock: workers and routers on other
 # hosts may disagree by more than the TTL, and a worker whose clock runs behind would be
 # purged at every refresh. replicate_commands: older Redis refuses a write after TIME without.
+# KEYS: workers, heartbeats, drained, ttls, purged:{id}. ARGV: id, info, own TTL ('' for
+# none), '1' if the worker last knew itself drained.
 _HEARTBEAT_LUA = """
 redis.replicate_commands()
 local t = redis.call('TIME')
 local added = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], string.format('%.6f', t[1] + t[2] / 1000000), ARGV[1])
+if ARGV[3] == '' then redis.call('HDEL', KEYS[4], ARGV[1])
+else redis.call('HSET', KEYS[4], ARGV[1], ARGV[3]) end
+if added == 1 then
+  -- Registered again. A purge left the admin's last decision in a tombstone; without one,
+  -- Redis forgot it (a restart) and the worker's own last word stands.
+  local kept = redis.call('GET', KEYS[5])
+  if kept then redis.call('DEL', KEYS[5]) end
+  if (kept or ARGV[4]) == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
+end
 return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1])}
 """
+# Workers silent for longer than the reader's TTL (ARGV[1]) and than their own (KEYS[2]), if
+# they declared one: a reader that waits less than a worker said it may stay silent (a decode
+# worker beating fast, reading a prefill worker that beats slowly) must not take it for gone.
 _STALE_LUA = """
 local t = redis.call('TIME')
-local cutoff = t[1] + t[2] / 1000000 - tonumber(ARGV[1])
-return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', cutoff))
+local now = t[1] + t[2] / 1000000
+local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf',
+                       '(' .. string.format('%.6f', now - tonumber(ARGV[1])), 'WITHSCORES')
+local out = {}
+for i = 1, #old, 2 do
+  local own = tonumber(redis.call('HGET', KEYS[2], old[i]))
+  if not own or now - tonumber(old[i + 1]) > own then out[#out + 1] = old[i] end
+end
+return out
 """
 
 # An admin's drain lands only on a registered worker, checked in the same step: one that
@@ -70,6 +101,61 @@ _DRAIN_LUA = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1
+"""
+# An undrain also overrules the drain a purged worker's tombstone keeps for its return.
+# KEYS: drained, purged:{id}.
+_UNDRAIN_LUA = """
+local n = redis.call('SREM', KEYS[1], ARGV[1])
+if redis.call('GET', KEYS[2]) == '1' then
+  redis.call('SET', KEYS[2], '0', 'KEEPTTL')
+  n = 1
+end
+return n
+"""
+# Drops a worker's registration. A registered one leaves a tombstone with the admin's drain
+# decision: a purged worker that lives (its beat came late) registers again and takes that
+# back, not its own copy, which misses a decision made since its last beat.
+# KEYS: workers, heartbeats, drained, ttls, kvhandles:{id}, purged:{id}. ARGV: id, expiry ms.
+_PURGE_LUA = """
+local drained = redis.call('SREM', KEYS[3], ARGV[1])
+local known = redis.call('HDEL', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('DEL', KEYS[5])
+if known > 0 then redis.call('SET', KEYS[6], drained, 'PX', ARGV[2]) end
+return known
+"""
+# Long enough for a purged worker that lives to beat again; a dead one's goes by itself.
+_PURGED_TTL_S = 3600.0
+
+# The prefix index keeps a worker's blocks twice: in each block's key and in its wblocks set.
+# Every write changes both for a block in one step (these scripts, and publish_events'
+# transaction): a forget that read the wblocks set, then dropped the keys it listed, let a KV
+# event land in between and leave a block key naming the worker that its wblocks set no
+# longer lists, which no later forget finds (orphaned for good). A chunk of blocks per step,
+# not the whole set: a worker holds up to some 10^5 blocks, and one script over them all
+# stalls every router's lookups for most of a second.
+_BLOCKS_PER_STEP = 2000
+# Forgets up to ARGV[3] of a worker's blocks; how many it forgot. KEYS[1]: wblocks:{id}.
+# ARGV: id, the block keys' prefix (block keys are named here: only SPOP knows which).
+_FORGET_BLOCKS_LUA = """
+redis.replicate_commands()
+local hexes = redis.call('SPOP', KEYS[1], ARGV[3])
+for _, hx in ipairs(hexes) do redis.call('SREM', ARGV[2] .. hx, ARGV[1]) end
+return #hexes
+"""
+# Adds blocks ARGV[3..] (at most _BLOCKS_PER_STEP) to a worker's. KEYS[1]: wblocks:{id}.
+_ADD_BLOCKS_LUA = """
+for i = 3, #ARGV do redis.call('SADD', ARGV[2] .. ARGV[i], ARGV[1]) end
+redis.call('SADD', KEYS[1], unpack(ARGV, 3))
+return 0
+"""
+# Drops an entry that does not parse, if it still holds the bytes read: its worker may have
+# written a good one since.
+_DROP_BAD_LUA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
 """
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -89,7 +175,7 @@ ROUTER_TTL_S = 5.0
 @dataclass(frozen=True)
 class Heartbeat:
     # The worker was not registered: new, or dropped since its last beat (purged as stale,
-    # or a new empty Redis), with its index entries, KV handles and drain flag.
+    # or a new empty Redis), with its index entries and KV handles.
     dropped: bool
     drained: bool  # an admin drained it (as Redis has it after this beat)
 
@@ -106,6 +192,11 @@ class Registry:
         self._beat = client.register_script(_HEARTBEAT_LUA)
         self._stale = client.register_script(_STALE_LUA)
         self._drain = client.register_script(_DRAIN_LUA)
+        self._undrain = client.register_script(_UNDRAIN_LUA)
+        self._purge_entries = client.register_script(_PURGE_LUA)
+        self._forget_some = client.register_script(_FORGET_BLOCKS_LUA)
+        self._add_some = client.register_script(_ADD_BLOCKS_LUA)
+        self._drop_bad = client.register_script(_DROP_BAD_LUA)
         self.ledger = TransferLedger(self)
 
     @classmethod
@@ -121,14 +212,24 @@ class Registry:
 
     # --- workers --------------------------------------------------------------------------
     @bounded
-    async def heartbeat(self, info: common_pb2.WorkerInfo) -> Heartbeat:
-        """Registers or refreshes a worker (its load travels with the heartbeat)."""
+    async def heartbeat(self, info: common_pb2.WorkerInfo, ttl_s: float | None = None,
+                        drained: bool = False) -> Heartbeat:
+        """Registers or refreshes a worker (its load travels with the heartbeat). ``ttl_s``:
+        how long the worker may stay silent before a reader takes it for gone (None: as long
+        as each reader's own TTL). ``drained``: whether an admin had drained it, as the
+        worker last knew: put back if Redis forgot it (a restart); after a purge, what Redis
+        kept of the admin's decision wins (it may be newer)."""
         if info.role not in ROLES or not info.worker_id:
             raise ValueError(f"bad worker info: role {info.role!r}, id {info.worker_id!r}")
-        added, drained = await self._beat(
-            keys=[self._k("workers"), self._k("heartbeats"), self._k("drained")],
-            args=[info.worker_id, info.SerializeToString()])
-        return Heartbeat(dropped=bool(added), drained=bool(drained))
+        if ttl_s is not None and not 0 < ttl_s < float("inf"):
+            raise ValueError(f"a heartbeat's ttl_s must be positive seconds, got {ttl_s!r}")
+        wid = info.worker_id
+        added, is_drained = await self._beat(
+            keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
+                  self._k("ttls"), self._k("purged", wid)],
+            args=[wid, info.SerializeToString(), "" if ttl_s is None else repr(float(ttl_s)),
+                  "1" if drained else "0"])
+        return Heartbeat(dropped=bool(added), drained=bool(is_drained))
 
     @bounded
     async def deregister(self, worker_id: str) -> None:
@@ -136,38 +237,66 @@ class Registry:
 
     @bounded
     async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
-        stale = await self._stale(keys=[self._k("heartbeats")], args=[self.ttl_s])
-        if stale:
-            await self._purge([s.decode() for s in stale])
+        await self._purge_stale()
         raw = await self.r.hgetall(self._k("workers"))
-        drained = {d.decode() for d in await self.r.smembers(self._k("drained"))}
+        # errors="replace": a member that is no id matches no worker, and must not raise.
+        drained = {d.decode(errors="replace") for d in await self.r.smembers(self._k("drained"))}
         out = []
-        for wid, blob in sorted(raw.items()):
-            info = common_pb2.WorkerInfo.FromString(blob)
+        for field, blob in sorted(raw.items()):
+            info = _parse_info(field, blob)
+            if info is None:
+                await self._drop_unreadable_info(field, blob)
+                continue
             info.draining = info.draining or info.worker_id in drained
             if role is None or info.role == role:
                 out.append(info)
         return out
 
+    async def _purge_stale(self) -> None:
+        stale = await self._stale(keys=[self._k("heartbeats"), self._k("ttls")],
+                                  args=[self.ttl_s])
+        for member in stale:
+            try:
+                wid = member.decode()
+            except UnicodeDecodeError:  # no worker's: ids are str
+                await self._drop_unreadable_id(member)
+                continue
+            await self._purge([wid])
+
+    async def _drop_unreadable_info(self, field: bytes, blob: bytes) -> None:
+        if await self._drop_bad(keys=[self._k("workers")], args=[field, blob]):
+            logger.warning("dropped registry entry %r: not a WorkerInfo for that id (%d bytes)",
+                           field, len(blob))
+
+    async def _drop_unreadable_id(self, member: bytes) -> None:
+        async with self.r.pipeline(transaction=True) as p:
+            p.zrem(self._k("heartbeats"), member)
+            p.hdel(self._k("workers"), member)
+            p.hdel(self._k("ttls"), member)
+            p.srem(self._k("drained"), member)
+            await p.execute()
+        logger.warning("dropped registry heartbeat %r: not a worker id (not UTF-8)", member)
+
     @bounded
     async def set_drained(self, worker_id: str, drained: bool) -> bool:
         """Whether it changed anything: a drain lands only on a registered worker; an undrain
-        clears the flag of any id (also one whose worker is gone)."""
+        clears the flag of any id (also one whose worker is gone, or was purged and comes
+        back)."""
         if drained:
             return bool(await self._drain(keys=[self._k("workers"), self._k("drained")],
                                           args=[worker_id]))
-        return bool(await self.r.srem(self._k("drained"), worker_id))
+        return bool(await self._undrain(keys=[self._k("drained"),
+                                              self._k("purged", worker_id)],
+                                        args=[worker_id]))
 
     async def _purge(self, worker_ids: list[str]) -> None:
         for wid in worker_ids:
             await self._forget_blocks(wid)
             await self.ledger.forget_worker(wid)
-            async with self.r.pipeline(transaction=True) as p:
-                p.hdel(self._k("workers"), wid)
-                p.zrem(self._k("heartbeats"), wid)
-                p.srem(self._k("drained"), wid)
-                p.delete(self._k("kvhandles", wid))
-                await p.execute()
+            await self._purge_entries(
+                keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
+                      self._k("ttls"), self._k("kvhandles", wid), self._k("purged", wid)],
+                args=[wid, int(_PURGED_TTL_S * 1000)])
 
     # --- KV agents ------------------------------------------------------------------------
     @bounded
@@ -193,7 +322,9 @@ class Registry:
         if not events:
             return
         wkey = self._k("wblocks", worker_id)
-        async with self.r.pipeline(transaction=False) as p:
+        # A transaction: a worker killed mid-send must not leave a block key naming it that
+        # its wblocks set lacks (the block's SADD sent, the wblocks one not), orphaned for good.
+        async with self.r.pipeline(transaction=True) as p:
             for ev in events:
                 if isinstance(ev, BlockStored):
                     hexes = [h.hex() for h in ev.block_hashes]
@@ -211,32 +342,34 @@ class Registry:
 
     @bounded
     async def set_worker_blocks(self, worker_id: str, block_hashes: list[bytes]) -> None:
-        """Replaces what the index says ``worker_id`` holds with exactly ``block_hashes``."""
+        """Replaces what the index says ``worker_id`` holds with exactly ``block_hashes``. In
+        steps: the worker publishes no KV event meanwhile (router/presence.py), or one landing
+        between the forget and the add would be undone."""
         await self._forget_blocks(worker_id)
-        if not block_hashes:
-            return
         hexes = [h.hex() for h in block_hashes]
-        async with self.r.pipeline(transaction=False) as p:
-            for hx in hexes:
-                p.sadd(self._k("block", hx), worker_id)
-            p.sadd(self._k("wblocks", worker_id), *hexes)
-            await p.execute()
+        for i in range(0, len(hexes), _BLOCKS_PER_STEP):
+            await self._add_some(keys=[self._k("wblocks", worker_id)],
+                                 args=[worker_id, self._k("block", ""),
+                                       *hexes[i:i + _BLOCKS_PER_STEP]])
 
     @bounded
     async def clear_worker(self, worker_id: str) -> None:
         """A worker (re)starting with an empty cache drops whatever it held before: its
-        prefix-index entries, and its transfer-ledger entries (their leases died with it)."""
+        prefix-index entries, its transfer-ledger entries (their leases died with it), and an
+        admin's drain of its predecessor under the id: a new worker does not start drained,
+        whether or not a router purged the old one first."""
         await self._forget_blocks(worker_id)
         await self.ledger.forget_worker(worker_id)
+        async with self.r.pipeline(transaction=True) as p:
+            p.srem(self._k("drained"), worker_id)
+            p.delete(self._k("purged", worker_id))
+            await p.execute()
 
     async def _forget_blocks(self, worker_id: str) -> None:
-        wkey = self._k("wblocks", worker_id)
-        hexes = [h.decode() for h in await self.r.smembers(wkey)]
-        async with self.r.pipeline(transaction=False) as p:
-            for hx in hexes:
-                p.srem(self._k("block", hx), worker_id)
-            p.delete(wkey)
-            await p.execute()
+        args = [worker_id, self._k("block", ""), _BLOCKS_PER_STEP]
+        while await self._forget_some(keys=[self._k("wblocks", worker_id)],
+                                      args=args) == _BLOCKS_PER_STEP:
+            pass
 
     @bounded
     async def match_prefix(self, block_hashes: list[bytes],
@@ -255,3 +388,15 @@ class Registry:
                     matched[w] = start + int(n)
             alive = [w for w, n in zip(alive, counts) if int(n) == len(chunk)]
         return matched
+
+
+def _parse_info(field: bytes, blob: bytes) -> common_pb2.WorkerInfo | None:
+    """The WorkerInfo a ``{ns}:workers`` entry holds; None if it is none, or not the one its
+    field names (a heartbeat writes both from one id)."""
+    try:
+        info = common_pb2.WorkerInfo.FromString(blob)
+    except DecodeError:
+        return None
+    if info.role not in ROLES or info.worker_id.encode() != field:
+        return None
+    return info

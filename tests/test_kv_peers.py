@@ -133,3 +133,43 @@ def test_a_prefill_worker_back_before_the_grace_ends_keeps_its_connections(redis
         await reg.r.aclose()
 
     asyncio.run(body())
+
+
+async def _age_heartbeat(reg: Registry, worker_id: str, by_s: float) -> None:
+    """As if the worker's last heartbeat came ``by_s`` earlier (no waiting in the test)."""
+    key = f"{reg.ns}:heartbeats"
+    await reg.r.zadd(key, {worker_id: await reg.r.zscore(key, worker_id) - by_s})
+
+
+def test_a_decode_worker_beating_fast_keeps_a_prefill_worker_that_beats_slowly(redis_url):
+    """The decode worker's reads purge stale workers, but by each one's own TTL: a prefill
+    worker beating every 2.5 s (the most allowed), silent for 3 s, is live, though the decode
+    worker, beating every 0.5 s, would take itself for gone after 1.5 s."""
+    from router.presence import WorkerPresence
+
+    async def body():
+        pinfo = common_pb2.WorkerInfo(worker_id="p-slow", role="prefill", address="127.0.0.1:1")
+        dinfo = common_pb2.WorkerInfo(worker_id="d-fast", role="decode", address="127.0.0.1:2")
+        prefill = WorkerPresence(redis_url, "peers-ttl", 2.5, lambda: pinfo)
+        decode = WorkerPresence(redis_url, "peers-ttl", 0.5, lambda: dinfo)
+        await prefill.registry.set_kv_handles("p-slow", _handles("s0"))
+        await prefill.start()
+        await decode.start()
+        engine = RecordingEngine()
+        peers = kv_peers.KVPeerConnector(decode.registry, engine, 0.5)
+        router = Registry.from_url(redis_url, "peers-ttl")
+        try:
+            await _age_heartbeat(router, "p-slow", 3.0)
+            await peers.connect_new()
+            assert engine.preconnects == [["s0"]]
+            assert [i.worker_id for i in await router.live_workers("prefill")] == ["p-slow"]
+            assert await router.kv_handles("p-slow") == _handles("s0")
+            # Past its own TTL (and the routers'), it is gone for every reader.
+            await _age_heartbeat(router, "p-slow", 3.0)
+            assert await decode.registry.live_workers("prefill") == []
+        finally:
+            await decode.stop()
+            await prefill.stop()
+            await router.r.aclose()
+
+    asyncio.run(body())
