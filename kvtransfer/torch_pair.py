@@ -13,7 +13,6 @@ import struct
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
 from engine.thread_names import named_thread

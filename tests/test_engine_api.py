@@ -1,6 +1,4 @@
 """The offline API and the step API: inputs, stops, sampling, aborts, block accounting."""
-import json
-
 import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams

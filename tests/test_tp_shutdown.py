@@ -138,7 +138,6 @@ def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
     import signal
     import subprocess
     import sys
-    import time
 
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(preset_path("tiny-llama"))],
                               stdout=subprocess.PIPE, text=True)
