@@ -15,11 +15,7 @@ router/local_prefill.py may let prefill it.
 
 Redis is the registry and the prefix index, not a dependency of the request path: while it
 fails or hangs, requests route on the last view of the workers, by load alone (no prefix
-hits). The request path waits on Redis at most ``REDIS_SLOW_S`` (far below the registry's own
-bound): once any call of the directory's has waited that long, Redis is taken for hung and
-requests skip it until it answers, and after a failed call they skip it for
-``REGISTRY_RETRY_S``. So a hung Redis costs the requests of its first ``REDIS_SLOW_S`` that
-much, not every request its timeout. The periodic refresh keeps trying and takes the view up
+hits), waiting on it at most briefly (router/redis_health.py). The periodic refresh keeps trying and takes the view up
 again when Redis answers; any error from the registry (a corrupt entry too) is taken as Redis
 failing, at start as well: the router starts on an empty view and fills it when Redis answers.
 A new, empty Redis (a restart) is not every worker gone: a worker last listed before it started
@@ -41,10 +37,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import TypeVar
 
 import grpc
 import redis.exceptions
@@ -55,10 +49,10 @@ from protos.limits import message_size_options
 from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls, check_loop
 from router.redis_bound import REDIS_TIMEOUT_S
+from router.redis_health import RedisHealth
 from router.registry import Registry
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 LOAD_COST_TOKENS = 256
 # A decode worker asked for its current info before a RESOURCE_EXHAUSTED refusal answers
@@ -66,13 +60,6 @@ LOAD_COST_TOKENS = 256
 FRESH_INFO_TIMEOUT_S = 1.0
 # A worker that failed a request must answer a probe within this to keep receiving requests.
 PROBE_TIMEOUT_S = 1.0
-# After a failed Redis read, the request path skips Redis for this long.
-REGISTRY_RETRY_S = 2.0
-# A Redis call of the directory's unanswered this long means Redis hangs: the request path
-# stops waiting (a routing decision goes without prefix hits) and skips Redis until the call
-# ends. Far below the registry's own bound (REDIS_TIMEOUT_S), which every request arriving
-# while a call hangs would otherwise wait out; far above a healthy lookup (a millisecond).
-REDIS_SLOW_S = 1.0
 # A dropped worker's channel is closed this long after its last call ended.
 RETIRE_AFTER_S = 30.0
 
@@ -142,13 +129,8 @@ class WorkerDirectory:
     _down: dict[str, tuple[str, float]] = field(default_factory=dict)
     # One probe per worker at a time: the requests a crash failed together share it.
     _probes: dict[str, asyncio.Future] = field(default_factory=dict)
-    # Until when (monotonic) the request path routes without reading Redis.
-    _registry_skip_until: float = 0.0
-    # The Redis calls in flight, each with when (monotonic) it began: one older than
-    # REDIS_SLOW_S means Redis hangs (registry_ok), which no failure says until it times out.
-    _redis_calls: dict[object, float] = field(default_factory=dict)
-    # Whether this outage was logged: once per outage, not per request or retry window.
-    _outage_logged: bool = False
+    # Whether the request path waits on Redis now.
+    _health: RedisHealth = field(default_factory=RedisHealth)
     # (worker id, model) of the workers logged as serving another model: logged once each.
     _foreign: set[tuple[str, str]] = field(default_factory=set)
     # Workers kept through a Redis restart at the last refresh, to log each change once.
@@ -164,7 +146,7 @@ class WorkerDirectory:
     async def start(self) -> None:
         # A registry that fails now (unreachable, or a corrupt entry it cannot read) fails
         # like one that fails later: the router starts and the refresh loop keeps trying.
-        await self._refresh_tracked("the registry read at start")
+        await self._health.run("the registry read at start", self.refresh)
         self._task = asyncio.create_task(self._refresh_loop())
         if self.liveness.enabled:
             self._liveness_task = asyncio.create_task(
@@ -184,73 +166,21 @@ class WorkerDirectory:
     async def _refresh_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.refresh_interval_s)
-            await self._refresh_tracked("the periodic registry refresh")
-
-    async def _refresh_tracked(self, what: str) -> None:
-        """A refresh off the request path: bounded by the registry alone (REDIS_TIMEOUT_S),
-        and tracked, so requests skip Redis while it hangs."""
-        try:
-            with self._tracked():
-                await self.refresh()
-        except Exception as e:  # noqa: BLE001 - Redis hiccup or bad entry: keep the last view
-            self._registry_failed(what, e)
-        else:
-            self._registry_answered()
+            await self._health.run("the periodic registry refresh", self.refresh)
 
     @property
     def registry_ok(self) -> bool:
         """False while the request path leaves a failing or hanging Redis alone."""
-        now = time.monotonic()
-        return now >= self._registry_skip_until and not any(
-            now - began >= REDIS_SLOW_S for began in self._redis_calls.values())
-
-    def _registry_failed(self, what: str, e: Exception) -> None:
-        if not self._outage_logged:  # once per outage, not once per request
-            self._outage_logged = True
-            logger.warning("%s failed (%s: %s); routing on the last view of the workers, "
-                           "without prefix hits, until Redis answers", what, type(e).__name__, e)
-        self._registry_skip_until = time.monotonic() + REGISTRY_RETRY_S
-
-    def _registry_answered(self) -> None:
-        if self._outage_logged:
-            self._outage_logged = False
-            logger.info("Redis answers again: routing with prefix hits")
-        self._registry_skip_until = 0.0
-
-    @contextlib.contextmanager
-    def _tracked(self):
-        """Records a Redis call in flight (registry_ok)."""
-        token = object()
-        self._redis_calls[token] = time.monotonic()
-        try:
-            yield
-        finally:
-            del self._redis_calls[token]
-
-    async def _ask_redis(self, call: Callable[[], Awaitable[T]]) -> T:
-        """``call()`` for the request path: tracked, and given up once the oldest Redis call
-        in flight (this one or an earlier) has waited REDIS_SLOW_S, so the requests arriving
-        while Redis hangs all give up together, and later ones skip it (registry_ok)."""
-        with self._tracked():
-            give_up_at = min(self._redis_calls.values()) + REDIS_SLOW_S
-            try:
-                async with asyncio.timeout(give_up_at - time.monotonic()):
-                    return await call()
-            except TimeoutError:
-                raise TimeoutError(f"Redis did not answer within {REDIS_SLOW_S} s") from None
+        return self._health.ok
 
     async def refresh_if_reachable(self) -> bool:
         """A refresh for the request path: False (the last view stands) when Redis fails or
         hangs."""
-        if not self.registry_ok:
-            return False
-        try:
-            await self._ask_redis(self.refresh)
-        except Exception as e:  # noqa: BLE001 - any registry failure: the last view stands
-            self._registry_failed("a registry refresh", e)
-            return False
-        self._registry_answered()
-        return True
+        async def refreshed() -> bool:
+            await self.refresh()
+            return True
+
+        return await self._health.ask("a registry refresh", refreshed, False)
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
@@ -439,16 +369,8 @@ class WorkerDirectory:
 
     async def _match_prefix(self, block_hashes: list[bytes],
                             worker_ids: list[str]) -> dict[str, int]:
-        if not self.registry_ok:
-            return {}
-        try:
-            matched = await self._ask_redis(
-                lambda: self.registry.match_prefix(block_hashes, worker_ids))
-        except Exception as e:  # noqa: BLE001 - routing goes on without prefix hits
-            self._registry_failed("the prefix lookup", e)
-            return {}
-        self._registry_answered()
-        return matched
+        return await self._health.ask(
+            "the prefix lookup", lambda: self.registry.match_prefix(block_hashes, worker_ids), {})
 
     async def longest_decode_prefix(self, block_hashes: list[bytes], num_tokens: int,
                                     avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
