@@ -19,3 +19,14 @@ def test_every_cpu_kernel_source_and_header_is_package_data():
     assert any(f.endswith(".h") for f in files) and any(f.endswith(".c") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
     assert missing == []
+
+
+def test_the_declared_license_has_its_text_in_the_tree():
+    # pyproject declares Apache-2.0; a wheel carries the files license-files names, and a
+    # declared license without its text is not a grant anyone can rely on.
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert data["license"] == "Apache-2.0"
+    for name in data["license-files"]:
+        text = (ROOT / name).read_text()
+        assert "Apache License" in text and "Version 2.0" in text
+        assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
