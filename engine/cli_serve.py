@@ -9,6 +9,11 @@ import sys
 import threading
 import time
 
+_SERVED_MODEL_NAME_HELP = (
+    "the name the model is served under: workers register it, a router sends requests only "
+    "to workers registered with its own, clients see it (default: --model's folder name; "
+    "the last path component is what is compared)")
+
 
 def add_lifecycle_args(p: argparse.ArgumentParser) -> None:
     """The flags every service's lifecycle takes (engine/grpc_server.py)."""
@@ -34,6 +39,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--redis-url", default=None, help="registry and prefix index (redis://...)")
     p.add_argument("--namespace", default="pdserve")
+    p.add_argument("--served-model-name", default="",
+                   help=_SERVED_MODEL_NAME_HELP)
     p.add_argument("--worker-id", default="",
                    help="unique in the cluster; {port} in it becomes the bound port")
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
@@ -84,7 +91,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                         core_share_path=args.core_share,
                         core_share_cores=args.core_share_cores,
                         engine_step_timeout_s=args.engine_step_timeout_s or None,
-                        engine_process=args.engine_process)
+                        engine_process=args.engine_process,
+                        served_model_name=args.served_model_name)
 
 
 def cmd_prefill(args: argparse.Namespace) -> int:
@@ -108,6 +116,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", required=True)
+    p.add_argument("--served-model-name", default="",
+                   help=_SERVED_MODEL_NAME_HELP)
     p.add_argument("--namespace", default="pdserve")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-inflight-requests", type=int, default=1024)
@@ -209,6 +219,7 @@ def _router_config(args: argparse.Namespace):
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
                       generation_config=args.generation_config,
                       log_requests=args.log_requests, router_id=args.router_id,
+                      served_model_name=args.served_model_name,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(
@@ -265,6 +276,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
                    help="the router's sampling defaults (router --generation-config; default: "
                         "auto, the model's generation_config.json)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients see and the workers register (every service's "
+                        "--served-model-name; default: --model's folder name)")
     p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
                    help="every worker's (prefill|decode --scheduling-policy; default fcfs)")
     p.add_argument("--stream-interval", type=int, default=None,
@@ -366,6 +380,8 @@ def up_spec(args: argparse.Namespace):
     extra = [] if args.num_gpu_blocks is None else ["--num-gpu-blocks", str(args.num_gpu_blocks)]
     if args.scheduling_policy:
         extra += ["--scheduling-policy", args.scheduling_policy]
+    if args.served_model_name:
+        extra += ["--served-model-name", args.served_model_name]
     for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
@@ -403,7 +419,7 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
                  "--admin-api-key", "--chat-template", "--generation-config", "--stream-interval",
-                 "--max-local-prefill-length"):
+                 "--max-local-prefill-length", "--served-model-name"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

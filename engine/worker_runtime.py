@@ -32,7 +32,7 @@ from engine.kv_peers import KVPeerConnector
 from engine.outputs import LeaseEnded
 from protos import common_pb2
 from router.registry import ROUTER_TTL_S, check_redis_url
-from router.router_presence import check_worker_id
+from router.router_presence import check_served_model_name, check_worker_id
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -66,6 +66,9 @@ class WorkerConfig:
     # The engine steps in a process of its own (engine/engine_proc.py), so this process's
     # event loop (gRPC, protobuf, asyncio: per token) never holds the GIL its step needs.
     engine_process: bool = False
+    # The name this worker registers its model under, which routers match theirs against
+    # (--served-model-name): "" for the --model's folder name.
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
         if self.engine.role not in ("prefill", "decode"):
@@ -92,6 +95,7 @@ class WorkerConfig:
         if self.redis_url is not None:
             check_redis_url(self.redis_url)
         check_worker_id(self.worker_id)
+        check_served_model_name(self.served_model_name)
         cores = self.core_share_cores
         if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int)
                                   or cores < 1):
@@ -317,7 +321,7 @@ class WorkerRuntime:
         cfg = self.config.engine
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, address=self.address,
-            model=cfg.model, block_size=cfg.block_size,
+            model=self.config.served_model_name or cfg.model, block_size=cfg.block_size,
             tensor_parallel_size=cfg.tensor_parallel_size,
             kv_transfer_backend=cfg.kv_transfer_backend or "",
             max_model_len=self.llm.max_model_len,

@@ -12,7 +12,7 @@ from engine.output_processor import check_stream_interval
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
 from router.registry import check_redis_url
-from router.router_presence import check_router_id
+from router.router_presence import check_router_id, check_served_model_name
 
 DECODE_STREAMS = ("multiplexed", "per-request")
 
@@ -76,6 +76,9 @@ class RouterConfig:
     # the routers sharing a Redis namespace. A router restarted under its id releases the KV
     # leases its predecessor left (router/router_presence.py). "": router-HOSTNAME-[ADDRESS-]PORT.
     router_id: str = ""
+    # The model's name to clients (GetModelInfo) and the workers' registered name this router
+    # serves requests with (--served-model-name, as theirs): "" for the --model's folder name.
+    served_model_name: str = ""
     # The template text chat_template names, read when the config is built.
     chat_template_text: str | None = field(default=None, init=False, repr=False)
 
@@ -116,6 +119,12 @@ class RouterConfig:
             raise ValueError(f"liveness must be a LivenessConfig, got "
                              f"{type(self.liveness).__name__}")
         check_router_id(self.router_id)
+        check_served_model_name(self.served_model_name)
         if not isinstance(self.local_prefill, LocalPrefillConfig):
             raise ValueError("local_prefill must be a LocalPrefillConfig, "
                              f"got {type(self.local_prefill).__name__}")
+
+    @property
+    def model_name(self) -> str:
+        """The name workers must have registered their model under to get requests."""
+        return self.served_model_name or self.model

@@ -492,7 +492,8 @@ def _model_key(model: str) -> str:
     (engine/presets.py), so the whole string is not comparable and no path can be resolved
     here; the folder name is what they share. Two models in folders of one name still pass,
     as before this check; one model copied under another folder name is taken for another
-    (its workers get no requests, and the warning names both)."""
+    (its workers get no requests, and the warning names both) unless every service names the
+    model with --served-model-name."""
     return PurePath(model.rstrip("/")).name.casefold() or model
 
 

@@ -85,9 +85,10 @@ class ServedModel:
             eos_token_ids=self.eos_token_ids)
 
 
-def load_served_model(model: str, generation_config: str,
-                      chat_template: str | None) -> ServedModel:
-    """Reads the model folder (a preset is generated first); blocking."""
+def load_served_model(model: str, generation_config: str, chat_template: str | None,
+                      served_model_name: str = "") -> ServedModel:
+    """Reads the model folder (a preset is generated first); blocking. ``served_model_name``
+    is the name clients see ("": ``model``)."""
     from engine.config import EngineConfig
     from engine.generation_defaults import load_sampling_defaults
     from engine.model_config import ModelConfig
@@ -96,7 +97,8 @@ def load_served_model(model: str, generation_config: str,
 
     path = resolve_model(EngineConfig(model=model).model)
     mc = ModelConfig.from_pretrained(path)
-    served = ServedModel(model, load_tokenizer(path), mc.vocab_size, list(mc.eos_token_ids),
+    served = ServedModel(served_model_name or model, load_tokenizer(path), mc.vocab_size,
+                         list(mc.eos_token_ids),
                          load_sampling_defaults(generation_config, path), chat_template)
     if served.has_chat_template:
         chat_renderer()

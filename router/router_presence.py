@@ -52,6 +52,12 @@ def check_worker_id(value) -> str:
     return _check_name("worker_id", value, 128, spaces=False)
 
 
+def check_served_model_name(value) -> str:
+    """A --served-model-name: what workers register their model as and a router matches
+    them by ("" for the default, the --model's folder name)."""
+    return _check_name("served_model_name", value, 256, spaces=False)
+
+
 def check_incarnation(value) -> str:
     """An incarnation as a Prefill call names it: at most 256 printable characters."""
     return _check_name("router_incarnation", value, 256, spaces=True)

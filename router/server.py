@@ -28,7 +28,7 @@ SERVICE_NAMES = [router_pb2.DESCRIPTOR.services_by_name[n].full_name
 
 async def serve_router(config: RouterConfig) -> None:
     model = await asyncio.to_thread(load_served_model, config.model, config.generation_config,
-                                    config.chat_template_text)
+                                    config.chat_template_text, config.served_model_name)
     if model.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     model.sampling_defaults)
@@ -41,7 +41,7 @@ async def serve_router(config: RouterConfig) -> None:
                                 message_size_options()
                                 + keepalive_options(config.keepalive_time_s,
                                                     config.keepalive_timeout_s),
-                                config.liveness, model=config.model)
+                                config.liveness, model=config.model_name)
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)

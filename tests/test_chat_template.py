@@ -183,3 +183,18 @@ class _RpcError(grpc.RpcError):
 def test_failed_precondition_has_its_own_sdk_error():
     err = error_from_rpc(_RpcError())
     assert isinstance(err, FailedPreconditionError) and err.details == "no chat template"
+
+
+def test_clients_see_the_served_model_name():
+    from router.prompts import load_served_model
+
+    assert load_served_model("tiny-llama", "auto", None).info(64, 16).model == "tiny-llama"
+    info = load_served_model("tiny-llama", "auto", None, "team/llama").info(64, 16)
+    assert info.model == "team/llama"
+    config = RouterConfig(model="tiny-llama", redis_url="redis://x",
+                          served_model_name="team/llama")
+    assert config.model_name == "team/llama"
+    assert RouterConfig(model="tiny-llama", redis_url="redis://x").model_name == "tiny-llama"
+    for bad in ("a b", "x\n", 7, "n" * 257):
+        with pytest.raises(ValueError, match="served_model_name"):
+            RouterConfig(model="tiny-llama", redis_url="redis://x", served_model_name=bad)

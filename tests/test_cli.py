@@ -126,10 +126,13 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     for role in ("prefill", "decode"):
         build_parser().parse_args([role, *spec.worker_args, "--kv-transfer-backend", "torch"])
     spec = up_spec(build_parser().parse_args(
-        ["up", "--stream-interval", "8", "--max-local-prefill-length", "96"]))
+        ["up", "--stream-interval", "8", "--max-local-prefill-length", "96",
+         "--served-model-name", "team/llama"]))
     args = spec.router_args
     assert args[args.index("--stream-interval") + 1] == "8"
     assert args[args.index("--max-local-prefill-length") + 1] == "96"
+    assert args[args.index("--served-model-name") + 1] == "team/llama"
+    assert spec.worker_args == ["--served-model-name", "team/llama"]
     # Every flag it forwards is one the router takes.
     build_parser().parse_args(["router", "--redis-url", "redis://x", *args])
     for bad, match in ((["--chat-template", "missing.jinja"], "does not exist"),
@@ -150,6 +153,7 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--port", "70000"], "port must be in"),
     (["--redis-url", "http://x"], "redis_url"),
     (["--metrics-port", "-3"], "metrics_port"),
+    (["--served-model-name", "two words"], "served_model_name"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import json
+import shutil
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ import redis
 from client import Client, ResourceExhaustedError
 from engine import LLM, SamplingParams
 from engine.block_hash import hash_request_tokens
+from engine.presets import resolve_model
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.proc_signals import wait_until
@@ -247,6 +249,27 @@ def test_a_decode_worker_joins_and_leaves(cluster):
         cluster.wait_routable(2, 1)
         for _ in range(3):
             assert c.complete(prompt, max_tokens=6, **GREEDY).usage.decode_worker_id == old.name
+
+
+def test_a_model_copied_under_another_name_serves_under_its_served_name(cluster, tmp_path):
+    """Routers match workers by model name (the --model folder's name): a worker reading a
+    copy of the model from a folder named otherwise gets requests once it registers under the
+    router's name with --served-model-name."""
+    copy = shutil.copytree(resolve_model("tiny-llama"), tmp_path / "llama-copy")
+    old = _by_role(cluster, "decode")[0]
+    new = cluster.add_worker("decode", extra=["--model", str(copy),
+                                              "--served-model-name", "tiny-llama"])
+    try:
+        cluster.wait_routable(2, 2)
+        assert worker_info(new.address).model == "tiny-llama"
+        _drain(cluster, old)
+        with Client(cluster.router_address, timeout=60) as c:
+            res = c.complete(random_prompts(1, seed=6)[0], max_tokens=4, **GREEDY)
+        assert res.usage.decode_worker_id == new.name
+    finally:
+        _drain(cluster, old, undrain=True)
+        assert cluster.stop_proc(new) == 0
+    cluster.wait_routable(2, 1)
 
 
 def test_more_load_than_allowed_is_refused_not_queued(cluster):
