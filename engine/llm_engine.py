@@ -22,7 +22,7 @@ from engine.model_config import ModelConfig
 from engine.executor import Executor, make_executor
 from engine.kv_layout import KVCacheLayout
 from engine.model_runner import prepare_input, sample_tokens, score_prompt_tokens
-from engine.output_processor import OutputProcessor, check_stream_interval
+from engine.output_processor import OutputProcessor, Replay, check_stream_interval
 from engine.outputs import (EngineStats, KVAllocation, KVLease, LeaseEnded, PrefixCacheReset,
                             RequestOutput)
 from engine.request import Request, RequestStatus
@@ -128,26 +128,26 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         check_stream_interval(stream_interval)
         token_ids = self.tokenize(prompt)
-        resume = self.validate_resume(token_ids, resume_token_ids, params)
-        req = Request(request_id, token_ids, params, output_token_ids=resume,
+        replay = self.validate_resume(token_ids, resume_token_ids, params)
+        req = Request(request_id, token_ids, params, output_token_ids=replay.output_token_ids,
                       bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
-                      stream_interval=stream_interval)
+                      stream_interval=stream_interval, detokenizer=replay.detokenizer)
         self._claim_id(request_id)
         self._inbox.put(("add", req))
         return token_ids
 
     def validate_resume(self, prompt_token_ids: list[int], resume_token_ids,
-                        params: SamplingParams) -> list[int]:
-        """Validates a prompt and the output it resumes from (possibly none)."""
+                        params: SamplingParams) -> Replay:
+        """Validates a prompt and the output it resumes from (possibly none), replayed."""
         resume = list(resume_token_ids)
         self.validate_prompt(list(prompt_token_ids) + resume, params)
         if resume and len(resume) >= params.max_tokens:
             raise ValueError(f"{len(resume)} resumed output tokens leave nothing to generate "
                              f"(max_tokens={params.max_tokens})")
-        ended = self.outputs.resumed_end(list(prompt_token_ids), resume, params)
-        if ended is not None:
-            raise ValueError(f"the resumed output has ended already: {ended}")
-        return resume
+        replay = self.outputs.replay(list(prompt_token_ids), resume, params)
+        if replay.ended is not None:
+            raise ValueError(f"the resumed output has ended already: {replay.ended}")
+        return replay
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now when the engine is idle, else at the next step."""
@@ -197,11 +197,12 @@ class LLMEngine:
         ``stream_interval``: as for ``add_request``.
         """
         check_stream_interval(stream_interval)
-        resume = self.validate_resume(prompt_token_ids, list(resume_token_ids) + [first_token_id],
-                                      params)
-        req = Request(request_id, list(prompt_token_ids), params, output_token_ids=resume,
+        replay = self.validate_resume(prompt_token_ids,
+                                      list(resume_token_ids) + [first_token_id], params)
+        req = Request(request_id, list(prompt_token_ids), params,
+                      output_token_ids=replay.output_token_ids,
                       bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
-                      stream_interval=stream_interval)
+                      stream_interval=stream_interval, detokenizer=replay.detokenizer)
         req.prompt_logprobs = None  # the prompt was computed, and scored, where it ran
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id

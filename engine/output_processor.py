@@ -25,6 +25,17 @@ class StopDecision:
     stop_reason: int | str | None = None
 
 
+@dataclass
+class Replay:
+    """A request's output so far, replayed at intake (OutputProcessor.replay)."""
+    output_token_ids: list[int]
+    # Holding the text of output_token_ids; None where the engine does not detokenize, or
+    # where the output has ended.
+    detokenizer: IncrementalDetokenizer | None
+    # What ended the output already, or None.
+    ended: str | None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: list[int],
                  max_model_len: int, detokenize: bool) -> None:
@@ -42,20 +53,11 @@ class OutputProcessor:
     def add_request(self, req: Request) -> None:
         self._reported[req.request_id] = len(req.output_token_ids)
         self._unreported.add(req.request_id)
-        if self.detokenize:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                           skip_special_tokens=req.sampling_params.skip_special_tokens)
-            # Output produced elsewhere (the decode role's first token, streamed by the prefill
-            # worker; a migrated request's output so far) was streamed already. Replaying it
-            # one token at a time, as it was produced, leaves exactly the text the client has
-            # not received yet pending: in one batch, a tail held back there (an unfinished
-            # character, a possible stop string) would differ from what was held here.
-            params = req.sampling_params
-            for n, token_id in enumerate(req.output_token_ids, 1):
-                detok.update([token_id])
-                if params.stop:
-                    _check_stop_strings(detok, params, n)
-                detok.take_delta()
+        detok, req.detokenizer = req.detokenizer, None
+        if self.detokenize and detok is None:
+            detok = self.replay(req.prompt_token_ids, req.output_token_ids,
+                                req.sampling_params).detokenizer
+        if detok is not None:
             self.detokenizers[req.request_id] = detok
 
     def remove(self, request_id: str) -> None:
@@ -106,26 +108,35 @@ class OutputProcessor:
         return (token_id in params.stop_token_ids,
                 not params.ignore_eos and token_id in self.eos_token_ids)
 
-    def resumed_end(self, prompt_token_ids: list[int], output_token_ids: list[int],
-                    params) -> str | None:
-        """What in output to resume from would have ended the request already (a stop token,
-        eos or a stop string), or None. Resuming it would generate past the request's end, and
-        the replay in add_request cannot go on past a stop string."""
+    def replay(self, prompt_token_ids: list[int], output_token_ids: list[int],
+               params) -> Replay:
+        """Output produced elsewhere (the decode role's first token, streamed by the prefill
+        worker; a migrated request's output so far), which was streamed already, replayed
+        one token at a time as it was produced: that leaves exactly the text the client has
+        not received yet pending (in one batch, a tail held back there, an unfinished
+        character or a possible stop string, would differ from what was held here). Also
+        finds what in it would have ended the request already (a stop token, eos or a stop
+        string): resuming it would generate past the request's end. Callers replay at intake,
+        off the engine's thread, where a long resumed output would stall every stream's step."""
         detok = None
-        if self.detokenize and params.stop:
+        if self.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                            skip_special_tokens=params.skip_special_tokens)
         for n, token_id in enumerate(output_token_ids, 1):
             stop_token, eos = self._ends(token_id, n, params)
             if stop_token or eos:
-                return f"output token {n} ({token_id}) is {'a stop token' if stop_token else 'eos'}"
-            if detok is not None:
-                detok.update([token_id])
+                return Replay(output_token_ids, None, f"output token {n} ({token_id}) is "
+                                                      f"{'a stop token' if stop_token else 'eos'}")
+            if detok is None:
+                continue
+            detok.update([token_id])
+            if params.stop:
                 hit = _check_stop_strings(detok, params, n)
                 if hit is not None:
-                    return f"output token {n} completes the stop string {hit!r}"
-                detok.take_delta()
-        return None
+                    return Replay(output_token_ids, None,
+                                  f"output token {n} completes the stop string {hit!r}")
+            detok.take_delta()
+        return Replay(output_token_ids, detok, None)
 
     def decode_logprobs(self, items: list[TokenLogprobs]) -> None:
         """Sets each Logprob's decoded_token: its token as text on its own, special tokens

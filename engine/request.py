@@ -10,6 +10,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # torch stays out of the request's import
     from engine.penalties import PenaltyState
+    from engine.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +60,9 @@ class Request:
     # Outputs are made once per this many new tokens after the first (and on finishing): a
     # stream that sends N tokens a chunk need not wake its reader every step.
     stream_interval: int = 1
+    # Its output so far as text, detokenized at intake (OutputProcessor.replay) for the
+    # output processor to take over; None once taken.
+    detokenizer: IncrementalDetokenizer | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:

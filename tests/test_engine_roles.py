@@ -299,6 +299,30 @@ def test_a_resume_whose_output_has_ended_already_is_refused(model):
     assert _free(engine)
 
 
+def test_a_resumed_output_is_replayed_once_at_intake_not_in_the_step(model, monkeypatch):
+    """The text of a resumed output is rebuilt where add_request is called: in the engine's
+    step it stalled every other stream for as long as a long migrated output took."""
+    engine = LLMEngine(EngineConfig(model))
+    prompt = _prompts(10, [16])[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["\x00"])
+    engine.add_request("full", prompt, params)
+    [full] = [o for o in _run_until(engine, lambda o: any(x.finished for x in o)) if o.finished]
+    replays = []
+    real = engine.outputs.replay
+    monkeypatch.setattr(engine.outputs, "replay",
+                        lambda *a: replays.append(a) or real(*a))
+    engine.add_request("r", prompt, params, resume_token_ids=full.token_ids[:20])
+    assert len(replays) == 1
+
+    def in_step(*a):
+        raise AssertionError("replayed in the engine's step")
+
+    monkeypatch.setattr(engine.outputs, "replay", in_step)
+    done = [o for o in _run_until(engine, lambda o: any(x.finished for x in o)) if o.finished]
+    assert done[0].token_ids == full.token_ids and done[0].text == full.text
+    assert _free(engine)
+
+
 def _stream_deltas(engine: LLMEngine, rid: str) -> tuple[list[str], list[int]]:
     """The text deltas and token ids ``rid`` streams, step by step, to its end."""
     deltas, ids = [], []
