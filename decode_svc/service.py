@@ -175,9 +175,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.rt.engine.abort(alloc.request_id)
             raise TransferError(f"the prefill worker's lease on this KV ends in "
                                 f"{lease_left + LEASE_READ_MARGIN_S:.2f} s: too soon to read it")
-        timeout = min(timeout, lease_left)
+        # An absolute deadline: the pull may wait for an executor thread (all of them busy
+        # with pulls from a stalled owner), and a timeout would start counting only then.
+        deadline = time.monotonic() + min(timeout, lease_left)
         pull = asyncio.ensure_future(asyncio.to_thread(
-            self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, timeout))
+            self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, None, deadline))
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:

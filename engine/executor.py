@@ -65,7 +65,7 @@ class Executor(ABC):
         return list(self._kv_handles)
 
     def start_worker_pulls(self, remotes: list, remote_block_ids: list[int],
-                           local_block_ids: list[int], timeout_s: float) -> list:
+                           local_block_ids: list[int], deadline: float) -> list:
         """Starts the pull on ranks 1.. (each in its process); futures of TransferStats.
         A single-process executor has no other ranks."""
         return []

@@ -91,9 +91,10 @@ class KVConnector:
         return self.agent.peer_names()
 
     def pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
-             remote_block_ids: list[int], timeout_s: float) -> TransferStats:
+             remote_block_ids: list[int], deadline: float) -> TransferStats:
         """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``
-        on every local rank; then tells the owner to release its lease."""
+        on every local rank, no rank posting a read after ``deadline`` (time.monotonic());
+        then tells the owner to release its lease."""
         if not isinstance(alloc, KVAllocation):
             raise ValueError(f"alloc must be a KVAllocation, got {type(alloc).__name__}")
         if not isinstance(remotes, (list, tuple)) or not remotes:
@@ -107,19 +108,24 @@ class KVConnector:
         plan_pull(self.agent.layout, self.agent.backend, list(remotes), remote_ids, local_ids)
         notify = RELEASE_PREFIX + alloc.request_id.encode()
         t0 = time.monotonic()
+        timeout_s = deadline - t0
+        if timeout_s <= 0:
+            raise TransferTimeout("the KV pull's deadline passed before it started")
         futures = self.engine.executor.start_worker_pulls(list(remotes), remote_ids, local_ids,
-                                                          timeout_s)
+                                                          deadline)
         error: BaseException | None = None
         stats: list[TransferStats] = []
         try:
             # With one rank the release can ride on the pull itself; with more it waits for all.
             stats.append(self.agent.pull(list(remotes), remote_ids, local_ids, timeout_s,
-                                         notify=None if futures else notify))
+                                         notify=None if futures else notify,
+                                         deadline=deadline))
         except BaseException as e:  # noqa: BLE001 - the workers must finish before we raise
             error = e
         for f in futures:  # never return while a worker may still write into the blocks
             try:
-                stats.append(f.result(timeout=timeout_s + _WORKER_REPLY_GRACE_S))
+                stats.append(f.result(timeout=max(0.0, deadline - time.monotonic())
+                                      + _WORKER_REPLY_GRACE_S))
             except concurrent.futures.TimeoutError:
                 error = error or TransferTimeout("a tensor-parallel rank's KV pull did not "
                                                  "answer in time")

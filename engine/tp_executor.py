@@ -147,13 +147,26 @@ class MultiprocExecutor(Executor):
         return list(self._layouts)
 
     def start_worker_pulls(self, remotes: list, remote_block_ids: list[int],
-                           local_block_ids: list[int], timeout_s: float) -> list[Future]:
-        """Starts the same pull on every worker rank, each into its own cache (its own heads)."""
+                           local_block_ids: list[int], deadline: float) -> list[Future]:
+        """Starts the same pull on every worker rank, each into its own cache (its own heads),
+        by ``deadline`` (time.monotonic(): the ranks share this host's clock)."""
         self._check_usable()
         if self._kv_channel is None:
             raise ValueError("this engine has no KV transfer backend")
-        return [self._kv_channel.submit(w.rank, remotes, remote_block_ids, local_block_ids,
-                                        timeout_s) for w in self.workers]
+        from kvtransfer.errors import TransferError
+
+        futures = []
+        for w in self.workers:
+            try:
+                futures.append(self._kv_channel.submit(w.rank, remotes, remote_block_ids,
+                                                       local_block_ids, deadline))
+            except TransferError as e:
+                # As a failed future: the caller still waits for the ranks already started,
+                # which may be writing into the blocks.
+                failed: Future = Future()
+                failed.set_exception(e)
+                futures.append(failed)
+        return futures
 
     def forget_worker_peers(self, agent_names: list[str]) -> None:
         self._check_usable()

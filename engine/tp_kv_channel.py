@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -25,7 +26,7 @@ from kvtransfer import (KVAgentHandle, LayoutMismatchError, PeerGoneError, Trans
 logger = logging.getLogger(__name__)
 
 OP_KV_PULL = b"P"  # rank 0 -> worker: {"id", "remotes": [handle json], "remote_block_ids",
-#                    "local_block_ids", "timeout_s"}
+#                    "local_block_ids", "deadline"}: time.monotonic(), this host's clock
 OP_KV_DONE = b"D"  # worker -> rank 0: {"id", "ok", "stats"} or {"id", "ok": false, "kind", "error"}
 OP_KV_FORGET = b"F"  # rank 0 -> worker: {"agent_names"}; no answer (one busy is kept)
 
@@ -78,8 +79,11 @@ class WorkerKVServer:
         try:
             req = tp_comm.parse_json(payload)
             remotes = [KVAgentHandle.from_bytes(h.encode()) for h in req["remotes"]]
+            # The deadline is rank 0's, not restarted here: a pull that waited to start (for
+            # this thread, for the pipe) must not outlive the owner's lease.
+            deadline = float(req["deadline"])
             stats = self.agent.pull(remotes, req["remote_block_ids"], req["local_block_ids"],
-                                    float(req["timeout_s"]))
+                                    max(deadline - time.monotonic(), 1e-3), deadline=deadline)
             reply = {"id": req["id"], "ok": True, "stats": asdict(stats)}
         except Exception as e:  # noqa: BLE001 - every failure goes back to rank 0
             reply = {"id": req.get("id"), "ok": False, "kind": _kind(e),
@@ -109,7 +113,7 @@ class KVChannelClient:
             named_thread(self._read, "pdserve-tp-kv-replies", (i + 1, c)).start()
 
     def submit(self, rank: int, remotes: list[KVAgentHandle], remote_block_ids: list[int],
-               local_block_ids: list[int], timeout_s: float) -> Future:
+               local_block_ids: list[int], deadline: float) -> Future:
         """Starts a pull on worker ``rank`` (1..); the future holds its TransferStats."""
         fut: Future = Future()
         with self._lock:
@@ -120,7 +124,7 @@ class KVChannelClient:
         msg = json.dumps({"id": rid, "remotes": [h.to_bytes().decode() for h in remotes],
                           "remote_block_ids": [int(i) for i in remote_block_ids],
                           "local_block_ids": [int(i) for i in local_block_ids],
-                          "timeout_s": timeout_s}).encode()
+                          "deadline": deadline}).encode()
         try:
             with self._send_locks[rank - 1]:
                 tp_comm.send(self.conns[rank - 1], OP_KV_PULL, msg)

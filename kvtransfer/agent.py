@@ -107,21 +107,29 @@ class KVTransferAgent(ABC):
     # --- the shared surface -------------------------------------------------------------------
     def pull(self, remotes: list[KVAgentHandle], remote_block_ids: list[int],
              local_block_ids: list[int], timeout_s: float,
-             notify: bytes | None = None) -> TransferStats:
+             notify: bytes | None = None, deadline: float | None = None) -> TransferStats:
         """Reads ``remote_block_ids`` of the remote ranks into ``local_block_ids`` here.
 
         Every remote rank whose KV heads overlap this rank's contributes its head slice.
         ``notify`` reaches the first remote (the owner's rank 0) only after all data landed.
+        ``deadline`` (time.monotonic(), the same clock in every process of a host): no read
+        is posted after it, however long the pull waited to start. A caller whose deadline is
+        an owner's lease needs it: a read past the lease could copy blocks the owner gave to
+        another prompt.
         """
         check_timeout(timeout_s)
         if notify is not None and not isinstance(notify, bytes):
             raise ValueError(f"notify must be bytes or None, got {type(notify).__name__}")
         jobs = plan_pull(self.layout, self.backend, remotes, remote_block_ids, local_block_ids)
         t0 = time.monotonic()
+        end = t0 + timeout_s if deadline is None else min(t0 + timeout_s, float(deadline))
         num_desc, notified = 0, False
         if len(local_block_ids):  # else everything was in the reader's prefix cache already
             try:
-                num_desc, notified = self._run_pull(jobs, t0 + timeout_s, notify)
+                if time.monotonic() >= end:
+                    raise TransferTimeout("KV pull started after its deadline; nothing was "
+                                          "posted")
+                num_desc, notified = self._run_pull(jobs, end, notify)
             except TransferError as e:
                 with self._counters_lock:
                     self._counters.failures += 1

@@ -145,6 +145,11 @@ class NixlReader:
             with self.lock:
                 if self.agent is None:
                     raise TransferError(f"NIXL agent {self.name!r} is closed")
+                # A share queued behind another pull's (a stream) or a read waiting for this
+                # lock may start late: past its deadline the owner's lease may be over.
+                if time.monotonic() >= deadline:
+                    raise TransferTimeout("a KV read started after its deadline; nothing "
+                                          "was posted")
                 for p in parts:
                     handles.append(self._start(p, notify))
                     peers.append(self._peers[p.remote.agent_name])
@@ -267,21 +272,38 @@ def join_streams(futures: list[concurrent.futures.Future], deadline: float,
     """Waits for every stream's share of a pull; the first error, marked when any share's
     bytes may still land. Never returns while a stream could still be writing unknowingly."""
     for f in futures:
-        err: TransferError
-        try:
-            f.result(timeout=max(0.0, deadline - time.monotonic()) + _STREAM_GRACE_S)
+        err = _share_error(f, deadline)
+        if err is None:
             continue
-        except TransferError as e:  # first: a TransferTimeout is a TimeoutError too
-            err = e
-        except concurrent.futures.TimeoutError:
-            # Its thread is stuck inside NIXL, the READ unreleased.
-            err = TransferTimeout("a parallel share of a KV pull did not finish",
-                                  writes_may_land=True)
-        except Exception as e:  # noqa: BLE001 - a bug in a share: its bytes are unknown
-            err = TransferError(f"a parallel share of a KV pull failed: {e!r}",
-                                writes_may_land=True)
         if error is None:
             error = err
         else:
             error.writes_may_land = error.writes_may_land or err.writes_may_land
     return error
+
+
+def _share_error(f: concurrent.futures.Future, deadline: float) -> TransferError | None:
+    try:
+        try:
+            f.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError as e:
+            if isinstance(e, TransferError):
+                raise
+            # Still queued behind another pull's share on its stream (one with a stalled
+            # owner): it never starts, so nothing of it can land.
+            if f.cancel():
+                return TransferTimeout("a parallel share of a KV pull waited past its "
+                                       "deadline behind another pull; nothing was posted")
+            f.result(timeout=_STREAM_GRACE_S)  # running: it honours the deadline itself
+        return None
+    except TransferError as e:  # first: a TransferTimeout is a TimeoutError too
+        return e
+    except concurrent.futures.TimeoutError:
+        # Its thread is stuck inside NIXL, the READ unreleased.
+        return TransferTimeout("a parallel share of a KV pull did not finish",
+                               writes_may_land=True)
+    except concurrent.futures.CancelledError:
+        return TransferTimeout("a parallel share of a KV pull was cancelled before it began")
+    except Exception as e:  # noqa: BLE001 - a bug in a share: its bytes are unknown
+        return TransferError(f"a parallel share of a KV pull failed: {e!r}",
+                             writes_may_land=True)

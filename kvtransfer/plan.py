@@ -108,6 +108,7 @@ def plan_pull(local: KVCacheLayout, backend: str, remotes: list[KVAgentHandle],
         if r.backend != backend:
             raise ValueError(f"remote {r.agent_name!r} uses backend {r.backend!r}; this agent "
                              f"uses {backend!r}")
+    _check_rank_order(remotes)
     if len(remote_block_ids) != len(local_block_ids):
         raise ValueError(f"{len(remote_block_ids)} remote blocks but "
                          f"{len(local_block_ids)} local blocks")
@@ -122,6 +123,20 @@ def plan_pull(local: KVCacheLayout, backend: str, remotes: list[KVAgentHandle],
         whole = sl.num == local.num_kv_heads == remote.layout.num_kv_heads
         jobs.append(PullJob(sl.remote_index, remote, sl.start, sl.num, rids, local_ids, whole))
     return jobs
+
+
+def _check_rank_order(remotes: list[KVAgentHandle]) -> None:
+    """The remotes are every rank of one engine, rank i at position i: the release goes to
+    remotes[0], the lease's holder, and to another rank it reached an agent nobody polls,
+    leaving the blocks leased until the lease expired."""
+    names = [r.agent_name for r in remotes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"remote ranks repeat an agent: {names}")
+    for i, r in enumerate(remotes):
+        if r.layout.tp_size != len(remotes) or r.layout.tp_rank != i:
+            raise ValueError(f"remote {i} ({r.agent_name!r}) is rank {r.layout.tp_rank} of "
+                             f"{r.layout.tp_size}; a pull needs all {len(remotes)} ranks of "
+                             "one engine in rank order")
 
 
 def block_runs(remote_ids: np.ndarray, local_ids: np.ndarray,

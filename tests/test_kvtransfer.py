@@ -195,12 +195,18 @@ def test_tp2_owner_into_tp1_reader_fills_each_head_slice(owners, backend):
     try:
         agent.pull([o.handle for o in ranks], [0, 7, 9], [4, 5, 6], timeout_s=20.0,
                    notify=b"release:tp2")
+        # Out of rank order the release went to rank 1, which nobody polls: the lease held
+        # its blocks until it expired. Refused, as is a rank given twice or alone.
+        for wrong in ([ranks[1].handle, ranks[0].handle], [ranks[0].handle] * 2,
+                      [ranks[0].handle]):
+            with pytest.raises(ValueError, match="rank order|repeat"):
+                agent.pull(wrong, [1], [8], timeout_s=20.0, notify=b"release:wrong")
     finally:
         agent.close()
     for r, o in enumerate(ranks):
         heads = slice(2 * r, 2 * r + 2)
         assert torch.equal(cache[[4, 5, 6]][..., heads, :], o.cache[[0, 7, 9]])
-    assert not cache[[0, 1, 2, 3, 7]].any()
+    assert not cache[[0, 1, 2, 3, 7, 8]].any()
     assert ranks[0].next_notification() == "release:tp2"  # to the owner's rank 0 only
 
 

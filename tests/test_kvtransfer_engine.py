@@ -353,25 +353,62 @@ def test_a_pull_cut_short_while_its_owner_serves_it_quarantines_nothing(model, m
     """A deadline that runs out mid-pull (a READ posted, the owner alive) fails the pull, but
     the READ then lands within the settle window: nothing may write into the blocks any more,
     so they are free at once instead of quarantined for kv_quarantine_s."""
+    from kvtransfer import nixl_reader
+
     monkeypatch.setenv("UCX_TLS", "tcp")  # slower than shared memory: the READ is still posted
     prefill, decode, params = _connected_over_tcp(model, kv_quarantine_s=600.0)
+    posted = []
+    wait = nixl_reader.NixlReader._wait
+
+    def cut_at_once(self, handles, deadline, names):  # the deadline ends as the READ is posted
+        posted.append(len(handles))
+        return wait(self, handles, time.monotonic() - 1.0, names)
+
+    monkeypatch.setattr(nixl_reader.NixlReader, "_wait", cut_at_once)
     try:
-        cut = 0
-        for i in range(10):  # until a pull is cut with its READ posted (nearly always the first)
-            lease = prefill.prefill(f"c{i}", list(range(400 + i, 900 + i)))
-            alloc = decode.add_prefilled_request(f"c{i}", lease["prompt"], lease["first_token"],
-                                                 params)
-            try:
-                decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 1e-5)
-            except TransferError as e:
-                assert not e.writes_may_land
-                cut += 1
-            decode.abort(f"c{i}")
-            s = decode.get_stats()
-            assert s.num_quarantined == 0 and _all_free(decode)
-            if cut:
-                break
-        assert cut, "no pull was cut short: the test did not reach its case"
+        lease = prefill.prefill("c", list(range(400, 900)))
+        alloc = decode.add_prefilled_request("c", lease["prompt"], lease["first_token"], params)
+        with pytest.raises(TransferError) as err:
+            decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 30.0)
+        assert posted and not err.value.writes_may_land
+        decode.abort("c")
+        s = decode.get_stats()
+        assert s.num_quarantined == 0 and _all_free(decode)
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_pull_whose_deadline_passed_before_it_started_posts_nothing(model, tp):
+    """The decode service's deadline is absolute (the prefill lease's end): a pull that waited
+    for a thread past it fails on every rank before any read is posted, however much of its
+    timeout is left. Counted from its start, it read blocks the owner might have reused."""
+    prefill = PrefillProc(model, 1, "nixl", wait=False)
+    decode = _started_side_by_side(prefill, lambda: _decode_engine(model, tp, "nixl"))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    try:
+        lease = prefill.prefill("late", list(range(400, 440)))
+        alloc = decode.add_prefilled_request("late", lease["prompt"], lease["first_token"],
+                                             params)
+        before = decode.executor.read_blocks(tp - 1, alloc.block_ids_to_fill).clone() \
+            if tp > 1 else decode.kv_cache[alloc.block_ids_to_fill].clone()
+        with pytest.raises(TransferError) as err:
+            decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 30.0,
+                           deadline=time.monotonic() - 0.01)
+        assert not err.value.writes_may_land
+        if tp > 1:  # the other ranks keep rank 0's deadline, not a timeout of their own
+            remote_ids = lease["block_ids"][alloc.num_cached_blocks:]
+            [rank1] = decode.executor.start_worker_pulls(
+                prefill.handles, remote_ids, alloc.block_ids_to_fill, time.monotonic() - 0.01)
+            with pytest.raises(TransferError, match="after its deadline") as err:
+                rank1.result(timeout=30)
+            assert not err.value.writes_may_land
+        after = decode.executor.read_blocks(tp - 1, alloc.block_ids_to_fill) \
+            if tp > 1 else decode.kv_cache[alloc.block_ids_to_fill]
+        assert bool((after == before).all())
+        decode.abort("late")
+        assert _all_free(decode) and decode.get_stats().num_quarantined == 0
     finally:
         decode.shutdown()
         prefill.close()

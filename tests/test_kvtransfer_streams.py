@@ -4,7 +4,9 @@ decides whether a failed pull's bytes may still land."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import random
+import signal
 import time
 
 import numpy as np
@@ -17,6 +19,7 @@ from kvtransfer import nixl_reader as reader_mod
 from kvtransfer.nixl_reader import join_streams
 from kvtransfer.plan import split_runs
 from tests.kv_owner_proc import pull_concurrently
+from tests.proc_signals import stop_process
 from tests.test_kvtransfer import BASE, BIG, Owner, rank_layout
 
 
@@ -140,8 +143,52 @@ def test_join_streams_keeps_the_first_error_and_any_landing_writes():
 def test_join_streams_marks_a_stuck_share(monkeypatch):
     monkeypatch.setattr(reader_mod, "_STREAM_GRACE_S", 0.05)
     stuck: concurrent.futures.Future = concurrent.futures.Future()  # never finishes
+    stuck.set_running_or_notify_cancel()  # its thread took it
     err = join_streams([stuck], time.monotonic(), None)
     assert isinstance(err, TransferTimeout) and err.writes_may_land
+
+
+def test_join_streams_cancels_a_share_still_queued_at_the_deadline():
+    queued: concurrent.futures.Future = concurrent.futures.Future()  # no thread took it yet
+    err = join_streams([queued], time.monotonic(), None)
+    assert isinstance(err, TransferTimeout) and not err.writes_may_land
+    assert queued.cancelled()  # its stream's thread will never post it
+
+
+def test_a_share_queued_behind_a_stalled_pull_never_writes(owners, split_all, monkeypatch):
+    """A stream's thread serves one share at a time: a pull's share queued behind a share
+    reading from a stalled owner is given up at its pull's deadline and never posted. It was
+    posted once its turn came, long after its pull had failed, into blocks the engine had
+    handed on by then."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a stopped owner serves no reads (not over shm)
+    stalled, good = owners(BASE, 31), owners(BASE, 32)
+    agent, cache, _ = _reader(BASE, 2)
+    try:
+        agent.preconnect(stalled.handle)
+        agent.preconnect(good.handle)
+        stop_process(stalled.proc)
+        errors: list[BaseException] = []
+
+        def stuck():
+            try:
+                agent.pull([stalled.handle], [0, 1], [0, 1], timeout_s=3.0)
+            except TransferError as e:
+                errors.append(e)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            first = ex.submit(stuck)
+            time.sleep(0.3)  # its second share holds the stream's thread by now
+            with pytest.raises(TransferTimeout) as err:
+                agent.pull([good.handle], [4, 5], [10, 11], timeout_s=1.0)
+            assert not err.value.writes_may_land
+            assert not first.done()  # it failed by its own deadline, not the stuck one's
+            cache[10:12] = -1.0  # the blocks were handed on
+            first.result(timeout=30)
+        assert isinstance(errors[0], TransferTimeout)
+        agent.close()  # waits for the streams' threads: whatever was queued has run
+        assert bool((cache[10:12] == -1.0).all())
+    finally:
+        os.kill(stalled.proc.pid, signal.SIGCONT)
 
 
 def test_split_runs_balances_bytes_without_cutting_runs():
