@@ -353,7 +353,14 @@ def _wait_exit(w: _Worker, deadline: float) -> bool:
 
 
 def _describe(w: _Worker) -> str:
-    code = w.exitcode
+    """What a worker whose pidfd reported its exit died of."""
+    try:
+        # wait(), not poll(): poll() answers None while another thread (the monitor, or the
+        # step finding the same death) holds Popen's reaping lock, and the error then said
+        # "exit code None".
+        code = w.process.wait(timeout=_KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        code = None
     how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
     text = f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died ({how})"
     try:

@@ -309,3 +309,37 @@ def test_a_shut_down_engine_still_referenced_holds_no_ports(preset_path):
             kept.append(engine)
     assert _listening_sockets() == before[0]
     assert len(os.listdir("/proc/self/fd")) - before[1] < 8  # 14 an engine before
+
+
+def test_a_dead_ranks_exit_is_named_while_another_thread_reaps_it():
+    """The monitor and the failing step both describe the rank that died. Popen.poll()
+    answers None while another thread holds its reaping lock, and the executor's error then
+    read "exit code None" instead of the signal that killed the rank."""
+    import signal
+    import subprocess
+    import sys
+    from multiprocessing.connection import Pipe
+
+    from engine.tp_executor import _describe, _Worker
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ours, theirs = Pipe()
+    try:
+        proc.kill()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+        released = threading.Event()
+
+        def hold_the_reaping_lock():
+            with proc._waitpid_lock:
+                released.wait(5)
+
+        holder = threading.Thread(target=hold_the_reaping_lock)
+        holder.start()
+        threading.Timer(0.2, released.set).start()
+        text = _describe(_Worker(1, proc, ours, sentinel=None))
+        holder.join()
+        assert f"killed by signal {int(signal.SIGKILL)}" in text
+    finally:
+        ours.close()
+        theirs.close()
+        proc.wait()
