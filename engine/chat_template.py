@@ -18,13 +18,24 @@ from engine.tokenizer import Tokenizer, read_utf8
 # A conversation longer than this is refused before rendering; the prompt's token count is
 # checked against the model's length limit afterwards anyway.
 MAX_CHAT_MESSAGES = 4096
+# Roles are words ("system", "tool", "ipython"); templates quote a role they refuse, and the
+# refusal goes back to the client and into the router's access log.
+MAX_ROLE_CHARS = 256
 # The file name jinja2 compiles a template given as a string under.
 _TEMPLATE_CODE = "<template>"
 
 
-class ChatTemplateMissing(ValueError):
-    """The model has no chat template and the operator gave none: a server-side condition,
-    not a bad request (the router answers FAILED_PRECONDITION)."""
+class ChatTemplateUnusable(ValueError):
+    """The server's template cannot render any chat: a server-side condition, not a bad
+    request (the router answers FAILED_PRECONDITION)."""
+
+
+class ChatTemplateMissing(ChatTemplateUnusable):
+    """The model has no chat template and the operator gave none."""
+
+
+class ChatTemplateBroken(ChatTemplateUnusable):
+    """The template does not parse (the model's, or the operator's)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,9 @@ class ChatMessage:
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role.strip():
             raise ValueError(f"a chat message's role must be a non-empty string, got {self.role!r}")
+        if len(self.role) > MAX_ROLE_CHARS:
+            raise ValueError(f"a chat message's role is {len(self.role)} characters; at most "
+                             f"{MAX_ROLE_CHARS}")
         if not isinstance(self.content, str):
             raise ValueError(f"a chat message's content must be a string, "
                              f"got {type(self.content).__name__}")
@@ -68,7 +82,7 @@ def load_chat_template(value: str | None) -> str | None:
     """The template text of ``--chat-template``: a file's contents, or the value itself when it
     is a template written inline (it contains ``{{`` or ``{%``). None stays None (the model's
     own). ValueError when the file is missing, unreadable or not UTF-8, or the template does
-    not parse."""
+    not parse (ChatTemplateBroken)."""
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
@@ -80,18 +94,48 @@ def load_chat_template(value: str | None) -> str | None:
         if not path.is_file():
             raise ValueError(f"chat template file {value!r} does not exist")
         text = read_utf8(path, "chat template file")
-    _parse(text, value)
+    check_chat_template(text, f"chat template {value!r}")
     return text
 
 
-def _parse(text: str, source: str) -> None:
+def check_chat_template(text: str, what: str, hint: str = "") -> None:
+    """ChatTemplateBroken, naming ``what`` (and adding ``hint``), when ``text`` does not parse
+    as transformers parses a chat template."""
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        ImmutableSandboxedEnvironment().parse(text)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"chat template {source!r} does not parse: {e}") from None
+        _compile(text)
+    except (TemplateSyntaxError, SyntaxError) as e:  # SyntaxError: see render_chat
+        raise ChatTemplateBroken(f"{what} does not parse: {e}{hint}") from None
+
+
+def _compile(text: str) -> None:
+    """Compiles ``text`` in the environment transformers renders with: its extensions
+    ({% break %} and {% continue %}, {% generation %}) are syntax a bare Jinja environment
+    refuses. transformers caches the compiled template, so the first chat does not pay it."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a private name: a transformers that moved it compiles as below
+        _fallback_environment().from_string(text)
+    else:
+        _compile_jinja_template(text)
+
+
+def _fallback_environment():
+    """A sandboxed environment with the syntax transformers' adds (to compile, not render)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # {% generation %}...{% endgeneration %}
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return ImmutableSandboxedEnvironment(extensions=[loopcontrols, Generation])
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mapping], *,
@@ -115,8 +159,10 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
 def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
                 continue_final_message: bool) -> str:
     """The conversation as text, rendered as ``apply_chat_template(tokenize=False)`` does:
-    transformers' sandboxed Jinja environment, with the special tokens' strings as variables."""
-    from jinja2 import TemplateError
+    transformers' sandboxed Jinja environment, with the special tokens' strings as variables.
+    ValueError when the template refuses the conversation (its raise_exception) or fails on
+    it; ChatTemplateBroken when it does not parse, whatever the conversation."""
+    from jinja2 import TemplateError, TemplateSyntaxError
 
     render_jinja_template = chat_renderer()
     try:
@@ -124,6 +170,10 @@ def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
             conversations=[[{"role": m.role, "content": m.content} for m in msgs]],
             chat_template=template, add_generation_prompt=not continue_final_message,
             continue_final_message=continue_final_message, **tokenizer.special_tokens_map)
+    except (TemplateSyntaxError, SyntaxError) as e:
+        # Python's SyntaxError: what Jinja's parser lets through into the code it compiles
+        # ({% break %} outside a loop). Either way no conversation renders.
+        raise ChatTemplateBroken(f"the chat template does not parse: {e}") from None
     except TemplateError as e:
         raise ValueError(f"the chat template refused the conversation: {e}") from None
     except Exception as e:

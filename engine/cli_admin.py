@@ -19,6 +19,7 @@ import os
 import sys
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from client.channels import call_metadata, open_channels
@@ -133,9 +134,19 @@ def cmd_admin(args: argparse.Namespace) -> int:
     with ch:
         stub = router_pb2_grpc.RouterAdminStub(ch)
         try:
-            return _run(stub, args, md)
+            rc = _run(stub, args, md)
+            sys.stdout.flush()  # here, where a reader that left is caught below
+            return rc
         except grpc.RpcError as e:
             print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:
+            # The reader left (`pdserve admin workers | head -1`): what it did not read is not
+            # wanted, and no traceback is. stdout goes to /dev/null, or the interpreter's own
+            # flush at exit would fail on the pipe again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
             return 1
 
 
@@ -199,13 +210,44 @@ def _reset_prefix_cache(stub, args: argparse.Namespace, md) -> int:
             print(f"{w.worker_id}: not reset: {w.error}")
         else:
             print(f"{w.worker_id}: not reset: {w.num_blocks_in_use} blocks in use")
-    return 0 if resp.workers and all(w.reset for w in resp.workers) else 1
+    if not resp.workers:
+        print("pdserve admin: the router has no routable worker" +
+              (f" with role {args.role}" if args.role else "") + ": nothing was reset",
+              file=sys.stderr)
+        return 1
+    return 0 if all(w.reset for w in resp.workers) else 1
 
 
 def _dict(msg) -> dict:
     # Every field, zeros included, under its proto name: scripts can rely on the keys.
-    return MessageToDict(msg, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+    d = MessageToDict(msg, preserving_proto_field_name=True,
+                      always_print_fields_with_no_presence=True)
+    _int64_as_numbers(msg.DESCRIPTOR, d)
+    return d
+
+
+_INT64_TYPES = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
+                          FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
+                          FieldDescriptor.TYPE_SFIXED64})
+
+
+def _int64_as_numbers(desc, d) -> None:
+    """Proto3's JSON writes 64-bit integers as strings (JavaScript's numbers are doubles): a
+    script would read "requests_total": "12". They are numbers here; no count or id this
+    service reports comes near 2**53."""
+    if not isinstance(d, dict):  # a well-known type's JSON (a string)
+        return
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        value = d[f.name]
+        if f.message_type is not None:
+            if f.message_type.GetOptions().map_entry:  # none in RouterAdmin's replies
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                _int64_as_numbers(f.message_type, item)
+        elif f.type in _INT64_TYPES:
+            d[f.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
 
 
 def _table(msgs, columns) -> str:

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # A scrape waits this long for the event loop to collect the figures.
 COLLECT_TIMEOUT_S = 5.0
+# Seconds a connection may stay silent while sending its request (or stall taking the
+# reply) before it is closed: each connection holds a thread, so one left idle or half-sent
+# would otherwise hold it for ever (a few hundred of them, a process's threads).
+REQUEST_TIMEOUT_S = 10.0
 # Seconds; request latencies from a few ms (a cached prompt on a GPU) to minutes (a long
 # generation on a CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -173,6 +177,8 @@ class MetricsServer:
 
 def _handler_for(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # the socket's, set per connection by StreamRequestHandler
+
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             if self.path.split("?", 1)[0] != "/metrics":
                 self._reply(404, "text/plain; charset=utf-8", "not found: try /metrics\n")

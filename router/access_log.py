@@ -13,6 +13,7 @@ import json
 import logging
 import time
 
+from router.errors import capped
 from router.inflight import MAX_REQUEST_ID_CHARS
 from router.migration import RequestRun
 
@@ -20,7 +21,10 @@ logger = logging.getLogger("pdserve.access")
 
 
 # A request id is the client's text: one that could break the line (or forge another) is
-# quoted, and a refused overlong one cut.
+# quoted, and a refused overlong one cut. An error may quote the client's text too (a chat
+# role, what its template said): cut as the status the client reads is (router/errors.py), so
+# one request never writes megabytes to the log.
+MAX_ERROR_CHARS = 1024
 
 
 def _id_field(request_id: str) -> str:
@@ -49,7 +53,7 @@ def request_line(request_id: str, runs: list[RequestRun], status: str, error: st
             fields.append(f"decode={u.decode_worker_id}")
         fields.append(f"migrations={sum(r.migrations for r in runs)}")
     if error:
-        fields.append(f"error={json.dumps(error)}")
+        fields.append(f"error={json.dumps(capped(error, MAX_ERROR_CHARS))}")
     return " ".join(fields)
 
 

@@ -13,9 +13,9 @@ import time
 
 import grpc
 
-from engine.call_abort import abort_call
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory, WorkerHandle
+from router.errors import quoted, refuse
 from router.inflight import InflightRequests
 from router.ledger import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from router.registry import ROLES
@@ -30,21 +30,20 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         self.inflight = inflight
 
     async def ListWorkers(self, request, context):
-        if request.role and request.role not in ROLES:
-            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"role must be one of {ROLES} or empty, got {request.role!r}")
+        await _check_role(request.role, context)
         async with _registry(context):
             workers = await self.directory.registry.live_workers(request.role or None)
         return router_pb2.ListWorkersResponse(workers=workers)
 
     async def GetClusterStats(self, request, context):
-        # The routing view itself, refreshed: a worker counted here is one requests can reach.
+        # The routing view itself, refreshed: a worker counted here is one requests can reach,
+        # the directory's own candidates (not draining, not down, of the router's block size);
+        # the router's /metrics counts the others by state.
         await self.directory.refresh_if_reachable()
-        workers = [w.info for w in self.directory.workers.values()]
         s = self.stats
         return router_pb2.ClusterStats(
-            num_prefill_workers=sum(w.role == "prefill" for w in workers),
-            num_decode_workers=sum(w.role == "decode" for w in workers),
+            num_prefill_workers=len(self.directory.candidates("prefill")),
+            num_decode_workers=len(self.directory.candidates("decode")),
             requests_total=s.requests_total, requests_in_flight=s.requests_in_flight,
             requests_failed=s.requests_failed, prompt_tokens_routed=s.prompt_tokens_routed,
             prefix_tokens_matched=s.prefix_tokens_matched,
@@ -56,12 +55,20 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
 
     async def DrainWorker(self, request, context):
         registry, wid = self.directory.registry, request.worker_id
+        if not wid:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "worker_id is empty")
+        changed = False
         async with _registry(context):
-            # An undrain also clears the flag a worker that is gone left behind.
-            changed = await registry.set_drained(wid, not request.undrain)
-            live = {w.worker_id: w for w in await registry.live_workers()}
+            # The live workers first: reading them purges a worker silent past its TTL, which a
+            # drain must not land on (it would keep the flag and come back drained while the
+            # admin was told NOT_FOUND).
+            live = await _live(registry)
+            if wid in live or request.undrain:
+                # An undrain also clears the flag a worker that is gone left behind.
+                changed = await registry.set_drained(wid, not request.undrain)
+                live = await _live(registry)  # the reply is the state after the change
         if wid not in live and not (request.undrain and changed):
-            await abort_call(context, grpc.StatusCode.NOT_FOUND, f"no live worker {wid!r}")
+            await refuse(context, grpc.StatusCode.NOT_FOUND, f"no live worker {quoted(wid)}")
         async with _registry(context):
             await self.directory.refresh()
         # As the routers see it now: a worker that is shutting down stays draining after an
@@ -73,15 +80,17 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         return router_pb2.ListRequestsResponse(requests=self.inflight.list())
 
     async def CancelRequest(self, request, context):
+        if not request.request_id:
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if not self.inflight.cancel(request.request_id):
-            await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                             f"no request {request.request_id!r} in flight on this router")
+            await refuse(context, grpc.StatusCode.NOT_FOUND,
+                         f"no request {quoted(request.request_id)} in flight on this router")
         return router_pb2.CancelRequestResponse()
 
     async def ListTransfers(self, request, context):
         if not 0 <= request.limit <= MAX_LIST_LIMIT:
-            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"limit must be in [0, {MAX_LIST_LIMIT}], got {request.limit}")
         ledger = self.directory.registry.ledger
         async with _registry(context):
             entries, omitted = await ledger.entries(request.limit or DEFAULT_LIST_LIMIT)
@@ -99,18 +108,16 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             for e in entries])
 
     async def ResetPrefixCache(self, request, context):
-        if request.role and request.role not in ROLES:
-            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT,
-                             f"role must be one of {ROLES} or empty, got {request.role!r}")
+        await _check_role(request.role, context)
         await self.directory.refresh_if_reachable()
         workers = sorted((w for w in self.directory.workers.values()
                           if (not request.role or w.info.role == request.role)
                           and (not request.worker_id or w.worker_id == request.worker_id)),
                          key=lambda w: w.worker_id)
         if request.worker_id and not workers:
-            await abort_call(context, grpc.StatusCode.NOT_FOUND,
-                             f"no routable worker {request.worker_id!r}"
-                             + (f" with role {request.role}" if request.role else ""))
+            await refuse(context, grpc.StatusCode.NOT_FOUND,
+                         f"no routable worker {quoted(request.worker_id)}"
+                         + (f" with role {request.role}" if request.role else ""))
         done = await asyncio.gather(*(_reset_prefix_cache(w) for w in workers))
         return router_pb2.ResetPrefixCacheResponse(workers=done)
 
@@ -130,11 +137,21 @@ async def _reset_prefix_cache(w: WorkerHandle) -> common_pb2.WorkerPrefixCacheRe
             error=f"{e.code().name}: {e.details()}")
 
 
+async def _check_role(role: str, context) -> None:
+    if role and role not in ROLES:
+        await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                     f"role must be one of {ROLES} or empty, got {quoted(role)}")
+
+
+async def _live(registry) -> dict[str, common_pb2.WorkerInfo]:
+    return {w.worker_id: w for w in await registry.live_workers()}
+
+
 @contextlib.asynccontextmanager
 async def _registry(context):
     """A registry call; Redis failing becomes UNAVAILABLE rather than INTERNAL."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
-        await abort_call(context, grpc.StatusCode.UNAVAILABLE,
-                         f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")
+        await refuse(context, grpc.StatusCode.UNAVAILABLE,
+                     f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")

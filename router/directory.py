@@ -265,7 +265,7 @@ class WorkerDirectory:
         w = self.workers.get(worker_id)
         return w.prefill_stub if w is not None and w.info.role == "prefill" else None
 
-    def _candidates(self, role: str) -> list[WorkerHandle]:
+    def candidates(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
                 if w.info.role == role and not w.info.draining
                 and w.info.block_size == self.block_size and not self.is_down(w)]
@@ -323,16 +323,16 @@ class WorkerDirectory:
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
         registered since the last periodic refresh takes the request instead of a refusal."""
-        cands = self._candidates(role)
+        cands = self.candidates(role)
         if not cands and await self.refresh_if_reachable():
-            cands = self._candidates(role)
+            cands = self.candidates(role)
         return cands
 
     def max_model_len(self) -> int:
         """The longest sequence every routable worker takes (every known one while none is
         routable); 0 while none is known. A draining or down worker, or one of another block
         size, takes no request: its shorter limit must not refuse prompts the others take."""
-        routable = self._candidates("prefill") + self._candidates("decode")
+        routable = self.candidates("prefill") + self.candidates("decode")
         workers = routable or list(self.workers.values())
         return min((w.info.max_model_len for w in workers if w.info.max_model_len), default=0)
 

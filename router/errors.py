@@ -1,9 +1,25 @@
-"""The router's own refusals: a gRPC status and the message its caller reads."""
+"""The router's own refusals: a gRPC status and the message its caller reads.
+
+A message may quote the client's own text (a role, a request id, what a chat template said
+about the conversation): every status the router and its admin service end a call with goes
+through ``refuse``, which cuts it (``capped``), since gRPC carries the message in a header and
+a header past its 16 KiB limit turns the status into RESOURCE_EXHAUSTED ("received metadata
+size exceeds hard limit") in place of the one meant.
+"""
 from __future__ import annotations
 
 import asyncio
+from typing import NoReturn
 
 import grpc
+
+from engine.call_abort import abort_call
+
+# Characters of a status message; percent-encoded in the header, the worst UTF-8 character
+# takes 12 bytes, so 1024 of them stay under gRPC's 16 KiB.
+MAX_STATUS_CHARS = 1024
+# Characters of a client's string quoted inside a message (a worker id, a role).
+MAX_QUOTED_CHARS = 64
 
 
 class RouterRejectError(Exception):
@@ -12,8 +28,25 @@ class RouterRejectError(Exception):
         self.code = code
 
 
+def capped(message: str, limit: int = MAX_STATUS_CHARS) -> str:
+    """``message``, or as much of it as fits in ``limit`` characters with how many more there
+    were; at most ``limit`` characters either way, so a capped message is not cut again."""
+    if len(message) <= limit:
+        return message
+    keep = limit - len(f"…({len(message)} more characters)")
+    return f"{message[:keep]}…({len(message) - keep} more characters)"
+
+
+def quoted(value: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """A client's string in a message: its repr, cut to ``limit`` characters first."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}…({len(value) - limit} more characters)"
+
+
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status and message a request that failed with ``e`` ends with."""
+    """The gRPC status and message a request that failed with ``e`` ends with (``refuse``
+    cuts the message)."""
     code = getattr(e, "code", None)
     if isinstance(code, grpc.StatusCode):  # RouterRejectError, NoWorkerError
         return code, str(e)
@@ -25,3 +58,9 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
         return grpc.StatusCode.CANCELLED, "cancelled by the client"
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                 message: str) -> NoReturn:
+    """Ends the call with ``code`` and the capped ``message`` (engine/call_abort.py)."""
+    await abort_call(context, code, capped(message))

@@ -17,17 +17,22 @@ from protos import router_pb2
 from router.errors import RouterRejectError
 from router.migration import RequestRun
 
-
+# Control characters (Cc) would let an id forge lines in the access log; format characters
+# (Cf: U+202E turns the text after it around, zero-width ones hide) and the line and paragraph
+# separators (Zl, Zp: U+2028 ends a line in many viewers) would let it pass for another id in a
+# log or a terminal.
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 
 
 def check_request_id(request_id: str) -> str:
     """A client's request id, or ValueError (INVALID_ARGUMENT): bounded in length, and without
-    control characters, which would let it forge lines in the access log."""
+    control, format or line-separator characters."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id is {len(request_id)} characters; at most "
                          f"{MAX_REQUEST_ID_CHARS}")
-    if any(unicodedata.category(c) == "Cc" for c in request_id):
-        raise ValueError("request_id has control characters")
+    bad = next((c for c in request_id if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+    if bad is not None:
+        raise ValueError(f"request_id has control characters (U+{ord(bad):04X})")
     return request_id
 
 

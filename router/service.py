@@ -25,14 +25,14 @@ import grpc
 
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
-from engine.call_abort import abort_call, write_message
+from engine.call_abort import write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import (LOAD_COST_TOKENS, NoWorkerError, WorkerDirectory, WorkerHandle,
                               prefilling)
-from router.errors import RouterRejectError, status_of
+from router.errors import RouterRejectError, refuse, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.local_prefill import should_prefill_locally, should_reuse_decode_cache
@@ -91,7 +91,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     # --- the model: tokenize, detokenize, its info ------------------------------------------
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context):
         try:
-            ids = self.model.prompt_ids(request)
+            # Off the event loop when large (router/prompts.py): a 10 MB chat takes seconds.
+            ids = await self.model.prompt_ids_async(request)
         except Exception as e:  # noqa: BLE001 - a gRPC status, as for Generate
             await _refuse(context, e)
         return router_pb2.TokenizeResponse(token_ids=ids,
@@ -150,7 +151,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params.validate_vocab(self.model.vocab_size)
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
-            prompt = self.model.truncated(self.model.prompt_ids(request), request.sampling)
+            prompt = self.model.truncated(await self.model.prompt_ids_async(request),
+                                          request.sampling)
             # resumed tokens count in max_tokens (router.proto).
             wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
             # Checked again per attempt, once the workers are known (0 until then).
@@ -590,8 +592,9 @@ def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.Compl
 
 
 async def _refuse(context, e: Exception) -> None:
-    """Ends the call with e's gRPC status: never a raw traceback to the caller."""
+    """Ends the call with e's gRPC status: never a raw traceback to the caller, nor a message
+    too long for the status's header (router/errors.py)."""
     code, msg = status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-    await abort_call(context, code, msg)
+    await refuse(context, code, msg)

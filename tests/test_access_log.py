@@ -46,6 +46,15 @@ def test_a_request_id_cannot_break_or_forge_a_line():
     assert len(request_line("z" * 10_000, [], "INVALID_ARGUMENT")) < 400
 
 
+def test_a_long_error_is_cut():
+    """An error may quote the client's text (a template's refusal of its message): one request
+    must not write megabytes to the log."""
+    line = request_line("r", [], "INVALID_ARGUMENT", "e" * 2_000_000)
+    assert len(line) < 1200
+    kept, more = line.split('error="', 1)[1].split("\\u2026(")
+    assert set(kept) == {"e"} and more == f'{2_000_000 - len(kept)} more characters)"'
+
+
 @pytest.fixture(scope="module")
 def redis_url():
     server = RedisServer()

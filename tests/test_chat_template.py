@@ -3,7 +3,12 @@ apply_chat_template, what is refused, the operator's template, the offline LLM.c
 ``pdserve chat`` against HF generate, and the SDK's request building."""
 from __future__ import annotations
 
+import copy
 import io
+import json
+import shutil
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -12,8 +17,9 @@ from client import Chat, FailedPreconditionError
 from client.errors import error_from_rpc
 from client.types import build_request
 from engine import SamplingParams
-from engine.chat_template import (ChatMessage, ChatTemplateMissing, chat_prompt_ids,
-                                  check_messages, load_chat_template)
+from engine.chat_template import (MAX_ROLE_CHARS, ChatMessage, ChatTemplateBroken,
+                                  ChatTemplateMissing, chat_prompt_ids, check_messages,
+                                  load_chat_template)
 from engine.tokenizer import load_tokenizer
 from engine.tokenizer_builder import CHAT_TEMPLATE
 from router.config import RouterConfig
@@ -198,3 +204,117 @@ def test_clients_see_the_served_model_name():
     for bad in ("a b", "x\n", 7, "n" * 257):
         with pytest.raises(ValueError, match="served_model_name"):
             RouterConfig(model="tiny-llama", redis_url="redis://x", served_model_name=bad)
+
+
+# Valid Hugging Face templates using the syntax transformers' environment adds: loop controls,
+# and {% generation %} (the assistant-token mask's markers).
+EXTENSION_TEMPLATES = [
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% endif %}",
+    "{{ bos_token }}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% endif %}",
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content }}{% endgeneration %}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}",
+]
+SYNTAX_ERRORS = ["{% for m in messages %}{{ m.content }}",  # no endfor
+                 "{% generation %}{{ messages[0].content }}",  # no endgeneration
+                 "{% for m in messages %}{{ m }}{% endfor %}{% break %}",  # break outside a loop
+                 "{{ messages[0].content }"]
+
+
+@pytest.mark.parametrize("template", EXTENSION_TEMPLATES)
+def test_templates_using_transformers_syntax_load_and_render_as_hf(tok, hf_tok, template):
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    assert load_chat_template(template) == template
+    want = hf_tok.apply_chat_template(chat, chat_template=template, add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+    assert chat_prompt_ids(tok, chat, chat_template=template) == want
+
+
+@pytest.mark.parametrize("template", SYNTAX_ERRORS)
+def test_templates_with_syntax_errors_are_refused_as_hf_refuses_them(hf_tok, template):
+    from jinja2 import TemplateSyntaxError
+
+    # The oracle: transformers refuses it too (Python's SyntaxError for a break outside a loop,
+    # which Jinja's parser lets through).
+    with pytest.raises((TemplateSyntaxError, SyntaxError)):
+        hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template,
+                                   tokenize=False)
+    with pytest.raises(ChatTemplateBroken, match="does not parse"):
+        load_chat_template(template)
+
+
+def test_without_transformers_compiler_the_same_syntax_parses(monkeypatch):
+    """transformers' compile function is private: where it is gone, a sandboxed environment
+    with the same extensions parses what it did."""
+    monkeypatch.setitem(sys.modules, "transformers.utils.chat_template_utils", None)
+    for template in EXTENSION_TEMPLATES:
+        assert load_chat_template(template) == template
+    for template in SYNTAX_ERRORS:
+        with pytest.raises(ChatTemplateBroken, match="does not parse"):
+            load_chat_template(template)
+
+
+def _served(tok, template: str):
+    from router.prompts import ServedModel
+
+    broken = copy.copy(tok)
+    broken.chat_template = template
+    return ServedModel("m", broken, tok.vocab_size)
+
+
+def test_a_template_that_does_not_parse_is_the_servers_fault_a_refusal_the_clients(tok):
+    """FAILED_PRECONDITION for a template no chat can render with; INVALID_ARGUMENT for one
+    that refuses this conversation (its raise_exception)."""
+    from router.errors import status_of
+
+    req = build_request(CHATS[0], None, {})
+    with pytest.raises(Exception) as err:
+        _served(tok, SYNTAX_ERRORS[0]).prompt_ids(req)
+    code, message = status_of(err.value)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "does not parse" in message
+    with pytest.raises(Exception) as err:
+        _served(tok, CHAT_TEMPLATE).prompt_ids(build_request([{"role": "bot", "content": "x"}],
+                                                             None, {}))
+    code, message = status_of(err.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "roles must be" in message
+
+
+def _model_with_template(preset_path, folder, template: str) -> str:
+    src = preset_path("tiny-llama")
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "special_tokens_map.json",
+                 "tokenizer.json"):
+        shutil.copy(src / name, folder / name)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "chat_template": template}))
+    return str(folder)
+
+
+def test_a_model_template_that_does_not_parse_fails_the_routers_start(preset_path, tmp_path):
+    from router.prompts import load_served_model
+
+    broken = _model_with_template(preset_path, tmp_path / "broken", SYNTAX_ERRORS[0])
+    with pytest.raises(ChatTemplateBroken, match="chat template of model .* does not parse"):
+        load_served_model(broken, "auto", None)
+    # The operator's template replaces it: nothing renders with the model's then.
+    assert load_served_model(broken, "auto", QA_TEMPLATE).has_chat_template
+    fine = _model_with_template(preset_path, tmp_path / "fine", EXTENSION_TEMPLATES[2])
+    assert load_served_model(fine, "auto", None).has_chat_template
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "router", "--model", broken,
+                           "--redis-url", "redis://127.0.0.1:1", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "does not parse" in proc.stderr and "--chat-template" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_chat_role_is_bounded():
+    assert ChatMessage("r" * MAX_ROLE_CHARS, "x").role
+    with pytest.raises(ValueError, match=f"at most {MAX_ROLE_CHARS}"):
+        ChatMessage("r" * (MAX_ROLE_CHARS + 1), "x")

@@ -1,7 +1,10 @@
-"""The compose file parses and every pdserve service's command parses with our own CLI."""
+"""The compose file parses and every pdserve service's command parses with our own CLI; the
+ports it publishes, and what the image's build context leaves out."""
 from __future__ import annotations
 
+import fnmatch
 import pathlib
+import re
 import shlex
 
 import yaml
@@ -9,7 +12,8 @@ import yaml
 from engine.cli import build_parser
 from engine.grpc_server import worst_case_stop_s
 
-COMPOSE = pathlib.Path(__file__).resolve().parents[1] / "compose" / "docker-compose.yml"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
 PROMETHEUS = COMPOSE.parent / "prometheus.yml"
 METRICS_PORT = 9400
 
@@ -102,3 +106,53 @@ def test_image_keeps_caches_on_the_models_volume():
     for name, svc in services.items():
         if name not in ("redis", "prometheus"):
             assert any(v.endswith(":/models") for v in svc["volumes"]), name
+
+
+def test_published_ports_listen_on_loopback_unless_widened():
+    """The router takes requests (and drains workers) without a key unless one is set, and
+    metrics never want one: nothing is published beyond the host unless PUBLISH_HOST says so
+    (compose/README.md)."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    published = {name: svc["ports"] for name, svc in services.items() if "ports" in svc}
+    assert set(published) == {"router", "prometheus"}  # workers and Redis: the network only
+    for name, ports in published.items():
+        for port in ports:
+            host, outside, inside = re.fullmatch(r"(\$\{PUBLISH_HOST:-[^}]*\}):(\d+):(\d+)",
+                                                 port).groups()
+            assert _expand(host) == "127.0.0.1" and outside == inside, (name, port)
+    assert {p.rsplit(":", 1)[1] for p in published["router"]} == {"50051", str(METRICS_PORT)}
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves ``path`` out of the build context: a pattern matches it or a
+    folder above it, from the context's root, or at any depth after ``**/``."""
+    parts = path.split("/")
+    for pattern in patterns:
+        anywhere = pattern.startswith("**/")
+        pattern = pattern.removeprefix("**/")
+        for end in range(1, len(parts) + 1):
+            starts = range(end) if anywhere else [0]
+            if any(fnmatch.fnmatchcase("/".join(parts[i:end]), pattern) for i in starts):
+                return True
+    return False
+
+
+def test_the_build_context_leaves_out_caches_and_the_virtual_environment():
+    """compose/Dockerfile copies the whole context (COPY . .): without .dockerignore the image
+    carried .venv (gigabytes), .git and every cache."""
+    assert ("COPY", ". .") in _dockerfile_instructions()
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+    assert not any(p.startswith("!") for p in patterns)  # nothing let back in
+    for path in (".venv/bin/python", ".git/HEAD", ".cache/test-models/x", ".pytest_cache/v",
+                 ".hypothesis/examples", "engine/__pycache__/cli.cpython-311.pyc",
+                 "pdserve.egg-info/PKG-INFO", "build/lib/engine/cli.py",
+                 "compose/models/Qwen3-0.6B/model.safetensors"):
+        assert _ignored(path, patterns), path
+    # What `pip install .` builds the image's package from stays in.
+    needed = ["pyproject.toml", "README.md", "LICENSE", "kernels/csrc/cpu_math.h"]
+    for package in ("engine", "kernels", "kvtransfer", "prefill_svc", "decode_svc", "router",
+                    "client", "bench", "protos"):
+        needed += [str(f.relative_to(ROOT)) for f in (ROOT / package).rglob("*")
+                   if f.is_file() and "__pycache__" not in f.parts]
+    assert not [p for p in needed if _ignored(p, patterns)]

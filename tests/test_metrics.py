@@ -103,6 +103,27 @@ def test_the_exporter_serves_metrics_404s_elsewhere_and_500s_a_failed_collection
             server.stop()
 
 
+def test_a_half_sent_request_does_not_hold_its_thread_for_ever(monkeypatch):
+    """Each connection has a thread: one that never finishes its request is closed once
+    REQUEST_TIMEOUT_S passes, and scrapes go on."""
+    import socket
+
+    import engine.metrics
+
+    monkeypatch.setattr(engine.metrics, "REQUEST_TIMEOUT_S", 0.2)
+    with _Loop() as loop:
+        server = MetricsServer("127.0.0.1", 0, lambda: [], loop)
+        server.start()
+        try:
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                s.sendall(b"GET /metr")  # and nothing more
+                s.settimeout(60)  # far past the server's: without its timeout this raises
+                assert s.recv(4096) == b""  # closed by the server, with no reply
+            assert scrape(server.port)[0] == 200
+        finally:
+            server.stop()
+
+
 def test_router_families_count_finished_requests_and_their_phases():
     from router.metrics import router_metrics
 
