@@ -352,3 +352,31 @@ def test_stray_bytes_after_a_byte_fallback_character_stream_one_fffd_each(byte_f
     # In the output too: "日" stays as streamed; only the bytes after it become U+FFFD.
     deltas, detok = stream(tok, tok.encode_plain("Say"), ni + [byte[0xE6], byte[0x9C]])
     assert detok.output_text == "日" + FFFD * 2 and "".join(deltas) == detok.output_text
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(tok, hf_tok):
+    """The router tokenizes a large prompt in a worker thread so that its event loop goes on:
+    that needs the encode to let go of the GIL, which tokenizers' encode does not do (its
+    encode_batch does). Another thread keeps running while a long text is encoded."""
+    import threading
+
+    text = "the quick brown fox jumps over the lazy dog, " * 40_000  # 1.8M characters
+    ticks, started = [], threading.Event()
+    done = threading.Event()
+
+    def other_thread():
+        started.set()
+        while not done.is_set():
+            ticks.append(1)
+            threading.Event().wait(0.001)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    started.wait()
+    before = len(ticks)
+    ids = tok.encode_plain(text)
+    during = len(ticks) - before
+    done.set()
+    thread.join()
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    assert during >= 20  # with the GIL held the whole encode long, it ran once at most
