@@ -28,7 +28,7 @@ import math
 from collections.abc import AsyncIterator
 
 from engine.worker_runtime import status_and_message
-from protos import worker_pb2
+from protos import convert, worker_pb2
 from protos.limits import max_message_bytes
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,10 @@ class _DecodeMux:
         rid = start.request.request_id
         if not rid:
             self._fail(rid, ValueError("request_id is empty"))
+        elif len(rid) > convert.MAX_WORKER_REQUEST_ID_CHARS:
+            # Refused: every event of the request would carry it (this one echoes it once).
+            self._fail(rid, ValueError(f"request_id is {len(rid)} characters; at most "
+                                            f"{convert.MAX_WORKER_REQUEST_ID_CHARS}"))
         elif rid in self.tasks:
             self._fail(rid, ValueError(f"request {rid} is already running on this stream"))
         elif not math.isfinite(start.timeout_s) or start.timeout_s < 0:
@@ -177,11 +181,13 @@ class _DecodeMux:
         while True:
             if len(self.pending.events) > MAX_EVENTS_PER_BATCH:
                 # A caller that stopped reading for a while must not get one message the size
-                # of everything since: gRPC refuses messages over its limit.
+                # of everything since: gRPC refuses messages over its limit, and 1024 events
+                # (first chunks with prompt logprobs) can pass it too.
                 batch = worker_pb2.DecodeBatch()
                 batch.events.extend(self.pending.events[:MAX_EVENTS_PER_BATCH])
                 del self.pending.events[:MAX_EVENTS_PER_BATCH]
-                yield batch
+                for part in _within_message_limit(batch):
+                    yield part
             elif self.pending.events:
                 batch, self.pending = self.pending, worker_pb2.DecodeBatch()
                 for part in _within_message_limit(batch):

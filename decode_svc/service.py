@@ -63,9 +63,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         the first: the engine makes its outputs that way, so this loop wakes once a chunk, not
         once a step. ``time_remaining``: seconds left to its deadline, or None for none. The
         caller holds ``rt.admit()``."""
-        rid = request.request_id
-        if not rid:
-            raise ValueError("request_id is empty")
+        rid = convert.check_request_id(request.request_id)
         # 0: unset, every token; the engine refuses one past its limit (INVALID_ARGUMENT).
         interval = max(request.stream_interval, 1)
         params = convert.sampling_from_proto(request.sampling)

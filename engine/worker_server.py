@@ -29,7 +29,7 @@ async def run_worker(config: WorkerConfig, service_name: str,
                   flush=True)
 
         rt.on_fatal = server.stopping.set
-        await serve(server, lambda: rt.inflight, on_started=started,
+        await serve(server, lambda: _num_in_flight(rt), on_started=started,
                     on_stopping=rt.stop_presence,
                     metrics=lambda: worker_metrics(rt.worker_info()))
     finally:
@@ -38,3 +38,13 @@ async def run_worker(config: WorkerConfig, service_name: str,
         # A non-zero exit: `pdserve up`, compose and orchestrators restart the worker.
         raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died: "
                          f"{rt.engine_failure!r}")
+
+
+def _num_in_flight(rt: WorkerRuntime) -> int:
+    """What a drain waits for: calls running, and on a prefill worker the KV it leased. A
+    request whose Prefill answered is not done: its client has the first token, and its
+    decode worker has yet to pull the KV (later still while the decode tier is full). A
+    worker that stopped under it failed the pull, and the request lost its first token or
+    started over elsewhere."""
+    leased = rt.engine.stats.num_leased if rt.config.role == "prefill" else 0
+    return rt.inflight + leased

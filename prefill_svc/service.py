@@ -56,7 +56,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                        ) -> worker_pb2.PrefillResponse | None:
         """The answer; None when a ReleaseKV for the request came first (its lease, made
         since, is released at once)."""
-        rid = request.request_id or f"prefill-{uuid.uuid4().hex}"
+        rid = convert.check_request_id(request.request_id) if request.request_id \
+            else f"prefill-{uuid.uuid4().hex}"
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_token_ids(request.prompt_token_ids)
         if not ids:
@@ -133,8 +134,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def ReleaseKV(self, request: worker_pb2.ReleaseKVRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKVResponse:
-        if not request.request_id:
-            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            convert.check_request_id(request.request_id)
+        except ValueError as e:
+            await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         held = self._leases.pop(request.request_id, None)
         if held is None and self._ended.pop(request.request_id, None) is None:
             _remember(self._released_early, request.request_id)

@@ -53,6 +53,22 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+# A worker's request ids: the router's (at most 256 characters) with its suffixes (a nonce,
+# ".mN" per migration, "/i" per sequence); a caller's longer one is refused rather than kept
+# (a ReleaseKV's unknown id is remembered) and copied into every stream event and Redis.
+MAX_WORKER_REQUEST_ID_CHARS = 1024
+
+
+def check_request_id(request_id: str) -> str:
+    """A request id a worker is called with: non-empty and bounded (ValueError otherwise)."""
+    if not request_id:
+        raise ValueError("request_id is empty")
+    if len(request_id) > MAX_WORKER_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id is {len(request_id)} characters; at most "
+                         f"{MAX_WORKER_REQUEST_ID_CHARS}")
+    return request_id
+
+
 def check_token_ids(ids, what: str = "prompt") -> list[int]:
     """Plain ints in [0, 2**31); the engine checks them against the vocabulary."""
     ids = list(ids)

@@ -297,6 +297,27 @@ def test_a_backlog_leaves_in_batches_of_bounded_size(monkeypatch):
     assert asyncio.run(run()) == [["r0", "r1"], ["r2", "r3"], ["r4"]]
 
 
+def test_a_backlog_batch_of_many_events_is_split_to_the_message_limit(monkeypatch):
+    """A backlog's first MAX_EVENTS_PER_BATCH events can be over gRPC's message limit by
+    themselves (first chunks with prompt logprobs): they are split by bytes as well, or the
+    message failed the stream of every request on it."""
+    from decode_svc import mux
+
+    monkeypatch.setattr(mux, "MAX_EVENTS_PER_BATCH", 4)
+    monkeypatch.setattr(mux, "_message_limit", lambda: 3000)
+
+    async def run():
+        m = mux._DecodeMux(servicer=None)
+        for i in range(6):
+            m._fail(f"r{i}", ValueError("x" * 1000))  # each event ~1 KB
+        m.reading = False
+        return [b async for b in m.batches()]
+
+    batches = asyncio.run(run())
+    assert all(b.ByteSize() <= 3000 for b in batches)
+    assert [ev.request_id for b in batches for ev in b.events] == [f"r{i}" for i in range(6)]
+
+
 def test_a_request_cancelled_right_after_its_start_does_not_hold_the_stream_open():
     """A cancel read in the same tick as its start cancels a task that never ran: it must not
     stay listed, or the stream would not end when its caller half-closes it."""

@@ -272,6 +272,33 @@ def test_a_model_copied_under_another_name_serves_under_its_served_name(cluster,
     cluster.wait_routable(2, 1)
 
 
+def test_a_prefill_worker_stopping_waits_for_the_kv_it_leased(cluster, capfd):
+    """A request whose Prefill answered is in flight until its KV is pulled: its client has
+    the first token. A prefill worker told to stop (SIGTERM) drains until its leases end; it
+    stopped at once, and the decode worker's pull failed."""
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    worker = cluster.add_worker("prefill")
+    with grpc.insecure_channel(worker.address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        stub.Prefill(worker_pb2.PrefillRequest(
+            request_id="held", prompt_token_ids=random_prompts(1, seed=9)[0],
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0)), timeout=60)
+        assert wait_until(lambda: worker_info(worker.address).num_leased == 1)
+        worker.popen.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(ch)
+        assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                          .status == health_pb2.HealthCheckResponse.NOT_SERVING)
+        # Draining, it still serves the lease's release (here, as a decode worker's pull does).
+        stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="held"), timeout=10)
+    assert worker.popen.wait(timeout=60) == 0
+    assert cluster.stop_proc(worker) == 0  # its bookkeeping; it exited already
+    assert "stopping: draining 1 requests" in capfd.readouterr().err  # the lease counted
+    cluster.wait_routable(2, 1)
+
+
 def test_more_load_than_allowed_is_refused_not_queued(cluster):
     prompts = random_prompts(16, seed=9)
     with Client(cluster.router_address, timeout=120) as c, cf.ThreadPoolExecutor(16) as ex:

@@ -5,6 +5,7 @@ INVALID_ARGUMENT (the handle is malformed) or UNAVAILABLE (NIXL refused the read
 INTERNAL, UNKNOWN, a hang or a dead worker, and every block must come back on both workers."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import random
@@ -174,6 +175,38 @@ def test_workers_take_any_request_cleanly(workers, req):
     except grpc.RpcError as e:
         assert e.code() in (EXPECTED | {grpc.StatusCode.RESOURCE_EXHAUSTED}), (e.details(), req)
         assert "Traceback" not in e.details()
+
+
+def test_overlong_request_ids_are_refused_by_every_worker_call(workers):
+    """A worker keeps a ReleaseKV's unknown id (it may precede its Prefill) and copies a
+    request's id into every stream event and the transfer ledger: 40 ReleaseKVs with 8 MiB
+    ids held 370 MiB. Ids past the bound are refused, as the router refuses a client's."""
+    from decode_svc.mux import _DecodeMux
+    from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
+
+    _, prefill, decode = workers
+    long_id = "r" * (MAX_WORKER_REQUEST_ID_CHARS + 1)
+    prompt = [5, 6, 7, 8]
+    calls = [
+        lambda: prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=long_id), timeout=10),
+        lambda: prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id=long_id, prompt_token_ids=prompt, sampling=SAMPLING), timeout=30),
+        lambda: list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id=long_id, prompt_token_ids=prompt, sampling=SAMPLING), timeout=30)),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most" in err.value.details()
+
+    async def start_on_a_stream():  # DecodeMany: refused as an event of its own
+        mux = _DecodeMux(servicer=None)
+        mux._start(worker_pb2.DecodeStart(request=worker_pb2.DecodeRequest(request_id=long_id)))
+        return list(mux.pending.events), dict(mux.tasks)
+
+    [event], tasks = asyncio.run(start_on_a_stream())
+    assert event.request_id == long_id and "at most" in event.error.message and not tasks
 
 
 def test_the_workers_are_whole_afterwards(workers):
