@@ -36,14 +36,15 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         return router_pb2.ListWorkersResponse(workers=workers)
 
     async def GetClusterStats(self, request, context):
-        # The routing view itself, refreshed: a worker counted here is one requests can reach,
-        # the directory's own candidates (not draining, not down, of the router's block size);
-        # the router's /metrics counts the others by state.
+        # The routing view itself, refreshed: the live workers of the router's model, draining
+        # ones, ones taken as down and ones of another block size among them (a launcher
+        # waits on these counts through drains; the router's /metrics counts them by state).
         await self.directory.refresh_if_reachable()
+        workers = [w.info for w in self.directory.workers.values()]
         s = self.stats
         return router_pb2.ClusterStats(
-            num_prefill_workers=len(self.directory.candidates("prefill")),
-            num_decode_workers=len(self.directory.candidates("decode")),
+            num_prefill_workers=sum(w.role == "prefill" for w in workers),
+            num_decode_workers=sum(w.role == "decode" for w in workers),
             requests_total=s.requests_total, requests_in_flight=s.requests_in_flight,
             requests_failed=s.requests_failed, prompt_tokens_routed=s.prompt_tokens_routed,
             prefix_tokens_matched=s.prefix_tokens_matched,

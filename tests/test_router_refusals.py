@@ -266,9 +266,9 @@ def test_a_large_prompt_gets_the_same_answers_as_a_small_one(router, served):
 # ---- the admin service's view of the workers --------------------------------------------
 
 
-def test_cluster_stats_count_the_workers_requests_can_reach(router):
-    """Not those draining, down, or of another block size (the router's /metrics counts
-    them by state)."""
+def test_cluster_stats_count_the_live_workers_in_the_routing_view(router):
+    """Draining, down and other-block-size workers included: a launcher waits on these
+    counts while it drains workers (the router's /metrics counts them by state)."""
     draining = _info("prefill-draining", "prefill")
     draining.draining = True
     router.run(router.beat(_info("prefill-ok", "prefill"), draining,
@@ -276,14 +276,14 @@ def test_cluster_stats_count_the_workers_requests_can_reach(router):
                            _info("decode-ok", "decode"), _info("decode-down", "decode")))
     with _stubs(router.address) as (_, admin, _ch):
         stats = admin.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=30)
-        assert (stats.num_prefill_workers, stats.num_decode_workers) == (1, 2)
+        assert (stats.num_prefill_workers, stats.num_decode_workers) == (3, 2)
 
         async def mark_down() -> None:  # as a failed probe does
             router.directory._mark_down(router.directory.workers["decode-down"])
 
         router.run(mark_down())
         stats = admin.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=30)
-        assert (stats.num_prefill_workers, stats.num_decode_workers) == (1, 1)
+        assert (stats.num_prefill_workers, stats.num_decode_workers) == (3, 2)
         assert len(admin.ListWorkers(router_pb2.ListWorkersRequest(), timeout=30).workers) == 5
 
 
