@@ -9,7 +9,12 @@ prefix-cache reset, the KV layout and handles), from the threads it asks from.
 
 When the process dies (a crash, an OOM kill), every stream and every call waiting on it fails
 with ``EngineDeadError`` and ``on_dead`` runs, as when an engine thread's step fails: the
-worker leaves the registry and exits for its supervisor to restart it.
+worker leaves the registry and exits for its supervisor to restart it. With a step timeout, so
+does a process that sends nothing, not even its ticks, for longer than that and a grace (it is
+stopped, or a C call holds its GIL, so its own step watchdog cannot run either): it is killed.
+
+The loop never waits on the pipe: what it sends is queued to a thread (``QueuedSender``), since
+a process that stopped reading would block it in ``sendall``, and every service with it.
 """
 from __future__ import annotations
 
@@ -27,9 +32,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S, EngineDeadError,
-                                 EngineFront)
-from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
-                                PipeClosed, decode_output)
+                                 EngineFront, EngineStepTimeout)
+from engine.engine_pipe import (BadFrame, EngineProcInfo, EngineProcSpec, FrameReader,
+                                FrameWriter, OutputDecoder, PipeClosed, QueuedSender)
 from engine.outputs import EngineStats, KVAllocation
 from engine.process_exit import popen_tied
 from engine.sampling_params import SamplingParams
@@ -38,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 # The folder holding the engine package: the child imports it as this process did.
 _ROOT = str(Path(__file__).resolve().parent.parent)
+# A process silent this long past the step timeout is wedged: its own watchdog reports a step
+# that ran past the timeout within about a second, and it ticks every engine_pipe.TICK_S.
+_SILENCE_GRACE_S = 5.0
+# How often the loop looks at how long the process has been silent.
+_WATCH_EVERY_S = 1.0
 
 
 class EngineProcess(EngineFront):
@@ -45,7 +55,10 @@ class EngineProcess(EngineFront):
 
     def __init__(self, proc: subprocess.Popen, reader: FrameReader, writer: FrameWriter,
                  info: EngineProcInfo, loop: asyncio.AbstractEventLoop,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 silence_limit_s: float | None = None) -> None:
+        """``silence_limit_s``: the process is killed as wedged once it has sent nothing for
+        this long (None: never)."""
         super().__init__(loop, on_dead)
         self.proc, self.info = proc, info
         self.stats: EngineStats = info.stats
@@ -53,13 +66,20 @@ class EngineProcess(EngineFront):
         self.on_kv_events: Callable[[list], None] | None = None
         self.llm = RemoteLLM(self, info)
         self._reader, self._writer = reader, writer
+        self._sender = QueuedSender(writer, "pdserve-engine-pipe")
+        self._decoder = OutputDecoder()
         self._lock = threading.Lock()  # _calls and _closed: from the loop and from threads
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self._closed = False  # the pipe ended: nothing more comes or goes
         self._stopping = False
         self._fd = reader.sock.fileno()
+        # Read whenever the loop likes: also from _watch_silence, not only when readable.
+        reader.sock.setblocking(False)
         loop.add_reader(self._fd, self._on_readable)
+        self._silence_limit_s = silence_limit_s
+        if silence_limit_s is not None:
+            loop.call_later(_WATCH_EVERY_S, self._watch_silence)
 
     @classmethod
     async def start(cls, spec: EngineProcSpec,
@@ -85,17 +105,45 @@ class EngineProcess(EngineFront):
             proc.wait()
             raise
         logger.info("the engine runs in process %d", info.pid)
-        return cls(proc, reader, writer, info, asyncio.get_running_loop(), on_dead)
+        silence = spec.step_timeout_s + _SILENCE_GRACE_S if spec.step_timeout_s else None
+        return cls(proc, reader, writer, info, asyncio.get_running_loop(), on_dead, silence)
 
     # --- the pipe ---------------------------------------------------------------------------
     def _on_readable(self) -> None:
         try:
             msgs = self._reader.read_ready()
+        except BadFrame as e:  # what else it sends cannot be trusted: it is ended
+            self._kill(EngineDeadError(f"the engine process (pid {self.proc.pid}) sent a "
+                                       f"message that cannot be read: {e}"))
+            return
         except PipeClosed:
             self._lost()
             return
         for msg in msgs:
             self._handle(msg)
+
+    def _watch_silence(self) -> None:
+        """On the loop, every _WATCH_EVERY_S while the engine serves."""
+        if self._closed or self._stopping or self.error is not None:
+            return
+        # First what has come meanwhile: the loop itself may have been held up, not the process.
+        self._on_readable()
+        if self._closed or self.error is not None:
+            return
+        silent_s = time.monotonic() - self._reader.received_at
+        if silent_s > self._silence_limit_s:
+            self._kill(EngineStepTimeout(
+                f"the engine process (pid {self.proc.pid}) has sent nothing for "
+                f"{silent_s:.0f} s: wedged"))
+            return
+        self.loop.call_later(_WATCH_EVERY_S, self._watch_silence)
+
+    def _kill(self, e: BaseException) -> None:
+        """Ends a process that no longer serves: SIGKILLed, it dies with ``e`` at once (a
+        process stuck in the kernel may take its time to close the pipe)."""
+        logger.error("%s: killing it", e)
+        self.proc.kill()
+        self._lost(e)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -106,7 +154,7 @@ class EngineProcess(EngineFront):
             if events and self.on_kv_events is not None:
                 self.on_kv_events(events)
             if outputs:
-                self._deliver([decode_output(t) for t in outputs])
+                self._deliver([self._decoder.decode(t) for t in outputs])
         elif kind == "reply":
             _, call_id, ok, value = msg
             with self._lock:
@@ -119,20 +167,26 @@ class EngineProcess(EngineFront):
                 fut.set_exception(value)
         elif kind == "dead":
             self._die(msg[1])
+        # ("tick",): heard, which is all it says
 
-    def _lost(self) -> None:
+    def _lost(self, cause: BaseException | None = None) -> None:
+        """The pipe ended, or ``cause`` ended the process: every stream and call fails."""
+        if self._closed:
+            return
         self.loop.remove_reader(self._fd)
         if self._stopping:
             self._close_calls(self._dead())
             return
-        try:  # the pipe ends as the process dies: its exit code follows at once
-            code = self.proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            code = None
-        e = EngineDeadError(f"the engine process (pid {self.proc.pid}) ended"
-                            + (f" with exit code {code}" if code is not None else ""))
-        self._close_calls(e)
-        self._die(e)
+        if cause is None:
+            try:  # the pipe ends as the process dies: its exit code follows at once
+                code = self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                code = None
+            cause = EngineDeadError(f"the engine process (pid {self.proc.pid}) ended"
+                                    + (f" with exit code {code}" if code is not None else ""))
+        self._close_calls(cause if isinstance(cause, EngineDeadError)
+                          else EngineDeadError(f"the engine stopped: {cause!r}"))
+        self._die(cause)
 
     def _close_calls(self, e: BaseException) -> None:
         """Nothing more comes or goes: every call still waiting fails with ``e``."""
@@ -143,6 +197,7 @@ class EngineProcess(EngineFront):
             fut.set_exception(e)
 
     def _die(self, e: BaseException) -> None:
+        self._decoder.forget_all()  # no output comes any more
         if self.error is not None:
             return
         logger.error("the engine died: %r", e)
@@ -152,31 +207,27 @@ class EngineProcess(EngineFront):
             self.on_dead(e)
 
     def _send(self, msg: tuple) -> None:
-        """Sends unless the pipe is gone (then the death is, or will be, reported). Never
-        under ``_lock``: a send may wait for the engine process to read."""
-        if self._closed:
-            return
-        try:
-            self._writer.send(msg)
-        except OSError:
-            pass
+        """Queues ``msg`` unless the pipe is gone (then the death is, or will be, reported)."""
+        if not self._closed:
+            self._sender.send(msg)
 
     def submit(self, method: str, *args) -> concurrent.futures.Future:
-        """Calls ``method`` of the engine in its process; from any thread."""
+        """Calls ``method`` of the engine in its process; from any thread. Arguments that
+        cannot be pickled raise here."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed:
                 fut.set_exception(self._dead())
                 return fut
             call_id = next(self._ids)
-            self._calls[call_id] = fut
+            self._calls[call_id] = fut  # before it is sent: the reply may come at once
         try:
-            self._writer.send(("call", call_id, method, args))
-        except OSError as e:
+            self._sender.send(("call", call_id, method, args))
+        except BaseException:
             with self._lock:
                 self._calls.pop(call_id, None)
-            if not fut.done():
-                fut.set_exception(EngineDeadError(f"the engine process is gone: {e}"))
+            raise
+        # A pipe that ends meanwhile fails it (_close_calls).
         return fut
 
     def _call(self, method: str, *args) -> asyncio.Future:
@@ -187,13 +238,29 @@ class EngineProcess(EngineFront):
     def alive(self) -> bool:
         return self.error is None and not self._closed and not self._stopping
 
-    async def _add_request(self, request_id: str, prompt_token_ids: list[int],
+    async def _add_request(self, request_id: str, prompt_token_ids: list[int] | str,
                            params: SamplingParams, resume_token_ids: list[int],
                            stream_interval: int) -> None:
-        # Guarded: a caller cancelled while the engine adds it must not leave it running.
-        await self._guarded(request_id, self._call(
-            "add_request", request_id, list(prompt_token_ids), params, list(resume_token_ids),
-            stream_interval))
+        # A text prompt crosses as it is: the engine tokenizes it, as in process.
+        prompt = (prompt_token_ids if isinstance(prompt_token_ids, str)
+                  else list(prompt_token_ids))
+        added = self._call("add_request", request_id, prompt, params, list(resume_token_ids),
+                           stream_interval)
+        try:
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            # The caller left while the engine adds it, which the engine process does in pipe
+            # order: an abort sent now follows the add and ends the request if it went in. Not
+            # once the add's reply is here: a short request may have ended by then and a new
+            # one taken its id, which that abort would end. The request's last output frees
+            # the id; if the add failed there is none: its reply does.
+            self.abort(request_id)
+            added.add_done_callback(lambda f: self._release_if_failed(request_id, f))
+            raise
+
+    def _release_if_failed(self, request_id: str, added: asyncio.Future) -> None:
+        if added.cancelled() or added.exception() is not None:
+            self._held.discard(request_id)
 
     def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                        params: SamplingParams, resume_token_ids: list[int],
@@ -221,15 +288,10 @@ class EngineProcess(EngineFront):
     def shutdown(self) -> None:
         """Stops the engine and its process, within ``SHUTDOWN_TIMEOUT_S``."""
         self._stopping = True
-        t0 = time.monotonic()
-        if not self._closed:
-            try:
-                # Bounded: a wedged engine process that no longer reads would block the send,
-                # and this call with it, for good.
-                self._writer.send(("shutdown",), timeout_s=SHUTDOWN_TIMEOUT_S)
-            except OSError:
-                pass  # gone, or not reading: the wait below ends it
-        _stop_process(self.proc, max(SHUTDOWN_TIMEOUT_S - (time.monotonic() - t0), 0.1))
+        self._send(("shutdown",))  # after what is queued; a wedged process never reads it
+        _stop_process(self.proc, SHUTDOWN_TIMEOUT_S)  # killed if it has not ended by then
+        # The process is gone: a send still blocked on it fails now, and the thread ends.
+        self._sender.close(timeout_s=1.0)
         if not self._closed:
             if not self.loop.is_closed():
                 self.loop.remove_reader(self._fd)
@@ -276,17 +338,20 @@ class RemoteLLM:
 
 def _wait_ready(reader: FrameReader, proc: subprocess.Popen) -> EngineProcInfo:
     """The engine's info once built; its error if building failed; RuntimeError if the process
-    ended first."""
+    ended first. Anything else before those (none is sent) is skipped."""
     while True:
         try:
             msg = reader.read_blocking(1.0)
+        except BadFrame:  # the process lives on: start() ends it
+            raise
         except PipeClosed:
             break
         if msg is not None:
-            kind, value = msg
-            if kind == "failed":
-                raise value
-            return value
+            if msg[0] == "failed":
+                raise msg[1]
+            if msg[0] == "ready":
+                return msg[1]
+            continue
         if proc.poll() is not None:
             break
     raise RuntimeError(f"the engine process exited with code {proc.wait()} before its engine "

@@ -10,9 +10,10 @@ the step (only what is new in each), the stats when they changed and the KV-cach
 Messages (engine/engine_pipe.py: pickled, one socket pair each way):
 - down: ``("call", id, method, args)`` answered by ``("reply", id, ok, value)``;
   ``("abort", rid)``, ``("release_kv", rid)``; ``("shutdown",)``.
-- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built; ``("step", outputs,
-  stats, events)``, the outputs as ``engine_pipe.encode_output`` tuples; ``("dead", exc)``
-  when a step failed or the step watchdog fired.
+- up: ``("ready", EngineProcInfo)`` or ``("failed", exc)`` once built, before anything else;
+  ``("step", outputs, stats, events)``, the outputs as ``engine_pipe.OutputEncoder`` tuples;
+  ``("dead", exc)`` when a step failed or the step watchdog fired; ``("tick",)`` every
+  ``engine_pipe.TICK_S`` (the worker takes a long silence for a wedged process).
 
 The worker drives this process's life: SIGINT and SIGTERM are ignored (a terminal's Ctrl-C
 reaches the whole process group; the worker drains first), and the end of the pipe (the worker
@@ -26,18 +27,18 @@ import faulthandler
 import logging
 import os
 import pickle
-import queue
 import signal
 import socket
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from engine.async_engine import AsyncEngine
 from engine.core_share import CoreShare
-from engine.engine_pipe import (EngineProcInfo, EngineProcSpec, FrameReader, FrameWriter,
-                                PipeClosed, encode_output)
+from engine.engine_pipe import (TICK_S, EngineProcInfo, EngineProcSpec, FrameReader,
+                                FrameWriter, OutputEncoder, PipeClosed, QueuedSender)
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
@@ -66,15 +67,16 @@ def portable(exc: BaseException) -> BaseException:
 
 class _Pipe:
     """The child's sending end. The engine thread sends its steps itself (blocking while the
-    worker is behind is right for it); the loop hands its replies to a thread of their own, so
-    it always goes on reading: a loop blocked on a full pipe while the worker's loop is blocked
-    sending to it would wait forever."""
+    worker is behind is right for it); the loop's replies go through a ``QueuedSender``, so it
+    always goes on reading: a loop blocked on a full pipe while the worker waits for it to read
+    would wait forever. A thread of its own ticks, which it cannot while the process is wedged:
+    that silence is how the worker knows."""
 
     def __init__(self, writer: FrameWriter) -> None:
         self.writer = writer
-        self._later: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = named_thread(self._send_later, "pdserve-engine-replies")
-        self._thread.start()
+        self._replies = QueuedSender(writer, "pdserve-engine-replies")
+        self._stop = threading.Event()
+        self._ticker = named_thread(self._tick, "pdserve-engine-tick")
 
     def send(self, msg: tuple) -> None:
         try:
@@ -82,16 +84,28 @@ class _Pipe:
         except OSError:  # the worker is gone; the loop sees the end of the pipe and stops
             pass
 
-    def send_later(self, msg: tuple) -> None:
-        self._later.put(msg)
+    def reply(self, call_id: int, ok: bool, value: object) -> None:
+        """Queues a call's reply; one whose value cannot cross fails the call with why (the
+        caller would otherwise wait for it forever)."""
+        try:
+            self._replies.send(("reply", call_id, ok, value))
+        except Exception as e:  # noqa: BLE001 - whatever pickling the value raises
+            logger.exception("the reply to call %d cannot be sent", call_id)
+            self._replies.send(("reply", call_id, False, RuntimeError(
+                f"the engine's reply cannot cross to the worker: {type(e).__name__}: {e}")))
 
-    def _send_later(self) -> None:
-        while (msg := self._later.get()) is not None:
-            self.send(msg)
+    def start_ticks(self) -> None:
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self.send(("tick",))
 
     def close(self) -> None:
-        self._later.put(None)
-        self._thread.join(timeout=5)
+        self._stop.set()
+        self._replies.close(timeout_s=5)
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
 
 
 class _ChildEngine(AsyncEngine):
@@ -101,6 +115,7 @@ class _ChildEngine(AsyncEngine):
                  step_timeout_s: float | None) -> None:
         self.pipe = pipe
         self._sent_stats: EngineStats | None = None
+        self._encoder = OutputEncoder()
         super().__init__(engine, core_share=core_share, step_timeout_s=step_timeout_s,
                          on_dead=lambda e: pipe.send(("dead", portable(e))))
 
@@ -109,7 +124,7 @@ class _ChildEngine(AsyncEngine):
         stats = self.stats if self.stats != self._sent_stats else None
         if outputs or events or stats is not None:
             self._sent_stats = self.stats
-            self.pipe.send(("step", [encode_output(o) for o in outputs], stats, events))
+            self.pipe.send(("step", [self._encoder.encode(o) for o in outputs], stats, events))
 
     def _died(self, e: BaseException) -> None:
         if not self._stop.is_set():
@@ -128,9 +143,10 @@ class _Server:
     def on_readable(self) -> None:
         try:
             msgs = self.reader.read_ready()
-        except PipeClosed:
+        except PipeClosed as e:  # the worker ended, or sent what cannot be read
             if not self.done.is_set():
-                logger.warning("the worker closed the engine's pipe: shutting the engine down")
+                logger.warning("the pipe from the worker ended (%s): shutting the engine down",
+                               e)
             self.done.set()
             return
         for msg in msgs:
@@ -161,20 +177,20 @@ class _Server:
                 raise ValueError(f"the engine process has no method {method!r}")
             value = getattr(self.engine.engine, method)(*args)
             self.engine.wake()
-            reply = ("reply", call_id, True, value)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            reply = ("reply", call_id, False, portable(e))
-        self.pipe.send_later(reply)
+            self.pipe.reply(call_id, False, portable(e))
+            return
+        self.pipe.reply(call_id, True, value)
 
     async def _call(self, call_id: int, method: str, args: tuple) -> None:
         try:
             value = await asyncio.to_thread(getattr(self.engine.engine, method), *args)
             if method == "commit_prefilled":
                 self.engine.wake()
-            reply = ("reply", call_id, True, value)
         except Exception as e:  # noqa: BLE001 - the caller raises it
-            reply = ("reply", call_id, False, portable(e))
-        self.pipe.send_later(reply)
+            self.pipe.reply(call_id, False, portable(e))
+            return
+        self.pipe.reply(call_id, True, value)
 
 
 async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
@@ -184,22 +200,23 @@ async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
     loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="pdserve-engine-pool",
                                                  initializer=use_one_openmp_thread))
     pipe = _Pipe(writer)
-    try:
-        llm = await asyncio.to_thread(call_in_own_thread, LLMEngine, spec.engine)
-        llm.enable_kv_events()  # the worker publishes them
-    except Exception as e:  # noqa: BLE001 - the worker reports it and exits
-        logger.exception("building the engine failed")
-        pipe.send(("failed", portable(e)))
+    built = await _build(spec, pipe)
+    if built is None:
         pipe.close()
         return
-    share = None
-    if spec.core_share is not None:
-        share = CoreShare(dataclasses.replace(spec.core_share, base_threads=min(
-            spec.core_share.base_threads, torch.get_num_threads())))
-    engine = _ChildEngine(llm, pipe, share, spec.step_timeout_s)
-    handles = llm.kv_transfer_handles() if spec.engine.kv_transfer_backend else []
-    pipe.send(("ready", EngineProcInfo(os.getpid(), llm.max_model_len, llm.kv_cache_layouts(),
-                                       handles, engine.stats)))
+    llm, share, info = built
+    # "ready" goes first, before the engine thread can send a step: the worker reads nothing
+    # else until it has it.
+    pipe.send(("ready", info))
+    pipe.start_ticks()
+    try:
+        engine = _ChildEngine(llm, pipe, share, spec.step_timeout_s)
+    except Exception as e:  # noqa: BLE001 - after "ready": the worker takes it as a death
+        logger.exception("starting the engine failed")
+        pipe.send(("dead", portable(e)))
+        _discard(llm, share)
+        pipe.close()
+        return
     server = _Server(reader, pipe, engine)
     fd = reader.sock.fileno()
     loop.add_reader(fd, server.on_readable)
@@ -209,6 +226,38 @@ async def _serve(reader: FrameReader, writer: FrameWriter) -> None:
         loop.remove_reader(fd)
         await asyncio.to_thread(engine.shutdown)
         pipe.close()
+
+
+async def _build(spec: EngineProcSpec, pipe: _Pipe
+                 ) -> tuple[LLMEngine, CoreShare | None, EngineProcInfo] | None:
+    """The engine, its core share and what the worker learns of them; None once ("failed",
+    why) is sent, everything built so far shut down again."""
+    llm = share = None
+    try:
+        llm = await asyncio.to_thread(call_in_own_thread, LLMEngine, spec.engine)
+        llm.enable_kv_events()  # the worker publishes them
+        if spec.core_share is not None:
+            share = CoreShare(dataclasses.replace(spec.core_share, base_threads=min(
+                spec.core_share.base_threads, torch.get_num_threads())))
+        handles = llm.kv_transfer_handles() if spec.engine.kv_transfer_backend else []
+        return llm, share, EngineProcInfo(os.getpid(), llm.max_model_len,
+                                          llm.kv_cache_layouts(), handles, llm.get_stats())
+    except Exception as e:  # noqa: BLE001 - the worker reports it and exits
+        logger.exception("building the engine failed")
+        pipe.send(("failed", portable(e)))
+        _discard(llm, share)
+        return None
+
+
+def _discard(llm: LLMEngine | None, share: CoreShare | None) -> None:
+    """Shuts down what was built for an engine that will not run (its TP workers, KV agent)."""
+    try:
+        if share is not None:
+            share.close()
+        if llm is not None:
+            llm.shutdown()
+    except Exception:  # noqa: BLE001 - the process ends anyway; the first error was sent
+        logger.exception("shutting the engine down failed")
 
 
 def main(down_fd: int, up_fd: int, parent_pid: int = 0) -> None:

@@ -320,21 +320,30 @@ def test_an_engine_process_dies_with_its_worker_even_when_stopped():
         parent.stdout.close()
 
 
-def test_a_bounded_send_to_a_process_that_stopped_reading_times_out():
+def test_stopping_a_worker_whose_engine_process_stopped_reading_ends_in_bounded_time(
+        monkeypatch):
     """A worker's shutdown sends a last message to its engine process; one that stopped
-    reading (wedged) must not block that send, and the worker's stop, for good."""
-    import socket
+    reading (wedged, and more queued for it than the pipe holds) must not hold the sending
+    thread, or the worker's stop, for good: the process is killed after the shutdown timeout,
+    and the send blocked on it fails."""
+    from engine import engine_client
+    from tests.proc_signals import stop_process
 
-    from engine.engine_pipe import FrameWriter
+    monkeypatch.setattr(engine_client, "SHUTDOWN_TIMEOUT_S", 1.0)
 
-    ours, theirs = socket.socketpair()
-    try:
-        writer = FrameWriter(ours)
-        with pytest.raises(TimeoutError):  # unbounded, it would wait here for good
-            writer.send(b"x" * (16 << 20), timeout_s=0.3)  # more than the socket buffers
-    finally:
-        ours.close()
-        theirs.close()
+    async def run():
+        proc = await _start()
+        stop_process(proc.proc)
+        prompt = [(j * 7919) % 7000 + 5 for j in range(1000)]
+        waiting = [asyncio.ensure_future(_collect(proc, f"q{i}", prompt, 2)) for i in range(300)]
+        await asyncio.sleep(0)  # each has queued its add_request
+        proc.shutdown()
+        failed = await asyncio.gather(*waiting, return_exceptions=True)
+        return proc, failed
+
+    proc, failed = asyncio.run(run())
+    assert proc.proc.returncode == -signal.SIGKILL and not proc._sender._thread.is_alive()
+    assert all(isinstance(e, EngineDeadError) for e in failed)
 
 
 def test_an_id_is_free_again_once_its_request_ended_however_fast_it_ended():

@@ -1,0 +1,81 @@
+"""Faults in an engine process a test starts (tests/test_engine_process_faults.py).
+
+With this folder on PYTHONPATH, Python imports this module as the process starts, before its
+main module runs; ``PDSERVE_TEST_FAULT`` names the fault and its arguments (``name:a,b``). The
+faults patch the engine process's own code from outside: what the code under test does about
+them is what the tests check.
+"""
+from __future__ import annotations
+
+import os
+
+FAULT_ENV = "PDSERVE_TEST_FAULT"
+
+
+def slow_kv_cache_layouts(seconds: str) -> None:
+    """Building the engine's info takes this long: a main thread descheduled on a loaded host
+    (an engine thread already stepping then sends before "ready" does)."""
+    import time
+
+    from engine.llm_engine import LLMEngine
+
+    layouts = LLMEngine.kv_cache_layouts
+
+    def slow(self):
+        time.sleep(float(seconds))
+        return layouts(self)
+
+    LLMEngine.kv_cache_layouts = slow
+
+
+def hold_gil_at_step(busy_step: str, seconds: str) -> None:
+    """The busy_step'th step with requests calls C that keeps the GIL for ``seconds`` (libc's
+    sleep through ctypes.PyDLL: a hung extension call): nothing else in the process runs."""
+    import ctypes
+
+    from engine.llm_engine import LLMEngine
+
+    step, busy = LLMEngine.step, [0]
+
+    def held(self):
+        if self.has_unfinished_requests():
+            busy[0] += 1
+            if busy[0] == int(busy_step):
+                ctypes.PyDLL(None).sleep(int(seconds))
+        return step(self)
+
+    LLMEngine.step = held
+
+
+def unpicklable_kv_peer_names() -> None:
+    """kv_peer_names answers with a value that cannot be pickled."""
+    from engine.llm_engine import LLMEngine
+
+    LLMEngine.kv_peer_names = lambda self: [lambda: "no pickle"]
+
+
+class _Unloadable:
+    """Pickles; unpickling it raises (as a class the worker cannot import would)."""
+
+    def __reduce__(self):
+        return (int, ("not a number",))
+
+
+def unloadable_kv_peer_names() -> None:
+    """kv_peer_names answers with a value the worker cannot unpickle."""
+    from engine.llm_engine import LLMEngine
+
+    LLMEngine.kv_peer_names = lambda self: [_Unloadable()]
+
+
+FAULTS = {f.__name__: f for f in (slow_kv_cache_layouts, hold_gil_at_step,
+                                  unpicklable_kv_peer_names, unloadable_kv_peer_names)}
+
+
+def _apply(spec: str) -> None:
+    name, _, args = spec.partition(":")
+    FAULTS[name](*(args.split(",") if args else ()))
+
+
+if os.environ.get(FAULT_ENV):
+    _apply(os.environ[FAULT_ENV])
