@@ -35,6 +35,8 @@ _ACCEPT_TICK_S = 0.5
 MAX_READER_WAIT_S = 120.0
 _MAX_TAG = 2**31 - 1
 _IDLE_CLIENTS = 4
+# How long close() waits for store clients being built (milliseconds each on a live server).
+_CONNECT_WAIT_S = 10.0
 
 
 class TorchOwnerServer:
@@ -59,6 +61,9 @@ class TorchOwnerServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        # Store clients being built now, and close()'s wait for them: see _take_client.
+        self._connecting = 0
+        self._connected = threading.Condition(self._lock)
         self._acceptor = named_thread(self._accept_loop, "pdserve-kv-owner")
         self._acceptor.start()
 
@@ -145,9 +150,20 @@ class TorchOwnerServer:
         timeout. Kept for the next join once done: the store's server stalls for seconds
         after every few dozen connections made in a burst."""
         with self._lock:
+            if self._closed.is_set():
+                raise TransferError("the KV owner is closing")
             if self._idle_clients:
                 return self._idle_clients.pop()
-        return client_store(self.host, self.store_port, MAX_READER_WAIT_S)
+            self._connecting += 1
+        try:
+            # Its constructor pings the server with no time limit: a server dropped while a
+            # client connects can leave it waiting for good (a thread per hello, seen on a
+            # loaded host). close() waits for these before it drops the server.
+            return client_store(self.host, self.store_port, MAX_READER_WAIT_S)
+        finally:
+            with self._lock:
+                self._connecting -= 1
+                self._connected.notify_all()
 
     def _give_back_client(self, store: dist.TCPStore) -> None:
         # NCCL reads the store again at its first send (its unique id); gloo only joining.
@@ -213,6 +229,8 @@ class TorchOwnerServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        with self._lock:  # no client is being built against the server dropped next
+            self._connected.wait_for(lambda: self._connecting == 0, timeout=_CONNECT_WAIT_S)
         # Stops the store's server (the last reference): its port closes, and a serve thread
         # waiting in a join for a reader that never joins fails now. One sending to a stalled
         # reader is left to end by itself, within MAX_READER_WAIT_S.
