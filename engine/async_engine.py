@@ -71,7 +71,7 @@ class AsyncEngine(EngineFront):
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
                     if self.core_share is not None:
-                        self.core_share.idle()
+                        self._go_idle(self.core_share)
                     self._wake.wait(_IDLE_TICK_S)
                     self._wake.clear()
                     # An idle step runs no model: a dead TP rank shows only here.
@@ -134,6 +134,15 @@ class AsyncEngine(EngineFront):
         threads = self.core_share.recheck()
         if threads is not None:
             torch.set_num_threads(threads)
+
+    @staticmethod
+    def _go_idle(share: CoreShare) -> None:
+        """Lends the cores, and drops to this worker's own share: a request that arrives
+        after the check that sizes a step runs in it unsized, and must not run on the cores
+        the last step borrowed while its slot says idle and a peer takes them too."""
+        share.idle()
+        if torch.get_num_threads() != share.config.base_threads:
+            torch.set_num_threads(share.config.base_threads)
 
     @staticmethod
     def _size_step(share: CoreShare) -> None:

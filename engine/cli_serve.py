@@ -342,8 +342,10 @@ def _serve_until_stopped(args: argparse.Namespace, spec, cluster, supervisor_cls
     for proc in cluster.procs:
         if proc.gpus is not None:
             print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)
+    # A stop while a crashed service starts again (minutes, for a large model) ends its wait.
     supervisor = supervisor_cls(cluster, args.max_restarts,
-                                say=lambda line: print(line, file=sys.stderr, flush=True))
+                                say=lambda line: print(line, file=sys.stderr, flush=True),
+                                should_stop=stop.is_set)
     while not stop.is_set():
         code = supervisor.check()
         if code is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine import tp_comm
+from engine.cpus import usable_cpus
 from engine.executor import make_rank_agent
 from engine.gc_policy import freeze_startup_heap
 from engine.kv_layout import make_layout
@@ -78,10 +79,10 @@ def worker_main(spec: RankSpec, rank: int, size: int, store_port: int,
 
 
 def worker_threads(size: int) -> int:
-    """CPU threads per rank: the process's thread budget (OMP_NUM_THREADS, else every core)
-    shared out, so ranks do not oversubscribe it."""
+    """CPU threads per rank: the process's thread budget (OMP_NUM_THREADS, else every CPU it
+    may use) shared out, so ranks do not oversubscribe it."""
     budget = os.environ.get("OMP_NUM_THREADS", "")
-    total = int(budget) if budget.isdigit() and int(budget) > 0 else (os.cpu_count() or 1)
+    total = int(budget) if budget.isdigit() and int(budget) > 0 else usable_cpus()
     return max(1, total // size)
 
 

@@ -23,6 +23,7 @@ import grpc
 from engine.call_abort import abort_call
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
+from engine.cpus import usable_cpus
 from engine.engine_client import EngineProcess, RemoteLLM
 from engine.engine_front import EngineDeadError, EngineFront
 from engine.engine_pipe import EngineProcSpec
@@ -56,7 +57,7 @@ class WorkerConfig:
     # Requests accepted and not finished beyond this get RESOURCE_EXHAUSTED at once.
     max_pending_requests: int = 256
     # A file co-located workers share (engine/core_share.py): while the others are idle this
-    # worker's steps use all ``core_share_cores`` (default: the host's cores), else its own
+    # worker's steps use all ``core_share_cores`` (default: the CPUs it may use), else its own
     # OMP_NUM_THREADS. None: a fixed thread count.
     core_share_path: str | None = None
     core_share_cores: int | None = None
@@ -104,8 +105,9 @@ class WorkerConfig:
 
     @property
     def shared_cores(self) -> int:
-        """The cores the core-share group shares (with core sharing on)."""
-        return self.core_share_cores or os.cpu_count() or 1
+        """The cores the core-share group shares (with core sharing on): those this process
+        may use, not the host's."""
+        return self.core_share_cores or usable_cpus()
 
     def core_share_config(self, base_threads: int) -> CoreShareConfig | None:
         if self.core_share_path is None:

@@ -33,11 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.cpus import usable_cpus
 from engine.grpc_server import ServerConfig, worst_case_stop_s
 from router.gpu_placement import (DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, WorkerGpus,
                                   plan_gpus, visible_gpus)
@@ -194,7 +196,9 @@ class ClusterSpec:
     def worker_env(self) -> dict[str, str]:
         env = dict(os.environ)
         if "OMP_NUM_THREADS" not in env:
-            per = self.threads_per_rank or max(1, (os.cpu_count() or 1) // self.num_ranks)
+            # The CPUs this process may use (its affinity, its cgroup's quota), not the host's:
+            # the workers inherit both.
+            per = self.threads_per_rank or max(1, usable_cpus() // self.num_ranks)
             env["OMP_NUM_THREADS"] = str(per)
         # GNU OpenMP's idle threads spin 300k rounds (~9 ms here) before they sleep. Here the
         # cores are never a worker's alone: the router, the client's streams, each worker's
@@ -353,10 +357,12 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def respawn(self, proc: Proc) -> Proc:
+    def respawn(self, proc: Proc, should_abort: Callable[[], bool] | None = None) -> Proc:
         """A service that died, started again as it was first started, once healthy: a worker
         on a new port, so under a new name; the router on the port it had, so clients keep its
-        address. What the dead one left behind is killed first."""
+        address. What the dead one left behind is killed first. ``should_abort`` returning
+        True (a stop asked meanwhile) ends the wait: the new service is stopped again and
+        StartAborted raised."""
         self.stop_proc(proc)
         args = list(proc.args)
         if proc.role == "router" and proc.address:
@@ -366,19 +372,20 @@ class Cluster:
         if new.gpus is not None and self.gpu_plan is not None:
             self.gpu_plan.workers.append(new.gpus)  # its old place, given up by stop_proc
         try:
-            self._wait_healthy(new)
+            self._wait_healthy(new, should_abort)
         except BaseException:
             self.stop_proc(new)
             raise
         return new
 
-    def _wait_healthy(self, proc: Proc) -> None:
+    def _wait_healthy(self, proc: Proc, should_abort: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
         if proc.ready is not None:
-            self._wait_address(proc, deadline)
+            self._wait_address(proc, deadline, should_abort)
         with _channel(proc.args, proc.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while True:
+                _check_abort(proc, should_abort)
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} "
                                        "while starting")
@@ -393,10 +400,12 @@ class Cluster:
                                        f"{self.spec.start_timeout_s:.0f}s")
                 time.sleep(0.2)
 
-    def _wait_address(self, proc: Proc, deadline: float) -> None:
+    def _wait_address(self, proc: Proc, deadline: float,
+                      should_abort: Callable[[], bool] | None = None) -> None:
         """Reads the address the service reports once serving; names it after its port."""
         try:
             while not select.select([proc.ready], [], [], 0.5)[0]:
+                _check_abort(proc, should_abort)
                 if proc.popen.poll() is not None:
                     break  # its pipe may live on in a process it started: do not wait for EOF
                 if time.monotonic() > deadline:
@@ -501,6 +510,17 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class StartAborted(Exception):
+    """A service's start was given up for a stop asked meanwhile (``should_abort``)."""
+
+
+def _check_abort(proc: Proc, should_abort: Callable[[], bool] | None) -> None:
+    # Polled while a service starts: a stop must not wait out a start (minutes for a large
+    # model, up to start_timeout_s).
+    if should_abort is not None and should_abort():
+        raise StartAborted(f"{proc.name}: start given up for a stop")
 
 
 def _channel(args: list[str], address: str) -> grpc.Channel:

@@ -7,15 +7,20 @@ on its own port (the workers then republish what they keep there). A worker that
 (0: it was told to stop and drained) was scaled down and stays down. When a role crashes more
 than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service cannot be started again,
 the supervisor gives up and ``pdserve up`` stops everything, as without supervision.
+
+Where the launcher is PID 1 (``docker run <image> up`` without --init), the processes its
+services leave when they crash (an engine process, TP ranks) are re-parented to it: the
+supervisor reaps them, or they would stay zombies for the cluster's life.
 """
 from __future__ import annotations
 
 import collections
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.launcher import Cluster, Proc
+from router.launcher import Cluster, Proc, StartAborted
 from router.redis_server import RedisServer
 
 RESTART_WINDOW_S = 600.0
@@ -28,6 +33,12 @@ class Supervisor:
     # 0: the first crash stops the cluster.
     max_restarts: int = 5
     say: Callable[[str], None] = print
+    # True once a stop is asked (pdserve up's SIGTERM, Ctrl-C): a restart waiting for its
+    # service to become healthy gives up then, rather than after --start-timeout.
+    should_stop: Callable[[], bool] = lambda: False
+    # Reap the zombies that are not the cluster's own children: orphans re-parented to this
+    # process, which happens where it is PID 1 (a container's init).
+    reap_orphans: bool = field(default_factory=lambda: os.getpid() == 1)
     _crashes: dict[str, collections.deque] = field(
         default_factory=lambda: collections.defaultdict(collections.deque))
 
@@ -37,14 +48,16 @@ class Supervisor:
 
     def check(self) -> int | None:
         """Starts again what crashed since the last check; an exit code once the cluster
-        cannot go on, else None."""
+        cannot go on, else None (also when a restart was given up for a stop asked
+        meanwhile: the caller's loop stops)."""
+        if self.reap_orphans:
+            reap_zombies(keep=self._own_pids())
         redis = self.cluster.redis
         if redis is not None and redis.proc.poll() is not None:
             if not self._may_restart("redis", f"redis-server exited with {redis.proc.returncode}"):
                 return 1
-            self.cluster.redis = RedisServer(port=redis.port, host=redis.host,
-                                             exit_with_parent=True)
-            self.say(f"pdserve up: redis-server serving again on {redis.host}:{redis.port}")
+            if not self._restart_redis(redis):
+                return 1
         for proc in list(self.cluster.procs):
             code = proc.popen.poll()
             if code is None:
@@ -59,9 +72,27 @@ class Supervisor:
                 continue
             if not self._may_restart(proc.role, f"{proc.name} exited with {code}"):
                 return 1
-            if not self._respawn(proc):
-                return 1
+            code = self._respawn(proc)
+            if code is not None or self.should_stop():  # stopping: start no more
+                return code
         return None
+
+    def _own_pids(self) -> set[int]:
+        """The cluster's own children, which their Popen objects wait for."""
+        pids = {proc.popen.pid for proc in self.cluster.procs}
+        if self.cluster.redis is not None:
+            pids.add(self.cluster.redis.proc.pid)
+        return pids
+
+    def _restart_redis(self, redis: RedisServer) -> bool:
+        try:
+            self.cluster.redis = RedisServer(port=redis.port, host=redis.host,
+                                             exit_with_parent=True)
+        except (RuntimeError, OSError) as e:  # its port taken meanwhile, it never answered
+            self.say(f"pdserve up: redis-server could not be started again ({e}); stopping")
+            return False
+        self.say(f"pdserve up: redis-server serving again on {redis.host}:{redis.port}")
+        return True
 
     def _may_restart(self, role: str, what: str) -> bool:
         now = time.monotonic()
@@ -77,11 +108,56 @@ class Supervisor:
                  f"{self.max_restarts} within {RESTART_WINDOW_S:.0f} s)")
         return True
 
-    def _respawn(self, proc: Proc) -> bool:
+    def _respawn(self, proc: Proc) -> int | None:
+        """None once ``proc`` serves again, or once its start was given up for a stop; 1 when
+        it cannot be started again."""
         try:
-            new = self.cluster.respawn(proc)
-        except RuntimeError as e:
+            new = self.cluster.respawn(proc, should_abort=self.should_stop)
+        except StartAborted:
+            self.say(f"pdserve up: a stop was asked while {proc.role} started again; "
+                     "not waiting for it")
+            return None
+        except (RuntimeError, OSError) as e:  # OSError: the process could not even start
             self.say(f"pdserve up: {proc.role} could not be started again ({e}); stopping")
-            return False
+            return 1
         self.say(f"pdserve up: {new.name} serving on {new.address}")
-        return True
+        return None
+
+
+def reap_zombies(keep: set[int]) -> list[int]:
+    """Reaps this process's zombie children but those in ``keep`` (whose Popen objects must
+    see their exit status: one reaped here would look like a clean exit, 0, to them); the
+    pids reaped. ``waitpid(-1)`` cannot leave some children out, so the zombies are found in
+    /proc."""
+    reaped = []
+    for pid in _zombie_children():
+        if pid in keep:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+        except ChildProcessError:  # reaped meanwhile (a Popen's own wait)
+            pass
+    return reaped
+
+
+def _zombie_children() -> list[int]:
+    me = os.getpid()
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) >= 2 and fields[0] == "Z" and fields[1] == str(me):
+            found.append(int(entry))
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine import core_share
 from engine.core_share import MAX_SLOTS, CoreShare, CoreShareConfig
 from engine.worker_runtime import WorkerConfig
 from router.launcher import Cluster, ClusterSpec
@@ -93,18 +95,43 @@ def test_a_busy_worker_borrows_what_the_others_leave(share_path):
         me.close()
 
 
-def test_slots_run_out_with_a_clear_error(share_path, monkeypatch):
+def test_slots_run_out_with_a_clear_error(share_path):
+    # Every slot held: each share opens the file anew, so each holds its own slot's lock.
+    held = [CoreShare(CoreShareConfig(share_path, 2, 1)) for _ in range(MAX_SLOTS)]
+    try:
+        assert sorted(s._index for s in held) == list(range(MAX_SLOTS))
+        with pytest.raises(RuntimeError, match=f"no free slot .{MAX_SLOTS} live"):
+            CoreShare(CoreShareConfig(share_path, 2, 1))
+        held.pop().close()  # a slot given back is free again
+        held.append(CoreShare(CoreShareConfig(share_path, 2, 1)))
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_without_slot_locks_a_slot_s_pid_tells_whether_it_is_in_use(share_path, monkeypatch):
+    monkeypatch.setattr(core_share, "_slot_locks_work", lambda fd: False)
     me = CoreShare(CoreShareConfig(share_path, 2, 1))
     try:
         # Every other slot held by a live process (ours, the parent of this test).
         me._slots[:, 0] = os.getppid()
         me._slots[me._index, 0] = os.getpid()
+        me._slots[:, 1] = 1
+        me._slots[me._index, 1] = 0
+        assert me.others_busy_threads() == MAX_SLOTS - 1
         monkeypatch.setattr(os, "getpid", lambda: 1)  # a newcomer: pid 1 is alive, never ours
         with pytest.raises(RuntimeError, match=f"no free slot .{MAX_SLOTS} live"):
             CoreShare(CoreShareConfig(share_path, 2, 1))
-    finally:
         monkeypatch.undo()
-        me._slots[:, 0] = 0
+        monkeypatch.setattr(core_share, "_slot_locks_work", lambda fd: False)
+        # Pids no process has count as free, without asking the kernel about them (kill(-1,
+        # 0) asks about every process; a pid over 2**31 is an OverflowError).
+        me._slots[:, 0] = [-1, 1 << 40] * (MAX_SLOTS // 2)
+        me._slots[me._index, 0] = os.getpid()
+        assert me.others_busy_threads() == 0
+        assert me.threads_for_step() == 2
+    finally:
+        me._slots[:, :] = 0
         me.close()
 
 
@@ -307,3 +334,248 @@ def test_a_dead_engine_lends_its_cores(share_path):
     finally:
         share.close()
         torch.set_num_threads(before)
+
+
+def test_a_dead_worker_s_slot_is_free_before_it_is_reaped(share_path):
+    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    peer = Peer(share_path, 2, 1)
+    try:
+        assert peer.say("busy") == 2
+        assert me.others_busy_threads() == 2
+        peer.proc.kill()  # SIGKILLed mid-step (the OOM killer); its parent has not reaped it
+        os.waitid(os.P_PID, peer.proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped
+        with open(f"/proc/{peer.proc.pid}/stat") as f:
+            assert f.read().rpartition(")")[2].split()[0] == "Z"  # a zombie: kill(pid, 0) works
+        assert me.others_busy_threads() == 0  # its slot's lock went with its files
+        assert me.threads_for_step() == 2
+        newcomer = CoreShare(CoreShareConfig(share_path, 2, 1))
+        assert newcomer._index == peer.slot  # the dead process's slot is free to take
+        newcomer.close()
+    finally:
+        peer.kill()
+        me.close()
+
+
+def test_a_slot_naming_a_live_process_counts_only_while_its_owner_holds_it(share_path):
+    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    other = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    try:
+        # What a worker SIGKILLed while busy leaves, its pid now another live process's.
+        free = next(i for i in range(MAX_SLOTS) if i not in (me._index, other._index))
+        me._slots[free] = (os.getppid(), 1)
+        assert me.others_busy_threads() == 0 and me.threads_for_step() == 2
+        me.idle()
+        assert other.threads_for_step() == 2
+        assert me.others_busy_threads() == 2  # a live owner's threads count
+        # Values no worker writes count as free, even in a slot someone holds.
+        other._slots[other._index, 1] = 1000
+        assert me.others_busy_threads() == 0
+        other._slots[other._index] = (1 << 40, 1)
+        assert me.others_busy_threads() == 0 and me.threads_for_step() == 2
+    finally:
+        me.close()
+        other.close()
+
+
+class _PausingRow:
+    """A share's wake-up row that stops between reading the count and writing it back."""
+
+    def __init__(self, row, pause) -> None:
+        self.row, self.pause = row, pause
+
+    def __getitem__(self, i):
+        return self.row[i]
+
+    def __setitem__(self, i, value) -> None:
+        self.pause("bump")
+        self.row[i] = value
+
+
+class _Stepper:
+    """``share.threads_for_step()`` in a thread of its own that stops at its pause points until
+    ``go()``: once it read the others' slots ("allowed"), and with ``pause_bump`` between its
+    read and write of the wake-up count ("bump"). The test decides the interleaving: no
+    timing."""
+
+    def __init__(self, share: CoreShare, pause_bump: bool = False) -> None:
+        self.share, self.result = share, None
+        self.at: queue.Queue[str] = queue.Queue()
+        self._go = threading.Semaphore(0)
+        allowed, row = share._allowed, share._wakeups
+
+        def paused_allowed() -> int:
+            v = allowed()
+            self._pause("allowed")
+            return v
+
+        share._allowed = paused_allowed
+        if pause_bump:
+            share._wakeups = _PausingRow(row, self._pause)
+
+        def run() -> None:
+            try:
+                self.result = share.threads_for_step()
+            finally:
+                del share._allowed  # the class's again
+                share._wakeups = row
+                self.at.put("done")
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.next() == "allowed"
+
+    def _pause(self, point: str) -> None:
+        self.at.put(point)
+        self._go.acquire()
+
+    def next(self) -> str:
+        return self.at.get(timeout=30)  # a deadlock guard: every step here takes microseconds
+
+    def go(self) -> str:
+        self._go.release()
+        return self.next()
+
+
+def _late_wake(a: CoreShare, b: CoreShare) -> None:
+    b_step = _Stepper(b)  # b read a's slot (idle): 2 cores, not written yet
+    assert a.threads_for_step() == 2  # a wakes: b's slot still idle
+    assert b_step.go() == "done"  # b writes its slot and bumps the count
+
+
+def _stale_slot(a: CoreShare, b: CoreShare) -> None:
+    b.threads_for_step()
+    assert a.threads_for_step() == 1  # busy on its own share across steps
+    b.idle()
+    a_step = _Stepper(a)  # a's next step: b idle, 2 cores; its slot still says 1
+    assert b.threads_for_step() == 1  # b wakes, sees a's stale 1 and bumps the count
+    assert a_step.go() == "done"  # a writes 2
+
+
+def _lost_increment(a: CoreShare, b: CoreShare) -> None:
+    a_step = _Stepper(a, pause_bump=True)  # both read the other idle: 2 cores each
+    b_step = _Stepper(b)
+    assert a_step.go() == "bump"  # a wrote its slot and read the count X
+    assert b_step.go() == "done"  # b: X + 1
+    assert a_step.go() == "done"  # a writes X + 1 too: b's bump is lost
+
+
+@pytest.mark.parametrize("interleave", [_late_wake, _stale_slot, _lost_increment])
+def test_workers_waking_together_end_within_the_cores(share_path, interleave):
+    """Whatever the order in which two workers size their steps, once each checked between
+    layers (recheck) they hold no more threads together than the group has cores."""
+    a = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    b = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    try:
+        interleave(a, b)
+        a.recheck()
+        b.recheck()
+        assert a.threads + b.threads <= 2
+        assert a._slots[a._index, 1] == a.threads and b._slots[b._index, 1] == b.threads
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_share_file_this_user_does_not_control_is_refused(tmp_path, monkeypatch):
+    def refused(path, needle: str) -> None:
+        with pytest.raises(ValueError, match=needle):
+            CoreShare(CoreShareConfig(str(path), 2, 1))
+
+    # A link planted where the file goes: its target is never opened for writing.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    (tmp_path / "link").symlink_to(victim)
+    refused(tmp_path / "link", "symbolic link")
+    assert victim.read_bytes() == b"precious\n"
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    refused(tmp_path / "fifo", "not a regular file")
+    # Someone else's file, or one others may write: they would size this worker's threads.
+    mine = tmp_path / "cores"
+    CoreShare(CoreShareConfig(str(mine), 2, 1)).close()
+    assert (mine.stat().st_mode & 0o777) == 0o600
+    os.chmod(mine, 0o620)
+    refused(mine, "may be written by others .mode 620")
+    os.chmod(mine, 0o644)  # others may read it: fine
+    CoreShare(CoreShareConfig(str(mine), 2, 1)).close()
+    real_euid = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: real_euid + 1)
+    refused(mine, f"belongs to uid {real_euid}, not to this user")
+    monkeypatch.undo()
+    # A file of another size is no share file (or one cut short): mapping it would SIGBUS.
+    short = tmp_path / "short"
+    short.write_bytes(b"\0" * 100)
+    os.chmod(short, 0o600)
+    refused(short, "has 100 bytes")
+
+
+def test_a_share_file_cut_short_under_a_worker_leaves_the_share(share_path):
+    # A page of the mapping past the file's end is SIGBUS: in a process of its own.
+    code = f"""
+import os
+from engine.core_share import CoreShare, CoreShareConfig
+s = CoreShare(CoreShareConfig({share_path!r}, 2, 1))
+assert s.threads_for_step() == 2
+os.truncate({share_path!r}, 0)
+print(s.recheck(), s.threads, flush=True)   # mid-step: down to its own share
+s.idle()
+print(s.threads_for_step(), s.recheck(), s.others_busy_threads(), flush=True)
+s.close()
+print("survived", flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["1 1", "1 None 0", "survived"]
+    assert "cut to 0 bytes" in r.stderr
+
+
+def test_a_request_arriving_after_the_idle_check_runs_on_the_worker_s_own_share(share_path):
+    """The check that sizes a step comes before the step: a request that lands in between is
+    stepped unsized. It must not run on the cores the last step borrowed (its slot says idle,
+    so a peer waking meanwhile takes them too)."""
+
+    class _ArrivingLate(_CountingEngine):
+        arrive_in_step = False
+
+        def step(self) -> list:
+            with self.lock:  # added after has_unfinished_requests() said no
+                if self.arrive_in_step:
+                    self.arrive_in_step = False
+                    self.work += 1
+            return super().step()
+
+    before = torch.get_num_threads()
+    engine = _ArrivingLate()
+    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+
+    async def body() -> list[int]:
+        ae = AsyncEngine(engine, core_share=share)
+        try:
+            with engine.lock:
+                engine.work = 1
+            ae._wake.set()
+            # Wait for the sized step (alone: both cores), then for the engine going idle.
+            await _until(lambda: len(engine.threads) == 3 and share.threads == 0)
+            assert engine.threads == [2, 2, 2]
+            with engine.lock:
+                engine.threads = []
+                engine.arrive_in_step = True
+            ae._wake.set()
+            await _until(lambda: len(engine.threads) == 3)
+            return list(engine.threads)
+        finally:
+            ae._stop.set()
+            ae._wake.set()
+            ae._thread.join(5)
+
+    try:
+        assert asyncio.run(body()) == [1, 1, 1]  # its own share, not the 2 it borrowed
+    finally:
+        share.close()
+        torch.set_num_threads(before)
+
+
+async def _until(condition) -> None:
+    deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
+    while not condition():
+        assert time.monotonic() < deadline, "the engine thread never got there"
+        await asyncio.sleep(0.01)

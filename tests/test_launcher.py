@@ -6,13 +6,20 @@ import os
 
 import pytest
 
+from engine import cpus
 from engine.tp_worker import worker_threads
 from router.launcher import ClusterSpec
 
 
+def _usable_cpus(monkeypatch, n: int) -> None:
+    """This process may run on ``n`` CPUs, with no cgroup CPU quota."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
+    monkeypatch.setattr(cpus, "PROC_CGROUP", "/nonexistent/cgroup")
+
+
 def test_worker_ranks_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    _usable_cpus(monkeypatch, 16)
     # 2 prefill workers at TP=2 and 4 decode workers: 8 ranks on 16 cores.
     assert ClusterSpec(num_prefill=2, num_decode=4, prefill_tp=2).worker_env()[
         "OMP_NUM_THREADS"] == "2"
@@ -59,7 +66,7 @@ def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
 
 def test_an_aggregated_spec_lets_its_decode_workers_prefill_any_prompt(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    _usable_cpus(monkeypatch, 2)
     agg = ClusterSpec(num_prefill=0, num_decode=1)
     assert agg.aggregated and agg.num_ranks == 1
     # The model's whole context (tiny-llama: 2048 positions), unless the user set a limit.

@@ -3,12 +3,19 @@ started again and the cluster serves; a worker that stops cleanly stays down; cr
 the budget stop the cluster."""
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import subprocess
+import threading
+from types import SimpleNamespace
 
 import pytest
 
 from client import Client
-from router.launcher import Cluster, ClusterSpec
+from engine.cli_serve import _serve_until_stopped
+from router import supervisor
+from router.launcher import Cluster, ClusterSpec, Proc
 from router.supervisor import Supervisor
 from tests.serving_helpers import WORKER_ARGS, random_prompts
 
@@ -79,3 +86,96 @@ def test_a_worker_that_stops_cleanly_stays_down(cluster):
 def test_a_bad_budget_is_refused():
     with pytest.raises(ValueError, match="max_restarts"):
         Supervisor(Cluster(ClusterSpec()), max_restarts=-1)
+
+
+def _crashed_worker(cluster: Cluster) -> Proc:
+    """A decode worker of ``cluster`` that crashed (exit 3)."""
+    dead = subprocess.Popen(["sh", "-c", "exit 3"])
+    dead.wait()
+    proc = Proc("decode-1234", "127.0.0.1:1234", dead, template="decode-{port}",
+                args=["decode", "--port", "0"])
+    cluster.procs.append(proc)
+    return proc
+
+
+def test_a_stop_while_a_crashed_worker_starts_again_ends_the_wait():
+    # --start-timeout 20: without the stop reaching the wait, the run would end after it, 1.
+    cluster = Cluster(ClusterSpec(redis_url="redis://127.0.0.1:1", start_timeout_s=20))
+    cluster.router_address = "127.0.0.1:1"
+    _crashed_worker(cluster)
+    stop = threading.Event()
+    started: list[Proc] = []
+
+    def spawn(name, args, env=None) -> Proc:
+        # The new worker loads its model (it never reports its address) when the stop comes.
+        r, w = os.pipe()
+        proc = Proc(name, "", subprocess.Popen(["sleep", "600"], pass_fds=(w,)),
+                    ready=os.fdopen(r, "rb"), template=name, args=args, env=env)
+        os.close(w)
+        cluster.procs.append(proc)
+        started.append(proc)
+        stop.set()  # SIGTERM / Ctrl-C: pdserve up's handler sets it
+        return proc
+
+    cluster._spawn = spawn
+    args = SimpleNamespace(decode=1, prefill=1, model="tiny-llama", max_restarts=5)
+    try:
+        assert _serve_until_stopped(args, cluster.spec, cluster, Supervisor, stop) == 0
+        assert started and started[0].popen.poll() is not None  # the new one stopped again
+        assert not cluster.procs
+    finally:
+        cluster.stop()
+
+
+def test_a_service_that_cannot_be_started_again_stops_the_cluster_cleanly(monkeypatch):
+    # Redis: its port taken meanwhile, or it never answers; a worker: no process at all.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    cluster = SimpleNamespace(redis=SimpleNamespace(proc=dead, port=6399, host="127.0.0.1"),
+                              procs=[])
+
+    def failing_redis(**kwargs):
+        raise RuntimeError("redis-server exited with 1: Address already in use")
+
+    monkeypatch.setattr(supervisor, "RedisServer", failing_redis)
+    said: list[str] = []
+    assert Supervisor(cluster, say=said.append).check() == 1
+    assert "redis-server could not be started again (redis-server exited with 1" in said[-1]
+
+    cluster = Cluster(ClusterSpec(redis_url="redis://127.0.0.1:1"))
+    _crashed_worker(cluster)
+
+    def no_process(name, args, env=None):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    cluster._spawn = no_process
+    said.clear()
+    try:
+        assert Supervisor(cluster, say=said.append).check() == 1
+        assert "decode could not be started again ([Errno 24] Too many open files)" in said[-1]
+    finally:
+        cluster.stop()
+
+
+def _zombie(pid: int) -> int:
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited; not reaped
+    return pid
+
+
+def test_as_pid_1_the_supervisor_reaps_orphans_but_not_its_own_children():
+    """Where the launcher is PID 1 the processes a crashed service left are re-parented to it,
+    and nothing else reaps them; its own children it must leave to their Popen objects, which
+    would otherwise take a crash for a clean exit (0)."""
+    assert not Supervisor(SimpleNamespace(redis=None, procs=[])).reap_orphans  # not PID 1
+    orphan = _zombie(os.posix_spawn("/bin/sh", ["sh", "-c", "exit 3"], os.environ))
+    own = subprocess.Popen(["sleep", "600"])
+    own.kill()
+    _zombie(own.pid)
+    crashed = Proc("decode-1234", "127.0.0.1:1234", own, template="decode-{port}")
+    said: list[str] = []
+    sup = Supervisor(SimpleNamespace(redis=None, procs=[crashed]), max_restarts=0,
+                     say=said.append, reap_orphans=True)
+    assert sup.check() == 1  # the worker's crash seen as one: -9, over the budget of 0
+    assert own.returncode == -signal.SIGKILL and "exited with -9" in said[-1]
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(orphan, os.WNOHANG)
