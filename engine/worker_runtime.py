@@ -211,6 +211,9 @@ class WorkerRuntime:
         # Called on the loop with each lease's request id as the engine ends it (a reader's
         # release, ReleaseKV or expiry): the prefill servicer's view of what it still leases.
         self.on_lease_ended: Callable[[str], None] | None = None
+        # The transfer-ledger entries of the leases held now, each with what is left of it:
+        # the prefill servicer's, for the republish to put in place of the ledger's.
+        self.held_transfers: Callable[[], list] | None = None
         self.kv_bytes = 0
         self.kv_failures = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
@@ -367,14 +370,27 @@ class WorkerRuntime:
             await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
         hashes = await asyncio.to_thread(self.llm.cached_block_hashes)
         await registry.set_worker_blocks(self.worker_id, hashes)
+        if self.held_transfers is not None:
+            # The ledger too: Redis lost the entries of leases still held (a restart, a purge)
+            # or kept ones whose close was lost. Taken on the loop, as the leases' opens and
+            # closes are queued: one queued since comes after this, on top of it.
+            await registry.ledger.replace_worker(self.worker_id, self.held_transfers())
 
     async def stop_presence(self) -> None:
-        """Leave the registry first, so the router stops sending work while we drain."""
+        """Leave routing first, so the router stops sending work while we drain. The ledger
+        entries of the leases the drain waits for stay, their closes published as they come,
+        until ``finish_presence``."""
         self.draining = True
         for callback in self.on_drain:
             callback()
         if self._peers is not None:
             await self._peers.stop()
+        if self._presence is not None:
+            await self._presence.leave()
+
+    async def finish_presence(self) -> None:
+        """After the drain: nothing more goes to Redis, and the ledger entries of the leases
+        still held go (they end with the process)."""
         if self._presence is not None:
             await self._presence.stop()
             self._presence = None

@@ -14,8 +14,9 @@ logger = logging.getLogger(__name__)
 async def run_worker(config: WorkerConfig, service_name: str,
                      make_servicer: Callable[[WorkerRuntime], object],
                      add_to_server: Callable[[object, object], None]) -> None:
-    """Serves until SIGTERM/SIGINT, or until its engine dies; then leaves the registry, drains
-    and stops. A dead engine ends the process with a non-zero status."""
+    """Serves until SIGTERM/SIGINT, or until its engine dies; then leaves the registry, drains,
+    drops its transfer-ledger entries and stops. A dead engine ends the process with a
+    non-zero status."""
     rt = await WorkerRuntime.create(config)
     try:
         server = GrpcServer(config.server, [service_name])
@@ -29,11 +30,16 @@ async def run_worker(config: WorkerConfig, service_name: str,
                   flush=True)
 
         rt.on_fatal = server.stopping.set
+        # stop_presence leaves routing before the drain; finish_presence, after it, drops
+        # the ledger entries of the leases the drain waited for.
         await serve(server, lambda: _num_in_flight(rt), on_started=started,
                     on_stopping=rt.stop_presence,
                     metrics=lambda: worker_metrics(rt.worker_info()))
     finally:
-        rt.shutdown()
+        try:
+            await rt.finish_presence()
+        finally:
+            rt.shutdown()
     if rt.engine_failure is not None:
         # A non-zero exit: `pdserve up`, compose and orchestrators restart the worker.
         raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died: "

@@ -7,8 +7,10 @@ worker's release notification, or the lease's expiry.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,16 +26,25 @@ from router.router_presence import check_incarnation, check_router_id
 _MAX_REMEMBERED_IDS = 1024
 
 
+@dataclass(frozen=True)
+class _Held:
+    deadline: float  # the lease's, time.monotonic()
+    opened: TransferOpened  # its transfer-ledger entry, as opened
+
+
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         # What gRPC would refuse to send (its error would read as a refusal to the router,
         # which then releases nothing): an answer over it is refused here, its lease freed.
         self.max_answer_bytes = max_message_bytes()
-        # request id -> lease deadline, to answer ReleaseKV truthfully: dropped as the engine
-        # ends each lease (a reader's release, expiry), and pruned past its deadline.
-        self._leases: dict[str, float] = {}
+        # request id -> the lease held, to answer ReleaseKV truthfully and to put the ledger
+        # right (the worker's republish: Redis lost entries, or kept closed ones): dropped as
+        # the engine ends each lease (a reader's release, expiry), and pruned past its
+        # deadline.
+        self._leases: dict[str, _Held] = {}
         rt.on_lease_ended = self._lease_ended
+        rt.held_transfers = self._held_transfers
         # Ids released before this servicer saw their lease (see _prefill), oldest first.
         self._released_early: dict[str, bool] = {}
         # Ids whose lease the engine ended lately: a ReleaseKV for one is answered, not
@@ -103,8 +114,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.rt.engine.release_kv(rid)
             raise
         self._prune()
-        self._leases[rid] = lease.expires_at
-        self._record(request, lease)
+        opened = self._opened(request, lease)
+        self._leases[rid] = _Held(lease.expires_at, opened)
+        # Its close (``LeaseEnded``) comes from the engine thread when the lease ends, after
+        # this: the reader's pull and the expiry come later, and a ReleaseKV that came sooner
+        # was handled above.
+        self.rt.record_transfer(opened)
         return resp
 
     def _check_size(self, resp: worker_pb2.PrefillResponse,
@@ -117,16 +132,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 f"{request.sampling.prompt_logprobs} for {len(request.prompt_token_ids)} prompt "
                 f"tokens; ask for fewer")
 
-    def _record(self, request: worker_pb2.PrefillRequest, lease: KVLease) -> None:
-        """Opens the lease's transfer-ledger entry; its close (``LeaseEnded``) comes from the
-        engine thread when the lease ends, after this: the reader's pull and the expiry come
-        later, and a ReleaseKV that came sooner was handled by the caller."""
+    def _opened(self, request: worker_pb2.PrefillRequest, lease: KVLease) -> TransferOpened:
+        """The lease's transfer-ledger entry."""
         now_wall, now = time.time(), time.monotonic()
-        self.rt.record_transfer(TransferOpened(
+        return TransferOpened(
             request_id=lease.request_id, router_id=request.router_id,
             router_incarnation=request.router_incarnation, prefill_address=self.rt.address,
             num_blocks=len(lease.block_ids), num_tokens=lease.num_tokens, leased_at=now_wall,
-            expires_at=now_wall + max(lease.expires_at - now, 0.0)))
+            expires_at=now_wall + max(lease.expires_at - now, 0.0))
+
+    def _held_transfers(self) -> list[TransferOpened]:
+        """The ledger entries of the leases held now, each with what is left of it."""
+        now = time.monotonic()
+        return [dataclasses.replace(h.opened, remaining_s=h.deadline - now)
+                for h in self._leases.values() if h.deadline > now]
 
     def _lease_ended(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
@@ -146,7 +165,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # expired, was not held any more (as of the engine's events, which reach the loop
         # after its next step: an idle one ticks every 0.2 s).
         return worker_pb2.ReleaseKVResponse(released=held is not None
-                                            and held > time.monotonic())
+                                            and held.deadline > time.monotonic())
 
     async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
         await self.rt.engine.fresh_stats()
@@ -158,7 +177,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _prune(self) -> None:
         now = time.monotonic()
         if len(self._leases) > 1024:
-            for rid in [r for r, t in self._leases.items() if t <= now]:
+            for rid in [r for r, h in self._leases.items() if h.deadline <= now]:
                 del self._leases[rid]
 
 

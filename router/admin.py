@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import grpc
 
@@ -95,17 +94,19 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         ledger = self.directory.registry.ledger
         async with _registry(context):
             entries, omitted = await ledger.entries(request.limit or DEFAULT_LIST_LIMIT)
-            routers = await ledger.live_routers(e.router_id for e in entries)
-        now = time.time()
+            holders = await ledger.router_holders(e.router_id for e in entries)
+        # The lease's router lives if the incarnation that took it still beats: a successor
+        # under its id beats too, and may have left its predecessor's leases to expire. The
+        # times are Redis's (router/ledger.py): no other host's clock is read against ours.
         return router_pb2.ListTransfersResponse(num_omitted=omitted, transfers=[
             router_pb2.TransferInfo(
                 transfer_id=e.request_id, prefill_worker_id=e.prefill_worker_id,
                 prefill_address=e.prefill_address, router_id=e.router_id,
-                router_live=e.router_id in routers, state=e.state,
+                router_live=bool(e.router_incarnation)
+                and holders.get(e.router_id) == e.router_incarnation, state=e.state,
                 decode_worker_id=e.decode_worker_id, num_blocks=e.num_blocks,
-                num_tokens=e.num_tokens, age_s=max(now - e.leased_at, 0.0),
-                expires_in_s=max(e.expires_at - now, 0.0),
-                pull_s=max(now - e.pull_started_at, 0.0) if e.decode_worker_id else 0.0)
+                num_tokens=e.num_tokens, age_s=e.age_s, expires_in_s=e.expires_in_s,
+                pull_s=e.pull_s)
             for e in entries])
 
     async def ResetPrefixCache(self, request, context):

@@ -26,13 +26,20 @@ Key schema (``ns`` is the registry's namespace):
                                               unix time: an order for listing, not a clock
                                               anyone else trusts)
 - ``{ns}:xpull:{n}:{worker_id}:{request_id}`` HASH  the decode worker pulling that entry's
-                                              blocks; Redis expires it with the lease
+                                              blocks, and the lease left when it began;
+                                              Redis expires it with the lease
 - ``{ns}:wxfers:{worker_id}``                 SET   a worker's entry keys (to drop them with it)
 - ``{ns}:router:{router_id}``                 STRING the incarnation beating for the id;
                                               Redis expires it a TTL after its last beat
 
 Every expiry is relative and counted by Redis's own clock, so no host's clock has to agree
-with another's: a router judges another's liveness by whether its key still exists.
+with another's: a router judges another's liveness by whether its key still exists, and a
+listing's ages and times to expiry come from what Redis has left of each key's TTL.
+
+What a worker holds is its own to say: its republish (``TransferLedger.replace_worker``, after
+a Redis restart, a purge of it, or a flush that failed) replaces its entries with the leases it
+holds, so one lost (Redis forgot it) comes back and one whose close was lost goes. A stopping
+worker keeps its entries, and publishes their closes, until its drain ends (router/presence.py).
 """
 from __future__ import annotations
 
@@ -78,6 +85,19 @@ class TransferOpened:
     num_tokens: int
     leased_at: float  # unix time
     expires_at: float  # unix time
+    # What is left of the lease as this is published, for a republish long after the lease
+    # began; None: all of it (``expires_at - leased_at``).
+    remaining_s: float | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        """How long Redis keeps the entry: the lease left, plus the margin."""
+        left = self.expires_at - self.leased_at if self.remaining_s is None else self.remaining_s
+        return max(left, 0.0) + EXPIRY_MARGIN_S
+
+
+def is_ledger_event(ev) -> bool:
+    return isinstance(ev, (TransferOpened, TransferPulling, LeaseEnded))
 
 
 @dataclass(frozen=True)
@@ -103,11 +123,38 @@ class LedgerEntry:
     leased_at: float
     expires_at: float
     decode_worker_id: str = ""
-    pull_started_at: float = 0.0
+    pull_started_at: float = 0.0  # the decode worker's unix time
+    # By Redis's clock, as read with the entry: what is left of the entry's TTL and of its
+    # pull mark's, and the lease that was left when the pull began (its mark's TTL then, less
+    # the margin; 0 for a mark that does not say).
+    ttl_s: float = 0.0
+    pull_ttl_s: float = 0.0
+    pull_lease_s: float = 0.0
 
     @property
     def state(self) -> str:
         return "pulling" if self.decode_worker_id else "leased"
+
+    # No host's clock but Redis's: a reader's wall clock minus a worker's stamp is off by
+    # however far the two hosts disagree (minutes, on an unsynced host).
+    @property
+    def expires_in_s(self) -> float:
+        """Until the lease ends: the entry's TTL less the margin it was given."""
+        return max(self.ttl_s - EXPIRY_MARGIN_S, 0.0)
+
+    @property
+    def age_s(self) -> float:
+        """Since the lease began: its length (two stamps of one worker's clock) less what is
+        left of it (short by the moment its open took to reach Redis)."""
+        return max(self.expires_at - self.leased_at - self.expires_in_s, 0.0)
+
+    @property
+    def pull_s(self) -> float:
+        """Since the pull began (0 when none did, or its mark does not say): its mark's TTL
+        as written less what Redis has left of it."""
+        if not self.decode_worker_id or not self.pull_lease_s:
+            return 0.0
+        return max(self.pull_lease_s + EXPIRY_MARGIN_S - self.pull_ttl_s, 0.0)
 
 
 def entry_key(ns: str, worker_id: str, request_id: str) -> str:
@@ -153,7 +200,7 @@ class TransferLedger:
                 "num_tokens": ev.num_tokens, "leased_at": repr(ev.leased_at),
                 "expires_at": repr(ev.expires_at)})
             # The lease's length, not its end on the worker's clock: Redis's clock counts it.
-            ttl_ms = int((max(ev.expires_at - ev.leased_at, 0.0) + EXPIRY_MARGIN_S) * 1000)
+            ttl_ms = int(ev.ttl_s * 1000)
             p.pexpire(key, ttl_ms)
             p.zadd(self.index_key, {key: ev.expires_at})
             p.sadd(self._worker_key(worker_id), key)
@@ -165,8 +212,11 @@ class TransferLedger:
             p.srem(self._worker_key(worker_id), key)
         elif isinstance(ev, TransferPulling):
             key = pull_key(entry_key(self.ns, ev.prefill_worker_id, ev.request_id))
+            # The lease left rides along: what the mark's TTL began at, so a listing can tell
+            # how long the pull has run from what Redis has left of it.
             p.hset(key, mapping={"decode_worker_id": ev.decode_worker_id,
-                                 "pull_started_at": repr(ev.started_at)})
+                                 "pull_started_at": repr(ev.started_at),
+                                 "pull_lease_s": repr(max(ev.lease_timeout_s, 0.0))})
             p.pexpire(key, int((max(ev.lease_timeout_s, 0.0) + EXPIRY_MARGIN_S) * 1000))
         else:
             return False
@@ -185,6 +235,27 @@ class TransferLedger:
             p.delete(wkey)
             await p.execute()
 
+    @bounded
+    async def replace_worker(self, worker_id: str, held: list[TransferOpened]) -> None:
+        """Makes the worker's entries exactly ``held`` (each with ``remaining_s`` set): its
+        republish. Redis may have lost entries of leases it still holds (a restart, a purge of
+        it) and kept ones whose close was lost (a failed flush). The worker publishes no
+        ledger event meanwhile (router/presence.py), so none lands between the read and the
+        write. The pull marks of leases still held stay: a router's reclaim leaves a lease
+        being pulled alone, and the decode worker does not write its mark again."""
+        wkey = self._worker_key(worker_id)
+        keep = {entry_key(self.ns, worker_id, ev.request_id).encode() for ev in held}
+        gone = [k for k in await self.r.smembers(wkey) if k not in keep]
+        async with self.r.pipeline(transaction=True) as p:
+            if gone:
+                p.delete(*gone, *(pull_key(k) for k in gone))
+                p.zrem(self.index_key, *gone)
+            p.delete(wkey)
+            # Longest last: each open sets the worker's set's expiry to its own TTL.
+            for ev in sorted(held, key=lambda ev: ev.ttl_s):
+                self.queue(p, worker_id, ev)
+            await p.execute()
+
     # --- reads ----------------------------------------------------------------------------
     @bounded
     async def entries(self, limit: int = DEFAULT_LIST_LIMIT) -> tuple[list[LedgerEntry], int]:
@@ -198,13 +269,15 @@ class TransferLedger:
             for k in keys:
                 p.hgetall(k)
                 p.hgetall(pull_key(k))
+                p.pttl(k)
+                p.pttl(pull_key(k))
             raws = await p.execute()
         out, gone = [], []
-        for k, raw, pull in zip(keys, raws[::2], raws[1::2]):
+        for k, raw, pull, ttl, pull_ttl in zip(keys, *(raws[i::4] for i in range(4))):
             if not raw:
                 gone.append(k)
                 continue
-            out.append(_entry({**raw, **pull}))
+            out.append(_entry({**raw, **pull}, ttl, pull_ttl))
         if gone:
             await self.r.zrem(self.index_key, *gone)
         return out, max(total - len(keys), 0)
@@ -249,14 +322,23 @@ class TransferLedger:
     @bounded
     async def live_routers(self, router_ids) -> set[str]:
         """Those of ``router_ids`` whose heartbeat has not expired."""
+        return set(await self.router_holders(router_ids))
+
+    @bounded
+    async def router_holders(self, router_ids) -> dict[str, str]:
+        """Of ``router_ids`` whose heartbeat has not expired, the incarnation beating for
+        each: a lease's router lives only if the incarnation that took it still beats (a
+        successor under its id may not have been able to release it)."""
         ids = sorted(set(router_ids))
         if not ids:
-            return set()
+            return {}
         held = await self.r.mget([self._router_key(r) for r in ids])
-        return {r for r, h in zip(ids, held) if h is not None}
+        return {r: h.decode() for r, h in zip(ids, held) if h is not None}
 
 
-def _entry(raw: dict) -> LedgerEntry:
+def _entry(raw: dict, ttl_ms: int, pull_ttl_ms: int) -> LedgerEntry:
+    """``ttl_ms``, ``pull_ttl_ms``: Redis's PTTL of the entry and of its pull mark (negative
+    for none)."""
     f = {k.decode(): v.decode() for k, v in raw.items()}
     return LedgerEntry(
         prefill_worker_id=f.get("prefill_worker_id", ""), request_id=f.get("request_id", ""),
@@ -265,4 +347,6 @@ def _entry(raw: dict) -> LedgerEntry:
         num_tokens=int(f.get("num_tokens", 0)), leased_at=float(f.get("leased_at", 0)),
         expires_at=float(f.get("expires_at", 0)),
         decode_worker_id=f.get("decode_worker_id", ""),
-        pull_started_at=float(f.get("pull_started_at", 0)))
+        pull_started_at=float(f.get("pull_started_at", 0)),
+        ttl_s=max(ttl_ms, 0) / 1000, pull_ttl_s=max(pull_ttl_ms, 0) / 1000,
+        pull_lease_s=float(f.get("pull_lease_s", 0)))

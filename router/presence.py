@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from client.tasks import stop_task
 from protos import common_pb2
+from router.ledger import is_ledger_event
 from router.registry import ROUTER_TTL_S, Registry
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class WorkerPresence:
         self.info = info
         self._events: list = []
         self._have_events = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._beat_task: asyncio.Task | None = None
+        self._flush_task: asyncio.Task | None = None
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
         # Some KV events never reached Redis (a flush failed): the next beat republishes.
@@ -52,19 +54,22 @@ class WorkerPresence:
         self._publishing = asyncio.Lock()
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = False
+        # Left routing for a drain (``leave``): no heartbeat, only ledger events published.
+        self._left = False
 
     async def start(self) -> None:
         info = self.info()
         await self.registry.clear_worker(info.worker_id)
         await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
-        self._tasks = [asyncio.create_task(self._beat()), asyncio.create_task(self._flush())]
+        self._beat_task = asyncio.create_task(self._beat())
+        self._flush_task = asyncio.create_task(self._flush())
 
     def add_events(self, events: list) -> None:
         self._events.extend(events)
         self._have_events.set()
 
     async def _beat(self) -> None:
-        while not self._stopping:
+        while not (self._stopping or self._left):
             await asyncio.sleep(self.interval_s)
             try:
                 await self._beat_once()
@@ -101,21 +106,50 @@ class WorkerPresence:
             async with self._publishing:
                 self._have_events.clear()
                 events, self._events = self._events, []
+                if self._left:
+                    # Deregistered: block events would list its cache in the prefix index
+                    # again, with nothing left to remove them.
+                    events = [ev for ev in events if is_ledger_event(ev)]
                 try:
                     await self.registry.publish_events(wid, events)
                 except Exception as e:  # noqa: BLE001
                     logger.warning("publishing %d KV events failed: %s", len(events), e)
                     self._events_lost = True
 
-    async def stop(self) -> None:
-        """Bounded: a Redis that does not answer costs at most ``_STOP_STEP_S`` per step, and
-        the worker then drops out of the registry when its heartbeat goes stale."""
-        self._stopping = True
-        for t in self._tasks:
-            await stop_task(t, _STOP_STEP_S)
+    async def leave(self) -> None:
+        """Leaves routing for a drain: the heartbeat stops and the registration, KV handles
+        and prefix-index entries go, so routers send no more work. The transfer-ledger
+        entries stay, and the closes of their leases keep being published: the drain waits
+        for those leases, an operator lists them, and a router restarted meanwhile under the
+        id whose leases they are finds them to release. ``stop`` drops the rest after the
+        drain. Bounded as ``stop`` is."""
+        await stop_task(self._beat_task, _STOP_STEP_S)
+        wid = self.info().worker_id
         try:
             async with asyncio.timeout(_STOP_STEP_S):  # not wait_for: client/tasks.py
-                await self.registry.deregister(self.info().worker_id)
+                # Under the lock: a block event published after the purge would stay.
+                async with self._publishing:
+                    self._left = True
+                    await self.registry.deregister(wid, keep_transfers=True)
+        except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires
+            self._left = True
+            logger.warning("leaving the registry failed: %r", e)
+
+    async def stop(self) -> None:
+        """Last (after ``leave`` and the drain, or instead of both): stops publishing and drops
+        the worker's ledger entries, whose leases end with it, and its registration if it
+        had not left. Bounded: a Redis that does not answer costs at most ``_STOP_STEP_S`` per
+        step, and the worker then drops out of the registry when its heartbeat goes stale."""
+        self._stopping = True
+        for t in (self._beat_task, self._flush_task):
+            await stop_task(t, _STOP_STEP_S)
+        wid = self.info().worker_id
+        try:
+            async with asyncio.timeout(_STOP_STEP_S):  # not wait_for: client/tasks.py
+                if self._left:
+                    await self.registry.ledger.forget_worker(wid)
+                else:
+                    await self.registry.deregister(wid)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires
             logger.warning("leaving the registry failed: %r", e)
         with contextlib.suppress(Exception):

@@ -232,8 +232,11 @@ class Registry:
         return Heartbeat(dropped=bool(added), drained=bool(is_drained))
 
     @bounded
-    async def deregister(self, worker_id: str) -> None:
-        await self._purge([worker_id])
+    async def deregister(self, worker_id: str, keep_transfers: bool = False) -> None:
+        """Drops a worker's registration and index entries. ``keep_transfers``: not its
+        transfer-ledger entries (a worker leaving for a drain still holds those leases; it
+        drops them once the drain ends, router/presence.py)."""
+        await self._purge([worker_id], keep_transfers)
 
     @bounded
     async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
@@ -289,10 +292,13 @@ class Registry:
                                               self._k("purged", worker_id)],
                                         args=[worker_id]))
 
-    async def _purge(self, worker_ids: list[str]) -> None:
+    async def _purge(self, worker_ids: list[str], keep_transfers: bool = False) -> None:
         for wid in worker_ids:
             await self._forget_blocks(wid)
-            await self.ledger.forget_worker(wid)
+            if not keep_transfers:
+                # A live worker purged as stale puts back those it still holds when it beats
+                # again (its republish).
+                await self.ledger.forget_worker(wid)
             await self._purge_entries(
                 keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
                       self._k("ttls"), self._k("kvhandles", wid), self._k("purged", wid)],

@@ -5,11 +5,13 @@ start), and the prefill worker records both with the lease in the transfer ledge
 (router/ledger.py). A router that dies mid-request leaves leases nobody releases: each holds
 its prompt's blocks until it expires (``--kv-lease-timeout-s``, 60 s by default). A router
 restarted under the same id finds them in the ledger and releases at once those nobody is
-pulling, but only when its predecessor is surely gone: it ran in this process's pid namespace
-(same kernel boot, same namespace) and its pid is dead or is this process's. A hostname
-proves nothing (containers may share one, each with its own pid 1), and a router that merely
-lost Redis may still have decode workers about to pull those blocks: releasing them then
-would hand a live request blocks that are being reused. Leases not proven orphaned expire.
+pulling (and keeps trying while Redis or a worker does not answer, until each is answered for
+or expired: ``reclaim``), but only when its predecessor is surely gone: it ran in this
+process's pid namespace (same kernel boot, same namespace) and its pid is dead or is this
+process's. A hostname proves nothing (containers may share one, each with its own pid 1),
+and a router that merely lost Redis may still have decode workers about to pull those blocks:
+releasing them then would hand a live request blocks that are being reused. Leases not
+proven orphaned expire.
 
 The heartbeat is a key in Redis that expires ``TTL_S`` after its last beat, so liveness is
 judged on Redis's clock alone. Starting under an id whose key is held waits for it to expire
@@ -29,8 +31,8 @@ from dataclasses import dataclass
 import grpc
 
 from client.tasks import stop_task
-from protos import worker_pb2
-from router.ledger import MAX_LIST_LIMIT, TransferLedger
+from protos import worker_pb2, worker_pb2_grpc
+from router.ledger import MAX_LIST_LIMIT, LedgerEntry, TransferLedger
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,12 @@ HEARTBEAT_S = 1.0
 TTL_S = 3.0
 _RELEASE_TIMEOUT_S = 5.0
 _STOP_S = 2.0
+# A reclaim reads the ledger this often while it runs.
+_RECLAIM_ROUND_S = 1.0
+# ...and for at least this long with every read answered: a worker puts back the entries a
+# Redis restart or a purge lost at its next heartbeat (router/presence.py; at most 2.5 s
+# apart), and a router restarted with Redis may read the ledger before any has.
+_RECLAIM_SETTLE_S = 10.0
 
 
 def check_router_id(value) -> str:
@@ -146,6 +154,7 @@ class RouterPresence:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._displaced = False  # another incarnation holds our id (see _beat_once)
+        self._maybe_alive = 0  # leases left to expire, as last logged (predecessor_entries)
 
     async def claim(self) -> None:
         """Waits for a predecessor's heartbeat under this id to expire; ValueError if it
@@ -192,38 +201,36 @@ class RouterPresence:
 
     async def reclaim(self, prefill_stub_of) -> int:
         """Releases the leases this id's earlier incarnations left, where they are surely
-        gone; returns how many. ``prefill_stub_of(worker_id)``: the live prefill worker's
-        stub, or None (a worker that is gone took its leases with it)."""
+        gone; returns how many. A task for the router's life until done: it reads the ledger
+        until Redis answers, asks every lease's worker at once (one that hangs delays no
+        other), and tries again each round what was not answered. It ends once every such
+        lease seen was answered for and the ledger has been read for ``_RECLAIM_SETTLE_S``
+        without a failure: entries Redis lost come back with their worker's republish (a
+        restart, a purge), a few heartbeats later. A lease whose worker does not answer is
+        tried until its entry expires with it, so the leases' TTLs bound the task once Redis
+        answers. ``prefill_stub_of(worker_id)``: the stub of a prefill worker in the router's
+        view, or None: then the entry's address is dialed (the view may be empty yet, and a
+        draining worker left it but holds its leases until its drain ends)."""
+        run = _Reclaim(self, prefill_stub_of)
         try:
-            entries, _ = await self.ledger.entries(limit=MAX_LIST_LIMIT)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("router %s: cannot read the transfer ledger: %s", self.router_id, e)
-            return 0
+            return await run.until_done()
+        finally:
+            await run.close()
+
+    async def predecessor_entries(self) -> list[LedgerEntry]:
+        """The ledger's leases of this id's earlier incarnations that are surely gone, and
+        that nobody pulls. Raises as the ledger read does."""
+        entries, _ = await self.ledger.entries(limit=MAX_LIST_LIMIT)
         # A lease being pulled is left to its pull, which releases it: the puller may not
         # have heard of the cut yet and would read blocks already reused.
         left = [e for e in entries if e.router_id == self.router_id
                 and e.router_incarnation != self.incarnation and not e.decode_worker_id]
         mine = [e for e in left if Incarnation.decode(e.router_incarnation).surely_gone()]
-        if len(mine) < len(left):
+        if len(mine) < len(left) and len(left) - len(mine) != self._maybe_alive:
             logger.info("router %s: %d leases of an earlier incarnation that may still run "
                         "elsewhere are left to expire", self.router_id, len(left) - len(mine))
-        released = 0
-        for e in mine:
-            stub = prefill_stub_of(e.prefill_worker_id)
-            if stub is None:
-                continue
-            try:
-                resp = await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=e.request_id),
-                                            timeout=_RELEASE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as err:
-                logger.warning("router %s: releasing %s on %s failed: %s", self.router_id,
-                               e.request_id, e.prefill_worker_id, err.code().name)
-                continue
-            released += resp.released
-        if mine:
-            logger.info("router %s: released %d of %d KV leases its previous incarnation left",
-                        self.router_id, released, len(mine))
-        return released
+        self._maybe_alive = len(left) - len(mine)
+        return mine
 
     async def stop(self) -> None:
         self._stopping = True
@@ -234,3 +241,93 @@ class RouterPresence:
                 await self.ledger.router_leave(self.router_id, self.incarnation)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat goes stale
             logger.warning("router %s: leaving Redis failed: %r", self.router_id, e)
+
+
+class _Reclaim:
+    """One run of ``RouterPresence.reclaim``: the releases in flight, answered, to retry."""
+
+    def __init__(self, presence: RouterPresence, prefill_stub_of) -> None:
+        self.presence = presence
+        self.name = presence.router_id
+        self.stub_of = prefill_stub_of
+        # By (worker id, request id): ReleaseKVs in flight, and the workers' answers
+        # (released, or not held any more). One that failed is in neither: sent again.
+        self.sent: dict[tuple[str, str], asyncio.Task] = {}
+        self.answered: dict[tuple[str, str], bool] = {}
+        self.channels: dict[str, grpc.aio.Channel] = {}  # addresses dialed
+        self.logged: set = set()  # failures logged, once each
+
+    async def until_done(self) -> int:
+        loop = asyncio.get_running_loop()
+        settled_at = loop.time() + _RECLAIM_SETTLE_S
+        while not self.presence._stopping:
+            self._collect()
+            try:
+                entries = await self.presence.predecessor_entries()
+            except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
+                self._log_once("read", "cannot read the transfer ledger (retrying): %s", e)
+                settled_at = loop.time() + _RECLAIM_SETTLE_S
+            else:
+                pending = self._send(entries)
+                if not pending and loop.time() >= settled_at:
+                    break
+            await asyncio.sleep(_RECLAIM_ROUND_S)
+        released = sum(self.answered.values())
+        if self.answered or self.sent:
+            logger.info("router %s: released %d of %d KV leases its previous incarnation left",
+                        self.name, released, len(self.answered) + len(self.sent))
+        return released
+
+    def _collect(self) -> None:
+        """The answers in; a failed call is forgotten, so this round sends it again."""
+        for key, task in list(self.sent.items()):
+            if task.done():
+                del self.sent[key]
+                if task.result() is not None:
+                    self.answered[key] = task.result()
+
+    def _send(self, entries: list[LedgerEntry]) -> int:
+        """A ReleaseKV for each entry neither answered nor in flight, all at once; how many
+        listed are not answered yet. Entries gone from the ledger (released, expired, their
+        worker purged) wait for nothing."""
+        pending = 0
+        for e in entries:
+            key = (e.prefill_worker_id, e.request_id)
+            if key in self.answered:
+                continue
+            pending += 1
+            if key not in self.sent:
+                self.sent[key] = asyncio.create_task(self._release(e))
+        return pending
+
+    async def _release(self, e: LedgerEntry) -> bool | None:
+        """Whether the worker's answer says it released the lease; None if it gave none."""
+        stub = self.stub_of(e.prefill_worker_id) or self._dial(e.prefill_address)
+        try:
+            resp = await stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=e.request_id),
+                                        timeout=_RELEASE_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - an RPC's failure, or an address gRPC refuses
+            why = err.code().name if isinstance(err, grpc.aio.AioRpcError) else repr(err)
+            self._log_once((e.prefill_worker_id, e.request_id),
+                           "releasing %s on %s failed (retried while it is listed): %s",
+                           e.request_id, e.prefill_worker_id, why)
+            return None
+        return resp.released
+
+    def _dial(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = grpc.aio.insecure_channel(address)
+        return worker_pb2_grpc.PrefillWorkerStub(channel)
+
+    def _log_once(self, what, message: str, *args) -> None:
+        # Retried every round: one line per failing thing, not one per round.
+        if what not in self.logged:
+            self.logged.add(what)
+            logger.warning("router %s: " + message, self.name, *args)
+
+    async def close(self) -> None:
+        for task in self.sent.values():
+            task.cancel()
+        for channel in self.channels.values():
+            await channel.close()

@@ -3,12 +3,15 @@ against a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
 from engine.block_hash import hash_request_tokens
@@ -19,7 +22,7 @@ from router.ledger import (EXPIRY_MARGIN_S, MAX_LIST_LIMIT, TransferOpened, Tran
 from router.redis_server import RedisServer
 from router.registry import Registry
 from router.router_presence import TTL_S, Incarnation, RouterPresence, pid_namespace
-from protos import worker_pb2
+from protos import worker_pb2, worker_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,12 @@ class _Stub:
         return worker_pb2.ReleaseKVResponse(released=True)
 
 
-def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(redis_url):
+def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(redis_url,
+                                                                             monkeypatch):
+    import router.router_presence
+    monkeypatch.setattr(router.router_presence, "_RECLAIM_ROUND_S", 0.05)
+    monkeypatch.setattr(router.router_presence, "_RECLAIM_SETTLE_S", 0.2)
+
     async def body():
         reg = Registry.from_url(redis_url, "l6")
         host, ns = socket.gethostname(), pid_namespace()
@@ -210,7 +218,6 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
             _opened("maybe-alive", "r1", elsewhere.encode()),
             _opened("other-container", "r1", container.encode())])
         await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time(), 60.0)])
-        await reg.publish_events("gone", [_opened("on-a-dead-worker", "r1", dead.encode())])
         presence = RouterPresence(reg.ledger, "r1")
         await presence.claim()
         await reg.publish_events("p1", [_opened("current", "r1", presence.incarnation)])
@@ -299,3 +306,173 @@ def test_the_default_router_id_names_host_and_port():
     assert default_router_id("127.0.0.1", 0) == f"router-{host}-127.0.0.1-{os.getpid()}"
     from router.router_presence import check_router_id
     assert check_router_id(default_router_id("[fe80::1]", 50051))
+
+
+# --- a worker's republish, the listing's times and liveness ----------------------------------
+def test_a_republish_makes_the_worker_s_entries_what_it_holds(redis_url):
+    """Redis lost an entry of a lease still held (a restart, a purge of the worker) and kept
+    one whose close was lost (a failed flush): the worker's republish puts its entries right,
+    each for what is left of its lease, keeping the pull mark of a lease being pulled."""
+    async def body():
+        reg = Registry.from_url(redis_url, "l9")
+        held = [_opened("pulled"), _opened("lost")]
+        await reg.publish_events("p1", [*held, _opened("closed")])
+        await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time(), 60.0)])
+        await reg.publish_events("p2", [_opened("another-worker-s")])
+        await reg.r.delete(entry_key("l9", "p1", "lost"))
+        left = [dataclasses.replace(e, remaining_s=30.0 - i) for i, e in enumerate(held)]
+        await reg.ledger.replace_worker("p1", left)
+        listed = {(e.prefill_worker_id, e.request_id): e for e in (await reg.ledger.entries())[0]}
+        assert sorted(listed) == [("p1", "lost"), ("p1", "pulled"), ("p2", "another-worker-s")]
+        assert listed["p1", "pulled"].decode_worker_id == "d1"
+        assert not await reg.r.exists(entry_key("l9", "p1", "closed"))
+        assert await reg.r.zscore(reg.ledger.index_key, entry_key("l9", "p1", "closed")) is None
+        assert await reg.r.smembers("l9:wxfers:p1") == {
+            entry_key("l9", "p1", r).encode() for r in ("pulled", "lost")}
+        # Kept for what was left of it, and listed so: ends in under 29 s, began over 31 s ago.
+        lost = listed["p1", "lost"]
+        assert 0 < await reg.r.pttl(entry_key("l9", "p1", "lost")) <= (29 + EXPIRY_MARGIN_S) * 1000
+        assert 0 < lost.expires_in_s <= 29 and 31 <= lost.age_s < 60
+        # The worker's set outlives its longest entry.
+        assert await reg.r.pttl("l9:wxfers:p1") > (29 + EXPIRY_MARGIN_S) * 1000
+        # A new, empty Redis gets them all back.
+        await reg.r.flushdb()
+        await reg.ledger.replace_worker("p1", left)
+        assert sorted(e.request_id for e in (await reg.ledger.entries())[0]) == ["lost", "pulled"]
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+class _Routerless:
+    """What ListTransfers reads of the router: the registry."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+
+async def _list_transfers(reg: Registry) -> dict:
+    from router.admin import RouterAdminServicer
+    from protos import router_pb2
+
+    resp = await RouterAdminServicer(_Routerless(reg), None, None).ListTransfers(
+        router_pb2.ListTransfersRequest(), None)
+    return {t.transfer_id: t for t in resp.transfers}
+
+
+def test_listed_times_are_redis_s_not_other_hosts_clocks(redis_url):
+    """Workers whose clocks are minutes off the router's: their leases are listed as Redis
+    counts them."""
+    async def body():
+        reg = Registry.from_url(redis_url, "l10")
+        for name, off in (("behind", -120.0), ("ahead", 120.0), ("in-sync", 0.0)):
+            await reg.publish_events(f"p-{name}", [_opened(name, clock_off=off)])
+        # The decode worker's clock is off too; the pull began with 50 s of the lease left.
+        await reg.publish_events("d1", [TransferPulling("p-ahead", "ahead", "d1",
+                                                        time.time() - 1000.0, 50.0)])
+        listed = await _list_transfers(reg)
+        assert sorted(listed) == ["ahead", "behind", "in-sync"]
+        for t in listed.values():
+            assert 55 < t.expires_in_s <= 60 and 0 <= t.age_s < 5
+        assert listed["ahead"].state == "pulling" and 0 <= listed["ahead"].pull_s < 5
+        assert listed["behind"].pull_s == 0
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+def test_a_lease_s_router_lives_only_as_the_incarnation_that_took_it(redis_url):
+    async def body():
+        reg = Registry.from_url(redis_url, "l11")
+        assert await reg.ledger.router_claim("r1", "now", TTL_S)
+        await reg.publish_events("p1", [_opened("by-this-one", "r1", "now"),
+                                        _opened("by-a-predecessor", "r1", "before"),
+                                        _opened("no-incarnation", "r1", ""),
+                                        _opened("by-a-router-gone", "r2", "now")])
+        listed = await _list_transfers(reg)
+        assert {k: t.router_live for k, t in listed.items()} == {
+            "by-this-one": True, "by-a-predecessor": False, "no-incarnation": False,
+            "by-a-router-gone": False}
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
+# --- a restarted router's reclaim ------------------------------------------------------------
+class _PrefillWorker(worker_pb2_grpc.PrefillWorkerServicer):
+    """A prefill worker's ReleaseKV, served: answering, or never (a hung worker)."""
+
+    def __init__(self, hung: bool = False) -> None:
+        self.hung = hung
+        self.released: list[str] = []
+
+    async def ReleaseKV(self, request, context):
+        if self.hung:
+            await asyncio.Event().wait()
+        self.released.append(request.request_id)
+        return worker_pb2.ReleaseKVResponse(released=True)
+
+
+async def _serve(servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _until(pred, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+def test_a_reclaim_waits_out_redis_and_dials_workers_out_of_its_view(monkeypatch):
+    """Redis hangs as the router starts, and its view of the workers is empty: the reclaim
+    tries again until the ledger reads, releases at the entries' addresses, and a worker that
+    hangs holds up no other; it ends once every lease is answered for or gone."""
+    import router.redis_bound
+    import router.router_presence
+    monkeypatch.setattr(router.redis_bound, "REDIS_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(router.router_presence, "_RECLAIM_ROUND_S", 0.05)
+    monkeypatch.setattr(router.router_presence, "_RECLAIM_SETTLE_S", 0.2)
+    monkeypatch.setattr(router.router_presence, "_RELEASE_TIMEOUT_S", 60.0)
+
+    async def body(redis: RedisServer):
+        reg = Registry.from_url(redis.url, "l12")
+        dead = Incarnation("old", socket.gethostname(), os.getpid(), pid_namespace()).encode()
+        answering, hung = _PrefillWorker(), _PrefillWorker(hung=True)
+        (s1, a1), (s2, a2) = await _serve(answering), await _serve(hung)
+        await reg.publish_events("p1", [dataclasses.replace(_opened(r, "r1", dead),
+                                                            prefill_address=a1)
+                                        for r in ("a~1", "b~2")])
+        await reg.publish_events("p2", [dataclasses.replace(_opened("c~3", "r1", dead),
+                                                            prefill_address=a2)])
+        presence = RouterPresence(reg.ledger, "r1")
+        failed = 0
+        read = reg.ledger.entries
+
+        async def counted(*args, **kwargs):
+            nonlocal failed
+            try:
+                return await read(*args, **kwargs)
+            except Exception:
+                failed += 1
+                raise
+        reg.ledger.entries = counted
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            task = asyncio.create_task(presence.reclaim(lambda wid: None))
+            assert await _until(lambda: failed >= 2)
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert await _until(lambda: sorted(answering.released) == ["a~1", "b~2"])
+        assert not task.done()  # the hung worker's lease is still listed, its call in flight
+        await reg.r.delete(entry_key("l12", "p2", "c~3"))  # as its expiry would
+        assert await asyncio.wait_for(task, 20) == 2
+        await s1.stop(0)
+        await s2.stop(0)
+        await reg.r.aclose()
+
+    with RedisServer() as redis:
+        asyncio.run(body(redis))

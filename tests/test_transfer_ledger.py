@@ -190,9 +190,16 @@ def test_a_killed_router_started_again_releases_the_leases_it_left(cluster):
     assert _release(prefill.address, "kept~0")
     with Client(cluster.router_address, timeout=60) as c:  # the new router serves
         assert len(c.complete(prompts[0], max_tokens=3, temperature=0.0).token_ids) >= 1
-    _prefill(prefill.address, "live~0", prompts[1], router_id=router_id)
-    assert wait_until(lambda: len(_transfers(cluster).transfers) == 1, 10)
-    (t,) = _transfers(cluster).transfers
-    assert t.router_id == router_id and t.router_live  # the new router beats under the id
-    assert _release(prefill.address, "live~0")
-    assert r.get(f"pdserve:router:{router_id}").decode() != incarnation
+    live = r.get(f"pdserve:router:{router_id}").decode()
+    assert live != incarnation
+    # Alive: the incarnation that took the lease beats. Not alive: one under the same id that
+    # ran elsewhere (its successor cannot prove it gone, so leaves its leases to expire).
+    elsewhere = "0badc0de00000000 4242 other-boot-id/4026531836 otherhost"
+    _prefill(prefill.address, "live~0", prompts[1], router_id=router_id, router_incarnation=live)
+    _prefill(prefill.address, "dead~0", prompts[2], router_id=router_id,
+             router_incarnation=elsewhere)
+    assert wait_until(lambda: len(_transfers(cluster).transfers) == 2, 10)
+    listed = {t.transfer_id: t for t in _transfers(cluster).transfers}
+    assert listed["live~0"].router_id == router_id and listed["live~0"].router_live
+    assert listed["dead~0"].router_id == router_id and not listed["dead~0"].router_live
+    assert _release(prefill.address, "live~0") and _release(prefill.address, "dead~0")
