@@ -219,7 +219,7 @@ class KVCacheManager:
         looked_up = computed is not None and self.enable_prefix_caching
         computed = computed or ComputedBlocks()
         held = self._req_blocks.get(request.request_id, [])
-        if computed.blocks:
+        if computed.blocks or computed.partial_block is not None:
             self._check_computed(request, computed, held)
         num_total = request.num_computed_tokens + computed.num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, _cdiv(num_total, self.block_size)

@@ -320,8 +320,13 @@ class LLMEngine:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "admit" and self._admitting.pop(arg.request_id, None) is None:
-                continue  # aborted between its commit and now
+            if kind == "admit":
+                # Aborted between its commit and now, and maybe its id taken again since: only
+                # the very request its commit admitted goes in (the old one ran on the new
+                # one's blocks, under its id, and the new one's admit found nothing).
+                if self._admitting.get(arg.request_id) is not arg:
+                    continue
+                del self._admitting[arg.request_id]
             if kind == "add" or kind == "admit":
                 self.scheduler.add_request(arg)
                 self.outputs.add_request(arg)

@@ -138,6 +138,13 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate_slots(req, num_new) is None:
+            # Before the last running request preempts itself, a decode-role request waiting
+            # on its written KV gives its blocks up: a request that cannot reuse its own
+            # blocks (prompt logprobs, no prefix caching) preempted itself, came back a chunk
+            # at a time (each fitting), took the step's budget and ran out again, for ever,
+            # while the holders, never admitted, kept their blocks.
+            if self.running[-1] is req and self._preempt_waiting_holder(req, req):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim.request_id)
@@ -194,12 +201,16 @@ class Scheduler:
                                                   self.kv.block_table(req.request_id)))
             budget -= num_new
 
-    def _preempt_waiting_holder(self, head: Request) -> bool:
+    def _preempt_waiting_holder(self, head: Request, outranking: Request | None = None) -> bool:
         """Decode role: requests admitted with their prompt KV wait holding its blocks. With
         nothing running, none of those blocks would ever come back, so when they leave the
         head no room, the last such request (the lowest priority) gives its blocks up and
-        will recompute, as a preempted running request does. False when there is none."""
+        will recompute, as a preempted running request does. ``outranking``: only a holder
+        that does not go before it (the priority policy) gives way. False when there is none."""
         for victim in reversed(self.waiting):
+            if outranking is not None and self.by_priority and \
+                    _priority_key(victim) < _priority_key(outranking):
+                continue
             if victim is not head and victim.num_computed_tokens > 0:
                 self.kv.free(victim)
                 victim.status = RequestStatus.PREEMPTED

@@ -380,3 +380,59 @@ def test_kv_events_are_kept_only_for_an_engine_that_publishes_them(model):
     stored = [h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes]
     assert len(stored) == 40 // 16
     assert [e.request_id for e in events if type(e).__name__ == "LeaseEnded"] == ["s0"]
+
+
+@pytest.mark.parametrize("recomputes", ["no-prefix-caching", "prompt-logprobs"])
+def test_a_request_that_recomputes_beside_a_waiting_kv_holder_finishes(model, recomputes):
+    """Decode role, chunked prefill: a running request that cannot reuse its own blocks
+    preempted itself, came back a chunk at a time and ran out of blocks again, for ever,
+    while a committed request waited holding its written KV. The holder gives way first."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    caching = recomputes != "no-prefix-caching"
+    extra = dict(prompt_logprobs=1) if recomputes == "prompt-logprobs" else {}
+    engine = LLMEngine(EngineConfig(model, role="decode", num_gpu_blocks=8, block_size=4,
+                                    max_num_batched_tokens=8, enable_prefix_caching=caching))
+    engine.add_request("big", list(range(10, 30)), SamplingParams(max_tokens=2, **greedy,
+                                                                  **extra))
+    engine.step()  # big's first chunk
+    engine.add_prefilled_request("held", list(range(40, 56)), 7,
+                                 SamplingParams(max_tokens=2, **greedy))
+    engine.commit_prefilled("held")
+    done = {o.request_id for o in _run_until(
+        engine, lambda o: sum(x.finished for x in o) == 2, limit=200) if o.finished}
+    assert done == {"big", "held"}
+    assert _free(engine)
+
+
+def test_a_stale_admit_of_an_aborted_request_leaves_a_new_one_under_its_id_alone(model):
+    """An abort and the id's reuse in the window between commit_prefilled and its admit
+    reaching the step: the old admit ran the aborted request on the new one's blocks, under
+    its id, and the new one's own admit found nothing to admit."""
+    engine = LLMEngine(EngineConfig(model, role="decode", num_gpu_blocks=32, block_size=4))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_prefilled_request("a", list(range(5, 30)), 9, params)
+    inbox, reused = engine._inbox, []
+
+    class Window:  # another thread acting while commit_prefilled has yet to queue its admit
+        def put(self, item):
+            if item[0] == "admit" and not reused:
+                engine.abort("a")
+                inbox.put(item)  # the first commit's admit lands now
+                engine.add_prefilled_request("a", list(range(100, 125)), 11, params)
+                reused.append(True)
+                engine.commit_prefilled("a")
+                return
+            inbox.put(item)
+
+        def get_nowait(self):
+            return inbox.get_nowait()
+
+    engine._inbox = Window()
+    engine.commit_prefilled("a")
+    engine._inbox = inbox
+    outs = _run_until(engine, lambda o: any(x.finished and x.token_ids[0] == 11 for x in o),
+                      limit=50)
+    finished = [o for o in outs if o.finished]
+    assert [o.token_ids[0] for o in finished] == [9, 11]  # the old one aborted, the new one ran
+    assert finished[0].finish_reason == "abort" and len(finished[1].token_ids) == 4
+    assert _free(engine)

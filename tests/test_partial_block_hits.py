@@ -164,6 +164,22 @@ def test_a_partial_hit_evicted_before_allocation_is_refused():
         mgr.allocate_slots(b, 1, computed)
 
 
+def test_a_lookup_of_only_a_partial_hit_is_checked_too():
+    """With no full block in the lookup, its partial source evicted and handed to another
+    request was copied in as this prompt's KV."""
+    mgr = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_request("a", list(range(8)))
+    admit(mgr, a)
+    mgr.end_schedule()
+    mgr.free(a)
+    d = make_request("d", [0, 1, 98, 97, 96])
+    computed = mgr.get_computed_blocks(d, partial_hits=True)
+    assert not computed.blocks and computed.partial_block is not None
+    mgr.pool.get_new_blocks(3)  # evicts every cached block
+    with pytest.raises(RuntimeError, match="evicted"):
+        mgr.allocate_slots(d, d.num_tokens - computed.num_computed_tokens, computed)
+
+
 # -- the copy and its trip to the other TP ranks ---------------------------------------------
 
 def test_copy_blocks_gathers_sources_before_writing():
