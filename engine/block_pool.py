@@ -211,13 +211,19 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVBlock) -> None:
+        if self.uncache(block):
+            self.num_evictions += 1
+
+    def uncache(self, block: KVBlock) -> bool:
+        """Forgets the block's hash (its KV is not what the hash says: a step that was to
+        compute it failed); whether it had one."""
         if block.block_hash is None:
-            return
+            return False
         del self.cached_blocks[block.block_hash]
         self._unindex(block)
         self._record(BlockRemoved([block.block_hash]))
         block.block_hash = None
-        self.num_evictions += 1
+        return True
 
     def _unindex(self, block: KVBlock) -> None:
         if block.token_ids is None:

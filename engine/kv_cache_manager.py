@@ -96,6 +96,7 @@ class KVCacheManager:
         self._block_copies: list[BlockCopy] = []
         # Blocks cached since the last end_schedule, whose K/V the coming step computes.
         self._cached_this_schedule: set[int] = set()
+        self._cached_last_schedule: list[int] = []
         self._stats = PrefixCacheStats()
 
     # -- queries -----------------------------------------------------------------------------
@@ -134,8 +135,17 @@ class KVCacheManager:
         schedule become partial-hit sources from the next one on: its step computes them.
         """
         copies, self._block_copies = self._block_copies, []
+        # Kept until the next schedule: the step that computes them may fail.
+        self._cached_last_schedule = list(self._cached_this_schedule)
         self._cached_this_schedule.clear()
         return copies
+
+    def uncache_last_schedule(self) -> None:
+        """The step of the last schedule failed: the blocks it cached hold no KV of theirs,
+        and a prompt sharing their prefix would read whatever they hold. Forgotten."""
+        for block_id in self._cached_last_schedule:
+            self.pool.uncache(self.pool.blocks[block_id])
+        self._cached_last_schedule = []
 
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every block hash in the prefix cache now (to rebuild an index that lost events)."""

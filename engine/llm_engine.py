@@ -256,17 +256,23 @@ class LLMEngine:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return outputs
-            inp = prepare_input(sched, self.block_size, self.device)
-            # [num_sampled + prompt logprob rows, vocab]
-            logits = self.executor.execute_model(inp)
-            num_sampled = len(inp.sample_request_ids)
-            if inp.prompt_logprob_rows:  # before the first token's output, which carries them
-                scored = score_prompt_tokens(logits[num_sampled:], inp.prompt_logprob_rows,
-                                             self.scheduler.requests)
-                self.outputs.decode_logprobs(scored)
-            # Sample before the scheduler moves the requests past this step.
-            out = None if not num_sampled else sample_tokens(
-                self.sampler, logits[:num_sampled], sched, self.device)
+            try:
+                inp = prepare_input(sched, self.block_size, self.device)
+                # [num_sampled + prompt logprob rows, vocab]
+                logits = self.executor.execute_model(inp)
+                num_sampled = len(inp.sample_request_ids)
+                if inp.prompt_logprob_rows:  # before the first token's output, which has them
+                    scored = score_prompt_tokens(logits[num_sampled:], inp.prompt_logprob_rows,
+                                                 self.scheduler.requests)
+                    self.outputs.decode_logprobs(scored)
+                # Sample before the scheduler moves the requests past this step.
+                out = None if not num_sampled else sample_tokens(
+                    self.sampler, logits[:num_sampled], sched, self.device)
+            except BaseException:
+                # An interrupted step (Ctrl-C in a notebook, a CUDA OOM) left blocks cached
+                # whose KV it never wrote: a later prompt with their prefix read them.
+                self.scheduler.undo(sched)
+                raise
             self.scheduler.update_after_step(sched)
             self.num_steps += 1
             self.step_num_tokens.append(sched.num_scheduled_tokens)

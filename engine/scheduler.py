@@ -230,6 +230,16 @@ class Scheduler:
         self._prompt_logprob_budget -= num_new
         return num_new
 
+    def undo(self, out: SchedulerOutput) -> None:
+        """The step of ``out`` failed: its requests give their blocks up and start over (as
+        preempted ones do), and the blocks it was to compute leave the prefix cache."""
+        self.kv.uncache_last_schedule()
+        for s in out.scheduled:
+            req = s.request
+            if req in self.running:
+                self.running.remove(req)
+                self._preempt(req)
+
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances each scheduled request by the tokens this step computed."""
         for s in out.scheduled:

@@ -238,3 +238,31 @@ def test_checkpoint_without_tokenizer_takes_token_ids(preset_path, tmp_path):
     assert len(out.token_ids) == 3 and out.text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text"], SamplingParams(max_tokens=3))
+
+
+def test_an_interrupted_step_leaves_no_uncomputed_block_in_the_prefix_cache(preset_path):
+    """Blocks are cached when allocated, before the step computes them: a step interrupted
+    in its forward (Ctrl-C in a notebook, a CUDA OOM) left them cached with KV never written,
+    and the same prompt's next run decoded from it."""
+    path = str(preset_path("tiny-llama"))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [(7 * i) % 200 + 5 for i in range(40)]
+    with LLM(path, enable_prefix_caching=False) as ref:
+        want = ref.generate([prompt], greedy)[0].token_ids
+    with LLM(path) as llm:
+        real, calls = llm.engine.executor.execute_model, []
+
+        def interrupted_once(inp):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(inp)
+
+        llm.engine.executor.execute_model = interrupted_once
+        with pytest.raises(KeyboardInterrupt):
+            for _ in llm.stream(prompt, greedy):
+                pass
+        assert llm.engine.kv_manager.pool.num_cached_blocks == 0
+        got = llm.generate([prompt], greedy)[0]
+        assert got.token_ids == want
+        assert _all_free(llm)
