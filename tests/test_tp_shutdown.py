@@ -283,8 +283,8 @@ def test_a_rank_dead_at_the_last_step_of_start_up_is_named(preset_path, monkeypa
     assert killed
 
 
-def _listening_sockets() -> int:
-    """TCP sockets of this process in the LISTEN state."""
+def _listening_sockets() -> set[str]:
+    """The inodes of this process's TCP sockets in the LISTEN state."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -295,7 +295,7 @@ def _listening_sockets() -> int:
             inodes.add(target[8:-1])
     with open("/proc/net/tcp") as f:
         rows = [line.split() for line in f.readlines()[1:]]
-    return sum(1 for r in rows if r[3] == "0A" and r[9] in inodes)
+    return {r[9] for r in rows if r[3] == "0A" and r[9] in inodes}
 
 
 def test_a_shut_down_engine_still_referenced_holds_no_ports(preset_path):
@@ -307,7 +307,8 @@ def test_a_shut_down_engine_still_referenced_holds_no_ports(preset_path):
         with LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32)) as engine:
             kept.append(engine)
-    assert _listening_sockets() == before[0]
+    # None of its own left (an earlier test's may close meanwhile: not a count).
+    assert _listening_sockets() <= before[0]
     assert len(os.listdir("/proc/self/fd")) - before[1] < 8  # 14 an engine before
 
 
