@@ -19,6 +19,7 @@ from router.redis_bound import REDIS_TIMEOUT_S
 from router.redis_server import RedisServer
 from router.registry import Registry
 from tests.proc_signals import wait_until
+from tests.test_transfer_ledger import _proc
 from tests.serving_helpers import WORKER_ARGS, random_prompts, worker_info
 
 GREEDY = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -34,11 +35,6 @@ def cluster():
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
-
-
-def _proc(cluster, role):
-    (p,) = [p for p in cluster.procs if p.role == role and p.popen.poll() is None]
-    return p
 
 
 def _listed(cluster) -> set[str] | None:
