@@ -295,9 +295,12 @@ def _sliding_layers(raw: dict[str, Any], architecture: str, layer_types: list[st
 
 
 def _parse_rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
-    # transformers 5.x: everything in rope_parameters; 4.x: rope_theta + rope_scaling.
-    params = dict(_rope_field(raw, "rope_scaling", where))
-    params.update(_rope_field(raw, "rope_parameters", where))
+    # transformers 5.x: everything in rope_parameters; 4.x: rope_theta + rope_scaling. A
+    # rope_scaling that is set wins whole, as in transformers 5 (a 4.x-style edit of a 5.x
+    # config.json, to stretch its context, is what it runs): merged the other way, a default
+    # rope_parameters beside it hid it and the model ran unscaled RoPE.
+    scaling = _rope_field(raw, "rope_scaling", where)
+    params = dict(scaling or _rope_field(raw, "rope_parameters", where))
     if isinstance(params.get("full_attention"), dict):
         params = dict(params["full_attention"])  # per-layer-type layout
     if "rope_theta" not in params:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -70,6 +70,28 @@ def test_transformers_4_rope_layout(tmp_path):
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
     assert cfg.rope_theta == 500000.0 and cfg.torch_dtype == torch.float16
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+
+
+@pytest.mark.parametrize("theta", [None, 5e5])
+def test_a_rope_scaling_beside_rope_parameters_wins_as_in_transformers(tmp_path, theta):
+    # A 4.x-style edit of a 5.x config.json (to stretch its context): transformers runs the
+    # rope_scaling; a default rope_parameters beside it must not hide it.
+    LlamaConfig(**_SMALL, rope_theta=7e4).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["rope_parameters"]["rope_type"] == "default"
+    raw["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    if theta is not None:
+        raw["rope_theta"] = theta
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    want = AutoConfig.from_pretrained(tmp_path).rope_parameters
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.rope_scaling == {"rope_type": want["rope_type"], "factor": want["factor"]}
+    assert cfg.rope_theta == want["rope_theta"]
+
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}  # unsupported: refused, not run
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        ModelConfig.from_pretrained(tmp_path)
 
 
 def test_generation_config_eos_ids_are_added(tmp_path):
