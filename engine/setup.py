@@ -19,7 +19,7 @@ from engine.cuda_graph import CUDAGraphConfig
 from engine.kv_layout import make_layout
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.parallel_state import TPGroup, kv_head_range, tp_group_scope
+from engine.parallel_state import TPGroup, tp_group_scope
 from engine.presets import resolve_model
 from engine.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 from kernels import get_attention_backend
@@ -98,7 +98,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> No
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
                          f"{cfg.num_attention_heads} attention heads")
-    kv_head_range(cfg.num_key_value_heads, tp, 0)  # raises ValueError when it cannot split
+    kv = cfg.num_key_value_heads
+    if (tp % kv) if tp >= kv else (kv % tp):  # kv_head_range cannot split (or replicate) them
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {kv} "
+                         f"num_key_value_heads, nor is it a multiple of them")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
                          f"intermediate_size {cfg.intermediate_size}")

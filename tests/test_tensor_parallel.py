@@ -211,6 +211,22 @@ def test_bad_tensor_parallel_size(preset_path, tp, match):
         LLM(str(preset_path("tiny-llama")), tensor_parallel_size=tp)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_heads_tp_cannot_split_are_refused_by_the_flags_name(tmp_path, tp):
+    from transformers import LlamaConfig
+
+    from engine.model_config import ModelConfig
+    from engine.setup import check_tensor_parallel
+
+    LlamaConfig(hidden_size=96, num_hidden_layers=1, num_attention_heads=12,
+                num_key_value_heads=3, intermediate_size=48, vocab_size=64).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {tp} does not divide the "
+                                         "model's 3 num_key_value_heads"):
+        check_tensor_parallel(cfg, tp, torch.device("cpu"))
+    check_tensor_parallel(cfg, 3, torch.device("cpu"))  # a multiple of them: split exactly
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="NCCL tensor parallelism needs at least two CUDA GPUs")
