@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -55,18 +57,38 @@ class AsyncClient:
         self._routers: list[Peer] = []
         self._next = itertools.count()
         self._closed = False
+        # Set by close() (on the client's loop): wakes the calls waiting in a failover backoff.
+        self._closing: asyncio.Event | None = None
+        # Two loops' first calls at once must not both open channels (one set would leak).
+        self._connect_lock = threading.Lock()
+        # A forked child inherits the channels, but their calls are the parent's.
+        self._pid = os.getpid()
         # The health checks' task (in a box the finalizer shares).
         self._checks_box: list[asyncio.Task | None] = [None]
 
-    def _connect(self) -> None:
+    def _check_open(self) -> None:
+        if self._pid != os.getpid():  # the channels' calls are the parent's
+            raise RuntimeError("this AsyncClient was made before fork(); make a new one in the "
+                               "child process")
         if self._closed:  # its channels would raise grpc's UsageError
             raise RuntimeError("this AsyncClient is closed")
+
+    def _connect(self) -> None:
+        self._check_open()
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
-        if self._loop is not None:
-            raise RuntimeError("this AsyncClient's channels belong to the event loop of its "
-                               "first call; use a client per event loop (one per asyncio.run)")
+        with self._connect_lock:
+            self._check_open()  # close() (another thread) may have run meanwhile
+            if self._loop is not None and self._loop is not loop:
+                raise RuntimeError("this AsyncClient's channels belong to the event loop of "
+                                   "its first call; use a client per event loop (one per "
+                                   "asyncio.run)")
+            if self._loop is None:
+                self._open(loop)
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._closing = asyncio.Event()
         self._channels = open_channels(self.addresses, self.failover, *self._tls, aio=True)
         self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
         self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
@@ -79,7 +101,7 @@ class AsyncClient:
         """Router ``i``, with the health checks of busy routers running on the client's loop
         (the one ``_connect`` bound it to)."""
         interval = self.failover.health_check_interval_s
-        if interval and (self._checks is None or self._checks.done()):
+        if interval and not self._closed and (self._checks is None or self._checks.done()):
             routers = self._routers
             self._checks = self._loop.create_task(check_loop(
                 interval, self.failover.health_check_misses,
@@ -106,6 +128,7 @@ class AsyncClient:
         tries.track(req)
         received: list[int] = []
         while True:
+            self._check_open()  # close() during the backoff
             call = self._stubs[tries.router].Generate(
                 attempt_request(req, received, tries.retries), timeout=tries.remaining(),
                 metadata=self._metadata)
@@ -122,7 +145,7 @@ class AsyncClient:
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
-            await asyncio.sleep(delay)
+            await self._backoff(delay)
 
     async def complete(self, prompt: Prompt, *, request_id: str | None = None,
                        timeout: float | None = None, **sampling) -> Completion:
@@ -153,6 +176,7 @@ class AsyncClient:
         """One unary call, tried again on the next router while it fails over
         (``request_for(retries)`` is the request of each attempt)."""
         while True:
+            self._check_open()  # close() during the backoff
             try:
                 return await watched_unary(self._watch(tries.router).calls,
                                            getattr(self._stubs[tries.router], method)(
@@ -163,7 +187,13 @@ class AsyncClient:
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
-                await asyncio.sleep(delay)
+                await self._backoff(delay)
+
+    async def _backoff(self, delay: float) -> None:
+        """Waits ``delay`` s before the next attempt, or until close()."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):  # not wait_for: client/tasks.py
+                await self._closing.wait()
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         """Waits until the first router's channel connects (raises DeadlineExceededError)."""
@@ -176,7 +206,11 @@ class AsyncClient:
                 from None
 
     async def close(self) -> None:
-        self._closed = True
+        with self._connect_lock:  # a _connect in another thread opens no channels after this
+            self._closed = True
+        if self._pid != os.getpid():
+            return  # the channels and the task are the parent's, which closes them
+        self._wake()
         checks, self._checks = self._checks, None
         if checks is not None:
             if checks.get_loop() is asyncio.get_running_loop():
@@ -185,6 +219,16 @@ class AsyncClient:
                 checks.cancel()
         for channel in self._channels:
             await channel.close()
+
+    def _wake(self) -> None:
+        """Ends the backoff waits, on the loop the event belongs to."""
+        if self._closing is None:
+            return
+        if self._loop is asyncio.get_running_loop():
+            self._closing.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nothing waits
+                self._loop.call_soon_threadsafe(self._closing.set)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import itertools
-import time
+import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -41,6 +42,10 @@ class Client:
         self._routers = [Peer(a, c) for a, c in zip(self.addresses, self._channels)]
         self._next = itertools.count()
         self._closed = False
+        # Set by close(): wakes a call waiting in a failover backoff, in any thread.
+        self._closing = threading.Event()
+        # A forked child inherits the channels, but their calls and threads are the parent's.
+        self._pid = os.getpid()
         self._checks = None
         if failover.health_check_interval_s:
             self._checks = CheckThread(failover.health_check_interval_s,
@@ -48,7 +53,8 @@ class Client:
             self._checks.start()
         # A client dropped without close() must not leave its health-check thread, which
         # holds the channels, running for the rest of the process.
-        self._finalizer = weakref.finalize(self, _release, self._checks, self._channels)
+        self._finalizer = weakref.finalize(self, _release, self._pid, self._checks,
+                                           self._channels)
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(self.failover, len(self._stubs), next(self._next) % len(self._stubs),
@@ -68,14 +74,15 @@ class Client:
         received: list[int] = []
         while True:
             self._check_open()
-            call = self._stubs[tries.router].Generate(
+            call = self._invoke(lambda: self._stubs[tries.router].Generate(
                 attempt_request(req, received, tries.retries), timeout=tries.remaining(),
-                metadata=self._metadata)
+                metadata=self._metadata))
             try:
                 with self._routers[tries.router].calls.watch(call) as cut:
                     try:
                         for msg in call:
                             yield take_chunk(msg, received, tries)
+                            self._check_fork()  # an iterator read on in a forked child
                         return
                     except grpc.RpcError:
                         if cut.reason is not None:  # cancelled by the health checks
@@ -88,8 +95,9 @@ class Client:
                 if delay is None:
                     raise error_from_rpc(e) from None
             finally:
-                call.cancel()
-            time.sleep(delay)
+                if self._pid == os.getpid():  # a child's cancel of the parent's call hangs
+                    call.cancel()
+            self._closing.wait(delay)  # close() ends the wait; the next attempt then raises
 
     def complete(self, prompt: Prompt, *, request_id: str | None = None,
                  timeout: float | None = None, **sampling) -> Completion:
@@ -119,8 +127,8 @@ class Client:
         the next router while it fails over (``request_for(retries)``: each attempt's)."""
         while True:
             self._check_open()
-            fut = getattr(self._stubs[tries.router], method).future(
-                request_for(tries.retries), timeout=tries.remaining(), metadata=self._metadata)
+            fut = self._invoke(lambda: getattr(self._stubs[tries.router], method).future(
+                request_for(tries.retries), timeout=tries.remaining(), metadata=self._metadata))
             try:
                 with self._routers[tries.router].calls.watch(fut) as cut:
                     try:
@@ -133,7 +141,12 @@ class Client:
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
-                time.sleep(delay)
+            finally:
+                # No-op once finished. Otherwise (KeyboardInterrupt, any other exception) the
+                # router would hold the call for as long as the traceback is kept (a REPL's
+                # sys.last_traceback): the future is cancelled only when collected.
+                fut.cancel()
+            self._closing.wait(delay)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         self._check_open()
@@ -145,11 +158,28 @@ class Client:
 
     def close(self) -> None:
         self._closed = True
+        self._closing.set()
         self._finalizer()
 
     def _check_open(self) -> None:
+        self._check_fork()
         if self._closed:  # its channels would raise gRPC's own ValueError
             raise RuntimeError("this Client is closed")
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():  # the channels' calls and threads are the parent's
+            raise RuntimeError("this Client was made before fork(); make a new one in the "
+                               "child process")
+
+    def _invoke(self, start):
+        """``start()``, a call on a channel: one that close() (another thread) shut after
+        ``_check_open`` raises the SDK's error, not gRPC's ValueError."""
+        try:
+            return start()
+        except ValueError:
+            if self._closed:
+                raise RuntimeError("this Client is closed") from None
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -158,7 +188,11 @@ class Client:
         self.close()
 
 
-def _release(checks: CheckThread | None, channels: list) -> None:
+def _release(pid: int, checks: CheckThread | None, channels: list) -> None:
+    # In a forked child (its exit runs the finalizer too) the channels' calls are the
+    # parent's: closing them there waits forever. The parent closes them.
+    if os.getpid() != pid:
+        return
     if checks is not None:
         checks.stop()
     for channel in channels:
