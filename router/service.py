@@ -28,16 +28,17 @@ from engine.block_hash import hash_request_tokens
 from engine.call_abort import write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
+from router.chunks import (complete_response, finish_chunk, record_first_decode_chunk,
+                           without_prompt_logprobs)
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
-from router.directory import (LOAD_COST_TOKENS, NoWorkerError, WorkerDirectory, WorkerHandle,
-                              prefilling)
+from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import RouterRejectError, refuse, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
-from router.local_prefill import should_prefill_locally, should_reuse_decode_cache
 from router.migration import RequestRun, is_migratable
-from router.parallel import check_n, fan_out, request_usage, sequence_request
+from router.parallel import check_n, fan_out, sequence_request
+from router.placement import Placer
 from router.prompts import ServedModel
 from router.stats import RouterStats, SequenceEnd
 from protos.stream_interval import every_n_tokens, merge_chunk
@@ -58,6 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.model = model
         self.inflight = InflightRequests()
         self.directory = directory
+        self.placer = Placer(config, directory)
         self.stats = stats
         self._ids = itertools.count()
         self._release_tasks: set[asyncio.Task] = set()
@@ -82,7 +84,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     merged[chunk.index] = chunk
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
-        return _complete_response([merged[i] for i in sorted(merged)])
+        return complete_response([merged[i] for i in sorted(merged)])
 
     async def _abort(self, context, e: Exception) -> None:
         self.stats.requests_failed += 1
@@ -253,94 +255,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if run.output_so_far and request.sampling.HasField("prompt_logprobs"):
             # The client has them: they came with the first token. A continuation need not
             # score the prompt again, and so may use the prefix cache.
-            request = _without_prompt_logprobs(request)
+            request = without_prompt_logprobs(request)
         ids = run.all_token_ids
         avoid = frozenset(run.failed)
         run.workers.clear()
         hashes = hash_request_tokens(ids, self.config.block_size)
-        prefill, matched = await self._pick_prefill(hashes, len(ids), avoid)
-        self.directory.check_prompt_fits(len(ids), 0 if run.started else run.requested_len)
-        decode, held = await self._decode_cache_holder(hashes, len(ids), avoid, matched)
-        if decode is not None:
-            local, matched = True, held
-        else:
-            decode = await self._local_candidate(len(ids), avoid)
-            local = self._prefill_locally(prefill, decode, len(ids), matched)
-            matched = 0 if local else matched
+        where = await self.placer.place(hashes, len(ids), avoid,
+                                        0 if run.started else run.requested_len)
         if not run.started and not run.migrations:
             # Once per request: an attempt after a failed one (before any token) is the same
             # request's, and with n > 1 sequence 0 prefills the prompt (the others find it
-            # cached). prefix_tokens_matched counts the cache of the worker that runs the
-            # prompt as the index saw it: none for a local prefill chosen without looking.
+            # cached).
             if run.index == 0:
-                self.stats.routed(len(ids), matched)
-                self.stats.prefilled(local, on_decode_cache=held > 0 and local)
+                self.stats.routed(len(ids), where.matched)
+                self.stats.prefilled(where.local, on_decode_cache=where.held > 0)
             run.timings.router_queue_s = time.monotonic() - run.t0
-        run.usage.local_prefill = local
-        if local:
-            chunks = self._local_prefill(run, request, decode, context)
+        run.usage.local_prefill = where.local
+        if where.local:
+            chunks = self._local_prefill(run, request, where.decode, context)
         else:
-            chunks = self._remote_prefill(run, request, prefill, avoid, context)
+            chunks = self._remote_prefill(run, request, where.prefill, avoid, context)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
-
-    def _prefill_locally(self, prefill: WorkerHandle | None, decode: WorkerHandle | None,
-                         num_tokens: int, matched: int) -> bool:
-        """Whether the decode worker runs the prompt itself (conditional disaggregation)."""
-        if prefill is not None:
-            return decode is not None and should_prefill_locally(
-                self.config.local_prefill, num_tokens, matched, prefill.inflight,
-                decode.prefilling)
-        # No prefill worker at all: a decode worker that may prefill keeps short prompts
-        # served instead of failing every request.
-        limit = self.config.local_prefill.max_local_prefill_length
-        if decode is None:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available, "
-                                "nor a decode worker with room to prefill")
-        if num_tokens > limit:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
-                                f"no prefill worker is available, and the {num_tokens}-token "
-                                "prompt is longer than a decode worker prefills itself "
-                                f"(--max-local-prefill-length {limit})")
-        return True
-
-    async def _pick_prefill(self, hashes: list[bytes], num_tokens: int,
-                            avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
-        """The prefill worker and its cached prefix length; (None, 0) when there is none but
-        local prefill is on, so a decode worker may still take the prompt."""
-        try:
-            return await self.directory.pick_prefill(hashes, num_tokens, avoid)
-        except NoWorkerError:
-            if not self.config.local_prefill.enabled:
-                raise
-            return None, 0
-
-    async def _decode_cache_holder(self, hashes: list[bytes], num_tokens: int,
-                                   avoid: frozenset[str],
-                                   prefill_cached: int) -> tuple[WorkerHandle | None, int]:
-        """The decode worker that should prefill the prompt because it holds more of it (a
-        chat's next turn, router/local_prefill.py), and its cached tokens; (None, 0) else."""
-        cfg = self.config.local_prefill
-        if (cfg.decode_prefix_reuse_min_tokens == 0
-                or num_tokens - prefill_cached < cfg.decode_prefix_reuse_min_tokens):
-            return None, 0  # no decode worker can lead by enough: spare the index a lookup
-        holder, held = await self.directory.longest_decode_prefix(hashes, num_tokens, avoid)
-        if holder is None or not should_reuse_decode_cache(
-                cfg, num_tokens, held, prefill_cached, holder.prefilling, LOAD_COST_TOKENS):
-            return None, 0
-        return holder, held
-
-    async def _local_candidate(self, num_tokens: int,
-                               avoid: frozenset[str]) -> WorkerHandle | None:
-        """The decode worker a local prefill would go to; None when local prefill is off or no
-        decode worker has room (the remote path then reports that after its prefill)."""
-        if not self.config.local_prefill.enabled:
-            return None
-        try:
-            return await self.directory.pick_decode(num_tokens + 1, avoid)
-        except NoWorkerError:
-            return None
 
     async def _local_prefill(self, run: RequestRun, request, decode: WorkerHandle, context):
         """Conditional disaggregation: the decode worker runs the prompt and streams every
@@ -403,7 +340,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             first.logprobs.append(presp.logprobs)
         first.prompt_logprobs.extend(presp.prompt_logprobs)
         if presp.finish_reason:
-            _finish(first, presp, run)
+            finish_chunk(first, presp, run)
             yield first
             return
         done = False
@@ -491,7 +428,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 async for d in chunks:
                     if first:
                         first = False
-                        _record_first_decode_chunk(d, dreq.local_prefill, run)
+                        record_first_decode_chunk(d, dreq.local_prefill, run)
                     run.usage.completion_tokens += len(d.token_ids)
                     self.stats.decode_chunks_received += 1
                     chunk = router_pb2.GenerateChunk(request_id=run.request_id,
@@ -499,7 +436,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                      text_delta=d.text_delta, logprobs=d.logprobs,
                                                      prompt_logprobs=d.prompt_logprobs)
                     if d.finish_reason:
-                        _finish(chunk, d, run)
+                        finish_chunk(chunk, d, run)
                     yield chunk
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
@@ -529,66 +466,6 @@ def _past_prefill_cap(e: BaseException, time_left: float | None) -> bool:
 
 def _refused_by_worker(e: BaseException) -> bool:
     return isinstance(e, grpc.aio.AioRpcError) and e.code() in _REFUSALS
-
-
-def _record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: RequestRun) -> None:
-    """Timings (and, for local prefill, the first token's time and cache hits) from a decode
-    worker's first chunk. The request's first decode leg sets them; a continuation's leaves
-    them."""
-    timings = run.timings
-    if run.decode_timed or (local and run.started):
-        return
-    run.decode_timed = True
-    if not local:
-        timings.kv_transfer_s = d.timings.kv_transfer_s
-        timings.decode_queue_s = d.timings.queue_s
-        timings.first_decode_step_s = d.timings.first_step_s
-        return
-    # The decode worker's queue and prefill are this request's prefill phases. No KV moved
-    # and no step decoded on its own before the first token, so kv_transfer_s, decode_queue_s
-    # and first_decode_step_s stay 0; cached_tokens is the decode worker's own prefix hits.
-    timings.prefill_queue_s = d.timings.queue_s
-    timings.prefill_compute_s = d.timings.first_step_s
-    timings.ttft_s = time.monotonic() - run.t0
-    run.usage.cached_tokens = d.num_cached_tokens
-
-
-def _finish(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:
-    """Marks ``chunk`` final: the worker's finish and stop reasons, then timings and usage."""
-    chunk.finish_reason = src.finish_reason
-    if src.HasField("stop_reason"):
-        chunk.stop_reason.CopyFrom(src.stop_reason)
-    run.timings.e2e_s = time.monotonic() - run.t0
-    run.usage.migrations = run.migrations
-    run.usage.timings.CopyFrom(run.timings)
-    chunk.usage.CopyFrom(run.usage)
-
-
-def _without_prompt_logprobs(request: router_pb2.GenerateRequest) -> router_pb2.GenerateRequest:
-    out = router_pb2.GenerateRequest()
-    out.CopyFrom(request)
-    out.sampling.ClearField("prompt_logprobs")
-    return out
-
-
-def _complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.CompleteResponse:
-    """Sequence 0 at the top (the only one when n = 1), with the request's usage; every one in
-    ``choices`` when n > 1. ``seqs``: each sequence's chunks merged into one, in index order."""
-    choices = [router_pb2.Choice(
-        index=c.index, token_ids=c.token_ids, text=c.text_delta, logprobs=c.logprobs,
-        finish_reason=c.finish_reason, usage=c.usage,
-        stop_reason=c.stop_reason if c.HasField("stop_reason") else None) for c in seqs]
-    first = choices[0]
-    resp = router_pb2.CompleteResponse(
-        request_id=seqs[0].request_id, token_ids=first.token_ids, text=first.text,
-        logprobs=first.logprobs, finish_reason=first.finish_reason,
-        usage=request_usage([c.usage for c in choices]),
-        prompt_logprobs=seqs[0].prompt_logprobs)
-    if first.HasField("stop_reason"):
-        resp.stop_reason.CopyFrom(first.stop_reason)
-    if len(choices) > 1:
-        resp.choices.extend(choices)
-    return resp
 
 
 async def _refuse(context, e: Exception) -> None:

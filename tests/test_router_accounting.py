@@ -13,10 +13,12 @@ import pytest
 
 from client.liveness import WatchedCalls
 from protos import common_pb2, router_pb2, worker_pb2
+from router import chunks as router_chunks
 from router import service
 from router.config import RouterConfig
 from router.directory import NoWorkerError
 from router.migration import RequestRun
+from router.placement import Placement
 from router.prompts import load_served_model
 from router.stats import RouterStats
 
@@ -65,17 +67,10 @@ def _servicer(remote_prefill) -> service.RouterServicer:
                                RouterStats(8))
     prefills = iter(_Worker(f"prefill-{i}", "prefill") for i in range(1, 10))
 
-    async def pick_prefill(hashes, num_tokens, avoid):
-        return next(prefills), 0
+    async def place(hashes, num_tokens, avoid, requested_len):
+        return Placement(next(prefills), None, False, 0, 0)
 
-    async def no_holder(*args):
-        return None, 0
-
-    async def no_local(*args):
-        return None
-
-    s._pick_prefill, s._decode_cache_holder = pick_prefill, no_holder
-    s._local_candidate, s._prefill_locally = no_local, lambda *args: False
+    s.placer.place = place
     s._remote_prefill = remote_prefill
     return s
 
@@ -94,7 +89,7 @@ async def _tokens(run: RequestRun, n: int, gap_s: float):
         chunk = router_pb2.GenerateChunk(request_id=run.request_id, token_ids=[100 + i])
         if i == n - 1:
             end = worker_pb2.DecodeChunk(finish_reason="length")
-            service._finish(chunk, end, run)
+            router_chunks.finish_chunk(chunk, end, run)
         yield chunk
 
 
@@ -136,7 +131,7 @@ def test_a_refused_decode_legs_wait_counts_as_decode_queue_but_not_the_next_legs
         first = worker_pb2.DecodeChunk(token_ids=[7])
         first.timings.queue_s, first.timings.kv_transfer_s, first.timings.first_step_s = (
             0.05, 0.8, 0.1)
-        service._record_first_decode_chunk(first, False, run)
+        router_chunks.record_first_decode_chunk(first, False, run)
         yield router_pb2.GenerateChunk(token_ids=[7])
 
     s._decode = decode
