@@ -198,6 +198,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             "cancelled by the router's operator") from None
         except BaseException as e:
             code, error = status_of(e)
+            remaining = context.time_remaining()
+            if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+                # gRPC cancels the handler at the client's deadline: that is what ended it
+                # (and what the client got), not a cancel.
+                code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
             status = code.name
             raise
         finally:

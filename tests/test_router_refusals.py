@@ -248,6 +248,38 @@ def test_a_large_prompt_being_tokenized_stalls_no_other_call(router, served):
         served.release.set()
 
 
+def test_a_request_cut_at_the_clients_deadline_is_logged_as_deadline_exceeded(router, served,
+                                                                             caplog):
+    """gRPC cancels the handler at the deadline: the access log said CANCELLED, as if the
+    client had left, while the client got DEADLINE_EXCEEDED."""
+    served.started.clear()
+    served.release.clear()
+    served.gate = True
+    try:
+        with _stubs(router.address) as (stub, _, _ch), \
+                caplog.at_level(logging.INFO, logger="pdserve.access"):
+            with pytest.raises(grpc.RpcError) as err:  # its tokenization is held past it
+                stub.Complete(router_pb2.GenerateRequest(request_id="late", text="y " * BIG),
+                              timeout=1.0)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            served.release.set()
+            # The line is written as the handler ends, after the client has its status.
+            router.run(_logged(caplog, "late"))
+    finally:
+        served.gate = False
+        served.release.set()
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name == "pdserve.access" and r.getMessage().startswith("request late ")]
+    assert line.startswith('request late status=DEADLINE_EXCEEDED error="deadline exceeded"')
+
+
+async def _logged(caplog, request_id: str) -> None:
+    for _ in range(600):  # bounded: 30 s
+        if any(r.getMessage().startswith(f"request {request_id} ") for r in caplog.records):
+            return
+        await asyncio.sleep(0.05)
+
+
 def test_a_large_prompt_gets_the_same_answers_as_a_small_one(router, served):
     long_text = "hello " * INLINE_PROMPT_CHARS
     with _stubs(router.address) as (stub, _, _ch):
