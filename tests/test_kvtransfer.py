@@ -22,7 +22,7 @@ from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, Trans
                         make_agent, plan_heads)
 from kvtransfer import plan as plan_mod
 from tests.kv_owner_proc import Standby, pull_concurrently, seeded_cache
-from tests.proc_signals import reap, stop_process
+from tests.proc_signals import reap, stop_process, wait_until
 
 BACKENDS = ["nixl", "torch"]
 BASE = KVCacheLayout(num_layers=3, num_blocks=24, block_size=4, num_kv_heads=4, kv_head_start=0,
@@ -400,9 +400,12 @@ def test_a_pull_waiting_behind_a_stuck_one_keeps_its_own_timeout_over_torch(owne
             finally:
                 stuck_done.set()
 
+        pair = agent._pairs[owner.handle.agent_name]
+        tag = pair.next_tag
         thread = threading.Thread(target=stuck)
         thread.start()
-        time.sleep(0.3)  # the stuck pull holds the connection by now
+        # The stuck pull holds the connection: it took the pair's lock and sent its request.
+        assert wait_until(lambda: pair.lock.locked() and pair.next_tag > tag, 10)
         with pytest.raises(TransferTimeout):
             agent.pull([owner.handle], [3], [3], timeout_s=1.0)
         assert not stuck_done.is_set()  # it ended on its own timeout, not the stuck one's

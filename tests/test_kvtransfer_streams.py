@@ -19,7 +19,7 @@ from kvtransfer import nixl_reader as reader_mod
 from kvtransfer.nixl_reader import join_streams
 from kvtransfer.plan import split_runs
 from tests.kv_owner_proc import pull_concurrently
-from tests.proc_signals import stop_process
+from tests.proc_signals import stop_process, wait_until
 from tests.test_kvtransfer import BASE, BIG, Owner, rank_layout
 
 
@@ -175,9 +175,12 @@ def test_a_share_queued_behind_a_stalled_pull_never_writes(owners, split_all, mo
             except TransferError as e:
                 errors.append(e)
 
+        stream = agent._streams[0].reader
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             first = ex.submit(stuck)
-            time.sleep(0.3)  # its second share holds the stream's thread by now
+            # Its second share holds the stream's thread: posted, its READ in flight (until
+            # its pull's deadline, the owner being stopped).
+            assert wait_until(lambda: _reads_in_flight(stream, stalled.handle) == 1, 10)
             with pytest.raises(TransferTimeout) as err:
                 agent.pull([good.handle], [4, 5], [10, 11], timeout_s=1.0)
             assert not err.value.writes_may_land
@@ -189,6 +192,12 @@ def test_a_share_queued_behind_a_stalled_pull_never_writes(owners, split_all, mo
         assert bool((cache[10:12] == -1.0).all())
     finally:
         os.kill(stalled.proc.pid, signal.SIGCONT)
+
+
+def _reads_in_flight(reader, remote) -> int:
+    with reader.lock:
+        peer = reader._peers.get(remote.agent_name)
+        return 0 if peer is None else peer.reads_in_flight
 
 
 def test_split_runs_balances_bytes_without_cutting_runs():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import socket
+import tempfile
 
 import grpc
 import pytest
@@ -36,18 +37,50 @@ def test_redis_picks_again_when_its_port_is_taken_first(monkeypatch, taken_port)
 
     monkeypatch.setattr(redis_server, "free_port",
                         lambda host="127.0.0.1": next(picks, None) or real(host))
-    fds = _open_fds()
+    ports = {taken_port}
+    fds = _redis_fds(ports)
     with RedisServer() as r:
         assert r.port != taken_port
+        ports.add(r.port)
     with pytest.raises(RuntimeError, match="Address already in use"):
         RedisServer(port=taken_port)  # a port asked for is never changed
-    # Every attempt's server log was closed with it: a launcher that restarts Redis leaks none.
-    # (No new fd stays open; an earlier test's leftovers may close theirs meanwhile.)
-    assert _open_fds() - fds == set()
+    # Every attempt's server log was closed with it, and every connection that asked a port
+    # who answers there: a launcher that restarts Redis leaks none. Only fds of those kinds
+    # count: another test's leftover threads (a gRPC channel retrying) open and close theirs
+    # meanwhile, and an fd number they freed may come back as one of ours.
+    assert _redis_fds(ports) - fds == set()
 
 
-def _open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def _redis_fds(ports: set[int]) -> set[tuple[str, str]]:
+    """(fd, what it is) for this process's fds of the kinds a RedisServer opens: its servers'
+    logs (temporary files) and TCP connections to or from ``ports``."""
+    tmp = os.path.join(tempfile.gettempdir(), "")
+    socks = _tcp_inodes(ports)
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith(tmp) or (target.startswith("socket:[") and target[8:-1] in socks):
+            found.add((fd, target))
+    return found
+
+
+def _tcp_inodes(ports: set[int]) -> set[str]:
+    """The inodes of the host's TCP sockets with either end on one of ``ports``."""
+    inodes = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except FileNotFoundError:  # no IPv6
+            continue
+        for r in rows:
+            ends = {int(r[1].rpartition(":")[2], 16), int(r[2].rpartition(":")[2], 16)}
+            if ends & ports:
+                inodes.add(r[9])
+    return inodes
 
 
 def test_the_router_binds_its_own_port_and_reports_it(monkeypatch, taken_port, preset_path):

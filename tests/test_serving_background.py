@@ -2,12 +2,11 @@
 GIL from the engine thread, whose steps are the worker's throughput."""
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 
-from engine.kv_connector import RELEASE_PREFIX, KVConnector
+from engine.kv_connector import _EXPIRE_EVERY_S, _POLL_S, RELEASE_PREFIX, KVConnector
 from tests.proc_signals import wait_until
 
 
@@ -50,6 +49,7 @@ def connector():
     def make(role):
         engine = _Engine(role)
         made.append(KVConnector(engine))
+        engine.kv_connector = made[-1]
         return engine
 
     yield make
@@ -59,8 +59,14 @@ def connector():
 
 def test_a_prefill_engine_applies_a_release_soon(connector):
     engine = connector("prefill")
+    # Soon: a prefill engine polls for releases far more often than expiries are checked.
+    # (Bounds below are generous: on a loaded host the poll thread may wait to be scheduled.)
+    assert engine.kv_connector._poll_interval() == _POLL_S < _EXPIRE_EVERY_S
     engine.executor.kv_agent.inbox.append(RELEASE_PREFIX + b"req-1")
-    assert wait_until(lambda: engine.released == ["req-1"], 0.2)
+    assert wait_until(lambda: engine.released == ["req-1"], 10)
+    # Its thread polls between expiry checks, not only with them (as the other roles do).
+    agent = engine.executor.kv_agent
+    assert wait_until(lambda: agent.polls >= engine.reclaims + 2, 10)
     # Its agent expects reads exactly while the engine holds leased blocks.
     due = engine.executor.kv_agent.reads_due
     assert due() is False
@@ -71,9 +77,14 @@ def test_a_prefill_engine_applies_a_release_soon(connector):
 @pytest.mark.parametrize("role", ["decode", None])
 def test_engines_that_lease_nothing_poll_only_for_expiries(connector, role):
     engine = connector(role)
-    assert engine.executor.kv_agent.reads_due is None  # nobody reads from it
-    time.sleep(0.3)
-    assert engine.executor.kv_agent.polls == 0  # was one poll every 5 ms
-    # Quarantines still end on an idle engine: the expiry check keeps its half-second beat.
-    assert wait_until(lambda: engine.reclaims >= 1, 1.5)
-    assert engine.executor.kv_agent.polls <= 3
+    agent = engine.executor.kv_agent
+    assert agent.reads_due is None  # nobody reads from it
+    # Its thread wakes at the expiry check's half-second beat, not the release poll's (it was
+    # one poll every 5 ms).
+    assert engine.kv_connector._poll_interval() == _EXPIRE_EVERY_S
+    # Quarantines still end on an idle engine: the expiry check keeps its beat.
+    assert wait_until(lambda: engine.reclaims >= 2, 10)
+    # Every poll comes with an expiry check: at most one poll is ahead of its check (it may
+    # be between the two now). Polls read first: checks only grow after that.
+    polls = agent.polls
+    assert polls <= engine.reclaims + 1, f"{polls} polls for {engine.reclaims} expiry checks"

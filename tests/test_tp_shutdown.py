@@ -4,6 +4,7 @@ a step stuck in a collective on that worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -18,6 +19,38 @@ from tests.proc_signals import alive, stop_process, wait_until
 # is a kill without cleanup. It is far above shutdown's own budget, so this is no timing test:
 # it only catches a shutdown that waits on the worker.
 pytestmark = pytest.mark.timeout(90)
+# A test with bounded waits of its own gets a pytest timeout above their sum, so that a hang
+# fails on the test's own bound, with its message, and not on pytest's kill. A child Python
+# that builds a TP=2 engine takes 5-10 s, and over 60 s on a host loaded to the extreme.
+_CHILD_S = 150
+_WITH_CHILD_S = _CHILD_S + 60  # and a margin for fixtures and what follows the child
+_STEPPING_S = 30  # until a step is stuck on the stopped worker
+
+
+@contextlib.contextmanager
+def _killed_after(proc, seconds: float = _CHILD_S):
+    """Kills ``proc`` if it still runs after ``seconds``: its pipe then reads EOF, and the test
+    fails on a hang instead of blocking in a read until pytest kills it. Yields an Event set
+    when it killed."""
+    fired = threading.Event()
+
+    def kill():
+        fired.set()
+        proc.kill()
+
+    timer = threading.Timer(seconds, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+
+
+def _readline(proc, fired: threading.Event) -> str:
+    line = proc.stdout.readline()
+    assert not fired.is_set(), f"the child process hung: killed after {_CHILD_S} s"
+    return line
 
 
 def _children(pid: int) -> set[int]:
@@ -40,6 +73,7 @@ def _stepping(engine: LLMEngine, request_id: str) -> bool:
     return request_id in engine.scheduler.requests
 
 
+@pytest.mark.timeout(_STEPPING_S + STOP_GRACE_S + 60)
 def test_shutdown_under_a_step_stuck_on_a_stopped_worker_is_bounded(preset_path):
     engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32))
@@ -52,7 +86,7 @@ def test_shutdown_under_a_step_stuck_on_a_stopped_worker_is_bounded(preset_path)
         async_engine._wake.set()
         # Rank 0 sent the step and waits in its collective for the stopped rank 1 (gloo
         # would wait minutes for a live peer).
-        assert wait_until(lambda: _stepping(engine, "r"))
+        assert wait_until(lambda: _stepping(engine, "r"), _STEPPING_S)
         done = threading.Event()
         stopper = threading.Thread(target=lambda: (async_engine.shutdown(), done.set()),
                                    daemon=True)
@@ -134,6 +168,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.timeout(_WITH_CHILD_S)
 def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
     import signal
     import subprocess
@@ -142,7 +177,8 @@ def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(preset_path("tiny-llama"))],
                               stdout=subprocess.PIPE, text=True)
     try:
-        num_tokens, rank = map(int, parent.stdout.readline().split())
+        with _killed_after(parent) as fired:
+            num_tokens, rank = map(int, _readline(parent, fired).split())
         assert num_tokens == 3  # the rank outlived the thread that started it
         os.kill(rank, signal.SIGSTOP)  # it cannot even see its parent go
         parent.kill()
@@ -186,6 +222,7 @@ print(worker.poll() is not None, flush=True)
 """
 
 
+@pytest.mark.timeout(_WITH_CHILD_S)
 def test_a_step_interrupted_on_rank_0_fails_the_engine_cleanly(preset_path):
     # A Ctrl-C (or a notebook's interrupt) inside rank 0's forward leaves the other ranks in
     # that step's collectives: the next step must not pair with them (gloo aborts the whole
@@ -193,8 +230,13 @@ def test_a_step_interrupted_on_rank_0_fails_the_engine_cleanly(preset_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _INTERRUPTED, str(preset_path("tiny-llama"))],
-                          capture_output=True, text=True, timeout=120)
+    try:
+        done = subprocess.run([sys.executable, "-c", _INTERRUPTED,
+                               str(preset_path("tiny-llama"))],
+                              capture_output=True, text=True, timeout=_CHILD_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the child process hung: killed after {_CHILD_S} s; it printed "
+                    f"{e.stdout or ''!r}, stderr ends {(e.stderr or '')[-2000:]!r}")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "interrupted" and lines[-1] == "True"  # the rank is gone after shutdown
@@ -221,6 +263,7 @@ engine.shutdown()
 """
 
 
+@pytest.mark.timeout(_WITH_CHILD_S)
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_process_group_leaves_the_ranks_to_rank_0(preset_path, sig):
     # A terminal's Ctrl-C or a service manager's stop signals every process of the group:
@@ -232,10 +275,12 @@ def test_a_signal_to_the_process_group_leaves_the_ranks_to_rank_0(preset_path, s
     child = subprocess.Popen([sys.executable, "-c", _DRAINING, str(preset_path("tiny-llama"))],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert child.stdout.readline().strip() == "stepping"
-        os.killpg(child.pid, getattr(signal, sig))
-        assert child.stdout.readline().split() == ["300", "1"]
-        assert child.wait(60) == 0
+        with _killed_after(child) as fired:  # its whole run: a kill ends the waits below
+            assert _readline(child, fired).strip() == "stepping"
+            os.killpg(child.pid, getattr(signal, sig))
+            assert _readline(child, fired).split() == ["300", "1"]
+            assert child.wait(_CHILD_S) == 0
+            assert not fired.is_set(), f"the child process hung: killed after {_CHILD_S} s"
     finally:
         if child.poll() is None:
             child.kill()
