@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention_backend import AttentionMetadata
+from kernels.input_checks import check_index_bounds, index_bounds, index_checks_affordable
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,16 @@ class CUDAGraphConfig:
     max_batch_size: int  # the largest bucket
     max_num_blocks_per_seq: int  # width of the static block table
     block_size: int
+    # The KV cache's blocks, to bound a replayed step's indices (None: not checked).
+    num_blocks: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_blocks_per_seq", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int)
+                                            or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -86,7 +92,7 @@ class DecodeGraphRunner:
         """The bucket a step pads to, or None when it must run eagerly."""
         n = meta.num_seqs
         if (n == 0 or meta.num_decodes != n or meta.num_tokens != n
-                or n > self.cfg.max_batch_size
+                or n > self.cfg.max_batch_size or meta.block_size != self.cfg.block_size
                 or meta.block_tables.shape[1] > self.cfg.max_num_blocks_per_seq):
             return None
         return next(b for b in self.cfg.batch_sizes if b >= n)
@@ -97,6 +103,11 @@ class DecodeGraphRunner:
             bucket: int) -> torch.Tensor:
         """[n, hidden] hidden states of a decode step (``bucket`` from ``bucket_for``)."""
         n = meta.num_seqs
+        if self.cfg.num_blocks is not None and index_checks_affordable(meta):
+            # A replay runs no Python, so not the attention backend's own checks either: an
+            # index past the cache would be written there (kernels/input_checks.py).
+            check_index_bounds(index_bounds(meta.slot_mapping, meta.block_tables),
+                               self.cfg.num_blocks, self.cfg.block_size)
         self._fill(input_ids, positions, meta)
         if self.capture:
             self.graphs[bucket].replay()
@@ -149,7 +160,9 @@ class DecodeGraphRunner:
                     self._forward(bs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # On this runner's device: without a stream, capture takes one shared by every
+            # runner, made on whichever device was current first.
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self.outputs[bs] = self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)

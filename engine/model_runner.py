@@ -57,6 +57,10 @@ class ModelRunner:
         self.model = model
         self.layout = layout
         self.device = device
+        # The current CUDA device is per thread and Triton launches, and graphs capture, on it:
+        # a rank on cuda:1 whose thread is on cuda:0 ran them there.
+        self._cuda_index = device.index if device.type == "cuda" else None
+        self._use_device()
         # [num_blocks, num_layers, 2, block_size, num_kv_heads_on_this_rank, head_size]. On
         # the CPU in huge pages: decode attention reads every sequence's blocks wherever they
         # lie (32 decodes of 700 tokens on tiny-llama: 31.0 ms a step against 34.5).
@@ -96,6 +100,7 @@ class ModelRunner:
 
         Every rank calls this with the same input, so the layers' collectives pair up.
         """
+        self._use_device()  # the engine's thread steps, not the one that built the runner
         if inp.block_copies is not None and inp.block_copies.numel():
             self.copy_blocks(inp.block_copies)
         bucket = self.graphs.bucket_for(inp.meta) if self.graphs is not None else None
@@ -106,6 +111,10 @@ class ModelRunner:
         if inp.sample_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
+
+    def _use_device(self) -> None:
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)
 
     def copy_blocks(self, copies: torch.Tensor) -> None:
         """Copies whole blocks ([num_copies, 2] source, destination ids) of this rank's cache.

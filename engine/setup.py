@@ -199,7 +199,7 @@ def cuda_graph_config(spec: RankSpec, cfg: ModelConfig, num_blocks: int) -> CUDA
                   c.max_seq_len_to_capture)
     return CUDAGraphConfig(max_batch_size=min(c.max_num_seqs, _MAX_GRAPH_BATCH),
                            max_num_blocks_per_seq=-(-max_len // c.block_size),
-                           block_size=c.block_size)
+                           block_size=c.block_size, num_blocks=num_blocks)
 
 
 def cpu_graph_enabled(spec: RankSpec) -> bool:

@@ -122,6 +122,37 @@ def test_only_pure_decode_steps_qualify(small_llm):
     assert graphs.bucket_for(prepare_input(mixed, bs, runner.device).meta) is None
 
 
+class _Graph:
+    replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+@pytest.mark.parametrize("bad", ["slot", "block"])
+def test_a_replayed_step_checks_its_indices_as_an_eager_one_does(small_llm, bad):
+    # A replay runs no Python, so not the attention backend's checks either: an index past the
+    # cache would be written there. Here a stand-in graph replays (capture needs a GPU); CPU
+    # tensors make the checks affordable, as the debug flag does on a GPU.
+    runner, bs = small_llm.engine.executor.runner, small_llm.engine.block_size
+    num_blocks = small_llm.engine.num_blocks
+    graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(4, 4, bs, num_blocks=num_blocks),
+                               runner.device, capture=False)
+    graphs.capture, graphs.graphs[4] = True, _Graph()
+    graphs.outputs[4] = torch.zeros(4, 8)
+    inp = prepare_input(_decode_step(bs, [5, 20, 40], first_block=1), bs, runner.device)
+    assert graphs.bucket_for(inp.meta) == 4
+    graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
+    assert graphs.graphs[4].replays == 1
+    if bad == "slot":
+        inp.meta.slot_mapping[1] = num_blocks * bs
+    else:
+        inp.meta.block_tables[2, 0] = num_blocks
+    with pytest.raises(ValueError, match="slot_mapping: slots|block_tables: block ids"):
+        graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
+    assert graphs.graphs[4].replays == 1  # refused before anything ran
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
