@@ -198,8 +198,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             "cancelled by the router's operator") from None
         except BaseException as e:
             code, error = status_of(e)
-            remaining = context.time_remaining()
-            if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0:
+            if code == grpc.StatusCode.CANCELLED and _past_deadline(context):
                 # gRPC cancels the handler at the client's deadline: that is what ended it
                 # (and what the client got), not a cancel.
                 code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
@@ -453,6 +452,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+def _past_deadline(context) -> bool:
+    remaining = context.time_remaining() if context is not None else None
+    return remaining is not None and remaining <= 0
 
 
 # Statuses a worker answers a request it did not take with: no lease can exist.
