@@ -22,6 +22,10 @@ from client.types import GenerationChunk, chunk_from_proto
 from protos import router_pb2
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+# Trailing metadata of a router's UNAVAILABLE for a request that moved between workers as
+# often as its --migration-limit allows: another attempt would be a new request, with a new
+# budget, so the SDK gives up (each move recomputes the whole context, which the limit bounds).
+MIGRATIONS_SPENT_KEY = "pdserve-migrations-spent"
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,8 @@ class Attempts:
 
     def after(self, error: grpc.RpcError) -> float | None:
         """After a failed attempt: seconds to wait before the next one, or None to give up."""
-        if error.code() not in RETRYABLE or self.retries >= self.policy.max_retries:
+        if (error.code() not in RETRYABLE or self.retries >= self.policy.max_retries
+                or migrations_spent(error)):
             return None
         if self.streamed and not self.resumable:
             return None
@@ -141,6 +146,13 @@ class Attempts:
         if left is not None and delay >= left:
             return None
         return delay
+
+
+def migrations_spent(error: grpc.RpcError) -> bool:
+    """Whether the router ended the call because the request's migrations are spent."""
+    trailing = getattr(error, "trailing_metadata", None)
+    metadata = (trailing() if callable(trailing) else None) or ()
+    return any(key == MIGRATIONS_SPENT_KEY for key, _ in metadata)
 
 
 def resumable(req: router_pb2.GenerateRequest) -> bool:

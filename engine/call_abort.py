@@ -31,9 +31,9 @@ async def _ended_call_cancels():
 
 
 async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                     message: str) -> NoReturn:
+                     message: str, trailing_metadata: tuple = ()) -> NoReturn:
     async with _ended_call_cancels():
-        await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata)
     raise AssertionError("context.abort returned")  # it always raises AbortError
 
 

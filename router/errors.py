@@ -28,6 +28,14 @@ class RouterRejectError(Exception):
         self.code = code
 
 
+class MigrationsSpent(RouterRejectError):
+    """A request's worker failed after it moved as often as --migration-limit allows: the
+    worker's status, marked so that the SDK does not start it over (client/failover.py)."""
+
+    def __init__(self, e: grpc.aio.AioRpcError) -> None:
+        super().__init__(e.code(), e.details() or str(e.code()))
+
+
 def capped(message: str, limit: int = MAX_STATUS_CHARS) -> str:
     """``message``, or as much of it as fits in ``limit`` characters with how many more there
     were; at most ``limit`` characters either way, so a capped message is not cut again."""
@@ -61,6 +69,6 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
-                 message: str) -> NoReturn:
+                 message: str, trailing_metadata: tuple = ()) -> NoReturn:
     """Ends the call with ``code`` and the capped ``message`` (engine/call_abort.py)."""
-    await abort_call(context, code, capped(message))
+    await abort_call(context, code, capped(message), trailing_metadata)

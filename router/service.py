@@ -23,6 +23,7 @@ import uuid
 
 import grpc
 
+from client.failover import MIGRATIONS_SPENT_KEY
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import write_message
@@ -33,7 +34,7 @@ from router.chunks import (complete_response, finish_chunk, record_first_decode_
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
-from router.errors import RouterRejectError, refuse, status_of
+from router.errors import MigrationsSpent, RouterRejectError, refuse, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.migration import RequestRun, is_migratable
@@ -240,7 +241,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return False
         if run.migrations >= self.config.migration_limit:
             self.stats.migrations_exhausted += 1
-            return False
+            raise MigrationsSpent(e) from e
         # Every worker of the attempt is asked: the one that answered UNAVAILABLE is avoided
         # by this request anyway, and any that is gone by every request.
         alive = await asyncio.gather(*(self.directory.probe(w) for w in run.workers))
@@ -483,4 +484,5 @@ async def _refuse(context, e: Exception) -> None:
     code, msg = status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-    await refuse(context, code, msg)
+    spent = ((MIGRATIONS_SPENT_KEY, "1"),) if isinstance(e, MigrationsSpent) else ()
+    await refuse(context, code, msg, spent)

@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from client import AsyncClient, FailoverPolicy
-from client.failover import Attempts, attempt_request, check_addresses, take_chunk
+from client.failover import (MIGRATIONS_SPENT_KEY, Attempts, attempt_request, check_addresses,
+                             take_chunk)
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -55,6 +56,26 @@ def test_only_unavailable_is_retried(code):
 def test_no_pause_outlasts_the_deadline_and_no_retries_means_none():
     assert Attempts(FailoverPolicy(backoff_s=0.5), 1, 0, 0.2).after(UNAVAILABLE) is None
     assert Attempts(FailoverPolicy(max_retries=0), 2, 0, None).after(UNAVAILABLE) is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda md: grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                    grpc.aio.Metadata(*md), "worker gone"),
+    lambda md: _Trailed(grpc.StatusCode.UNAVAILABLE, md)])  # as a blocking call's error
+def test_a_request_whose_migrations_are_spent_is_not_started_over(make):
+    # Another attempt would be a new request on the router, with a whole new budget.
+    spent = make(((MIGRATIONS_SPENT_KEY, "1"),))
+    assert Attempts(FailoverPolicy(), 2, 0, None).after(spent) is None
+    assert Attempts(FailoverPolicy(), 2, 0, None).after(make(())) == 0.0
+
+
+class _Trailed(_Failed):
+    def __init__(self, code: grpc.StatusCode, trailing: tuple) -> None:
+        super().__init__(code)
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
 
 
 def test_a_continuation_carries_what_arrived_under_its_own_id():

@@ -313,11 +313,18 @@ def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):
 
 
 def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, reference):
-    cluster.add_worker("decode")
-    first, second = _live(cluster, "decode")
-    cluster.wait_routable(1, 2)
+    # A third decode worker stays up: only the limit can fail the request. The SDK, retrying
+    # UNAVAILABLE by default, started the request over on it (a new request, a new budget).
+    while len(_live(cluster, "decode")) < 3:
+        cluster.add_worker("decode")
+    decode = _live(cluster, "decode")
+    cluster.wait_routable(len(_live(cluster, "prefill")), 3)
     prompt = decisive_prompts(reference, 1, seed=51, max_tokens=400, lo=30, hi=30)[0]
     exhausted = _stats(cluster).migrations_exhausted
+
+    def running():
+        return next(p for p in decode if p.popen.poll() is None
+                    and worker_info(p.address).num_running)
 
     async def run():
         got = []
@@ -325,16 +332,16 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
             task = asyncio.ensure_future(_stream(client, prompt, dict(max_tokens=400, **GREEDY),
                                                  got))
             await _until(lambda: len(got) >= 4)
-            on = next(p for p in (first, second) if worker_info(p.address).num_running)
-            _kill(on)
+            _kill(await asyncio.to_thread(running))
             n = len(got)
             await _until(lambda: len(got) >= n + 4)  # moved (its one migration) and streaming
-            _kill(second if on is first else first)
+            _kill(await asyncio.to_thread(running))
             with pytest.raises(UnavailableError):
                 await task
             return got
 
     got = asyncio.run(run())
+    assert len(_live(cluster, "decode")) == 1  # one was there to start it over on
     # Greedy: the first len(got) of the 400 tokens (decisive, all 400) are these.
     want = reference.generate([prompt], SamplingParams(max_tokens=len(got), **GREEDY))[0].token_ids
     assert len(got) >= 8 and got == want  # what did arrive was right, up to the failure
