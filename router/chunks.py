@@ -28,7 +28,13 @@ def record_first_decode_chunk(d: worker_pb2.DecodeChunk, local: bool, run: Reque
     timings.prefill_queue_s = d.timings.queue_s
     timings.prefill_compute_s = d.timings.first_step_s
     timings.ttft_s = time.monotonic() - run.t0
-    run.usage.cached_tokens = d.num_cached_tokens
+    run.usage.cached_tokens = prompt_cached_tokens(d.num_cached_tokens, run)
+
+
+def prompt_cached_tokens(num_cached: int, run: RequestRun) -> int:
+    """The prompt tokens of a worker's prefix hits. A continuation's hits (prompt and resumed
+    output run together) may reach past the prompt: the usage counts prompt tokens only."""
+    return min(num_cached, len(run.prompt_token_ids))
 
 
 def finish_chunk(chunk: router_pb2.GenerateChunk, src, run: RequestRun) -> None:

@@ -29,8 +29,8 @@ from engine.block_hash import hash_request_tokens
 from engine.call_abort import write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
-from router.chunks import (complete_response, finish_chunk, record_first_decode_chunk,
-                           without_prompt_logprobs)
+from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens,
+                           record_first_decode_chunk, without_prompt_logprobs)
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
@@ -335,7 +335,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             timings.prefill_queue_s = presp.timings.queue_s
             timings.prefill_compute_s = presp.timings.compute_s
             timings.ttft_s = time.monotonic() - run.t0
-            usage.cached_tokens = presp.num_cached_tokens
+            usage.cached_tokens = prompt_cached_tokens(presp.num_cached_tokens, run)
         usage.completion_tokens += 1
         usage.prefill_worker_id = prefill.worker_id
         first = router_pb2.GenerateChunk(request_id=run.request_id,

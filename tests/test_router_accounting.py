@@ -197,3 +197,12 @@ def test_a_prefill_cut_by_the_routers_own_cap_is_a_worker_failure_not_the_client
     other = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                  grpc.aio.Metadata(), "gone")
     assert not service._past_prefill_cap(other, 5.0)
+
+
+def test_a_local_prefills_cached_tokens_count_prompt_tokens_only():
+    # A continuation's prompt and resumed output run together on the decode worker: its hits
+    # may reach past the prompt, which is all usage.cached_tokens counts.
+    run = RequestRun("r", PROMPT, time.monotonic(), resumed=list(range(60, 90)))
+    first = worker_pb2.DecodeChunk(token_ids=[7], num_cached_tokens=64)
+    router_chunks.record_first_decode_chunk(first, True, run)
+    assert run.usage.cached_tokens == len(PROMPT) == 40

@@ -407,6 +407,27 @@ def test_prompt_logprobs_come_with_the_first_token(cluster, reference):
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_a_continuations_cached_tokens_count_prompt_tokens_only(cluster, reference):
+    import grpc
+
+    from protos import common_pb2, router_pb2, router_pb2_grpc
+
+    prompt = random_prompts(1, seed=73, lo=50, hi=50)[0]  # 3 full blocks, fresh
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(max_tokens=60, **greedy))[0]
+    request = router_pb2.GenerateRequest(  # the SDK's resume after losing its router
+        token_ids=router_pb2.TokenIds(ids=prompt), resume_token_ids=want.token_ids[:40],
+        sampling=common_pb2.SamplingParams(max_tokens=60, **greedy))
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        # The second finds prompt and resumed output (5 full blocks) in the prefix cache.
+        got = [stub.Complete(request, timeout=60) for _ in range(2)]
+    assert [list(r.token_ids) for r in got] == [want.token_ids[40:]] * 2
+    assert [r.usage.prompt_tokens for r in got] == [50, 50]
+    assert got[1].usage.cached_tokens == 50  # 80 prefix tokens hit, of which 50 the prompt's
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_request_finished_by_prefill_never_reaches_decode(cluster, reference):
     prompt = random_prompts(1, seed=12)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
