@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 PARTS = ("decode", "w1", "graphs", "kernel")
@@ -175,7 +177,10 @@ def bench_env(opts: GpuBenchOptions) -> BenchEnv:
                     transformers.__version__, platform.python_version(), opts.model, opts.dtype)
 
 
-def run_parts(opts: GpuBenchOptions, log) -> GpuBenchResult:
+def run_parts(opts: GpuBenchOptions, log,
+              after_part: Callable[[GpuBenchResult], None] | None = None) -> GpuBenchResult:
+    """Every part asked for; ``after_part(result so far)`` after each one (a run cut short,
+    by a lease's time limit, keeps what it measured)."""
     res = GpuBenchResult(bench_env(opts))
     log(f"device {res.env.device_name}, torch {res.env.torch_version}, "
         f"triton {res.env.triton_version}")
@@ -185,6 +190,8 @@ def run_parts(opts: GpuBenchOptions, log) -> GpuBenchResult:
     for part in ("kernel", "decode", "graphs", "w1"):
         if part in opts.parts and part not in res.skipped:
             _run_part(part, opts, res, log)
+            if after_part is not None:
+                after_part(res)
     return res
 
 
@@ -232,10 +239,15 @@ def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[bench gpu] {msg}", file=sys.stderr, flush=True)
 
-    res = run_parts(opts, log)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    def write(res: GpuBenchResult) -> None:
+        tmp = f"{args.json_out}.tmp"
+        with open(tmp, "w") as f:
             json.dump(asdict(res), f, indent=2)
+        os.replace(tmp, args.json_out)  # whole or not at all, if the run is killed meanwhile
+
+    res = run_parts(opts, log, write if args.json_out else None)
+    if args.json_out:
+        write(res)
     if args.json:
         print(json.dumps(asdict(res)))
     else:

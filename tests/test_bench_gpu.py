@@ -57,6 +57,25 @@ def test_a_failing_part_is_reported_and_the_rest_still_runs(capsys, monkeypatch)
     assert "kernel" in res["skipped"]
 
 
+def test_the_json_holds_each_part_as_soon_as_it_ends(capsys, monkeypatch, tmp_path):
+    # A lease's time limit kills the run mid-way: what it measured before must be on disk.
+    from bench import gpu_parts
+
+    out_file = tmp_path / "gpu.json"
+    seen = {}
+
+    def w1(*a, **k):
+        seen.update(json.loads(out_file.read_text()))
+        raise RuntimeError("killed (simulated)")
+
+    monkeypatch.setattr(gpu_parts, "run_w1", w1)
+    argv = _TINY_CPU + ["--only", "graphs,w1", "--json-out", str(out_file)]
+    assert cli_main(argv) == 1
+    capsys.readouterr()
+    assert seen["graphs"][0]["eager_decode_tok_s"] > 0 and seen["w1"] is None
+    assert "simulated" in json.loads(out_file.read_text())["errors"]["w1"]
+
+
 def test_w1_draws_match_nano_vllm():
     # nano-vllm's README reports 133,966 output tokens for its seed-0 workload.
     prompts, outs = w1_requests(256, 100, 1024, 151936, 0)
