@@ -264,6 +264,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ids = run.all_token_ids
         avoid = frozenset(run.failed)
         run.workers.clear()
+        # The usage names this attempt's workers: a continuation the prefill finishes (its
+        # last token) has no decode worker, not the failed attempt's.
+        run.usage.decode_worker_id = ""
         hashes = hash_request_tokens(ids, self.config.block_size)
         where = await self.placer.place(hashes, len(ids), avoid,
                                         0 if run.started else run.requested_len)

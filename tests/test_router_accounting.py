@@ -206,3 +206,24 @@ def test_a_local_prefills_cached_tokens_count_prompt_tokens_only():
     first = worker_pb2.DecodeChunk(token_ids=[7], num_cached_tokens=64)
     router_chunks.record_first_decode_chunk(first, True, run)
     assert run.usage.cached_tokens == len(PROMPT) == 40
+
+
+def test_a_continuation_finished_by_its_prefill_names_no_decode_worker():
+    # Cut one token short of its end, the request's continuation ends with its prefill: the
+    # usage must not name the failed attempt's decode worker as if it had finished it.
+    attempts = []
+
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        attempts.append(prefill.worker_id)
+        if len(attempts) == 1:
+            run.usage.decode_worker_id = "decode-hung"
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "worker hung")
+        async for chunk in _tokens(run, 1, 0.001):
+            yield chunk
+
+    s = _servicer(remote_prefill)
+    out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=1))))
+    assert len(attempts) == 2 and out[-1].usage.migrations == 1
+    assert out[-1].usage.decode_worker_id == ""

@@ -197,7 +197,10 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     assert got == [w.token_ids for w in want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no stream was on the hung worker"
-    assert all(f.usage.decode_worker_id == survivor.name for f in moved)
+    # Each on the survivor, or finished by its continuation's prefill (cut one token short of
+    # its end): then no decode worker ran its last attempt.
+    assert all(f.usage.decode_worker_id in (survivor.name, "") for f in moved)
+    assert any(f.usage.decode_worker_id == survivor.name for f in moved)
     assert _stats(cluster).worker_hangs == hangs + 1
     # Resumed, the hung worker finds its streams cancelled and frees their blocks.
     wait_all_blocks_free([p.address for p in cluster.procs
