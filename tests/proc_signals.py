@@ -55,3 +55,27 @@ def alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def fd_targets() -> dict[str, str]:
+    """This process's open fds and what each is (``socket:[inode]``, a path, ...)."""
+    targets = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+    return targets
+
+
+def tcp_rows() -> list[list[str]]:
+    """The host's TCP sockets as /proc lists them (IPv4, then IPv6 where there is any): the
+    columns of each row, local address 1, remote 2, state 3 ("0A": listening), inode 9."""
+    rows = []
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows += [line.split() for line in f.readlines()[1:]]
+        except FileNotFoundError:  # no IPv6
+            continue
+    return rows

@@ -14,6 +14,7 @@ import pytest
 from router import launcher, redis_server
 from router.launcher import Cluster, ClusterSpec
 from router.redis_server import RedisServer
+from tests.proc_signals import fd_targets, tcp_rows
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,31 +57,15 @@ def _redis_fds(ports: set[int]) -> set[tuple[str, str]]:
     logs (temporary files) and TCP connections to or from ``ports``."""
     tmp = os.path.join(tempfile.gettempdir(), "")
     socks = _tcp_inodes(ports)
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith(tmp) or (target.startswith("socket:[") and target[8:-1] in socks):
-            found.add((fd, target))
-    return found
+    return {(fd, target) for fd, target in fd_targets().items()
+            if target.startswith(tmp) or (target.startswith("socket:[")
+                                          and target[8:-1] in socks)}
 
 
 def _tcp_inodes(ports: set[int]) -> set[str]:
     """The inodes of the host's TCP sockets with either end on one of ``ports``."""
-    inodes = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except FileNotFoundError:  # no IPv6
-            continue
-        for r in rows:
-            ends = {int(r[1].rpartition(":")[2], 16), int(r[2].rpartition(":")[2], 16)}
-            if ends & ports:
-                inodes.add(r[9])
-    return inodes
+    return {r[9] for r in tcp_rows()
+            if {int(r[1].rpartition(":")[2], 16), int(r[2].rpartition(":")[2], 16)} & ports}
 
 
 def test_the_router_binds_its_own_port_and_reports_it(monkeypatch, taken_port, preset_path):

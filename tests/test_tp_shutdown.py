@@ -13,7 +13,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.async_engine import SHUTDOWN_TIMEOUT_S, AsyncEngine
 from router.launcher import STOP_GRACE_S
-from tests.proc_signals import alive, stop_process, wait_until
+from tests.proc_signals import alive, fd_targets, stop_process, tcp_rows, wait_until
 
 # The launcher's grace (router.launcher) bounds the wait below: what a hang costs in a cluster
 # is a kill without cleanup. It is far above shutdown's own budget, so this is no timing test:
@@ -330,17 +330,8 @@ def test_a_rank_dead_at_the_last_step_of_start_up_is_named(preset_path, monkeypa
 
 def _listening_sockets() -> set[str]:
     """The inodes of this process's TCP sockets in the LISTEN state."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    with open("/proc/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return {r[9] for r in rows if r[3] == "0A" and r[9] in inodes}
+    inodes = {t[8:-1] for t in fd_targets().values() if t.startswith("socket:[")}
+    return {r[9] for r in tcp_rows() if r[3] == "0A" and r[9] in inodes}
 
 
 def test_a_shut_down_engine_still_referenced_holds_no_ports(preset_path):
