@@ -34,8 +34,13 @@ install-dev: $(VENV)/.installed-dev
 demo: $(VENV)/.installed
 	$(VENV)/bin/pdserve demo
 
+# A pytest killed by a signal (a native library's abort) gets its test and our frames printed
+# last, where CI's tail shows them (tests/crash_witness.py).
+CRASH_LOG := .cache/pytest-crash
+
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q tests
+	rc=0; PDSERVE_CRASH_LOG=$(CRASH_LOG) $(PY) -m pytest -q tests || rc=$$?; \
+	$(PY) tests/crash_report.py $(CRASH_LOG); exit $$rc
 
 # Everything, slow tests included.
 test-all: $(VENV)/.installed-dev

@@ -6,6 +6,8 @@ import pytest
 
 import kernels  # noqa: F401  (before torch: oneMKL's dispatch, see kernels/mkl_vendor.py)
 
+pytest_plugins = ["tests.crash_witness"]
+
 # The suite starts hundreds of Python processes (services, TP ranks, engine processes). Where
 # PYTHONDONTWRITEBYTECODE is set (this CI machine's environment sets it), each one compiled the
 # project's modules from source again: ~0.4 s of CPU apiece. The caches go to __pycache__
