@@ -33,10 +33,7 @@ async def _ended_call_cancels():
 async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
                      message: str, trailing_metadata: tuple = ()) -> NoReturn:
     async with _ended_call_cancels():
-        if trailing_metadata:
-            await context.abort(code, message, trailing_metadata)
-        else:  # as every service's refusals always called it
-            await context.abort(code, message)
+        await context.abort(code, message, trailing_metadata)
     raise AssertionError("context.abort returned")  # it always raises AbortError
 
 

@@ -49,7 +49,7 @@ def test_the_caller_reads_the_status_and_message():
 class _EndedCall:
     """A context whose call ended before anything could be sent (grpc fails the batch)."""
 
-    async def abort(self, code, message):
+    async def abort(self, code, details="", trailing_metadata=()):  # grpc.aio's signature
         raise ExecuteBatchError("Failed \"execute_batch\"")
 
     async def write(self, message):

@@ -248,7 +248,7 @@ def test_liveness_goes_by_redis_clock_not_the_hosts(redis_url, monkeypatch):
 
 
 class _AbortContext:
-    async def abort(self, code, details):
+    async def abort(self, code, details="", trailing_metadata=()):  # grpc.aio's signature
         raise _Aborted(code)
 
 
