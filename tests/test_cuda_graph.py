@@ -6,6 +6,7 @@ writes the cache; the ``gpu`` tests check capture and replay against eager on a 
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -151,6 +152,44 @@ def test_a_replayed_step_checks_its_indices_as_an_eager_one_does(small_llm, bad)
     with pytest.raises(ValueError, match="slot_mapping: slots|block_tables: block ids"):
         graphs.run(inp.input_ids, inp.positions, inp.meta, 4)
     assert graphs.graphs[4].replays == 1  # refused before anything ran
+
+
+class _AsCaptured(DecodeGraphRunner):
+    """Runs each bucket with the metadata a capture records: host lengths at their static upper
+    bound, the real lengths only in the device tensors."""
+
+    def _forward(self, bucket: int, seq_lens_list: list[int] | None = None) -> torch.Tensor:
+        return super()._forward(bucket)
+
+
+def test_the_captured_metadata_gives_the_eager_tokens_with_the_triton_kernels(prompts):
+    """What a GPU replays, run on CPU under Triton's interpreter: the grid and the host bounds
+    frozen at capture, every row's own length read from the static device buffers."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the GPU test checks capture itself")
+    # Batches of 3, 2 and 1: the interpreter runs every program of the grid in Python.
+    some = prompts[:3]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 2, 4)]
+    with LLM("tiny-llama", attention_backend="triton", num_gpu_blocks=256) as llm:
+        runner = llm.engine.executor.runner
+        # Short partitions: the frozen bound then spans partitions no real context reaches,
+        # which the split-K reduce must leave out.
+        backends = {id(m.backend): m.backend for m in runner.model.modules()
+                    if hasattr(m, "backend")}
+        assert [b.name for b in backends.values()] == ["triton"]
+        for backend in backends.values():
+            backend.partition_size = 32
+        eager = [o.token_ids for o in llm.generate(some, params)]
+        graphs = _AsCaptured(runner.model, CUDAGraphConfig(4, 6, llm.engine.block_size),
+                             runner.device, capture=False)
+        runner.graphs = graphs
+        got = [o.token_ids for o in llm.generate(some, params)]
+        assert graphs.num_replays > 0
+        # The frozen host bound is past every real context: the kernels must not trust it.
+        assert graphs.metas[4].max_seq_len > max(len(p) + 6 for p in some)
+    assert len({t for o in eager for t in o}) > 8, "greedy outputs are too repetitive to compare"
+    assert got == eager
 
 
 @pytest.mark.gpu
