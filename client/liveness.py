@@ -185,6 +185,8 @@ async def check_loop(interval_s: float, misses: int, busy: Callable[[], list],
                 health_pb2.HealthCheckRequest(), timeout=interval_s)
         except grpc.aio.AioRpcError as e:
             error = e
+        except grpc.aio.UsageError:
+            return  # its channel was closed under the check: nothing learnt of the peer
         reason = peer.calls.answered(error, misses, interval_s)
         if reason is not None:
             on_hung(peer, reason)

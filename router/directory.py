@@ -85,6 +85,9 @@ class WorkerHandle:
     # and how many holders want it health-checked (its calls, and KV pulls from it).
     calls: WatchedCalls = field(default_factory=WatchedCalls)
     watchers: int = 0
+    # Requests using its channel (WorkerDirectory.in_use): a dropped worker's channel closes
+    # only once none does.
+    users: int = 0
     # The router's health checks, which also set the heartbeats on this worker's DecodeMany.
     liveness: LivenessConfig | None = None
     # The GetWorkerInfo call in flight to it, if any (WorkerDirectory._ask_fresh).
@@ -125,6 +128,8 @@ class WorkerDirectory:
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
     _refresh_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The refresh that requests missing a worker now wait for, until it starts (shared_refresh).
+    _next_refresh: asyncio.Future | None = None
     # worker id -> (address, monotonic time until which it gets no requests): failed probes.
     _down: dict[str, tuple[str, float]] = field(default_factory=dict)
     # One probe per worker at a time: the requests a crash failed together share it.
@@ -141,6 +146,12 @@ class WorkerDirectory:
     # Workers found hung by the liveness checks, counted since start.
     worker_hangs: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)
+    # Every handle whose channel is open, in the view or not (a dropped one in use), and the
+    # timers of the dropped ones that close later (_retire): stop closes them all.
+    _open: set[WorkerHandle] = field(default_factory=set)
+    _retiring: dict[WorkerHandle, asyncio.TimerHandle] = field(default_factory=dict)
+    # Workers of another block size, each logged once (candidates).
+    _other_block_size: set[tuple[str, int]] = field(default_factory=set)
     _stopping: bool = False
 
     async def start(self) -> None:
@@ -152,16 +163,26 @@ class WorkerDirectory:
             self._liveness_task = asyncio.create_task(
                 check_loop(self.liveness.interval_s, self.liveness.misses,
                            lambda: list(self._busy), self._hung))
+            self._liveness_task.add_done_callback(_log_liveness_end)
 
     async def stop(self) -> None:
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = True
-        for task in (self._task, self._liveness_task):
-            await stop_task(task)
-        for w in self.workers.values():
-            await w.close()
-        self.workers.clear()
-        await self.registry.r.aclose()
+        try:
+            for task in (self._task, self._liveness_task):
+                await stop_task(task)
+            for timer in self._retiring.values():
+                timer.cancel()
+            handles = list(self._open)
+            self.workers.clear()
+            self._retiring.clear()
+            self._open.clear()
+            for w in handles:
+                await w.close()
+            if self._closing:
+                await asyncio.gather(*self._closing, return_exceptions=True)
+        finally:
+            await self.registry.r.aclose()
 
     async def _refresh_loop(self) -> None:
         while not self._stopping:
@@ -177,13 +198,30 @@ class WorkerDirectory:
         """A refresh for the request path: False (the last view stands) when Redis fails or
         hangs."""
         async def refreshed() -> bool:
-            await self.refresh()
+            await self.shared_refresh()
             return True
 
         return await self._health.ask("a registry refresh", refreshed, False)
 
     async def refresh(self) -> None:
         async with self._refresh_lock:
+            await self._refresh()
+
+    async def shared_refresh(self) -> None:
+        """A refresh that starts after this call, shared by every caller until it starts: a
+        burst of requests that miss a worker (every request, in a cluster without prefill
+        workers) reads the registry once or twice, not once each in a queue that outlasts
+        the Redis time limit and has a healthy Redis taken for a failing one."""
+        if self._next_refresh is None:
+            self._next_refresh = asyncio.ensure_future(self._run_next_refresh())
+            # Retrieved, so that a refresh whose waiters all gave up is not logged as lost.
+            self._next_refresh.add_done_callback(
+                lambda f: f.cancelled() or f.exception())
+        await asyncio.shield(self._next_refresh)
+
+    async def _run_next_refresh(self) -> None:
+        async with self._refresh_lock:
+            self._next_refresh = None  # callers from now on may have missed this read
             await self._refresh()
 
     async def _refresh(self) -> None:
@@ -196,22 +234,27 @@ class WorkerDirectory:
         for wid in [w for w in missing if w not in kept]:
             gone = self.workers.pop(wid)
             # Requests in flight keep their own reference; closed once they are done.
-            if gone.watchers == 0:
+            if gone.users == 0:
                 self._retire(gone)
+        # A mark outlives its worker only while the view holds it: ids of workers gone for
+        # good (a pid in each default id) would pile up.
+        for wid in [w for w in self._down if w not in self.workers]:
+            del self._down[wid]
         for wid, info in live.items():
             handle = self.workers.get(wid)
             if handle is not None and handle.info.address == info.address:
                 handle.info, handle.listed_at = info, now
                 continue
-            if handle is not None and handle.watchers == 0:
+            if handle is not None and handle.users == 0:
                 # Registered anew at another address (a restart): the old channel goes too.
-                # One with calls on it is retired when they end (watched).
+                # One with calls on it is retired when they end (in_use).
                 self._retire(handle)
             channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
             self.workers[wid] = WorkerHandle(info, channel,
                                              worker_pb2_grpc.PrefillWorkerStub(channel),
                                              worker_pb2_grpc.DecodeWorkerStub(channel),
                                              liveness=self.liveness, listed_at=now)
+            self._open.add(self.workers[wid])
 
     def _same_model(self, listed: list[common_pb2.WorkerInfo]) -> list[common_pb2.WorkerInfo]:
         """The workers serving the router's model; each other one logged once."""
@@ -268,7 +311,20 @@ class WorkerDirectory:
     def candidates(self, role: str) -> list[WorkerHandle]:
         return [w for w in self.workers.values()
                 if w.info.role == role and not w.info.draining
-                and w.info.block_size == self.block_size and not self.is_down(w)]
+                and self._same_block_size(w) and not self.is_down(w)]
+
+    def _same_block_size(self, w: WorkerHandle) -> bool:
+        """Whether the router's block hashes name ``w``'s blocks; each other one logged once
+        (else a cluster whose router and workers disagree refuses every request unexplained)."""
+        if w.info.block_size == self.block_size:
+            return True
+        key = (w.worker_id, w.info.block_size)
+        if key not in self._other_block_size:
+            self._other_block_size.add(key)
+            logger.warning("worker %s (%s) has --block-size %d, not this router's %d: it gets "
+                           "no requests", w.worker_id, w.info.address, w.info.block_size,
+                           self.block_size)
+        return False
 
     def is_down(self, w: WorkerHandle) -> bool:
         """Failed its last probe, and has not registered anew (another address) since. While
@@ -297,7 +353,7 @@ class WorkerDirectory:
             info = await stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
                                             timeout=PROBE_TIMEOUT_S)
             alive = info.worker_id == w.worker_id and not info.draining
-        except grpc.aio.AioRpcError:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: channel retired
             alive = False
         if not alive:
             logger.warning("worker %s (%s) stops receiving requests: it failed a request and "
@@ -424,8 +480,9 @@ class WorkerDirectory:
         try:
             info = await w.decode_stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
                                                      timeout=FRESH_INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
-            logger.warning("worker %s did not report its info: %s", w.worker_id, e.code())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+            logger.warning("worker %s did not report its info: %s", w.worker_id,
+                           e.code() if isinstance(e, grpc.aio.AioRpcError) else e)
             return
         if info.worker_id == w.worker_id and info.role == w.info.role:
             info.draining = info.draining or w.info.draining  # a drain set by an admin
@@ -448,24 +505,40 @@ class WorkerDirectory:
         worker.watchers += 1
         self._busy.add(worker)
         try:
-            yield
+            with self.in_use(worker):
+                yield
         finally:
             worker.watchers -= 1
             if worker.watchers == 0:
                 self._busy.discard(worker)
-                if self.workers.get(worker.worker_id) is not worker:
-                    self._retire(worker)  # dropped from the registry while its calls ran
+
+    @contextlib.contextmanager
+    def in_use(self, worker: WorkerHandle):
+        """Keeps ``worker``'s channel open while the block runs, should the registry drop the
+        worker meanwhile. A request holds its workers for a whole attempt: between its calls
+        (the prefill answered, the decode leg waits for room) nothing else does."""
+        worker.users += 1
+        try:
+            yield
+        finally:
+            worker.users -= 1
+            if worker.users == 0 and self.workers.get(worker.worker_id) is not worker:
+                self._retire(worker)  # dropped from the registry while it was used
 
     def _retire(self, w: WorkerHandle) -> None:
         """Closes the channel of a worker the registry dropped, once nothing uses it. Not at
         once: a failed request's probe and a lease release may still be on their way."""
         def close() -> None:
-            if w.watchers == 0 and self.workers.get(w.worker_id) is not w:
+            self._retiring.pop(w, None)
+            if w.users == 0 and self.workers.get(w.worker_id) is not w:
+                self._open.discard(w)
                 task = asyncio.get_running_loop().create_task(w.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
 
-        asyncio.get_running_loop().call_later(RETIRE_AFTER_S, close)
+        if w in self._retiring or self._stopping:
+            return
+        self._retiring[w] = asyncio.get_running_loop().call_later(RETIRE_AFTER_S, close)
 
 
 @contextlib.contextmanager
@@ -477,6 +550,12 @@ def prefilling(worker: WorkerHandle):
         yield
     finally:
         worker.prefilling -= 1
+
+
+def _log_liveness_end(task: asyncio.Task) -> None:
+    """The health checks end only with the router: any other end leaves hung workers uncut."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the worker health checks stopped: %r", task.exception())
 
 
 def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHandle]:

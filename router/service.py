@@ -279,13 +279,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self.stats.prefilled(where.local, on_decode_cache=where.held > 0)
             run.timings.router_queue_s = time.monotonic() - run.t0
         run.usage.local_prefill = where.local
+        first = where.decode if where.local else where.prefill
         if where.local:
             chunks = self._local_prefill(run, request, where.decode, context)
         else:
             chunks = self._remote_prefill(run, request, where.prefill, avoid, context)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
+        # Held for the whole attempt: the lease release and a migration's probe use the
+        # prefill worker's channel after its calls ended, the registry may drop it meanwhile.
+        with self.directory.in_use(first):
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
 
     async def _local_prefill(self, run: RequestRun, request, decode: WorkerHandle, context):
         """Conditional disaggregation: the decode worker runs the prompt and streams every
@@ -449,7 +453,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
         async def release() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
+            with self.directory.in_use(prefill), \
+                    contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
                 await prefill.prefill_stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=rid),
                                                      timeout=5.0)
 

@@ -53,6 +53,10 @@ class _Directory:
     def inflight(self, worker):
         yield
 
+    @contextlib.contextmanager
+    def in_use(self, worker):
+        yield
+
 
 class _Context:
     def time_remaining(self):

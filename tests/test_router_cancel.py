@@ -29,6 +29,10 @@ class _Directory:
     def inflight(self, worker):
         yield
 
+    @contextlib.contextmanager
+    def in_use(self, worker):
+        yield
+
     def check_prompt_fits(self, num_tokens: int, requested_len: int = 0) -> None:
         """As WorkerDirectory's while no worker is known: any length passes."""
 
