@@ -1,35 +1,23 @@
 """The router's view of the workers: live ones from the registry, a channel per worker (reused
-across requests), requests in flight per worker, and the routing policy.
-
-Policy. Prefill: the best score ``cached_tokens - LOAD_COST_TOKENS * load``, where
-``cached_tokens`` is the longest prefix of the prompt the worker holds (from the Redis index)
-and ``load`` counts requests queued there (its last heartbeat's waiting requests plus the
-router's own requests in flight to it, which are fresher). A cached token saves its prefill;
-a queued request delays this one by roughly a prompt's prefill, hence the exchange rate.
-Decode: among workers with enough free blocks for the prompt, the fewest requests in flight,
-then the most free blocks; when no worker's last heartbeat shows enough, the workers are asked
-for their current free blocks before the request is refused. Ties go to the smaller worker id,
-so routing is deterministic. Decode workers publish their cached blocks too:
-``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn), which
-router/local_prefill.py may let prefill it.
+across requests), and requests in flight per worker. Which worker takes a prompt is the
+routing policy's (router/routing_policy.py); failed workers are marked down by
+router/worker_failures.py.
 
 Redis is the registry and the prefix index, not a dependency of the request path: while it
 fails or hangs, requests route on the last view of the workers, by load alone (no prefix
-hits), waiting on it at most briefly (router/redis_health.py). The periodic refresh keeps trying and takes the view up
-again when Redis answers; any error from the registry (a corrupt entry too) is taken as Redis
-failing, at start as well: the router starts on an empty view and fills it when Redis answers.
-A new, empty Redis (a restart) is not every worker gone: a worker last listed before it started
-keeps its place until it registers again or a heartbeat TTL passes.
+hits), waiting on it at most briefly (router/redis_health.py). The periodic refresh keeps
+trying and takes the view up again when Redis answers; any error from the registry (a corrupt
+entry too) is taken as Redis failing, at start as well: the router starts on an empty view and
+fills it when Redis answers. A new, empty Redis (a restart) is not every worker gone: a worker
+last listed before it started keeps its place until it registers again or a heartbeat TTL
+passes.
 
 Workers serving another model (two clusters sharing a Redis namespace) are left out of the
-view, each logged once (``_model_key``).
+view, each logged once (``_model_key``); so are workers of another block size, whose blocks
+the router's hashes do not name.
 
-Failures. A worker that failed a request with UNAVAILABLE is asked for its info at once; if it
-does not answer, or answers that it is draining, no request is routed to it until the registry
-would have dropped it (the heartbeat TTL) or it registers anew. A worker with calls on it that
-stops answering health checks (router/liveness.py) has its calls cut and is marked the same.
-A migrating request also prefers workers other than the ones that failed it
-(router/migration.py).
+A dropped worker's channel stays open while any request uses it (``in_use``), and closes a
+while after the last one ends; ``stop`` closes every channel the view opened.
 """
 from __future__ import annotations
 
@@ -46,75 +34,24 @@ import redis.exceptions
 from client.tasks import stop_task
 from protos import common_pb2, worker_pb2_grpc
 from protos.limits import message_size_options
-from router.decode_mux import DecodeMux
-from router.liveness import LivenessConfig, WatchedCalls, check_loop
+from router.liveness import LivenessConfig, check_loop
 from router.redis_bound import REDIS_TIMEOUT_S
 from router.redis_health import RedisHealth
 from router.registry import Registry
+from router.routing_policy import LOAD_COST_TOKENS, NoWorkerError, RoutingPolicy
+from router.worker_failures import WorkerFailures
+from router.worker_handle import WorkerHandle, prefilling
+
+# Re-exported: the router's modules and tests import them from here.
+__all__ = ["LOAD_COST_TOKENS", "NoWorkerError", "WorkerDirectory", "WorkerHandle", "prefilling"]
 
 logger = logging.getLogger(__name__)
 
-LOAD_COST_TOKENS = 256
-# A decode worker asked for its current info before a RESOURCE_EXHAUSTED refusal answers
-# within this, or the refusal goes by its last heartbeat.
-FRESH_INFO_TIMEOUT_S = 1.0
-# A worker that failed a request must answer a probe within this to keep receiving requests.
-PROBE_TIMEOUT_S = 1.0
-# A dropped worker's channel is closed this long after its last call ended.
 RETIRE_AFTER_S = 30.0
 
 
-class NoWorkerError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    info: common_pb2.WorkerInfo
-    channel: grpc.aio.Channel
-    prefill_stub: worker_pb2_grpc.PrefillWorkerStub
-    decode_stub: worker_pb2_grpc.DecodeWorkerStub
-    inflight: int = 0
-    routed: int = 0
-    # Prompts this router sent a decode worker to prefill itself, not yet past their first
-    # token: the local-prefill policy weighs them against the prefill worker's queue.
-    prefilling: int = 0
-    # The calls in flight to this worker, which a liveness cut fails (router/liveness.py),
-    # and how many holders want it health-checked (its calls, and KV pulls from it).
-    calls: WatchedCalls = field(default_factory=WatchedCalls)
-    watchers: int = 0
-    # Requests using its channel (WorkerDirectory.in_use): a dropped worker's channel closes
-    # only once none does.
-    users: int = 0
-    # The router's health checks, which also set the heartbeats on this worker's DecodeMany.
-    liveness: LivenessConfig | None = None
-    # The GetWorkerInfo call in flight to it, if any (WorkerDirectory._ask_fresh).
-    asking: asyncio.Future | None = None
-    # When (monotonic) a registry listing last held it: before a Redis restart, or since.
-    listed_at: float = 0.0
-    _mux: DecodeMux | None = None
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def mux(self) -> DecodeMux:
-        """This decode worker's shared DecodeMany stream (router/decode_mux.py)."""
-        if self._mux is None:
-            self._mux = DecodeMux(self.decode_stub, self.worker_id, self.calls, self.liveness)
-        return self._mux
-
-    async def close(self) -> None:
-        if self._mux is not None:
-            await self._mux.close()
-        await self.channel.close()
-
-
 @dataclass
-class WorkerDirectory:
+class WorkerDirectory(RoutingPolicy, WorkerFailures):
     registry: Registry
     block_size: int
     refresh_interval_s: float = 0.5
@@ -326,64 +263,6 @@ class WorkerDirectory:
                            self.block_size)
         return False
 
-    def is_down(self, w: WorkerHandle) -> bool:
-        """Failed its last probe, and has not registered anew (another address) since. While
-        Redis fails, the registry cannot drop a dead worker, so the mark does not expire."""
-        mark = self._down.get(w.worker_id)
-        if mark is None:
-            return False
-        address, until = mark
-        if address != w.info.address or (time.monotonic() >= until and self.registry_ok):
-            del self._down[w.worker_id]
-            return False
-        return True
-
-    async def probe(self, w: WorkerHandle) -> bool:
-        """After ``w`` failed a request: whether it still serves. One that does not answer in
-        time, or is draining, takes no requests until the registry drops it or it restarts."""
-        probe = self._probes.get(w.worker_id)
-        if probe is None:
-            probe = self._probes[w.worker_id] = asyncio.ensure_future(self._probe(w))
-            probe.add_done_callback(lambda _: self._probes.pop(w.worker_id, None))
-        return await asyncio.shield(probe)
-
-    async def _probe(self, w: WorkerHandle) -> bool:
-        stub = w.prefill_stub if w.info.role == "prefill" else w.decode_stub
-        try:
-            info = await stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
-                                            timeout=PROBE_TIMEOUT_S)
-            alive = info.worker_id == w.worker_id and not info.draining
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: channel retired
-            alive = False
-        if not alive:
-            logger.warning("worker %s (%s) stops receiving requests: it failed a request and "
-                           "its probe", w.worker_id, w.info.address)
-            self._mark_down(w)
-        return alive
-
-    def _hung(self, w: WorkerHandle, reason: str) -> None:
-        """A worker with calls on it stopped answering health checks: its calls fail with
-        UNAVAILABLE (and migrate), and it takes no requests until the registry drops it or it
-        registers anew."""
-        n = w.calls.cut_all(f"worker {w.worker_id} ({w.info.address}) hung: {reason}")
-        logger.warning("worker %s (%s) hung (%s): %d call(s) on it cut, and it stops "
-                       "receiving requests", w.worker_id, w.info.address, reason, n)
-        self._mark_down(w)
-        self.worker_hangs += 1
-
-    def _mark_down(self, w: WorkerHandle) -> None:
-        """No requests for ``w`` until the registry would have dropped it, or it registers at
-        another address (is_down)."""
-        self._down[w.worker_id] = (w.info.address, time.monotonic() + self.registry.ttl_s)
-
-    async def _candidates_now(self, role: str) -> list[WorkerHandle]:
-        """Candidates, re-reading the registry when the cached view has none: a worker that
-        registered since the last periodic refresh takes the request instead of a refusal."""
-        cands = self.candidates(role)
-        if not cands and await self.refresh_if_reachable():
-            cands = self.candidates(role)
-        return cands
-
     def max_model_len(self) -> int:
         """The longest sequence every routable worker takes (every known one while none is
         routable); 0 while none is known. A draining or down worker, or one of another block
@@ -405,88 +284,6 @@ class WorkerDirectory:
         if limit and requested_len > limit:
             raise ValueError(f"the prompt plus max_tokens is {requested_len} tokens; "
                              f"max_model_len is {limit}: lower max_tokens or shorten the prompt")
-
-    async def pick_prefill(self, block_hashes: list[bytes], num_tokens: int,
-                           avoid: frozenset[str] = frozenset()) -> tuple[WorkerHandle, int]:
-        """The prefill worker for a prompt, and how many of its tokens that worker has cached.
-        Workers in ``avoid`` are taken only when no other is available."""
-        cands = _prefer(await self._candidates_now("prefill"), avoid)
-        if not cands:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
-        matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
-
-        def score(w: WorkerHandle) -> tuple:
-            cached = min(matched.get(w.worker_id, 0) * self.block_size, num_tokens)
-            load = w.inflight + w.info.num_waiting
-            return (cached - LOAD_COST_TOKENS * load, -w.inflight, _neg(w.worker_id))
-
-        best = max(cands, key=score)
-        return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
-
-    async def _match_prefix(self, block_hashes: list[bytes],
-                            worker_ids: list[str]) -> dict[str, int]:
-        return await self._health.ask(
-            "the prefix lookup", lambda: self.registry.match_prefix(block_hashes, worker_ids), {})
-
-    async def longest_decode_prefix(self, block_hashes: list[bytes], num_tokens: int,
-                                    avoid: frozenset[str]) -> tuple[WorkerHandle | None, int]:
-        """The decode worker with room for the prompt that holds the longest prefix of it, and
-        that prefix in tokens; (None, 0) when none holds any. Workers in ``avoid`` are left
-        out: the prompt has somewhere else to go."""
-        need = -(-(num_tokens + 1) // self.block_size)
-        cands = [w for w in await self._candidates_now("decode")
-                 if w.worker_id not in avoid and w.info.num_free_blocks >= need]
-        if not cands or not block_hashes:
-            return None, 0
-        matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
-        best = max(cands, key=lambda w: (matched.get(w.worker_id, 0), -w.inflight,
-                                         _neg(w.worker_id)))
-        cached = min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
-        return (best, cached) if cached else (None, 0)
-
-    async def pick_decode(self, num_tokens: int,
-                          avoid: frozenset[str] = frozenset()) -> WorkerHandle:
-        """A decode worker with room for ``num_tokens``; of those, one not in ``avoid`` when
-        there is one (an avoided worker with room beats a refusal)."""
-        need = -(-num_tokens // self.block_size)
-        cands = await self._candidates_now("decode")
-        if not cands:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
-        roomy = [w for w in cands if w.info.num_free_blocks >= need]
-        if not roomy:
-            # The registry holds each worker's last heartbeat: blocks freed since then still
-            # read as taken. Ask the workers themselves before refusing.
-            await self._ask_fresh(cands)
-            roomy = [w for w in cands if w.info.num_free_blocks >= need]
-        if not roomy:
-            raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no room on any decode worker: none has {need} free KV "
-                                f"blocks")
-        return min(_prefer(roomy, avoid),
-                   key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
-
-    async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
-        """Each decode worker's own current info; one that does not answer keeps its view.
-        Requests that need it at once (a burst waiting for room) share one call per worker."""
-        def asking(w: WorkerHandle) -> asyncio.Future:
-            if w.asking is None or w.asking.done():
-                w.asking = asyncio.ensure_future(self._ask_info(w))
-            return asyncio.shield(w.asking)  # one waiter's cancel leaves the others' call
-
-        await asyncio.gather(*(asking(w) for w in workers))
-
-    @staticmethod
-    async def _ask_info(w: WorkerHandle) -> None:
-        try:
-            info = await w.decode_stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(),
-                                                     timeout=FRESH_INFO_TIMEOUT_S)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-            logger.warning("worker %s did not report its info: %s", w.worker_id,
-                           e.code() if isinstance(e, grpc.aio.AioRpcError) else e)
-            return
-        if info.worker_id == w.worker_id and info.role == w.info.role:
-            info.draining = info.draining or w.info.draining  # a drain set by an admin
-            w.info = info
 
     @contextlib.contextmanager
     def inflight(self, worker: WorkerHandle):
@@ -541,27 +338,10 @@ class WorkerDirectory:
         self._retiring[w] = asyncio.get_running_loop().call_later(RETIRE_AFTER_S, close)
 
 
-@contextlib.contextmanager
-def prefilling(worker: WorkerHandle):
-    """Counts a local prefill on ``worker`` until the block exits (its first token came, or it
-    failed)."""
-    worker.prefilling += 1
-    try:
-        yield
-    finally:
-        worker.prefilling -= 1
-
-
 def _log_liveness_end(task: asyncio.Task) -> None:
     """The health checks end only with the router: any other end leaves hung workers uncut."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("the worker health checks stopped: %r", task.exception())
-
-
-def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHandle]:
-    """The candidates not in ``avoid``, or all of them when that leaves none."""
-    kept = [w for w in cands if w.worker_id not in avoid]
-    return kept or cands
 
 
 def _model_key(model: str) -> str:
@@ -574,10 +354,3 @@ def _model_key(model: str) -> str:
     (its workers get no requests, and the warning names both) unless every service names the
     model with --served-model-name."""
     return PurePath(model.rstrip("/")).name.casefold() or model
-
-
-def _neg(s: str) -> tuple:
-    """Sorts strings descending inside a max(): the smaller id wins a tie. The end marker
-    ranks above every character, so that an id beats the longer ids it is a prefix of ("p1"
-    before "p10"), as it sorts before them."""
-    return (*(-ord(c) for c in s), 1)
