@@ -197,7 +197,9 @@ def cuda_graph_config(spec: RankSpec, cfg: ModelConfig, num_blocks: int) -> CUDA
         return None
     max_len = min(c.max_model_len or cfg.max_position_embeddings, num_blocks * c.block_size,
                   c.max_seq_len_to_capture)
-    return CUDAGraphConfig(max_batch_size=min(c.max_num_seqs, _MAX_GRAPH_BATCH),
+    # A decode step holds one token per sequence: no batch outgrows the token budget either.
+    max_batch = min(c.max_num_seqs, c.max_num_batched_tokens, _MAX_GRAPH_BATCH)
+    return CUDAGraphConfig(max_batch_size=max_batch,
                            max_num_blocks_per_seq=-(-max_len // c.block_size),
                            block_size=c.block_size, num_blocks=num_blocks)
 

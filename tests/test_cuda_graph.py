@@ -35,6 +35,23 @@ def test_buckets_cover_every_batch_size():
             CUDAGraphConfig(bad, 4, 16)
 
 
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens,largest", [
+    (256, 64, 64), (16, 2048, 16), (1024, 4096, 512)])
+def test_graphs_are_captured_only_for_batches_a_step_can_form(preset_path, max_num_seqs,
+                                                              max_num_batched_tokens, largest):
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
+    from engine.setup import RankSpec, cuda_graph_config
+
+    config = EngineConfig(model="tiny-llama", max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    path = preset_path("tiny-llama")
+    # Only the spec's device is read: no GPU is needed to derive what would be captured.
+    spec = RankSpec(config, str(path), "bfloat16", "cuda:0")
+    graphs = cuda_graph_config(spec, ModelConfig.from_pretrained(path), num_blocks=1024)
+    assert graphs.max_batch_size == largest == graphs.batch_sizes[-1]
+
+
 def test_capture_needs_cuda():
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphRunner(torch.nn.Identity(), CUDAGraphConfig(2, 2, 16), torch.device("cpu"))
