@@ -124,6 +124,11 @@ def run_graphs(opts, vocab: int, log) -> list[GraphRow]:
     for b in opts.graph_batches:
         e = eager[b][0].decode_tok_s
         g, replays = graphed.get(b, (None, None))
+        if opts.on_cuda and not replays:
+            # No graph ran (none captured, or every step declined): the ratio would compare
+            # eager with eager and read as "graphs gain nothing".
+            raise RuntimeError(f"graphs: the CUDA-graph engine replayed no graph at batch {b} "
+                               f"(replays: {replays})")
         g_tok_s = None if g is None else g.decode_tok_s
         rows.append(GraphRow(b, e, g_tok_s, None if g is None else g_tok_s / e, replays))
     return rows

@@ -76,6 +76,26 @@ def test_the_json_holds_each_part_as_soon_as_it_ends(capsys, monkeypatch, tmp_pa
     assert "simulated" in json.loads(out_file.read_text())["errors"]["w1"]
 
 
+@pytest.mark.parametrize("replays", [0, None])
+def test_a_graph_run_that_replayed_no_graph_fails_the_part(replays, monkeypatch):
+    from types import SimpleNamespace
+
+    from bench import gpu_parts
+
+    timing = SimpleNamespace(decode_tok_s=100.0)
+    monkeypatch.setattr(gpu_parts, "_engine_decode",
+                        lambda opts, vocab, batches, enforce_eager:
+                        {b: (timing, None if enforce_eager else replays) for b in batches})
+    monkeypatch.setattr(gpu_parts, "free_device_memory", lambda: None)
+    opts = SimpleNamespace(graph_batches=[1, 8], on_cuda=True)
+    with pytest.raises(RuntimeError, match="replayed no graph at batch 1"):
+        gpu_parts.run_graphs(opts, 8192, lambda msg: None)
+    monkeypatch.setattr(gpu_parts, "_engine_decode",
+                        lambda opts, vocab, batches, enforce_eager:
+                        {b: (timing, None if enforce_eager else 5) for b in batches})
+    assert [r.graph_replays for r in gpu_parts.run_graphs(opts, 8192, lambda msg: None)] == [5, 5]
+
+
 def test_w1_draws_match_nano_vllm():
     # nano-vllm's README reports 133,966 output tokens for its seed-0 workload.
     prompts, outs = w1_requests(256, 100, 1024, 151936, 0)
