@@ -393,7 +393,8 @@ def up_spec(args: argparse.Namespace):
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                        prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
                        router_port=args.port, worker_args=extra, share_cores=args.share_cores,
-                       router_args=_up_router_args(args),
+                       router_args=_up_router_args(args), api_key=args.api_key,
+                       admin_api_key=args.admin_api_key,
                        kv_transfer_backend=args.kv_transfer_backend,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        engine_process=args.engine_process)
@@ -405,23 +406,34 @@ def _check_service_flags(spec) -> None:
     """Each service's configuration built from the flags it will get, as it will build it: a
     bad value fails here with its message, not in a service after the others started."""
     from engine.cli import build_parser
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
 
+    # Every service reads the model only as it starts, after Redis and the others did: a
+    # missing or broken one must fail here, as an aggregated spec's router_flags() (the
+    # model's context length) has it fail.
+    ModelConfig.from_pretrained(resolve_model(spec.model))
     parser = build_parser()
     redis = spec.redis_url or "redis://127.0.0.1:6379/0"
     roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
     for role in roles:
         _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url", redis,
                                           *spec.engine_args(role, [])]), role)
-    _router_config(parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
-                                      "--port", str(spec.router_port),
-                                      *spec.router_flags()]))
+    router = parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
+                                "--port", str(spec.router_port), *spec.router_flags()])
+    # Its keys reach it through its environment (ClusterSpec.router_env), which it reads
+    # where its flags set none.
+    router.api_key = router.api_key or spec.api_key
+    router.admin_api_key = router.admin_api_key or spec.admin_api_key
+    _router_config(router)
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:
     out = []
-    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--api-key",
-                 "--admin-api-key", "--chat-template", "--generation-config", "--stream-interval",
-                 "--max-local-prefill-length", "--served-model-name"):
+    # Not the API keys: on its command line any local user would read them (ClusterSpec).
+    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
+                 "--generation-config", "--stream-interval", "--max-local-prefill-length",
+                 "--served-model-name"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

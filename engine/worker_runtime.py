@@ -32,7 +32,7 @@ from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
 from engine.outputs import LeaseEnded
 from protos import common_pb2
-from router.registry import ROUTER_TTL_S, check_redis_url
+from router.registry import ROUTER_TTL_S, check_namespace, check_redis_url
 from router.router_presence import check_served_model_name, check_worker_id
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class WorkerConfig:
     served_model_name: str = ""
 
     def __post_init__(self) -> None:
+        # Here, not only in the Registry, which is made once the engine is up (minutes, for a
+        # large model).
+        check_namespace(self.namespace)
         if self.engine.role not in ("prefill", "decode"):
             raise ValueError(f"a worker's engine role must be prefill or decode, "
                              f"got {self.engine.role!r}")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from client.channels import check_api_key
 from engine.cpus import usable_cpus
 from router.gpu_placement import DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, plan_gpus, visible_gpus
 
@@ -40,6 +41,11 @@ class ClusterSpec:
     # Extra engine flags for every worker, e.g. ["--num-gpu-blocks", "256"].
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    # The router's API keys (router --api-key/--admin-api-key; None: its environment's). They
+    # reach it through its environment, which only its user may read, never its command
+    # line, which any local user sees in ps.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
     start_timeout_s: float = 180.0
     # Passed to every service as --drain-timeout-s: see STOP_GRACE_S.
     drain_timeout_s: float = DRAIN_TIMEOUT_S
@@ -79,6 +85,8 @@ class ClusterSpec:
         if self.aggregated and limit is not None and limit.isdigit() and int(limit) == 0:
             raise ValueError("with no prefill worker the decode workers prefill every prompt: "
                              "--max-local-prefill-length 0 would leave nothing to serve it")
+        check_api_key(self.api_key)
+        check_api_key(self.admin_api_key)
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         util = self.gpu_memory_utilization
@@ -109,6 +117,23 @@ class ClusterSpec:
         if self.aggregated and flag_value(args, "--max-local-prefill-length") is None:
             args += ["--max-local-prefill-length", str(_max_position(self.model))]
         return args
+
+    def router_env(self) -> dict[str, str]:
+        """The router's environment: this process's, with the spec's API keys."""
+        env = dict(os.environ)
+        for name, key in (("PDSERVE_API_KEY", self.api_key),
+                          ("PDSERVE_ADMIN_API_KEY", self.admin_api_key)):
+            if key is not None:
+                env[name] = key
+        return env
+
+    def admin_key(self) -> str | None:
+        """The key the router's admin service takes: its admin key, else its API key, from
+        its flags, the spec or the environment it inherits (router/auth.py)."""
+        flags = self.router_args
+        env = self.router_env()
+        return (flag_value(flags, "--admin-api-key") or env.get("PDSERVE_ADMIN_API_KEY")
+                or flag_value(flags, "--api-key") or env.get("PDSERVE_API_KEY") or None)
 
     def engine_args(self, role: str, extra: list[str]) -> list[str]:
         """A worker's engine flags: the spec's, then ``extra``, then the defaults that depend on

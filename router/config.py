@@ -11,7 +11,7 @@ from engine.grpc_server import ServerConfig
 from engine.output_processor import check_stream_interval
 from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
-from router.registry import check_redis_url
+from router.registry import check_namespace, check_redis_url
 from router.router_presence import check_router_id, check_served_model_name
 
 DECODE_STREAMS = ("multiplexed", "per-request")
@@ -86,8 +86,13 @@ class RouterConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or preset name")
         check_redis_url(self.redis_url)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        check_namespace(self.namespace)
+        # The workers' rule (EngineConfig): a router with another block size hashes prompts
+        # into blocks no worker has, and none could be started to match it.
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size (--block-size) must be a power of two, as the "
+                             f"workers' is, got {self.block_size!r}")
         if not self.refresh_interval_s > 0:
             raise ValueError(f"refresh_interval_s must be > 0, got {self.refresh_interval_s}")
         if not isinstance(self.max_inflight_requests, int) or self.max_inflight_requests < 1:

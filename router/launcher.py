@@ -131,7 +131,7 @@ class Cluster:
             "--router-id", f"router-{socket.gethostname()}-{os.getpid()}-{self._num_routers}",
             "--redis-url", self.redis_url, "--namespace", self.spec.namespace,
             "--drain-timeout-s", str(self.spec.drain_timeout_s), *self.spec.router_flags(),
-            *(extra or [])])
+            *(extra or [])], self.spec.router_env())
         if wait:
             self._wait_healthy(proc)
         return proc
@@ -274,6 +274,7 @@ class Cluster:
 
     def wait_routable(self, num_prefill: int, num_decode: int, timeout_s: float = 30.0) -> None:
         """Until the router's registry view has exactly these many live workers."""
+        from client.channels import call_metadata
         from protos import router_pb2, router_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
@@ -282,7 +283,7 @@ class Cluster:
             stub = router_pb2_grpc.RouterAdminStub(ch)
             while True:
                 s = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=5.0,
-                                         metadata=_metadata(flags))
+                                         metadata=call_metadata(self.spec.admin_key()))
                 if (s.num_prefill_workers, s.num_decode_workers) == (num_prefill, num_decode):
                     return
                 if time.monotonic() > deadline:
@@ -377,14 +378,3 @@ def _channel(args: list[str], address: str) -> grpc.Channel:
         return grpc.insecure_channel(address)
     with open(cert, "rb") as f:
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
-
-
-def _metadata(args: list[str]):
-    """What the launcher's calls to the router's admin service send: its admin key, else its
-    API key, from its flags or the environment it inherited."""
-    from client.channels import call_metadata
-
-    return call_metadata(flag_value(args, "--admin-api-key")
-                         or os.environ.get("PDSERVE_ADMIN_API_KEY")
-                         or flag_value(args, "--api-key") or os.environ.get("PDSERVE_API_KEY")
-                         or None)

@@ -168,6 +168,18 @@ def check_redis_url(url) -> str:
     return url
 
 
+def check_namespace(namespace) -> str:
+    """A namespace the key schema above can hold; ValueError naming --namespace otherwise.
+    Routers and workers check theirs when their configuration is built: the Registry that
+    also refuses one is made only once the model is loaded (minutes, for a large one)."""
+    # Keys are "{ns}:part:...": with a ':' one namespace's keys could be another's (namespace
+    # "a:wblocks"'s worker hash is namespace "a"'s block set of a worker named "workers").
+    if not isinstance(namespace, str) or not namespace or ":" in namespace:
+        raise ValueError(f"namespace (--namespace) must be non-empty without ':', "
+                         f"got {namespace!r}")
+    return namespace
+
+
 # How stale a heartbeat the routers take for a worker gone (Registry.ttl_s's default).
 ROUTER_TTL_S = 5.0
 
@@ -183,10 +195,8 @@ class Heartbeat:
 class Registry:
     def __init__(self, client: aioredis.Redis, namespace: str = "pdserve",
                  ttl_s: float = ROUTER_TTL_S) -> None:
-        if not namespace or ":" in namespace:
-            raise ValueError(f"namespace must be non-empty without ':', got {namespace!r}")
         self.r = client
-        self.ns = namespace
+        self.ns = check_namespace(namespace)
         self.ttl_s = ttl_s
         self._match = client.register_script(_MATCH_LUA)
         self._beat = client.register_script(_HEARTBEAT_LUA)

@@ -111,7 +111,9 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     args = spec.router_args
     assert args[args.index("--chat-template") + 1] == str(tmp_path / "turns.jinja")
     assert args[args.index("--generation-config") + 1] == str(tmp_path / "gen")
-    assert args[args.index("--api-key") + 1] == "k3y"
+    # The key goes to the router through its environment, not on its command line.
+    assert "--api-key" not in spec.router_flags() and "k3y" not in spec.router_flags()
+    assert spec.api_key == "k3y" and spec.router_env()["PDSERVE_API_KEY"] == "k3y"
     assert spec.worker_args == ["--scheduling-policy", "priority"]
     assert spec.kv_transfer_backend == "nixl" and spec.gpu_memory_utilization is None
     spec = up_spec(build_parser().parse_args(
@@ -154,6 +156,11 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--redis-url", "http://x"], "redis_url"),
     (["--metrics-port", "-3"], "metrics_port"),
     (["--served-model-name", "two words"], "served_model_name"),
+    # Disaggregated: no router_flags() reads the model's context length to find it missing.
+    (["--model", "/nonexistent/model"], "neither an existing folder nor a built-in preset"),
+    (["--prefill", "0", "--model", "/nonexistent/model"], "neither an existing folder"),
+    (["--api-key", "a b"], "api_key"),
+    (["--admin-api-key", "a b"], "api_key"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):

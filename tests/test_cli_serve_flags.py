@@ -1,0 +1,140 @@
+"""Flags of the serving commands (router, prefill, decode, up) that must be refused when the
+configuration is built, before any model loads or any service starts, and the API keys `up`
+hands its router."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+from engine.cli import build_parser, main
+from router.config import RouterConfig
+from router.registry import check_namespace
+
+KEY = "s3cret-key"
+ADMIN_KEY = "0perator-key"
+
+
+def _no_service(monkeypatch, module: str) -> None:
+    """The service's main fails the test: a flag the config should refuse got past it."""
+    def started(config):
+        raise AssertionError(f"{module} started with {config!r}")
+
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=started))
+
+
+@pytest.mark.parametrize("namespace", ["a:b", ""])
+@pytest.mark.parametrize("role, module, extra", [
+    ("router", "router.server", []),
+    ("prefill", "prefill_svc.server", ["--kv-transfer-backend", "torch"]),
+    ("decode", "decode_svc.server", ["--kv-transfer-backend", "torch"]),
+])
+def test_a_bad_namespace_is_refused_before_anything_loads(role, module, extra, namespace,
+                                                          monkeypatch, capsys):
+    """Only the Registry refused one: the router's after its tokenizer loaded, a worker's
+    after its engine did (minutes for a large model), with a traceback from the server."""
+    _no_service(monkeypatch, module)
+    assert main([role, "--namespace", namespace, "--redis-url", "redis://127.0.0.1:1/0",
+                 "--port", "0", *extra]) == 2
+    assert "namespace (--namespace) must be non-empty without ':'" in capsys.readouterr().err
+
+
+def test_check_namespace_takes_what_the_registry_takes():
+    assert check_namespace("pdserve") == "pdserve"
+    for bad in ("", "a:b", None, 5):
+        with pytest.raises(ValueError, match="--namespace"):
+            check_namespace(bad)
+    with pytest.raises(ValueError, match="--namespace"):
+        RouterConfig(model="tiny-llama", redis_url="redis://h:1/0", namespace="x:")
+
+
+@pytest.mark.parametrize("block_size", [24, 3, 0, -16, True])
+def test_the_router_takes_only_a_block_size_a_worker_can_have(block_size, monkeypatch, capsys):
+    with pytest.raises(ValueError, match=r"block_size \(--block-size\) must be a power of two"):
+        RouterConfig(model="tiny-llama", redis_url="redis://h:1/0", block_size=block_size)
+    if not isinstance(block_size, bool):
+        _no_service(monkeypatch, "router.server")
+        assert main(["router", "--redis-url", "redis://h:1/0",
+                     "--block-size", str(block_size)]) == 2
+        assert "--block-size" in capsys.readouterr().err
+
+
+def test_the_router_takes_the_block_sizes_workers_take():
+    from engine.config import EngineConfig
+
+    for block_size in (1, 16, 32, 256):
+        EngineConfig(model="tiny-llama", block_size=block_size)  # a worker has it...
+        RouterConfig(model="tiny-llama", redis_url="redis://h:1/0", block_size=block_size)
+
+
+def test_up_with_a_model_folder_without_config_refuses_before_starting(tmp_path, monkeypatch,
+                                                                      capsys):
+    from router import launcher
+
+    def no_start(self):
+        raise AssertionError("a service was started")
+
+    monkeypatch.setattr(launcher.Cluster, "start", no_start)
+    assert main(["up", "--model", str(tmp_path), "--port", "0"]) == 2
+    assert f"model folder {tmp_path} has no config.json" in capsys.readouterr().err
+
+
+def test_up_hands_its_router_the_api_keys_in_its_environment_not_its_argv(monkeypatch):
+    """On the command line any local user reads them (ps, /proc/PID/cmdline)."""
+    from engine.cli_serve import up_spec
+    from router import launcher
+
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_ADMIN_API_KEY", raising=False)
+    spec = up_spec(build_parser().parse_args(
+        ["up", "--api-key", KEY, "--admin-api-key", ADMIN_KEY, "--redis-url",
+         "redis://127.0.0.1:1/0", "--port", "0"]))
+    spawned = []
+
+    class Spawned(Exception):
+        pass
+
+    def popen(argv, env=None, **_):
+        spawned.append((argv, env))
+        raise Spawned
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    cluster = launcher.Cluster(spec)
+    try:
+        with pytest.raises(Spawned):
+            cluster.start_router(wait=False)
+    finally:
+        cluster.stop()
+    [(argv, env)] = spawned
+    assert not [a for a in argv if KEY in a or ADMIN_KEY in a], argv
+    assert env["PDSERVE_API_KEY"] == KEY and env["PDSERVE_ADMIN_API_KEY"] == ADMIN_KEY
+    assert KEY not in repr(spec) and ADMIN_KEY not in repr(spec)
+    # The launcher's own admin calls (wait_routable) send the key the admin service takes.
+    assert spec.admin_key() == ADMIN_KEY
+    assert launcher.ClusterSpec(api_key=KEY).admin_key() == KEY
+    monkeypatch.setenv("PDSERVE_ADMIN_API_KEY", "from-env")
+    assert launcher.ClusterSpec(api_key=KEY).admin_key() == "from-env"
+
+
+def test_a_cluster_whose_keys_travel_in_the_environment_enforces_them():
+    from client import Client, UnauthenticatedError
+    from router.launcher import Cluster, ClusterSpec
+    from tests.serving_helpers import WORKER_ARGS
+
+    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS, api_key=KEY,
+                       admin_api_key=ADMIN_KEY)
+    # Started means its routability check, an admin call with the admin key, got through.
+    with Cluster(spec) as cluster:
+        [router] = [p for p in cluster.procs if p.role == "router"]
+        with open(f"/proc/{router.popen.pid}/cmdline", "rb") as f:
+            cmdline = f.read().decode()
+        assert "router" in cmdline and KEY not in cmdline and ADMIN_KEY not in cmdline
+        for key in (None, ADMIN_KEY):
+            with Client(cluster.router_address, timeout=30, api_key=key) as c:
+                with pytest.raises(UnauthenticatedError):
+                    c.complete([1, 2, 3], max_tokens=2)
+        with Client(cluster.router_address, timeout=60, api_key=KEY) as c:
+            assert len(c.complete([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
+    assert os.environ.get("PDSERVE_API_KEY") != KEY  # the test's own environment untouched
