@@ -141,7 +141,7 @@ def refuse_engine_flags(args: argparse.Namespace, why: str) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.offline:
-        from engine.cli_serve import cmd_demo_serving
+        from engine.cli_remote import cmd_demo_serving
 
         refuse_engine_flags(args, "the demo's cluster takes only --model and --max-tokens "
                                   "(use --offline, or pdserve up)")
@@ -177,7 +177,7 @@ def _demo_prompts(llm, max_tokens: int) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.router is not None:  # "" too: not a silent run of the local engine
-        from engine.cli_serve import cmd_generate_remote
+        from engine.cli_remote import cmd_generate_remote
 
         refuse_engine_flags(args, "a router's workers run with their own")
         return cmd_generate_remote(args)
@@ -270,11 +270,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     _add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cli_chat.cmd_chat)
 
-    from engine import cli_serve
+    from engine import cli_serve, cli_up
 
     p = sub.add_parser("up", help="Redis, router, prefill and decode workers, all local")
-    cli_serve.add_up_args(p)
-    p.set_defaults(func=cli_serve.cmd_up)
+    cli_up.add_up_args(p)
+    p.set_defaults(func=cli_up.cmd_up)
     p = sub.add_parser("router", help="run the router service")
     cli_serve.add_router_args(p)
     p.set_defaults(func=cli_serve.cmd_router)

@@ -99,7 +99,7 @@ def test_bench_offline_json(capsys):
 
 def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     from engine.cli import build_parser
-    from engine.cli_serve import up_spec
+    from engine.cli_up import up_spec
 
     (tmp_path / "turns.jinja").write_text("{{ messages[0]['content'] }}")
     (tmp_path / "gen").mkdir()

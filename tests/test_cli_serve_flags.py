@@ -83,7 +83,7 @@ def test_up_with_a_model_folder_without_config_refuses_before_starting(tmp_path,
 
 def test_up_hands_its_router_the_api_keys_in_its_environment_not_its_argv(monkeypatch):
     """On the command line any local user reads them (ps, /proc/PID/cmdline)."""
-    from engine.cli_serve import up_spec
+    from engine.cli_up import up_spec
     from router import launcher
 
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)

@@ -211,7 +211,7 @@ def test_workers_on_gpus_step_their_engine_in_a_process_of_their_own(
 
 def test_up_takes_engine_process_either_way():
     from engine.cli import build_parser
-    from engine.cli_serve import up_spec
+    from engine.cli_up import up_spec
 
     for flags, expected in (([], None), (["--engine-process"], True),
                             (["--no-engine-process"], False)):

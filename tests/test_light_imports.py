@@ -21,6 +21,7 @@ def test_client_side_modules_and_commands_leave_torch_unloaded():
 import sys
 import client, engine, kernels, protos.convert, router.admin, router.launcher
 import engine.cli, engine.cli_admin, engine.cli_chat, engine.cli_serve, engine.grpc_server
+import engine.cli_remote, engine.cli_up
 import engine.generation_defaults, engine.model_config, engine.outputs, engine.tokenizer
 from engine.cli import main
 for argv in (["admin", "--help"], ["generate", "--help"], ["up", "--help"]):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from client import Client
-from engine.cli_serve import _serve_until_stopped
+from engine.cli_up import _serve_until_stopped
 from router import supervisor
 from router.launcher import Cluster, ClusterSpec, Proc
 from router.supervisor import Supervisor

@@ -1,0 +1,69 @@
+"""``pdserve generate --router`` and the serving ``pdserve demo``: clients of a router, through
+the SDK."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    """Streams one prompt through a running router."""
+    from client import Client, PdserveError
+    from engine.cli import sampling_kwargs
+    from engine.cli_admin import connection_kwargs
+
+    try:
+        with Client([a.strip() for a in args.router.split(",") if a.strip()],
+                    **connection_kwargs(args)) as c:
+            sampling = sampling_kwargs(args, c.model_info().sampling_defaults)
+            t0 = time.perf_counter()
+            for chunk in c.generate(args.prompt, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.usage is not None:
+                    u = chunk.usage
+                    print(f"\n[{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, "
+                          f"total {(time.perf_counter() - t0) * 1e3:.0f} ms, "
+                          f"{u.cached_tokens} cached prompt tokens]")
+    except PdserveError as e:
+        print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_demo_serving(args: argparse.Namespace, prompts: list[str]) -> int:
+    """`make demo`: pdserve up on the model, prompts streamed through the SDK, clean stop."""
+    from client import Client
+    from engine.presets import resolve_model
+    from router.launcher import Cluster, ClusterSpec
+
+    print(f"preparing {args.model} (built-in presets are generated on first use) ...", flush=True)
+    resolve_model(args.model)
+    print("starting redis-server, the router, a prefill and a decode worker ...", flush=True)
+    # No access log: its line per request would land in the middle of the streamed text, and
+    # the demo prints its own summary of each request.
+    spec = ClusterSpec(model=args.model, worker_args=["--num-gpu-blocks", "512"],
+                       router_args=["--disable-log-requests"])
+    with Cluster(spec) as cluster, Client(cluster.router_address, timeout=120) as client:
+        print(f"router on {cluster.router_address}", flush=True)
+        for prompt in prompts:
+            print(f"\n>>> {prompt}", flush=True)
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            usage = None
+            for chunk in client.generate(prompt, max_tokens=args.max_tokens, temperature=0.0,
+                                         ignore_eos=True):
+                stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                usage = chunk.usage or usage
+            itl = (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1)
+            t = usage.timings
+            print(f"\n[{len(stamps)} tokens, TTFT {(stamps[0] - t0) * 1e3:.1f} ms, ITL "
+                  f"{itl * 1e3:.1f} ms | prefill {t.prefill_compute_s * 1e3:.1f} ms on "
+                  f"{usage.prefill_worker_id}, KV transfer {t.kv_transfer_s * 1e3:.1f} ms, "
+                  f"decode on {usage.decode_worker_id}]", flush=True)
+        print("\nstopping the cluster ...", flush=True)
+    print("(random-weight tiny model: the text is noise; the tokens match Hugging Face's)")
+    return 0

@@ -1,0 +1,224 @@
+"""``pdserve up``: a whole cluster (Redis, the router, prefill and decode workers) as child
+processes of this one, kept up until Ctrl-C or SIGTERM (router/launcher.py, router/supervisor.py).
+Every service's flags are checked here first, as each will build its configuration."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+from engine.cli_serve import _router_config, _worker_config
+
+
+def add_up_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers; 0 runs aggregated: the decode workers prefill every "
+                        "prompt themselves, behind the same router")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="TP ranks per prefill worker")
+    p.add_argument("--redis-url", default=None, help="default: start the bundled redis-server")
+    p.add_argument("--port", type=int, default=50051, help="the router's port")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks per worker (default: from the memory budget)")
+    # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
+                   help="how decode workers pull KV from prefill workers")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the share of each GPU's memory its workers use, split evenly "
+                        "where workers share a GPU (default 0.9). Workers get GPUs of their "
+                        "own while CUDA_VISIBLE_DEVICES has enough (a prefill worker -tp of "
+                        "them), else share them round-robin")
+    p.add_argument("--no-core-share", dest="share_cores", action="store_false",
+                   help="each worker keeps its own share of the cores, even while the others "
+                        "are idle (default: a busy worker borrows idle workers' cores)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="every worker's engine steps in a process of its own (prefill|decode "
+                        "--engine-process); default: the workers placed on GPUs, TP 1")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="the router serves Prometheus metrics, its own and every worker's "
+                        "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
+    p.add_argument("--tls-cert-file", default=None,
+                   help="the router serves clients over TLS with this PEM certificate...")
+    p.add_argument("--tls-key-file", default=None, help="...and this PEM key")
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (router --api-key; default: $PDSERVE_API_KEY)")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the router's admin API key (router --admin-api-key; default: "
+                        "$PDSERVE_ADMIN_API_KEY)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the router renders chat prompts with this template (router "
+                        "--chat-template; default: the model's own)")
+    p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
+                   help="the router's sampling defaults (router --generation-config; default: "
+                        "auto, the model's generation_config.json)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients see and the workers register (every service's "
+                        "--served-model-name; default: --model's folder name)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="every worker's (prefill|decode --scheduling-policy; default fcfs)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="router --stream-interval: one chunk per N output tokens after the "
+                        "first, from the decode workers and to clients (default 1)")
+    p.add_argument("--max-local-prefill-length", type=int, default=None,
+                   help="router --max-local-prefill-length: conditional disaggregation, short "
+                        "uncached prompts prefilled on the decode worker while the prefill "
+                        "workers are busy (default 0: off; aggregated clusters: every prompt)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="a service that crashes is started again, up to this many crashes "
+                        "per role within 10 minutes; then, or with 0, everything stops")
+
+
+class _StopWhileStarting(Exception):
+    """SIGINT or SIGTERM reached ``pdserve up`` before its cluster was up."""
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from router.launcher import Cluster
+    from router.supervisor import Supervisor
+
+    spec = up_spec(args)
+    stop = threading.Event()
+
+    def stop_starting(*_) -> None:
+        # While the services start (minutes, for a large model), a stop must not wait for
+        # them: the exception unwinds Cluster.start, which stops what it started. Once only:
+        # a second signal must not cut that cleanup short.
+        if not stop.is_set():
+            stop.set()
+            raise _StopWhileStarting
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_starting)
+    cluster = None
+    try:
+        cluster = Cluster(spec).start()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    except _StopWhileStarting:
+        if cluster is not None:  # the signal came as start returned
+            cluster.stop()
+        print("pdserve up: stopped while starting", flush=True)
+        return 0
+    except RuntimeError as e:  # a service that did not come up (its own log says why)
+        print(f"pdserve up: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:  # started already: `with cluster` would start it a second time
+        return _serve_until_stopped(args, spec, cluster, Supervisor, stop)
+    finally:
+        cluster.stop()
+
+
+def _serve_until_stopped(args: argparse.Namespace, spec, cluster, supervisor_cls,
+                         stop: threading.Event) -> int:
+    workers = (f"{args.decode} decode, aggregated: no prefill workers" if spec.aggregated
+               else f"{args.prefill} prefill, {args.decode} decode")
+    print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
+          f"{args.model}); Ctrl-C stops everything", flush=True)
+    for proc in cluster.procs:
+        if proc.gpus is not None:
+            print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)
+    # A stop while a crashed service starts again (minutes, for a large model) ends its wait.
+    supervisor = supervisor_cls(cluster, args.max_restarts,
+                                say=lambda line: print(line, file=sys.stderr, flush=True),
+                                should_stop=stop.is_set)
+    while not stop.is_set():
+        code = supervisor.check()
+        if code is not None:
+            return code
+        stop.wait(0.5)
+    print("pdserve up: stopping", flush=True)
+    return 0
+
+
+def up_spec(args: argparse.Namespace):
+    """The cluster ``pdserve up`` starts; a bad flag fails here, before anything starts."""
+    from router.launcher import ClusterSpec
+
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.chat_template is not None:
+        from engine.chat_template import load_chat_template
+
+        load_chat_template(args.chat_template)
+        if os.path.isfile(args.chat_template):  # the router may start elsewhere
+            args.chat_template = os.path.abspath(args.chat_template)
+    if args.generation_config not in (None, "auto", "engine"):
+        from engine.generation_defaults import check_generation_config
+
+        args.generation_config = os.path.abspath(check_generation_config(args.generation_config))
+    if args.stream_interval is not None:
+        from engine.output_processor import check_stream_interval
+
+        check_stream_interval(args.stream_interval)
+    if args.max_local_prefill_length is not None:
+        from router.local_prefill import LocalPrefillConfig
+
+        LocalPrefillConfig(max_local_prefill_length=args.max_local_prefill_length)
+    extra = [] if args.num_gpu_blocks is None else ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+    if args.scheduling_policy:
+        extra += ["--scheduling-policy", args.scheduling_policy]
+    if args.served_model_name:
+        extra += ["--served-model-name", args.served_model_name]
+    for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            extra += [flag, str(value)]
+    if args.enforce_eager:
+        extra.append("--enforce-eager")
+    spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                       prefill_tp=args.tensor_parallel_size, redis_url=args.redis_url,
+                       router_port=args.port, worker_args=extra, share_cores=args.share_cores,
+                       router_args=_up_router_args(args), api_key=args.api_key,
+                       admin_api_key=args.admin_api_key,
+                       kv_transfer_backend=args.kv_transfer_backend,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       engine_process=args.engine_process)
+    _check_service_flags(spec)
+    return spec
+
+
+def _check_service_flags(spec) -> None:
+    """Each service's configuration built from the flags it will get, as it will build it: a
+    bad value fails here with its message, not in a service after the others started."""
+    from engine.cli import build_parser
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+
+    # Every service reads the model only as it starts, after Redis and the others did: a
+    # missing or broken one must fail here, as an aggregated spec's router_flags() (the
+    # model's context length) has it fail.
+    ModelConfig.from_pretrained(resolve_model(spec.model))
+    parser = build_parser()
+    redis = spec.redis_url or "redis://127.0.0.1:6379/0"
+    roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
+    for role in roles:
+        _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url", redis,
+                                          *spec.engine_args(role, [])]), role)
+    router = parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
+                                "--port", str(spec.router_port), *spec.router_flags()])
+    # Its keys reach it through its environment (ClusterSpec.router_env), which it reads
+    # where its flags set none.
+    router.api_key = router.api_key or spec.api_key
+    router.admin_api_key = router.admin_api_key or spec.admin_api_key
+    _router_config(router)
+
+
+def _up_router_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    # Not the API keys: on its command line any local user would read them (ClusterSpec).
+    for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
+                 "--generation-config", "--stream-interval", "--max-local-prefill-length",
+                 "--served-model-name"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out
