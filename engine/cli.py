@@ -25,7 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: the share of the GPU's memory this process may use (weights, "
                         "KV cache, activations); processes sharing a GPU split it, e.g. 0.45 "
                         "each for two")
-    p.add_argument("--num-gpu-blocks", type=int, default=None,
+    p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="exact KV block count (overrides the memory budget)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")

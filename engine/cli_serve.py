@@ -135,9 +135,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="multiplexed: one DecodeMany stream per decode worker carries every "
                         "request, one message per engine step; per-request: a Decode call per "
                         "request, one message per token")
-    p.add_argument("--tls-cert-file", default=None,
+    # Each second spelling is vLLM's: a command line written for it works here too.
+    p.add_argument("--tls-cert-file", "--ssl-certfile", default=None,
                    help="PEM certificate (chain): serve clients over TLS, with --tls-key-file")
-    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-key-file", "--ssl-keyfile", default=None,
+                   help="PEM private key of --tls-cert-file")
     p.add_argument("--api-key", default=None,
                    help="callers of the Router and RouterAdmin services must send "
                         "'authorization: Bearer KEY' (default: $PDSERVE_API_KEY, else none)")
@@ -149,7 +151,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="render chat prompts with this Jinja template (a file, or the template "
                         "itself) instead of the model's own; needed for models without one")
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                   help="no access-log line per request (logger pdserve.access)")
+                   default=True, help="no access-log line per request (logger pdserve.access)")
+    p.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                   default=True, help="an access-log line per request: the default here "
+                                      "(vLLM's flag, off by default there)")
     p.add_argument("--generation-config", default="auto", metavar="auto|engine|FOLDER",
                    help="sampling defaults for fields a request leaves unset: the model's "
                         "generation_config.json (auto), none (engine), or another folder's")

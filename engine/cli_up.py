@@ -22,7 +22,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="TP ranks per prefill worker")
     p.add_argument("--redis-url", default=None, help="default: start the bundled redis-server")
     p.add_argument("--port", type=int, default=50051, help="the router's port")
-    p.add_argument("--num-gpu-blocks", type=int, default=None,
+    p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="KV blocks per worker (default: from the memory budget)")
     # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
@@ -46,9 +46,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="the router serves Prometheus metrics, its own and every worker's "
                         "last heartbeat, at http://127.0.0.1:PORT/metrics; default: none")
-    p.add_argument("--tls-cert-file", default=None,
+    p.add_argument("--tls-cert-file", "--ssl-certfile", default=None,
                    help="the router serves clients over TLS with this PEM certificate...")
-    p.add_argument("--tls-key-file", default=None, help="...and this PEM key")
+    p.add_argument("--tls-key-file", "--ssl-keyfile", default=None, help="...and this PEM key")
     p.add_argument("--api-key", default=None,
                    help="the router's API key (router --api-key; default: $PDSERVE_API_KEY)")
     p.add_argument("--admin-api-key", default=None,

@@ -138,3 +138,22 @@ def test_a_cluster_whose_keys_travel_in_the_environment_enforces_them():
         with Client(cluster.router_address, timeout=60, api_key=KEY) as c:
             assert len(c.complete([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids) == 2
     assert os.environ.get("PDSERVE_API_KEY") != KEY  # the test's own environment untouched
+
+
+def test_vllms_spellings_of_the_serving_flags_are_taken():
+    from engine.cli import build_parser
+
+    parser = build_parser()
+    base = ["--model", "m", "--redis-url", "redis://127.0.0.1:1"]
+    router = parser.parse_args(["router", *base, "--ssl-certfile", "c.pem",
+                                "--ssl-keyfile", "k.pem", "--enable-log-requests"])
+    assert (router.tls_cert_file, router.tls_key_file, router.log_requests) == \
+        ("c.pem", "k.pem", True)
+    assert parser.parse_args(["router", *base]).log_requests is True
+    assert parser.parse_args(["router", *base, "--disable-log-requests"]).log_requests is False
+    for role in ("prefill", "decode"):
+        worker = parser.parse_args([role, *base, "--num-gpu-blocks-override", "64"])
+        assert worker.num_gpu_blocks == 64
+    up = parser.parse_args(["up", "--num-gpu-blocks-override", "32", "--ssl-certfile", "c.pem",
+                            "--ssl-keyfile", "k.pem"])
+    assert (up.num_gpu_blocks, up.tls_cert_file, up.tls_key_file) == (32, "c.pem", "k.pem")
