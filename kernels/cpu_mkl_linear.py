@@ -88,16 +88,18 @@ def mkl_pack_weight(weight: torch.Tensor, threads: int | None = None,
         raise ValueError("oneMKL's packed sgemm is not available in this torch build")
     n, k = weight.shape
     weight = weight.contiguous()
-    size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
-    # Read whole every step: in huge pages (kernels/huge_pages.py), 2 MiB-aligned (oneMKL
-    # wants 64 bytes; torch's own allocations, the fallback, are 64-byte aligned too).
-    packed = huge_page_empty(size) if huge_pages else torch.empty(size, dtype=torch.uint8)
     previous = torch.get_num_threads()
     if threads is not None and threads != previous:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     try:
+        # Sized under the thread count it is packed for: the layout is split per thread, so
+        # a size taken under another count could be short of what the pack writes.
+        size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
+        # Read whole every step: in huge pages (kernels/huge_pages.py), 2 MiB-aligned (oneMKL
+        # wants 64 bytes; torch's own allocations, the fallback, are 64-byte aligned too).
+        packed = huge_page_empty(size) if huge_pages else torch.empty(size, dtype=torch.uint8)
         # B = W^T: the weight read transposed, leading dimension in_features.
         lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0,
                              weight.data_ptr(), k, packed.data_ptr())
