@@ -40,7 +40,7 @@ CRASH_LOG := .cache/pytest-crash
 
 test: $(VENV)/.installed-dev
 	rc=0; PDSERVE_CRASH_LOG=$(CRASH_LOG) $(PY) -m pytest -q tests || rc=$$?; \
-	$(PY) tests/crash_report.py $(CRASH_LOG); exit $$rc
+	$(PY) tests/crash_report.py $(CRASH_LOG) $$rc; exit $$rc
 
 # Everything, slow tests included.
 test-all: $(VENV)/.installed-dev

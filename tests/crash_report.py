@@ -1,6 +1,7 @@
 """Prints what tests/crash_witness.py left of a pytest process that died by a signal.
 
-Usage: python tests/crash_report.py FOLDER. Prints nothing when the session ended on its own.
+Usage: python tests/crash_report.py FOLDER STATUS, STATUS being pytest's exit status as the shell
+gave it. Prints nothing unless a signal ended pytest (STATUS > 128).
 """
 import sys
 import sysconfig
@@ -24,14 +25,14 @@ def our_frames(dump: str) -> list[str]:
     return kept
 
 
-def main(folder: str) -> int:
+def main(folder: str, status: int) -> int:
     path = Path(folder)
     current = path / CURRENT_FILE
-    if not current.exists():
+    if status <= 128 or not current.exists():
         return 0
     faults = path / FAULTS_FILE
     dump = faults.read_text(errors="replace") if faults.exists() else ""
-    print("=" * 30 + " pytest died " + "=" * 30)
+    print("=" * 25 + f" pytest died by signal {status - 128} " + "=" * 25)
     print(f"while running: {current.read_text(errors='replace') or '(no test had started)'}")
     lines = our_frames(dump)
     print("\n".join(lines[:MAX_LINES]) if lines else "faulthandler wrote nothing")
@@ -41,4 +42,4 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

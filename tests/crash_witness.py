@@ -4,12 +4,14 @@ CI shows only the tail of a run. When a native library aborts the process (gloo,
 core), faulthandler's dump of every thread scrolls the interesting part (which test, which of our
 frames) out of that tail, and the process can run no code of its own after the signal. So, when
 PDSERVE_CRASH_LOG names a folder, the dump goes to a file there and each test's id is written
-down as it starts; `tests/crash_report.py` prints both, condensed, after pytest has died.
+down as it starts; `tests/crash_report.py` prints both, condensed, after pytest has died by a
+signal (it is told pytest's exit status).
 """
 import faulthandler
 import os
-import sys
 from pathlib import Path
+
+import pytest
 
 CRASH_LOG_ENV = "PDSERVE_CRASH_LOG"
 FAULTS_FILE = "faults.log"
@@ -41,13 +43,18 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A session that ends on its own leaves no trace: the report then has nothing to say."""
-    if not _state:
-        return
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
-    os.close(_state.pop("current_fd"))
-    _state.pop("faults").close()
-    path = _state.pop("path")
-    for name in (FAULTS_FILE, CURRENT_FILE):
-        (path / name).unlink(missing_ok=True)
+    """The trace stays on through interpreter exit, where a native thread can still abort the
+    process (tests/crash_report.py prints it only for a pytest that a signal ended)."""
+    fd = _state.get("current_fd")
+    if fd is not None:
+        data = b"(none: the session had finished, the interpreter was exiting)"
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
 
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # After pytest's faulthandler plugin, which disables the handler on its way out.
+    faults = _state.get("faults")
+    if faults is not None:
+        faulthandler.enable(file=faults, all_threads=True)
