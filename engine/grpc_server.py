@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.engine_front import SHUTDOWN_TIMEOUT_S
 from engine.gc_policy import freeze_startup_heap
-from engine.process_exit import exit_process
+from engine.process_exit import exit_process, exit_status
 from engine.switch_interval import apply_switch_interval
 from protos.limits import message_size_options
 
@@ -278,9 +278,10 @@ def _start_metrics(config: ServerConfig, metrics: Callable[[], list] | None):
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     """asyncio.run on uvloop when it is installed, for a service process's whole life: once
-    ``main`` returns, the process ends (``exit_process``). SIGUSR1 dumps every thread's stack
-    to stderr (the launcher sends it to a process that outlives its shutdown grace). A bad
-    $PDSERVE_SWITCH_INTERVAL_MS is a ValueError before anything starts."""
+    ``main`` returns or raises SystemExit, the process ends with that status
+    (``exit_process``). SIGUSR1 dumps every thread's stack to stderr (the launcher sends it to
+    a process that outlives its shutdown grace). A bad $PDSERVE_SWITCH_INTERVAL_MS is a
+    ValueError before anything starts."""
     apply_switch_interval()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
@@ -291,11 +292,15 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
             _exit_watchdog(EXIT_GRACE_S)
 
     try:
-        import uvloop
+        from uvloop import run as run_loop
     except ImportError:  # uvloop is optional on platforms without it
-        asyncio.run(main_then_bounded_exit())
-    else:
-        uvloop.run(main_then_bounded_exit())
+        run_loop = asyncio.run
+    try:
+        run_loop(main_then_bounded_exit())
+    except SystemExit as e:
+        # A service that ends with a status (a worker whose engine died) skips the teardown
+        # too: its threads may still be blocked in native calls (exit_process).
+        exit_process(exit_status(e.code))
     exit_process()
 
 

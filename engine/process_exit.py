@@ -15,8 +15,8 @@ import threading
 _PR_SET_PDEATHSIG = 1
 
 
-def exit_process() -> None:
-    """Ends the process as the interpreter would, less its teardown.
+def exit_process(status: int = 0) -> None:
+    """Ends the process with ``status`` as the interpreter would, less its teardown.
 
     Non-daemon threads are joined and exit handlers and finalizers run (a TP engine's ranks
     are stopped there), stdio is flushed; what is skipped is CPython freeing every module's
@@ -25,7 +25,12 @@ def exit_process() -> None:
     stop (a cluster's three at once took 2.3-2.8 s to exit with nothing in flight, nearly all
     of it there); a tensor-parallel rank or an engine process pays it while its parent waits
     for it to exit. Callers bound the joins themselves (grpc_server's exit watchdog; a rank's
-    parent kills a rank that does not quit in time)."""
+    parent kills a rank that does not quit in time).
+
+    The teardown is also where a daemon thread still blocked in a native call dies badly: one
+    that returns into Python there is ended by ``pthread_exit``, and through C++ frames (a
+    torch TCPStore or gloo constructor a KV pull abandoned) that unwinding is
+    ``std::terminate``, SIGABRT instead of the status asked for."""
     shutdown_threads = getattr(threading, "_shutdown", None)  # what the interpreter calls
     if shutdown_threads is not None:
         shutdown_threads()
@@ -33,7 +38,19 @@ def exit_process() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe must not change it
             stream.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` ends a process with; a code that is not an int or None is
+    written to stderr first, as the interpreter does."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -1,0 +1,70 @@
+"""A service process that ends with a status skips the interpreter's teardown.
+
+A daemon thread still blocked in a native call when the process ends (a KV pull's join left
+behind by a stopped owner sits in torch's TCPStore or gloo constructor) must not return into
+the teardown: CPython ends it there with ``pthread_exit``, and through C++ frames that is
+``std::terminate``. A worker whose engine died then ended by SIGABRT, not with the status its
+supervisor restarts it on.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.process_exit import exit_status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A daemon thread blocked in a TCPStore wait, released by a finalizer that only the teardown
+# runs: the wait returns into an interpreter that is finalizing (deterministically: before
+# the fix this aborted in every run). The thread's target is the C++ method itself, so no
+# frame of it holds the script's globals alive past the teardown's clearing of them.
+_SERVICE = textwrap.dedent("""
+    import datetime, sys, threading, time
+    import torch.distributed as dist
+    from engine.grpc_server import run
+
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
+    waiter = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timeout)
+
+    class ReleaseInTeardown:
+        # Bound now: the teardown empties the module's names before it gets here.
+        def __del__(self, release=server.set, sleep=time.sleep):
+            release("go", b"1")
+            sleep(1)
+
+    hook = ReleaseInTeardown()
+    threading.Thread(target=waiter.wait, args=(["go"],), daemon=True).start()
+    code = sys.argv[1]
+
+    async def main():
+        raise SystemExit(int(code) if code.isdigit() else code)
+
+    run(main)
+    """)
+
+
+@pytest.mark.parametrize("code, status", [("the engine died", 1), ("3", 3), ("0", 0)])
+def test_a_service_ending_with_a_status_skips_the_teardown(tmp_path, code, status):
+    script = tmp_path / "service.py"
+    script.write_text(_SERVICE)
+    proc = subprocess.run([sys.executable, str(script), code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # Through the teardown: SIGABRT ("terminate called without an active exception").
+    assert proc.returncode == status, proc.stderr
+    assert "terminate called" not in proc.stderr
+    if status == 1:
+        assert proc.stderr.strip().endswith("the engine died")
+
+
+def test_exit_status_follows_sys_exit():
+    assert exit_status(None) == 0
+    assert exit_status(2) == 2
+    assert exit_status(256 + 7) == 7  # what the OS keeps of it
+    assert exit_status("a message") == 1
