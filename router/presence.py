@@ -44,6 +44,7 @@ class WorkerPresence:
         self._flush_task: asyncio.Task | None = None
         self.republish = republish
         self._lost = False  # a heartbeat failed since the last one that went through
+        self._last_beat: float | None = None  # loop time the last beat went through
         # Some KV events never reached Redis (a flush failed): the next beat republishes.
         self._events_lost = False
         self._drained = False  # an admin drained it, as its last beat saw
@@ -61,6 +62,7 @@ class WorkerPresence:
         info = self.info()
         await self.registry.clear_worker(info.worker_id)
         await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+        self._last_beat = asyncio.get_running_loop().time()
         self._beat_task = asyncio.create_task(self._beat())
         self._flush_task = asyncio.create_task(self._flush())
 
@@ -83,10 +85,27 @@ class WorkerPresence:
         # restart), and gives back an admin's later decision if a purge kept it.
         beat = await self.registry.heartbeat(self.info(), ttl_s=self.beat_ttl_s,
                                              drained=self._drained)
+        now = asyncio.get_running_loop().time()
+        gap, self._last_beat = now - (self._last_beat or now), now
         self._drained = beat.drained
+        if beat.dropped and not self._lost:
+            self._log_drop(gap)
         if self._lost or beat.dropped or self._events_lost:
             await self._republish_now(beat.dropped)
         self._lost = False
+
+    def _log_drop(self, gap_s: float) -> None:
+        """Why the registry had dropped this worker: beats that went through further apart
+        than their TTL (the event loop or Redis held up: under CPU contention the routers
+        lost the worker for a moment), or a purge."""
+        wid = self.info().worker_id
+        if gap_s > self.beat_ttl_s:
+            logger.warning("worker %s had dropped out of the registry: its heartbeats went "
+                           "through %.2f s apart, past their %.2f s TTL (every %.2f s asked: "
+                           "its event loop or Redis was held up)", wid, gap_s,
+                           self.beat_ttl_s, self.interval_s)
+        else:
+            logger.warning("worker %s had been dropped from the registry (a purge?)", wid)
 
     async def _republish_now(self, dropped: bool) -> None:
         if self.republish is None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 
@@ -176,7 +177,7 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
         _run(body(server))
 
 
-def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url):
+def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url, caplog):
     """A router purges a worker whose heartbeat came late, its KV handles, index entries and
     an admin's drain with it; the worker's next heartbeat registers it again, and it puts them
     back (a new empty Redis is the same case)."""
@@ -212,7 +213,45 @@ def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url):
             await presence.stop()
             await router.r.aclose()
 
-    _run(body())
+    with caplog.at_level(logging.WARNING, logger="router.presence"):
+        _run(body())
+    assert "worker w-drop had been dropped from the registry (a purge?)" in caplog.text
+
+
+def test_a_worker_held_past_its_heartbeat_ttl_says_how_long(redis_url, caplog):
+    """An event loop held past the heartbeat's TTL (a CPU-starved worker): a router purges the
+    worker as stale, its next beat registers it again, and its log says how far apart the
+    beats were."""
+    from router.presence import WorkerPresence
+
+    async def body():
+        info = _info("w-held")
+        republished = []
+
+        async def republish(registry: Registry) -> None:
+            republished.append(True)
+
+        presence = WorkerPresence(redis_url, "held", 0.1, lambda: info, republish)
+        await presence.start()
+        router = Registry.from_url(redis_url, "held", ttl_s=presence.beat_ttl_s)
+        try:
+            time.sleep(presence.beat_ttl_s + 0.3)  # holds the loop: no beat goes out
+            assert not await router.live_workers()  # stale: the router purges it
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if republished:
+                    break
+            assert republished
+            assert [i.worker_id for i in await router.live_workers()] == ["w-held"]
+        finally:
+            await presence.stop()
+            await router.r.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="router.presence"):
+        _run(body())
+    assert "worker w-held had dropped out of the registry" in caplog.text
+    gap = float(caplog.text.split("went through ")[1].split(" s apart")[0])
+    assert gap > 1.0
 
 
 @pytest.mark.parametrize("interval", [0, -1, 2.6, 6.0])
