@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -42,7 +43,7 @@ from engine.engine_pipe import (TICK_S, EngineProcInfo, EngineProcSpec, FrameRea
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
-from engine.process_exit import die_with_parent, exit_process
+from engine.process_exit import die_with_parent, exit_process, exit_status
 from engine.switch_interval import apply_switch_interval
 from engine.thread_names import named_thread, set_os_thread_name
 
@@ -270,13 +271,20 @@ def main(down_fd: int, up_fd: int, parent_pid: int = 0) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     reader = FrameReader(socket.socket(fileno=down_fd))
     writer = FrameWriter(socket.socket(fileno=up_fd))
+    status = 0
     try:
         asyncio.run(_serve(reader, writer))
+    except SystemExit as e:
+        status = exit_status(e.code)
+    except BaseException:  # noqa: BLE001 - reported here, then the same exit as any
+        traceback.print_exc()
+        status = 1
     finally:
         reader.close()
         writer.close()
-    # The worker waits for this exit when it stops: skip the interpreter's teardown.
-    exit_process()
+    # The worker waits for this exit when it stops: skip the interpreter's teardown, also on
+    # a failure (a KV pull's thread still in a native call must not wake into it).
+    exit_process(status)
 
 
 if __name__ == "__main__":

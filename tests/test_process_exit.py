@@ -24,10 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # runs: the wait returns into an interpreter that is finalizing (deterministically: before
 # the fix this aborted in every run). The thread's target is the C++ method itself, so no
 # frame of it holds the script's globals alive past the teardown's clearing of them.
-_SERVICE = textwrap.dedent("""
-    import datetime, sys, threading, time
+_BLOCKED_THREAD = textwrap.dedent("""
+    import datetime, socket, sys, threading, time
     import torch.distributed as dist
-    from engine.grpc_server import run
 
     timeout = datetime.timedelta(seconds=30)
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
@@ -42,6 +41,11 @@ _SERVICE = textwrap.dedent("""
     hook = ReleaseInTeardown()
     threading.Thread(target=waiter.wait, args=(["go"],), daemon=True).start()
     code = sys.argv[1]
+    """)
+
+# A service (engine.grpc_server.run) whose main ends with SystemExit(code).
+_SERVICE = _BLOCKED_THREAD + textwrap.dedent("""
+    from engine.grpc_server import run
 
     async def main():
         raise SystemExit(int(code) if code.isdigit() else code)
@@ -49,18 +53,41 @@ _SERVICE = textwrap.dedent("""
     run(main)
     """)
 
+# An engine process (engine/engine_proc.py) whose serving fails.
+_ENGINE_PROCESS = _BLOCKED_THREAD + textwrap.dedent("""
+    import engine.engine_proc as engine_proc
+
+    async def failing_serve(reader, writer):
+        raise RuntimeError(code)
+
+    engine_proc._serve = failing_serve
+    down, up = socket.socketpair()
+    engine_proc.main(down.detach(), up.detach())
+    """)
+
+
+def _run_script(tmp_path, text: str, arg: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, str(script), arg], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
 
 @pytest.mark.parametrize("code, status", [("the engine died", 1), ("3", 3), ("0", 0)])
 def test_a_service_ending_with_a_status_skips_the_teardown(tmp_path, code, status):
-    script = tmp_path / "service.py"
-    script.write_text(_SERVICE)
-    proc = subprocess.run([sys.executable, str(script), code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = _run_script(tmp_path, _SERVICE, code)
     # Through the teardown: SIGABRT ("terminate called without an active exception").
     assert proc.returncode == status, proc.stderr
     assert "terminate called" not in proc.stderr
     if status == 1:
         assert proc.stderr.strip().endswith("the engine died")
+
+
+def test_a_failing_engine_process_skips_the_teardown(tmp_path):
+    proc = _run_script(tmp_path, _ENGINE_PROCESS, "the model would not load")
+    assert proc.returncode == 1, proc.stderr
+    assert "terminate called" not in proc.stderr
+    assert "RuntimeError: the model would not load" in proc.stderr  # its traceback
 
 
 def test_exit_status_follows_sys_exit():
