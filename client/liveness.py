@@ -46,9 +46,11 @@ def check_health_checks(interval_s, misses) -> None:
         raise ValueError(f"health-check misses must be an integer in [1, 100], got {misses!r}")
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a call ending with ``code`` raises."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def rpc_error(code: grpc.StatusCode, details: str,
+              trailing_metadata: tuple = ()) -> grpc.aio.AioRpcError:
+    """The error a call ending with ``code`` (and ``trailing_metadata``) raises."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing_metadata),
+                                details=details)
 
 
 class Cut:

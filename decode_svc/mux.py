@@ -27,7 +27,8 @@ import logging
 import math
 from collections.abc import AsyncIterator
 
-from engine.worker_runtime import status_and_message
+from engine.call_abort import KV_SOURCE_FAILED_KEY, REFUSED_KEY
+from engine.worker_runtime import failure_marks, status_and_message
 from protos import convert, worker_pb2
 from protos.limits import max_message_bytes
 
@@ -166,6 +167,9 @@ class _DecodeMux:
         ev = self.pending.events.add(request_id=rid)
         ev.error.code = code.value[0]
         ev.error.message = message
+        marks = {key for key, _ in failure_marks(exc)}
+        ev.error.refused = REFUSED_KEY in marks
+        ev.error.kv_source_failed = KV_SOURCE_FAILED_KEY in marks
         self.ready.set()
 
     def drain(self) -> None:

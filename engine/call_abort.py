@@ -22,6 +22,34 @@ except ImportError:  # a grpc that moved it: every service must still start; lat
     ExecuteBatchError = ()  # log grpc's traceback again, as before this module existed
 
 
+# Trailing metadata of a worker's refusal before doing any of the request (draining, its
+# engine stopped, full): the router may send the request to another worker at no cost, as
+# no work was lost (DecodeError.refused says the same inside a multiplexed decode stream).
+REFUSED_KEY = "pdserve-refused"
+REFUSED = ((REFUSED_KEY, "1"),)
+# Trailing metadata of a decode worker's failure to read the request's KV from its prefill
+# worker: the router blames (and avoids) that worker, not the decode worker that said so.
+KV_SOURCE_FAILED_KEY = "pdserve-kv-source-failed"
+KV_SOURCE_FAILED = ((KV_SOURCE_FAILED_KEY, "1"),)
+
+
+def _marked(e: BaseException, key: str) -> bool:
+    # An ended call's error (grpc.aio's, or a blocking stub's) carries its trailing metadata.
+    if not isinstance(e, grpc.RpcError) or not callable(getattr(e, "trailing_metadata", None)):
+        return False
+    return any(k == key for k, _ in (e.trailing_metadata() or ()))
+
+
+def was_refused(e: BaseException) -> bool:
+    """Whether a call's error is a worker's refusal before any work (``REFUSED_KEY``)."""
+    return _marked(e, REFUSED_KEY)
+
+
+def kv_source_failed(e: BaseException) -> bool:
+    """Whether a decode call failed reading the KV from its source (``KV_SOURCE_FAILED_KEY``)."""
+    return _marked(e, KV_SOURCE_FAILED_KEY)
+
+
 @contextlib.asynccontextmanager
 async def _ended_call_cancels():
     try:

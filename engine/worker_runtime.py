@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.call_abort import abort_call
+from engine.call_abort import KV_SOURCE_FAILED, REFUSED, abort_call
 from engine.config import EngineConfig
 from engine.core_share import CoreShare, CoreShareConfig
 from engine.cpus import usable_cpus
@@ -169,8 +169,20 @@ def status_and_message(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return code, str(exc)
 
 
+def failure_marks(exc: BaseException) -> tuple:
+    """The trailing metadata that tells the router whose failure ``exc`` is
+    (engine/call_abort.py): none took place here (a refusal), or the KV's source's."""
+    from kvtransfer import TransferError
+
+    if isinstance(exc, RejectError):
+        return REFUSED
+    if isinstance(exc, TransferError):
+        return KV_SOURCE_FAILED
+    return ()
+
+
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    await abort_call(context, *status_and_message(exc))
+    await abort_call(context, *status_and_message(exc), failure_marks(exc))
 
 
 class WorkerRuntime:

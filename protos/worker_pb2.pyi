@@ -142,12 +142,16 @@ class DecodeHeartbeat(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class DecodeError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "refused", "kv_source_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    refused: bool
+    kv_source_failed: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., refused: _Optional[bool] = ..., kv_source_failed: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("request_id", "chunk", "error")

@@ -22,6 +22,7 @@ import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from client.liveness import WatchedCalls, rpc_error
+from engine.call_abort import KV_SOURCE_FAILED, REFUSED
 from router.liveness import LivenessConfig
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,10 @@ class DecodeMux:
                     raise ev
                 if ev.HasField("error"):
                     ended = True
+                    marks = ((REFUSED if ev.error.refused else ())
+                             + (KV_SOURCE_FAILED if ev.error.kv_source_failed else ()))
                     raise rpc_error(_STATUS_BY_VALUE.get(ev.error.code, grpc.StatusCode.UNKNOWN),
-                                    ev.error.message)
+                                    ev.error.message, marks)
                 ended = bool(ev.chunk.finish_reason)
                 yield ev.chunk
                 if ended:

@@ -12,7 +12,10 @@ equals the uninterrupted run's. The client sees one unbroken stream; its final u
 
 Only UNAVAILABLE moves a request: INVALID_ARGUMENT would fail again anywhere,
 RESOURCE_EXHAUSTED is the cluster's back-pressure, and DEADLINE_EXCEEDED and CANCELLED are the
-client's own. ``--migration-limit`` bounds the moves per request.
+client's own. ``--migration-limit`` bounds the moves per request. A worker's refusal before it
+did any of the request (draining, or its engine dead, since the router last heard of it; the
+worker says so, engine/call_abort.py's REFUSED_KEY) moves it without spending one, once per
+worker: nothing was lost, and a rolling restart's race must not fail requests.
 """
 from __future__ import annotations
 
@@ -40,6 +43,9 @@ class RequestRun:
     migrations: int = 0
     # Workers that failed this request: a continuation goes elsewhere when it can.
     failed: set[str] = field(default_factory=set)
+    # Workers that refused it before doing any of it (draining, engine stopped): each may send
+    # it on once without spending a migration (router/service.py's _migrate).
+    refused_by: set[str] = field(default_factory=set)
     # The workers the current attempt called, in order; the last is the one that answered
     # UNAVAILABLE, though the cause may be an earlier one (a decode worker cannot pull the KV
     # from a prefill worker that died).

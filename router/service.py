@@ -26,7 +26,7 @@ import grpc
 from client.failover import MIGRATIONS_SPENT_KEY
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
-from engine.call_abort import write_message
+from engine.call_abort import kv_source_failed, was_refused, write_message
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens,
@@ -236,9 +236,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if not is_migratable(e) or not run.workers:
             return False
         failed = run.workers[-1]
+        if kv_source_failed(e):
+            # The decode worker could not read the KV: the prefill worker holding it failed
+            # (one dying is still alive to a probe for a moment, and would take the
+            # continuation), not the decode worker that said so.
+            failed = next((w for w in run.workers if w.info.role == "prefill"), failed)
         remaining = self._time_left(context, run)
         if remaining is not None and remaining <= 0:
             return False
+        if was_refused(e) and failed.worker_id not in run.refused_by:
+            # It took none of the request (a worker that began draining, or whose engine
+            # died, since the router last heard of it): going elsewhere loses nothing, so it
+            # spends no migration. Once per worker: the tries stay bounded by the cluster.
+            run.refused_by.add(failed.worker_id)
+            run.failed.add(failed.worker_id)
+            logger.info("request %s: worker %s refused it (%s); sent elsewhere",
+                        run.request_id, failed.worker_id, e.details())
+            return True
         if run.migrations >= self.config.migration_limit:
             self.stats.migrations_exhausted += 1
             raise MigrationsSpent(e) from e

@@ -10,7 +10,7 @@ import pytest
 from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.call_abort import abort_call, write_message
+from engine.call_abort import abort_call, was_refused, write_message
 
 
 class _Refusing(health_pb2_grpc.HealthServicer):
@@ -89,3 +89,22 @@ def test_a_grpc_without_the_private_error_still_imports_and_refuses(monkeypatch)
     finally:
         importlib.reload(call_abort)
     assert call_abort.ExecuteBatchError is ExecuteBatchError
+
+
+@pytest.mark.parametrize("error, refused", [
+    ("draining", True),   # admission's RejectError: the worker took none of the request
+    ("engine", False),    # its engine died under the request: a failure, not a refusal
+])
+def test_a_workers_refusal_before_any_work_says_so_to_the_router(error, refused):
+    from engine.engine_front import EngineDeadError
+    from engine.worker_runtime import RejectError, abort_for
+
+    exc = (RejectError(grpc.StatusCode.UNAVAILABLE, "worker w is draining") if error == "draining"
+           else EngineDeadError("the engine died"))
+
+    async def abort(context, code, message):
+        await abort_for(context, exc)
+
+    answer = _ask(abort)
+    assert answer.code() == grpc.StatusCode.UNAVAILABLE
+    assert was_refused(answer) is refused

@@ -474,3 +474,83 @@ def test_a_draining_worker_ends_its_open_streams_cleanly(cluster, reference, cap
     err = capfd.readouterr().err
     assert "stopping: draining" in err  # the worker's own log reached this capture
     assert "Exception not handled" not in err and "Traceback" not in err
+
+
+def test_starts_a_draining_worker_refuses_are_flagged_as_refusals(cluster, reference):
+    """A start that reaches a worker already draining is refused before any work, and says so
+    (DecodeError.refused): the router then sends it elsewhere without spending a migration.
+    A request that fails (here a bad one) is not flagged."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    prompt = random_prompts(1, seed=75, lo=20, hi=20)[0]
+    worker = cluster.add_worker("decode")
+
+    async def serving(channel) -> bool:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def run():
+        s = _Stream(worker.address)
+        # A long request keeps the drain (and so the stream) open while the late one arrives.
+        s.send(_start(_request("holder", prompt, 900)))
+        s.send(_start(_request("bad-vocab", [1, 99999999], 4)))
+        await s.read_until(lambda got: len(got.get("holder", [])) >= 2 and "bad-vocab" in got)
+        stop = asyncio.get_running_loop().run_in_executor(None, cluster.stop_proc, worker)
+        async with grpc.aio.insecure_channel(worker.address) as ch:
+            while await serving(ch):
+                await asyncio.sleep(0.01)
+        s.send(_start(_request("late", prompt, 4)))
+        by_rid = await s.read_until(lambda got: _ended(got.get("late", [])))
+        await s.close()
+        return by_rid, await stop
+
+    by_rid, exit_code = asyncio.run(run())
+    (late,) = by_rid["late"]
+    assert late.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "is draining" in late.error.message and late.error.refused
+    (bad,) = by_rid["bad-vocab"]
+    assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and not bad.error.refused
+    assert exit_code == 0
+
+
+def test_router_mux_hands_a_workers_failure_marks_on():
+    """The router's end turns a flagged DecodeError into an error that carries its flag (and
+    an unflagged one into an error with none). A plain gRPC server plays the worker."""
+    from engine.call_abort import kv_source_failed, was_refused
+
+    class Refusing(worker_pb2_grpc.DecodeWorkerServicer):
+        async def DecodeMany(self, request_iterator, context):
+            async for ctl in request_iterator:
+                rid = ctl.start.request.request_id
+                if rid:
+                    ev = worker_pb2.DecodeEvent(request_id=rid, error=worker_pb2.DecodeError(
+                        code=grpc.StatusCode.UNAVAILABLE.value[0], message=f"{rid} failed",
+                        refused=rid == "refused", kv_source_failed=rid == "source"))
+                    yield worker_pb2.DecodeBatch(events=[ev])
+
+    async def run():
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(Refusing(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), "refusing")
+
+        async def one(rid: str):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in mux.decode(_request(rid, [1, 2, 3], 4), 30.0):
+                    pass
+            return e.value
+
+        errors = [await one("refused"), await one("source"), await one("failed")]
+        await mux.close()
+        await channel.close()
+        await server.stop(0)
+        return errors
+
+    refused, source, failed = asyncio.run(run())
+    assert refused.code() == source.code() == failed.code() == grpc.StatusCode.UNAVAILABLE
+    assert was_refused(refused) and not kv_source_failed(refused)
+    assert kv_source_failed(source) and not was_refused(source)
+    assert not was_refused(failed) and not kv_source_failed(failed)

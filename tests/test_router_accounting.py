@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 
 import grpc
 import pytest
 
-from client.liveness import WatchedCalls
+from client.liveness import WatchedCalls, rpc_error
+from engine.call_abort import KV_SOURCE_FAILED, REFUSED
 from protos import common_pb2, router_pb2, worker_pb2
 from router import chunks as router_chunks
 from router import service
@@ -63,13 +65,15 @@ class _Context:
         return None
 
 
-def _servicer(remote_prefill) -> service.RouterServicer:
-    """A router whose every request is prefilled remotely, by ``remote_prefill``'s legs."""
+def _servicer(remote_prefill, prefills=None, **config) -> service.RouterServicer:
+    """A router whose every request is prefilled remotely, by ``remote_prefill``'s legs, on
+    the workers ``prefills`` yields (a new one each attempt by default)."""
     s = service.RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
-                                            log_requests=False),
+                                            log_requests=False, **config),
                                _Directory(), load_served_model("tiny-llama", "auto", None),
                                RouterStats(8))
-    prefills = iter(_Worker(f"prefill-{i}", "prefill") for i in range(1, 10))
+    if prefills is None:
+        prefills = iter(_Worker(f"prefill-{i}", "prefill") for i in range(1, 10))
 
     async def place(hashes, num_tokens, avoid, requested_len):
         return Placement(next(prefills), None, False, 0, 0)
@@ -231,3 +235,71 @@ def test_a_continuation_finished_by_its_prefill_names_no_decode_worker():
     out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=1))))
     assert len(attempts) == 2 and out[-1].usage.migrations == 1
     assert out[-1].usage.decode_worker_id == ""
+
+
+def _unavailable(message: str, refused: bool) -> grpc.aio.AioRpcError:
+    return rpc_error(grpc.StatusCode.UNAVAILABLE, message, REFUSED if refused else ())
+
+
+def test_a_workers_refusal_before_any_work_sends_the_request_on_without_a_migration():
+    """A worker that began draining (or whose engine died) since the router last heard of it
+    refuses at admission: the request goes to another worker, and no migration is spent, so
+    it succeeds with --migration-limit 0 (a rolling restart's race must not fail requests)."""
+    attempts = []
+
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        attempts.append((prefill.worker_id, set(avoid)))
+        if len(attempts) == 1:
+            raise _unavailable(f"worker {prefill.worker_id} is draining", refused=True)
+        async for chunk in _tokens(run, 2, 0.001):
+            yield chunk
+
+    s = _servicer(remote_prefill, migration_limit=0)
+    out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=2))))
+    assert attempts == [("prefill-1", set()), ("prefill-2", {"prefill-1"})]
+    assert [t for c in out for t in c.token_ids] == [100, 101]
+    assert out[-1].usage.migrations == 0 and s.stats.requests_migrated == 0
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_worker_refusing_again_or_failing_spends_a_migration(refused):
+    """The free move is once per worker: the same worker refusing again (the only one left)
+    spends a migration, as any UNAVAILABLE that is no refusal does."""
+    same = _Worker("prefill-1", "prefill")
+    attempts = []
+
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        attempts.append(prefill.worker_id)
+        raise _unavailable("worker prefill-1 is draining", refused=refused)
+        yield  # an async generator, as the real leg is
+
+    s = _servicer(remote_prefill, prefills=itertools.repeat(same), migration_limit=1)
+    with pytest.raises(service.MigrationsSpent):
+        asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=2))))
+    # Refused: a free try, then one migration, then spent. Failed: one migration, then spent.
+    assert len(attempts) == (3 if refused else 2)
+    assert s.stats.requests_migrated == 1 and s.stats.migrations_exhausted == 1
+
+
+def test_a_decode_leg_that_cannot_read_the_kv_blames_the_prefill_worker():
+    """A decode worker that could not read the request's KV says its source failed: the
+    continuation avoids that prefill worker (one dying is alive to a probe for a moment), not
+    the decode worker that said so."""
+    attempts = []
+
+    async def remote_prefill(run, request, prefill, avoid, context):
+        run.calls(prefill)
+        attempts.append(set(avoid))
+        if len(attempts) == 1:
+            run.calls(s.directory.decodes[0])
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "cannot read from NIXL agent 'p1'",
+                            KV_SOURCE_FAILED)
+        async for chunk in _tokens(run, 2, 0.001):
+            yield chunk
+
+    s = _servicer(remote_prefill)
+    out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=2))))
+    assert attempts == [set(), {"prefill-1"}]
+    assert out[-1].usage.migrations == 1

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.call_abort import kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, INT64
@@ -81,6 +82,8 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
             request_id="lease-d", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
             sampling=SAMPLING, kv_handle=handle), timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "lease" in err.value.details()
+    # The KV's source failed, not this worker: the router moves the request off the former.
+    assert kv_source_failed(err.value) and not was_refused(err.value)
     # With the lease's whole time the same handle is read and decoded.
     chunks = list(decode.Decode(worker_pb2.DecodeRequest(
         request_id="lease-d2", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
