@@ -243,6 +243,31 @@ def test_router_mux_streams_cancels_and_times_out(cluster, reference):
     wait_all_blocks_free([_decode_address(cluster)])
 
 
+@contextlib.asynccontextmanager
+async def _played_worker(servicer, name: str):
+    """A plain gRPC server running ``servicer`` as a decode worker, and the router's mux to it:
+    yields ``one(request_id)``, the error that request's decode ends with."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), name)
+
+    async def one(rid: str) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for _ in mux.decode(_request(rid, [1, 2, 3], 4), 30.0):
+                pass
+        return e.value
+
+    try:
+        yield one
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(0)
+
+
 def test_router_mux_fails_open_requests_with_unavailable_when_the_stream_breaks(cluster):
     """A decode worker that goes away under the stream: every request on it gets UNAVAILABLE
     (which migrates them), and the next request opens a new stream. Stopping the worker would
@@ -255,24 +280,9 @@ def test_router_mux_fails_open_requests_with_unavailable_when_the_stream_breaks(
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
 
     async def run():
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(Dying(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), "dying")
-
-        async def one(i: int):
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in mux.decode(_request(f"x{i}", [1, 2, 3], 4), 30.0):
-                    pass
-            return e.value
-
-        first = await asyncio.gather(*(one(i) for i in range(3)))
-        again = await one(9)  # a new stream after the broken one
-        await mux.close()
-        await channel.close()
-        await server.stop(0)
+        async with _played_worker(Dying(), "dying") as one:
+            first = await asyncio.gather(*(one(f"x{i}") for i in range(3)))
+            again = await one("x9")  # a new stream after the broken one
         return first + [again]
 
     errors = asyncio.run(run())
@@ -530,24 +540,8 @@ def test_router_mux_hands_a_workers_failure_marks_on():
                     yield worker_pb2.DecodeBatch(events=[ev])
 
     async def run():
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(Refusing(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        mux = DecodeMux(worker_pb2_grpc.DecodeWorkerStub(channel), "refusing")
-
-        async def one(rid: str):
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in mux.decode(_request(rid, [1, 2, 3], 4), 30.0):
-                    pass
-            return e.value
-
-        errors = [await one("refused"), await one("source"), await one("failed")]
-        await mux.close()
-        await channel.close()
-        await server.stop(0)
-        return errors
+        async with _played_worker(Refusing(), "refusing") as one:
+            return [await one("refused"), await one("source"), await one("failed")]
 
     refused, source, failed = asyncio.run(run())
     assert refused.code() == source.code() == failed.code() == grpc.StatusCode.UNAVAILABLE

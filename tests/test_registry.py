@@ -177,6 +177,13 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
         _run(body(server))
 
 
+async def _until_republished(republished: list, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if republished:
+            return
+        await asyncio.sleep(0.05)
+
+
 def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url, caplog):
     """A router purges a worker whose heartbeat came late, its KV handles, index entries and
     an admin's drain with it; the worker's next heartbeat registers it again, and it puts them
@@ -201,10 +208,7 @@ def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url, cap
             assert republished == [] and await router.kv_handles("w-drop") == [b"handle"]
             await router.deregister("w-drop")  # what a router's purge of it does
             assert await router.kv_handles("w-drop") == [] and not await router.live_workers()
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if republished:
-                    break
+            await _until_republished(republished)
             assert len(republished) == 1
             assert [(i.worker_id, i.draining) for i in await router.live_workers()] == \
                 [("w-drop", True)]
@@ -237,10 +241,7 @@ def test_a_worker_held_past_its_heartbeat_ttl_says_how_long(redis_url, caplog):
         try:
             time.sleep(presence.beat_ttl_s + 0.3)  # holds the loop: no beat goes out
             assert not await router.live_workers()  # stale: the router purges it
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if republished:
-                    break
+            await _until_republished(republished)
             assert republished
             assert [i.worker_id for i in await router.live_workers()] == ["w-held"]
         finally:
