@@ -501,7 +501,7 @@ def _past_prefill_cap(e: BaseException, time_left: float | None) -> bool:
 
 
 def _refused_by_worker(e: BaseException) -> bool:
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _REFUSALS
+    return (isinstance(e, grpc.aio.AioRpcError) and e.code() in _REFUSALS) or was_refused(e)
 
 
 async def _refuse(context, e: Exception) -> None:

@@ -303,3 +303,13 @@ def test_a_decode_leg_that_cannot_read_the_kv_blames_the_prefill_worker():
     out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=2))))
     assert attempts == [set(), {"prefill-1"}]
     assert out[-1].usage.migrations == 1
+
+
+def test_no_release_is_sent_for_a_prefill_the_worker_refused():
+    """A worker that refused the Prefill (by status, or a draining worker's UNAVAILABLE marked
+    as a refusal) leased nothing: the router sends it no ReleaseKV. Any other failure leaves
+    it unknown, and gets one."""
+    assert service._refused_by_worker(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))
+    assert service._refused_by_worker(_unavailable("draining", refused=True))
+    assert not service._refused_by_worker(_unavailable("engine died", refused=False))
+    assert not service._refused_by_worker(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
