@@ -197,6 +197,8 @@ class _DecodeMux:
                 for part in _within_message_limit(batch):
                     yield part
             elif (not self.reading or self.draining) and not self.tasks:
+                if self.reading:  # draining: starts still on the wire will not be read
+                    yield worker_pb2.DecodeBatch(closing=True)
                 return
             else:
                 await self.ready.wait()

@@ -40,9 +40,20 @@ def _marked(e: BaseException, key: str) -> bool:
     return any(k == key for k, _ in (e.trailing_metadata() or ()))
 
 
+# How gRPC fails a call that found no connection to open (the peer's port closed): the request
+# never left this process.
+_NO_CONNECTION = "failed to connect to all addresses"
+
+
 def was_refused(e: BaseException) -> bool:
-    """Whether a call's error is a worker's refusal before any work (``REFUSED_KEY``)."""
-    return _marked(e, REFUSED_KEY)
+    """Whether a call's error says the worker took none of the request: its refusal before any
+    work (``REFUSED_KEY``), or a call that never reached it (no connection could be opened:
+    a worker that exited since the router last read the registry)."""
+    if _marked(e, REFUSED_KEY):
+        return True
+    return (isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None))
+            and e.code() == grpc.StatusCode.UNAVAILABLE
+            and (e.details() or "").startswith(_NO_CONNECTION))
 
 
 def kv_source_failed(e: BaseException) -> bool:

@@ -164,7 +164,7 @@ class ClusterStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStats(_message.Message):
-    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched", "requests_prefilled_locally", "requests_prefilled_remotely", "requests_migrated", "migrations_exhausted", "worker_hangs", "decode_waits", "requests_prefilled_on_decode_cache")
+    __slots__ = ("num_prefill_workers", "num_decode_workers", "requests_total", "requests_in_flight", "requests_failed", "prompt_tokens_routed", "prefix_tokens_matched", "requests_prefilled_locally", "requests_prefilled_remotely", "requests_migrated", "migrations_exhausted", "worker_hangs", "decode_waits", "requests_prefilled_on_decode_cache", "requests_rerouted")
     NUM_PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class ClusterStats(_message.Message):
     WORKER_HANGS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WAITS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PREFILLED_ON_DECODE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REROUTED_FIELD_NUMBER: _ClassVar[int]
     num_prefill_workers: int
     num_decode_workers: int
     requests_total: int
@@ -193,7 +194,8 @@ class ClusterStats(_message.Message):
     worker_hangs: int
     decode_waits: int
     requests_prefilled_on_decode_cache: int
-    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ..., requests_prefilled_locally: _Optional[int] = ..., requests_prefilled_remotely: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., migrations_exhausted: _Optional[int] = ..., worker_hangs: _Optional[int] = ..., decode_waits: _Optional[int] = ..., requests_prefilled_on_decode_cache: _Optional[int] = ...) -> None: ...
+    requests_rerouted: int
+    def __init__(self, num_prefill_workers: _Optional[int] = ..., num_decode_workers: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., requests_failed: _Optional[int] = ..., prompt_tokens_routed: _Optional[int] = ..., prefix_tokens_matched: _Optional[int] = ..., requests_prefilled_locally: _Optional[int] = ..., requests_prefilled_remotely: _Optional[int] = ..., requests_migrated: _Optional[int] = ..., migrations_exhausted: _Optional[int] = ..., worker_hangs: _Optional[int] = ..., decode_waits: _Optional[int] = ..., requests_prefilled_on_decode_cache: _Optional[int] = ..., requests_rerouted: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "undrain")

@@ -164,7 +164,9 @@ class DecodeEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ...) -> None: ...
 
 class DecodeBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "closing")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ...) -> None: ...
+    closing: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., closing: _Optional[bool] = ...) -> None: ...

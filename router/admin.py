@@ -51,6 +51,7 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
             requests_prefilled_remotely=s.requests_prefilled_remotely,
             requests_prefilled_on_decode_cache=s.requests_prefilled_on_decode_cache,
             requests_migrated=s.requests_migrated, migrations_exhausted=s.migrations_exhausted,
+            requests_rerouted=s.requests_rerouted,
             worker_hangs=self.directory.worker_hangs, decode_waits=s.decode_waits)
 
     async def DrainWorker(self, request, context):

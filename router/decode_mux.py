@@ -22,7 +22,7 @@ import grpc
 
 from protos import worker_pb2, worker_pb2_grpc
 from client.liveness import WatchedCalls, rpc_error
-from engine.call_abort import KV_SOURCE_FAILED, REFUSED
+from engine.call_abort import KV_SOURCE_FAILED, REFUSED, was_refused
 from router.liveness import LivenessConfig
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,22 @@ class DecodeMux:
 
     async def _read(self, s: _Stream) -> None:
         why = "the stream ended"
+        marks = ()
         try:
             async for batch in s.call:
                 for ev in batch.events:
                     queue = s.requests.get(ev.request_id)
                     if queue is not None:
                         queue.put_nowait(ev)
+                if batch.closing:
+                    # The worker is draining, and read none of the requests still open here.
+                    why = "it closed the stream (draining) before reading the request"
+                    marks = REFUSED
+                    break
         except grpc.aio.AioRpcError as e:
             why = f"{e.code().name}: {e.details()}"
+            # A stream that never connected carried none of its requests to the worker.
+            marks = REFUSED if was_refused(e) else ()
         except asyncio.CancelledError:
             why = "the router closed the stream"
             raise
@@ -106,7 +114,7 @@ class DecodeMux:
             s.outbox.put_nowait(None)  # ends the controls() generator with the call
             if s.requests:
                 err = rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"decode worker {self.worker_id}: {why}")
+                                f"decode worker {self.worker_id}: {why}", marks)
                 for queue in s.requests.values():
                     queue.put_nowait(err)
 

@@ -25,6 +25,9 @@ _COUNTERS = (
      "Moves of a running request to other workers after its worker failed."),
     ("migrations_exhausted_total", "migrations_exhausted",
      "Requests failed once --migration-limit was spent."),
+    ("requests_rerouted_total", "requests_rerouted",
+     "Requests a worker refused before doing any of them (draining, engine dead, gone), sent "
+     "to another without spending a migration."),
     ("decode_waits_total", "decode_waits",
      "Prefilled requests that waited for room on a decode worker, then went on."),
     ("requests_prefilled_on_decode_cache_total", "requests_prefilled_on_decode_cache",

@@ -41,6 +41,8 @@ class RequestRun:
     # lost its router continues on another).
     resumed: list[int] = field(default_factory=list)
     migrations: int = 0
+    # Attempts after the first: migrations, and moves after a worker refused the request.
+    retries: int = 0
     # Workers that failed this request: a continuation goes elsewhere when it can.
     failed: set[str] = field(default_factory=set)
     # Workers that refused it before doing any of it (draining, engine stopped): each may send
@@ -67,12 +69,12 @@ class RequestRun:
 
     @property
     def attempt_id(self) -> str:
-        """The id workers know this attempt by. Each migration gets its own: a failed
-        attempt's id may still be held (a lease not yet released, a stream not yet torn down)
+        """The id workers know this attempt by. Each retry (a migration, or a move after a
+        refusal) gets its own: a failed attempt's id may still be held (a lease not yet released, a stream not yet torn down)
         on a worker that is fine."""
-        if self.migrations == 0:
+        if self.retries == 0:
             return f"{self.request_id}~{self.nonce}"
-        return f"{self.request_id}~{self.nonce}.m{self.migrations}"
+        return f"{self.request_id}~{self.nonce}.m{self.retries}"
 
     def calls(self, worker: WorkerHandle) -> WorkerHandle:
         self.workers.append(worker)

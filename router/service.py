@@ -245,11 +245,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if remaining is not None and remaining <= 0:
             return False
         if was_refused(e) and failed.worker_id not in run.refused_by:
-            # It took none of the request (a worker that began draining, or whose engine
-            # died, since the router last heard of it): going elsewhere loses nothing, so it
-            # spends no migration. Once per worker: the tries stay bounded by the cluster.
+            # It took none of the request (a worker that began draining, whose engine died,
+            # or that exited, since the router last read the registry): going elsewhere loses
+            # nothing, so it spends no migration. Once per worker: the tries stay bounded by
+            # the cluster. Its probe (draining, or gone) takes it out of every request's picks
+            # until the registry drops it.
             run.refused_by.add(failed.worker_id)
             run.failed.add(failed.worker_id)
+            run.retries += 1
+            self.stats.requests_rerouted += 1
+            await self.directory.probe(failed)
             logger.info("request %s: worker %s refused it (%s); sent elsewhere",
                         run.request_id, failed.worker_id, e.details())
             return True
@@ -262,6 +267,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         run.failed.add(failed.worker_id)
         run.failed.update(w.worker_id for w, ok in zip(run.workers, alive) if not ok)
         run.migrations += 1
+        run.retries += 1
         self.stats.requests_migrated += 1
         logger.warning("request %s: worker %s failed (%s); continuing elsewhere after %d "
                        "tokens (migration %d of at most %d)", run.request_id, failed.worker_id,
@@ -284,7 +290,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         hashes = hash_request_tokens(ids, self.config.block_size)
         where = await self.placer.place(hashes, len(ids), avoid,
                                         0 if run.started else run.requested_len)
-        if not run.started and not run.migrations:
+        if not run.started and not run.retries:
             # Once per request: an attempt after a failed one (before any token) is the same
             # request's, and with n > 1 sequence 0 prefills the prompt (the others find it
             # cached).

@@ -48,6 +48,8 @@ class RouterStats:
     # --migration-limit was spent.
     requests_migrated: int = 0
     migrations_exhausted: int = 0
+    # Requests a worker refused before any work, sent to another at no migration's cost.
+    requests_rerouted: int = 0
     # Prefilled requests that waited for room on a decode worker (router/decode_wait.py).
     decode_waits: int = 0
     # Output tokens streamed to clients, and the chunks decode workers sent them in (one per

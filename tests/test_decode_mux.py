@@ -476,11 +476,13 @@ def test_a_draining_worker_ends_its_open_streams_cleanly(cluster, reference, cap
         await asyncio.wait_for(s.read_until(lambda _: False), timeout=60)
         code = await s.call.code()
         await s.close()
-        return code, await stop
+        return code, await stop, s.batches[-1]
 
-    code, exit_code = asyncio.run(run())
+    code, exit_code, last = asyncio.run(run())
     assert code == grpc.StatusCode.OK
     assert exit_code == 0
+    # Its last message says that a start sent from now on will not be read.
+    assert last.closing and not last.events
     err = capfd.readouterr().err
     assert "stopping: draining" in err  # the worker's own log reached this capture
     assert "Exception not handled" not in err and "Traceback" not in err
@@ -548,3 +550,24 @@ def test_router_mux_hands_a_workers_failure_marks_on():
     assert was_refused(refused) and not kv_source_failed(refused)
     assert kv_source_failed(source) and not was_refused(source)
     assert not was_refused(failed) and not kv_source_failed(failed)
+
+
+def test_router_mux_takes_requests_a_closing_stream_never_read_as_refused():
+    """A draining worker ends its stream with a closing message once its requests are done: a
+    start it had not read by then (one on the wire) gets a refusal, which the router moves at
+    no migration's cost. It ended in whatever status the race gave (INTERNAL once), unmarked."""
+    from engine.call_abort import was_refused
+
+    class Closing(worker_pb2_grpc.DecodeWorkerServicer):
+        async def DecodeMany(self, request_iterator, context):
+            async for _ in request_iterator:
+                yield worker_pb2.DecodeBatch(closing=True)
+                return
+
+    async def run():
+        async with _played_worker(Closing(), "closing") as one:
+            return await one("unread")
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and was_refused(err)
+    assert "before reading the request" in err.details()

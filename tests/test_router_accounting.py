@@ -245,11 +245,12 @@ def test_a_workers_refusal_before_any_work_sends_the_request_on_without_a_migrat
     """A worker that began draining (or whose engine died) since the router last heard of it
     refuses at admission: the request goes to another worker, and no migration is spent, so
     it succeeds with --migration-limit 0 (a rolling restart's race must not fail requests)."""
-    attempts = []
+    attempts, ids = [], []
 
     async def remote_prefill(run, request, prefill, avoid, context):
         run.calls(prefill)
         attempts.append((prefill.worker_id, set(avoid)))
+        ids.append(run.attempt_id)
         if len(attempts) == 1:
             raise _unavailable(f"worker {prefill.worker_id} is draining", refused=True)
         async for chunk in _tokens(run, 2, 0.001):
@@ -260,6 +261,12 @@ def test_a_workers_refusal_before_any_work_sends_the_request_on_without_a_migrat
     assert attempts == [("prefill-1", set()), ("prefill-2", {"prefill-1"})]
     assert [t for c in out for t in c.token_ids] == [100, 101]
     assert out[-1].usage.migrations == 0 and s.stats.requests_migrated == 0
+    assert s.stats.requests_rerouted == 1
+    # A new id for the new attempt (the refused one's may still be known where it went), and
+    # the request counted as routed and prefilled once.
+    assert len(set(ids)) == 2
+    assert s.stats.requests_prefilled_remotely == 1
+    assert s.stats.prompt_tokens_routed == len(PROMPT)
 
 
 @pytest.mark.parametrize("refused", [True, False])
