@@ -108,3 +108,23 @@ def test_a_workers_refusal_before_any_work_says_so_to_the_router(error, refused)
     answer = _ask(abort)
     assert answer.code() == grpc.StatusCode.UNAVAILABLE
     assert was_refused(answer) is refused
+
+
+def test_a_call_that_found_no_worker_to_connect_to_counts_as_refused():
+    """A worker that exited (its port closed) since the router last read the registry: the
+    call never left the router, so the request may go elsewhere as a refusal would."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=10)
+        return err.value
+
+    err = asyncio.run(main())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and was_refused(err)
