@@ -34,6 +34,15 @@ def _draw(rng: random.Random, lo: int, hi: int) -> list[int]:
     return [rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))]
 
 
+def cluster_stats(router_address: str):
+    """The router's GetClusterStats answer (router_pb2.ClusterStats)."""
+    from protos import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_address) as ch:
+        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
+
+
 def random_prompts(n: int, seed: int, lo: int = 5, hi: int = 120) -> list[list[int]]:
     rng = random.Random(seed)
     return [_draw(rng, lo, hi) for _ in range(n)]

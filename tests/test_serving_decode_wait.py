@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
 from client import AsyncClient, ResourceExhaustedError
 from engine import LLM, SamplingParams
-from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import random_prompts, stream_greedy, wait_all_blocks_free
+from tests.serving_helpers import cluster_stats, random_prompts, stream_greedy, wait_all_blocks_free
 
 MAX_TOKENS = 24
 # 24 blocks of 16 tokens: room for two of these prompts (100-150 tokens, plus output) at once.
@@ -36,12 +34,6 @@ def cluster():
         yield c
 
 
-def _stats(address: str) -> router_pb2.ClusterStats:
-    with grpc.insecure_channel(address) as ch:
-        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
-
-
 def _workers(cluster) -> list[str]:
     return [p.address for p in cluster.procs if not p.name.startswith("router")]
 
@@ -56,7 +48,7 @@ def test_a_burst_past_the_decode_workers_room_waits_and_matches_the_engine(clust
     assert len({tuple(w.token_ids) for w in want}) == len(want)  # not one repeated output
     assert all(final.finish_reason == "length" for _, final in got)
     # Eight prompts of 7-10 blocks each reached a 24-block worker together: some waited.
-    assert _stats(cluster.router_address).decode_waits > 0
+    assert cluster_stats(cluster.router_address).decode_waits > 0
     waited = [final.usage.timings.decode_queue_s for _, final in got]
     assert max(waited) > 0
     wait_all_blocks_free(_workers(cluster))
@@ -90,7 +82,7 @@ def test_without_waiting_a_refusal_reaches_the_client_and_frees_every_block(clus
         assert all(len(toks) == MAX_TOKENS for toks in served)
         # Refused after their prefill: the client had the first token, and nothing more.
         assert all(len(toks) == 1 and "no room" in str(e) for toks, e in refused)
-        assert _stats(router.address).decode_waits == 0
+        assert cluster_stats(router.address).decode_waits == 0
         # The refused prompts' prefill leases were released, not left to expire (20 s).
         wait_all_blocks_free(_workers(cluster), timeout_s=10)
     finally:

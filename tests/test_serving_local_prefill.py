@@ -10,10 +10,10 @@ import pytest
 
 from client import Client, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from engine import SamplingParams
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts, stream_greedy,
-                                   wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_prompts, random_prompts,
+                                   stream_greedy, wait_all_blocks_free)
 
 LOCAL_MAX = 64
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -39,12 +39,6 @@ def _decode_address(cluster) -> str:
     return next(p.address for p in cluster.procs if p.name.startswith("decode"))
 
 
-def _stats(cluster) -> router_pb2.ClusterStats:
-    with grpc.insecure_channel(cluster.router_address) as ch:
-        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
-
-
 def _check_parity(got, want, prompts) -> None:
     for (toks, final), w, p in zip(got, want, prompts):
         assert toks == w.token_ids
@@ -66,10 +60,10 @@ def _run_matched(cluster, reference, prompts, max_tokens) -> tuple[int, int]:
     freed after; returns how many the router prefilled (locally, remotely)."""
     want = reference.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY)
                                         for m in max_tokens])
-    before = _stats(cluster)
+    before = cluster_stats(cluster.router_address)
     got = stream_greedy(cluster.router_address, prompts, max_tokens)
     _check_parity(got, want, prompts)
-    after = _stats(cluster)
+    after = cluster_stats(cluster.router_address)
     wait_all_blocks_free(_workers(cluster))
     return (after.requests_prefilled_locally - before.requests_prefilled_locally,
             after.requests_prefilled_remotely - before.requests_prefilled_remotely)
@@ -127,14 +121,15 @@ def test_local_prefill_reuses_the_decode_workers_prefix_cache(cluster):
 
 
 def test_client_cancel_of_a_local_prefill_frees_every_block(cluster):
-    before = _stats(cluster)
+    before = cluster_stats(cluster.router_address)
     with Client(cluster.router_address, timeout=60) as c:
         stream = c.generate(random_prompts(1, seed=3, lo=30, hi=30)[0], max_tokens=400,
                             **GREEDY)
         got = [next(stream) for _ in range(3)]
         stream.close()  # cancels the call
     assert all(ch.finish_reason is None for ch in got)
-    assert _stats(cluster).requests_prefilled_locally == before.requests_prefilled_locally + 1
+    after = cluster_stats(cluster.router_address)
+    assert after.requests_prefilled_locally == before.requests_prefilled_locally + 1
     wait_all_blocks_free(_workers(cluster))
 
 
@@ -246,7 +241,7 @@ def test_an_aggregated_cluster_serves_every_prompt_on_its_decode_worker(referenc
             assert u.local_prefill and u.prompt_tokens == len(p)
             assert u.prefill_worker_id == u.decode_worker_id
         assert len({tuple(w.token_ids) for w in want}) == len(want)  # not one repeated token
-        stats = _stats(c)
+        stats = cluster_stats(c.router_address)
         assert (stats.num_prefill_workers, stats.num_decode_workers) == (0, 1)
         # Past the workers' context (--max-model-len 1024): refused as a bad request.
         with Client(c.router_address, timeout=60) as client:

@@ -19,7 +19,7 @@ from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, random_prompts,
+from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_prompts, random_prompts,
                                    wait_all_blocks_free, worker_info)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -40,12 +40,6 @@ def cluster():
                                     "--health-check-interval-s", "1"])
     with Cluster(spec) as c:
         yield c
-
-
-def _stats(cluster) -> router_pb2.ClusterStats:
-    with grpc.insecure_channel(cluster.router_address) as ch:
-        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
 
 
 def _live(cluster, role):
@@ -156,7 +150,7 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
         assert f.usage.timings.kv_transfer_s > 0  # the first decode leg's, kept
         if f.usage.migrations:
             assert f.usage.migrations == 1 and f.usage.decode_worker_id == survivor.name
-    assert _stats(cluster).requests_migrated == len(moved) + len(par_moved)
+    assert cluster_stats(cluster.router_address).requests_migrated == len(moved) + len(par_moved)
     # The dead worker gets no more requests, and the survivors hold nothing.
     prompt = random_prompts(1, seed=32)[0]
 
@@ -174,7 +168,7 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     a host gone without closing its sockets looks the same) is found by the router's health
     checks (router/liveness.py), and its streams move on instead of waiting for their
     deadlines (keepalive alone took ~60 s)."""
-    hangs = _stats(cluster).worker_hangs
+    hangs = cluster_stats(cluster.router_address).worker_hangs
     # One survivor after the kill test above, two when this test runs alone.
     survivors = {p.name for p in _live(cluster, "decode")}
     hung = cluster.add_worker("decode")
@@ -203,7 +197,7 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     # its end): then no decode worker ran its last attempt.
     assert all(f.usage.decode_worker_id in survivors | {""} for f in moved)
     assert any(f.usage.decode_worker_id in survivors for f in moved)
-    assert _stats(cluster).worker_hangs == hangs + 1
+    assert cluster_stats(cluster.router_address).worker_hangs == hangs + 1
     # Resumed, the hung worker finds its streams cancelled and frees their blocks.
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
@@ -216,7 +210,7 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
 def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, reference):
     """A prefill worker that hangs with prompts on it: the router's health checks cut its
     Prefill calls, and the prompts are prefilled by the other prefill workers."""
-    hangs = _stats(cluster).worker_hangs
+    hangs = cluster_stats(cluster.router_address).worker_hangs
     hung = cluster.add_worker("prefill")
     cluster.wait_routable(3, len(_live(cluster, "decode")))
     # Long prompts: each prefill takes a while, so the worker is caught with some on it.
@@ -230,7 +224,7 @@ def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, referen
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no prompt was on the hung worker"
     assert all(f.usage.prefill_worker_id != hung.name for f in moved)
-    assert _stats(cluster).worker_hangs == hangs + 1
+    assert cluster_stats(cluster.router_address).worker_hangs == hangs + 1
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
     assert cluster.stop_proc(hung) == 0
@@ -280,7 +274,7 @@ def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference)
     assert got == [w.token_ids for w in want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved and all(f.usage.prefill_worker_id == survivor.name for f in moved)
-    assert _stats(cluster).requests_migrated >= len(moved)
+    assert cluster_stats(cluster.router_address).requests_migrated >= len(moved)
     wait_all_blocks_free([p.address for p in cluster.procs
                           if p.name != "router" and p.popen.poll() is None])
 
@@ -326,7 +320,7 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
     decode = _live(cluster, "decode")
     cluster.wait_routable(len(_live(cluster, "prefill")), 3)
     prompt = decisive_prompts(reference, 1, seed=51, max_tokens=400, lo=30, hi=30)[0]
-    exhausted = _stats(cluster).migrations_exhausted
+    exhausted = cluster_stats(cluster.router_address).migrations_exhausted
 
     def running():
         return next(p for p in decode if p.popen.poll() is None
@@ -351,4 +345,4 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
     # Greedy: the first len(got) of the 400 tokens (decisive, all 400) are these.
     want = reference.generate([prompt], SamplingParams(max_tokens=len(got), **GREEDY))[0].token_ids
     assert len(got) >= 8 and got == want  # what did arrive was right, up to the failure
-    assert _stats(cluster).migrations_exhausted == exhausted + 1
+    assert cluster_stats(cluster.router_address).migrations_exhausted == exhausted + 1

@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import grpc
 import pytest
 
 from client import AsyncClient
-from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import WORKER_ARGS, cluster_stats, random_prompts, wait_all_blocks_free
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -27,12 +25,6 @@ def cluster():
                        router_args=["--migration-limit", "0", "--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
-
-
-def _stats(cluster) -> router_pb2.ClusterStats:
-    with grpc.insecure_channel(cluster.router_address) as ch:
-        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -64,11 +56,11 @@ def test_stopping_a_worker_under_load_fails_no_request(cluster, role):
             await asyncio.gather(*(client_loop(client, i, results) for i in range(8)))
         return results
 
-    before = _stats(cluster)
+    before = cluster_stats(cluster.router_address)
     results = asyncio.run(run())
     assert exit_codes == [0]
     assert all(r.finish_reason == "length" and len(r.token_ids) == 3 for r in results)
-    after = _stats(cluster)
+    after = cluster_stats(cluster.router_address)
     assert after.requests_failed == before.requests_failed
     assert after.requests_migrated == before.requests_migrated  # none spent (the limit is 0)
     # The window was hit (and crossed): some requests reached the stopping worker.
