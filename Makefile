@@ -8,6 +8,14 @@ PIP := $(PY) -m pip
 # mirror), else from PyTorch's CPU index: PyPI's Linux torch is the CUDA build.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_VERSION ?= 2.13.0
+# PyPI's connection here sometimes drops in the middle of a large wheel (triton is ~290 MB), and
+# pip gives up after 5 resumes: resume more often, and retry a failed install as a whole.
+# (An environment variable, not the flag, so a pip too old to know it ignores it.)
+export PIP_RESUME_RETRIES := 20
+PIP_TRIES := 3
+pip_install = n=1; until $(PIP) install -q $(1); do \
+	[ $$n -lt $(PIP_TRIES) ] || exit 1; \
+	echo "pip install failed (try $$n of $(PIP_TRIES)); retrying" >&2; n=$$((n+1)); sleep 10; done
 
 .PHONY: demo test test-all install install-dev bench clean
 
@@ -21,11 +29,11 @@ ifeq ($(HAS_GPU),)
 	$(PIP) install -q "torch==$(TORCH_VERSION)+cpu" \
 		|| $(PIP) install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
 endif
-	$(PIP) install -q -e .
+	$(call pip_install,-e .)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PIP) install -q -e ".[dev]"
+	$(call pip_install,-e ".[dev]")
 	touch $@
 
 install: $(VENV)/.installed
