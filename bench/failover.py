@@ -7,10 +7,13 @@ once every stream is past its first tokens, or a prefill worker as soon as the r
 every prompt in flight; then prompts are 256-512 tokens, so it fails computing them). The
 fault is a crash (SIGKILL: its connections close) or, with ``--fault hang``, a hang (SIGSTOP:
 its connections stay open and silent, found by the router's health checks; resumed once the
-streams are done). The router migrates the failed requests (router/migration.py). Reported:
-how many streams moved, whether every stream's tokens equal the in-process engine's, and the
-stall the moved streams saw (their longest gap between tokens, or their TTFT after a prefill
-failure) beside the same slots' figure in the baseline, with the ratio.
+streams are done), or, with ``--fault stop``, a rolling restart's stop (SIGTERM: the worker
+drains what it holds, refuses what comes after, and exits). The router migrates the failed
+requests (router/migration.py) and moves refused ones for free. Reported: how many streams
+failed, moved or were re-routed, whether every stream's tokens equal the in-process engine's,
+and the stall the affected streams saw (their longest gap between tokens, or their TTFT after a
+prefill failure) beside the same slots' figure in the baseline, with the ratio. The affected
+streams are the moved ones, or after a stop those the stopping worker served.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 
 from client import AsyncClient
+from client.errors import PdserveError
 from engine import LLM, SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -38,6 +42,8 @@ class Stream:
     times: list[float] = field(default_factory=list)  # one per token
     token_ids: list[int] = field(default_factory=list)
     migrations: int = 0
+    workers: tuple[str, str] = ("", "")  # the usage's prefill and decode worker ids
+    error: str = ""  # the client's error, when the stream failed
 
     @property
     def ttft_ms(self) -> float:
@@ -52,13 +58,16 @@ class Stream:
 @dataclass
 class FailoverReport:
     kill: str
-    fault: str  # "kill" (SIGKILL) or "hang" (SIGSTOP)
+    fault: str  # "kill" (SIGKILL), "hang" (SIGSTOP) or "stop" (SIGTERM)
     health_check_interval_s: float
     streams: int
     max_tokens: int
+    failed: int  # failover-run streams that ended in an error (their first one in ``errors``)
     migrated: int
+    rerouted: int  # attempts the router moved for free: a worker refused them (draining)
     identical: int  # failover-run streams whose tokens equal the in-process engine's
-    # Over the migrated streams: the failover run's figure, the same streams' in the baseline.
+    # Over the affected streams: the failover run's figure, the same streams' in the baseline.
+    affected: int
     stall_metric: str
     stall_ms_mean: float
     baseline_ms_mean: float
@@ -66,6 +75,9 @@ class FailoverReport:
     baseline_ms_max: float
     duration_s: float
     baseline_duration_s: float
+    # How the stopped worker's process ended (0: it drained and exited); None for kill and hang.
+    victim_exit: int | None = None
+    errors: list[str] = field(default_factory=list)
 
     @property
     def stall_ratio(self) -> float:
@@ -76,9 +88,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--kill", choices=["decode", "prefill"], default="decode",
                    help="the role of the worker that fails under the streams")
-    p.add_argument("--fault", choices=["kill", "hang"], default="kill",
+    p.add_argument("--fault", choices=["kill", "hang", "stop"], default="kill",
                    help="kill: SIGKILL (a crash); hang: SIGSTOP (a process that stops "
-                        "answering with its connections open), SIGCONT after the streams")
+                        "answering with its connections open), SIGCONT after the streams; "
+                        "stop: SIGTERM (a rolling restart: the worker drains and exits)")
     p.add_argument("--health-check-interval-s", type=float, default=2.0,
                    help="the router's --health-check-interval-s (0: keepalive pings only)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
@@ -109,13 +122,11 @@ def main(args: argparse.Namespace) -> int:
     with Cluster(spec) as cluster:
         warm = [[t + 1 for t in p] for p in prompts[:2]]
         asyncio.run(_run(cluster, warm, args.max_tokens, None, args.fault))
-        t0 = time.perf_counter()
         base = asyncio.run(_run(cluster, base_prompts, args.max_tokens, None, args.fault))
-        base_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        rerouted = _router_stats(cluster).requests_rerouted
         hit = asyncio.run(_run(cluster, prompts, args.max_tokens, two, args.fault))
-        hit_s = time.perf_counter() - t0
-    report = _report(args, base, hit, want, base_s, hit_s)
+        hit.rerouted = _router_stats(cluster).requests_rerouted - rerouted
+    report = _report(args, base, hit, want)
     if args.json:
         print(json.dumps({**asdict(report), "stall_ratio": report.stall_ratio}, indent=2))
     else:
@@ -123,19 +134,32 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class Run:
+    streams: list[Stream]
+    duration_s: float  # from the first stream's start to the last one's end
+    victim: str = ""  # the failed worker's id
+    victim_exit: int | None = None  # its exit status, after a stop
+    rerouted: int = 0
+
+
 async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
-               kill: str | None, fault: str) -> list[Stream]:
+               kill: str | None, fault: str) -> Run:
     """The streams, all at once; with ``kill``, a worker of that role fails under them."""
     streams = [Stream(time.perf_counter()) for _ in prompts]
 
     async def one(client: AsyncClient, prompt: list[int], s: Stream) -> None:
-        async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True):
-            now = time.perf_counter()
-            s.times.extend([now] * len(chunk.token_ids))
-            s.token_ids.extend(chunk.token_ids)
-            if chunk.usage is not None:
-                s.migrations = chunk.usage.migrations
+        try:
+            async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0,
+                                               ignore_eos=True):
+                now = time.perf_counter()
+                s.times.extend([now] * len(chunk.token_ids))
+                s.token_ids.extend(chunk.token_ids)
+                if chunk.usage is not None:
+                    s.migrations = chunk.usage.migrations
+                    s.workers = (chunk.usage.prefill_worker_id, chunk.usage.decode_worker_id)
+        except PdserveError as e:  # reported, as a failed stream, not raised
+            s.error = f"{type(e).__name__}: {e}"
 
     victim = None
     async with AsyncClient(cluster.router_address, timeout=600) as client:
@@ -155,15 +179,22 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
         finally:
             if victim is not None and fault == "hang":
                 os.kill(victim.popen.pid, signal.SIGCONT)  # it stops with the cluster
-    return streams
+    run = Run(streams, time.perf_counter() - streams[0].start,
+              victim.name if victim is not None else "")
+    if victim is not None and fault == "stop":  # its drain is done once its streams are
+        run.victim_exit = await asyncio.to_thread(victim.popen.wait, 60)
+    return run
+
+
+def _router_stats(cluster: Cluster) -> router_pb2.ClusterStats:
+    """The router's own counters (no worker is asked)."""
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
 
 
 def _in_flight(cluster: Cluster) -> int:
-    """Requests the router has in flight (its own count: no worker is asked)."""
-    with grpc.insecure_channel(cluster.router_address) as ch:
-        stats = router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
-    return stats.requests_in_flight
+    return _router_stats(cluster).requests_in_flight
 
 
 def _busiest_decode(cluster: Cluster):
@@ -180,42 +211,61 @@ def _fail(proc, fault: str) -> None:
     if fault == "kill":
         proc.popen.kill()
         proc.popen.wait()
-    else:
+    elif fault == "hang":
         os.kill(proc.popen.pid, signal.SIGSTOP)
+    else:  # a clean exit: the launcher counts it scaled down and starts no other
+        proc.popen.send_signal(signal.SIGTERM)
 
 
-def _report(args, base: list[Stream], hit: list[Stream], want: list[list[int]], base_s: float,
-            hit_s: float) -> FailoverReport:
+def _report(args, undisturbed: Run, run: Run, want: list[list[int]]) -> FailoverReport:
+    base, hit = undisturbed.streams, run.streams
     moved = [i for i, s in enumerate(hit) if s.migrations]
+    if args.fault == "stop":  # nothing moves: the streams the stopping worker served
+        role = 0 if args.kill == "prefill" else 1
+        affected = [i for i, s in enumerate(hit) if s.workers[role] == run.victim]
+    else:
+        affected = moved
     metric = "ttft" if args.kill == "prefill" else "max_gap"
 
     def fig(s: Stream) -> float:
+        if not s.times:  # failed before its first token
+            return 0.0
         return s.ttft_ms if metric == "ttft" else s.max_gap_ms
 
-    stall = [fig(hit[i]) for i in moved] or [0.0]
-    calm = [fig(base[i]) for i in moved] or [0.0]
+    stall = [fig(hit[i]) for i in affected] or [0.0]
+    calm = [fig(base[i]) for i in affected] or [0.0]
+    errors = [s.error for s in hit if s.error]
     return FailoverReport(
         kill=args.kill, fault=args.fault, health_check_interval_s=args.health_check_interval_s,
-        streams=len(hit), max_tokens=args.max_tokens, migrated=len(moved),
-        identical=sum(h.token_ids == w for h, w in zip(hit, want)),
-        stall_metric=metric, stall_ms_mean=statistics.mean(stall),
+        streams=len(hit), max_tokens=args.max_tokens, failed=len(errors), migrated=len(moved),
+        rerouted=run.rerouted, identical=sum(h.token_ids == w for h, w in zip(hit, want)),
+        affected=len(affected), stall_metric=metric, stall_ms_mean=statistics.mean(stall),
         baseline_ms_mean=statistics.mean(calm), stall_ms_max=max(stall),
-        baseline_ms_max=max(calm), duration_s=hit_s, baseline_duration_s=base_s)
+        baseline_ms_max=max(calm), duration_s=run.duration_s,
+        baseline_duration_s=undisturbed.duration_s,
+        victim_exit=run.victim_exit, errors=errors[:3])
 
 
 def _format(r: FailoverReport) -> str:
     what = "TTFT" if r.stall_metric == "ttft" else "longest gap between tokens"
-    how = "SIGKILLed" if r.fault == "kill" else (
-        f"SIGSTOPped (router health checks every {r.health_check_interval_s:g} s)"
-        if r.health_check_interval_s else "SIGSTOPped (no health checks: keepalive only)")
+    if r.fault == "kill":
+        how = "SIGKILLed"
+    elif r.fault == "stop":
+        how = f"stopped (SIGTERM; it exited with {r.victim_exit})"
+    else:
+        how = (f"SIGSTOPped (router health checks every {r.health_check_interval_s:g} s)"
+               if r.health_check_interval_s else "SIGSTOPped (no health checks: keepalive only)")
+    whose = "served by the stopping worker" if r.fault == "stop" else "migrated"
     return "\n".join([
         f"Failover: a {r.kill} worker {how} under {r.streams} greedy streams of "
         f"{r.max_tokens} tokens",
         "",
-        f"streams migrated: {r.migrated} of {r.streams}; tokens identical to the in-process "
-        f"engine's: {r.identical} of {r.streams}",
+        f"streams failed: {r.failed}, migrated: {r.migrated}, re-routed (refused, moved for "
+        f"free): {r.rerouted}, {whose}: {r.affected}, of {r.streams}; tokens identical to the "
+        f"in-process engine's: {r.identical} of {r.streams}",
+        *([f"first errors: {'; '.join(r.errors)}"] if r.errors else []),
         "",
-        f"| migrated streams' {what} | failover run | undisturbed run | ratio |",
+        f"| {whose} streams' {what} | failover run | undisturbed run | ratio |",
         "|---|---|---|---|",
         f"| mean ms | {r.stall_ms_mean:.1f} | {r.baseline_ms_mean:.1f} | {r.stall_ratio:.2f} |",
         f"| max ms | {r.stall_ms_max:.1f} | {r.baseline_ms_max:.1f} | "

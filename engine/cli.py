@@ -212,7 +212,8 @@ BENCHMARKS = [
                 "throughput and CPU per token of each process"),
     ("chat_turns", "a chat's next turn prefilled on the decode worker holding its reply vs "
                    "on the prefill worker: turn-2 TTFT"),
-    ("failover", "a worker SIGKILLed (or SIGSTOPped: --fault hang) under running streams: "
+    ("failover", "a worker SIGKILLed (or SIGSTOPped: --fault hang; SIGTERMed: --fault stop) "
+                 "under running streams: "
                  "migrated streams' stall vs the undisturbed run, token parity"),
     ("attention", "CPU paged decode attention: the C kernel vs the torch backend vs a copy"),
     ("huge_pages", "a decode step's linear layers with their packs in huge pages vs 4 KiB "

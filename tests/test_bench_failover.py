@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench import failover
-from bench.failover import Stream
+from bench.failover import Run, Stream
 from engine.cli import main as cli_main
 
 
@@ -28,6 +28,33 @@ def test_bad_arguments_are_refused(argv):
         failover.main(p.parse_args(argv))
 
 
+def _args(**kw) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    failover.add_args(p)
+    return p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in kw.items()])
+
+
+def test_a_stop_reports_the_streams_the_stopping_worker_served():
+    """Nothing moves after a SIGTERM: the affected streams are those whose usage names the
+    stopped worker (here the decode worker "d1"); a failed stream counts, with its error."""
+    base = [Stream(0.0, times=[0.1, 0.2, 0.3]) for _ in range(3)]
+    hit = [Stream(0.0, times=[0.1, 0.2, 0.6], workers=("p0", "d1")),
+           Stream(0.0, times=[0.1, 0.2, 0.3], workers=("p0", "d0")),
+           Stream(0.0, error="UnavailableError: gone")]
+    want = [[], [], [1]]
+    calm = Run(base, 1.0)
+    r = failover._report(_args(fault="stop"), calm, Run(hit, 1.5, "d1", 0, rerouted=2), want)
+    assert (r.failed, r.migrated, r.rerouted, r.affected, r.victim_exit) == (1, 0, 2, 1, 0)
+    assert r.identical == 2 and r.errors == ["UnavailableError: gone"]
+    assert r.stall_ms_mean == pytest.approx(400.0) and r.baseline_ms_mean == pytest.approx(100.0)
+    # After a crash the affected streams are the moved ones, whoever served them.
+    hit[1].migrations = 1
+    r = failover._report(_args(fault="kill"), calm, Run(hit, 1.5, "d1"), want)
+    assert (r.migrated, r.affected) == (1, 1) and r.stall_ms_mean == pytest.approx(100.0)
+    assert (r.duration_s, r.baseline_duration_s) == (1.5, 1.0)
+    assert "streams failed: 1" in failover._format(r)
+
+
 # The tool end to end runs in the slow tier (27 s on the 2-core VM); the faults themselves are
 # tested in tests/test_serving_migration.py, the tool's metrics and flags above.
 @pytest.mark.parametrize("role, metric, fault", [
@@ -43,3 +70,17 @@ def test_a_failed_worker_moves_its_streams_with_the_same_tokens(capsys, role, me
     assert r["migrated"] >= 1  # the killed worker held at least one stream
     assert r["identical"] == 4  # every stream, moved or not, equals the in-process engine
     assert r["stall_metric"] == metric and r["stall_ms_max"] >= r["stall_ms_mean"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_stopped_worker_drains_its_streams_and_exits(capsys, role):
+    """A rolling restart's stop (SIGTERM): no stream fails or moves, every one has the
+    in-process engine's tokens, and the worker exits 0 once drained."""
+    assert cli_main(["bench", "failover", "--kill", role, "--fault", "stop", "--streams", "4",
+                     "--max-tokens", "24", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["fault"], r["failed"], r["migrated"], r["victim_exit"]) == ("stop", 0, 0, 0)
+    assert r["identical"] == 4
+    if role == "decode":  # the busiest decode worker was stopped: it served some to the end
+        assert r["affected"] >= 1
