@@ -185,12 +185,24 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
     await abort_call(context, *status_and_message(exc), failure_marks(exc))
 
 
+async def _fingerprint(config: WorkerConfig) -> str:
+    """The served folder's fingerprint, read once the engine loaded it (a preset exists by
+    then)."""
+    from engine.model_fingerprint import model_fingerprint
+    from engine.presets import resolve_model
+
+    return await asyncio.to_thread(
+        lambda: model_fingerprint(resolve_model(config.engine.model)))
+
+
 class WorkerRuntime:
     """One worker's engine, load and cluster presence. Build with ``await WorkerRuntime.create``."""
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine | RemoteLLM,
-                 front: EngineProcess | None = None) -> None:
+                 front: EngineProcess | None = None, model_fingerprint: str = "") -> None:
         self.config = config
+        # The model folder's content (engine/model_fingerprint.py), for the router's check.
+        self.model_fingerprint = model_fingerprint
         # The engine's methods this worker calls itself (KV pulls, prefix-cache reset, its
         # layout): the engine, or with --engine-process its proxy.
         self.llm = engine
@@ -247,7 +259,7 @@ class WorkerRuntime:
             front = await EngineProcess.start(EngineProcSpec(
                 config.engine_config(), config.core_share_config(config.shared_cores),
                 config.engine_step_timeout_s))
-            return cls(config, front.llm, front)
+            return cls(config, front.llm, front, await _fingerprint(config))
         from engine.llm_engine import LLMEngine
         from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 
@@ -259,7 +271,7 @@ class WorkerRuntime:
         # that ends once built, so its OpenMP team does not outlive it (engine/openmp_threads).
         engine = await asyncio.to_thread(call_in_own_thread, LLMEngine, config.engine_config())
         engine.enable_kv_events()  # for the registry's prefix index and the transfer ledger
-        return cls(config, engine)
+        return cls(config, engine, model_fingerprint=await _fingerprint(config))
 
     def bind(self, address: str) -> None:
         host, _, port = address.rpartition(":")
@@ -341,7 +353,8 @@ class WorkerRuntime:
         cfg = self.config.engine
         return common_pb2.WorkerInfo(
             worker_id=self.worker_id, role=self.config.role, address=self.address,
-            model=self.config.served_model_name or cfg.model, block_size=cfg.block_size,
+            model=self.config.served_model_name or cfg.model,
+            model_fingerprint=self.model_fingerprint, block_size=cfg.block_size,
             tensor_parallel_size=cfg.tensor_parallel_size,
             kv_transfer_backend=cfg.kv_transfer_backend or "",
             max_model_len=self.llm.max_model_len,

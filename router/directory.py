@@ -12,9 +12,9 @@ fills it when Redis answers. A new, empty Redis (a restart) is not every worker 
 last listed before it started keeps its place until it registers again or a heartbeat TTL
 passes.
 
-Workers serving another model (two clusters sharing a Redis namespace) are left out of the
-view, each logged once (``_model_key``); so are workers of another block size, whose blocks
-the router's hashes do not name.
+Workers serving another model (two clusters sharing a Redis namespace, a model replaced in
+place) are left out of the view, each logged once (router/model_match.py); so are workers of
+another block size, whose blocks the router's hashes do not name.
 
 A dropped worker's channel stays open while any request uses it (``in_use``), and closes a
 while after the last one ends; ``stop`` closes every channel the view opened.
@@ -26,7 +26,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import PurePath
 
 import grpc
 import redis.exceptions
@@ -35,6 +34,7 @@ from client.tasks import stop_task
 from protos import common_pb2, worker_pb2_grpc
 from protos.limits import message_size_options
 from router.liveness import LivenessConfig, check_loop
+from router.model_match import model_mismatch
 from router.redis_bound import REDIS_TIMEOUT_S
 from router.redis_health import RedisHealth
 from router.registry import Registry
@@ -58,9 +58,10 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     # Options of the channel to each worker (client/keepalive.py's pings among them).
     channel_options: list = field(default_factory=message_size_options)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
-    # The router's --model: workers registered with another model are left out (_model_key).
-    # "" checks none.
+    # The router's model, its name (--served-model-name or --model) and its folder's
+    # fingerprint: workers serving another are left out (router/model_match.py). "" checks none.
     model: str = ""
+    model_fingerprint: str = ""
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.
@@ -198,14 +199,15 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         self._foreign &= {(i.worker_id, i.model) for i in listed}  # forget the ones gone
         kept = []
         for info in listed:
-            if not self.model or not info.model or \
-                    _model_key(info.model) == _model_key(self.model):
+            why = model_mismatch(self.model, self.model_fingerprint, info)
+            if not why:
                 kept.append(info)
             elif (info.worker_id, info.model) not in self._foreign:
                 self._foreign.add((info.worker_id, info.model))
-                logger.warning("worker %s (%s) serves model %r, not this router's %r: it gets "
-                               "no requests (do two clusters share a Redis namespace?)",
-                               info.worker_id, info.address, info.model, self.model)
+                logger.warning("worker %s (%s) serves model %r, not this router's %r: %s; it "
+                               "gets no requests (do two clusters share a Redis namespace? was "
+                               "the model replaced under a running cluster?)",
+                               info.worker_id, info.address, info.model, self.model, why)
         return kept
 
     async def _not_registered_since_restart(self, missing: list[str]) -> frozenset[str]:
@@ -342,15 +344,3 @@ def _log_liveness_end(task: asyncio.Task) -> None:
     """The health checks end only with the router: any other end leaves hung workers uncut."""
     if not task.cancelled() and task.exception() is not None:
         logger.error("the worker health checks stopped: %r", task.exception())
-
-
-def _model_key(model: str) -> str:
-    """What of a --model names the model wherever it is read: its folder's name. A router and
-    its workers on other hosts or in other containers may reach one folder by different paths
-    (/models/Qwen3-0.6B, ./Qwen3-0.6B), and a preset's name is its folder's name
-    (engine/presets.py), so the whole string is not comparable and no path can be resolved
-    here; the folder name is what they share. Two models in folders of one name still pass,
-    as before this check; one model copied under another folder name is taken for another
-    (its workers get no requests, and the warning names both) unless every service names the
-    model with --served-model-name."""
-    return PurePath(model.rstrip("/")).name.casefold() or model

@@ -32,6 +32,9 @@ class ServedModel:
     sampling_defaults: dict = field(default_factory=dict)
     # The operator's --chat-template text; None: the tokenizer's own.
     chat_template: str | None = None
+    # The folder's content (engine/model_fingerprint.py): workers serving another model get
+    # no requests. "" checks none.
+    fingerprint: str = ""
 
     @property
     def has_chat_template(self) -> bool:
@@ -109,6 +112,7 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
     from engine.config import EngineConfig
     from engine.generation_defaults import load_sampling_defaults
     from engine.model_config import ModelConfig
+    from engine.model_fingerprint import model_fingerprint
     from engine.presets import resolve_model
     from engine.tokenizer import load_tokenizer
 
@@ -116,7 +120,8 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
     mc = ModelConfig.from_pretrained(path)
     served = ServedModel(served_model_name or model, load_tokenizer(path), mc.vocab_size,
                          list(mc.eos_token_ids),
-                         load_sampling_defaults(generation_config, path), chat_template)
+                         load_sampling_defaults(generation_config, path), chat_template,
+                         model_fingerprint(path))
     if served.has_chat_template:
         chat_renderer()
         # Checked now: a template that does not parse would fail every chat, each blamed on

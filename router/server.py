@@ -41,7 +41,8 @@ async def serve_router(config: RouterConfig) -> None:
                                 message_size_options()
                                 + keepalive_options(config.keepalive_time_s,
                                                     config.keepalive_timeout_s),
-                                config.liveness, model=config.model_name)
+                                config.liveness, model=config.model_name,
+                                model_fingerprint=model.fingerprint)
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)

@@ -27,9 +27,10 @@ def redis_url():
         yield server.url
 
 
-def _info(wid: str, role: str, model: str = "") -> common_pb2.WorkerInfo:
+def _info(wid: str, role: str, model: str = "", fingerprint: str = "") -> common_pb2.WorkerInfo:
     return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16,
-                                 num_free_blocks=100, max_model_len=2048, model=model)
+                                 num_free_blocks=100, max_model_len=2048, model=model,
+                                 model_fingerprint=fingerprint)
 
 
 async def _register(url: str, ns: str, *infos: common_pb2.WorkerInfo) -> None:
@@ -175,6 +176,33 @@ def test_workers_of_another_model_get_no_requests(redis_url, caplog):
             assert (await d.pick_decode(10)).worker_id == "d-ours"
             foreign = [r for r in caplog.records if "serves model" in r.getMessage()]
             assert sorted(r.args[0] for r in foreign) == ["d-other", "p-other"]  # once each
+        finally:
+            await d.stop()
+
+    asyncio.run(body())
+
+
+def test_workers_are_told_apart_by_their_models_content(redis_url, caplog):
+    """One model under another name serves; another model's weights under the router's name
+    (replaced in place, or another cluster's mount at the same path) get no requests."""
+    async def body():
+        await _register(redis_url, "content",
+                        _info("p-copy", "prefill", "/copies/renamed", "f1:w1"),
+                        _info("d-ours", "decode", "model-a", "f1:w1"),
+                        _info("p-retrained", "prefill", "model-a", "f1:w2"),
+                        _info("d-retokenized", "decode", "model-a", "f2:w1"))
+        d = WorkerDirectory(Registry.from_url(redis_url, "content"), 16,
+                            refresh_interval_s=3600, model="model-a", model_fingerprint="f1:w1")
+        try:
+            with caplog.at_level(logging.WARNING, logger="router.directory"):
+                await d.start()
+                await d.refresh()
+            assert sorted(d.workers) == ["d-ours", "p-copy"]
+            foreign = {r.args[0]: r.args[4] for r in caplog.records
+                       if "serves model" in r.getMessage()}
+            assert sorted(foreign) == ["d-retokenized", "p-retrained"]
+            assert "weights differ" in foreign["p-retrained"]
+            assert "tokenizer files differ" in foreign["d-retokenized"]
         finally:
             await d.stop()
 

@@ -15,7 +15,7 @@ from tests.grpc_wakeups import event_engine_wakeups
 from tests.proc_signals import wait_until
 from tests.serving_helpers import (MIN_GREEDY_GAP, WORKER_ARGS, assert_same_logprobs,
                                    decisive_prompts, free_port, parse_metrics, random_prompts,
-                                   scrape, stream_greedy, wait_all_blocks_free)
+                                   scrape, stream_greedy, wait_all_blocks_free, worker_info)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +227,17 @@ def test_tokenize_detokenize_and_model_info(cluster, reference):
     ids, text, ainfo = asyncio.run(run())
     assert ids == reference.chat_prompt(chat) and text == reference.tokenizer.decode([5, 6])
     assert ainfo == info
+
+
+def test_workers_report_the_fingerprint_of_the_routers_model(cluster):
+    """What the router compares (router/model_match.py): each worker's fingerprint of its
+    folder, weights included, equal to the router's of the same preset."""
+    from engine.model_fingerprint import model_fingerprint
+    from engine.presets import resolve_model
+
+    want = model_fingerprint(resolve_model("tiny-llama"))
+    assert want.split(":")[1]  # the weights part
+    assert [worker_info(a).model_fingerprint for a in _workers(cluster)] == [want, want]
 
 
 def _admin(cluster, *argv) -> str:

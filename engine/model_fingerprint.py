@@ -1,0 +1,118 @@
+"""What model a service runs, by content: a fingerprint of its folder.
+
+The router tokenizes a prompt, one worker computes its KV and another decodes from it: all
+three must run the same model. A name does not say so. Two folders of one name can hold
+different models (two clusters that mount theirs at one path and share a Redis namespace; a
+model replaced in place, its workers restarted one by one), and KV from one model decoded by
+another gives fluent garbage that no check downstream can see. One model under two names is
+the opposite case, and is safe to serve.
+
+The fingerprint is ``"{files}:{weights}"``:
+
+- ``files``: the model's config and tokenizer files, whole (what the router reads);
+- ``weights``: each safetensors file's name, size and header (every tensor's name, dtype,
+  shape and place), and a sample of every tensor's bytes (64 at its start, its middle and
+  its end; a tensor of at most 16 KiB, a norm's or a bias's, whole). A fine-tune, or a merged adapter, changes every element of the tensors it
+  touches, so a sample of each tensor tells checkpoints of one shape apart without reading
+  gigabytes; "" when the folder has no weights (a router given only the tokenizer).
+
+Chat templates are left out: only the router renders them, so a worker's copy does not matter.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from engine.loader import INDEX_FILE, weight_files
+
+# The files a model's tokens and shapes depend on; those absent are skipped.
+FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+         "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt",
+         "vocab.txt")
+SAMPLE_BYTES = 64
+# Tensors this small are read whole: a norm's or a bias's (8 KiB for a 4096-wide bfloat16
+# one), which a fine-tune may change in few elements; a few MB for a whole large model.
+WHOLE_TENSOR_BYTES = 16 * 1024
+# A safetensors header longer than this is not one (the format caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+_DIGEST_CHARS = 16
+
+
+def model_fingerprint(folder: Path) -> str:
+    """``folder``'s fingerprint (module docstring); blocking. ValueError for weights that are
+    not safetensors files."""
+    return f"{files_digest(folder)}:{weights_digest(folder)}"
+
+
+def files_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for name in FILES:
+        path = folder / name
+        if path.is_file():
+            h.update(f"{name}\n".encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:_DIGEST_CHARS]
+
+
+def weights_digest(folder: Path) -> str:
+    """"" when the folder has no weights; else the digest of every file's sample."""
+    try:
+        files = weight_files(folder)
+    except ValueError:
+        if any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).exists():
+            raise  # weights that the loader would refuse: say so here too
+        return ""
+    h = hashlib.sha256()
+    for path in files:
+        h.update(f"{path.name}\n{path.stat().st_size}\n".encode())
+        _sample_safetensors(path, h)
+    return h.hexdigest()[:_DIGEST_CHARS]
+
+
+def _sample_safetensors(path: Path, h) -> None:
+    """Feeds ``h`` the file's header and samples of each tensor's bytes."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        (length,) = struct.unpack("<Q", raw) if len(raw) == 8 else (None,)
+        if length is None or length > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{path} is not a safetensors file (no header)")
+        header = f.read(length)
+        h.update(header)
+        try:
+            tensors = json.loads(header)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} has an unreadable safetensors header: {e}") from None
+        base = 8 + length
+        for offsets in sorted(_spans(tensors, path)):
+            for at, n in _samples(*offsets):
+                f.seek(base + at)
+                h.update(f.read(n))
+
+
+def _spans(tensors: object, path: Path) -> list[tuple[int, int]]:
+    """Each tensor's [begin, end) in the data region, from the header."""
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{path}'s safetensors header is not an object")
+    spans = []
+    for name, meta in tensors.items():
+        if name == "__metadata__":
+            continue
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0
+                        for o in offsets) and offsets[0] <= offsets[1]):
+            raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets")
+        spans.append((offsets[0], offsets[1]))
+    return spans
+
+
+def _samples(begin: int, end: int) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes read of a tensor: the whole of a small one, else
+    SAMPLE_BYTES at its start, middle and end."""
+    if end - begin <= WHOLE_TENSOR_BYTES:
+        return [(begin, end - begin)]
+    middle = begin + (end - begin) // 2
+    return [(begin, SAMPLE_BYTES), (middle, SAMPLE_BYTES), (end - SAMPLE_BYTES, SAMPLE_BYTES)]
