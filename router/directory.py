@@ -76,6 +76,9 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     _health: RedisHealth = field(default_factory=RedisHealth)
     # (worker id, model) of the workers logged as serving another model: logged once each.
     _foreign: set[tuple[str, str]] = field(default_factory=set)
+    # Role -> workers the last registry read listed serving another model (for the error a
+    # request gets when no worker of the router's model is left).
+    foreign_now: dict[str, int] = field(default_factory=dict)
     # Workers kept through a Redis restart at the last refresh, to log each change once.
     _kept: frozenset[str] = frozenset()
     # Workers with calls in flight (a worker the registry dropped may still have some).
@@ -198,11 +201,14 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         """The workers serving the router's model; each other one logged once."""
         self._foreign &= {(i.worker_id, i.model) for i in listed}  # forget the ones gone
         kept = []
+        self.foreign_now = {}
         for info in listed:
             why = model_mismatch(self.model, self.model_fingerprint, info)
             if not why:
                 kept.append(info)
-            elif (info.worker_id, info.model) not in self._foreign:
+                continue
+            self.foreign_now[info.role] = self.foreign_now.get(info.role, 0) + 1
+            if (info.worker_id, info.model) not in self._foreign:
                 self._foreign.add((info.worker_id, info.model))
                 logger.warning("worker %s (%s) serves model %r, not this router's %r: %s; it "
                                "gets no requests (do two clusters share a Redis namespace? was "

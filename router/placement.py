@@ -58,7 +58,8 @@ class Placer:
         limit = self.config.local_prefill.max_local_prefill_length
         if decode is None:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available, "
-                                "nor a decode worker with room to prefill")
+                                "nor a decode worker with room to prefill"
+                                + self.directory.foreign_hint("prefill"))
         if num_tokens > limit:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
                                 f"no prefill worker is available, and the {num_tokens}-token "

@@ -53,7 +53,8 @@ class RoutingPolicy:
         Workers in ``avoid`` are taken only when no other is available."""
         cands = _prefer(await self._candidates_now("prefill"), avoid)
         if not cands:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
+                                "no prefill worker is available" + self.foreign_hint("prefill"))
         matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
 
         def score(w: WorkerHandle) -> tuple:
@@ -92,7 +93,8 @@ class RoutingPolicy:
         need = -(-num_tokens // self.block_size)
         cands = await self._candidates_now("decode")
         if not cands:
-            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+            raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
+                                "no decode worker is available" + self.foreign_hint("decode"))
         roomy = [w for w in cands if w.info.num_free_blocks >= need]
         if not roomy:
             # The registry holds each worker's last heartbeat: blocks freed since then still
@@ -105,6 +107,16 @@ class RoutingPolicy:
                                 f"blocks")
         return min(_prefer(roomy, avoid),
                    key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
+
+    def foreign_hint(self, role: str) -> str:
+        """Why none may be available though some are registered: they serve another model
+        (router/model_match.py). "" when none does."""
+        n = self.foreign_now.get(role, 0)
+        if not n:
+            return ""
+        return (f" ({n} registered {role} worker{'s' if n > 1 else ''} serve"
+                f"{'' if n > 1 else 's'} another model than this router's; its log says how "
+                "they differ)")
 
     async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
         """Each decode worker's own current info; one that does not answer keeps its view.

@@ -205,5 +205,18 @@ def test_workers_are_told_apart_by_their_models_content(redis_url, caplog):
             assert "tokenizer files differ" in foreign["d-retokenized"]
         finally:
             await d.stop()
+        # A router of a third model finds none of its own: its refusal says why.
+        d = WorkerDirectory(Registry.from_url(redis_url, "content"), 16,
+                            refresh_interval_s=3600, model="model-a", model_fingerprint="f3:w3")
+        try:
+            await d.start()
+            assert not d.workers
+            with pytest.raises(NoWorkerError, match=r"no prefill worker is available \(2 "
+                               r"registered prefill workers serve another model"):
+                await d.pick_prefill([], 10)
+            with pytest.raises(NoWorkerError, match="2 registered decode workers serve another"):
+                await d.pick_decode(10)
+        finally:
+            await d.stop()
 
     asyncio.run(body())
