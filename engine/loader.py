@@ -1,7 +1,6 @@
 """Builds a model from a Hugging Face folder and streams its safetensors weights into it."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,13 +11,12 @@ from torch import nn
 from engine.layers import LinearBase, ParallelLMHead
 from engine.model_config import ModelConfig
 from engine.models import build_model
+from engine.weight_files import weight_files
 from engine.linear_tuning import choose_linear_kernels
 from kernels import get_attention_backend
 from kernels.attention_backend import AttentionBackend
 from kernels.cpu_linear import packed_kernels
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str,
@@ -69,48 +67,6 @@ def _distinct_shapes(layers: list[nn.Module]) -> list[torch.Tensor]:
         if isinstance(m, LinearBase) and m.weight.numel():
             seen.setdefault(tuple(m.weight.shape), m.weight.data)
     return list(seen.values())
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: the single file, or the index's shards."""
-    # transformers looks for the single file first; a folder holding both (a stale index, or
-    # shards of another save) loads the single file there, so it must here too.
-    single = folder / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    index = folder / INDEX_FILE
-    if index.is_file():
-        return _shards_from_index(index)
-    others = sorted(p.name for p in folder.glob("*.bin")) + sorted(
-        p.name for p in folder.glob("*.safetensors"))
-    hint = f" (found {', '.join(others)}; only {SINGLE_FILE} or sharded safetensors with " \
-           f"{INDEX_FILE} are read)" if others else ""
-    raise ValueError(f"model folder {folder} has no weights: no {SINGLE_FILE} or {INDEX_FILE}"
-                     + hint)
-
-
-def _shards_from_index(index: Path) -> list[Path]:
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has an empty or malformed weight_map")
-    shards = sorted(set(_shard_name(index, name, shard) for name, shard in weight_map.items()))
-    missing = [s for s in shards if not (index.parent / s).is_file()]
-    if missing:
-        raise ValueError(f"{index} names shard files that do not exist: {', '.join(missing)}")
-    return [index.parent / s for s in shards]
-
-
-def _shard_name(index: Path, weight: str, shard: object) -> str:
-    """``shard`` checked to name a file directly in the index's folder: an index is data from
-    the checkpoint, and must not make the loader read files elsewhere."""
-    if not isinstance(shard, str) or not shard or Path(shard).name != shard \
-            or shard in (".", ".."):
-        raise ValueError(f"{index}: weight_map entry {weight!r} must name a shard file in the "
-                         f"model folder, got {shard!r}")
-    return shard
 
 
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ import json
 import struct
 from pathlib import Path
 
-from engine.loader import INDEX_FILE, weight_files
+from engine.weight_files import INDEX_FILE, weight_files
 
 # The files a model's tokens and shapes depend on; those absent are skipped.
 FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
