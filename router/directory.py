@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -302,6 +303,22 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
                 yield
         finally:
             worker.inflight -= 1
+
+    def hold_inflight(self, worker: WorkerHandle) -> Callable[[], None]:
+        """Counts a request in flight on ``worker`` from now, as ``inflight`` does, until the
+        returned release is called; calls after the first do nothing. For a pick whose call
+        starts after an await (router/worker_handle.py's CountedStream says why)."""
+        held = self.inflight(worker)
+        held.__enter__()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                held.__exit__(None, None, None)
+
+        return release
 
     @contextlib.contextmanager
     def watched(self, worker: WorkerHandle):

@@ -5,6 +5,7 @@ the prefill workers busy, or because that decode worker holds more of the prompt
 next turn)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,9 @@ class Placement:
     matched: int
     # Prompt tokens the local decode worker holds, when chosen for them; 0 else.
     held: int
+    # Ends the prefill worker's in-flight count, taken at its pick (a remote prefill; a no-op
+    # else): the router's next pick counts this request there even before its call starts.
+    release_prefill: Callable[[], None] = lambda: None
 
 
 class Placer:
@@ -38,13 +42,23 @@ class Placer:
         """``hashes``: the prompt's block hashes; ``requested_len``: the length the client
         asked room for (0: none), checked once the workers are known."""
         prefill, matched = await self._pick_prefill(hashes, num_tokens, avoid)
-        self.directory.check_prompt_fits(num_tokens, requested_len)
-        decode, held = await self._decode_cache_holder(hashes, num_tokens, avoid, matched)
-        if decode is not None:
-            return Placement(prefill, decode, True, held, held)
-        decode = await self._local_candidate(num_tokens, avoid)
-        local = self._prefill_locally(prefill, decode, num_tokens, matched)
-        return Placement(prefill, decode, local, 0 if local else matched, 0)
+        # Counted from its pick: the awaits below let other requests pick meanwhile.
+        release = self.directory.hold_inflight(prefill) if prefill is not None \
+            else _nothing
+        try:
+            self.directory.check_prompt_fits(num_tokens, requested_len)
+            decode, held = await self._decode_cache_holder(hashes, num_tokens, avoid, matched)
+            if decode is not None:
+                release()
+                return Placement(prefill, decode, True, held, held)
+            decode = await self._local_candidate(num_tokens, avoid)
+            local = self._prefill_locally(prefill, decode, num_tokens, matched)
+        except BaseException:
+            release()
+            raise
+        if local:
+            release()
+        return Placement(prefill, decode, local, 0 if local else matched, 0, release)
 
     def _prefill_locally(self, prefill: WorkerHandle | None, decode: WorkerHandle | None,
                          num_tokens: int, matched: int) -> bool:
@@ -103,3 +117,7 @@ class Placer:
             return await self.directory.pick_decode(num_tokens + 1, avoid)
         except NoWorkerError:
             return None
+
+
+def _nothing() -> None:
+    pass

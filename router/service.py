@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -34,6 +35,7 @@ from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
+from router.worker_handle import CountedStream
 from router.errors import MigrationsSpent, RouterRejectError, refuse, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
@@ -303,7 +305,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if where.local:
             chunks = self._local_prefill(run, request, where.decode, context)
         else:
-            chunks = self._remote_prefill(run, request, where.prefill, avoid, context)
+            chunks = CountedStream(where.release_prefill, self._remote_prefill(
+                run, request, where.prefill, avoid, context, where.release_prefill))
         # Held for the whole attempt: the lease release and a migration's probe use the
         # prefill worker's channel after its calls ended, the registry may drop it meanwhile.
         with self.directory.in_use(first):
@@ -324,16 +327,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # Counted as prefilling on the decode worker until its first token (or failure).
         with contextlib.ExitStack() as in_prefill:
             in_prefill.enter_context(prefilling(decode))
-            async for chunk in self._decode(dreq, decode, context, run):
-                in_prefill.close()
-                yield chunk
+            async with contextlib.aclosing(self._decode(dreq, decode, context, run)) as chunks:
+                async for chunk in chunks:
+                    in_prefill.close()
+                    yield chunk
 
     async def _remote_prefill(self, run: RequestRun, request, prefill: WorkerHandle,
-                              avoid: frozenset[str], context):
+                              avoid: frozenset[str], context, counted: Callable[[], None]):
+        """``counted`` ends the prefill worker's in-flight count, which its pick took."""
         resume = run.output_so_far
         rid = run.attempt_id
         run.calls(prefill)
-        with self.directory.inflight(prefill):
+        with contextlib.ExitStack() as prefilling_call:
+            prefilling_call.callback(counted)
             try:
                 presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid,
@@ -443,8 +449,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     run.timings.decode_queue_s += opened - wait.started
             return chunks, chunk
 
-    async def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
-                      run: RequestRun):
+    def _decode(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle, context,
+                run: RequestRun) -> CountedStream:
+        """The decode leg's chunks, counted in flight on ``decode`` from now: the next request
+        picking a decode worker sees this one (router/worker_handle.py)."""
+        return CountedStream(self.directory.hold_inflight(decode),
+                             self._decode_chunks(dreq, decode, context, run))
+
+    async def _decode_chunks(self, dreq: worker_pb2.DecodeRequest, decode: WorkerHandle,
+                             context, run: RequestRun):
         run.calls(decode)
         timeout = self._timeout(context, run)
         if self.config.decode_stream == "multiplexed":
@@ -454,22 +467,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             chunks = watched_stream(decode.calls, decode.decode_stub.Decode(dreq, timeout=timeout))
         # Leaving early (cancel, deadline, a failed client write) cancels the request on the
         # decode worker, which aborts it and frees its blocks.
-        with self.directory.inflight(decode):
-            async with contextlib.aclosing(chunks):
-                first = True
-                async for d in chunks:
-                    if first:
-                        first = False
-                        record_first_decode_chunk(d, dreq.local_prefill, run)
-                    run.usage.completion_tokens += len(d.token_ids)
-                    self.stats.decode_chunks_received += 1
-                    chunk = router_pb2.GenerateChunk(request_id=run.request_id,
-                                                     token_ids=d.token_ids,
-                                                     text_delta=d.text_delta, logprobs=d.logprobs,
-                                                     prompt_logprobs=d.prompt_logprobs)
-                    if d.finish_reason:
-                        finish_chunk(chunk, d, run)
-                    yield chunk
+        async with contextlib.aclosing(chunks):
+            first = True
+            async for d in chunks:
+                if first:
+                    first = False
+                    record_first_decode_chunk(d, dreq.local_prefill, run)
+                run.usage.completion_tokens += len(d.token_ids)
+                self.stats.decode_chunks_received += 1
+                chunk = router_pb2.GenerateChunk(request_id=run.request_id,
+                                                 token_ids=d.token_ids,
+                                                 text_delta=d.text_delta, logprobs=d.logprobs,
+                                                 prompt_logprobs=d.prompt_logprobs)
+                if d.finish_reason:
+                    finish_chunk(chunk, d, run)
+                yield chunk
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
         async def release() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,3 +67,38 @@ def prefilling(worker: WorkerHandle):
         yield
     finally:
         worker.prefilling -= 1
+
+
+class CountedStream:
+    """An async generator's items, with ``release`` (of a worker's in-flight count, taken when
+    the worker was picked: ``WorkerDirectory.hold_inflight``) called once the generator ends,
+    fails or is closed. Counting from the pick, not from the generator's first step: its body
+    runs only once iterated, a loop turn or more later, and requests picking in one loop turn
+    (a batch of prefills answered together) would each find the others' picks uncounted and
+    all take the worker that looked idlest. Close it (``contextlib.aclosing``) once made: one
+    left unclosed keeps its count."""
+
+    def __init__(self, release: Callable[[], None], items) -> None:
+        self._release: Callable[[], None] | None = release
+        self._items = items
+
+    def __aiter__(self) -> CountedStream:
+        return self
+
+    async def __anext__(self):
+        try:
+            return await self._items.__anext__()
+        except BaseException:  # StopAsyncIteration, or the error that ended the generator
+            self._end()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._items.aclose()
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()

@@ -104,7 +104,7 @@ async def _tokens(run: RequestRun, n: int, gap_s: float):
 def test_a_prefill_that_fails_before_the_first_token_is_counted_and_timed_once():
     attempts = []
 
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         attempts.append(prefill.worker_id)
         if len(attempts) == 1:
@@ -162,7 +162,7 @@ def test_a_refused_decode_legs_wait_counts_as_decode_queue_but_not_the_next_legs
 
 
 def test_tpot_of_a_resumed_request_spaces_only_the_tokens_this_call_streamed():
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         async for chunk in _tokens(run, 10, 0.01):
             yield chunk
@@ -221,7 +221,7 @@ def test_a_continuation_finished_by_its_prefill_names_no_decode_worker():
     # usage must not name the failed attempt's decode worker as if it had finished it.
     attempts = []
 
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         attempts.append(prefill.worker_id)
         if len(attempts) == 1:
@@ -247,7 +247,7 @@ def test_a_workers_refusal_before_any_work_sends_the_request_on_without_a_migrat
     it succeeds with --migration-limit 0 (a rolling restart's race must not fail requests)."""
     attempts, ids = [], []
 
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         attempts.append((prefill.worker_id, set(avoid)))
         ids.append(run.attempt_id)
@@ -276,7 +276,7 @@ def test_a_worker_refusing_again_or_failing_spends_a_migration(refused):
     same = _Worker("prefill-1", "prefill")
     attempts = []
 
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         attempts.append(prefill.worker_id)
         raise _unavailable("worker prefill-1 is draining", refused=refused)
@@ -296,7 +296,7 @@ def test_a_decode_leg_that_cannot_read_the_kv_blames_the_prefill_worker():
     the decode worker that said so."""
     attempts = []
 
-    async def remote_prefill(run, request, prefill, avoid, context):
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
         attempts.append(set(avoid))
         if len(attempts) == 1:
