@@ -3,7 +3,7 @@
 Prefill: the best score ``cached_tokens - LOAD_COST_TOKENS * load``, where ``cached_tokens`` is
 the longest prefix of the prompt the worker holds (from the Redis index) and ``load`` counts
 requests queued there (its last heartbeat's waiting requests plus the router's own requests in
-flight to it, which are fresher). A cached token saves its prefill; a queued request delays
+flight to it, which are fresher: counted from their pick, router/worker_handle.py). A cached token saves its prefill; a queued request delays
 this one by roughly a prompt's prefill, hence the exchange rate. Decode: among workers with
 enough free blocks for the prompt, the fewest requests in flight, then the most free blocks;
 when no worker's last heartbeat shows enough, the workers are asked for their current free
