@@ -15,6 +15,10 @@ from router.directory import LOAD_COST_TOKENS, NoWorkerError, WorkerDirectory, W
 from router.local_prefill import should_prefill_locally, should_reuse_decode_cache
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class Placement:
     prefill: WorkerHandle | None  # None when no prefill worker was found (local prefill on)
@@ -29,7 +33,7 @@ class Placement:
     held: int
     # Ends the prefill worker's in-flight count, taken at its pick (a remote prefill; a no-op
     # else): the router's next pick counts this request there even before its call starts.
-    release_prefill: Callable[[], None] = lambda: None
+    release_prefill: Callable[[], None] = _nothing
 
 
 class Placer:
@@ -117,7 +121,3 @@ class Placer:
             return await self.directory.pick_decode(num_tokens + 1, avoid)
         except NoWorkerError:
             return None
-
-
-def _nothing() -> None:
-    pass

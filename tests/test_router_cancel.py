@@ -152,8 +152,12 @@ def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str
                            None, stub, None)
     run = RequestRun("r9", [11, 12, 13], time.monotonic())
 
+    counts_ended = []
+
     async def body():
-        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(), _Context())
+        # ``counted``: the end of the prefill worker's in-flight count, which the pick took.
+        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(), _Context(),
+                                          lambda: counts_ended.append(1))
         first = asyncio.ensure_future(anext(chunks))
         if cut_after_s is not None:
             await asyncio.sleep(cut_after_s)
@@ -163,6 +167,7 @@ def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str
         await asyncio.gather(*servicer._release_tasks)
 
     asyncio.run(body())
+    assert counts_ended == [1]  # the Prefill call ended, however: its count with it
     return ["attempt" if rid == run.attempt_id else rid for rid in stub.released]
 
 
