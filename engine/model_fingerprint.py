@@ -12,9 +12,10 @@ The fingerprint is ``"{files}:{weights}"``:
 - ``files``: the model's config and tokenizer files, whole (what the router reads);
 - ``weights``: each safetensors file's name, size and header (every tensor's name, dtype,
   shape and place), and a sample of every tensor's bytes (64 at its start, its middle and
-  its end; a tensor of at most 16 KiB, a norm's or a bias's, whole). A fine-tune, or a merged adapter, changes every element of the tensors it
-  touches, so a sample of each tensor tells checkpoints of one shape apart without reading
-  gigabytes; "" when the folder has no weights (a router given only the tokenizer).
+  its end; a tensor of at most 16 KiB, a norm's or a bias's, whole). A fine-tune, or a merged
+  adapter, changes every element of the tensors it touches, so a sample of each tensor tells
+  checkpoints of one shape apart without reading gigabytes; "" when the folder has no weights
+  (a router given only the tokenizer).
 
 Chat templates are left out: only the router renders them, so a worker's copy does not matter.
 """

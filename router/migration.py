@@ -70,8 +70,8 @@ class RequestRun:
     @property
     def attempt_id(self) -> str:
         """The id workers know this attempt by. Each retry (a migration, or a move after a
-        refusal) gets its own: a failed attempt's id may still be held (a lease not yet released, a stream not yet torn down)
-        on a worker that is fine."""
+        refusal) gets its own: a failed attempt's id may still be held (a lease not yet
+        released, a stream not yet torn down) on a worker that is fine."""
         if self.retries == 0:
             return f"{self.request_id}~{self.nonce}"
         return f"{self.request_id}~{self.nonce}.m{self.retries}"

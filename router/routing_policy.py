@@ -3,14 +3,14 @@
 Prefill: the best score ``cached_tokens - LOAD_COST_TOKENS * load``, where ``cached_tokens`` is
 the longest prefix of the prompt the worker holds (from the Redis index) and ``load`` counts
 requests queued there (its last heartbeat's waiting requests plus the router's own requests in
-flight to it, which are fresher: counted from their pick, router/worker_handle.py). A cached token saves its prefill; a queued request delays
-this one by roughly a prompt's prefill, hence the exchange rate. Decode: among workers with
-enough free blocks for the prompt, the fewest requests in flight, then the most free blocks;
-when no worker's last heartbeat shows enough, the workers are asked for their current free
-blocks before the request is refused. Ties go to the smaller worker id, so routing is
-deterministic. Decode workers publish their cached blocks too: ``longest_decode_prefix`` finds
-the one holding most of a prompt (a chat's next turn), which router/local_prefill.py may let
-prefill it.
+flight to it, which are fresher: counted from their pick, router/worker_handle.py). A cached
+token saves its prefill; a queued request delays this one by roughly a prompt's prefill, hence
+the exchange rate. Decode: among workers with enough free blocks for the prompt, the fewest
+requests in flight, then the most free blocks; when no worker's last heartbeat shows enough,
+the workers are asked for their current free blocks before the request is refused. Ties go to
+the smaller worker id, so routing is deterministic. Decode workers publish their cached blocks
+too: ``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn),
+which router/local_prefill.py may let prefill it.
 """
 from __future__ import annotations
 

@@ -35,7 +35,6 @@ from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
-from router.worker_handle import CountedStream
 from router.errors import MigrationsSpent, RouterRejectError, refuse, status_of
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
@@ -43,6 +42,7 @@ from router.migration import RequestRun, is_migratable
 from router.parallel import check_n, fan_out, sequence_request
 from router.placement import Placer
 from router.prompts import ServedModel
+from router.worker_handle import CountedStream
 from router.stats import RouterStats, SequenceEnd
 from protos.stream_interval import every_n_tokens, merge_chunk
 
