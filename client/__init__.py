@@ -6,11 +6,11 @@ from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededE
                            UnauthenticatedError, UnavailableError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
-from client.types import (Chat, Choice, Completion, GenerationChunk, ModelInfo, Timings,
-                          Tokenized, TokenLogprobs, Usage)
+from client.types import (Chat, Choice, Completion, GenerationChunk, ModelIdentity, ModelInfo,
+                          Timings, Tokenized, TokenLogprobs, Usage)
 
 __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "ModelInfo",
-           "Completion", "Choice", "GenerationChunk",
+           "ModelIdentity", "Completion", "Choice", "GenerationChunk",
            "Usage", "Timings", "TokenLogprobs", "PdserveError", "InvalidArgumentError",
            "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
            "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",

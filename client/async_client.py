@@ -130,8 +130,8 @@ class AsyncClient:
         while True:
             self._check_open()  # close() during the backoff
             call = self._stubs[tries.router].Generate(
-                attempt_request(req, received, tries.retries), timeout=tries.remaining(),
-                metadata=self._metadata)
+                attempt_request(req, received, tries.retries, tries.model),
+                timeout=tries.remaining(), metadata=self._metadata)
             # Leaving early cancels the call, which frees the request on the router.
             msgs = watched_stream(self._watch(tries.router).calls, call)
             try:
@@ -144,7 +144,7 @@ class AsyncClient:
                     return
                 delay = tries.after(e)
                 if delay is None:
-                    raise error_from_rpc(e) from None
+                    raise error_from_rpc(e, tries.note(e)) from None
             await self._backoff(delay)
 
     async def complete(self, prompt: Prompt, *, request_id: str | None = None,

@@ -69,7 +69,8 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedErr
                                       FailedPreconditionError, AlreadyExistsError)}
 
 
-def error_from_rpc(e: grpc.RpcError) -> PdserveError:
+def error_from_rpc(e: grpc.RpcError, note: str = "") -> PdserveError:
+    """The typed exception of a failed call; ``note``, if any, follows the server's message."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(code)
-    return _BY_CODE.get(code, PdserveError)(details, code)
+    return _BY_CODE.get(code, PdserveError)(f"{details} ({note})" if note else details, code)

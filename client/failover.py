@@ -26,6 +26,10 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 # often as its --migration-limit allows: another attempt would be a new request, with a new
 # budget, so the SDK gives up (each move recomputes the whole context, which the limit bounds).
 MIGRATIONS_SPENT_KEY = "pdserve-migrations-spent"
+# Trailing metadata of a router's FAILED_PRECONDITION for a request that expects another model
+# (GenerateRequest.expect_model): a continuation goes on on another router, if one serves the
+# stream's model, and never again on this one.
+MODEL_MISMATCH_KEY = "pdserve-model-mismatch"
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,11 @@ class Attempts:
         self.finished: set[int] = set()
         # The id the caller's chunks carry (take_chunk): the first one's.
         self.request_id: str | None = None
+        # The model of the stream's first chunk: a continuation expects it (attempt_request).
+        self.model: router_pb2.ModelIdentity | None = None
+        # Routers (indices) that refused the stream's model: skipped from then on.
+        self.foreign: set[int] = set()
+        self.skipped = 0
 
     def track(self, req: router_pb2.GenerateRequest) -> None:
         """For a Generate stream: whether it can go on elsewhere, and what ends it."""
@@ -126,19 +135,26 @@ class Attempts:
 
     @property
     def router(self) -> int:
-        return (self.first + self.retries) % self.num_routers
+        return (self.first + self.retries + self.skipped) % self.num_routers
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def after(self, error: grpc.RpcError) -> float | None:
         """After a failed attempt: seconds to wait before the next one, or None to give up."""
-        if (error.code() not in RETRYABLE or self.retries >= self.policy.max_retries
-                or migrations_spent(error)):
+        foreign = has_mark(error, MODEL_MISMATCH_KEY)
+        if foreign:
+            self.foreign.add(self.router)
+        if ((error.code() not in RETRYABLE and not foreign)
+                or len(self.foreign) >= self.num_routers
+                or self.retries >= self.policy.max_retries
+                or has_mark(error, MIGRATIONS_SPENT_KEY)):
             return None
         if self.streamed and not self.resumable:
             return None
         self.retries += 1
+        while self.router in self.foreign:
+            self.skipped += 1
         rounds = self.retries // self.num_routers  # whole rounds of routers tried so far
         delay = 0.0 if self.retries % self.num_routers else min(
             self.policy.backoff_s * 2 ** max(rounds - 1, 0), self.policy.max_backoff_s)
@@ -148,11 +164,21 @@ class Attempts:
         return delay
 
 
-def migrations_spent(error: grpc.RpcError) -> bool:
-    """Whether the router ended the call because the request's migrations are spent."""
+    def note(self, error: grpc.RpcError) -> str:
+        """What the caller's exception adds to the status that ended the request: the
+        routers skipped for serving another model than the stream's, if any."""
+        if not self.foreign or has_mark(error, MODEL_MISMATCH_KEY):
+            return ""
+        return (f"{len(self.foreign)} of the client's {self.num_routers} routers serve "
+                f"another model than the one this stream began with")
+
+
+def has_mark(error: grpc.RpcError, key: str) -> bool:
+    """Whether the router marked the call's status with ``key`` (MIGRATIONS_SPENT_KEY: the
+    request's migrations are spent; MODEL_MISMATCH_KEY: it serves another model)."""
     trailing = getattr(error, "trailing_metadata", None)
     metadata = (trailing() if callable(trailing) else None) or ()
-    return any(key == MIGRATIONS_SPENT_KEY for key, _ in metadata)
+    return any(k == key for k, _ in metadata)
 
 
 def resumable(req: router_pb2.GenerateRequest) -> bool:
@@ -165,15 +191,21 @@ def resumable(req: router_pb2.GenerateRequest) -> bool:
 MAX_REQUEST_ID_CHARS = 256
 
 
-def attempt_request(req: router_pb2.GenerateRequest, received: list[int],
-                    retries: int) -> router_pb2.GenerateRequest:
+def attempt_request(req: router_pb2.GenerateRequest, received: list[int], retries: int,
+                    model: router_pb2.ModelIdentity | None = None
+                    ) -> router_pb2.GenerateRequest:
     """The request for attempt ``retries``: the original, then continuations. A caller's
-    request id gets a suffix, since a failed attempt's may still be held downstream."""
+    request id gets a suffix, since a failed attempt's may still be held downstream. A
+    continuation of a stream that began (``model``: its first chunk's) expects that model:
+    another router's model, or chat template, would go on with another text than the one
+    begun, or read the ids received as other tokens."""
     if not retries:
         return req
     again = router_pb2.GenerateRequest()
     again.CopyFrom(req)
     again.resume_token_ids.extend(received)
+    if model is not None and not req.HasField("expect_model"):
+        again.expect_model.CopyFrom(model)
     if req.request_id:
         suffix = f"~r{retries}"
         # Within the router's limit on ids (router/inflight.py) even for the longest allowed.
@@ -191,6 +223,11 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
     if tries.request_id is None:
         tries.request_id = chunk.request_id
     chunk.request_id = tries.request_id
+    # The caller reads one stream, so the model once: on its first chunk.
+    if tries.streamed:
+        chunk.model = None
+    elif msg.HasField("model"):
+        tries.model = msg.model
     received.extend(chunk.token_ids)
     tries.streamed = True
     if chunk.finish_reason:

@@ -75,8 +75,8 @@ class Client:
         while True:
             self._check_open()
             call = self._invoke(lambda: self._stubs[tries.router].Generate(
-                attempt_request(req, received, tries.retries), timeout=tries.remaining(),
-                metadata=self._metadata))
+                attempt_request(req, received, tries.retries, tries.model),
+                timeout=tries.remaining(), metadata=self._metadata))
             try:
                 with self._routers[tries.router].calls.watch(call) as cut:
                     try:
@@ -93,7 +93,7 @@ class Client:
                     return
                 delay = tries.after(e)
                 if delay is None:
-                    raise error_from_rpc(e) from None
+                    raise error_from_rpc(e, tries.note(e)) from None
             finally:
                 if self._pid == os.getpid():  # a child's cancel of the parent's call hangs
                     call.cancel()

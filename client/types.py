@@ -55,6 +55,19 @@ class Usage:
     migrations: int = 0
 
 
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model a router serves, by content (the router's ModelIdentity): two routers of
+    equal identities give a stream the same continuation."""
+
+    name: str
+    # "{files}:{weights}": digests of the model's config and tokenizer files and of its weights
+    # (nothing after the colon where the router has only the tokenizer).
+    fingerprint: str
+    # A digest of the chat template chats are rendered with ("" for none).
+    chat_template: str
+
+
 @dataclass
 class GenerationChunk:
     request_id: str
@@ -71,6 +84,9 @@ class GenerationChunk:
     # prompt token, which nothing precedes, then each prompt token's logprob given the ones
     # before it, with its rank and top tokens. None elsewhere (and for a one-token prompt).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # On the stream's first chunk: the model that answers (None on the others). A stream
+    # that fails over goes on only on a router of this model.
+    model: ModelIdentity | None = None
 
 
 @dataclass
@@ -98,6 +114,8 @@ class Completion:
     usage: Usage
     # With prompt_logprobs: as on GenerationChunk (they belong to the prompt, not a choice).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # The model that answered (None from a router older than this field).
+    model: ModelIdentity | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -152,6 +170,8 @@ class ModelInfo:
     # Only the sampling fields the model recommends (its generation_config.json).
     sampling_defaults: dict
     eos_token_ids: list[int]
+    # What a stream's first chunk names (None from a router older than this field).
+    identity: ModelIdentity | None = None
 
 
 def _set_chat(req, prompt: Chat | Sequence[Mapping[str, str]]) -> None:
@@ -240,7 +260,15 @@ def detokenize_request(token_ids: list[int],
 def model_info_from_proto(m: router_pb2.ModelInfo) -> ModelInfo:
     defaults = {f.name: v for f, v in m.sampling_defaults.ListFields()}
     return ModelInfo(m.model, m.vocab_size, m.max_model_len, m.block_size, m.has_chat_template,
-                     defaults, list(m.eos_token_ids))
+                     defaults, list(m.eos_token_ids), _identity(m, "identity"))
+
+
+def _identity(m, name: str) -> ModelIdentity | None:
+    """The ModelIdentity in ``m``'s field ``name``, if set."""
+    if not m.HasField(name):
+        return None
+    i = getattr(m, name)
+    return ModelIdentity(i.name, i.fingerprint, i.chat_template)
 
 
 def _logprobs(items) -> list[TokenLogprobs]:
@@ -274,7 +302,7 @@ def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:
         logprobs=_logprobs(m.logprobs), finish_reason=m.finish_reason or None,
         stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
         usage=_usage(m.usage) if m.HasField("usage") else None, index=m.index,
-        prompt_logprobs=_prompt_logprobs(m.prompt_logprobs))
+        prompt_logprobs=_prompt_logprobs(m.prompt_logprobs), model=_identity(m, "model"))
 
 
 def _choice(m, index: int) -> Choice:
@@ -296,4 +324,4 @@ def completion_from_proto(m: router_pb2.CompleteResponse, request_id: str = "",
         usage = _usage(m.usage)
     usage.migrations += retries
     return Completion(request_id or m.request_id, choices, usage,
-                      _prompt_logprobs(m.prompt_logprobs))
+                      _prompt_logprobs(m.prompt_logprobs), _identity(m, "model"))

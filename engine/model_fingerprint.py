@@ -47,6 +47,11 @@ def model_fingerprint(folder: Path) -> str:
     return f"{files_digest(folder)}:{weights_digest(folder)}"
 
 
+def text_digest(text: str) -> str:
+    """A digest of ``text`` as long as the fingerprint's parts (a chat template's)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+
+
 def files_digest(folder: Path) -> str:
     h = hashlib.sha256()
     for name in FILES:

@@ -36,6 +36,14 @@ class MigrationsSpent(RouterRejectError):
         super().__init__(e.code(), e.details() or str(e.code()))
 
 
+class ModelMismatch(RouterRejectError):
+    """A request expects another model than the router's (``GenerateRequest.expect_model``):
+    marked so that the SDK takes it to another router (client/failover.py)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def capped(message: str, limit: int = MAX_STATUS_CHARS) -> str:
     """``message``, or as much of it as fits in ``limit`` characters with how many more there
     were; at most ``limit`` characters either way, so a capped message is not cut again."""

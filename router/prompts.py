@@ -10,6 +10,7 @@ import grpc
 
 from engine.chat_template import (ChatMessage, ChatTemplateUnusable, chat_prompt_ids,
                                   chat_renderer, check_chat_template)
+from engine.model_fingerprint import text_digest
 from engine.tokenizer import Tokenizer
 from protos import common_pb2, convert, router_pb2
 from router.errors import RouterRejectError
@@ -35,6 +36,15 @@ class ServedModel:
     # The folder's content (engine/model_fingerprint.py): workers serving another model get
     # no requests. "" checks none.
     fingerprint: str = ""
+    # What a stream must not change midway (GenerateRequest.expect_model), set from the rest.
+    identity: router_pb2.ModelIdentity = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        template = (self.chat_template if self.chat_template is not None
+                    else self.tokenizer.chat_template)
+        self.identity = router_pb2.ModelIdentity(
+            name=self.name, fingerprint=self.fingerprint,
+            chat_template=text_digest(template) if template else "")
 
     @property
     def has_chat_template(self) -> bool:
@@ -102,7 +112,7 @@ class ServedModel:
             model=self.name, vocab_size=self.vocab_size, max_model_len=max_model_len,
             block_size=block_size, has_chat_template=self.has_chat_template,
             sampling_defaults=common_pb2.SamplingParams(**self.sampling_defaults),
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, identity=self.identity)
 
 
 def load_served_model(model: str, generation_config: str, chat_template: str | None,

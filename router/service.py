@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import grpc
 
-from client.failover import MIGRATIONS_SPENT_KEY
+from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused, write_message
@@ -35,10 +35,12 @@ from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
-from router.errors import MigrationsSpent, RouterRejectError, refuse, status_of
+from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, refuse,
+                           status_of)
 from router.inflight import InflightRequests, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.migration import RequestRun, is_migratable
+from router.model_match import expected_model_mismatch
 from router.parallel import check_n, fan_out, sequence_request
 from router.placement import Placer
 from router.prompts import ServedModel
@@ -87,7 +89,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     merged[chunk.index] = chunk
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
-        return complete_response([merged[i] for i in sorted(merged)])
+        resp = complete_response([merged[i] for i in sorted(merged)])
+        resp.model.CopyFrom(self.model.identity)
+        return resp
 
     async def _abort(self, context, e: Exception) -> None:
         self.stats.requests_failed += 1
@@ -121,6 +125,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                              f"(max_tokens={params.max_tokens})")
         return ids
 
+    def _check_expected_model(self, request: router_pb2.GenerateRequest) -> None:
+        """Refuses a request that expects another model (a stream another router began)."""
+        if not request.HasField("expect_model"):
+            return
+        why = expected_model_mismatch(self.model.identity, request.expect_model,
+                                      request.WhichOneof("prompt") == "chat")
+        if why:
+            raise ModelMismatch(why)
+
     def _time_left(self, context, run: RequestRun) -> float | None:
         """Seconds left of the request's deadline: the client's, else --default-timeout-s from
         its arrival (once for the whole request, not again for each call or migration); None
@@ -149,6 +162,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
                                         "the router is shutting down: try another router")
             check_request_id(rid)
+            self._check_expected_model(request)
             client_max_tokens = request.sampling.HasField("max_tokens")
             # Filled in the request itself, so that the workers get the same values.
             convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
@@ -173,10 +187,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     for i, run in enumerate(runs)])
             # Admitted only once valid: a bad request is INVALID_ARGUMENT under any load, and
             # one the router is too full for is still logged.
+            first = True
             with self.stats.admit(), self.inflight.track(rid, runs) as entry:
                 try:
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:
+                            if first:
+                                first = False
+                                chunk.model.CopyFrom(self.model.identity)
                             if entry.cancelled:
                                 # CancelRequest's cancel of this task can be lost in a Redis
                                 # call (client/tasks.py); the flag it set ends the request.
@@ -528,5 +546,9 @@ async def _refuse(context, e: Exception) -> None:
     code, msg = status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-    spent = ((MIGRATIONS_SPENT_KEY, "1"),) if isinstance(e, MigrationsSpent) else ()
-    await refuse(context, code, msg, spent)
+    marks = ()  # what the SDK reads to decide its next attempt (client/failover.py)
+    if isinstance(e, MigrationsSpent):
+        marks = ((MIGRATIONS_SPENT_KEY, "1"),)
+    elif isinstance(e, ModelMismatch):
+        marks = ((MODEL_MISMATCH_KEY, "1"),)
+    await refuse(context, code, msg, marks)

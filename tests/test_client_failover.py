@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from client import AsyncClient, FailoverPolicy
-from client.failover import (MIGRATIONS_SPENT_KEY, Attempts, attempt_request, check_addresses,
-                             take_chunk)
+from client.failover import (MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY, Attempts, attempt_request,
+                             check_addresses, take_chunk)
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
@@ -90,6 +90,48 @@ def test_a_continuation_carries_what_arrived_under_its_own_id():
     longest = router_pb2.GenerateRequest(request_id="x" * MAX_REQUEST_ID_CHARS)
     again = attempt_request(longest, [], 12)
     assert again.request_id.endswith("x~r12") and check_request_id(again.request_id)
+
+
+def test_a_router_of_another_model_is_skipped_for_the_rest_of_the_stream():
+    foreign = _Trailed(grpc.StatusCode.FAILED_PRECONDITION, ((MODEL_MISMATCH_KEY, "1"),))
+    tries = Attempts(FailoverPolicy(max_retries=5, backoff_s=0.5), 3, 0, None)
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 1)
+    assert (tries.after(foreign), tries.router) == (0.0, 2)
+    # Round two skips router 1: 0, then 2, never 1.
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.5, 0)
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 2)
+    # Router 0 only failed (it may come back): the stream goes on trying it.
+    assert (tries.after(foreign), tries.router) == (0.0, 0)
+
+
+def test_a_stream_ends_once_every_router_refused_its_model():
+    foreign = _Trailed(grpc.StatusCode.FAILED_PRECONDITION, ((MODEL_MISMATCH_KEY, "1"),))
+    tries = Attempts(FailoverPolicy(max_retries=9), 2, 0, None)
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 1)
+    assert (tries.after(foreign), tries.router) == (0.5, 0)
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 0)  # 1 is skipped
+    assert tries.after(foreign) is None
+    # FAILED_PRECONDITION without the mark (a chat the template refuses) is the caller's.
+    assert Attempts(FailoverPolicy(), 2, 0, None).after(
+        _Failed(grpc.StatusCode.FAILED_PRECONDITION)) is None
+    assert Attempts(FailoverPolicy(), 1, 0, None).after(foreign) is None
+
+
+def test_a_continuation_expects_the_model_its_stream_began_with():
+    tries = Attempts(FailoverPolicy(), 2, 0, None)
+    ident = router_pb2.ModelIdentity(name="m", fingerprint="f:w", chat_template="t")
+    first = take_chunk(router_pb2.GenerateChunk(token_ids=[5], model=ident), [], tries)
+    assert first.model is not None and first.model.fingerprint == "f:w"
+    other = router_pb2.ModelIdentity(name="m2", fingerprint="f:w", chat_template="t")
+    # The caller sees the model once, even where a continuation's first chunk names its own.
+    assert take_chunk(router_pb2.GenerateChunk(token_ids=[6], model=other), [], tries).model \
+        is None
+    req = router_pb2.GenerateRequest(request_id="r")
+    assert not attempt_request(req, [5], 0, tries.model).HasField("expect_model")
+    assert attempt_request(req, [5], 1, tries.model).expect_model == ident
+    assert not attempt_request(req, [], 1, None).HasField("expect_model")
+    mine = router_pb2.GenerateRequest(expect_model=other)  # the caller's own stays
+    assert attempt_request(mine, [5], 1, tries.model).expect_model == other
 
 
 class _EndsThenFails(router_pb2_grpc.RouterServicer):
@@ -182,10 +224,11 @@ def cluster():
         yield c
 
 
-def _generate_raw(cluster, prompt, resume, max_tokens):
+def _generate_raw(cluster, prompt, resume, max_tokens, expect=None):
     req = router_pb2.GenerateRequest(
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                           ignore_eos=True), resume_token_ids=resume)
+                                           ignore_eos=True), resume_token_ids=resume,
+        expect_model=expect)
     req.token_ids.ids.extend(prompt)
     with grpc.insecure_channel(cluster.router_address) as ch:
         return list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60))
@@ -194,9 +237,20 @@ def _generate_raw(cluster, prompt, resume, max_tokens):
 def test_a_router_continues_from_resume_tokens(cluster, reference):
     prompt = random_prompts(1, seed=71, lo=30, hi=30)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
-    chunks = _generate_raw(cluster, prompt, want.token_ids[:4], 10)
+    ours = _identity(cluster.router_address)
+    chunks = _generate_raw(cluster, prompt, want.token_ids[:4], 10, ours)
     assert [t for c in chunks for t in c.token_ids] == want.token_ids[4:]
     assert chunks[-1].usage.completion_tokens == 10  # the resumed ones count
+    assert chunks[0].model == ours and not chunks[1].HasField("model")
+    files, _, weights = ours.fingerprint.partition(":")
+    assert len(files) == len(weights) == 16
+    # Another model's stream (weights of its own) is not this router's to go on with.
+    other = router_pb2.ModelIdentity(name=ours.name, fingerprint=f"{files}:{'0' * 16}")
+    with pytest.raises(grpc.RpcError) as err:
+        _generate_raw(cluster, prompt, want.token_ids[:4], 10, other)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "weights differ" in err.value.details()
+    assert (MODEL_MISMATCH_KEY, "1") in tuple(err.value.trailing_metadata())
     for resume, match in [([10**8], "outside the vocabulary"), ([5] * 10, "nothing to generate")]:
         with pytest.raises(grpc.RpcError) as err:
             _generate_raw(cluster, prompt, resume, 10)
@@ -305,3 +359,91 @@ def test_the_blocking_client_skips_a_router_that_is_down(cluster, reference):
         assert chunks[-1].usage.migrations == 1
         done = c.complete(prompt, max_tokens=6, **GREEDY)  # the next in turn: the live one
         assert done.token_ids == want.token_ids and done.usage.migrations == 0
+
+
+# Two chat templates: the routers that render with one give a chat another prompt than those
+# that render with the other, as two models would.
+_TEMPLATE_A = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+_TEMPLATE_B = "{% for m in messages %}{{ m.role | upper }}: {{ m.content }}\n{% endfor %}A:"
+
+
+def _chat_ids(address: str, chat: list[dict]) -> list[int]:
+    req = router_pb2.TokenizeRequest()
+    for m in chat:
+        req.chat.messages.add(role=m["role"], content=m["content"])
+    with grpc.insecure_channel(address) as ch:
+        return list(router_pb2_grpc.RouterStub(ch).Tokenize(req, timeout=30).token_ids)
+
+
+def _identity(address: str) -> router_pb2.ModelIdentity:
+    with grpc.insecure_channel(address) as ch:
+        return router_pb2_grpc.RouterStub(ch).GetModelInfo(router_pb2.ModelInfoRequest(),
+                                                           timeout=30).identity
+
+
+def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
+    """Routers a and c render chats with one template, b with another. The streams a began
+    go on on c when a dies, past b, where the continuation of another prompt would read as
+    fluent text and be wrong; a (blocking) client that knows only a and b gives up once a
+    stays down, saying b serves another model."""
+    from client import Client, ModelIdentity, UnavailableError
+
+    a = cluster.start_router(extra=["--chat-template", _TEMPLATE_A])
+    b = cluster.start_router(extra=["--chat-template", _TEMPLATE_B])
+    c = cluster.start_router(extra=["--chat-template", _TEMPLATE_A])  # cluster.router_address
+    ident = {p.address: _identity(p.address) for p in (a, b, c)}
+    assert ident[a.address] == ident[c.address] != ident[b.address]
+    assert ident[a.address].fingerprint == ident[b.address].fingerprint  # one model
+    chats = [[{"role": "user", "content": f"tell me about {w} and {i}"}]
+             for i, w in enumerate(["rivers", "stars", "bread", "trains", "ice", "gold"])]
+    params = dict(max_tokens=160, **GREEDY)
+    want = {t: [w.token_ids for w in reference.generate(
+        [_chat_ids(p.address, chat) for chat in chats], SamplingParams(**params))]
+        for t, p in (("a", a), ("b", b))}
+    assert want["a"][0] != want["b"][0]  # b going on with a's stream would be seen
+    # Round robin: the client's streams i begin on router i % 3.
+    began = ["a", "b", "a"] * 2  # c renders as a does
+
+    lone_got: list[int] = []
+
+    def lone_stream():  # the blocking client, on its own thread
+        with Client([a.address, b.address], timeout=300) as lone:
+            for chunk in lone.generate(chats[0], **params):
+                lone_got.extend(chunk.token_ids)
+
+    async def run():
+        got = [[] for _ in chats]
+        async with AsyncClient([a.address, b.address, c.address], timeout=300) as client:
+            async def stream(chat, g):
+                first = final = None
+                async for chunk in client.generate(chat, **params):
+                    g.extend(chunk.token_ids)
+                    first = first or chunk
+                    final = chunk
+                return first, final
+
+            tasks = [asyncio.ensure_future(stream(ch, g)) for ch, g in zip(chats, got)]
+            stranded = asyncio.ensure_future(asyncio.to_thread(lone_stream))
+            while not all(len(g) >= 4 for g in [*got, lone_got]):
+                await asyncio.sleep(0.005)
+            a.popen.kill()
+            with pytest.raises(UnavailableError, match="1 of the client's 2 routers serve "
+                               "another model than the one this stream began with"):
+                await stranded
+            return got, await asyncio.gather(*tasks)
+
+    got, ends = asyncio.run(run())
+    assert got == [want[t][i] for i, t in enumerate(began)]
+    assert lone_got == want["a"][0][:len(lone_got)]  # b did not go on with it
+    for i, (first, final) in enumerate(ends):
+        router = [a, b, c][i % 3]
+        assert first.model.chat_template == ident[router.address].chat_template
+        # a's went on on c past b's refusal: two attempts after the first.
+        assert final.usage.migrations == (2 if i % 3 == 0 else 0)
+    with Client(c.address, timeout=60) as one:
+        done = one.complete(chats[0], max_tokens=2)
+        info = one.model_info()
+    assert done.model == info.identity == ModelIdentity(**{
+        f.name: v for f, v in ident[c.address].ListFields()})
+    wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
+    assert cluster.stop_proc(b) == 0

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.model_fingerprint import model_fingerprint
 from engine.presets import resolve_model
-from protos import common_pb2
-from router.model_match import model_mismatch
+from protos import common_pb2, router_pb2
+from router.model_match import expected_model_mismatch, model_mismatch
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +118,33 @@ def _info(model: str, fingerprint: str) -> common_pb2.WorkerInfo:
 def test_which_workers_serve_the_routers_model(router, worker, why):
     got = model_mismatch(*router, _info(*worker))
     assert (why in got and got != "") if why else got == ""
+
+
+def _identity(name: str, fingerprint: str, chat_template: str = "t1") -> router_pb2.ModelIdentity:
+    return router_pb2.ModelIdentity(name=name, fingerprint=fingerprint,
+                                    chat_template=chat_template)
+
+
+@pytest.mark.parametrize("expected, chat, why", [
+    (("m", "f1:w1"), False, ""),
+    (("/copy/elsewhere", "f1:w1"), True, ""),
+    (("m", "f1:w2"), False, "weights differ"),
+    (("m", "f2:w1"), False, "config or tokenizer files differ"),
+    # A router given only the tokenizer on either side: the names decide.
+    (("other", "f1:"), False, "names differ"),
+    (("M/", "f1:"), False, ""),
+    # The chat template made a chat's prompt, and nothing else's.
+    (("m", "f1:w1", "t2"), True, "chat templates differ"),
+    (("m", "f1:w1", "t2"), False, ""),
+    (("m", "f1:w1", ""), True, "chat templates differ"),
+    # What a client left empty checks nothing.
+    (("", "", "t1"), False, ""),
+])
+def test_which_streams_a_router_may_go_on_with(expected, chat, why):
+    got = expected_model_mismatch(_identity("m", "f1:w1"), _identity(*expected), chat)
+    assert (why in got and "another model than the request expects" in got) if why else got == ""
+
+
+def test_the_expected_model_is_quoted_cut_in_the_refusal():
+    got = expected_model_mismatch(_identity("m", "f1:"), _identity("x" * 10_000, "f1:"), False)
+    assert "names differ" in got and len(got) < 300
