@@ -154,10 +154,17 @@ def _run(stub, args: argparse.Namespace, md) -> int:
     if args.admin == "workers":
         resp = stub.ListWorkers(router_pb2.ListWorkersRequest(role=args.role),
                                 timeout=args.timeout, metadata=md)
+        # A router older than the field sends none: nothing is known to differ.
+        why = list(resp.model_mismatch) or [""] * len(resp.workers)
         if args.json:
-            print(json.dumps([_dict(w) for w in resp.workers], indent=2))
-        else:
-            print(_table(resp.workers, _COLUMNS))
+            print(json.dumps([{**_dict(w), "model_mismatch": y}
+                              for w, y in zip(resp.workers, why)], indent=2))
+            return 0
+        print(_table(resp.workers, _COLUMNS,
+                     {"model": ["another" if y else "the router's" for y in why]}))
+        for w, y in zip(resp.workers, why):
+            if y:  # the table has no room for why: the router's own words, after it
+                print(f"{w.worker_id} gets no requests: {y}")
         return 0
     if args.admin == "stats":
         stats = stub.GetClusterStats(router_pb2.ClusterStatsRequest(), timeout=args.timeout,
@@ -250,11 +257,13 @@ def _int64_as_numbers(desc, d) -> None:
             d[f.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
 
 
-def _table(msgs, columns) -> str:
-    rows = [[h for h, _ in columns]]
-    for m in msgs:
-        rows.append([_cell(m, f) for _, f in columns])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+def _table(msgs, columns, extra: dict[str, list[str]] | None = None) -> str:
+    """``extra``: more columns after ``columns``, by header, a cell per message in each."""
+    extra = extra or {}
+    rows = [[h for h, _ in columns] + list(extra)]
+    for i, m in enumerate(msgs):
+        rows.append([_cell(m, f) for _, f in columns] + [cells[i] for cells in extra.values()])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows)
 
 

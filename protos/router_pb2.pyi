@@ -170,10 +170,12 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "model_mismatch")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_common_pb2.WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ...) -> None: ...
+    model_mismatch: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, workers: _Optional[_Iterable[_Union[_common_pb2.WorkerInfo, _Mapping]]] = ..., model_mismatch: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClusterStatsRequest(_message.Message):
     __slots__ = ()

@@ -32,7 +32,8 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
         await _check_role(request.role, context)
         async with _registry(context):
             workers = await self.directory.registry.live_workers(request.role or None)
-        return router_pb2.ListWorkersResponse(workers=workers)
+        return router_pb2.ListWorkersResponse(
+            workers=workers, model_mismatch=[self.directory.model_mismatch(w) for w in workers])
 
     async def GetClusterStats(self, request, context):
         # The routing view itself, refreshed: the live workers of the router's model, draining

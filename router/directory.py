@@ -198,13 +198,17 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
                                              liveness=self.liveness, listed_at=now)
             self._open.add(self.workers[wid])
 
+    def model_mismatch(self, info: common_pb2.WorkerInfo) -> str:
+        """Why ``info``'s worker serves another model than the router's ("" if it does not)."""
+        return model_mismatch(self.model, self.model_fingerprint, info)
+
     def _same_model(self, listed: list[common_pb2.WorkerInfo]) -> list[common_pb2.WorkerInfo]:
         """The workers serving the router's model; each other one logged once."""
         self._foreign &= {(i.worker_id, i.model) for i in listed}  # forget the ones gone
         kept = []
         self.foreign_now = {}
         for info in listed:
-            why = model_mismatch(self.model, self.model_fingerprint, info)
+            why = self.model_mismatch(info)
             if not why:
                 kept.append(info)
                 continue

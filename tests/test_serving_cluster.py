@@ -350,9 +350,28 @@ def test_the_admin_command_lists_counts_and_drains(cluster, capsys):
 
     addr = cluster.router_address
     names = sorted(p.name for p in cluster.procs if p.name != "router")
-    assert cli_main(["admin", "--router", addr, "workers"]) == 0
-    table = capsys.readouterr().out
-    assert table.splitlines()[0].startswith("worker") and all(n in table for n in names)
+    # A worker of another model in the namespace: listed, and said to get no requests.
+    foreign = common_pb2.WorkerInfo(worker_id="prefill-of-another-model", role="prefill",
+                                    address="127.0.0.1:1", block_size=16, max_model_len=1024,
+                                    model="other-model", model_fingerprint="f0:w0")
+    with _registered(cluster, foreign):
+        assert cli_main(["admin", "--router", addr, "workers"]) == 0
+        table = capsys.readouterr().out
+        assert cli_main(["admin", "--router", addr, "workers", "--role", "prefill",
+                         "--json"]) == 0
+        prefills = json.loads(capsys.readouterr().out)
+    lines = table.splitlines()
+    assert lines[0].startswith("worker") and lines[0].split()[-1] == "model"
+    assert all(n in table for n in names)
+    rows = {line.split()[0]: line for line in lines[1:2 + len(names)]}  # then why, below
+    assert rows[foreign.worker_id].endswith("another")
+    assert all(rows[n].endswith("the router's") for n in names)
+    assert lines[-1] == (f"{foreign.worker_id} gets no requests: its model's config or tokenizer "
+                         f"files differ from this router's (fingerprint f0:w0, the router's "
+                         f"{_identity(cluster).fingerprint})")
+    why = {w["worker_id"]: w["model_mismatch"] for w in prefills}
+    assert "config or tokenizer files differ" in why.pop(foreign.worker_id)
+    assert why == {n: "" for n in names if n.startswith("prefill")}
     assert cli_main(["admin", "--router", addr, "workers", "--role", "decode", "--json"]) == 0
     decodes = json.loads(capsys.readouterr().out)
     assert [w["worker_id"] for w in decodes] == [n for n in names if n.startswith("decode")]
@@ -367,6 +386,34 @@ def test_the_admin_command_lists_counts_and_drains(cluster, capsys):
     assert not worker_info_of(cluster, victim).draining
     assert cli_main(["admin", "--router", addr, "drain", "nobody"]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _registered(cluster, info: common_pb2.WorkerInfo):
+    """``info`` in the cluster's worker registry, as a worker's heartbeat puts it, until the
+    block ends."""
+    import asyncio
+
+    from router.registry import Registry
+
+    async def write(leave: bool) -> None:
+        registry = Registry.from_url(cluster.redis_url, cluster.spec.namespace)
+        try:
+            await (registry.deregister(info.worker_id) if leave else registry.heartbeat(info))
+        finally:
+            await registry.r.aclose()
+
+    asyncio.run(write(False))
+    try:
+        yield
+    finally:
+        asyncio.run(write(True))
+
+
+def _identity(cluster) -> router_pb2.ModelIdentity:
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return router_pb2_grpc.RouterStub(ch).GetModelInfo(router_pb2.ModelInfoRequest(),
+                                                           timeout=10).identity
 
 
 def worker_info_of(cluster, worker_id):
