@@ -65,12 +65,18 @@ def decisive_prompts(reference, n: int, seed: int, max_tokens: int | list[int], 
         outs = reference.generate(batch, SamplingParams(
             max_tokens=max(counts), temperature=0.0, ignore_eos=True, logprobs=2))
         for prompt, out in zip(batch, outs):
-            steps = out.logprobs[:counts[len(kept)]]
-            if min(t.top[0].logprob - t.top[1].logprob for t in steps) >= MIN_GREEDY_GAP:
+            if greedy_is_decisive(out, counts[len(kept)]):
                 kept.append(prompt)
                 if len(kept) == n:
                     break
     return kept
+
+
+def greedy_is_decisive(out, max_tokens: int) -> bool:
+    """Whether each of the first ``max_tokens`` steps of ``out`` (a greedy RequestOutput with
+    logprobs=2) won by MIN_GREEDY_GAP at least."""
+    return min(t.top[0].logprob - t.top[1].logprob
+               for t in out.logprobs[:max_tokens]) >= MIN_GREEDY_GAP
 
 
 def worker_info(address: str) -> common_pb2.WorkerInfo:

@@ -15,7 +15,8 @@ from client.failover import (MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY, Attempts,
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, greedy_is_decisive,
+                                   wait_all_blocks_free)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -235,7 +236,7 @@ def _generate_raw(cluster, prompt, resume, max_tokens, expect=None):
 
 
 def test_a_router_continues_from_resume_tokens(cluster, reference):
-    prompt = random_prompts(1, seed=71, lo=30, hi=30)[0]
+    prompt = decisive_prompts(reference, 1, seed=71, max_tokens=10, lo=30, hi=30)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
     ours = _identity(cluster.router_address)
     chunks = _generate_raw(cluster, prompt, want.token_ids[:4], 10, ours)
@@ -262,8 +263,11 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     first = next(p for p in cluster.procs if p.role == "router")
     second = cluster.start_router()
     addresses = [first.address, second.address]
-    prompts = random_prompts(6, seed=72, lo=20, hi=60)
-    params = dict(max_tokens=40, **GREEDY)
+    # Long enough that no stream on the router to be killed ends before the kill: at 40
+    # tokens, on a loaded machine, one ended while the last was still waiting for its fourth.
+    # Decisive: a continuation's logits are computed in another batch than the reference's.
+    prompts = decisive_prompts(reference, 6, seed=72, max_tokens=160, lo=20, hi=60)
+    params = dict(max_tokens=160, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
 
     async def stream(client, prompt, got):
@@ -290,7 +294,7 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     assert [text for _, text in results] == [w.text for w in want]
     moved = [final for final, _ in results if final.usage.migrations]
     assert len(moved) == 3
-    assert all(f.usage.completion_tokens == 40 for f, _ in results)
+    assert all(f.usage.completion_tokens == 160 for f, _ in results)
     assert after.token_ids == want[0].token_ids
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
 
@@ -300,7 +304,7 @@ def test_streams_survive_their_router_hanging_under_them(cluster, reference):
     client's health checks (client/liveness.py); its streams go on on the other router."""
     hung = cluster.start_router()
     live = cluster.start_router()  # last: cluster.router_address, for the tests after
-    prompts = random_prompts(4, seed=74, lo=20, hi=60)
+    prompts = decisive_prompts(reference, 4, seed=74, max_tokens=160, lo=20, hi=60)
     # Long enough that none ends before the stop: at 40 tokens, a stream on the router to be
     # stopped ended (336 ms) while the last one still waited for its fourth token, on a loaded
     # CI machine, and only one stream was left there to move.
@@ -350,7 +354,7 @@ def test_the_blocking_client_skips_a_router_that_is_down(cluster, reference):
     from client import Client
     from router.redis_server import free_port
 
-    prompt = random_prompts(1, seed=73, lo=20, hi=20)[0]
+    prompt = decisive_prompts(reference, 1, seed=73, max_tokens=6, lo=20, hi=20)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
     down = f"127.0.0.1:{free_port()}"  # nothing listens there
     with Client([down, cluster.router_address], timeout=60) as c:
@@ -381,6 +385,25 @@ def _identity(address: str) -> router_pb2.ModelIdentity:
                                                            timeout=30).identity
 
 
+def _decisive_chats(reference, routers: dict[str, str], n: int, params: dict):
+    """``n`` chats whose greedy outputs are decisive (tests/serving_helpers.py) as each router
+    renders them, and those outputs' token ids by router name."""
+    words = ["rivers", "stars", "bread", "trains", "ice", "gold", "salt", "wind", "clay",
+             "moss", "tin", "rain", "fern", "silk", "coal", "reef", "owls", "sand", "wool",
+             "kelp", "lava", "dust", "pine", "glass"]
+    chats = [[{"role": "user", "content": f"tell me about {w} and {i}"}]
+             for i, w in enumerate(words)]
+    outs = {name: reference.generate([_chat_ids(address, chat) for chat in chats],
+                                     SamplingParams(**params, logprobs=2))
+            for name, address in routers.items()}
+    keep = [i for i in range(len(chats))
+            if all(greedy_is_decisive(o[i], params["max_tokens"]) for o in outs.values())]
+    assert len(keep) >= n, f"{len(keep)} decisive chats of {len(chats)}"
+    keep = keep[:n]
+    return ([chats[i] for i in keep],
+            {name: [o[i].token_ids for i in keep] for name, o in outs.items()})
+
+
 def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     """Routers a and c render chats with one template, b with another. The streams a began
     go on on c when a dies, past b, where the continuation of another prompt would read as
@@ -394,15 +417,11 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     ident = {p.address: _identity(p.address) for p in (a, b, c)}
     assert ident[a.address] == ident[c.address] != ident[b.address]
     assert ident[a.address].fingerprint == ident[b.address].fingerprint  # one model
-    chats = [[{"role": "user", "content": f"tell me about {w} and {i}"}]
-             for i, w in enumerate(["rivers", "stars", "bread", "trains", "ice", "gold"])]
     params = dict(max_tokens=160, **GREEDY)
-    want = {t: [w.token_ids for w in reference.generate(
-        [_chat_ids(p.address, chat) for chat in chats], SamplingParams(**params))]
-        for t, p in (("a", a), ("b", b))}
+    chats, want = _decisive_chats(reference, {"a": a.address, "b": b.address}, 3, params)
     assert want["a"][0] != want["b"][0]  # b going on with a's stream would be seen
-    # Round robin: the client's streams i begin on router i % 3.
-    began = ["a", "b", "a"] * 2  # c renders as a does
+    # Round robin: the client's stream i begins on router i (c renders as a does).
+    began = ["a", "b", "a"]
 
     lone_got: list[int] = []
 
