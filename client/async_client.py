@@ -17,9 +17,9 @@ from client.failover import (Attempts, FailoverPolicy, attempt_request, check_ad
                              check_timeout, take_chunk)
 from client.liveness import Peer, check_loop, cut_router, watched_stream, watched_unary
 from client.tasks import stop_task
-from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
-                          build_request, completion_from_proto, detokenize_request,
-                          model_info_from_proto, tokenize_request)
+from client.types import (Chat, Completion, GenerationChunk, ModelIdentity, ModelInfo, Prompt,
+                          Tokenized, build_request, completion_from_proto,
+                          detokenize_request, model_info_from_proto, tokenize_request)
 from protos import router_pb2, router_pb2_grpc
 
 
@@ -122,8 +122,10 @@ class AsyncClient:
                         timeout if timeout is not None else self.timeout)
 
     async def generate(self, prompt: Prompt, *, request_id: str | None = None,
-                       timeout: float | None = None, **sampling) -> AsyncIterator[GenerationChunk]:
-        req = build_request(prompt, request_id, sampling)
+                       timeout: float | None = None,
+                       expect_model: ModelIdentity | None = None,
+                       **sampling) -> AsyncIterator[GenerationChunk]:
+        req = build_request(prompt, request_id, sampling, expect_model)
         tries = self._attempts(timeout)
         tries.track(req)
         received: list[int] = []
@@ -148,8 +150,9 @@ class AsyncClient:
             await self._backoff(delay)
 
     async def complete(self, prompt: Prompt, *, request_id: str | None = None,
-                       timeout: float | None = None, **sampling) -> Completion:
-        req = build_request(prompt, request_id, sampling)
+                       timeout: float | None = None,
+                       expect_model: ModelIdentity | None = None, **sampling) -> Completion:
+        req = build_request(prompt, request_id, sampling, expect_model)
         tries = self._attempts(timeout)
         msg = await self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
         return completion_from_proto(msg, req.request_id, tries.retries)

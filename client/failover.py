@@ -163,7 +163,6 @@ class Attempts:
             return None
         return delay
 
-
     def note(self, error: grpc.RpcError) -> str:
         """What the caller's exception adds to the status that ended the request: the
         routers skipped for serving another model than the stream's, if any."""

@@ -14,9 +14,9 @@ from client.errors import DeadlineExceededError, error_from_rpc
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              check_timeout, take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
-from client.types import (Chat, Completion, GenerationChunk, ModelInfo, Prompt, Tokenized,
-                          build_request, completion_from_proto, detokenize_request,
-                          model_info_from_proto, tokenize_request)
+from client.types import (Chat, Completion, GenerationChunk, ModelIdentity, ModelInfo, Prompt,
+                          Tokenized, build_request, completion_from_proto,
+                          detokenize_request, model_info_from_proto, tokenize_request)
 from protos import router_pb2, router_pb2_grpc
 
 
@@ -61,8 +61,11 @@ class Client:
                         timeout if timeout is not None else self.timeout)
 
     def generate(self, prompt: Prompt, *, request_id: str | None = None,
-                 timeout: float | None = None, **sampling) -> Iterator[GenerationChunk]:
-        req = build_request(prompt, request_id, sampling)  # bad arguments raise here, not later
+                 timeout: float | None = None,
+                 expect_model: ModelIdentity | None = None,
+                 **sampling) -> Iterator[GenerationChunk]:
+        # Bad arguments raise here, not at the first next().
+        req = build_request(prompt, request_id, sampling, expect_model)
         check_timeout(timeout)
         return self._stream(req, timeout)
 
@@ -100,8 +103,9 @@ class Client:
             self._closing.wait(delay)  # close() ends the wait; the next attempt then raises
 
     def complete(self, prompt: Prompt, *, request_id: str | None = None,
-                 timeout: float | None = None, **sampling) -> Completion:
-        req = build_request(prompt, request_id, sampling)
+                 timeout: float | None = None,
+                 expect_model: ModelIdentity | None = None, **sampling) -> Completion:
+        req = build_request(prompt, request_id, sampling, expect_model)
         tries = self._attempts(timeout)
         msg = self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
         return completion_from_proto(msg, req.request_id, tries.retries)

@@ -193,8 +193,10 @@ def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
     return out
 
 
-def build_request(prompt: Prompt, request_id: str | None,
-                  sampling: dict) -> router_pb2.GenerateRequest:
+def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
+                  expect_model: ModelIdentity | None = None) -> router_pb2.GenerateRequest:
+    """``expect_model``: only a router of this model may answer (GenerateRequest.expect_model);
+    the client tries its others while one refuses."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling arguments: {', '.join(sorted(unknown))} "
@@ -212,6 +214,13 @@ def build_request(prompt: Prompt, request_id: str | None,
     except (ValueError, TypeError) as e:
         raise ValueError(f"sampling argument {_misfit(given)} cannot be sent: {e}") from None
     req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
+    if expect_model is not None:
+        if not isinstance(expect_model, ModelIdentity):
+            raise TypeError("expect_model must be a ModelIdentity (a stream's chunk.model, "
+                            f"Completion.model or ModelInfo.identity), got {expect_model!r}")
+        req.expect_model.CopyFrom(router_pb2.ModelIdentity(
+            name=expect_model.name, fingerprint=expect_model.fingerprint,
+            chat_template=expect_model.chat_template))
     if isinstance(prompt, str):
         req.text = prompt
     elif isinstance(prompt, Chat) or (isinstance(prompt, (list, tuple)) and prompt

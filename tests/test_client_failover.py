@@ -135,6 +135,18 @@ def test_a_continuation_expects_the_model_its_stream_began_with():
     assert attempt_request(mine, [5], 1, tries.model).expect_model == other
 
 
+def test_a_pin_must_be_a_model_identity():
+    from client import ModelIdentity
+    from client.types import build_request
+
+    ident = ModelIdentity("m", "f:w", "t")
+    assert build_request("hi", None, {}, ident).expect_model == router_pb2.ModelIdentity(
+        name="m", fingerprint="f:w", chat_template="t")
+    assert not build_request("hi", None, {}).HasField("expect_model")
+    with pytest.raises(TypeError, match="expect_model must be a ModelIdentity"):
+        build_request("hi", None, {}, "f:w")
+
+
 class _EndsThenFails(router_pb2_grpc.RouterServicer):
     """A router that streams every final chunk, then is lost before the closing status."""
 
@@ -409,7 +421,7 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     go on on c when a dies, past b, where the continuation of another prompt would read as
     fluent text and be wrong; a (blocking) client that knows only a and b gives up once a
     stays down, saying b serves another model."""
-    from client import Client, ModelIdentity, UnavailableError
+    from client import Client, FailedPreconditionError, ModelIdentity, UnavailableError
 
     a = cluster.start_router(extra=["--chat-template", _TEMPLATE_A])
     b = cluster.start_router(extra=["--chat-template", _TEMPLATE_B])
@@ -464,5 +476,15 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
         info = one.model_info()
     assert done.model == info.identity == ModelIdentity(**{
         f.name: v for f, v in ident[c.address].ListFields()})
+    # A caller's pin: only a router of the model answers, whichever the client tries first.
+    with Client([b.address, c.address], timeout=60) as two:
+        pinned = two.complete(chats[0], max_tokens=2, expect_model=info.identity)  # b first
+        assert pinned.model == info.identity and pinned.usage.migrations == 1
+    with Client(b.address, timeout=60) as only_b:
+        with pytest.raises(FailedPreconditionError, match="chat templates differ"):
+            only_b.complete(chats[0], max_tokens=2, expect_model=info.identity)
+        # A text prompt does not go through the template: b serves it.
+        assert only_b.complete("hello", max_tokens=2, expect_model=info.identity).model \
+            == ModelIdentity(**{f.name: v for f, v in ident[b.address].ListFields()})
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
     assert cluster.stop_proc(b) == 0
