@@ -97,7 +97,8 @@ class _replier:
         client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
                         **connection_kwargs(self.args))
         try:
-            sampling = sampling_kwargs(self.args, client.model_info().sampling_defaults)
+            info = client.model_info()
+            sampling = sampling_kwargs(self.args, info.sampling_defaults)
         except BaseException:
             client.close()
             raise
@@ -105,7 +106,9 @@ class _replier:
 
         def reply(history: list[dict]):
             t0 = time.perf_counter()
-            for chunk in client.generate(Chat(history), **sampling):
+            # Every turn with the model (and chat template) of the first, whichever router
+            # each reaches: a conversation does not change models midway.
+            for chunk in client.generate(Chat(history), expect_model=info.identity, **sampling):
                 u = chunk.usage
                 yield chunk.text, None if u is None else (
                     f"{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, total "

@@ -16,9 +16,11 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
     try:
         with Client([a.strip() for a in args.router.split(",") if a.strip()],
                     **connection_kwargs(args)) as c:
-            sampling = sampling_kwargs(args, c.model_info().sampling_defaults)
+            info = c.model_info()
+            sampling = sampling_kwargs(args, info.sampling_defaults)
             t0 = time.perf_counter()
-            for chunk in c.generate(args.prompt, **sampling):
+            # Answered by the model whose defaults were taken, whichever router it reaches.
+            for chunk in c.generate(args.prompt, expect_model=info.identity, **sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.usage is not None:

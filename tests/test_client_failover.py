@@ -1,10 +1,13 @@
-"""The SDK's router failover: the retry policy on its own, then two real routers in front of
-one cluster, one of them SIGKILLed under running streams."""
+"""The SDK's router failover: the retry policy on its own, then real routers in front of one
+cluster: one SIGKILLed under running streams, one hung, and one of another chat template that a
+stream begun elsewhere must not go on on."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -486,5 +489,17 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
         # A text prompt does not go through the template: b serves it.
         assert only_b.complete("hello", max_tokens=2, expect_model=info.identity).model \
             == ModelIdentity(**{f.name: v for f, v in ident[b.address].ListFields()})
+    # pdserve chat through [b, c]: model_info came from b, so every turn is b's to answer (c,
+    # tried first for the turn, would render another prompt).
+    hello = [{"role": "user", "content": "Hello"}]
+    replies = {name: reference.generate([_chat_ids(p.address, hello)], SamplingParams(
+        max_tokens=8, temperature=0.0, logprobs=2))[0] for name, p in (("b", b), ("c", c))}
+    assert greedy_is_decisive(replies["b"], 8) and replies["b"].text != replies["c"].text
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "chat", "--router", f"{b.address},{c.address}",
+         "--max-tokens", "8"], input="Hello\n/exit\n", capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"{replies['b'].text}\n"
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
     assert cluster.stop_proc(b) == 0
