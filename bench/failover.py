@@ -13,7 +13,10 @@ requests (router/migration.py) and moves refused ones for free. Reported: how ma
 failed, moved or were re-routed, whether every stream's tokens equal the in-process engine's,
 and the stall the affected streams saw (their longest gap between tokens, or their TTFT after a
 prefill failure) beside the same slots' figure in the baseline, with the ratio. The affected
-streams are the moved ones, or after a stop those the stopping worker served.
+streams are the moved ones, or after a stop those the stopping worker served. Late streams
+(``--late-streams``) start right after the fault, and at the same moment of the baseline: what a
+request arriving then costs (its TTFT against the baseline's), and whether any reached the
+failed worker.
 """
 from __future__ import annotations
 
@@ -78,10 +81,22 @@ class FailoverReport:
     # How the stopped worker's process ended (0: it drained and exited); None for kill and hang.
     victim_exit: int | None = None
     errors: list[str] = field(default_factory=list)
+    # The streams started right after the fault (and at that moment of the baseline).
+    late: int = 0
+    late_failed: int = 0
+    late_identical: int = 0
+    late_on_victim: int = 0  # whose usage names the failed worker (their last attempt's)
+    late_ttft_ms_mean: float = 0.0
+    baseline_late_ttft_ms_mean: float = 0.0
 
     @property
     def stall_ratio(self) -> float:
         return self.stall_ms_mean / self.baseline_ms_mean if self.baseline_ms_mean else 0.0
+
+    @property
+    def late_ttft_ratio(self) -> float:
+        return (self.late_ttft_ms_mean / self.baseline_late_ttft_ms_mean
+                if self.baseline_late_ttft_ms_mean else 0.0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -95,24 +110,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-interval-s", type=float, default=2.0,
                    help="the router's --health-check-interval-s (0: keepalive pings only)")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
+    p.add_argument("--late-streams", type=int, default=4,
+                   help="streams started right after the fault (0: none)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.streams < 1 or args.max_tokens < 8:
-        raise ValueError("--streams must be >= 1 and --max-tokens >= 8")
+    if args.streams < 1 or args.max_tokens < 8 or args.late_streams < 0:
+        raise ValueError("--streams must be >= 1, --late-streams >= 0 and --max-tokens >= 8")
     if not (args.health_check_interval_s == 0 or args.health_check_interval_s >= 0.05):
         raise ValueError("--health-check-interval-s must be 0 or >= 0.05")
     rng = random.Random(args.seed)
     # Prompts long enough that a prefill worker is still computing them when it dies.
     lo, hi = (256, 512) if args.kill == "prefill" else (32, 128)
-    lens = [rng.randint(lo, hi) for _ in range(args.streams)]
-    base_prompts, prompts = ([[rng.randrange(10, 8000) for _ in range(n)] for n in lens]
-                             for _ in range(2))
+    lens = [rng.randint(lo, hi) for _ in range(args.streams + args.late_streams)]
+    # Fresh prompts for each run and each group: no stream finds another's prefix cached.
+    base_prompts, prompts, base_late, late = (
+        [[rng.randrange(10, 8000) for _ in range(n)] for n in part]
+        for part in (lens[:args.streams], lens[:args.streams], lens[args.streams:],
+                     lens[args.streams:]))
     with LLM(args.model) as llm:
-        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+        want = [o.token_ids for o in llm.generate(prompts + late, SamplingParams(
             max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))]
     two = args.kill  # the role that gets two workers, one of which dies
     spec = ClusterSpec(model=args.model, num_prefill=2 if two == "prefill" else 1,
@@ -121,14 +141,15 @@ def main(args: argparse.Namespace) -> int:
                                     str(args.health_check_interval_s)])
     with Cluster(spec) as cluster:
         warm = [[t + 1 for t in p] for p in prompts[:2]]
-        asyncio.run(_run(cluster, warm, args.max_tokens, None, args.fault))
-        base = asyncio.run(_run(cluster, base_prompts, args.max_tokens, None, args.fault))
+        asyncio.run(_run(cluster, warm, [], args.max_tokens, two, None))
+        base = asyncio.run(_run(cluster, base_prompts, base_late, args.max_tokens, two, None))
         rerouted = _router_stats(cluster).requests_rerouted
-        hit = asyncio.run(_run(cluster, prompts, args.max_tokens, two, args.fault))
+        hit = asyncio.run(_run(cluster, prompts, late, args.max_tokens, two, args.fault))
         hit.rerouted = _router_stats(cluster).requests_rerouted - rerouted
     report = _report(args, base, hit, want)
     if args.json:
-        print(json.dumps({**asdict(report), "stall_ratio": report.stall_ratio}, indent=2))
+        print(json.dumps({**asdict(report), "stall_ratio": report.stall_ratio,
+                          "late_ttft_ratio": report.late_ttft_ratio}, indent=2))
     else:
         print(_format(report))
     return 0
@@ -141,12 +162,16 @@ class Run:
     victim: str = ""  # the failed worker's id
     victim_exit: int | None = None  # its exit status, after a stop
     rerouted: int = 0
+    late: list[Stream] = field(default_factory=list)  # started right after the fault
 
 
-async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
-               kill: str | None, fault: str) -> Run:
-    """The streams, all at once; with ``kill``, a worker of that role fails under them."""
+async def _run(cluster: Cluster, prompts: list[list[int]], late: list[list[int]],
+               max_tokens: int, role: str, fault: str | None) -> Run:
+    """The streams, all at once; once they reach ``role``'s workers (the fault's moment), a
+    worker of that role fails under them (``fault``; None: none, the baseline) and the
+    ``late`` streams start."""
     streams = [Stream(time.perf_counter()) for _ in prompts]
+    late_streams: list[Stream] = []
 
     async def one(client: AsyncClient, prompt: list[int], s: Stream) -> None:
         try:
@@ -165,22 +190,27 @@ async def _run(cluster: Cluster, prompts: list[list[int]], max_tokens: int,
     async with AsyncClient(cluster.router_address, timeout=600) as client:
         tasks = [asyncio.ensure_future(one(client, p, s)) for p, s in zip(prompts, streams)]
         try:
-            if kill == "decode":  # every stream decoding
+            if role == "decode":  # every stream decoding
                 while not all(len(s.token_ids) >= 4 for s in streams):
                     await asyncio.sleep(0.002)
                 victim = await asyncio.to_thread(_busiest_decode, cluster)
-            elif kill == "prefill":  # every prompt with the prefill workers: half on the victim
+            else:  # every prompt with the prefill workers: half on the victim
                 while await asyncio.to_thread(_in_flight, cluster) < len(prompts):
                     await asyncio.sleep(0.002)
                 victim = next(p for p in cluster.procs if p.role == "prefill")
-            if victim is not None:
+            if fault is None:
+                victim = None
+            else:
                 _fail(victim, fault)
+            late_streams = [Stream(time.perf_counter()) for _ in late]
+            tasks += [asyncio.ensure_future(one(client, p, s))
+                      for p, s in zip(late, late_streams)]
             await asyncio.gather(*tasks)
         finally:
             if victim is not None and fault == "hang":
                 os.kill(victim.popen.pid, signal.SIGCONT)  # it stops with the cluster
     run = Run(streams, time.perf_counter() - streams[0].start,
-              victim.name if victim is not None else "")
+              victim.name if victim is not None else "", late=late_streams)
     if victim is not None and fault == "stop":  # its drain is done once its streams are
         run.victim_exit = await asyncio.to_thread(victim.popen.wait, 60)
     return run
@@ -218,7 +248,9 @@ def _fail(proc, fault: str) -> None:
 
 
 def _report(args, undisturbed: Run, run: Run, want: list[list[int]]) -> FailoverReport:
+    """``want``: the in-process engine's tokens for ``run``'s streams, then its late ones."""
     base, hit = undisturbed.streams, run.streams
+    want, want_late = want[:len(hit)], want[len(hit):]
     moved = [i for i, s in enumerate(hit) if s.migrations]
     if args.fault == "stop":  # nothing moves: the streams the stopping worker served
         role = 0 if args.kill == "prefill" else 1
@@ -243,7 +275,20 @@ def _report(args, undisturbed: Run, run: Run, want: list[list[int]]) -> Failover
         baseline_ms_mean=statistics.mean(calm), stall_ms_max=max(stall),
         baseline_ms_max=max(calm), duration_s=run.duration_s,
         baseline_duration_s=undisturbed.duration_s,
-        victim_exit=run.victim_exit, errors=errors[:3])
+        victim_exit=run.victim_exit, errors=errors[:3], **_late(undisturbed, run, want_late))
+
+
+def _late(undisturbed: Run, run: Run, want: list[list[int]]) -> dict:
+    """The late streams' fields of the report."""
+    def ttft(streams: list[Stream]) -> float:
+        done = [s.ttft_ms for s in streams if s.times]
+        return statistics.mean(done) if done else 0.0
+
+    late = run.late
+    return dict(late=len(late), late_failed=sum(bool(s.error) for s in late),
+                late_identical=sum(s.token_ids == w for s, w in zip(late, want)),
+                late_on_victim=sum(run.victim in s.workers for s in late),
+                late_ttft_ms_mean=ttft(late), baseline_late_ttft_ms_mean=ttft(undisturbed.late))
 
 
 def _format(r: FailoverReport) -> str:
@@ -272,4 +317,10 @@ def _format(r: FailoverReport) -> str:
         f"{(r.stall_ms_max / r.baseline_ms_max if r.baseline_ms_max else 0):.2f} |",
         f"| all streams done, s | {r.duration_s:.2f} | {r.baseline_duration_s:.2f} | "
         f"{r.duration_s / r.baseline_duration_s:.2f} |",
+        *([f"| late streams' TTFT, mean ms | {r.late_ttft_ms_mean:.1f} | "
+           f"{r.baseline_late_ttft_ms_mean:.1f} | {r.late_ttft_ratio:.2f} |",
+           "",
+           f"late streams (started right after the fault): {r.late}; failed: {r.late_failed}; "
+           f"served by the failed worker: {r.late_on_victim}; tokens identical: "
+           f"{r.late_identical} of {r.late}"] if r.late else []),
     ])

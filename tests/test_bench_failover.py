@@ -20,6 +20,7 @@ def test_stream_stall_metrics():
 
 
 @pytest.mark.parametrize("argv", [["--streams", "0"], ["--max-tokens", "4"],
+                                  ["--late-streams", "-1"],
                                   ["--health-check-interval-s", "0.01"]])
 def test_bad_arguments_are_refused(argv):
     p = argparse.ArgumentParser()
@@ -55,6 +56,26 @@ def test_a_stop_reports_the_streams_the_stopping_worker_served():
     assert "streams failed: 1" in failover._format(r)
 
 
+def test_late_streams_are_reported_beside_the_baselines():
+    """The streams started right after the fault: TTFT against the baseline's late ones,
+    failures, parity, and whether any reached the failed worker."""
+    base = [Stream(0.0, times=[0.1])]
+    calm = Run(base, 1.0, late=[Stream(0.5, times=[0.55]), Stream(0.5, times=[0.57])])
+    late = [Stream(0.5, times=[0.6, 0.7], token_ids=[7, 8], workers=("p0", "d0")),
+            Stream(0.5, times=[0.8], token_ids=[9], workers=("p0", "d1")),
+            Stream(0.5, error="UnavailableError: gone")]
+    hit = Run([Stream(0.0, times=[0.1], token_ids=[1])], 1.5, "d1", 0, late=late)
+    r = failover._report(_args(fault="stop"), calm, hit, [[1], [7, 8], [9, 9], [5]])
+    assert (r.late, r.late_failed, r.late_on_victim, r.late_identical) == (3, 1, 1, 1)
+    assert r.identical == 1  # the late streams are counted on their own
+    assert r.late_ttft_ms_mean == pytest.approx(200.0)
+    assert r.baseline_late_ttft_ms_mean == pytest.approx(60.0)
+    assert r.late_ttft_ratio == pytest.approx(200 / 60)
+    assert "served by the failed worker: 1" in failover._format(r)
+    assert failover._report(_args(fault="stop"), calm, Run(hit.streams, 1.5, "d1"),
+                            [[1]]).late == 0
+
+
 # The tool end to end runs in the slow tier (27 s on the 2-core VM); the faults themselves are
 # tested in tests/test_serving_migration.py, the tool's metrics and flags above.
 @pytest.mark.parametrize("role, metric, fault", [
@@ -64,11 +85,14 @@ def test_a_stop_reports_the_streams_the_stopping_worker_served():
 def test_a_failed_worker_moves_its_streams_with_the_same_tokens(capsys, role, metric, fault):
     """A crash, or a hang the router's health checks find (SIGSTOP)."""
     assert cli_main(["bench", "failover", "--kill", role, "--fault", fault, "--streams", "4",
-                     "--max-tokens", "24", "--health-check-interval-s", "0.5", "--json"]) == 0
+                     "--late-streams", "2", "--max-tokens", "24",
+                     "--health-check-interval-s", "0.5", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["kill"] == role and r["fault"] == fault and r["streams"] == 4
     assert r["migrated"] >= 1  # the killed worker held at least one stream
     assert r["identical"] == 4  # every stream, moved or not, equals the in-process engine
+    # Requests arriving right after the fault are served elsewhere, with the same tokens.
+    assert (r["late"], r["late_failed"], r["late_identical"], r["late_on_victim"]) == (2, 0, 2, 0)
     assert r["stall_metric"] == metric and r["stall_ms_max"] >= r["stall_ms_mean"] > 0
 
 
@@ -78,9 +102,11 @@ def test_a_stopped_worker_drains_its_streams_and_exits(capsys, role):
     """A rolling restart's stop (SIGTERM): no stream fails or moves, every one has the
     in-process engine's tokens, and the worker exits 0 once drained."""
     assert cli_main(["bench", "failover", "--kill", role, "--fault", "stop", "--streams", "4",
-                     "--max-tokens", "24", "--json"]) == 0
+                     "--late-streams", "2", "--max-tokens", "24", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["fault"], r["failed"], r["migrated"], r["victim_exit"]) == ("stop", 0, 0, 0)
     assert r["identical"] == 4
+    # None arriving during the drain reaches the stopping worker.
+    assert (r["late"], r["late_failed"], r["late_identical"], r["late_on_victim"]) == (2, 0, 2, 0)
     if role == "decode":  # the busiest decode worker was stopped: it served some to the end
         assert r["affected"] >= 1
