@@ -306,8 +306,10 @@ def _format(r: FailoverReport) -> str:
         f"{r.max_tokens} tokens",
         "",
         f"streams failed: {r.failed}, migrated: {r.migrated}, re-routed (refused, moved for "
-        f"free): {r.rerouted}, {whose}: {r.affected}, of {r.streams}; tokens identical to the "
-        f"in-process engine's: {r.identical} of {r.streams}",
+        f"free): {r.rerouted}"
+        + (f", {whose}: {r.affected}" if r.fault == "stop" else "")  # else the migrated ones
+        + f", of {r.streams}; tokens identical to the in-process engine's: {r.identical} of "
+        f"{r.streams}",
         *([f"first errors: {'; '.join(r.errors)}"] if r.errors else []),
         "",
         f"| {whose} streams' {what} | failover run | undisturbed run | ratio |",
