@@ -175,6 +175,12 @@ def _demo_prompts(llm, max_tokens: int) -> None:
         print(f"\n[{n} tokens, TTFT {first * 1e3:.1f} ms, ITL {itl * 1e3:.1f} ms]", flush=True)
 
 
+def _cmd_info(args: argparse.Namespace) -> int:
+    from engine.cli_remote import cmd_info
+
+    return cmd_info(args)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.router is not None:  # "" too: not a silent run of the local engine
         from engine.cli_remote import cmd_generate_remote
@@ -258,6 +264,14 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     _add_sampling_args(p, max_tokens=64)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("info", help="the model a running router serves (several routers, "
+                       "comma-separated: each one's; exits 1 when they differ)")
+    p.add_argument("--router", required=True, help="HOST:PORT[,HOST:PORT...]")
+    cli_admin.add_connection_args(p)
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per router")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_info)
 
     from engine import cli_chat
 

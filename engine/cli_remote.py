@@ -1,5 +1,5 @@
-"""``pdserve generate --router`` and the serving ``pdserve demo``: clients of a router, through
-the SDK."""
+"""``pdserve generate --router``, ``pdserve info`` and the serving ``pdserve demo``: clients of
+a router, through the SDK."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,51 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Each router's model: name, identity, limits, sampling defaults. Exits 1 when the routers
+    serve different models (or chat templates): a client given them all would mix them."""
+    import json
+    from dataclasses import asdict
+
+    from client import Client, PdserveError
+    from engine.cli_admin import connection_kwargs
+
+    addresses = [a.strip() for a in args.router.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("--router needs at least one HOST:PORT")
+    infos = []
+    try:
+        for address in addresses:
+            with Client(address, **connection_kwargs(args)) as c:
+                infos.append(c.model_info(timeout=args.timeout))
+    except PdserveError as e:
+        print(f"pdserve: error: {address}: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([{"router": a, **asdict(i)} for a, i in zip(addresses, infos)],
+                         indent=2))
+    else:
+        print("\n\n".join(_info_text(a, i) for a, i in zip(addresses, infos)))
+    if len({i.identity for i in infos}) > 1:
+        print("pdserve: the routers serve different models (or chat templates): a stream "
+              "goes on only on a router of its own", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _info_text(address: str, info) -> str:
+    ident = info.identity
+    defaults = info.sampling_defaults or "(none: the engine's)"
+    return "\n".join([
+        f"router {address}: model {info.model}",
+        f"  fingerprint {ident.fingerprint if ident else '(not reported)'}",
+        f"  chat template {(ident.chat_template or 'none') if ident else '(not reported)'}",
+        f"  vocab size {info.vocab_size}, max model len {info.max_model_len}, "
+        f"block size {info.block_size}",
+        f"  eos token ids {info.eos_token_ids}",
+        f"  sampling defaults {defaults}"])
 
 
 def cmd_demo_serving(args: argparse.Namespace, prompts: list[str]) -> int:

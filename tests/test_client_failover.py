@@ -501,5 +501,11 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
         timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"{replies['b'].text}\n"
+    # pdserve info finds what this client could not have seen until a failover: b and c differ.
+    info_proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "info", "--router", f"{b.address},{c.address}"],
+        capture_output=True, text=True, timeout=60)
+    assert info_proc.returncode == 1 and "serve different models" in info_proc.stderr
+    assert f"chat template {ident[b.address].chat_template}" in info_proc.stdout
     wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"])
     assert cluster.stop_proc(b) == 0

@@ -372,6 +372,15 @@ def test_the_admin_command_lists_counts_and_drains(cluster, capsys):
     why = {w["worker_id"]: w["model_mismatch"] for w in prefills}
     assert "config or tokenizer files differ" in why.pop(foreign.worker_id)
     assert why == {n: "" for n in names if n.startswith("prefill")}
+    # pdserve info: the model the router serves, as the router's own GetModelInfo says.
+    assert cli_main(["info", "--router", f"{addr},{addr}", "--json"]) == 0
+    infos = json.loads(capsys.readouterr().out)
+    ident = _identity(cluster)
+    assert [i["identity"]["fingerprint"] for i in infos] == [ident.fingerprint] * 2
+    assert infos[0]["router"] == addr and infos[0]["block_size"] == 16
+    assert cli_main(["info", "--router", addr]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"router {addr}: model ") and f"fingerprint {ident.fingerprint}" in text
     assert cli_main(["admin", "--router", addr, "workers", "--role", "decode", "--json"]) == 0
     decodes = json.loads(capsys.readouterr().out)
     assert [w["worker_id"] for w in decodes] == [n for n in names if n.startswith("decode")]
