@@ -29,6 +29,7 @@ for argv in (["admin", "--help"], ["generate", "--help"], ["up", "--help"]):
         main(argv)
     except SystemExit as e:
         assert e.code == 0, (argv, e.code)
+assert main(["info", "--router", "127.0.0.1:1", "--timeout", "0.5"]) == 1  # nobody there
 print("TORCH", "torch" in sys.modules)
 """)
     assert out.strip().splitlines()[-1] == "TORCH False"
