@@ -59,11 +59,20 @@ def cmd_info(args: argparse.Namespace) -> int:
                          indent=2))
     else:
         print("\n\n".join(_info_text(a, i) for a, i in zip(addresses, infos)))
-    if len({i.identity for i in infos}) > 1:
+    # A router older than identities says nothing either way.
+    if len({_model_key(i.identity) for i in infos if i.identity is not None}) > 1:
         print("pdserve: the routers serve different models (or chat templates): a stream "
               "goes on only on a router of its own", file=sys.stderr)
         return 1
     return 0
+
+
+def _model_key(ident) -> tuple:
+    """What must agree for two routers to serve one model, as a router judges a stream's
+    (router/model_match.py): the fingerprint and chat template; the name only where the
+    weights are not fingerprinted (a router given only the tokenizer)."""
+    weights = ident.fingerprint.partition(":")[2]
+    return (ident.fingerprint, ident.chat_template, "" if weights else ident.name)
 
 
 def _info_text(address: str, info) -> str:

@@ -148,3 +148,14 @@ def test_which_streams_a_router_may_go_on_with(expected, chat, why):
 def test_the_expected_model_is_quoted_cut_in_the_refusal():
     got = expected_model_mismatch(_identity("m", "f1:"), _identity("x" * 10_000, "f1:"), False)
     assert "names differ" in got and len(got) < 300
+
+
+def test_pdserve_info_compares_routers_as_a_router_compares_streams():
+    from client import ModelIdentity
+    from engine.cli_remote import _model_key
+
+    key = lambda *a: _model_key(ModelIdentity(*a))  # noqa: E731
+    assert key("a", "f:w", "t") == key("copy-of-a", "f:w", "t")  # weights decide
+    assert key("a", "f:w", "t") != key("a", "f:w2", "t")
+    assert key("a", "f:w", "t") != key("a", "f:w", "t2")
+    assert key("a", "f:", "t") != key("b", "f:", "t")  # no weights: the names decide
