@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import grpc
 
+from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from engine.call_abort import abort_call
 
 # Characters of a status message; percent-encoded in the header, the worst UTF-8 character
@@ -23,6 +24,10 @@ MAX_QUOTED_CHARS = 64
 
 
 class RouterRejectError(Exception):
+    # A trailing-metadata key the status carries, for the SDK's next attempt
+    # (client/failover.py); None: none.
+    mark: str | None = None
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
@@ -32,6 +37,8 @@ class MigrationsSpent(RouterRejectError):
     """A request's worker failed after it moved as often as --migration-limit allows: the
     worker's status, marked so that the SDK does not start it over (client/failover.py)."""
 
+    mark = MIGRATIONS_SPENT_KEY
+
     def __init__(self, e: grpc.aio.AioRpcError) -> None:
         super().__init__(e.code(), e.details() or str(e.code()))
 
@@ -39,6 +46,8 @@ class MigrationsSpent(RouterRejectError):
 class ModelMismatch(RouterRejectError):
     """A request expects another model than the router's (``GenerateRequest.expect_model``):
     marked so that the SDK takes it to another router (client/failover.py)."""
+
+    mark = MODEL_MISMATCH_KEY
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)

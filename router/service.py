@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import grpc
 
-from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused, write_message
@@ -546,9 +545,5 @@ async def _refuse(context, e: Exception) -> None:
     code, msg = status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         logger.exception("router internal error", exc_info=e)
-    marks = ()  # what the SDK reads to decide its next attempt (client/failover.py)
-    if isinstance(e, MigrationsSpent):
-        marks = ((MIGRATIONS_SPENT_KEY, "1"),)
-    elif isinstance(e, ModelMismatch):
-        marks = ((MODEL_MISMATCH_KEY, "1"),)
-    await refuse(context, code, msg, marks)
+    mark = getattr(e, "mark", None)  # what the SDK reads for its next attempt
+    await refuse(context, code, msg, ((mark, "1"),) if mark else ())
