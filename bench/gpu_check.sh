@@ -15,6 +15,8 @@
 #            the serving stack on one GPU
 #   smoke    NIXL's VRAM path, the attention kernels' compile-once check and the serving
 #            stack: ~2 min, for a lease too short for the whole of tests beside serve
+#   graphs   GPU parity and CUDA graphs alone (fused kernels on): ~1 min, beside smoke when a
+#            change to the graph runner has not run on a GPU yet
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
 #   serve    `bench serve` with each engine in its worker, then with --engine-process (each
@@ -73,6 +75,10 @@ part_smoke() {
   step 150 "${pytest_q[@]}" tests/test_serving_gpu.py
 }
 
+part_graphs() {
+  step 150 "${pytest_q[@]}" -m "not slow" tests/test_gpu_parity.py tests/test_cuda_graph.py
+}
+
 part_bench() {
   step 120 python3 -m engine.cli bench gpu --only graphs,w1 --json-out "$out/fused.json"
   step 120 env PDSERVE_DISABLE_TRITON_FUSED=1 python3 -m engine.cli bench gpu --only graphs,w1 \
@@ -124,8 +130,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(smoke bench)
 for p in "${parts[@]}"; do
   case $p in
-    tests | smoke | bench | profile | serve) "part_$p" ;;
-    *) echo "unknown part $p (tests, smoke, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
+    tests | smoke | graphs | bench | profile | serve) "part_$p" ;;
+    *) echo "unknown part $p (tests, smoke, graphs, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
   esac
 done
 grep "^== rc=" "$log" | sort | uniq -c

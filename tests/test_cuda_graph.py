@@ -17,6 +17,7 @@ from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.model_runner import prepare_input
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from kernels.input_checks import DEBUG_ENV
 
 # Requests finish at different steps, so decode batches shrink through every bucket.
 MAX_TOKENS = [12, 4, 9, 12, 6, 2, 10]
@@ -148,11 +149,14 @@ class _Graph:
 
 
 @pytest.mark.parametrize("bad", ["slot", "block"])
-def test_a_replayed_step_checks_its_indices_as_an_eager_one_does(small_llm, bad):
+def test_a_replayed_step_checks_its_indices_as_an_eager_one_does(small_llm, bad, monkeypatch):
     # A replay runs no Python, so not the attention backend's checks either: an index past the
     # cache would be written there. Here a stand-in graph replays (capture needs a GPU); CPU
-    # tensors make the checks affordable, as the debug flag does on a GPU.
+    # tensors make the checks affordable, as the debug flag does on a GPU (where the runner's
+    # tensors live when the suite runs there, and the checks would cost a sync a step).
     runner, bs = small_llm.engine.executor.runner, small_llm.engine.block_size
+    if runner.device.type != "cpu":
+        monkeypatch.setenv(DEBUG_ENV, "1")
     num_blocks = small_llm.engine.num_blocks
     graphs = DecodeGraphRunner(runner.model, CUDAGraphConfig(4, 4, bs, num_blocks=num_blocks),
                                runner.device, capture=False)
