@@ -94,7 +94,7 @@ sample_prefill_worker() {  # py-spy over the prefill worker once the closed loop
   local pid
   pid=$(pgrep -f "engine.cli prefill" | head -1)
   [ -n "$pid" ] && py-spy record -p "$pid" -d 20 -r 200 -f raw --threads --idle \
-    -o "$out/prefill.spy" --nonblocking >/dev/null 2>&1
+    -o "$out/prefill.spy" --nonblocking >"$out/py-spy.txt" 2>&1
 }
 
 sample_decode_worker() {  # py-spy over the decode worker and its engine process, as above
@@ -104,9 +104,9 @@ sample_decode_worker() {  # py-spy over the decode worker and its engine process
   [ -n "$worker" ] || return
   engine=$(pgrep -P "$worker" -f engine.engine_proc | head -1)
   py-spy record -p "$worker" -d 20 -r 200 -f raw --threads --idle -o "$out/decode-worker.spy" \
-    --nonblocking >/dev/null 2>&1 &
+    --nonblocking >>"$out/py-spy.txt" 2>&1 &
   [ -n "$engine" ] && py-spy record -p "$engine" -d 20 -r 200 -f raw --threads --idle \
-    -o "$out/decode-engine.spy" --nonblocking >/dev/null 2>&1
+    -o "$out/decode-engine.spy" --nonblocking >>"$out/py-spy.txt" 2>&1
   wait
 }
 
