@@ -89,24 +89,38 @@ part_profile() {
   step 90 python3 -m bench.gpu_step_profile --batches 1,32 --top 15
 }
 
-sample_prefill_worker() {  # py-spy over the prefill worker once the closed loops have begun
-  sleep 45
-  local pid
-  pid=$(pgrep -f "engine.cli prefill" | head -1)
-  [ -n "$pid" ] && py-spy record -p "$pid" -d 20 -r 200 -f raw --threads --idle \
-    -o "$out/prefill.spy" --nonblocking >"$out/py-spy.txt" 2>&1
+wait_for_serving() {  # waits (up to 150 s) for the next disaggregated c=1 round that this
+  # step's bench logs: the closed loops at c=8 and 32 come next. A fixed sleep missed them on
+  # the H200, where a whole `bench serve` ran in 46 s (session 47).
+  local before
+  before=$(grep -c "disagg concurrency 1:" "$log")
+  for _ in $(seq 300); do
+    [ "$(grep -c "disagg concurrency 1:" "$log")" -gt "$before" ] && return 0
+    sleep 0.5
+  done
+  return 1
 }
 
-sample_decode_worker() {  # py-spy over the decode worker and its engine process, as above
-  sleep 40
+spy() {  # spy NAME PID: 8 s of py-spy over PID, every thread, idle ones too
+  py-spy record -p "$2" -d 8 -r 250 -f raw --threads --idle -o "$out/$1.spy" --nonblocking \
+    >>"$out/py-spy.txt" 2>&1
+}
+
+sample_prefill_worker() {  # the prefill worker (its engine runs inside it in the first run)
+  wait_for_serving || return
+  local pid
+  pid=$(pgrep -f "engine.cli prefill" | head -1)
+  [ -n "$pid" ] && spy prefill "$pid"
+}
+
+sample_decode_worker() {  # the decode worker and its engine process
+  wait_for_serving || return
   local worker engine
   worker=$(pgrep -f "engine.cli decode" | head -1)
   [ -n "$worker" ] || return
   engine=$(pgrep -P "$worker" -f engine.engine_proc | head -1)
-  py-spy record -p "$worker" -d 20 -r 200 -f raw --threads --idle -o "$out/decode-worker.spy" \
-    --nonblocking >>"$out/py-spy.txt" 2>&1 &
-  [ -n "$engine" ] && py-spy record -p "$engine" -d 20 -r 200 -f raw --threads --idle \
-    -o "$out/decode-engine.spy" --nonblocking >>"$out/py-spy.txt" 2>&1
+  spy decode-worker "$worker" &
+  [ -n "$engine" ] && spy decode-engine "$engine"
   wait
 }
 

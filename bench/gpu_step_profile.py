@@ -1,7 +1,7 @@
 """Where one decode step's time goes: the engine's step loop under ``cProfile`` (host side), then
 under ``torch.profiler`` (kernels, on CUDA), for a few batch sizes.
 
-    python3 -m bench.gpu_step_profile [--model qwen3-0.6b-shape] [--batches 1,32] [--eager]
+    python3 -m bench.gpu_step_profile [--model qwen3-0.6b-shape] [--batches 1,32] [--enforce-eager]
 
 The host profile answers whether a step waits on the device (time in the sampler's ``tolist``)
 or on Python; the kernel table says which kernels fill the device's share. Both print as text:
