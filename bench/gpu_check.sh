@@ -19,6 +19,10 @@
 #            change to the graph runner has not run on a GPU yet
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
+#   c1       one long disaggregated c=1 loop (400 requests, engine processes), every service
+#            and engine process sampled with py-spy: where a single stream's time goes (5 .spy
+#            files: beside `serve`'s 3, the log and py-spy.txt that is over the 8 files the
+#            device tool brings back, so not in one call with it)
 #   serve    `bench serve` with each engine in its worker, then with --engine-process (each
 #            worker's engine in a process of its own, the default on GPUs since session 33),
 #            then that with PDSERVE_SWITCH_INTERVAL_MS=1 (GIL hand-offs), all at
@@ -102,6 +106,7 @@ wait_for_serving() {  # waits (up to 150 s) for the next disaggregated c=1 round
 }
 
 spy() {  # spy NAME PID: 8 s of py-spy over PID, every thread, idle ones too
+  [ -n "$2" ] || return
   py-spy record -p "$2" -d 8 -r 250 -f raw --threads --idle -o "$out/$1.spy" --nonblocking \
     >>"$out/py-spy.txt" 2>&1
 }
@@ -121,6 +126,35 @@ sample_decode_worker() {  # the decode worker and its engine process
   engine=$(pgrep -P "$worker" -f engine.engine_proc | head -1)
   spy decode-worker "$worker" &
   [ -n "$engine" ] && spy decode-engine "$engine"
+  wait
+}
+
+sample_c1() {  # every service and engine process, 14 s after the decode worker appears (its
+  # engine's graphs are captured by then), for `part_c1`'s single long c=1 loop
+  local decode
+  for _ in $(seq 240); do
+    decode=$(pgrep -f "engine.cli decode" | head -1)
+    [ -n "$decode" ] && break
+    sleep 0.5
+  done
+  [ -n "$decode" ] || return
+  sleep 14
+  local prefill router
+  prefill=$(pgrep -f "engine.cli prefill" | head -1)
+  router=$(pgrep -f "engine.cli router" | head -1)
+  spy c1-decode-worker "$decode" &
+  spy c1-decode-engine "$(pgrep -P "$decode" -f engine.engine_proc | head -1)" &
+  spy c1-prefill-worker "$prefill" &
+  spy c1-prefill-engine "$(pgrep -P "$prefill" -f engine.engine_proc | head -1)" &
+  spy c1-router "$router"
+  wait
+}
+
+part_c1() {
+  sample_c1 &
+  step 150 python3 -m engine.cli bench serve --request-rates '' --concurrency 1 \
+    --num-prompts 400 --rounds 1 --no-aggregated --no-inprocess --prefix-requests 0 \
+    --stream-interval 1 --engine-process
   wait
 }
 
@@ -144,8 +178,8 @@ parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(smoke bench)
 for p in "${parts[@]}"; do
   case $p in
-    tests | smoke | graphs | bench | profile | serve) "part_$p" ;;
-    *) echo "unknown part $p (tests, smoke, graphs, bench, profile, serve)" | tee -a "$log"; exit 2 ;;
+    tests | smoke | graphs | bench | profile | c1 | serve) "part_$p" ;;
+    *) echo "unknown part $p (tests, smoke, graphs, bench, profile, c1, serve)" | tee -a "$log"; exit 2 ;;
   esac
 done
 grep "^== rc=" "$log" | sort | uniq -c
