@@ -26,12 +26,10 @@ from __future__ import annotations
 import io
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from router.cluster_spec import DRAIN_TIMEOUT_S, ClusterSpec, flag_value, tp_siz
 from router.cluster_spec import cuda_device_count  # noqa: F401
 from router.gpu_placement import DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, WorkerGpus
 from router.proc_family import kill_family, pin_family
+from router import share_dirs
 from router.redis_server import RedisServer
 
 
@@ -146,8 +145,8 @@ class Cluster:
                 *self.spec.engine_args(role, extra or [])]
         if self.spec.cores_shared and tp_size(args) == 1:  # TP ranks keep their own threads
             if self._share_dir is None:
-                self._share_dir = tempfile.mkdtemp(prefix="pdserve-cores-")
-            args += ["--core-share", os.path.join(self._share_dir, "cores")]
+                self._share_dir = share_dirs.make()
+            args += ["--core-share", os.path.join(self._share_dir, share_dirs.SHARE_FILE)]
         env = self.spec.worker_env()
         gpus = self._place(role, tp_size(args))
         if gpus is not None:
@@ -345,7 +344,7 @@ class Cluster:
             self.redis.stop()
             self.redis = None
         if self._share_dir is not None:
-            shutil.rmtree(self._share_dir, ignore_errors=True)
+            share_dirs.remove(self._share_dir)
             self._share_dir = None
         if self._lifeline is not None:
             for fd in self._lifeline:

@@ -39,6 +39,22 @@ def preset_path():
     return resolve_model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _clusters_stopped():
+    """Every cluster a module starts is stopped by its end: one that is not leaves its services'
+    core-share folder behind (and, started for real, its processes)."""
+    dirs = sys.modules.get("router.share_dirs")
+    before = set(dirs.LIVE) if dirs is not None else set()
+    yield
+    dirs = sys.modules.get("router.share_dirs")
+    left = set(dirs.LIVE) - before if dirs is not None else set()
+    for path in left:
+        dirs.remove(path)
+    if left:
+        pytest.fail(f"a cluster of this module was never stopped: its core-share folders "
+                    f"{sorted(left)} were left")
+
+
 @pytest.fixture(scope="module")
 def reference():
     """The in-process engine the serving tests compare a cluster's output with."""

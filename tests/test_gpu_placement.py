@@ -113,6 +113,7 @@ def _placing(spec):
     finally:
         for p in list(cluster.procs):
             cluster.stop_proc(p, grace_s=5)
+        cluster.stop()  # its core-share folder
 
 
 def test_the_launcher_hands_each_worker_its_gpus_and_share(stand_in_spawns):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from router import share_dirs
 from router.launcher import Cluster, ClusterSpec, Proc
 
 pytestmark = pytest.mark.timeout(60)
@@ -135,7 +136,8 @@ _LAUNCHER = textwrap.dedent("""
     from tests.serving_helpers import WORKER_ARGS
     cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS, drain_timeout_s=2.0)).start()
     print(json.dumps({"services": [p.popen.pid for p in cluster.procs],
-                      "redis": cluster.redis.proc.pid}), flush=True)
+                      "redis": cluster.redis.proc.pid, "share_dir": cluster._share_dir}),
+          flush=True)
     time.sleep(600)
 """)
 
@@ -159,6 +161,10 @@ def test_a_killed_launcher_leaves_no_service_behind():
         left = [pid for pid in [*pids["services"], pids["redis"]]
                 if not _wait_gone(pid, max(0.0, deadline - time.monotonic()))]
         assert not left, f"processes {left} of {pids} outlived their launcher"
+        # Its core-share folder it could not remove: the next launcher's sweep does.
+        share_dir = pids["share_dir"]
+        assert os.path.isdir(share_dir)
+        assert share_dir in share_dirs.sweep(os.path.dirname(share_dir))
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -166,6 +172,8 @@ def test_a_killed_launcher_leaves_no_service_behind():
         for pid in [*pids.get("services", []), pids.get("redis")]:
             if pid is not None and not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+        if pids.get("share_dir"):
+            share_dirs.remove(pids["share_dir"])
 
 
 def test_stopping_the_cluster_lets_requests_in_flight_finish():
