@@ -3,6 +3,7 @@ a router, through the SDK."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -59,20 +60,23 @@ def cmd_info(args: argparse.Namespace) -> int:
                          indent=2))
     else:
         print("\n\n".join(_info_text(a, i) for a, i in zip(addresses, infos)))
-    # A router older than identities says nothing either way.
-    if len({_model_key(i.identity) for i in infos if i.identity is not None}) > 1:
+    if _models_differ([i.identity for i in infos]):
         print("pdserve: the routers serve different models (or chat templates): a stream "
               "goes on only on a router of its own", file=sys.stderr)
         return 1
     return 0
 
 
-def _model_key(ident) -> tuple:
-    """What must agree for two routers to serve one model, as a router judges a stream's
-    (router/model_match.py): the fingerprint and chat template; the name only where the
-    weights are not fingerprinted (a router given only the tokenizer)."""
-    weights = ident.fingerprint.partition(":")[2]
-    return (ident.fingerprint, ident.chat_template, "" if weights else ident.name)
+def _models_differ(identities) -> bool:
+    """Whether two of the routers would refuse each other's streams: the rule a router applies
+    to a chat's continuation (router/model_match.py), so the chat template counts. A router
+    older than identities (None) says nothing either way."""
+    from router.model_match import model_difference
+
+    known = [i for i in identities if i is not None]
+    return any(model_difference(a.name, a.fingerprint, b.name, b.fingerprint)
+               or a.chat_template != b.chat_template
+               for a, b in itertools.combinations(known, 2))
 
 
 def _info_text(address: str, info) -> str:

@@ -152,10 +152,19 @@ def test_the_expected_model_is_quoted_cut_in_the_refusal():
 
 def test_pdserve_info_compares_routers_as_a_router_compares_streams():
     from client import ModelIdentity
-    from engine.cli_remote import _model_key
+    from engine.cli_remote import _models_differ
 
-    key = lambda *a: _model_key(ModelIdentity(*a))  # noqa: E731
-    assert key("a", "f:w", "t") == key("copy-of-a", "f:w", "t")  # weights decide
-    assert key("a", "f:w", "t") != key("a", "f:w2", "t")
-    assert key("a", "f:w", "t") != key("a", "f:w", "t2")
-    assert key("a", "f:", "t") != key("b", "f:", "t")  # no weights: the names decide
+    def differ(*idents) -> bool:
+        return _models_differ([ModelIdentity(*i) if i else None for i in idents])
+
+    assert not differ(("a", "f:w", "t"), ("copy-of-a", "f:w", "t"))  # weights decide
+    assert differ(("a", "f:w", "t"), ("a", "f:w2", "t"))
+    assert differ(("a", "f:w", "t"), ("a", "f:w", "t2"))  # a chat would be refused
+    assert differ(("a", "f:", "t"), ("b", "f:", "t"))  # no weights: the names decide
+    # A router with only the tokenizer and one with the weights, of one name and files: a
+    # router takes the other's streams, so they do not differ.
+    assert not differ(("a", "f:", "t"), ("a", "f:w", "t"))
+    assert differ(("a", "f:", "t"), ("a", "f2:w", "t"))  # other files: other token ids
+    # One that differs from the second only, and a router older than identities (None).
+    assert differ(("a", "f:w", "t"), ("a", "f:w", "t"), ("a", "f:w3", "t"))
+    assert not differ(("a", "f:w", "t"), None, ("a", "f:w", "t"))
