@@ -20,7 +20,8 @@
 #   bench    `bench gpu` graphs and W1 with the fused kernels on, then off
 #   profile  one decode step's host and device time
 #   c1       one long disaggregated c=1 loop (400 requests, engine processes), every service
-#            and engine process sampled with py-spy: where a single stream's time goes (5 .spy
+#            and engine process sampled with py-spy: where a single stream's time goes. Every
+#            py-spy recording's summary (bench/spy_summary.py) goes into the log (5 .spy
 #            files: beside `serve`'s 3, the log and py-spy.txt that is over the 8 files the
 #            device tool brings back, so not in one call with it)
 #   serve    `bench serve` with each engine in its worker, then with --engine-process (each
@@ -105,17 +106,22 @@ wait_for_serving() {  # waits (up to 150 s) for the next disaggregated c=1 round
   return 1
 }
 
-spy() {  # spy NAME PID: 8 s of py-spy over PID, every thread, idle ones too
+spy() {  # spy NAME PID [THREADS]: 8 s of py-spy over PID's running threads, then its summary
+  # (bench/spy_summary.py; THREADS: a regex of the threads whose functions it lists) in the log
   [ -n "$2" ] || return
-  py-spy record -p "$2" -d 8 -r 250 -f raw --threads --idle -o "$out/$1.spy" --nonblocking \
-    >>"$out/py-spy.txt" 2>&1
+  py-spy record -p "$2" -d 8 -r 250 -f raw --threads -o "$out/$1.spy" --nonblocking \
+    >>"$out/py-spy.txt" 2>&1 || return
+  local text
+  text=$(python3 -m bench.spy_summary "$out/$1.spy" --seconds 8 --rate 250 --top 12 \
+    --thread "${3:-.}" 2>&1)
+  printf '== py-spy %s (pid %s)\n%s\n' "$1" "$2" "$text" >>"$log"
 }
 
 sample_prefill_worker() {  # the prefill worker (its engine runs inside it in the first run)
   wait_for_serving || return
   local pid
   pid=$(pgrep -f "engine.cli prefill" | head -1)
-  [ -n "$pid" ] && spy prefill "$pid"
+  [ -n "$pid" ] && spy prefill "$pid" "pdserve-engine$|MainThread"
 }
 
 sample_decode_worker() {  # the decode worker and its engine process
@@ -124,8 +130,8 @@ sample_decode_worker() {  # the decode worker and its engine process
   worker=$(pgrep -f "engine.cli decode" | head -1)
   [ -n "$worker" ] || return
   engine=$(pgrep -P "$worker" -f engine.engine_proc | head -1)
-  spy decode-worker "$worker" &
-  [ -n "$engine" ] && spy decode-engine "$engine"
+  spy decode-worker "$worker" MainThread &
+  [ -n "$engine" ] && spy decode-engine "$engine" "pdserve-engine$"
   wait
 }
 
@@ -142,11 +148,12 @@ sample_c1() {  # every service and engine process, 14 s after the decode worker 
   local prefill router
   prefill=$(pgrep -f "engine.cli prefill" | head -1)
   router=$(pgrep -f "engine.cli router" | head -1)
-  spy c1-decode-worker "$decode" &
-  spy c1-decode-engine "$(pgrep -P "$decode" -f engine.engine_proc | head -1)" &
-  spy c1-prefill-worker "$prefill" &
-  spy c1-prefill-engine "$(pgrep -P "$prefill" -f engine.engine_proc | head -1)" &
-  spy c1-router "$router"
+  spy c1-decode-worker "$decode" MainThread &
+  spy c1-decode-engine "$(pgrep -P "$decode" -f engine.engine_proc | head -1)" "pdserve-engine$" &
+  spy c1-prefill-worker "$prefill" MainThread &
+  spy c1-prefill-engine "$(pgrep -P "$prefill" -f engine.engine_proc | head -1)" \
+    "pdserve-engine$" &
+  spy c1-router "$router" MainThread
   wait
 }
 
