@@ -71,8 +71,9 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     _next_refresh: asyncio.Future | None = None
     # worker id -> (address, monotonic time until which it gets no requests): failed probes.
     _down: dict[str, tuple[str, float]] = field(default_factory=dict)
-    # One probe per worker at a time: the requests a crash failed together share it.
-    _probes: dict[str, asyncio.Future] = field(default_factory=dict)
+    # One probe per worker (id, address) at a time: the requests a crash failed together share
+    # it.
+    _probes: dict[tuple[str, str], asyncio.Future] = field(default_factory=dict)
     # Whether the request path waits on Redis now.
     _health: RedisHealth = field(default_factory=RedisHealth)
     # (worker id, model) of the workers logged as serving another model: logged once each.

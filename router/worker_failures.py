@@ -37,10 +37,13 @@ class WorkerFailures:
     async def probe(self, w: WorkerHandle) -> bool:
         """After ``w`` failed a request: whether it still serves. One that does not answer in
         time, or is draining, takes no requests until the registry drops it or it restarts."""
-        probe = self._probes.get(w.worker_id)
+        # One probe per incarnation: a worker registered anew at another address while its
+        # old one's probe hangs is asked itself, not judged by its predecessor's answer.
+        key = (w.worker_id, w.info.address)
+        probe = self._probes.get(key)
         if probe is None:
-            probe = self._probes[w.worker_id] = asyncio.ensure_future(self._probe(w))
-            probe.add_done_callback(lambda _: self._probes.pop(w.worker_id, None))
+            probe = self._probes[key] = asyncio.ensure_future(self._probe(w))
+            probe.add_done_callback(lambda _: self._probes.pop(key, None))
         return await asyncio.shield(probe)
 
     async def _probe(self, w: WorkerHandle) -> bool:

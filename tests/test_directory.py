@@ -142,6 +142,60 @@ def test_a_worker_that_fails_its_probe_gets_no_requests_until_it_returns(redis_u
     asyncio.run(body())
 
 
+class _HungInfo(worker_pb2_grpc.DecodeWorkerServicer):
+    """A worker whose info calls never answer (until released)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def GetWorkerInfo(self, request, context):
+        await self.release.wait()
+        return common_pb2.WorkerInfo()
+
+
+def test_a_worker_registered_anew_is_probed_itself_not_by_its_predecessor_s_probe(redis_url):
+    async def body():
+        servers, addresses, hung = [], [], _HungInfo()
+        for servicer in (hung, None):
+            server = grpc.aio.server()
+            port = server.add_insecure_port("127.0.0.1:0")
+            addresses.append(f"127.0.0.1:{port}")
+            info = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
+                                         address=addresses[-1], num_free_blocks=50)
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer or _DecodeInfo(info),
+                                                               server)
+            await server.start()
+            servers.append(server)
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir5"), 16, refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir5")
+        try:
+            await writer.heartbeat(common_pb2.WorkerInfo(
+                worker_id="d1", role="decode", block_size=16, address=addresses[0],
+                num_free_blocks=50))
+            await d.start()
+            old = d.workers["d1"]
+            old_probe = asyncio.ensure_future(d.probe(old))  # hangs on the wedged process
+            await asyncio.sleep(0.1)
+            # The worker restarts at another address, and a request fails on the new one.
+            await writer.heartbeat(common_pb2.WorkerInfo(
+                worker_id="d1", role="decode", block_size=16, address=addresses[1],
+                num_free_blocks=50))
+            await d.refresh()
+            new = d.workers["d1"]
+            assert new.info.address == addresses[1] and not old_probe.done()
+            assert await d.probe(new)  # its own answer, not the old one's timeout
+            assert not await old_probe  # the old incarnation did not answer in time
+            assert (await d.pick_decode(33)).info.address == addresses[1]
+        finally:
+            hung.release.set()
+            await writer.r.aclose()
+            await d.stop()
+            for server in servers:
+                await server.stop(0)
+
+    asyncio.run(body())
+
+
 def test_the_decode_worker_holding_most_of_a_prompt_is_found(redis_url):
     async def body():
         d = WorkerDirectory(Registry.from_url(redis_url, "dir4"), 16, refresh_interval_s=3600)
