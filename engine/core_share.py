@@ -11,7 +11,12 @@ hold: all the group's cores when the others are idle, its own share when they ar
 A worker that wakes up bumps a shared counter; a worker running on borrowed cores checks it
 between decoder layers (``recheck``) and gives the cores back at once, so a long prefill step
 does not keep two cores while the decode worker needs one (measured at concurrency 8: prefill
-compute 413-433 ms a prompt when borrowing held for whole steps, against 357 unshared).
+compute 413-433 ms a prompt when borrowing held for whole steps, against 357 unshared). A
+worker that goes idle bumps a second counter, and one running on fewer cores than the group
+has takes the lent ones at its next layer: an engine lends its cores only a while after its
+last step (engine/async_engine.py: its OpenMP team spins that long, and a team of the borrower
+that shares a core with a spinning one stalls at every barrier), so a step that began before
+then starts on its own share and grows.
 
 A worker holds a lock on its slot's bytes (an open file description's lock) for as long as it
 has the file open: a slot is in use while someone holds its lock. The kernel drops the lock
@@ -44,7 +49,8 @@ logger = logging.getLogger(__name__)
 MAX_SLOTS = 64
 _SLOT_FIELDS = 2  # pid, threads in use (0: idle)
 _SLOT_BYTES = _SLOT_FIELDS * 8
-# The slots, then one row whose first field counts wake-ups (a worker going idle -> busy).
+# The slots, then one row that counts wake-ups (a worker going idle -> busy) and lendings (busy
+# -> idle).
 _FILE_BYTES = (MAX_SLOTS + 1) * _SLOT_BYTES
 # Linux hands out pids up to 2**22 (pid_max's ceiling): a slot naming another pid, or 0 or a
 # negative one (kill(-n, 0) asks about a whole process group), no worker wrote.
@@ -161,6 +167,7 @@ class CoreShare:
             raise
         self.threads = 0
         self._wakeups_seen = 0
+        self._lendings_seen = 0
 
     def _map(self) -> None:
         size = os.fstat(self._fd).st_size
@@ -263,6 +270,7 @@ class CoreShare:
         # and gives back what it took from it. Read after this worker's own bump instead, a
         # bump in between would be taken as seen already.
         seen = int(self._wakeups[0])
+        self._lendings_seen = int(self._wakeups[1])  # likewise: a lending after the read counts
         woke = not self.threads
         self.threads = self._allowed()
         self._slots[self._index, 1] = self.threads
@@ -273,30 +281,38 @@ class CoreShare:
         return self.threads
 
     def recheck(self) -> int | None:
-        """Mid-step: the fewer threads to drop to when another worker woke up since this
-        step was sized and wants cores this one borrowed; None to carry on as is. One shared
-        read when nobody woke up, so it can run between layers."""
-        if self.threads <= self.config.base_threads:
+        """Mid-step: the thread count to go on with when another worker woke up since this
+        step was sized and wants cores this one borrowed (fewer), or one went idle and lent
+        its cores (more); None to carry on as is. One shared read when nobody woke up or went
+        idle, so it can run between layers."""
+        if not self.threads:  # idle: no step to resize
             return None
         if not self._whole():
+            if self.threads <= self.config.base_threads:
+                return None
             self.threads = self.config.base_threads
             return self.threads
-        if self._wakeups[0] == self._wakeups_seen:
+        woke = self._wakeups[0] != self._wakeups_seen and self.threads > self.config.base_threads
+        lent = self._wakeups[1] != self._lendings_seen and self.threads < self.config.num_cores
+        if not (woke or lent):
             return None
         self._wakeups_seen = int(self._wakeups[0])
+        self._lendings_seen = int(self._wakeups[1])
         allowed = self._allowed()
-        if allowed >= self.threads:
+        if allowed == self.threads:
             return None
         self.threads = allowed
         self._slots[self._index, 1] = allowed
         return allowed
 
     def idle(self) -> None:
-        """Nothing to compute: the cores are the others' to borrow."""
+        """Nothing to compute: the cores are the others' to borrow, at once, mid-step too."""
         if self.threads:
             self.threads = 0
             if self._whole():
                 self._slots[self._index, 1] = 0
+                self._wakeups[1] += 1  # after the slot, as for wake-ups
+                self._lendings_seen = int(self._wakeups[1])  # its own lending is no news
 
     def close(self) -> None:
         if self._fd < 0:

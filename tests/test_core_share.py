@@ -203,6 +203,63 @@ class _CountingEngine:
         pass
 
 
+def test_a_step_grows_into_cores_lent_mid_step(share_path):
+    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    peer = Peer(share_path, 2, 1)
+    try:
+        assert peer.say("busy") == 2  # I am idle: it borrows my core
+        assert me.threads_for_step() == 1  # my own share while it holds both
+        assert me.recheck() is None  # nobody woke up or went idle
+        assert peer.say("idle") == 0  # it lends: my next layer takes its core
+        assert me.recheck() == 2 and me.others_busy_threads() == 0
+        assert me.recheck() is None
+        assert peer.say("busy") == 1  # back: its own share, and mine goes back to me alone
+        assert me.recheck() == 1
+        me.idle()
+        assert me.recheck() is None  # idle: no step to resize, whoever lent what
+        assert peer.say("idle") == 0
+        assert me.recheck() is None
+    finally:
+        peer.kill()
+        me.close()
+
+
+def test_an_engine_lends_its_cores_only_a_while_after_its_last_step(share_path, monkeypatch):
+    """Its OpenMP team spins that long after a step; lent at once, a borrower's team shared a
+    core with the spinning threads (docs/benchmarks.md, session 47)."""
+    from engine import async_engine
+
+    before = torch.get_num_threads()
+    engine = _CountingEngine()
+    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    peer = Peer(share_path, 2, 1)
+
+    async def steps_then_slot(delay: float) -> int:
+        monkeypatch.setattr(async_engine, "LEND_DELAY_S", delay)
+        ae = AsyncEngine(engine, core_share=share)
+        try:
+            with engine.lock:
+                engine.work, engine.threads = 1, []
+            ae._wake.set()
+            while engine.has_unfinished_requests() or len(engine.threads) < 3:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # well past a step's end, well before a long delay's
+            return peer.say("busy")  # what the peer may take now
+        finally:
+            ae._stop.set()
+            ae._wake.set()
+            ae._thread.join(5)
+            peer.say("idle")
+
+    try:
+        assert asyncio.run(steps_then_slot(60.0)) == 1  # still held: the peer's own share
+        assert asyncio.run(steps_then_slot(0.0)) == 2  # lent at once
+    finally:
+        peer.kill()
+        share.close()
+        torch.set_num_threads(before)
+
+
 def test_engine_steps_use_the_cores_the_group_leaves(share_path):
     before = torch.get_num_threads()
     peer = Peer(share_path, 2, 1)
