@@ -28,13 +28,6 @@ logger = logging.getLogger(__name__)
 
 # An idle engine still wakes this often: leases expire and releases apply only in a step.
 _IDLE_TICK_S = 0.2
-# A core-sharing engine lends its cores this long after its last step, not at once: its
-# OpenMP team spins that long waiting for the next region (5-10 ms on the 2-core VM, whatever
-# GOMP_SPINCOUNT), and a borrower's team sharing a core with a spinning thread stalls at every
-# barrier. Lent at once, a cached-prefix prefill of tiny-llama took 26-29 ms against 7 on its
-# own share (docs/benchmarks.md, session 47). A request that comes within it finds the cores
-# and the team still warm; a peer's step that began meanwhile grows into them between layers.
-LEND_DELAY_S = 0.01
 # Shutdown lets a step in flight end this long; then the engine stops under it: its TP workers
 # are told to quit and killed if they do not (engine.tp_executor: 5 s, then 2 s for the
 # kill), which also fails a collective stuck on one of them, and the thread gets this long to
@@ -77,7 +70,9 @@ class AsyncEngine(EngineFront):
             while not self._stop.is_set() and self.error is None:
                 busy = self.engine.has_unfinished_requests()
                 if not busy:
-                    if self.core_share is not None and not self._wake.wait(LEND_DELAY_S):
+                    # Lent only once no request came within the share's delay (its team
+                    # spinning meanwhile is what the delay waits out: engine/core_share.py).
+                    if self.core_share is not None and not self._lend_waits_out_work():
                         self._go_idle(self.core_share)
                     self._wake.wait(_IDLE_TICK_S)
                     self._wake.clear()
@@ -99,6 +94,11 @@ class AsyncEngine(EngineFront):
                 logger.exception("engine thread died")
             self.error = e
             self._died(e)
+
+    def _lend_waits_out_work(self) -> bool:
+        """Waits out the core share's lend delay; whether work came meanwhile."""
+        delay = self.core_share.config.lend_delay_s
+        return bool(delay) and self._wake.wait(delay)
 
     def _after_step(self, outputs: list[RequestOutput]) -> None:
         """In the engine thread, after each step: its hook, then its outputs to the loop."""

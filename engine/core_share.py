@@ -13,10 +13,10 @@ between decoder layers (``recheck``) and gives the cores back at once, so a long
 does not keep two cores while the decode worker needs one (measured at concurrency 8: prefill
 compute 413-433 ms a prompt when borrowing held for whole steps, against 357 unshared). A
 worker that goes idle bumps a second counter, and one running on fewer cores than the group
-has takes the lent ones at its next layer: an engine lends its cores only a while after its
-last step (engine/async_engine.py: its OpenMP team spins that long, and a team of the borrower
-that shares a core with a spinning one stalls at every barrier), so a step that began before
-then starts on its own share and grows.
+has takes the lent ones at its next layer. An engine may lend its cores only a while after its
+last step (``CoreShareConfig.lend_delay_s``, $PDSERVE_CORE_LEND_DELAY_MS): its OpenMP team
+spins that long, and a borrower's team that shares a core with a spinning one stalls at every
+barrier; a step that began meanwhile starts on its own share and grows.
 
 A worker holds a lock on its slot's bytes (an open file description's lock) for as long as it
 has the file open: a slot is in use while someone holds its lock. The kernel drops the lock
@@ -68,6 +68,13 @@ class CoreShareConfig:
     num_cores: int
     # This worker's own share: what it uses while others are busy too.
     base_threads: int
+    # How long after its last step an engine lends its cores (engine/async_engine.py): 0 lends
+    # at once. Its OpenMP team spins for a while after a step (5-10 ms on the 2-core VM), and a
+    # borrower's team sharing a core with a spinning thread stalls at every barrier: lone short
+    # steps took 3-4x as long (docs/benchmarks.md, session 47). Lending later keeps a borrower
+    # that starts meanwhile on its own share until then, which costs a long prefill that starts
+    # right after the other worker's step (cold TTFT ~15% at 10 ms), hence off by default.
+    lend_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.path or "\0" in self.path:
@@ -79,6 +86,25 @@ class CoreShareConfig:
         if self.base_threads > self.num_cores:
             raise ValueError(f"base_threads ({self.base_threads}) exceeds the group's "
                              f"{self.num_cores} cores")
+        d = self.lend_delay_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
+            raise ValueError(f"lend_delay_s must be in [0, 1] seconds, got {d!r}")
+
+
+LEND_DELAY_ENV = "PDSERVE_CORE_LEND_DELAY_MS"
+
+
+def lend_delay_from_env() -> float:
+    """``CoreShareConfig.lend_delay_s`` from $PDSERVE_CORE_LEND_DELAY_MS (default 0)."""
+    raw = os.environ.get(LEND_DELAY_ENV, "0")
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{LEND_DELAY_ENV} must be a number of milliseconds, got {raw!r}") \
+            from None
+    if not 0 <= ms <= 1000:  # NaN fails this too
+        raise ValueError(f"{LEND_DELAY_ENV} must be in [0, 1000] ms, got {raw!r}")
+    return ms / 1e3
 
 
 def _alive(pid: int) -> bool:

@@ -22,7 +22,7 @@ import grpc
 
 from engine.call_abort import KV_SOURCE_FAILED, REFUSED, abort_call
 from engine.config import EngineConfig
-from engine.core_share import CoreShare, CoreShareConfig
+from engine.core_share import CoreShare, CoreShareConfig, lend_delay_from_env
 from engine.cpus import usable_cpus
 from engine.engine_client import EngineProcess, RemoteLLM
 from engine.engine_front import EngineDeadError, EngineFront
@@ -116,7 +116,8 @@ class WorkerConfig:
         if self.core_share_path is None:
             return None
         cores = self.shared_cores
-        return CoreShareConfig(self.core_share_path, cores, min(base_threads, cores))
+        return CoreShareConfig(self.core_share_path, cores, min(base_threads, cores),
+                               lend_delay_s=lend_delay_from_env())
 
     def engine_config(self) -> EngineConfig:
         """The engine's config; with core sharing its steps may use every shared core, and

@@ -224,18 +224,15 @@ def test_a_step_grows_into_cores_lent_mid_step(share_path):
         me.close()
 
 
-def test_an_engine_lends_its_cores_only_a_while_after_its_last_step(share_path, monkeypatch):
+def test_an_engine_may_lend_its_cores_only_a_while_after_its_last_step(share_path):
     """Its OpenMP team spins that long after a step; lent at once, a borrower's team shared a
     core with the spinning threads (docs/benchmarks.md, session 47)."""
-    from engine import async_engine
-
     before = torch.get_num_threads()
     engine = _CountingEngine()
-    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
     peer = Peer(share_path, 2, 1)
 
     async def steps_then_slot(delay: float) -> int:
-        monkeypatch.setattr(async_engine, "LEND_DELAY_S", delay)
+        share = CoreShare(CoreShareConfig(share_path, 2, 1, lend_delay_s=delay))
         ae = AsyncEngine(engine, core_share=share)
         try:
             with engine.lock:
@@ -249,15 +246,33 @@ def test_an_engine_lends_its_cores_only_a_while_after_its_last_step(share_path, 
             ae._stop.set()
             ae._wake.set()
             ae._thread.join(5)
+            share.close()
             peer.say("idle")
 
     try:
-        assert asyncio.run(steps_then_slot(60.0)) == 1  # still held: the peer's own share
-        assert asyncio.run(steps_then_slot(0.0)) == 2  # lent at once
+        assert asyncio.run(steps_then_slot(1.0)) == 1  # still held: the peer's own share
+        assert asyncio.run(steps_then_slot(0.0)) == 2  # lent at once (the default)
     finally:
         peer.kill()
-        share.close()
         torch.set_num_threads(before)
+
+
+def test_the_lend_delay_comes_from_the_environment(monkeypatch):
+    from engine.core_share import LEND_DELAY_ENV, lend_delay_from_env
+
+    monkeypatch.delenv(LEND_DELAY_ENV, raising=False)
+    assert lend_delay_from_env() == 0.0
+    monkeypatch.setenv(LEND_DELAY_ENV, "10")
+    assert lend_delay_from_env() == 0.01
+    engine = EngineConfig("tiny-llama", role="decode", kv_transfer_backend="nixl")
+    cfg = WorkerConfig(engine=engine, core_share_path="/tmp/x", core_share_cores=2)
+    assert cfg.core_share_config(1).lend_delay_s == 0.01
+    for bad in ("ten", "-1", "nan", "5000"):
+        monkeypatch.setenv(LEND_DELAY_ENV, bad)
+        with pytest.raises(ValueError, match=LEND_DELAY_ENV):
+            lend_delay_from_env()
+    with pytest.raises(ValueError, match="lend_delay_s"):
+        CoreShareConfig("/tmp/x", 2, 1, lend_delay_s=2.0)
 
 
 def test_engine_steps_use_the_cores_the_group_leaves(share_path):
