@@ -12,11 +12,12 @@ A worker that wakes up bumps a shared counter; a worker running on borrowed core
 between decoder layers (``recheck``) and gives the cores back at once, so a long prefill step
 does not keep two cores while the decode worker needs one (measured at concurrency 8: prefill
 compute 413-433 ms a prompt when borrowing held for whole steps, against 357 unshared). A
-worker that goes idle bumps a second counter, and one running on fewer cores than the group
-has takes the lent ones at its next layer. An engine may lend its cores only a while after its
-last step (``CoreShareConfig.lend_delay_s``, $PDSERVE_CORE_LEND_DELAY_MS): its OpenMP team
+worker that goes idle bumps a second counter. An engine may lend its cores only a while after
+its last step (``CoreShareConfig.lend_delay_s``, $PDSERVE_CORE_LEND_DELAY_MS): its OpenMP team
 spins that long, and a borrower's team that shares a core with a spinning one stalls at every
-barrier; a step that began meanwhile starts on its own share and grows.
+barrier. With such a delay, a step that began meanwhile starts on its own share and takes the
+lent cores at its next layer (without one, cores lent mid-step are left for the next step,
+since their team still spins).
 
 A worker holds a lock on its slot's bytes (an open file description's lock) for as long as it
 has the file open: a slot is in use while someone holds its lock. The kernel drops the lock
@@ -74,6 +75,8 @@ class CoreShareConfig:
     # steps took 3-4x as long (docs/benchmarks.md, session 47). Lending later keeps a borrower
     # that starts meanwhile on its own share until then, which costs a long prefill that starts
     # right after the other worker's step (cold TTFT ~15% at 10 ms), hence off by default.
+    # With it, a step also grows into cores lent mid-step (all the group's workers should
+    # share the setting: ``pdserve up`` passes its environment to each).
     lend_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -319,13 +322,15 @@ class CoreShare:
             self.threads = self.config.base_threads
             return self.threads
         woke = self._wakeups[0] != self._wakeups_seen and self.threads > self.config.base_threads
-        lent = self._wakeups[1] != self._lendings_seen and self.threads < self.config.num_cores
+        # Growing is safe only into cores lent late: lent at once, their team still spins.
+        lent = (self.config.lend_delay_s > 0 and self._wakeups[1] != self._lendings_seen
+                and self.threads < self.config.num_cores)
         if not (woke or lent):
             return None
         self._wakeups_seen = int(self._wakeups[0])
         self._lendings_seen = int(self._wakeups[1])
         allowed = self._allowed()
-        if allowed == self.threads:
+        if allowed == self.threads or (allowed > self.threads and not lent):
             return None
         self.threads = allowed
         self._slots[self._index, 1] = allowed

@@ -204,9 +204,16 @@ class _CountingEngine:
 
 
 def test_a_step_grows_into_cores_lent_mid_step(share_path):
-    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    at_once = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    me = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1, lend_delay_s=0.01))
     peer = Peer(share_path, 2, 1)
     try:
+        # A group that lends at once grows no step: the lender's team still spins then.
+        assert peer.say("busy") == 2 and at_once.threads_for_step() == 1
+        assert peer.say("idle") == 0
+        assert at_once.recheck() is None and at_once.threads == 1
+        at_once.idle()
+        # Lent late, the cores are taken at the next layer.
         assert peer.say("busy") == 2  # I am idle: it borrows my core
         assert me.threads_for_step() == 1  # my own share while it holds both
         assert me.recheck() is None  # nobody woke up or went idle
@@ -222,6 +229,7 @@ def test_a_step_grows_into_cores_lent_mid_step(share_path):
     finally:
         peer.kill()
         me.close()
+        at_once.close()
 
 
 def test_an_engine_may_lend_its_cores_only_a_while_after_its_last_step(share_path):
