@@ -337,7 +337,8 @@ class CoreShare:
         return allowed
 
     def idle(self) -> None:
-        """Nothing to compute: the cores are the others' to borrow, at once, mid-step too."""
+        """Nothing to compute: the cores are the others' to borrow (their steps under way take
+        them between layers where the group lends late: ``recheck``)."""
         if self.threads:
             self.threads = 0
             if self._whole():
