@@ -157,23 +157,42 @@ sample_c1() {  # every service and engine process, 14 s after the decode worker 
   wait
 }
 
+finish_sampler() {  # finish_sampler PID: once its bench has ended, a sampler gets
+  # GPU_CHECK_SAMPLER_GRACE_S (10) to finish a recording under way, then stops: one still
+  # waiting for workers that never came (a bench that failed early) would hold the lease
+  local pid=$1 grace=${GPU_CHECK_SAMPLER_GRACE_S:-10}
+  for _ in $(seq $((grace * 2))); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    pkill -P "$pid" 2>/dev/null
+    kill "$pid" 2>/dev/null
+    echo "== sampler stopped: its bench ended before it could record" | tee -a "$log"
+  fi
+  wait "$pid" 2>/dev/null
+}
+
 part_c1() {
   sample_c1 &
+  local sampler=$!
   step 150 python3 -m engine.cli bench serve --request-rates '' --concurrency 1 \
     --num-prompts 400 --rounds 1 --no-aggregated --no-inprocess --prefix-requests 0 \
     --stream-interval 1 --engine-process
-  wait
+  finish_sampler "$sampler"
 }
 
 part_serve() {
   sample_prefill_worker &
+  local sampler=$!
   step 200 python3 -m engine.cli bench serve --request-rates '' --stream-interval 1 \
     --no-engine-process
-  wait
+  finish_sampler "$sampler"
   sample_decode_worker &
+  sampler=$!
   step 200 python3 -m engine.cli bench serve --request-rates '' --prefix-requests 0 \
     --stream-interval 1 --engine-process --no-aggregated
-  wait
+  finish_sampler "$sampler"
   step 200 env PDSERVE_SWITCH_INTERVAL_MS=1 python3 -m engine.cli bench serve --request-rates '' \
     --prefix-requests 0 --stream-interval 1 --engine-process --no-aggregated
 }

@@ -66,3 +66,12 @@ def test_steps_past_the_budget_are_skipped_and_fail_the_check(checkout):
     done = _run(checkout, "smoke", GPU_CHECK_BUDGET_S="5")
     assert done.returncode == 1
     assert "skipped (budget of 5s spent)" in done.stdout and "== rc=0" not in done.stdout
+
+
+def test_samplers_do_not_outlive_a_bench_that_ended_early(checkout):
+    # The benches end at once here, with no workers for the py-spy samplers to find: each
+    # sampler would poll for them for minutes of the lease (120-150 s) before this fix.
+    done = _run(checkout, "c1", "serve", GPU_CHECK_SAMPLER_GRACE_S="0")
+    assert done.returncode == 0, done.stdout
+    assert sum(line == "== rc=0" for line in done.stdout.splitlines()) == 4  # c1 + 3 serves
+    assert done.stdout.count("== sampler stopped") == 3
