@@ -173,8 +173,11 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     survivors = {p.name for p in _live(cluster, "decode")}
     hung = cluster.add_worker("decode")
     cluster.wait_routable(2, len(survivors) + 1)
-    prompts = decisive_prompts(reference, 8, seed=35, max_tokens=40, lo=20, hi=60)
-    params = dict(max_tokens=40, **GREEDY)
+    # Long enough that the hung worker's streams are still running when the last stream has
+    # its fourth token: at 40 tokens they had all ended by then once (CI, session 47: first
+    # tokens 30-340 ms apart, a 40-token stream done in ~320 ms).
+    prompts = decisive_prompts(reference, 8, seed=35, max_tokens=160, lo=20, hi=60)
+    params = dict(max_tokens=160, **GREEDY)
     want = reference.generate(prompts, SamplingParams(**params))
 
     async def run():
