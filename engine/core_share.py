@@ -40,10 +40,11 @@ import logging
 import mmap
 import os
 import stat
-import struct
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine.ofd_locks import ofd_lock
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,6 @@ _FILE_BYTES = (MAX_SLOTS + 1) * _SLOT_BYTES
 # Linux hands out pids up to 2**22 (pid_max's ceiling): a slot naming another pid, or 0 or a
 # negative one (kill(-n, 0) asks about a whole process group), no worker wrote.
 _PID_MAX = 1 << 22
-# struct flock as fcntl(2) takes it (Linux, 64-bit off_t): l_type, l_whence, l_start, l_len,
-# l_pid (0 for an open file description's lock), padding.
-_FLOCK = "hhqqi4x"
-
-
 @dataclass(frozen=True)
 class CoreShareConfig:
     # The shared file; workers naming the same path share cores.
@@ -124,20 +120,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _slot_lock(fd: int, cmd: int, lock_type: int, start: int, length: int) -> int:
-    """One fcntl lock call on an open file description's lock; the l_type it returns."""
-    got = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, lock_type, os.SEEK_SET, start, length, 0))
-    return struct.unpack(_FLOCK, got)[0]
-
-
 def _slot_locks_work(fd: int) -> bool:
     """Whether this kernel and file system take open file description locks (Linux 3.15+):
     one taken and dropped again past the slots, where no worker locks."""
     if not hasattr(fcntl, "F_OFD_SETLK"):
         return False
     try:
-        _slot_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, _FILE_BYTES, 1)
-        _slot_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, _FILE_BYTES, 1)
+        ofd_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, _FILE_BYTES, 1)
+        ofd_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, _FILE_BYTES, 1)
     except OSError:
         return False
     return True
@@ -238,7 +228,7 @@ class CoreShare:
         """Takes slot ``i``'s lock, held until the file is closed; False when someone holds
         it."""
         try:
-            _slot_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, i * _SLOT_BYTES, _SLOT_BYTES)
+            ofd_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, i * _SLOT_BYTES, _SLOT_BYTES)
         except OSError as e:
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 return False
@@ -250,7 +240,7 @@ class CoreShare:
         open file: ours would not conflict, and ``i`` is never ours here)."""
         if not self._locks:
             return _alive(pid)
-        return _slot_lock(self._fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, i * _SLOT_BYTES,
+        return ofd_lock(self._fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, i * _SLOT_BYTES,
                           _SLOT_BYTES) != fcntl.F_UNLCK
 
     def _whole(self) -> bool:

@@ -15,8 +15,9 @@ import fcntl
 import os
 import shutil
 import stat
-import struct
 import tempfile
+
+from engine.ofd_locks import ofd_lock
 
 PREFIX = "pdserve-cores-"
 SHARE_FILE = "cores"
@@ -24,10 +25,6 @@ SHARE_FILE = "cores"
 # The folders this process made and has not removed yet, with the pid that made each: a forked
 # child that exits normally runs its parent's atexit hooks too, and must leave them.
 LIVE: dict[str, int] = {}
-
-# struct flock for fcntl(2) on Linux (64-bit off_t): l_type, l_whence, l_start, l_len, l_pid.
-_FLOCK = "hhqqi4x"
-
 
 def make() -> str:
     """A new folder for a cluster's share file, after sweeping those killed launchers left."""
@@ -105,9 +102,7 @@ def _locked(path: str) -> bool:
     except OSError:
         return True
     try:
-        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # l_len 0: to the end
-        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
-        return struct.unpack(_FLOCK, got)[0] != fcntl.F_UNLCK
+        return ofd_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, 0, 0) != fcntl.F_UNLCK
     except OSError as e:
         return e.errno != errno.ENOENT
     finally:
