@@ -189,7 +189,8 @@ def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
                 and isinstance(m.get("content"), str)):
             raise TypeError(f"chat message {i} must be a dict with str 'role' and 'content', "
                             f"got {m!r}")
-        out.messages.add(role=m["role"], content=m["content"])
+        out.messages.add(role=_sendable_text(m["role"], f"chat message {i}'s role"),
+                         content=_sendable_text(m["content"], f"chat message {i}'s content"))
     return out
 
 
@@ -222,16 +223,38 @@ def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
             name=expect_model.name, fingerprint=expect_model.fingerprint,
             chat_template=expect_model.chat_template))
     if isinstance(prompt, str):
-        req.text = prompt
+        req.text = _sendable_text(prompt, "the prompt")
     elif isinstance(prompt, Chat) or (isinstance(prompt, (list, tuple)) and prompt
                                       and all(isinstance(m, Mapping) for m in prompt)):
         _set_chat(req, prompt)
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        req.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.token_ids.ids.extend(_sendable_ids(prompt, "prompt"))
     else:
-        raise TypeError("prompt must be a str, a list of token ids, a list of chat messages "
-                        "or a Chat")
+        raise TypeError("prompt must be a str, a list of token ids (int, not bool), a list of "
+                        "chat messages or a Chat")
     return req
+
+
+def _sendable_ids(token_ids, what: str):
+    """``token_ids`` unless one is past the messages' int64 (protobuf's own error names
+    neither the field nor the id; the router judges the vocabulary)."""
+    bad = next((t for t in token_ids if not -(1 << 63) <= t < (1 << 63)), None)
+    if bad is not None:
+        raise ValueError(f"{what} token id {bad} cannot be sent: it is not a 64-bit integer")
+    return token_ids
+
+
+def _sendable_text(text: str, what: str) -> str:
+    """``text`` unless protobuf cannot encode it as UTF-8 (a lone surrogate, as from a
+    mis-decoded file): then a ValueError that says which text and where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} cannot be sent: it is not valid Unicode text "
+                         f"({e.reason}: {text[e.start:e.end]!r} at character {e.start})") \
+            from None
+    return text
 
 
 def _misfit(given: dict) -> str:
@@ -248,7 +271,7 @@ def _misfit(given: dict) -> str:
 def tokenize_request(prompt: str | list | Chat) -> router_pb2.TokenizeRequest:
     req = router_pb2.TokenizeRequest()
     if isinstance(prompt, str):
-        req.text = prompt
+        req.text = _sendable_text(prompt, "the text")
     elif isinstance(prompt, Chat) or (isinstance(prompt, (list, tuple))
                                       and all(isinstance(m, Mapping) for m in prompt)):
         _set_chat(req, prompt)
@@ -262,7 +285,7 @@ def detokenize_request(token_ids: list[int],
     if not isinstance(token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
         raise TypeError("detokenize takes a list of token ids")
-    return router_pb2.DetokenizeRequest(token_ids=token_ids,
+    return router_pb2.DetokenizeRequest(token_ids=_sendable_ids(token_ids, "detokenize"),
                                         skip_special_tokens=skip_special_tokens)
 
 

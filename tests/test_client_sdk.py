@@ -81,6 +81,30 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
         build_request("Hi", 123, {})
 
 
+@pytest.mark.parametrize("prompt, error, match", [
+    ("caf\udce9", ValueError, r"the prompt cannot be sent: it is not valid Unicode text "
+                               r"\(surrogates not allowed: '\\udce9' at character 3\)"),
+    ([{"role": "user", "content": "a\ud800"}], ValueError,
+     "chat message 0's content cannot be sent"),
+    ([1, 1 << 63], ValueError, f"prompt token id {1 << 63} cannot be sent"),
+    ([1, True], TypeError, r"a list of token ids \(int, not bool\)"),
+])
+def test_a_prompt_protobuf_cannot_carry_is_refused_by_name(prompt, error, match):
+    """Protobuf's own errors name neither the field nor the value (a raw UnicodeEncodeError,
+    'Value out of range'), and took True for token id 1."""
+    with pytest.raises(error, match=match):
+        build_request(prompt, None, {})
+    assert list(build_request([0, (1 << 63) - 1], None, {}).token_ids.ids) == [0, (1 << 63) - 1]
+
+
+def test_tokenize_and_detokenize_refuse_unsendable_input_by_name():
+    from client.types import detokenize_request, tokenize_request
+    with pytest.raises(ValueError, match="the text cannot be sent"):
+        tokenize_request("\ud800")
+    with pytest.raises(ValueError, match="detokenize token id -9223372036854775809"):
+        detokenize_request([-(1 << 63) - 1], True)
+
+
 def test_a_failed_over_request_keeps_the_callers_id(routers):
     lost, other = _Router(fail_after=1), _Router()
     addresses = routers(lost, other)
