@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, IDS, INT64, WORDS
+from tests.malformed_wire import assert_every_method_refuses_malformed
 from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
 
 # The statuses that blame the request (or, for RESOURCE_EXHAUSTED, the load it adds).
@@ -73,6 +74,14 @@ def test_any_request_ends_ok_or_with_a_client_status(cluster, req, streamed):
     except grpc.RpcError as e:
         assert e.code() in CLIENT_STATUSES, (e.code(), e.details(), req)
         assert e.details() and "Traceback" not in e.details()
+
+
+def test_bytes_that_are_no_request_get_invalid_argument_from_every_router_method(cluster):
+    """Not protobuf's UNKNOWN "Unexpected <class 'DecodeError'>" (engine/malformed_requests.py)."""
+    with grpc.insecure_channel(cluster.router_address) as channel:
+        for name in ("Router", "RouterAdmin"):
+            service = router_pb2.DESCRIPTOR.services_by_name[name]
+            assert assert_every_method_refuses_malformed(channel, service) > len(service.methods)
 
 
 def test_the_cluster_is_whole_afterwards(cluster):

@@ -19,6 +19,7 @@ from engine.call_abort import kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, INT64
+from tests.malformed_wire import assert_every_method_refuses_malformed
 from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
 
 EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
@@ -210,6 +211,17 @@ def test_overlong_request_ids_are_refused_by_every_worker_call(workers):
 
     [event], tasks = asyncio.run(start_on_a_stream())
     assert event.request_id == long_id and "at most" in event.error.message and not tasks
+
+
+def test_bytes_that_are_no_request_get_invalid_argument_from_every_worker_method(workers):
+    cluster, _, _ = workers
+    for proc in cluster.procs:
+        if proc.name == "router":
+            continue
+        name = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}[proc.role]
+        service = worker_pb2.DESCRIPTOR.services_by_name[name]
+        with grpc.insecure_channel(proc.address) as channel:  # DecodeMany's stream too
+            assert assert_every_method_refuses_malformed(channel, service) > len(service.methods)
 
 
 def test_the_workers_are_whole_afterwards(workers):
