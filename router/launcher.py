@@ -74,6 +74,13 @@ class Proc:
     gpus: WorkerGpus | None = None  # a worker's GPUs, where the cluster placed it on some
 
     @property
+    def label(self) -> str:
+        """The name, or before the service reported its port, its role and pid (messages)."""
+        if "{port}" not in self.name:
+            return self.name
+        return f"the {self.role} worker (pid {self.popen.pid})"
+
+    @property
     def role(self) -> str:
         """"router", "prefill" or "decode"."""
         return self.template.partition("-")[0]
@@ -232,7 +239,7 @@ class Cluster:
             while True:
                 _check_abort(proc, should_abort)
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} "
+                    raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} "
                                        "while starting")
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -241,7 +248,7 @@ class Cluster:
                 except grpc.RpcError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{proc.name} not healthy after "
+                    raise RuntimeError(f"{proc.label} not healthy after "
                                        f"{self.spec.start_timeout_s:.0f}s")
                 time.sleep(0.2)
 
@@ -254,7 +261,7 @@ class Cluster:
                 if proc.popen.poll() is not None:
                     break  # its pipe may live on in a process it started: do not wait for EOF
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{proc.name} not serving after "
+                    raise RuntimeError(f"{proc.label} not serving after "
                                        f"{self.spec.start_timeout_s:.0f}s")
             line = proc.ready.readline().decode().strip() if proc.popen.poll() is None else ""
         finally:
@@ -265,7 +272,7 @@ class Cluster:
                 proc.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} while starting")
+            raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} while starting")
         proc.address = line
         proc.name = proc.name.replace("{port}", line.rpartition(":")[2])
         if proc.name == "router":
@@ -366,7 +373,7 @@ def _check_abort(proc: Proc, should_abort: Callable[[], bool] | None) -> None:
     # Polled while a service starts: a stop must not wait out a start (minutes for a large
     # model, up to start_timeout_s).
     if should_abort is not None and should_abort():
-        raise StartAborted(f"{proc.name}: start given up for a stop")
+        raise StartAborted(f"{proc.label}: start given up for a stop")
 
 
 def _channel(args: list[str], address: str) -> grpc.Channel:
