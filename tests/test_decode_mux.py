@@ -109,7 +109,7 @@ def test_a_failing_request_ends_alone_with_its_status(cluster, reference, start,
 
 
 def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(cluster, reference):
-    prompt = random_prompts(1, seed=73, lo=30, hi=30)[0]
+    prompt = decisive_prompts(reference, 1, seed=73, max_tokens=30, lo=30, hi=30)[0]
     want = reference.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0]
 
     async def run():
@@ -129,7 +129,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(cluster, refere
 
 
 def test_cancel_aborts_one_request_and_frees_its_blocks(cluster, reference):
-    prompts = random_prompts(2, seed=74, lo=40, hi=40)
+    prompts = decisive_prompts(reference, 2, seed=74, max_tokens=[1, 40], lo=40, hi=40)
     want = reference.generate([prompts[1]], SamplingParams(max_tokens=40, **GREEDY))[0]
 
     async def run():
@@ -172,7 +172,7 @@ def test_a_caller_that_stops_its_heartbeats_is_taken_as_hung(cluster, reference)
     """A router that hangs keeps its stream open and silent: once `misses` heartbeat intervals
     pass without a control message, the worker aborts the stream's requests (blocks freed) and
     ends it, instead of decoding for nobody. A caller that keeps beating keeps its requests."""
-    prompts = random_prompts(2, seed=78, lo=20, hi=40)
+    prompts = decisive_prompts(reference, 2, seed=78, max_tokens=[1, 200], lo=20, hi=40)
     want = reference.generate([prompts[1]], SamplingParams(max_tokens=200, **GREEDY))[0]
 
     async def run():
@@ -388,7 +388,7 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
                                                                                  reference):
     port = free_port()
     router = cluster.start_router(extra=["--stream-interval", "4", "--metrics-port", str(port)])
-    prompts = random_prompts(3, seed=77, lo=20, hi=40)
+    prompts = decisive_prompts(reference, 3, seed=77, max_tokens=14, lo=20, hi=40)
     want = reference.generate(prompts, SamplingParams(max_tokens=14, **GREEDY))
     try:
         with Client(router.address, timeout=60) as c:
@@ -410,7 +410,7 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
 def test_a_decode_worker_groups_its_chunks_by_the_requests_stream_interval(cluster, reference):
     # The router passes its --stream-interval down, so the worker -> router hop shrinks too:
     # on DecodeMany and on a Decode call of its own alike.
-    prompts = random_prompts(2, seed=79, lo=20, hi=40)
+    prompts = decisive_prompts(reference, 2, seed=79, max_tokens=14, lo=20, hi=40)
     want = reference.generate(prompts, SamplingParams(max_tokens=14, **GREEDY))
 
     async def many():
