@@ -85,9 +85,11 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "lease" in err.value.details()
     # The KV's source failed, not this worker: the router moves the request off the former.
     assert kv_source_failed(err.value) and not was_refused(err.value)
-    # With the lease's whole time the same handle is read and decoded.
+    # With the lease's whole time the same handle is read and decoded, under the Prefill's
+    # id as the router sends it: the pull's release names it, so the lease ends at once (under
+    # another id the prefill worker held the blocks until the lease expired, 20 s).
     chunks = list(decode.Decode(worker_pb2.DecodeRequest(
-        request_id="lease-d2", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+        request_id="lease-p", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
         sampling=SAMPLING, kv_handle=resp.kv_handle), timeout=30))
     assert chunks[-1].finish_reason
     # A lease that is not a finite number of seconds (NaN, inf) would lift that bound.
