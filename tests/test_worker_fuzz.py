@@ -137,7 +137,7 @@ def test_corrupted_kv_handles_fail_cleanly(workers):
     resp = prefill.Prefill(worker_pb2.PrefillRequest(request_id="genuine", prompt_token_ids=prompt,
                                                      sampling=SAMPLING), timeout=30)
     chunks = list(decode.Decode(worker_pb2.DecodeRequest(
-        request_id="genuine-d", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+        request_id="genuine", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
         sampling=SAMPLING, kv_handle=resp.kv_handle), timeout=30))
     assert chunks[-1].finish_reason
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
