@@ -251,7 +251,7 @@ engine = LLMEngine(EngineConfig(sys.argv[1], tensor_parallel_size=2, num_gpu_blo
 signals = []
 for sig in (signal.SIGINT, signal.SIGTERM):  # as a service does: drain on either
     signal.signal(sig, lambda s, f: signals.append(s))
-engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=300, ignore_eos=True))
+engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=120, ignore_eos=True))
 tokens = 0
 while engine.has_unfinished_requests():
     outs = engine.step()
@@ -278,7 +278,7 @@ def test_a_signal_to_the_process_group_leaves_the_ranks_to_rank_0(preset_path, s
         with _killed_after(child) as fired:  # its whole run: a kill ends the waits below
             assert _readline(child, fired).strip() == "stepping"
             os.killpg(child.pid, getattr(signal, sig))
-            assert _readline(child, fired).split() == ["300", "1"]
+            assert _readline(child, fired).split() == ["120", "1"]  # every token, one signal
             assert child.wait(_CHILD_S) == 0
             assert not fired.is_set(), f"the child process hung: killed after {_CHILD_S} s"
     finally:
