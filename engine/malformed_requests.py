@@ -46,7 +46,7 @@ async def _refuse(context: grpc.aio.ServicerContext, bad: Malformed):
     await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, _refusal(bad))
 
 
-def _unary_request(behavior: Callable) -> Callable:
+def _unary_request(behavior: Callable, streaming: bool) -> Callable:
     """``behavior`` refusing a Malformed request first (a synchronous one too: grpc runs those
     in its executor, and the health service's List is one)."""
     if inspect.isasyncgenfunction(behavior):
@@ -69,14 +69,15 @@ def _unary_request(behavior: Callable) -> Callable:
         if isinstance(request, Malformed):  # no await here: the status, and no message
             context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             context.set_details(_refusal(request))
-            return iter(()) if inspect.isgeneratorfunction(behavior) else None
+            return iter(()) if streaming else None
         return behavior(request, context)
     return sync
 
 
-def _stream_request(behavior: Callable) -> Callable | None:
+def _stream_request(behavior: Callable, streaming: bool) -> Callable | None:
     """``behavior`` given a request iterator that refuses the call at its first Malformed
-    message (handlers that ``context.read()`` instead see the marker itself)."""
+    message (handlers that ``context.read()`` instead see the marker itself). ``streaming``
+    is _unary_request's; a synchronous behavior is left as it is (None)."""
     async def checked(requests: AsyncIterator, context) -> AsyncIterator:
         async for request in requests:
             if isinstance(request, Malformed):
@@ -112,7 +113,7 @@ def refusing_malformed(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodH
         return handler
     attr, wrap, make = _KINDS[(bool(handler.request_streaming),
                                bool(handler.response_streaming))]
-    behavior = wrap(getattr(handler, attr))
+    behavior = wrap(getattr(handler, attr), bool(handler.response_streaming))
     if behavior is None:
         return handler
     return make(behavior, request_deserializer=_tolerant(handler.request_deserializer),
