@@ -79,6 +79,26 @@ def greedy_is_decisive(out, max_tokens: int) -> bool:
                for t in out.logprobs[:max_tokens]) >= MIN_GREEDY_GAP
 
 
+def explain_greedy_mismatch(reference, prompt: list[int], got: list[int],
+                            want: list[int]) -> str:
+    """A parity assertion's message: where ``got`` leaves ``want`` (``reference``'s greedy
+    tokens for ``prompt``) and what the reference's logits said there. A step won by float
+    rounding's margin (~3e-5) went the other way by rounding; one won by far more did not:
+    then the serving path computed something else."""
+    from engine import SamplingParams
+
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if k is None:
+        return f"{len(got)} tokens against the reference's {len(want)}"
+    out = reference.generate([prompt], SamplingParams(
+        max_tokens=k + 1, temperature=0.0, ignore_eos=True, logprobs=5))[0]
+    top = out.logprobs[k].top
+    mine = next((t.logprob for t in top if t.token_id == got[k]), None)
+    margin = "beyond the top 5" if mine is None else f"{top[0].logprob - mine:.2e}"
+    return (f"token {k} is {got[k]}, the reference's {want[k]}: the reference won that step "
+            f"over {got[k]} by {margin} (top 5 {[(t.token_id, round(t.logprob, 5)) for t in top]})")
+
+
 def worker_info(address: str) -> common_pb2.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
         stub = worker_pb2_grpc.PrefillWorkerStub(ch)

@@ -22,8 +22,9 @@ from tests.decode_stream import DecodeStream as _Stream
 from tests.decode_stream import ended as _ended
 from tests.decode_stream import local_request as _request
 from tests.decode_stream import start as _start
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, free_port, parse_metrics,
-                                   random_prompts, scrape, wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, explain_greedy_mismatch,
+                                   free_port, parse_metrics, random_prompts, scrape,
+                                   wait_all_blocks_free)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -62,7 +63,8 @@ def test_requests_on_one_stream_match_the_in_process_engine_and_share_messages(c
     batches, by_rid = asyncio.run(run())
     for i, w in enumerate(want):
         events = by_rid[f"r{i}"]
-        assert _tokens(events) == w.token_ids
+        assert _tokens(events) == w.token_ids, \
+            explain_greedy_mismatch(reference, prompts[i], _tokens(events), w.token_ids)
         assert "".join(ev.chunk.text_delta for ev in events) == w.text
         assert events[-1].chunk.finish_reason == "length"
         assert events[0].chunk.HasField("timings")
@@ -124,7 +126,8 @@ def test_a_duplicate_request_id_is_refused_and_the_first_goes_on(cluster, refere
     events = asyncio.run(run())
     errors = [ev for ev in events if ev.HasField("error")]
     assert len(errors) == 1 and "already running on this stream" in errors[0].error.message
-    assert _tokens(events) == want.token_ids
+    assert _tokens(events) == want.token_ids, \
+        explain_greedy_mismatch(reference, prompt, _tokens(events), want.token_ids)
     wait_all_blocks_free([_decode_address(cluster)])
 
 
@@ -144,7 +147,8 @@ def test_cancel_aborts_one_request_and_frees_its_blocks(cluster, reference):
         return by_rid
 
     by_rid = asyncio.run(run())
-    assert _tokens(by_rid["kept"]) == want.token_ids
+    assert _tokens(by_rid["kept"]) == want.token_ids, \
+        explain_greedy_mismatch(reference, prompts[1], _tokens(by_rid["kept"]), want.token_ids)
     assert not any(ev.chunk.finish_reason or ev.HasField("error") for ev in by_rid.get("cut", []))
     wait_all_blocks_free([_decode_address(cluster)])
 
@@ -198,7 +202,9 @@ def test_a_caller_that_stops_its_heartbeats_is_taken_as_hung(cluster, reference)
     hung_events, kept_events = asyncio.run(run())
     assert hung_events.get("h")  # it had started decoding
     assert not any(ev.chunk.finish_reason or ev.HasField("error") for ev in hung_events["h"])
-    assert _tokens(kept_events["k"]) == want.token_ids  # 200 tokens: many intervals long
+    # 200 tokens: many intervals long
+    assert _tokens(kept_events["k"]) == want.token_ids, \
+        explain_greedy_mismatch(reference, prompts[1], _tokens(kept_events["k"]), want.token_ids)
     wait_all_blocks_free([_decode_address(cluster)])
 
 
@@ -395,7 +401,9 @@ def test_a_router_with_a_stream_interval_sends_the_same_tokens_in_fewer_chunks(c
             for p, w in zip(prompts, want):
                 chunks = list(c.generate(p, max_tokens=14, **GREEDY))
                 assert [len(ch.token_ids) for ch in chunks] == [1, 4, 4, 4, 1]
-                assert [t for ch in chunks for t in ch.token_ids] == w.token_ids
+                got = [t for ch in chunks for t in ch.token_ids]
+                assert got == w.token_ids, \
+                    explain_greedy_mismatch(reference, p, got, w.token_ids)
                 assert "".join(ch.text for ch in chunks) == w.text
                 assert chunks[-1].usage.completion_tokens == 14
         # The router passed the interval down: the decode worker sent 5 messages a request,
@@ -427,9 +435,11 @@ def test_a_decode_worker_groups_its_chunks_by_the_requests_stream_interval(clust
                 _request("grouped-1", prompts[1], 14, stream_interval=4), timeout=60)
             return [c async for c in call]
 
-    for chunks, w in ((asyncio.run(many()), want[0]), (asyncio.run(single()), want[1])):
+    for chunks, w, p in ((asyncio.run(many()), want[0], prompts[0]),
+                         (asyncio.run(single()), want[1], prompts[1])):
         assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 4, 1]
-        assert [t for c in chunks for t in c.token_ids] == w.token_ids
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == w.token_ids, explain_greedy_mismatch(reference, p, got, w.token_ids)
         assert "".join(c.text_delta for c in chunks) == w.text
         assert [len(c.logprobs) for c in chunks] == [0] * 5  # none asked, none merged in
         assert chunks[0].HasField("timings") and chunks[-1].finish_reason == "length"
