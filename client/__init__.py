@@ -3,7 +3,7 @@ from client.async_client import AsyncClient
 from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededError,
                            FailedPreconditionError, InternalError, InvalidArgumentError,
                            NotFoundError, PdserveError, ResourceExhaustedError,
-                           UnauthenticatedError, UnavailableError)
+                           UnauthenticatedError, UnavailableError, UnimplementedError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.types import (Chat, Choice, Completion, GenerationChunk, ModelIdentity, ModelInfo,
@@ -14,4 +14,4 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "Mode
            "Usage", "Timings", "TokenLogprobs", "PdserveError", "InvalidArgumentError",
            "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
            "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",
-           "FailedPreconditionError", "AlreadyExistsError"]
+           "FailedPreconditionError", "AlreadyExistsError", "UnimplementedError"]

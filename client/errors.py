@@ -57,6 +57,13 @@ class InternalError(PdserveError):
     code = grpc.StatusCode.INTERNAL
 
 
+class UnimplementedError(PdserveError, NotImplementedError):
+    """The server has no such method: not a pdserve router (a worker's port, another service),
+    or a router older than this client's call."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class UnauthenticatedError(PdserveError, PermissionError):
     """The router wants an API key (``api_key=``) and got none, or another."""
 
@@ -66,11 +73,17 @@ class UnauthenticatedError(PdserveError, PermissionError):
 _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, ResourceExhaustedError,
                                       UnavailableError, DeadlineExceededError, CancelledError,
                                       NotFoundError, InternalError, UnauthenticatedError,
-                                      FailedPreconditionError, AlreadyExistsError)}
+                                      FailedPreconditionError, AlreadyExistsError,
+                                      UnimplementedError)}
+# gRPC's own text for it ("Method not found!") names neither the method nor a likely cause.
+_UNIMPLEMENTED_HINT = ("the server does not serve this call: is the address a pdserve router's "
+                       "(not a worker's), and the router as new as this client?")
 
 
 def error_from_rpc(e: grpc.RpcError, note: str = "") -> PdserveError:
     """The typed exception of a failed call; ``note``, if any, follows the server's message."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(code)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        note = f"{_UNIMPLEMENTED_HINT}; {note}" if note else _UNIMPLEMENTED_HINT
     return _BY_CODE.get(code, PdserveError)(f"{details} ({note})" if note else details, code)

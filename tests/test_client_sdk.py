@@ -140,6 +140,24 @@ def test_a_blocking_streams_deadline_starts_when_it_is_read(routers):
             c.generate([5], timeout=-1)  # still checked when the iterator is made
 
 
+def test_an_address_that_is_no_router_says_so():
+    """A worker's port (any server without the Router service) answered "Method not found!"
+    alone, as a bare PdserveError."""
+    from client import UnimplementedError
+
+    server = grpc.server(ThreadPoolExecutor(2))  # no services at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}", failover=NO_CHECKS, timeout=10) as c:
+            for call in (lambda: c.complete([5], max_tokens=2), lambda: list(c.generate([5]))):
+                with pytest.raises(UnimplementedError,
+                                   match=r"is the address a pdserve router's \(not a worker's\)"):
+                    call()
+    finally:
+        server.stop(None)
+
+
 def test_a_closed_client_says_so(routers):
     addresses = routers(_Router())
     c = Client(addresses, failover=NO_CHECKS)
