@@ -23,6 +23,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from client.channels import call_metadata, open_channels
+from client.errors import error_from_rpc
 from client.failover import FailoverPolicy
 
 from protos import router_pb2, router_pb2_grpc
@@ -138,7 +139,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             sys.stdout.flush()  # here, where a reader that left is caught below
             return rc
         except grpc.RpcError as e:
-            print(f"pdserve admin: {e.code().name}: {e.details()}", file=sys.stderr)
+            # The SDK's message: its hint where the address serves no RouterAdmin.
+            print(f"pdserve admin: {e.code().name}: {error_from_rpc(e)}", file=sys.stderr)
             return 1
         except BrokenPipeError:
             # The reader left (`pdserve admin workers | head -1`): what it did not read is not

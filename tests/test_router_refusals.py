@@ -386,3 +386,21 @@ def test_admin_output_to_a_reader_that_left_ends_quietly(router):
     err = proc.stderr.read().decode()
     assert proc.wait(120) == 1
     assert "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_admin_at_an_address_that_is_no_router_says_what_it_may_be(capsys):
+    """A worker's port (a server without RouterAdmin) answered "Method not found!" alone."""
+    import concurrent.futures
+
+    from engine.cli import main as cli_main
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))  # no services at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert cli_main(["admin", "--router", f"127.0.0.1:{port}", "workers"]) == 1
+    finally:
+        server.stop(None)
+    err = capsys.readouterr().err
+    assert "pdserve admin: UNIMPLEMENTED: Method not found!" in err
+    assert "is the address a pdserve router's (not a worker's)" in err
