@@ -251,8 +251,16 @@ def _sendable_text(text: str, what: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} cannot be sent: it is not valid Unicode text "
-                         f"({e.reason}: {text[e.start:e.end]!r} at character {e.start})") \
+        bad = text[e.start:e.end]
+        if all(0xDC80 <= ord(c) <= 0xDCFF for c in bad):
+            # How Python decodes bytes that are not UTF-8 in argv, the environment or file
+            # names (surrogateescape): the user knows the byte, not the surrogate.
+            found = (f"{'byte' if len(bad) == 1 else 'bytes'} "
+                     f"{' '.join(f'0x{ord(c) - 0xDC00:02x}' for c in bad)} at character "
+                     f"{e.start}: not UTF-8; is the text in another encoding?")
+        else:
+            found = f"{e.reason}: {bad!r} at character {e.start}"
+        raise ValueError(f"{what} cannot be sent: it is not valid Unicode text ({found})") \
             from None
     return text
 

@@ -83,7 +83,8 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
 
 @pytest.mark.parametrize("prompt, error, match", [
     ("caf\udce9", ValueError, r"the prompt cannot be sent: it is not valid Unicode text "
-                               r"\(surrogates not allowed: '\\udce9' at character 3\)"),
+                               r"\(byte 0xe9 at character 3: not UTF-8"),
+    ("a\ud800", ValueError, r"\(surrogates not allowed: '\\ud800' at character 1\)"),
     ([{"role": "user", "content": "a\ud800"}], ValueError,
      "chat message 0's content cannot be sent"),
     ([1, 1 << 63], ValueError, f"prompt token id {1 << 63} cannot be sent"),
