@@ -11,6 +11,7 @@ handler a wrapper that refuses the marker before the service sees it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -74,10 +75,10 @@ def _unary_request(behavior: Callable, streaming: bool) -> Callable:
     return sync
 
 
-def _stream_request(behavior: Callable, streaming: bool) -> Callable | None:
+def _stream_request(behavior: Callable) -> Callable | None:
     """``behavior`` given a request iterator that refuses the call at its first Malformed
-    message (handlers that ``context.read()`` instead see the marker itself). ``streaming``
-    is _unary_request's; a synchronous behavior is left as it is (None)."""
+    message (handlers that ``context.read()`` instead see the marker itself); None for a
+    synchronous one, left as it is."""
     async def checked(requests: AsyncIterator, context) -> AsyncIterator:
         async for request in requests:
             if isinstance(request, Malformed):
@@ -99,8 +100,10 @@ def _stream_request(behavior: Callable, streaming: bool) -> Callable | None:
 
 
 _KINDS = {
-    (False, False): ("unary_unary", _unary_request, grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", _unary_request, grpc.unary_stream_rpc_method_handler),
+    (False, False): ("unary_unary", functools.partial(_unary_request, streaming=False),
+                     grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", functools.partial(_unary_request, streaming=True),
+                    grpc.unary_stream_rpc_method_handler),
     (True, False): ("stream_unary", _stream_request, grpc.stream_unary_rpc_method_handler),
     (True, True): ("stream_stream", _stream_request, grpc.stream_stream_rpc_method_handler),
 }
@@ -113,7 +116,7 @@ def refusing_malformed(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodH
         return handler
     attr, wrap, make = _KINDS[(bool(handler.request_streaming),
                                bool(handler.response_streaming))]
-    behavior = wrap(getattr(handler, attr), bool(handler.response_streaming))
+    behavior = wrap(getattr(handler, attr))
     if behavior is None:
         return handler
     return make(behavior, request_deserializer=_tolerant(handler.request_deserializer),
