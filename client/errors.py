@@ -80,8 +80,28 @@ _UNIMPLEMENTED_HINT = ("the server does not serve this call: is the address a pd
                        "(not a worker's), and the router as new as this client?")
 
 
+# What gRPC's server says when it stops with calls that arrived but that no handler took yet:
+# it ends them CANCELLED, with this text and no metadata (grpc/grpc#41785), though the caller
+# cancelled nothing and the server did none of the call.
+_UNHANDLED_DETAILS = "CANCELLED"
+UNHANDLED_MESSAGE = "the server stopped before it took the call (none of it ran)"
+
+
+def never_handled(e: BaseException) -> bool:
+    """Whether a call's error is a stopping server's end of a call no handler took: no part
+    of it ran, so it may go to another server as if the connection had failed."""
+    code, details, trailing = (getattr(e, name, None)
+                               for name in ("code", "details", "trailing_metadata"))
+    if not isinstance(e, grpc.RpcError) or not callable(code) or not callable(details):
+        return False
+    return (code() == grpc.StatusCode.CANCELLED and details() == _UNHANDLED_DETAILS
+            and not (trailing() if callable(trailing) else None))
+
+
 def error_from_rpc(e: grpc.RpcError, note: str = "") -> PdserveError:
     """The typed exception of a failed call; ``note``, if any, follows the server's message."""
+    if never_handled(e):  # the router stopped: a server fault, not the caller's cancel
+        return UnavailableError(f"{UNHANDLED_MESSAGE} ({note})" if note else UNHANDLED_MESSAGE)
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(code)
     if code == grpc.StatusCode.UNIMPLEMENTED:

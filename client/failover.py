@@ -2,7 +2,8 @@
 
 A client built with several router addresses sends each new request to the next one in turn.
 A call that fails with UNAVAILABLE (the router is down or restarting, or it has no worker to
-offer right now) is tried again, on the next router, after a short back-off once every router
+offer right now), or that a stopping router ended before taking it (client/errors.py's
+``never_handled``), is tried again, on the next router, after a short back-off once every router
 was tried: from scratch when nothing had arrived, else as a continuation of the prompt and the
 tokens already received (``GenerateRequest.resume_token_ids``), so the stream the caller reads
 goes on without a gap or a repeat. The caller's deadline bounds every attempt together. Other
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from client.errors import never_handled
 from client.keepalive import check_keepalive, keepalive_options
 from client.liveness import check_health_checks
 from client.types import GenerationChunk, chunk_from_proto
@@ -145,7 +147,7 @@ class Attempts:
         foreign = has_mark(error, MODEL_MISMATCH_KEY)
         if foreign:
             self.foreign.add(self.router)
-        if ((error.code() not in RETRYABLE and not foreign)
+        if ((error.code() not in RETRYABLE and not foreign and not never_handled(error))
                 or len(self.foreign) >= self.num_routers
                 or self.retries >= self.policy.max_retries
                 or has_mark(error, MIGRATIONS_SPENT_KEY)):

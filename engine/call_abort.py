@@ -16,6 +16,8 @@ from typing import NoReturn
 
 import grpc
 
+from client.errors import never_handled
+
 try:
     from grpc._cython.cygrpc import ExecuteBatchError  # grpc.aio does not export it
 except ImportError:  # a grpc that moved it: every service must still start; late sends then
@@ -47,9 +49,10 @@ _NO_CONNECTION = "failed to connect to all addresses"
 
 def was_refused(e: BaseException) -> bool:
     """Whether a call's error says the worker took none of the request: its refusal before any
-    work (``REFUSED_KEY``), or a call that never reached it (no connection could be opened:
-    a worker that exited since the router last read the registry)."""
-    if _marked(e, REFUSED_KEY):
+    work (``REFUSED_KEY``), a call that never reached it (no connection could be opened: a
+    worker that exited since the router last read the registry), or one its stopping server
+    ended before any handler took it (client/errors.py's ``never_handled``)."""
+    if _marked(e, REFUSED_KEY) or never_handled(e):
         return True
     return (isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None))
             and e.code() == grpc.StatusCode.UNAVAILABLE

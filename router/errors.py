@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import grpc
 
+from client.errors import UNHANDLED_MESSAGE, never_handled
 from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from engine.call_abort import abort_call
 
@@ -40,7 +41,7 @@ class MigrationsSpent(RouterRejectError):
     mark = MIGRATIONS_SPENT_KEY
 
     def __init__(self, e: grpc.aio.AioRpcError) -> None:
-        super().__init__(e.code(), e.details() or str(e.code()))
+        super().__init__(*status_of(e))
 
 
 class ModelMismatch(RouterRejectError):
@@ -78,6 +79,8 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, grpc.aio.AioRpcError):
+        if never_handled(e):  # a worker stopped under it: not the client's cancel
+            return grpc.StatusCode.UNAVAILABLE, f"a worker: {UNHANDLED_MESSAGE}"
         # A worker's status passes through (its message names the problem).
         return e.code(), e.details() or str(e.code())
     if isinstance(e, (asyncio.CancelledError, GeneratorExit)):

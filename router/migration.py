@@ -12,7 +12,8 @@ equals the uninterrupted run's. The client sees one unbroken stream; its final u
 
 Only UNAVAILABLE moves a request: INVALID_ARGUMENT would fail again anywhere,
 RESOURCE_EXHAUSTED is the cluster's back-pressure, and DEADLINE_EXCEEDED and CANCELLED are the
-client's own. ``--migration-limit`` bounds the moves per request. A worker's refusal before it
+client's own (but for the CANCELLED a stopping worker's gRPC server ends a call with that no
+handler took yet, which is the worker's refusal: engine/call_abort.py's ``was_refused``). ``--migration-limit`` bounds the moves per request. A worker's refusal before it
 did any of the request (draining, or its engine dead, since the router last heard of it; the
 worker says so, engine/call_abort.py's REFUSED_KEY) moves it without spending one, once per
 worker: nothing was lost, and a rolling restart's race must not fail requests.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.call_abort import was_refused
 from protos import router_pb2
 from router.directory import WorkerHandle
 
@@ -96,5 +98,8 @@ class RequestRun:
 
 
 def is_migratable(exc: BaseException) -> bool:
-    """A worker's failure another worker may recover from."""
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+    """A worker's failure another worker may recover from: UNAVAILABLE, or a call its
+    stopping server ended CANCELLED before any handler took it (the router's own cancels
+    raise CancelledError in the router, never a status)."""
+    return isinstance(exc, grpc.aio.AioRpcError) and (
+        exc.code() == grpc.StatusCode.UNAVAILABLE or was_refused(exc))
