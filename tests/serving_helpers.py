@@ -96,7 +96,20 @@ def explain_greedy_mismatch(reference, prompt: list[int], got: list[int],
     mine = next((t.logprob for t in top if t.token_id == got[k]), None)
     margin = "beyond the top 5" if mine is None else f"{top[0].logprob - mine:.2e}"
     return (f"token {k} is {got[k]}, the reference's {want[k]}: the reference won that step "
-            f"over {got[k]} by {margin} (top 5 {[(t.token_id, round(t.logprob, 5)) for t in top]})")
+            f"over {got[k]} by {margin} (top 5 {[(t.token_id, round(t.logprob, 5)) for t in top]})"
+            f"; {_oracle_says(reference, prompt + got[:k], want[k], got[k])}")
+
+
+def _oracle_says(reference, context: list[int], want: int, got: int) -> str:
+    """Which of the two tokens Hugging Face's model picks after ``context``: the reference may
+    be the one that went wrong (its rerun above reads its prefix cache, which the first run
+    filled, so a fault in that run repeats in it)."""
+    from tests.hf_oracle import hf_last_logprobs
+
+    lp = hf_last_logprobs(str(reference.engine.model_path), context)
+    a, b = float(lp[want]), float(lp[got])
+    winner = "the reference's" if a > b else "the served"
+    return f"transformers picks {winner} token by {abs(a - b):.2e} (argmax {int(lp.argmax())})"
 
 
 def worker_info(address: str) -> common_pb2.WorkerInfo:
