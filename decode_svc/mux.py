@@ -102,21 +102,29 @@ class _DecodeMux:
 
     async def watch_caller(self) -> None:
         """Ends the stream, its requests aborted, once a caller that sends heartbeats has been
-        silent for ``misses`` intervals."""
+        silent for ``misses`` intervals.
+
+        A check that wakes late (this worker's own loop stalled: a starved process) judges
+        nothing: the caller's heartbeats may be waiting, unread, behind it, and the reader gets
+        one interval to take them first."""
         await self._heard_first.wait()
         loop = asyncio.get_running_loop()
+        stalled = False
         while self.reading:
-            limit = self.heartbeat.interval_s * self.heartbeat.misses
+            interval = self.heartbeat.interval_s
+            limit = interval * self.heartbeat.misses
             silent = loop.time() - self.heard
-            if silent >= limit:
+            if silent >= limit and not stalled:
                 logger.warning("DecodeMany caller silent for %.1f s (heartbeats every %g s): "
                                "taken as hung; its %d request(s) are aborted", silent,
-                               self.heartbeat.interval_s, len(self.tasks))
+                               interval, len(self.tasks))
                 self.cancel_all()
                 self.reading = False
                 self.ready.set()
                 return
-            await asyncio.sleep(limit - silent)
+            wake = loop.time() + (limit - silent if silent < limit else interval)
+            await asyncio.sleep(wake - loop.time())
+            stalled = loop.time() - wake > interval
 
     def _start(self, start: worker_pb2.DecodeStart) -> None:
         rid = start.request.request_id
