@@ -88,8 +88,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                                 self.rt.worker_id, time.time(),
                                                 request.kv_handle.lease_timeout_s))
         t0 = time.monotonic()
+        # A handle from before lease_id existed: the lease is under the same id as this call.
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
-                         lease_ends)
+                         lease_ends, request.kv_handle.lease_id or rid)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         first_chunk = True
@@ -143,6 +144,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # NaN or inf would lift the bound that keeps the pull inside the lease.
             raise ValueError(f"kv_handle lease_timeout_s must be a finite number >= 0, got "
                              f"{h.lease_timeout_s}")
+        if len(h.lease_id) > convert.MAX_WORKER_REQUEST_ID_CHARS:
+            raise ValueError(f"kv_handle lease_id is {len(h.lease_id)} characters; at most "
+                             f"{convert.MAX_WORKER_REQUEST_ID_CHARS}")
         if h.backend != cfg.kv_transfer_backend:
             raise ValueError(f"kv_handle uses backend {h.backend!r}; this decode worker uses "
                              f"{cfg.kv_transfer_backend!r}")
@@ -160,7 +164,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
                     remote_block_ids: list[int], remaining: float | None,
-                    lease_ends: float) -> None:
+                    lease_ends: float, lease_id: str) -> None:
         """Reads the prompt's KV, within the caller's deadline and before the prefill lease
         ends: a one-sided read past it would copy blocks the prefill worker may have given to
         another prompt, and this worker would decode, and cache, another prompt's KV."""
@@ -177,7 +181,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # with pulls from a stalled owner), and a timeout would start counting only then.
         deadline = time.monotonic() + min(timeout, lease_left)
         pull = asyncio.ensure_future(asyncio.to_thread(
-            self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, None, deadline))
+            self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, None, deadline, lease_id))
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:

@@ -315,10 +315,11 @@ class RemoteLLM:
         return list(self._info.kv_transfer_handles)
 
     def pull_kv(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
-                timeout_s: float | None = None, deadline: float | None = None):
+                timeout_s: float | None = None, deadline: float | None = None,
+                lease_id: str | None = None):
         # time.monotonic() is this host's clock, the engine process's too.
         return self._proc.submit("pull_kv", alloc, list(remotes), list(remote_block_ids),
-                                 timeout_s, deadline).result()
+                                 timeout_s, deadline, lease_id).result()
 
     def preconnect_kv(self, remotes: list) -> bool:
         return self._proc.submit("preconnect_kv", list(remotes)).result()

@@ -35,14 +35,16 @@ class EngineKVTransfer:
         return list(self.kv_connector.handles)
 
     def pull_kv(self, alloc: KVAllocation, remotes: list, remote_block_ids: list[int],
-                timeout_s: float | None = None, deadline: float | None = None):
+                timeout_s: float | None = None, deadline: float | None = None,
+                lease_id: str | None = None):
         """Decode role: pulls the prompt KV of ``alloc`` from the remote ranks into
         ``alloc.block_ids_to_fill`` on every local rank (blocking, without the step lock: call
         it outside the step thread). Returns kvtransfer.TransferStats. On success the owner is
         told to release its lease; on failure kvtransfer.TransferError (or ValueError for bad
         input) is raised and the caller aborts the request. It ends within ``timeout_s``
         (default: kv_transfer_timeout_s) from now, and posts no read after ``deadline``
-        (time.monotonic(), as the caller set it: a pull may wait for a thread first)."""
+        (time.monotonic(), as the caller set it: a pull may wait for a thread first).
+        ``lease_id``: the id of the owner's lease on the blocks (default: the request's)."""
         from kvtransfer.agent import check_timeout
 
         self._need_connector()
@@ -51,7 +53,7 @@ class EngineKVTransfer:
         end = time.monotonic() + timeout
         if deadline is not None:
             end = min(end, float(deadline))
-        return self.kv_connector.pull(alloc, remotes, remote_block_ids, end)
+        return self.kv_connector.pull(alloc, remotes, remote_block_ids, end, lease_id)
 
     def preconnect_kv(self, remotes: list) -> bool:
         """Decode role: connects to a prefill engine's ranks (kvtransfer.KVAgentHandle) ahead

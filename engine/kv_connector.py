@@ -91,10 +91,11 @@ class KVConnector:
         return self.agent.peer_names()
 
     def pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
-             remote_block_ids: list[int], deadline: float) -> TransferStats:
+             remote_block_ids: list[int], deadline: float,
+             lease_id: str | None = None) -> TransferStats:
         """Fills ``alloc.block_ids_to_fill`` from the matching tail of ``remote_block_ids``
         on every local rank, no rank posting a read after ``deadline`` (time.monotonic());
-        then tells the owner to release its lease."""
+        then tells the owner to release its lease (``lease_id``; default: the request's id)."""
         if not isinstance(alloc, KVAllocation):
             raise ValueError(f"alloc must be a KVAllocation, got {type(alloc).__name__}")
         if not isinstance(remotes, (list, tuple)) or not remotes:
@@ -106,7 +107,9 @@ class KVConnector:
         local_ids = alloc.block_ids_to_fill
         # Rank 0 checks layouts and ids before any rank moves a byte.
         plan_pull(self.agent.layout, self.agent.backend, list(remotes), remote_ids, local_ids)
-        notify = RELEASE_PREFIX + alloc.request_id.encode()
+        if lease_id is not None and not isinstance(lease_id, str):
+            raise ValueError(f"lease_id must be a string, got {type(lease_id).__name__}")
+        notify = RELEASE_PREFIX + (lease_id or alloc.request_id).encode()
         t0 = time.monotonic()
         timeout_s = deadline - t0
         if timeout_s <= 0:

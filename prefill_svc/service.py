@@ -107,7 +107,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.rt.worker_id, worker_address=self.rt.address,
             backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
             block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
-            lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0)))
+            lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0), lease_id=rid))
         try:
             self._check_size(resp, request)
         except ValueError:

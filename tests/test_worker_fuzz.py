@@ -9,6 +9,7 @@ import asyncio
 import base64
 import json
 import random
+import time
 
 import grpc
 import pytest
@@ -17,10 +18,11 @@ from hypothesis import strategies as st
 
 from engine.call_abort import kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, INT64
 from tests.malformed_wire import assert_every_method_refuses_malformed
-from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
+from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free, worker_info
 
 EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
 SAMPLING = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -85,13 +87,19 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "lease" in err.value.details()
     # The KV's source failed, not this worker: the router moves the request off the former.
     assert kv_source_failed(err.value) and not was_refused(err.value)
-    # With the lease's whole time the same handle is read and decoded, under the Prefill's
-    # id as the router sends it: the pull's release names it, so the lease ends at once (under
-    # another id the prefill worker held the blocks until the lease expired, 20 s).
+    # With the lease's whole time the same handle is read and decoded, here under another id
+    # than the Prefill's: the pull's release names the handle's lease_id, so the lease ends at
+    # once (named by the Decode's id, it held the blocks until it expired, 20 s).
+    assert resp.kv_handle.lease_id == "lease-p"
     chunks = list(decode.Decode(worker_pb2.DecodeRequest(
-        request_id="lease-p", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+        request_id="lease-d2", prompt_token_ids=prompt, first_token_id=resp.first_token_id,
         sampling=SAMPLING, kv_handle=resp.kv_handle), timeout=30))
     assert chunks[-1].finish_reason
+    prefill_address = next(p.address for p in cluster.procs if p.role == "prefill")
+    deadline = time.monotonic() + 10  # half the lease: its expiry cannot be what ended it
+    while worker_info(prefill_address).num_leased and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker_info(prefill_address).num_leased == 0
     # A lease that is not a finite number of seconds (NaN, inf) would lift that bound.
     for bad in (float("nan"), float("inf"), -1.0):
         handle.lease_timeout_s = bad
@@ -101,6 +109,14 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
                 first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle),
                 timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+    handle.lease_timeout_s = 10.0
+    handle.lease_id = "x" * (MAX_WORKER_REQUEST_ID_CHARS + 1)  # released by a name too long
+    with pytest.raises(grpc.RpcError) as err:
+        list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id="lease-long", prompt_token_ids=prompt,
+            first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lease_id" in err.value.details()
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
 
 
