@@ -3,11 +3,11 @@
 A client built with several router addresses sends each new request to the next one in turn.
 A call that fails with UNAVAILABLE (the router is down or restarting, or it has no worker to
 offer right now), or that a stopping router ended before taking it (client/errors.py's
-``never_handled``), is tried again, on the next router, after a short back-off once every router
-was tried: from scratch when nothing had arrived, else as a continuation of the prompt and the
-tokens already received (``GenerateRequest.resume_token_ids``), so the stream the caller reads
-goes on without a gap or a repeat. The caller's deadline bounds every attempt together. Other
-statuses are the caller's to see at once.
+``never_handled``), is tried again, on the next router, after a short back-off once every
+router was tried: from scratch when nothing had arrived, else as a continuation of the prompt
+and the tokens already received (``GenerateRequest.resume_token_ids``), so the stream the
+caller reads goes on without a gap or a repeat. The caller's deadline bounds every attempt
+together. Other statuses are the caller's to see at once.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 
-from client.errors import UNHANDLED_MESSAGE, never_handled
+from client.errors import never_handled
 from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from engine.call_abort import abort_call
 
@@ -80,7 +80,7 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, grpc.aio.AioRpcError):
         if never_handled(e):  # a worker stopped under it: not the client's cancel
-            return grpc.StatusCode.UNAVAILABLE, f"a worker: {UNHANDLED_MESSAGE}"
+            return grpc.StatusCode.UNAVAILABLE, "a worker stopped before it took the call"
         # A worker's status passes through (its message names the problem).
         return e.code(), e.details() or str(e.code())
     if isinstance(e, (asyncio.CancelledError, GeneratorExit)):

@@ -13,9 +13,10 @@ equals the uninterrupted run's. The client sees one unbroken stream; its final u
 Only UNAVAILABLE moves a request: INVALID_ARGUMENT would fail again anywhere,
 RESOURCE_EXHAUSTED is the cluster's back-pressure, and DEADLINE_EXCEEDED and CANCELLED are the
 client's own (but for the CANCELLED a stopping worker's gRPC server ends a call with that no
-handler took yet, which is the worker's refusal: engine/call_abort.py's ``was_refused``). ``--migration-limit`` bounds the moves per request. A worker's refusal before it
-did any of the request (draining, or its engine dead, since the router last heard of it; the
-worker says so, engine/call_abort.py's REFUSED_KEY) moves it without spending one, once per
+handler took yet, which is the worker's refusal: engine/call_abort.py's ``was_refused``).
+``--migration-limit`` bounds the moves per request. A worker's refusal before it did any of
+the request (draining, or its engine dead, since the router last heard of it; the worker
+says so, engine/call_abort.py's REFUSED_KEY) moves it without spending one, once per
 worker: nothing was lost, and a rolling restart's race must not fail requests.
 """
 from __future__ import annotations

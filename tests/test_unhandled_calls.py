@@ -80,7 +80,7 @@ def test_the_router_moves_such_a_request_as_refused_and_never_passes_the_cancel_
     assert is_migratable(e) and was_refused(e)  # router/service.py's _migrate: no migration
     assert not is_migratable(own) and not was_refused(own)
     code, message = status_of(e)
-    assert code == grpc.StatusCode.UNAVAILABLE and "stopped before it took" in message
+    assert code == grpc.StatusCode.UNAVAILABLE and "a worker stopped before it took" in message
     assert status_of(own) == (grpc.StatusCode.CANCELLED, "the KV was released")
     # A request whose migrations were spent ends as the worker's failure, not a cancel.
     assert MigrationsSpent(e).code == grpc.StatusCode.UNAVAILABLE
