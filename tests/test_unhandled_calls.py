@@ -56,16 +56,23 @@ async def _burst_then_stop(calls: int) -> list[BaseException | None]:
 
 @pytest.fixture(scope="module")
 def errors():
-    for _ in range(3):  # the burst outruns the server's taking of calls by far (1 in 200 taken)
-        own, *burst = asyncio.run(_burst_then_stop(300))
-        unhandled = [e for e in burst if e is not None and e.code() == grpc.StatusCode.CANCELLED]
-        if unhandled:
-            return own, unhandled
-    pytest.fail("no call of 3 bursts of 300 was left untaken by the stopping server")
+    """(a handler's own CANCELLED, the errors of calls the stopping server did not answer)."""
+    own, *burst = asyncio.run(_burst_then_stop(300))
+    failed = [e for e in burst if e is not None]
+    assert failed  # 300 calls outrun the server's taking of them by far (~1 in 200 taken)
+    return own, failed
 
 
-def test_a_call_the_stopping_server_never_took_is_told_apart(errors):
-    own, unhandled = errors
+@pytest.fixture
+def unhandled(errors):
+    cancelled = [e for e in errors[1] if e.code() == grpc.StatusCode.CANCELLED]
+    if not cancelled:  # grpc/grpc#41785 fixed: such calls may end UNAVAILABLE instead
+        pytest.skip(f"grpc {grpc.__version__} ended no untaken call CANCELLED at its stop")
+    return cancelled
+
+
+def test_a_call_the_stopping_server_never_took_is_told_apart(errors, unhandled):
+    own, _ = errors
     assert all(never_handled(e) for e in unhandled)
     # A handler's own CANCELLED names its reason: the request's, not the server's stop.
     assert own.code() == grpc.StatusCode.CANCELLED and not never_handled(own)
@@ -74,22 +81,26 @@ def test_a_call_the_stopping_server_never_took_is_told_apart(errors):
     assert not never_handled(with_metadata)
 
 
-def test_the_router_moves_such_a_request_as_refused_and_never_passes_the_cancel_on(errors):
-    own, unhandled = errors
-    e = unhandled[0]
-    assert is_migratable(e) and was_refused(e)  # router/service.py's _migrate: no migration
+def test_every_call_a_stopping_worker_did_not_answer_moves_and_none_ends_cancelled(errors):
+    """Whatever status the server's stop gave them (grpc 1.85: CANCELLED for calls no handler
+    took, UNAVAILABLE for one it cut), the router moves the request, and a client that gets
+    one from a stopping router tries the next."""
+    own, failed = errors
+    for e in failed:
+        assert is_migratable(e), (e.code(), e.details())
+        assert status_of(e)[0] == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+        assert Attempts(FailoverPolicy(), 2, 0, None).after(e) == 0.0
+        assert isinstance(error_from_rpc(e), UnavailableError)
     assert not is_migratable(own) and not was_refused(own)
+    assert status_of(own) == (grpc.StatusCode.CANCELLED, "the KV was released")
+    assert Attempts(FailoverPolicy(), 2, 0, None).after(own) is None
+    assert isinstance(error_from_rpc(own), CancelledError)
+
+
+def test_the_router_moves_a_call_no_handler_took_as_refused(unhandled):
+    e = unhandled[0]
+    assert was_refused(e)  # router/service.py's _migrate: sent on without spending a migration
     code, message = status_of(e)
     assert code == grpc.StatusCode.UNAVAILABLE and "a worker stopped before it took" in message
-    assert status_of(own) == (grpc.StatusCode.CANCELLED, "the KV was released")
     # A request whose migrations were spent ends as the worker's failure, not a cancel.
     assert MigrationsSpent(e).code == grpc.StatusCode.UNAVAILABLE
-
-
-def test_the_sdk_tries_the_next_router_and_never_reports_a_cancel(errors):
-    own, unhandled = errors
-    e = unhandled[0]
-    assert Attempts(FailoverPolicy(), 2, 0, None).after(e) == 0.0
-    assert Attempts(FailoverPolicy(), 2, 0, None).after(own) is None
-    assert isinstance(error_from_rpc(e), UnavailableError)
-    assert isinstance(error_from_rpc(own), CancelledError)
