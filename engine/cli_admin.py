@@ -140,7 +140,8 @@ def cmd_admin(args: argparse.Namespace) -> int:
             return rc
         except grpc.RpcError as e:
             # The SDK's message: its hint where the address serves no RouterAdmin.
-            print(f"pdserve admin: {e.code().name}: {error_from_rpc(e)}", file=sys.stderr)
+            err = error_from_rpc(e)  # its code too: a stopping router's CANCELLED is not one
+            print(f"pdserve admin: {err.code.name}: {err}", file=sys.stderr)
             return 1
         except BrokenPipeError:
             # The reader left (`pdserve admin workers | head -1`): what it did not read is not
