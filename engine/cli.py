@@ -230,6 +230,8 @@ BENCHMARKS = [
             "bandwidth vs copy"),
     ("startup", "a cluster's start, scale-out and stop with the tokenizer snapshot cached vs "
                 "not: seconds and CPU"),
+    ("soak", "minutes of mixed traffic with cancels through a cluster: wrong tokens against "
+             "the in-process engine, failed requests, each service's memory over time"),
 ]
 
 

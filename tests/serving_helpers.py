@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
+from bench.greedy import greedy_is_decisive
 from protos import common_pb2, worker_pb2_grpc
 
 # Small caches keep the workers light; 128 blocks of 16 tokens hold every test's requests.
@@ -19,15 +20,6 @@ WORKER_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024",
                "--heartbeat-interval-s", "0.3", "--kv-lease-timeout-s", "20"]
 # For fuzzing: a huge (valid) max_tokens then ends within a second or two.
 SHORT_CONTEXT_WORKER_ARGS = [*WORKER_ARGS[:2], "--max-model-len", "96", *WORKER_ARGS[4:]]
-
-
-# A greedy output is the same on two engines only where every step's argmax wins by more than
-# float rounding. A request's logits move with what it is batched with and on how many threads
-# (oneMKL computes calls of under 4 rows, and at 2 threads a split's last rows, with other
-# kernels: up to 3e-5 in a logprob in process), and in a cluster its KV comes from another
-# process. The 32-stream parity test's prompt 29 had a step whose top two logprobs were 1.9e-4
-# apart, and it flipped in two of 14 runs one afternoon. 2e-3 is ~60x what rounding moved.
-MIN_GREEDY_GAP = 2e-3
 
 
 def _draw(rng: random.Random, lo: int, hi: int) -> list[int]:
@@ -70,13 +62,6 @@ def decisive_prompts(reference, n: int, seed: int, max_tokens: int | list[int], 
                 if len(kept) == n:
                     break
     return kept
-
-
-def greedy_is_decisive(out, max_tokens: int) -> bool:
-    """Whether each of the first ``max_tokens`` steps of ``out`` (a greedy RequestOutput with
-    logprobs=2) won by MIN_GREEDY_GAP at least."""
-    return min(t.top[0].logprob - t.top[1].logprob
-               for t in out.logprobs[:max_tokens]) >= MIN_GREEDY_GAP
 
 
 def explain_greedy_mismatch(reference, prompt: list[int], got: list[int],

@@ -7,15 +7,16 @@ import time
 import pytest
 import redis
 
+from bench.greedy import MIN_GREEDY_GAP
 from client import Chat, Client, DeadlineExceededError, InvalidArgumentError
 from engine import SamplingParams
 from engine.block_hash import hash_request_tokens
 from router.launcher import Cluster, ClusterSpec
 from tests.grpc_wakeups import event_engine_wakeups
 from tests.proc_signals import wait_until
-from tests.serving_helpers import (MIN_GREEDY_GAP, WORKER_ARGS, assert_same_logprobs,
-                                   decisive_prompts, free_port, parse_metrics, random_prompts,
-                                   scrape, stream_greedy, wait_all_blocks_free, worker_info)
+from tests.serving_helpers import (WORKER_ARGS, assert_same_logprobs, decisive_prompts,
+                                   free_port, parse_metrics, random_prompts, scrape,
+                                   stream_greedy, wait_all_blocks_free, worker_info)
 
 
 @pytest.fixture(scope="module")
