@@ -82,15 +82,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         # On this host's clock: the handle says what was left of the lease when it was sent.
         lease_ends = time.monotonic() + request.kv_handle.lease_timeout_s
+        # The pull's mark and its release name the lease; a handle from before lease_id
+        # existed had it under this call's id.
+        lease_id = request.kv_handle.lease_id or rid
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
                                                          interval)
-        self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, rid,
+        self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
                                                 self.rt.worker_id, time.time(),
                                                 request.kv_handle.lease_timeout_s))
         t0 = time.monotonic()
-        # A handle from before lease_id existed: the lease is under the same id as this call.
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
-                         lease_ends, request.kv_handle.lease_id or rid)
+                         lease_ends, lease_id)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         first_chunk = True

@@ -148,7 +148,9 @@ def test_a_decode_worker_marks_the_lease_it_pulls(cluster):
     try:
         with grpc.insecure_channel(decode.address) as ch, cf.ThreadPoolExecutor(1) as pool:
             call = pool.submit(lambda: list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(
-                worker_pb2.DecodeRequest(request_id="pulled~1", prompt_token_ids=prompt,
+                # Under another id than the lease's: the mark and the release name the lease
+                # (the handle's lease_id), whatever the caller calls the decode.
+                worker_pb2.DecodeRequest(request_id="pulled~d", prompt_token_ids=prompt,
                                          first_token_id=resp.first_token_id, sampling=GREEDY,
                                          kv_handle=resp.kv_handle), timeout=60)))
             pulling = wait_until(lambda: [t.state for t in _transfers(cluster).transfers]
