@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -134,12 +135,13 @@ class _Traffic:
         got: list[int] = []
         r = self.report
         try:
-            async for chunk in client.generate(prompt, max_tokens=n, temperature=0.0,
-                                               ignore_eos=True):
-                got.extend(chunk.token_ids)
-                if cut is not None and len(got) >= cut:
-                    r.cancelled += 1  # leaving the loop cancels the call
-                    return
+            stream = client.generate(prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+            async with contextlib.aclosing(stream):  # closing it cancels the call at once
+                async for chunk in stream:
+                    got.extend(chunk.token_ids)
+                    if cut is not None and len(got) >= cut:
+                        r.cancelled += 1
+                        return
         except PdserveError as e:
             r.failed += 1
             if len(r.errors) < 5:
