@@ -84,7 +84,7 @@ _UNIMPLEMENTED_HINT = ("the server does not serve this call: is the address a pd
 # it ends them CANCELLED, with this text and no metadata (grpc/grpc#41785), though the caller
 # cancelled nothing and the server did none of the call.
 _UNHANDLED_DETAILS = "CANCELLED"
-UNHANDLED_MESSAGE = "the server stopped before it took the call (none of it ran)"
+_UNHANDLED_MESSAGE = "the server stopped before it took the call (none of it ran)"
 
 
 def never_handled(e: BaseException) -> bool:
@@ -101,7 +101,7 @@ def never_handled(e: BaseException) -> bool:
 def error_from_rpc(e: grpc.RpcError, note: str = "") -> PdserveError:
     """The typed exception of a failed call; ``note``, if any, follows the server's message."""
     if never_handled(e):  # the router stopped: a server fault, not the caller's cancel
-        return UnavailableError(f"{UNHANDLED_MESSAGE} ({note})" if note else UNHANDLED_MESSAGE)
+        return UnavailableError(f"{_UNHANDLED_MESSAGE} ({note})" if note else _UNHANDLED_MESSAGE)
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = (e.details() if hasattr(e, "details") else None) or str(code)
     if code == grpc.StatusCode.UNIMPLEMENTED:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.call_abort import was_refused
+from client.errors import never_handled
 from protos import router_pb2
 from router.directory import WorkerHandle
 
@@ -103,4 +103,4 @@ def is_migratable(exc: BaseException) -> bool:
     stopping server ended CANCELLED before any handler took it (the router's own cancels
     raise CancelledError in the router, never a status)."""
     return isinstance(exc, grpc.aio.AioRpcError) and (
-        exc.code() == grpc.StatusCode.UNAVAILABLE or was_refused(exc))
+        exc.code() == grpc.StatusCode.UNAVAILABLE or never_handled(exc))

@@ -104,3 +104,13 @@ def test_the_router_moves_a_call_no_handler_took_as_refused(unhandled):
     assert code == grpc.StatusCode.UNAVAILABLE and "a worker stopped before it took" in message
     # A request whose migrations were spent ends as the worker's failure, not a cancel.
     assert MigrationsSpent(e).code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_full_workers_refusal_stays_back_pressure():
+    """A worker too full for the request refuses it RESOURCE_EXHAUSTED, marked as a refusal:
+    that stays the client's back-pressure; only UNAVAILABLE and calls no handler took move."""
+    from client.liveness import rpc_error
+    from engine.call_abort import REFUSED
+
+    full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker w is full", REFUSED)
+    assert was_refused(full) and not is_migratable(full)
