@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.greedy import greedy_is_decisive
+from bench.workloads import random_tokens
 from client import AsyncClient
 from client.errors import PdserveError
 from engine import LLM, SamplingParams
@@ -111,10 +112,9 @@ def make_pool(model: str, rng: random.Random, candidates: int,
     """(prompt, the engine's greedy output of max_tokens) for the decisive candidates."""
     with LLM(model, enable_prefix_caching=False) as llm:
         vocab = llm.engine.model_config.vocab_size
-        prefixes = [[rng.randrange(10, vocab) for _ in range(rng.randint(*PREFIX_LEN))]
+        prefixes = [random_tokens(rng, rng.randint(*PREFIX_LEN), vocab)
                     for _ in range(NUM_PREFIXES)]
-        prompts = [rng.choice(prefixes) + [rng.randrange(10, vocab)
-                                           for _ in range(rng.randint(*SUFFIX_LEN))]
+        prompts = [rng.choice(prefixes) + random_tokens(rng, rng.randint(*SUFFIX_LEN), vocab)
                    for _ in range(candidates)]
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                     ignore_eos=True, logprobs=2))

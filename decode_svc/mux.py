@@ -122,8 +122,9 @@ class _DecodeMux:
                 self.reading = False
                 self.ready.set()
                 return
-            wake = loop.time() + (limit - silent if silent < limit else interval)
-            await asyncio.sleep(wake - loop.time())
+            delay = limit - silent if silent < limit else interval
+            wake = loop.time() + delay
+            await asyncio.sleep(delay)
             stalled = loop.time() - wake > interval
 
     def _start(self, start: worker_pb2.DecodeStart) -> None:

@@ -3,6 +3,7 @@ end to end through a real cluster (counts and parity only; no timing asserts).""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -41,8 +42,6 @@ class _Client:
 
 
 def _outcome(client: _Client, cancel: float = 0.0) -> SoakReport:
-    import asyncio
-
     report = SoakReport(1.0, 1)
     traffic = _Traffic(_args("--max-tokens", "6", "--cancel-fraction", str(cancel)),
                        [([1, 2, 3], [7, 8, 9, 10, 11, 12])], report)
