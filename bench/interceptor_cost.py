@@ -1,4 +1,4 @@
-"""What engine/malformed_requests.py's interceptor costs a call: a GrpcServer's health Check
+"""What engine/handler_guards.py's interceptor costs a call: a GrpcServer's health Check
 (unary) and a server stream, served with it and with no interceptor at all (what a service
 without an API key had before), alternating in rounds; a grpc.aio client on loopback.
 

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.engine_front import SHUTDOWN_TIMEOUT_S
 from engine.gc_policy import freeze_startup_heap
-from engine.malformed_requests import MalformedRequestInterceptor
+from engine.handler_guards import HandlerGuardInterceptor
 from engine.process_exit import exit_process, exit_status
 from engine.switch_interval import apply_switch_interval
 from protos.limits import message_size_options
@@ -109,7 +109,7 @@ class GrpcServer:
         self.config = config
         self.service_names = list(service_names)
         # Last, so a caller the others turn away (no API key) learns nothing of its message.
-        interceptors = [*(interceptors or ()), MalformedRequestInterceptor()]
+        interceptors = [*(interceptors or ()), HandlerGuardInterceptor()]
         self.server = grpc.aio.server(options=message_size_options() + _SERVER_OPTIONS,
                                       interceptors=interceptors)
         self.health = health.aio.HealthServicer()

@@ -27,6 +27,7 @@ import grpc
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused, write_message
+from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from router.access_log import log_request
 from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens,
@@ -222,6 +223,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # gRPC cancels the handler at the client's deadline: that is what ended it
                 # (and what the client got), not a cancel.
                 code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+            elif isinstance(e, asyncio.CancelledError) and is_stray_cancel(context):
+                # Nobody cancelled the call: engine/stray_cancels.py ends it INTERNAL.
+                code, error = grpc.StatusCode.INTERNAL, "the router cancelled its own handler"
             status = code.name
             raise
         finally:

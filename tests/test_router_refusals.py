@@ -67,6 +67,15 @@ class _Gated(ServedModel):
             self.release.wait(20)  # bounded: a loop blocked here would otherwise be for ever
         return super().prompt_ids(msg)
 
+    stray = False
+
+    async def prompt_ids_async(self, msg):
+        if self.stray:  # awaits a future something else cancels: a fault in the router
+            lost = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(lost.cancel)
+            await lost
+        return await super().prompt_ids_async(msg)
+
 
 class _Router:
     """The router's services on a loop of their own thread, as `pdserve router` serves them."""
@@ -271,6 +280,26 @@ def test_a_request_cut_at_the_clients_deadline_is_logged_as_deadline_exceeded(ro
     (line,) = [r.getMessage() for r in caplog.records
                if r.name == "pdserve.access" and r.getMessage().startswith("request late ")]
     assert line.startswith('request late status=DEADLINE_EXCEEDED error="deadline exceeded"')
+
+
+def test_a_cancel_nobody_made_ends_the_request_internal_not_silent(router, served, caplog):
+    """A handler cancelled by the router itself, not by its call: the client gets INTERNAL at
+    once (grpc.aio alone sends nothing until the deadline: engine/stray_cancels.py), and the
+    access log says INTERNAL, not that the client cancelled."""
+    served.stray = True
+    try:
+        with _stubs(router.address) as (stub, _, _ch), \
+                caplog.at_level(logging.INFO, logger="pdserve.access"):
+            err = _refusal(stub.Complete, router_pb2.GenerateRequest(request_id="stray",
+                                                                     text="hi"))
+            router.run(_logged(caplog, "stray"))
+    finally:
+        served.stray = False
+    assert err.code() == grpc.StatusCode.INTERNAL, (err.code(), err.details())
+    assert "pdserve.v1.Router/Complete" in err.details()
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name == "pdserve.access" and r.getMessage().startswith("request stray ")]
+    assert line.startswith('request stray status=INTERNAL error="the router cancelled its own')
 
 
 async def _logged(caplog, request_id: str) -> None:
