@@ -81,6 +81,10 @@ class WatchedCalls:
     def add(self, cut_call: Callable[[str], object]) -> tuple[int, Cut]:
         key, cut = next(self._keys), Cut()
         with self._lock:
+            if not self._calls:
+                # An idle peer is not checked: misses left from its last busy spell are not
+                # "in a row" with the next one's, which would be cut after a single miss.
+                self.misses = 0
             self._calls[key] = (cut, cut_call)
         return key, cut
 
@@ -141,7 +145,7 @@ async def watched_unary(calls: WatchedCalls, call):
         try:
             return await call
         except asyncio.CancelledError:
-            if cut.reason is None:
+            if cut.reason is None or _cancelling():
                 _raise_local_cancel()
     raise cut.error()
 
@@ -155,11 +159,18 @@ async def watched_stream(calls: WatchedCalls, call) -> AsyncIterator:
                 yield msg
             return
         except asyncio.CancelledError:
-            if cut.reason is None:
+            if cut.reason is None or _cancelling():
                 _raise_local_cancel()
         finally:
             call.cancel()  # no-op when finished; otherwise the peer aborts the request
     raise cut.error()
+
+
+def _cancelling() -> bool:
+    """Whether the running task was cancelled: the caller's cancel (or its asyncio.timeout)
+    landing with a cut of its call is still the caller's, not a failure to fail over."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _raise_local_cancel() -> None:
@@ -167,8 +178,7 @@ def _raise_local_cancel() -> None:
     a call cancelled under a task nobody cancelled (its channel closed: ``AsyncClient.close``
     from another task) fails with the SDK's CancelledError, as the blocking client's does, so
     the task does not end as if it had been cancelled itself."""
-    task = asyncio.current_task()
-    if task is None or task.cancelling():
+    if asyncio.current_task() is None or _cancelling():
         raise  # noqa: PLE0704 - re-raises the CancelledError being handled
     raise CancelledError("the call was cancelled: its client was closed") from None
 

@@ -181,3 +181,57 @@ def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(r
 def test_health_check_settings_are_checked(bad):
     with pytest.raises(ValueError, match="health-check"):
         FailoverPolicy(**bad)
+
+
+@pytest.mark.parametrize("order", ["cut first", "cancel first"])
+@pytest.mark.parametrize("call", ["complete", "generate"])
+def test_a_callers_cancel_that_lands_with_a_cut_stays_a_cancel(routers, order, call):
+    """The caller's cancel (or its asyncio.timeout) and the health checks' cut of the same call
+    arrive as one CancelledError: it was read as the cut, and the request failed over to the
+    next router and returned, the cancel lost."""
+    from client.liveness import cut_router
+
+    hung, ok = routers
+    off = FailoverPolicy(health_check_interval_s=0, keepalive_time_s=None, backoff_s=0.0)
+
+    async def run():
+        async with AsyncClient([hung.address, ok.address], timeout=60, failover=off) as c:
+            if call == "complete":
+                task = asyncio.create_task(c.complete([1, 2, 3], max_tokens=2))
+            else:
+                async def stream():
+                    return [chunk async for chunk in c.generate([1, 2, 3], max_tokens=3)]
+                task = asyncio.create_task(stream())
+            while not (c._routers and len(c._routers[0].calls)):  # on the hung router
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # and the router has it
+            if order == "cut first":
+                cut_router(c._routers[0], "3 checks missed")  # as the checks do
+                task.cancel()
+            else:
+                task.cancel()
+                cut_router(c._routers[0], "3 checks missed")
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return task
+
+    assert asyncio.run(run()).cancelled()
+    assert ok.resumed == []  # nothing failed over
+
+
+def test_misses_from_a_peers_last_busy_spell_do_not_count_in_its_next():
+    """An idle peer is not checked: two misses left when its last call ended, and one in the
+    next call, are not three in a row (the call was cut after a single miss)."""
+    from client.liveness import WatchedCalls
+
+    missed = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                  grpc.aio.Metadata())
+    calls = WatchedCalls()
+    key, _ = calls.add(lambda _reason: None)
+    assert calls.answered(missed, 3, 0.1) is None
+    assert calls.answered(missed, 3, 0.1) is None
+    calls.remove(key)  # the call ended; the peer is idle, and not checked
+    calls.add(lambda _reason: None)
+    assert calls.answered(missed, 3, 0.1) is None
+    assert calls.answered(missed, 3, 0.1) is None
+    assert "no answer to 3 health checks in a row" in calls.answered(missed, 3, 0.1)
