@@ -38,7 +38,7 @@ MODEL_MISMATCH_KEY = "pdserve-model-mismatch"
 class FailoverPolicy:
     # Attempts after the first, per request; 0 turns failover off.
     max_retries: int = 3
-    # Waited before a round of attempts that starts again at the first router tried (a lone
+    # Waited before a round of attempts that starts again at a router already tried (a lone
     # router restarting needs a moment), doubling up to max_backoff_s.
     backoff_s: float = 0.5
     max_backoff_s: float = 4.0
@@ -124,6 +124,11 @@ class Attempts:
         # Routers (indices) that refused the stream's model: skipped from then on.
         self.foreign: set[int] = set()
         self.skipped = 0
+        # Routers tried since the last pause: coming back to one of them starts a new round,
+        # after a pause (foreign routers skipped, so that two routers of which one serves
+        # another model still pause between tries of the other).
+        self._tried: set[int] = set()
+        self._pauses = 0
 
     def track(self, req: router_pb2.GenerateRequest) -> None:
         """For a Generate stream: whether it can go on elsewhere, and what ends it."""
@@ -154,12 +159,15 @@ class Attempts:
             return None
         if self.streamed and not self.resumable:
             return None
+        self._tried.add(self.router)
         self.retries += 1
         while self.router in self.foreign:
             self.skipped += 1
-        rounds = self.retries // self.num_routers  # whole rounds of routers tried so far
-        delay = 0.0 if self.retries % self.num_routers else min(
-            self.policy.backoff_s * 2 ** max(rounds - 1, 0), self.policy.max_backoff_s)
+        delay = 0.0
+        if self.router in self._tried:  # a round of routers is over
+            self._tried.clear()
+            delay = min(self.policy.backoff_s * 2 ** self._pauses, self.policy.max_backoff_s)
+            self._pauses += 1
         left = self.remaining()
         if left is not None and delay >= left:
             return None

@@ -104,8 +104,21 @@ def test_a_router_of_another_model_is_skipped_for_the_rest_of_the_stream():
     # Round two skips router 1: 0, then 2, never 1.
     assert (tries.after(UNAVAILABLE), tries.router) == (0.5, 0)
     assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 2)
-    # Router 0 only failed (it may come back): the stream goes on trying it.
-    assert (tries.after(foreign), tries.router) == (0.0, 0)
+    # Router 0 only failed (it may come back): the stream goes on trying it, after a pause
+    # (the round 0, 2 is over).
+    assert (tries.after(foreign), tries.router) == (1.0, 0)
+
+
+def test_a_router_of_another_model_does_not_cut_the_pauses_short():
+    """Two routers, the stream's own restarting and the other serving another model: the
+    retries of the first pause 0.5, 1, 2 s, as a lone router's do (every other one was at
+    once: the skipped router counted as tried)."""
+    foreign = _Trailed(grpc.StatusCode.FAILED_PRECONDITION, ((MODEL_MISMATCH_KEY, "1"),))
+    tries = Attempts(FailoverPolicy(max_retries=4, backoff_s=0.5), 2, 1, None)
+    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 0)
+    assert (tries.after(foreign), tries.router) == (0.5, 1)
+    assert [(tries.after(UNAVAILABLE), tries.router) for _ in range(3)] == \
+        [(1.0, 1), (2.0, 1), (None, 1)]
 
 
 def test_a_stream_ends_once_every_router_refused_its_model():
@@ -113,7 +126,8 @@ def test_a_stream_ends_once_every_router_refused_its_model():
     tries = Attempts(FailoverPolicy(max_retries=9), 2, 0, None)
     assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 1)
     assert (tries.after(foreign), tries.router) == (0.5, 0)
-    assert (tries.after(UNAVAILABLE), tries.router) == (0.0, 0)  # 1 is skipped
+    # 1 is skipped: 0 again, which just failed, after a longer pause (it was tried at once).
+    assert (tries.after(UNAVAILABLE), tries.router) == (1.0, 0)
     assert tries.after(foreign) is None
     # FAILED_PRECONDITION without the mark (a chat the template refuses) is the caller's.
     assert Attempts(FailoverPolicy(), 2, 0, None).after(
