@@ -22,6 +22,9 @@ from client.types import (Chat, Completion, GenerationChunk, ModelIdentity, Mode
                           detokenize_request, model_info_from_proto, tokenize_request)
 from protos import router_pb2, router_pb2_grpc
 
+# How long close() from another thread waits for the client's loop to close its channels.
+_FOREIGN_CLOSE_S = 5.0
+
 
 class AsyncClient:
     """``async with AsyncClient("host:port") as c: async for chunk in c.generate("Hi"): ...``
@@ -131,9 +134,10 @@ class AsyncClient:
         received: list[int] = []
         while True:
             self._check_open()  # close() during the backoff
-            call = self._stubs[tries.router].Generate(
-                attempt_request(req, received, tries.retries, tries.model),
-                timeout=tries.remaining(), metadata=self._metadata)
+            with self._closed_as_ours():
+                call = self._stubs[tries.router].Generate(
+                    attempt_request(req, received, tries.retries, tries.model),
+                    timeout=tries.remaining(), metadata=self._metadata)
             # Leaving early cancels the call, which frees the request on the router.
             msgs = watched_stream(self._watch(tries.router).calls, call)
             try:
@@ -181,11 +185,11 @@ class AsyncClient:
         while True:
             self._check_open()  # close() during the backoff
             try:
-                return await watched_unary(self._watch(tries.router).calls,
-                                           getattr(self._stubs[tries.router], method)(
-                                               request_for(tries.retries),
-                                               timeout=tries.remaining(),
-                                               metadata=self._metadata))
+                with self._closed_as_ours():
+                    call = getattr(self._stubs[tries.router], method)(
+                        request_for(tries.retries), timeout=tries.remaining(),
+                        metadata=self._metadata)
+                return await watched_unary(self._watch(tries.router).calls, call)
             except grpc.RpcError as e:
                 delay = tries.after(e)
                 if delay is None:
@@ -203,7 +207,8 @@ class AsyncClient:
         self._connect()
         try:
             async with asyncio.timeout(timeout):  # not wait_for: client/tasks.py
-                await self._channels[0].channel_ready()
+                with self._closed_as_ours():
+                    await self._channels[0].channel_ready()
         except TimeoutError:
             raise DeadlineExceededError(f"router {self.address} not reachable in {timeout}s") \
                 from None
@@ -213,15 +218,41 @@ class AsyncClient:
             self._closed = True
         if self._pid != os.getpid():
             return  # the channels and the task are the parent's, which closes them
+        loop = self._loop
+        if loop is not None and loop is not asyncio.get_running_loop() and loop.is_running():
+            # From another thread: grpc.aio's channels and calls, and the checks' task, are
+            # their loop's (cancelling them from here is a race, which asyncio's debug mode
+            # refuses), so they are closed there. Bounded: a loop that stops before it runs
+            # the close leaves it to this thread.
+            with contextlib.suppress(RuntimeError):  # that loop closed meanwhile
+                there = asyncio.run_coroutine_threadsafe(self._shut(), loop)
+                done, _ = await asyncio.wait({asyncio.wrap_future(there)},
+                                             timeout=_FOREIGN_CLOSE_S)
+                if done:
+                    return done.pop().result()
+        await self._shut()
+
+    async def _shut(self) -> None:
         self._wake()
         checks, self._checks = self._checks, None
         if checks is not None:
             if checks.get_loop() is asyncio.get_running_loop():
                 await stop_task(checks)
-            else:
+            else:  # its loop runs no more (else close() would run this there)
                 checks.cancel()
         for channel in self._channels:
             await channel.close()
+
+    @contextlib.contextmanager
+    def _closed_as_ours(self):
+        """A call started, or a channel waited on, after close() (another thread) shut the
+        channels under ``_check_open``: the SDK's error, not grpc's UsageError."""
+        try:
+            yield
+        except grpc.aio.UsageError:
+            if self._closed:
+                raise RuntimeError("this AsyncClient is closed") from None
+            raise
 
     def _wake(self) -> None:
         """Ends the backoff waits, on the loop the event belongs to."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -18,6 +19,9 @@ from client.types import (Chat, Completion, GenerationChunk, ModelIdentity, Mode
                           Tokenized, build_request, completion_from_proto,
                           detokenize_request, model_info_from_proto, tokenize_request)
 from protos import router_pb2, router_pb2_grpc
+
+# How often wait_ready looks at its channel's readiness (it wakes at once for close()).
+_READY_POLL_S = 0.05
 
 
 class Client:
@@ -154,11 +158,19 @@ class Client:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         self._check_open()
+        ready = grpc.channel_ready_future(self._channels[0])
+        deadline = time.monotonic() + timeout
         try:
-            grpc.channel_ready_future(self._channels[0]).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise DeadlineExceededError(f"router {self.address} not reachable in {timeout}s") \
-                from None
+            # In slices: a channel that close() (another thread) shuts never makes the
+            # future ready, and the caller would wait out its whole timeout.
+            while not ready.done():
+                if self._closing.wait(min(_READY_POLL_S, max(deadline - time.monotonic(), 0))):
+                    raise RuntimeError("this Client is closed")
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceededError(
+                        f"router {self.address} not reachable in {timeout}s")
+        finally:
+            ready.cancel()  # no-op once ready; else it stops watching the channel
 
     def close(self) -> None:
         self._closed = True

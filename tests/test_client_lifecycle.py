@@ -310,3 +310,89 @@ def test_first_calls_from_two_loops_open_one_set_of_channels(serve, monkeypatch)
         t.join(BOUND_S)
     assert opened == [1]
     assert results["first"] == "m" and isinstance(results["second"], RuntimeError)
+
+
+def _close_from_another_thread(ac: AsyncClient) -> None:
+    t = threading.Thread(target=asyncio.run, args=(ac.close(),))
+    t.start()
+    t.join(BOUND_S)
+
+
+@pytest.mark.parametrize("call", ["generate", "complete"])
+def test_async_close_just_before_the_rpc_starts_raises_the_sdks_error(serve, monkeypatch, call):
+    """As the blocking client's: close() from another thread between the closed check and
+    the stub's call raised grpc's UsageError."""
+    ac = AsyncClient(serve(_Recorder()), timeout=60, failover=LONG_BACKOFF)
+    request, armed = async_client.attempt_request, []
+
+    def closing(*args):
+        if armed:
+            _close_from_another_thread(ac)
+        return request(*args)
+
+    monkeypatch.setattr(async_client, "attempt_request", closing)
+
+    async def run():
+        await ac.model_info()  # the channels are open, on this loop
+        armed.append(1)
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            await _drain(ac, call)
+
+    asyncio.run(run())
+
+
+def test_close_ends_a_wait_ready_at_once(serve):
+    """A router not up yet: close() from another task or thread ends wait_ready with the
+    SDK's error (the async one raised grpc's UsageError; the blocking one waited out its
+    whole timeout, then said the router was not reachable)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def run():
+        ac = AsyncClient(nowhere)
+        waiting = asyncio.create_task(ac.wait_ready(timeout=2 * BOUND_S))
+        await asyncio.sleep(0.3)
+        await ac.close()
+        await asyncio.wait({waiting}, timeout=BOUND_S)
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            waiting.result()
+
+    asyncio.run(run())
+    c = Client(nowhere)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(c.wait_ready, 2 * BOUND_S)
+        time.sleep(0.3)
+        c.close()
+        with pytest.raises(RuntimeError, match="this Client is closed"):
+            waiting.result(BOUND_S)
+
+
+def test_async_close_from_another_thread_stops_the_checks_on_their_own_loop(serve):
+    """The health checks' task is cancelled on its loop's thread: cancelled from the closing
+    thread, asyncio's debug mode refused it and close() failed before closing a channel."""
+    checked = FailoverPolicy(health_check_interval_s=0.1, keepalive_time_s=None)
+    recorder = _Recorder()
+    ac = AsyncClient(serve(recorder), timeout=60, failover=checked)
+
+    async def run():
+        asyncio.get_running_loop().set_debug(True)
+        task = asyncio.create_task(_drain(ac, "complete"))
+        while not _health_checks():
+            await asyncio.sleep(0.01)
+        closer = threading.Thread(target=asyncio.run, args=(ac.close(),))
+        closer.start()
+        while closer.is_alive():
+            await asyncio.sleep(0.01)
+        await asyncio.wait({task}, timeout=BOUND_S)
+        assert task.done()
+        for _ in range(100):
+            if not _health_checks():
+                break
+            await asyncio.sleep(0.01)
+        return _health_checks()
+
+    assert asyncio.run(run()) == []
+    assert recorder.cancelled.wait(BOUND_S)  # the channel closed: the router saw the cancel
