@@ -9,12 +9,14 @@ workers are left to the registry's heartbeats.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from client.liveness import (WatchedCalls, check_health_checks, check_loop, watched_stream,
-                             watched_unary)
+import grpc
+
+from client.liveness import (WatchedCalls, check_health_checks, check_loop, rpc_error,
+                             watched_stream, watched_unary)
+from engine.call_abort import KV_SOURCE_FAILED
 
 __all__ = ["LivenessConfig", "WatchedCalls", "check_loop", "first_while_watched",
            "watched_stream", "watched_unary"]
@@ -49,12 +51,15 @@ async def first_while_watched(calls: WatchedCalls, chunks: AsyncIterator):
         calls.remove(key)
         if not first.done():
             first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first  # the leg's cleanup (its cancel to the decode worker) runs
-        elif not first.cancelled():
+            # The leg's cleanup (its cancel to the decode worker) runs. Waited, not awaited:
+            # awaiting the cancelled task raises CancelledError, which would hide the
+            # caller's own cancel landing meanwhile (a migration instead of the cancel).
+            await asyncio.wait({first})
+        if not first.cancelled():
             # Read now: a caller cancelled as the item failed (a deadline ends both the
             # handler and the leg in one loop turn) never asks, and asyncio would log it.
             first.exception()
     if cut.reason is not None and first.cancelled():
-        raise cut.error()
+        # The KV's source hung, not the decode worker reading it: the migration blames it.
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, cut.reason, KV_SOURCE_FAILED)
     return first.result()

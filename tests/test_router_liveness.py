@@ -200,6 +200,58 @@ def test_a_first_item_failing_as_its_caller_is_cancelled_leaves_nothing_unread()
     assert unread == []
 
 
+async def _pulling_leg():
+    """A decode leg waiting for its KV, whose cleanup takes loop turns (its cancel to the
+    worker)."""
+    try:
+        await asyncio.sleep(100)
+        yield "chunk"
+    finally:
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+
+def test_a_cut_of_the_kv_source_blames_the_source():
+    """The prefill worker hung while the decode worker pulled from it: the leg's error is
+    marked as the KV source's failure, so the migration avoids the prefill worker, not the
+    healthy decode worker the leg was on."""
+    from engine.call_abort import kv_source_failed
+    from router.liveness import first_while_watched
+
+    async def run():
+        calls = WatchedCalls()
+        leg = asyncio.ensure_future(first_while_watched(calls, _pulling_leg()))
+        await asyncio.sleep(0.01)
+        calls.cut_all("worker prefill-1 hung")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await leg
+        return err.value
+
+    e = asyncio.run(run())
+    assert e.code() == grpc.StatusCode.UNAVAILABLE and e.details() == "worker prefill-1 hung"
+    assert kv_source_failed(e)
+
+
+def test_a_callers_cancel_landing_after_a_cut_stays_a_cancel():
+    """The caller's cancel (client, deadline, CancelRequest) landing while the cut leg cleans
+    up was swallowed with the leg's own CancelledError, and the request migrated."""
+    from router.liveness import first_while_watched
+
+    async def run():
+        calls = WatchedCalls()
+        handler = asyncio.ensure_future(first_while_watched(calls, _pulling_leg()))
+        await asyncio.sleep(0.01)
+        calls.cut_all("worker prefill-1 hung")
+        await asyncio.sleep(0)  # the handler wakes, and waits for the leg's cleanup
+        await asyncio.sleep(0)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        return handler
+
+    assert asyncio.run(run()).cancelled()
+
+
 @pytest.mark.parametrize("bad", [dict(interval_s=-1), dict(interval_s=0.001),
                                  dict(interval_s=True), dict(misses=0), dict(misses=2.5),
                                  dict(interval_s="2")])
