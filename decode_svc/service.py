@@ -67,7 +67,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # 0: unset, every token; the engine refuses one past its limit (INVALID_ARGUMENT).
         interval = max(request.stream_interval, 1)
         params = convert.sampling_from_proto(request.sampling)
-        ids = convert.check_token_ids(request.prompt_token_ids)
+        ids = convert.check_prompt_token_ids(request.prompt_token_ids)
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
         if request.local_prefill:
             check_local_prefill_request(request)

@@ -72,10 +72,29 @@ async def _ended_call_cancels():
         raise asyncio.CancelledError from None
 
 
+# Characters of a status message; percent-encoded in the header, the worst UTF-8 character
+# takes 12 bytes, so 1024 of them stay under gRPC's 16 KiB.
+MAX_STATUS_CHARS = 1024
+
+
+def capped(message: str, limit: int = MAX_STATUS_CHARS) -> str:
+    """``message``, or as much of it as fits in ``limit`` characters with how many more there
+    were; at most ``limit`` characters either way, so a capped message is not cut again."""
+    if len(message) <= limit:
+        return message
+    keep = limit - len(f"…({len(message)} more characters)")
+    return f"{message[:keep]}…({len(message) - keep} more characters)"
+
+
 async def abort_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
                      message: str, trailing_metadata: tuple = ()) -> NoReturn:
+    """Ends the call with ``code`` and ``message``, cut to MAX_STATUS_CHARS: a message may
+    quote the caller's own text (a handle's backend, a role), and gRPC carries it in a header,
+    where one past its 16 KiB limit turns the status into RESOURCE_EXHAUSTED ("received
+    metadata size exceeds hard limit"), which reads as a full worker, in place of the one
+    meant."""
     async with _ended_call_cancels():
-        await context.abort(code, message, trailing_metadata)
+        await context.abort(code, capped(message), trailing_metadata)
     raise AssertionError("context.abort returned")  # it always raises AbortError
 
 

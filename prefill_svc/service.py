@@ -70,9 +70,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid = convert.check_request_id(request.request_id) if request.request_id \
             else f"prefill-{uuid.uuid4().hex}"
         params = convert.sampling_from_proto(request.sampling)
-        ids = convert.check_token_ids(request.prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt_token_ids is empty")
+        ids = convert.check_prompt_token_ids(request.prompt_token_ids)
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
         check_router_id(request.router_id)
         check_incarnation(request.router_incarnation)

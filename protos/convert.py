@@ -78,6 +78,15 @@ def check_token_ids(ids, what: str = "prompt") -> list[int]:
     return ids
 
 
+def check_prompt_token_ids(ids) -> list[int]:
+    """A worker request's prompt: ``check_token_ids``, and not empty (a resumed request's
+    output or a first token does not stand in for it)."""
+    ids = check_token_ids(ids)
+    if not ids:
+        raise ValueError("prompt_token_ids is empty")
+    return ids
+
+
 def _logprob_to_proto(lp: Logprob) -> common_pb2.Logprob:
     return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                               token=lp.decoded_token or "")

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 
-from router.errors import capped
+from engine.call_abort import capped
 from router.inflight import MAX_REQUEST_ID_CHARS
 from router.migration import RequestRun
 

@@ -2,9 +2,10 @@
 
 A message may quote the client's own text (a role, a request id, what a chat template said
 about the conversation): every status the router and its admin service end a call with goes
-through ``refuse``, which cuts it (``capped``), since gRPC carries the message in a header and
-a header past its 16 KiB limit turns the status into RESOURCE_EXHAUSTED ("received metadata
-size exceeds hard limit") in place of the one meant.
+through ``refuse``, which cuts it (engine/call_abort.py's ``capped``, as every service's
+refusals are), since gRPC carries the message in a header and a header past its 16 KiB limit
+turns the status into RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") in
+place of the one meant.
 """
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ from client.errors import never_handled
 from client.failover import MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY
 from engine.call_abort import abort_call
 
-# Characters of a status message; percent-encoded in the header, the worst UTF-8 character
-# takes 12 bytes, so 1024 of them stay under gRPC's 16 KiB.
-MAX_STATUS_CHARS = 1024
 # Characters of a client's string quoted inside a message (a worker id, a role).
 MAX_QUOTED_CHARS = 64
 
@@ -54,15 +52,6 @@ class ModelMismatch(RouterRejectError):
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
-def capped(message: str, limit: int = MAX_STATUS_CHARS) -> str:
-    """``message``, or as much of it as fits in ``limit`` characters with how many more there
-    were; at most ``limit`` characters either way, so a capped message is not cut again."""
-    if len(message) <= limit:
-        return message
-    keep = limit - len(f"…({len(message)} more characters)")
-    return f"{message[:keep]}…({len(message) - keep} more characters)"
-
-
 def quoted(value: str, limit: int = MAX_QUOTED_CHARS) -> str:
     """A client's string in a message: its repr, cut to ``limit`` characters first."""
     if len(value) <= limit:
@@ -91,4 +80,4 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
 async def refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode,
                  message: str, trailing_metadata: tuple = ()) -> NoReturn:
     """Ends the call with ``code`` and the capped ``message`` (engine/call_abort.py)."""
-    await abort_call(context, code, capped(message), trailing_metadata)
+    await abort_call(context, code, message, trailing_metadata)

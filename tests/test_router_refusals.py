@@ -20,12 +20,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine.call_abort import MAX_STATUS_CHARS
 from engine.grpc_server import GrpcServer, ServerConfig
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.admin import RouterAdminServicer
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
-from router.errors import MAX_STATUS_CHARS
 from router.prompts import INLINE_PROMPT_CHARS, ServedModel, load_served_model
 from router.redis_server import RedisServer
 from router.registry import Registry

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.call_abort import kv_source_failed, was_refused
+from engine.call_abort import MAX_STATUS_CHARS, kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
 from router.launcher import Cluster, ClusterSpec
@@ -229,6 +229,45 @@ def test_overlong_request_ids_are_refused_by_every_worker_call(workers):
 
     [event], tasks = asyncio.run(start_on_a_stream())
     assert event.request_id == long_id and "at most" in event.error.message and not tasks
+
+
+def test_a_refusal_quoting_a_long_caller_string_keeps_its_status(workers):
+    """A refusal quotes the caller's text (a handle's backend): 20,000 characters of it put
+    the status message past gRPC's 16 KiB header limit, and the caller got RESOURCE_EXHAUSTED
+    ("received metadata size exceeds hard limit"), which reads as a full worker."""
+    _, _, decode = workers
+    handle = common_pb2.KVHandle(backend="x" * 20_000, rank_handles=[b"{}"], block_size=16,
+                                 num_tokens=3, block_ids=[1])
+    with pytest.raises(grpc.RpcError) as err:
+        list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id="long-backend", prompt_token_ids=[5, 6, 7], first_token_id=9,
+            sampling=SAMPLING, kv_handle=handle), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("kv_handle uses backend 'xxx")
+    assert err.value.details().endswith("more characters)")
+    assert len(err.value.details()) <= MAX_STATUS_CHARS
+
+
+def test_an_empty_prompt_is_refused_by_both_workers(workers):
+    """The prefill worker refused it; the decode worker decoded from a handle of no blocks,
+    or from a resumed output alone, with no prompt at all."""
+    _, prefill, decode = workers
+    empty = common_pb2.KVHandle(backend="nixl", rank_handles=[b"{}"], block_size=16)
+    calls = [
+        lambda: prefill.Prefill(worker_pb2.PrefillRequest(
+            request_id="empty-p", sampling=SAMPLING, resume_token_ids=[5, 6]), timeout=30),
+        lambda: list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id="empty-d", first_token_id=9, sampling=SAMPLING, kv_handle=empty),
+            timeout=30)),
+        lambda: list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id="empty-l", local_prefill=True, sampling=SAMPLING,
+            resume_token_ids=[5, 6, 7]), timeout=30)),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "prompt_token_ids is empty"
 
 
 def test_bytes_that_are_no_request_get_invalid_argument_from_every_worker_method(workers):
