@@ -162,6 +162,12 @@ class AsyncEngine(EngineFront):
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_leased(self) -> int:
+        # Read live: a dead engine's leases still end (ReleaseKV, the decode workers'
+        # releases, expiry) and its KV can still be read, but no step refreshes its stats.
+        return self.engine.num_leases
+
     async def _add_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, resume_token_ids: list[int],
                            stream_interval: int) -> None:

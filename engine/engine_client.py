@@ -238,6 +238,14 @@ class EngineProcess(EngineFront):
     def alive(self) -> bool:
         return self.error is None and not self._closed and not self._stopping
 
+    @property
+    def num_leased(self) -> int:
+        # A dead engine process's leases went with it (no release reaches it, no reader gets
+        # its KV): none to wait for. A live one's step messages carry the count.
+        if self.error is not None or self._closed or self.stats is None:
+            return 0
+        return self.stats.num_leased
+
     async def _add_request(self, request_id: str, prompt_token_ids: list[int] | str,
                            params: SamplingParams, resume_token_ids: list[int],
                            stream_interval: int) -> None:

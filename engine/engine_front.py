@@ -62,6 +62,12 @@ class EngineFront:
     def alive(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def num_leased(self) -> int:
+        """Requests whose KV the engine holds for a reader (prefill role), as a drain waits
+        for them: also once the engine died, when no step refreshes ``stats``."""
+        raise NotImplementedError
+
     async def _add_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, resume_token_ids: list[int],
                            stream_interval: int) -> None:

@@ -52,5 +52,5 @@ def _num_in_flight(rt: WorkerRuntime) -> int:
     decode worker has yet to pull the KV (later still while the decode tier is full). A
     worker that stopped under it failed the pull, and the request lost its first token or
     started over elsewhere."""
-    leased = rt.engine.stats.num_leased if rt.config.role == "prefill" else 0
+    leased = rt.engine.num_leased if rt.config.role == "prefill" else 0
     return rt.inflight + leased

@@ -391,3 +391,62 @@ def test_a_message_that_cannot_be_unpickled_raises_once_and_hides_nothing_else()
         ours.close()
         theirs.close()
     assert first == [("reply", 1, True, "first")] and rest == [("reply", 3, True, "third")]
+
+
+# --- a dead engine's leases, as a drain counts them ----------------------------------------------
+def _drain_count(engine) -> int:
+    """What a prefill worker's drain waits for, with no call in flight."""
+    from types import SimpleNamespace
+
+    from engine.worker_server import _num_in_flight
+
+    return _num_in_flight(SimpleNamespace(config=SimpleNamespace(role="prefill"),
+                                          engine=engine, inflight=0))
+
+
+def test_a_dead_engines_leases_are_counted_as_they_end_not_as_its_last_step_saw_them():
+    """A prefill worker's drain waits for its leases. Once its engine died no step refreshed
+    the stats it read, so a lease released after the death (ReleaseKV, a decode worker's
+    release) still counted, and the dying worker sat out its whole --drain-timeout-s."""
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+
+    async def run():
+        engine = AsyncEngine(await asyncio.to_thread(LLMEngine, _config(role="prefill")))
+        try:
+            [_ async for _ in engine.generate("r", list(range(10, 50)), _greedy(8))]
+            assert engine.num_leased == 1
+            died = asyncio.get_running_loop().create_future()
+            engine.on_dead = died.set_result
+
+            def broken_step():
+                raise RuntimeError("a device error")
+
+            engine.engine.step = broken_step  # the next idle tick's step dies
+            await asyncio.wait_for(died, 30)
+            assert not engine.alive and engine.stats.num_leased == 1  # the last step's
+            engine.release_kv("r")
+            return _drain_count(engine)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == 0
+
+
+def test_a_dead_engine_process_holds_no_leases_to_wait_for():
+    """Its KV went with it: no release reaches it and no reader gets the blocks."""
+    async def run():
+        proc = await _start(role="prefill")
+        try:
+            died = asyncio.get_running_loop().create_future()
+            proc.on_dead = died.set_result
+            [_ async for _ in proc.generate("r", list(range(10, 50)), _greedy(8))]
+            await proc.fresh_stats()
+            assert proc.num_leased == 1
+            os.kill(proc.proc.pid, signal.SIGKILL)
+            await asyncio.wait_for(died, 30)
+            return proc.stats.num_leased, _drain_count(proc)
+        finally:
+            proc.shutdown()
+
+    assert asyncio.run(run()) == (1, 0)
