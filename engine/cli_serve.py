@@ -176,6 +176,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
+    p.add_argument("--default-timeout-s", type=float, default=None,
+                   help="the deadline of a request whose client sets none, from its arrival "
+                        "(default: none; its legs then wait at most 10 x --prefill-timeout-s)")
+    p.add_argument("--prefill-timeout-s", type=float, default=600.0,
+                   help="a Prefill call that takes longer than this fails its worker "
+                        "(UNAVAILABLE: the request moves on), whatever the deadline")
     p.add_argument("--decode-wait-timeout-s", type=float, default=30.0,
                    help="a prefilled request that decode workers refuse for want of room "
                         "tries again for up to this long while its prefill lease holds the "
@@ -214,6 +220,8 @@ def _router_config(args: argparse.Namespace):
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit,
+                      default_timeout_s=args.default_timeout_s,
+                      prefill_timeout_s=args.prefill_timeout_s,
                       decode_wait_timeout_s=args.decode_wait_timeout_s,
                       decode_stream=args.decode_stream,
                       keepalive_time_s=args.keepalive_time_s,

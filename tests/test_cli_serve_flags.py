@@ -157,3 +157,24 @@ def test_vllms_spellings_of_the_serving_flags_are_taken():
     up = parser.parse_args(["up", "--num-gpu-blocks-override", "32", "--ssl-certfile", "c.pem",
                             "--ssl-keyfile", "k.pem"])
     assert (up.num_gpu_blocks, up.tls_cert_file, up.tls_key_file) == (32, "c.pem", "k.pem")
+
+
+def test_the_routers_timeouts_are_flags_and_checked(monkeypatch, capsys):
+    """--prefill-timeout-s was named in the router's own error message, with no flag to set
+    it; --default-timeout-s neither (RouterConfig had both)."""
+    from engine.cli import build_parser
+    from engine.cli_serve import _router_config
+    from engine.cli_up import _up_router_args
+
+    parser = build_parser()
+    base = ["router", "--model", "m", "--redis-url", "redis://127.0.0.1:1"]
+    config = _router_config(parser.parse_args(
+        [*base, "--default-timeout-s", "30", "--prefill-timeout-s", "5"]))
+    assert (config.default_timeout_s, config.prefill_timeout_s) == (30.0, 5.0)
+    config = _router_config(parser.parse_args(base))
+    assert (config.default_timeout_s, config.prefill_timeout_s) == (None, 600.0)
+    for bad in (["--default-timeout-s", "0"], ["--prefill-timeout-s", "-1"]):
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            _router_config(parser.parse_args([*base, *bad]))
+    up = parser.parse_args(["up", "--default-timeout-s", "45"])
+    assert _up_router_args(up)[-2:] == ["--default-timeout-s", "45.0"]
