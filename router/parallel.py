@@ -73,8 +73,12 @@ async def fan_out(request_id: str,
                     chunk.request_id = request_id
                     queue.put_nowait(chunk)
             queue.put_nowait(_End(i))
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as e:
+            if asyncio.current_task().cancelling():  # the reader closed: nobody waits
+                raise
+            # A cancel nobody sent this pump (an awaited call something else cancelled):
+            # the reader, waiting for this sequence, would wait until the deadline.
+            queue.put_nowait(_End(i, e))
         except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait(_End(i, e))
 

@@ -3,6 +3,7 @@ staggered start, a failing sequence failing the request, and every sequence clos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -75,6 +76,37 @@ def test_leaving_early_closes_every_sequence():
     s = _Streams(4, 1000)
     assert len(_collect(s, limit=6)) == 6
     assert s.closed == {0, 1, 2, 3}
+
+
+def test_a_sequence_cancelled_by_nobody_fails_the_request_and_hangs_nothing():
+    """A sequence's stream raising a CancelledError its pump was not sent (a call something
+    else cancelled) put no end on the queue: the request waited until its deadline."""
+    closed = []
+
+    def factory(i: int):
+        async def stream():
+            try:
+                yield router_pb2.GenerateChunk(token_ids=[i])
+                if i == 1:
+                    lost = asyncio.get_running_loop().create_future()
+                    asyncio.get_running_loop().call_soon(lost.cancel)
+                    await lost
+                await asyncio.sleep(3600)
+            finally:
+                closed.append(i)
+        return stream
+
+    async def go():
+        out = []
+        async with contextlib.aclosing(fan_out("r", [factory(i) for i in range(3)])) as agen:
+            async with asyncio.timeout(30):
+                async for c in agen:
+                    out.append(c.index)
+        return out
+
+    with pytest.raises(asyncio.CancelledError):
+        _run(go())
+    assert sorted(closed) == [0, 1, 2]
 
 
 def test_check_n_and_sequence_seeds():
