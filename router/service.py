@@ -502,6 +502,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                  prompt_logprobs=d.prompt_logprobs)
                 if d.finish_reason:
                     finish_chunk(chunk, d, run)
+                    yield chunk
+                    # Done: what the call ends with changes nothing now. Read on, a failure
+                    # (a health-check cut, the worker lost) would move a finished request,
+                    # which would generate past its end.
+                    return
                 yield chunk
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:

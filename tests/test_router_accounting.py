@@ -320,3 +320,49 @@ def test_no_release_is_sent_for_a_prefill_the_worker_refused():
     assert service._refused_by_worker(_unavailable("draining", refused=True))
     assert not service._refused_by_worker(_unavailable("engine died", refused=False))
     assert not service._refused_by_worker(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+
+
+class _DecodeCall:
+    """A per-request Decode call: its chunks, then ``error`` as the call's status."""
+
+    def __init__(self, chunks: list, error: BaseException | None) -> None:
+        self.chunks, self.error, self.cancelled = chunks, error, False
+
+    def __aiter__(self):
+        return self._read()
+
+    async def _read(self):
+        for chunk in self.chunks:
+            await asyncio.sleep(0)
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_failure_after_the_final_chunk_moves_nothing():
+    """Per-request decode calls: the status that follows the final chunk was read, and a
+    failure then (the worker lost, a health-check cut) moved the finished request, which
+    generated past its end."""
+    s = service.RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
+                                            log_requests=False, decode_stream="per-request"),
+                               _Directory(), load_served_model("tiny-llama", "auto", None),
+                               RouterStats(8))
+    lost = rpc_error(grpc.StatusCode.UNAVAILABLE, "the worker went away")
+    call = _DecodeCall([worker_pb2.DecodeChunk(token_ids=[7]),
+                        worker_pb2.DecodeChunk(token_ids=[8], finish_reason="stop")], lost)
+    decode = _Worker("decode-1", "decode")
+    decode.decode_stub = type("Stub", (), {"Decode": lambda _self, req, timeout: call})()
+    run = RequestRun("r", PROMPT, time.monotonic())
+
+    async def read():
+        legs = s._decode_chunks(worker_pb2.DecodeRequest(request_id="r"), decode, _Context(),
+                                run)
+        return [c async for c in legs]
+
+    chunks = asyncio.run(read())
+    assert [list(c.token_ids) for c in chunks] == [[7], [8]]
+    assert chunks[-1].finish_reason == "stop"
