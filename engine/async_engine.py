@@ -2,11 +2,13 @@
 
 Requests are submitted from the loop; outputs come back through one asyncio queue per request.
 Everything that may block on the engine's step lock (decode-role allocation, commit, stats)
-runs in the default thread pool, so a long forward never stalls a stream or a health check.
+runs in a pool thread (stats in one of their own), so a long forward never stalls a stream or
+a health check.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import faulthandler
 import logging
 import threading
@@ -56,6 +58,11 @@ class AsyncEngine(EngineFront):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.stats: EngineStats = engine.get_stats()
+        # fresh_stats's takes wait for a running step in a thread of their own, one at a
+        # time: GetWorkerInfo callers during a long (or wedged) step would otherwise each hold
+        # a thread of the default pool, which the KV pulls, allocations and commits need.
+        self._stats_thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pdserve-stats")
         # A step that runs longer than this kills the engine (None: steps may run forever).
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the running step
@@ -204,7 +211,7 @@ class AsyncEngine(EngineFront):
             self.stats = self.engine.get_stats()
             return self.stats
 
-        fresh = asyncio.ensure_future(asyncio.to_thread(take))
+        fresh = self.loop.run_in_executor(self._stats_thread, take)
         done, _ = await asyncio.wait({fresh}, timeout=wait_s)
         return fresh.result() if done else self.stats
 
@@ -212,6 +219,7 @@ class AsyncEngine(EngineFront):
         """Stops the engine thread and the engine, within ``SHUTDOWN_TIMEOUT_S``."""
         self._stop.set()
         self._wake.set()
+        self._stats_thread.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=_STEP_GRACE_S)
         if self._thread.is_alive():
             logger.warning("a step is still running after %.0f s; stopping the engine under it",

@@ -162,6 +162,37 @@ def test_fresh_stats_answer_with_the_last_steps_while_a_long_step_holds_the_engi
     assert after > 1  # taken now once the engine is free
 
 
+def test_stats_callers_during_a_long_step_leave_the_thread_pool_free():
+    """Each fresh_stats during a long (or wedged) step held a thread of the default pool
+    until the step ended: a few GetWorkerInfo callers and the KV pulls, allocations and
+    commits that run there waited for the step too."""
+    class _Busy(_Engine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def get_stats(self):
+            self.calls += 1
+            if self.calls > 1:  # the constructor's call passes; later ones wait for the step
+                self.gate.wait(60)
+            return self.calls
+
+    async def run():
+        engine = _Busy()
+        ae = AsyncEngine(engine)
+        try:
+            for _ in range(40):  # more than the default pool's threads
+                await ae.fresh_stats(wait_s=0.001)
+            # Answered while the step still holds the engine.
+            pulled = await asyncio.wait_for(asyncio.to_thread(lambda: "pulled"), 30)
+            return pulled, engine.gate.is_set()
+        finally:
+            engine.gate.set()
+            ae.shutdown()
+
+    assert asyncio.run(run()) == ("pulled", False)
+
+
 def test_a_step_that_never_ends_kills_the_engine_and_says_where_it_hangs(capfd):
     """A wedged step (a hung device or collective) would leave a worker that answers health
     checks with every request stuck: past the step timeout the engine dies, waiting streams get
