@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 MAX_EVENTS_PER_BATCH = 1024
 # A batch's framing beside its events' own bytes: each event's field tag and length.
 _EVENT_FRAMING_BYTES = 8
+# What a chunk's event adds to it in a batch, at most: the request's id (UTF-8, up to 4 bytes
+# a character), its tag and length, and the chunk's and the event's framing.
+EVENT_ROOM_BYTES = 4 * convert.MAX_WORKER_REQUEST_ID_CHARS + 32
 
 
 async def serve_decode_many(servicer, request_iterator,

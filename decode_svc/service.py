@@ -17,7 +17,7 @@ from collections.abc import Callable
 import grpc
 
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
-from decode_svc.mux import serve_decode_many
+from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle, TransferError
@@ -39,7 +39,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.streams: set = set()
         rt.on_drain.append(self._drain_streams)
         # Room for a chunk in a message, with its request's id around it in a DecodeMany batch.
-        self.max_chunk_bytes = max_message_bytes() - 1024
+        self.max_chunk_bytes = max_message_bytes() - EVENT_ROOM_BYTES
 
     def _drain_streams(self) -> None:
         for stream in self.streams:

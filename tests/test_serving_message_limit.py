@@ -116,3 +116,22 @@ def test_a_decode_batch_over_the_limit_is_split_in_order(monkeypatch):
     small = worker_pb2.DecodeBatch()
     small.events.add(request_id="s").chunk.token_ids.append(5)
     assert mux._within_message_limit(small) == [small]
+
+
+def test_the_largest_chunk_a_decode_worker_sends_fits_a_batch_with_the_longest_id():
+    """The room left for a chunk assumed its request's id was at most 1024 bytes: an id of
+    1024 characters may be four times that in UTF-8, and its event then went past the
+    limit, failing the stream of every request on it."""
+    from decode_svc.mux import EVENT_ROOM_BYTES
+    from protos import worker_pb2
+    from protos.convert import MAX_WORKER_REQUEST_ID_CHARS, check_request_id
+
+    room = MIN_MESSAGE_BYTES - EVENT_ROOM_BYTES
+    chunk = worker_pb2.DecodeChunk(text_delta="x" * room)
+    while chunk.ByteSize() > room:
+        chunk.text_delta = chunk.text_delta[:-1]
+    assert chunk.ByteSize() == room
+    longest = check_request_id("\U0001F600" * MAX_WORKER_REQUEST_ID_CHARS)
+    batch = worker_pb2.DecodeBatch()
+    batch.events.add(request_id=longest).chunk.CopyFrom(chunk)
+    assert batch.ByteSize() <= MIN_MESSAGE_BYTES
