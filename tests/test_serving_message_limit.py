@@ -61,7 +61,7 @@ def test_decode_chunks_over_the_limit_are_refused_and_a_batch_is_split_under_it(
 
     import grpc
 
-    from protos import common_pb2, worker_pb2, worker_pb2_grpc
+    from protos import common_pb2, worker_pb2_grpc
     from tests.decode_stream import DecodeStream, ended, local_request, start
 
     decode = next(p.address for p in cluster.procs if p.name.startswith("decode"))
