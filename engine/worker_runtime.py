@@ -382,9 +382,11 @@ class WorkerRuntime:
             self.config.redis_url, self.config.namespace, self.config.heartbeat_interval_s,
             self.worker_info, self._republish)
         registry = self._presence.registry
-        if self.config.role == "prefill":  # before the first heartbeat makes it routable
+
+        async def prepare(registry) -> None:  # before the first heartbeat makes it routable
             await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
-        await self._presence.start()
+
+        await self._presence.start(prepare if self.config.role == "prefill" else None)
         if self.config.role == "decode":
             self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s)
             self._peers.start()

@@ -57,12 +57,27 @@ class WorkerPresence:
         self._stopping = False
         # Left routing for a drain (``leave``): no heartbeat, only ledger events published.
         self._left = False
+        # Redis did not answer at start: the first beat through clears and republishes first.
+        self._unregistered = False
 
-    async def start(self) -> None:
+    async def start(self, prepare: Callable[[Registry], Awaitable[None]] | None = None) -> None:
+        """Registers the worker (``prepare`` first writes what must be in Redis before it is
+        routable: a prefill worker's KV handles). A Redis that does not answer now does not
+        stop the worker, which has loaded its model by then (a restart would load it again):
+        it serves, and registers at the first beat that goes through, as a router starts on
+        an empty view and fills it once Redis answers."""
         info = self.info()
-        await self.registry.clear_worker(info.worker_id)
-        await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
-        self._last_beat = asyncio.get_running_loop().time()
+        try:
+            if prepare is not None:
+                await prepare(self.registry)
+            await self.registry.clear_worker(info.worker_id)
+            await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+            self._last_beat = asyncio.get_running_loop().time()
+        except Exception as e:  # noqa: BLE001 - Redis away: the beats retry
+            logger.error("worker %s: registering in Redis failed (%s); serving, and retrying "
+                         "every %.1f s: no router sends it requests until then",
+                         info.worker_id, e, self.interval_s)
+            self._unregistered = True
         self._beat_task = asyncio.create_task(self._beat())
         self._flush_task = asyncio.create_task(self._flush())
 
@@ -81,6 +96,17 @@ class WorkerPresence:
                 self._lost = True
 
     async def _beat_once(self) -> None:
+        if self._unregistered:
+            # As start() would have: a predecessor's entries under this id go, and what the
+            # worker holds is written before the heartbeat makes it routable.
+            info = self.info()
+            await self.registry.clear_worker(info.worker_id)
+            await self._republish_now(False, "Redis answered after the worker's start")
+            # A first heartbeat, as start()'s: it finds no registration, which is no drop.
+            await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+            self._last_beat = asyncio.get_running_loop().time()
+            self._unregistered = self._lost = False
+            return
         # The drain as this worker last saw it: Redis puts it back if it forgot it (a
         # restart), and gives back an admin's later decision if a purge kept it.
         beat = await self.registry.heartbeat(self.info(), ttl_s=self.beat_ttl_s,
@@ -107,12 +133,12 @@ class WorkerPresence:
         else:
             logger.warning("worker %s had been dropped from the registry (a purge?)", wid)
 
-    async def _republish_now(self, dropped: bool) -> None:
+    async def _republish_now(self, dropped: bool, why: str | None = None) -> None:
         if self.republish is None:
             return
-        why = ("Redis answers again" if self._lost
-               else "this worker had been dropped from it" if dropped
-               else "KV events were lost")
+        why = why or ("Redis answers again" if self._lost
+                      else "this worker had been dropped from it" if dropped
+                      else "KV events were lost")
         async with self._publishing:
             self._events_lost = False
             await self.republish(self.registry)

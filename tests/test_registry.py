@@ -340,3 +340,48 @@ def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see
         await reg.r.aclose()
 
     _run(body())
+
+
+def test_a_worker_started_while_redis_is_away_registers_once_it_answers(caplog):
+    """The worker has loaded its model when it registers: a Redis that does not answer then
+    (restarting, or started after the workers) made it exit, to load the model again. It
+    serves, and registers with what it holds at the first beat that goes through."""
+    from router.presence import WorkerPresence
+    from router.redis_server import free_port
+
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+
+    async def body():
+        republished = []
+
+        async def prepare(registry: Registry) -> None:
+            await registry.set_kv_handles("w-late", [b"handle"])
+
+        async def republish(registry: Registry) -> None:
+            republished.append(1)
+            await prepare(registry)
+
+        presence = WorkerPresence(url, "late", 0.1, lambda: _info("w-late"), republish)
+        await presence.start(prepare)  # nothing listens on the port yet
+        try:
+            with RedisServer(port=port):
+                router = Registry.from_url(url, "late")
+                try:
+                    for _ in range(300):  # bounded: 30 s
+                        if await router.live_workers():
+                            break
+                        await asyncio.sleep(0.1)
+                    assert [w.worker_id for w in await router.live_workers()] == ["w-late"]
+                    assert await router.kv_handles("w-late") == [b"handle"]
+                    assert republished == [1]
+                finally:
+                    await router.r.aclose()
+                await presence.stop()
+        finally:
+            await presence.stop()
+
+    with caplog.at_level(logging.INFO, logger="router.presence"):
+        _run(body())
+    assert "registering in Redis failed" in caplog.text
+    assert "registry entries republished (Redis answered after the worker's start)" in caplog.text
