@@ -183,6 +183,7 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         # good (a pid in each default id) would pile up.
         for wid in [w for w in self._down if w not in self.workers]:
             del self._down[wid]
+        self._other_block_size = {k for k in self._other_block_size if k[0] in self.workers}
         for wid, info in live.items():
             handle = self.workers.get(wid)
             if handle is not None and handle.info.address == info.address:

@@ -200,3 +200,24 @@ def test_a_worker_of_another_block_size_is_logged_once(redis_url, caplog):
     asyncio.run(body())
     said = [r.getMessage() for r in caplog.records if "--block-size 32" in r.getMessage()]
     assert len(said) == 1 and "p32" in said[0] and "16" in said[0]
+
+
+def test_block_size_notes_of_workers_gone_for_good_are_dropped(redis_url):
+    """A misconfigured worker crash-looping under a new id each time (a pid in the default
+    id) left one note per restart for the router's life."""
+    async def body():
+        d, writer = await _view(redis_url, "life6",
+                                *(_info(f"p{i}", "prefill", block_size=32) for i in range(20)))
+        try:
+            with pytest.raises(NoWorkerError):
+                await d.pick_prefill([], 10)
+            assert len(d._other_block_size) == 20
+            for i in range(20):
+                await writer.deregister(f"p{i}")
+            await d.refresh()
+            return d._other_block_size
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+
+    assert asyncio.run(body()) == set()
