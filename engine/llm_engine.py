@@ -277,12 +277,27 @@ class LLMEngine(EngineKVTransfer):
             self.step_num_sampled.append(len(inp.sample_request_ids))
             if out is None:
                 return outputs
-            for i, rid in enumerate(inp.sample_request_ids):
-                req = self.scheduler.requests[rid]
-                output = self._on_token(req, out.token_ids[i], out.logprobs[i])
-                if output is not None:
-                    outputs.append(output)
+            try:
+                for i, rid in enumerate(inp.sample_request_ids):
+                    req = self.scheduler.requests[rid]
+                    output = self._on_token(req, out.token_ids[i], out.logprobs[i])
+                    if output is not None:
+                        outputs.append(output)
+            except BaseException:
+                self._unadvance_tokenless(sched)
+                raise
             return outputs
+
+    def _unadvance_tokenless(self, sched) -> None:
+        """After an interrupted hand-out of a step's tokens (Ctrl-C in a notebook, a
+        detokenizer error): a request advanced past the step whose token was never appended
+        would be scheduled no new token ever again, holding its blocks for good. It computes
+        the step's tokens again (their KV, written by the step, is rewritten the same)."""
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id in self.scheduler.requests \
+                    and req.num_computed_tokens >= req.num_tokens:
+                req.num_computed_tokens -= s.num_new_tokens
 
     def _on_token(self, req: Request, token_id: int, logprobs) -> RequestOutput | None:
         """The request's output for this token: None while its stream interval holds it."""

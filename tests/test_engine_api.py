@@ -266,3 +266,40 @@ def test_an_interrupted_step_leaves_no_uncomputed_block_in_the_prefix_cache(pres
         got = llm.generate([prompt], greedy)[0]
         assert got.token_ids == want
         assert _all_free(llm)
+
+
+def test_an_interrupted_hand_out_of_a_steps_tokens_leaves_no_request_stuck(preset_path):
+    """A step computed, then interrupted as it handed out its tokens (Ctrl-C in a notebook, a
+    detokenizer error): the requests whose token it had not appended were advanced past the
+    step all the same, were scheduled no token ever again, and held their blocks for good."""
+    path = str(preset_path("tiny-llama"))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 + 5 for i in range(20 + 3 * j)] for j in range(3)]
+    engine = LLMEngine(EngineConfig(path, num_gpu_blocks=64))
+    want = {}
+    for j, prompt in enumerate(prompts):
+        engine.add_request(f"want{j}", prompt, greedy)
+    while engine.has_unfinished_requests():
+        want.update({o.request_id[4:]: o.token_ids for o in engine.step() if o.finished})
+    for j, prompt in enumerate(prompts):
+        engine.add_request(f"got{j}", prompt, greedy)
+    engine.step()  # the prompts, and their first tokens
+    real, calls = engine.outputs.append_token, []
+
+    def interrupted_once(req, token_id, logprobs):
+        calls.append(1)
+        if len(calls) == 2:  # one request has its token, the others not
+            raise KeyboardInterrupt
+        return real(req, token_id, logprobs)
+
+    engine.outputs.append_token = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.outputs.append_token = real
+    got = {}
+    for _ in range(50):  # bounded: a stuck request never finishes
+        if not engine.has_unfinished_requests():
+            break
+        got.update({o.request_id[3:]: o.token_ids for o in engine.step() if o.finished})
+    assert got == want and len(set(map(tuple, want.values()))) == 3
+    assert _all_free(engine)
