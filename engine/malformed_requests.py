@@ -11,8 +11,8 @@ that hands the handler a ``Malformed`` marker instead of raising, and the handle
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 
