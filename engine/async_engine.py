@@ -211,9 +211,13 @@ class AsyncEngine(EngineFront):
             self.stats = self.engine.get_stats()
             return self.stats
 
-        fresh = self.loop.run_in_executor(self._stats_thread, take)
+        try:
+            fresh = self.loop.run_in_executor(self._stats_thread, take)
+        except RuntimeError:  # shut down: no take will run any more
+            return self.stats
         done, _ = await asyncio.wait({fresh}, timeout=wait_s)
-        return fresh.result() if done else self.stats
+        # A take the shutdown cancelled, queued behind a step, answers with the last stats.
+        return fresh.result() if done and not fresh.cancelled() else self.stats
 
     def shutdown(self) -> None:
         """Stops the engine thread and the engine, within ``SHUTDOWN_TIMEOUT_S``."""

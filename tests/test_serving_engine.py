@@ -193,6 +193,35 @@ def test_stats_callers_during_a_long_step_leave_the_thread_pool_free():
     assert asyncio.run(run()) == ("pulled", False)
 
 
+def test_stats_asked_as_the_engine_shuts_down_answer_with_the_last():
+    """A take queued behind a step that the shutdown cancels, or one asked after it, must
+    not raise a CancelledError in the caller's handler (or the executor's refusal)."""
+    class _Busy(_Engine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def get_stats(self):
+            self.calls += 1
+            if self.calls > 1:
+                self.gate.wait(60)
+            return self.calls
+
+    async def run():
+        engine = _Busy()
+        ae = AsyncEngine(engine)
+        first = asyncio.ensure_future(ae.fresh_stats(wait_s=30))  # holds the stats thread
+        queued = asyncio.ensure_future(ae.fresh_stats(wait_s=30))  # behind it
+        await asyncio.sleep(0.1)
+        engine.gate.set()  # the step ends as the engine shuts down
+        ae.shutdown()
+        after = await ae.fresh_stats(wait_s=1)
+        return await first, await queued, after
+
+    first, queued, after = asyncio.run(run())
+    assert first >= 1 and queued >= 1 and after >= 1
+
+
 def test_a_step_that_never_ends_kills_the_engine_and_says_where_it_hangs(capfd):
     """A wedged step (a hung device or collective) would leave a worker that answers health
     checks with every request stuck: past the step timeout the engine dies, waiting streams get
