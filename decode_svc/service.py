@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 
+from decode_svc.kv_sources import KVSources
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
 from engine.outputs import KVAllocation, RequestOutput
@@ -38,6 +39,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # once its requests are done, rather than being cut when the server stops.
         self.streams: set = set()
         rt.on_drain.append(self._drain_streams)
+        # With a registry, only the KV handles prefill workers registered are read.
+        self.kv_sources = KVSources(lambda: rt.registry)
         # Room for a chunk in a message, with its request's id around it in a DecodeMany batch.
         self.max_chunk_bytes = max_message_bytes() - EVENT_ROOM_BYTES
 
@@ -80,6 +83,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
+        await self.kv_sources.check(request.kv_handle)  # before NIXL parses any of it
         # On this host's clock: the handle says what was left of the lease when it was sent.
         lease_ends = time.monotonic() + request.kv_handle.lease_timeout_s
         # The pull's mark and its release name the lease; a handle from before lease_id

@@ -371,6 +371,11 @@ class WorkerRuntime:
             kv_peers_connected=self._peers.num_connected if self._peers is not None else 0)
 
     # --- lifecycle ------------------------------------------------------------------------
+    @property
+    def registry(self):
+        """The worker's registry (router.registry.Registry) once registered with Redis."""
+        return self._presence.registry if self._presence is not None else None
+
     async def start_presence(self) -> None:
         if self.config.redis_url is None:
             logger.warning("worker %s: no --redis-url, so it registers nowhere: no router will "

@@ -231,6 +231,44 @@ def test_overlong_request_ids_are_refused_by_every_worker_call(workers):
     assert event.request_id == long_id and "at most" in event.error.message and not tasks
 
 
+def test_a_handle_its_prefill_worker_did_not_register_is_never_parsed(workers):
+    """NIXL metadata is parsed by UCX, whose assertions abort the process on some corrupted
+    blobs (one in 70-260 random mutations): a decode worker with a registry reads only the
+    handles its prefill workers registered, and refuses others before NIXL sees them."""
+    cluster, prefill, decode = workers
+    rng = random.Random(7)
+    prompt = [rng.randint(5, 8000) for _ in range(20)]
+    resp = prefill.Prefill(worker_pb2.PrefillRequest(
+        request_id="unregistered", prompt_token_ids=prompt, sampling=SAMPLING), timeout=30)
+    d = json.loads(resp.kv_handle.rank_handles[0])
+    blob = bytearray(base64.b64decode(d["metadata"]))
+    blob[len(blob) // 2] ^= 0xFF
+    d["metadata"], d["agent_name"] = base64.b64encode(bytes(blob)).decode(), "never-met"
+
+    def decode_with(handle: common_pb2.KVHandle) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as err:
+            list(decode.Decode(worker_pb2.DecodeRequest(
+                request_id="unregistered", prompt_token_ids=prompt,
+                first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle),
+                timeout=30))
+        return err.value
+
+    corrupted = common_pb2.KVHandle()
+    corrupted.CopyFrom(resp.kv_handle)
+    corrupted.rank_handles[0] = json.dumps(d).encode()
+    err = decode_with(corrupted)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "differs from the KV handles prefill worker" in err.details()
+    stranger = common_pb2.KVHandle()
+    stranger.CopyFrom(corrupted)
+    stranger.worker_id = "prefill-nobody"
+    err = decode_with(stranger)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and kv_source_failed(err)
+    assert "has no KV handles in the registry" in err.details()
+    prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="unregistered"), timeout=10)
+    assert all(p.popen.poll() is None for p in cluster.procs)
+
+
 def test_a_refusal_quoting_a_long_caller_string_keeps_its_status(workers):
     """A refusal quotes the caller's text (a handle's backend): 20,000 characters of it put
     the status message past gRPC's 16 KiB header limit, and the caller got RESOURCE_EXHAUSTED
