@@ -59,3 +59,17 @@ def assert_every_method_refuses_malformed(channel: grpc.Channel, service: Servic
             (path, what, err.details())
         n += 1
     return n
+
+
+def four_kinds_handler(service: str, servicer, request_type, response_type
+                       ) -> grpc.GenericRpcHandler:
+    """``service``'s methods UnaryUnary, UnaryStream, StreamUnary and StreamStream, served by
+    ``servicer``'s unary_unary, unary_stream, stream_unary and stream_stream."""
+    kw = dict(request_deserializer=request_type.FromString,
+              response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(service, {
+        "UnaryUnary": grpc.unary_unary_rpc_method_handler(servicer.unary_unary, **kw),
+        "UnaryStream": grpc.unary_stream_rpc_method_handler(servicer.unary_stream, **kw),
+        "StreamUnary": grpc.stream_unary_rpc_method_handler(servicer.stream_unary, **kw),
+        "StreamStream": grpc.stream_stream_rpc_method_handler(servicer.stream_stream, **kw),
+    })

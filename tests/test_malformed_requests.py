@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from engine.grpc_server import GrpcServer, ServerConfig
 from router.auth import ApiKeyInterceptor
 from tests.malformed_wire import GARBAGE, assert_every_method_refuses_malformed, bad_utf8, \
-    send_raw
+    four_kinds_handler, send_raw
 
 # The router's prefix, so that ApiKeyInterceptor guards it.
 SERVICE = "pdserve.v1.Router"
@@ -50,13 +50,7 @@ class _Echo:
             yield Resp(status=Resp.SERVING)
 
     def handler(self) -> grpc.GenericRpcHandler:
-        kw = dict(request_deserializer=Req.FromString, response_serializer=Resp.SerializeToString)
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "UnaryUnary": grpc.unary_unary_rpc_method_handler(self.unary_unary, **kw),
-            "UnaryStream": grpc.unary_stream_rpc_method_handler(self.unary_stream, **kw),
-            "StreamUnary": grpc.stream_unary_rpc_method_handler(self.stream_unary, **kw),
-            "StreamStream": grpc.stream_stream_rpc_method_handler(self.stream_stream, **kw),
-        })
+        return four_kinds_handler(SERVICE, self, Req, Resp)
 
 
 @pytest.fixture

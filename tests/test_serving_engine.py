@@ -131,20 +131,24 @@ def test_failures_map_to_the_status_that_tells_the_caller_what_to_do():
     assert status_for(KeyError("bug")) == grpc.StatusCode.INTERNAL
 
 
+class _Busy(_Engine):
+    """An engine whose stats, after the constructor's, wait for ``gate``: a long step holds
+    its lock (bounded, so that a test that fails does not hang)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def get_stats(self):
+        self.calls += 1
+        if self.calls > 1:
+            self.gate.wait(60)
+        return self.calls
+
+
 def test_fresh_stats_answer_with_the_last_steps_while_a_long_step_holds_the_engine():
     """The router's probe asks a worker for its info with a 1 s timeout; a worker in a long
     prefill step must still answer, or a healthy worker is marked down."""
-    class _Busy(_Engine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def get_stats(self):
-            self.calls += 1
-            if self.calls > 1:  # the constructor's call passes; later ones wait for the step
-                self.gate.wait(10)
-            return self.calls
-
     async def run():
         engine = _Busy()
         ae = AsyncEngine(engine)
@@ -166,17 +170,6 @@ def test_stats_callers_during_a_long_step_leave_the_thread_pool_free():
     """Each fresh_stats during a long (or wedged) step held a thread of the default pool
     until the step ended: a few GetWorkerInfo callers and the KV pulls, allocations and
     commits that run there waited for the step too."""
-    class _Busy(_Engine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def get_stats(self):
-            self.calls += 1
-            if self.calls > 1:  # the constructor's call passes; later ones wait for the step
-                self.gate.wait(60)
-            return self.calls
-
     async def run():
         engine = _Busy()
         ae = AsyncEngine(engine)
@@ -196,17 +189,6 @@ def test_stats_callers_during_a_long_step_leave_the_thread_pool_free():
 def test_stats_asked_as_the_engine_shuts_down_answer_with_the_last():
     """A take queued behind a step that the shutdown cancels, or one asked after it, must
     not raise a CancelledError in the caller's handler (or the executor's refusal)."""
-    class _Busy(_Engine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls = 0
-
-        def get_stats(self):
-            self.calls += 1
-            if self.calls > 1:
-                self.gate.wait(60)
-            return self.calls
-
     async def run():
         engine = _Busy()
         ae = AsyncEngine(engine)

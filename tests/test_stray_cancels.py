@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from engine.grpc_server import GrpcServer, ServerConfig
+from tests.malformed_wire import four_kinds_handler
 
 SERVICE = "pdserve.v1.StrayTest"
 Req, Resp = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
@@ -59,13 +60,7 @@ class _Servicer:
             await self._stray("stream_stream")
 
     def handler(self) -> grpc.GenericRpcHandler:
-        kw = dict(request_deserializer=Req.FromString, response_serializer=Resp.SerializeToString)
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "UnaryUnary": grpc.unary_unary_rpc_method_handler(self.unary_unary, **kw),
-            "UnaryStream": grpc.unary_stream_rpc_method_handler(self.unary_stream, **kw),
-            "StreamUnary": grpc.stream_unary_rpc_method_handler(self.stream_unary, **kw),
-            "StreamStream": grpc.stream_stream_rpc_method_handler(self.stream_stream, **kw),
-        })
+        return four_kinds_handler(SERVICE, self, Req, Resp)
 
 
 async def _requests():
