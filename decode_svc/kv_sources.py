@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from kvtransfer import PeerGoneError
 from protos import common_pb2
+from router.errors import quoted
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +50,15 @@ class KVSources:
             async with asyncio.timeout(REGISTRY_WAIT_S):
                 registered = tuple(await registry.kv_handles(h.worker_id))
         except Exception as e:  # noqa: BLE001 - Redis away: read the handle, as without one
-            logger.warning("could not check a KV handle of prefill worker %r in the registry "
-                           "(%s): read as given", h.worker_id[:64], str(e) or type(e).__name__)
+            logger.warning("could not check a KV handle of prefill worker %s in the registry "
+                           "(%s): read as given", quoted(h.worker_id), str(e) or type(e).__name__)
             return
         if not registered:
-            raise PeerGoneError(f"prefill worker {h.worker_id[:64]!r} has no KV handles in the "
+            raise PeerGoneError(f"prefill worker {quoted(h.worker_id)} has no KV handles in the "
                                 "registry: its KV is not read")
         if registered != blobs:
             raise ValueError(f"kv_handle differs from the KV handles prefill worker "
-                             f"{h.worker_id[:64]!r} registered")
+                             f"{quoted(h.worker_id)} registered")
         self._registered[blobs] = None
         if len(self._registered) > MAX_REMEMBERED:
             self._registered.popitem(last=False)

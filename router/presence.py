@@ -66,20 +66,26 @@ class WorkerPresence:
         stop the worker, which has loaded its model by then (a restart would load it again):
         it serves, and registers at the first beat that goes through, as a router starts on
         an empty view and fills it once Redis answers."""
-        info = self.info()
         try:
-            if prepare is not None:
-                await prepare(self.registry)
-            await self.registry.clear_worker(info.worker_id)
-            await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
-            self._last_beat = asyncio.get_running_loop().time()
+            await self._register(None if prepare is None else lambda: prepare(self.registry))
         except Exception as e:  # noqa: BLE001 - Redis away: the beats retry
             logger.error("worker %s: registering in Redis failed (%s); serving, and retrying "
                          "every %.1f s: no router sends it requests until then",
-                         info.worker_id, e, self.interval_s)
+                         self.info().worker_id, e, self.interval_s)
             self._unregistered = True
         self._beat_task = asyncio.create_task(self._beat())
         self._flush_task = asyncio.create_task(self._flush())
+
+    async def _register(self, prepare: Callable[[], Awaitable[None]] | None) -> None:
+        """A predecessor's entries under this id go, ``prepare`` writes what must be there
+        before the worker is routable, then a first heartbeat (it finds no registration,
+        which is no drop)."""
+        info = self.info()
+        await self.registry.clear_worker(info.worker_id)
+        if prepare is not None:
+            await prepare()
+        await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+        self._last_beat = asyncio.get_running_loop().time()
 
     def add_events(self, events: list) -> None:
         self._events.extend(events)
@@ -96,15 +102,9 @@ class WorkerPresence:
                 self._lost = True
 
     async def _beat_once(self) -> None:
-        if self._unregistered:
-            # As start() would have: a predecessor's entries under this id go, and what the
-            # worker holds is written before the heartbeat makes it routable.
-            info = self.info()
-            await self.registry.clear_worker(info.worker_id)
-            await self._republish_now(False, "Redis answered after the worker's start")
-            # A first heartbeat, as start()'s: it finds no registration, which is no drop.
-            await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
-            self._last_beat = asyncio.get_running_loop().time()
+        if self._unregistered:  # as start() would have, with everything the worker holds
+            await self._register(lambda: self._republish_now(
+                False, "Redis answered after the worker's start"))
             self._unregistered = self._lost = False
             return
         # The drain as this worker last saw it: Redis puts it back if it forgot it (a
