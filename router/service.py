@@ -266,7 +266,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             failed = next((w for w in run.workers if w.info.role == "prefill"), failed)
         remaining = self._time_left(context, run)
         if remaining is not None and remaining <= 0:
-            return False
+            # The deadline ended it, not the worker: UNAVAILABLE would send the client on
+            # to another router with no time left (--default-timeout-s has no client deadline
+            # to end the call first).
+            raise RouterRejectError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    "deadline exceeded") from e
         if was_refused(e) and failed.worker_id not in run.refused_by:
             # It took none of the request (a worker that began draining, whose engine died,
             # or that exited, since the router last read the registry): going elsewhere loses

@@ -196,6 +196,23 @@ def test_the_default_timeout_is_one_deadline_for_the_whole_request():
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+def test_a_worker_lost_after_the_default_timeout_ends_the_request_deadline_exceeded():
+    """A failure that lands once --default-timeout-s is spent moves nothing, and says so:
+    UNAVAILABLE would send the client on to another router with no time left."""
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
+        run.calls(prefill)
+        yield router_pb2.GenerateChunk(request_id=run.request_id, token_ids=[100])
+        await asyncio.sleep(0.4)  # decoding, while the 0.3 s default timeout runs out
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE, "decode worker lost")
+
+    s = _servicer(remote_prefill, default_timeout_s=0.3)
+    with pytest.raises(service.RouterRejectError) as err:
+        asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=5))))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert isinstance(err.value.__cause__, grpc.aio.AioRpcError)
+    assert s.stats.requests_migrated == 0
+
+
 def test_a_prefill_cut_by_the_routers_own_cap_is_a_worker_failure_not_the_clients_deadline():
     cut = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
                                grpc.aio.Metadata(), "Deadline Exceeded")
