@@ -107,6 +107,9 @@ class Attempts:
         self.num_routers = num_routers
         self.first = first
         self.retries = 0
+        # Retries after a failure (the usage's migrations): a router's refusal of the model
+        # (nothing ran there) is a retry, not a move.
+        self.moves = 0
         timeout = check_timeout(timeout)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         # A stream of n > 1 sequences cannot continue elsewhere once it has streamed (the
@@ -161,6 +164,7 @@ class Attempts:
             return None
         self._tried.add(self.router)
         self.retries += 1
+        self.moves += not foreign
         while self.router in self.foreign:
             self.skipped += 1
         delay = 0.0
@@ -242,5 +246,5 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
     if chunk.finish_reason:
         tries.finished.add(chunk.index)
     if chunk.usage is not None:
-        chunk.usage.migrations += tries.retries
+        chunk.usage.migrations += tries.moves
     return chunk

@@ -353,15 +353,19 @@ def _choice(m, index: int) -> Choice:
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse, request_id: str = "",
-                          retries: int = 0) -> Completion:
+                          moves: int = 0) -> Completion:
     """``request_id``: the caller's (a retry went out under ``<id>~rN``, the caller's all the
-    same); ``retries``: the client's failovers, counted in the usage's migrations."""
+    same); ``moves``: the client's failovers, counted in every choice's migrations (each
+    sequence moved), and the request's summed over them, as the router sums its own."""
     choices = [_choice(c, c.index) for c in m.choices]
     if not choices:  # n = 1: the request's usage is its one sequence's
         choices = [_choice(m, 0)]
         usage = choices[0].usage
     else:
         usage = _usage(m.usage)
-    usage.migrations += retries
+        for c in choices:
+            c.usage.migrations += moves
+        moves *= len(choices)
+    usage.migrations += moves
     return Completion(request_id or m.request_id, choices, usage,
                       _prompt_logprobs(m.prompt_logprobs), _identity(m, "model"))

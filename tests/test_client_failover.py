@@ -107,6 +107,27 @@ def test_a_router_of_another_model_is_skipped_for_the_rest_of_the_stream():
     # Router 0 only failed (it may come back): the stream goes on trying it, after a pause
     # (the round 0, 2 is over).
     assert (tries.after(foreign), tries.router) == (1.0, 0)
+    # Moves are the failures: a refusal of the model ran nothing there.
+    assert (tries.retries, tries.moves) == (5, 3)
+
+
+def test_client_moves_count_in_every_sequences_migrations():
+    from client.types import completion_from_proto
+
+    usage = router_pb2.Usage(completion_tokens=1, migrations=1)  # the router moved one
+    choices = [router_pb2.Choice(index=i, token_ids=[i], finish_reason="length",
+                                 usage=router_pb2.Usage(completion_tokens=1,
+                                                        migrations=int(i == 0)))
+               for i in range(3)]
+    done = completion_from_proto(router_pb2.CompleteResponse(choices=choices, usage=usage),
+                                 moves=2)
+    # Each sequence moved twice with the request, and the request sums them, as the router's
+    # total (router/parallel.py request_usage) sums its own.
+    assert [c.usage.migrations for c in done.choices] == [3, 2, 2]
+    assert done.usage.migrations == 7 == sum(c.usage.migrations for c in done.choices)
+    one = completion_from_proto(router_pb2.CompleteResponse(
+        token_ids=[5], finish_reason="length", usage=router_pb2.Usage(migrations=1)), moves=2)
+    assert one.usage.migrations == one.choices[0].usage.migrations == 3
 
 
 def test_a_router_of_another_model_does_not_cut_the_pauses_short():
@@ -486,8 +507,8 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     for i, (first, final) in enumerate(ends):
         router = [a, b, c][i % 3]
         assert first.model.chat_template == ident[router.address].chat_template
-        # a's went on on c past b's refusal: two attempts after the first.
-        assert final.usage.migrations == (2 if i % 3 == 0 else 0)
+        # a's went on on c past b's refusal: two attempts after the first, one of them a move.
+        assert final.usage.migrations == (1 if i % 3 == 0 else 0)
     with Client(c.address, timeout=60) as one:
         done = one.complete(chats[0], max_tokens=2)
         info = one.model_info()
@@ -496,7 +517,8 @@ def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     # A caller's pin: only a router of the model answers, whichever the client tries first.
     with Client([b.address, c.address], timeout=60) as two:
         pinned = two.complete(chats[0], max_tokens=2, expect_model=info.identity)  # b first
-        assert pinned.model == info.identity and pinned.usage.migrations == 1
+        # b's refusal of the pin moved nothing.
+        assert pinned.model == info.identity and pinned.usage.migrations == 0
     with Client(b.address, timeout=60) as only_b:
         with pytest.raises(FailedPreconditionError, match="chat templates differ"):
             only_b.complete(chats[0], max_tokens=2, expect_model=info.identity)
