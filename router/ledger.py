@@ -286,15 +286,29 @@ class TransferLedger:
         """Drops index members whose entry Redis expired (a worker that died before closing
         them). Members past their expiry by this reader's clock are only candidates: each is
         dropped if its entry is gone, so a clock ahead of the worker's hides nothing."""
-        old = await self.r.zrangebyscore(self.index_key, "-inf",
-                                         f"({time.time() - EXPIRY_MARGIN_S}", 0, _PRUNE_BATCH)
-        if not old:
+        await self._drop_gone(await self.r.zrangebyscore(
+            self.index_key, "-inf", f"({time.time() - EXPIRY_MARGIN_S}", 0, _PRUNE_BATCH))
+
+    @bounded
+    async def sweep(self, cursor: int = 0) -> int:
+        """One step of a walk over the whole index, dropping members whose entry Redis
+        expired, whatever their score; the cursor of the next step (0: the walk is over).
+        A listing prunes only what its reader's clock says expired, and only when someone
+        lists: an entry whose close was lost (a worker that left for a drain, then died, is
+        purged by no router) would stay in the index for good, and a worker's clock running
+        ahead keeps its dead entries out of a listing's prune."""
+        cursor, members = await self.r.zscan(self.index_key, cursor, count=_PRUNE_BATCH)
+        await self._drop_gone([k for k, _ in members])
+        return int(cursor)
+
+    async def _drop_gone(self, keys: list) -> None:
+        if not keys:
             return
         async with self.r.pipeline(transaction=False) as p:
-            for k in old:
+            for k in keys:
                 p.exists(k)
             alive = await p.execute()
-        gone = [k for k, a in zip(old, alive) if not a]
+        gone = [k for k, a in zip(keys, alive) if not a]
         if gone:
             await self.r.zrem(self.index_key, *gone)
 

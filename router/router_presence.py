@@ -47,6 +47,9 @@ _RECLAIM_ROUND_S = 1.0
 # Redis restart or a purge lost at its next heartbeat (router/presence.py; at most 2.5 s
 # apart), and a router restarted with Redis may read the ledger before any has.
 _RECLAIM_SETTLE_S = 10.0
+# Every router walks the ledger's index for members whose entry expired, a step (a thousand
+# members) this many beats apart: cheap, and stale members go within minutes.
+_SWEEP_EVERY_BEATS = 10
 
 
 def check_router_id(value) -> str:
@@ -195,9 +198,21 @@ class RouterPresence:
         return held
 
     async def _beat_loop(self) -> None:
+        cursor, beats = 0, 0
         while not self._stopping:
             await asyncio.sleep(HEARTBEAT_S)
             await self._beat_once()
+            beats += 1
+            if beats % _SWEEP_EVERY_BEATS == 0:
+                cursor = await self._sweep(cursor)
+
+    async def _sweep(self, cursor: int) -> int:
+        """One step of the ledger index's sweep (TransferLedger.sweep); the next cursor."""
+        try:
+            return await self.ledger.sweep(cursor)
+        except Exception as e:  # noqa: BLE001 - Redis away: the beat says so; begun again
+            logger.debug("router %s: ledger sweep failed: %s", self.router_id, e)
+            return 0
 
     async def reclaim(self, prefill_stub_of) -> int:
         """Releases the leases this id's earlier incarnations left, where they are surely

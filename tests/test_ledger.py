@@ -122,6 +122,40 @@ def test_no_clock_but_redis_s_decides_what_expires(redis_url, monkeypatch):
     asyncio.run(body())
 
 
+def test_a_router_sweeps_index_members_whose_entry_is_gone(redis_url, monkeypatch):
+    """Entries whose close never came (a worker that left for a drain, then died, is purged by
+    no router) leave their index member: a listing's prune reaches only members past their
+    expiry by its reader's clock. Every router's heartbeat walks the whole index."""
+    import router.router_presence
+    monkeypatch.setattr(router.router_presence, "HEARTBEAT_S", 0.01)
+    monkeypatch.setattr(router.router_presence, "_SWEEP_EVERY_BEATS", 2)
+
+    async def body():
+        reg = Registry.from_url(redis_url, "l3s")
+        lost = [_opened(f"lost-{i}", clock_off=1000.0) for i in range(30)]  # a clock ahead
+        await reg.publish_events("p1", [*lost, _opened("live")])
+        await reg.r.delete(*(entry_key("l3s", "p1", ev.request_id) for ev in lost))
+        assert await reg.r.zcard(reg.ledger.index_key) == 31
+        # ZSCAN walks small sets in one step: a cursor that takes several needs a big one.
+        assert await reg.ledger.sweep(0) == 0
+        assert await reg.r.zcard(reg.ledger.index_key) == 1
+        await reg.publish_events("p1", lost)
+        await reg.r.delete(*(entry_key("l3s", "p1", ev.request_id) for ev in lost))
+        presence = RouterPresence(reg.ledger, "sweeper")
+        await presence.claim()
+        presence.start()
+        try:
+            async with asyncio.timeout(30):
+                while await reg.r.zcard(reg.ledger.index_key) > 1:
+                    await asyncio.sleep(0.01)
+        finally:
+            await presence.stop()
+        assert await reg.r.zrange(reg.ledger.index_key, 0, -1) == \
+            [entry_key("l3s", "p1", "live").encode()]
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
 def test_listing_is_bounded_expiring_first_and_ids_never_collide(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "l3")
