@@ -31,6 +31,9 @@ _STREAM_GRACE_S = 5.0
 # deadline that ran out mid-pull left 5 blocks quarantined for a minute, though the owner
 # served the READ a few milliseconds later. A stopped or unreachable owner outlasts it.
 _SETTLE_S = 0.5
+# How long close() waits for the reads in flight to end (they notice the close at their next
+# poll, then settle for at most _SETTLE_S) before it deregisters the cache under them.
+_CLOSE_WAIT_S = 5.0
 
 
 def _region(h: KVAgentHandle) -> tuple:
@@ -74,6 +77,7 @@ class NixlReader:
         self._reg = self.agent.register_memory(cache)
         self.lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # by agent name
+        self._closing = False  # set by close(): reads in flight end, new ones are refused
 
     def connect(self, remote: KVAgentHandle, trusted: bool = False) -> str:
         """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held).
@@ -143,17 +147,18 @@ class NixlReader:
         peers: list[_Peer] = []  # whose reads are in flight: forget() leaves them loaded
         try:
             with self.lock:
-                if self.agent is None:
-                    raise TransferError(f"NIXL agent {self.name!r} is closed")
+                self._check_open()
                 # A share queued behind another pull's (a stream) or a read waiting for this
                 # lock may start late: past its deadline the owner's lease may be over.
                 if time.monotonic() >= deadline:
                     raise TransferTimeout("a KV read started after its deadline; nothing "
                                           "was posted")
                 for p in parts:
-                    handles.append(self._start(p, notify))
+                    h = self._prepare(p, notify)
+                    handles.append(h)  # before it is posted: a failed post may have begun
                     peers.append(self._peers[p.remote.agent_name])
                     peers[-1].reads_in_flight += 1
+                    self._post(h, p.remote.agent_name)
             self._wait(handles, deadline, [p.remote.agent_name for p in parts])
             self._confirm(parts)
         except TransferError as e:
@@ -174,27 +179,40 @@ class NixlReader:
                 if peer is not None and peer.region == _region(p.remote):
                     peer.confirmed = True
 
-    def _start(self, part: ReadPart, msg: bytes):
+    def _check_open(self) -> None:
+        if self.agent is None or self._closing:
+            raise TransferError(f"NIXL agent {self.name!r} is closed")
+
+    def _prepare(self, part: ReadPart, msg: bytes):
+        """The READ's transfer handle, not yet posted (``lock`` held)."""
         remote = part.remote
         try:
             name = self.connect(remote)
-            h = self.agent.initialize_xfer(
+            return self.agent.initialize_xfer(
                 "READ", self.agent.get_xfer_descs(part.ldesc, self.mem_type),
                 self.agent.get_xfer_descs(part.rdesc, remote.mem_type), name, msg)
-            state = self.agent.transfer(h)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
             raise PeerGoneError(f"cannot read from NIXL agent {remote.agent_name!r}: {e}") from None
+
+    def _post(self, h, agent_name: str) -> None:
+        """Posts the READ of handle ``h``, which the caller already tracks: a post that failed
+        may have gone out in part, so its handle is settled and released with the rest."""
+        try:
+            state = self.agent.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own exception types
+            raise PeerGoneError(f"cannot read from NIXL agent {agent_name!r}: {e}") from None
         if state == "ERR":
-            self.agent.release_xfer_handle(h)
-            raise PeerGoneError(f"NIXL refused the read from {remote.agent_name!r}")
-        return h
+            raise PeerGoneError(f"NIXL refused the read from {agent_name!r}")
 
     def _wait(self, handles: list, deadline: float, names: list[str]) -> None:
         pending = list(zip(handles, names))
         while pending:
             try:
                 with self.lock:
+                    self._check_open()  # a close ends the wait: the cache is going away
                     states = [self.agent.check_xfer_state(h) for h, _ in pending]
+            except TransferError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise PeerGoneError(f"a NIXL read from {names} failed: {e}") from None
             for (_, name), s in zip(pending, states):
@@ -219,6 +237,8 @@ class NixlReader:
 
     def _any_in_flight(self, handles: list) -> bool:
         with self.lock:
+            if self.agent is None:  # closed after _CLOSE_WAIT_S: nothing tells any more
+                return True
             for h in handles:
                 try:
                     if self.agent.check_xfer_state(h) not in ("DONE", "ERR"):
@@ -232,6 +252,8 @@ class NixlReader:
         with self.lock:
             for peer in peers:
                 peer.reads_in_flight -= 1
+            if self.agent is None:
+                return
             for h in handles:
                 try:
                     self.agent.release_xfer_handle(h)
@@ -239,9 +261,21 @@ class NixlReader:
                     logger.warning("could not release a NIXL transfer handle: %s", e)
 
     def close(self) -> None:
+        """Ends the reads in flight (each fails TransferError at its next poll, once it has
+        released its handles), then deregisters the cache: deregistered under a running READ,
+        its bytes could land in memory the engine has freed, and the read's next poll would
+        find no agent."""
         with self.lock:
-            if self.agent is None:
+            if self.agent is None or self._closing:
                 return
+            self._closing = True
+        end = time.monotonic() + _CLOSE_WAIT_S
+        while self._reads_in_flight() and time.monotonic() < end:
+            time.sleep(_POLL_S)
+        with self.lock:
+            if any(p.reads_in_flight for p in self._peers.values()):
+                logger.warning("NIXL agent %r closes with reads still in flight after %.0f s",
+                               self.name, _CLOSE_WAIT_S)
             for peer in self._peers.values():
                 try:
                     self.agent.remove_remote_agent(peer.nixl_name)
@@ -249,6 +283,10 @@ class NixlReader:
                     pass
             self.agent.deregister_memory(self._reg)
             self.agent = None
+
+    def _reads_in_flight(self) -> bool:
+        with self.lock:
+            return any(p.reads_in_flight for p in self._peers.values())
 
 
 class NixlStream:
@@ -263,8 +301,10 @@ class NixlStream:
         return self._thread.submit(self.reader.read, parts, deadline)
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)  # a running read ends by its deadline
+        # The reader first: its close ends a running read at once (else by its deadline);
+        # reads still queued then fail at their start.
         self.reader.close()
+        self._thread.shutdown(wait=True)
 
 
 def join_streams(futures: list[concurrent.futures.Future], deadline: float,
