@@ -85,7 +85,14 @@ class TorchKVAgent(KVTransferAgent):
             if pair is None:
                 pair = self._connect(remote, deadline)
                 with self._pairs_lock:
-                    self._pairs[remote.agent_name] = pair
+                    closed = self._closed
+                    if not closed:
+                        self._pairs[remote.agent_name] = pair
+                if closed:
+                    # close() took its list of pairs while this one was being made: kept, it
+                    # would stay open (and served) on an agent that is gone.
+                    _shut(pair.sock)
+                    raise TransferError(f"KV agent {self.name!r} is closed")
             return pair
         finally:
             connecting.release()
@@ -133,10 +140,7 @@ class TorchKVAgent(KVTransferAgent):
         with self._pairs_lock:
             if self._pairs.get(remote_name) is pair:
                 del self._pairs[remote_name]
-        try:
-            pair.sock.close()
-        except OSError:
-            pass
+        _shut(pair.sock)
 
     def forget_peer(self, agent_name: str) -> bool:
         with self._pairs_lock:
@@ -149,7 +153,7 @@ class TorchKVAgent(KVTransferAgent):
             self._connecting.pop(agent_name, None)
             self._pairs.pop(agent_name, None)
         if pair is not None:
-            pair.sock.close()  # its group and store go with their last reference
+            _shut(pair.sock)  # its group and store go with their last reference
             pair.lock.release()
         return True
 
@@ -200,19 +204,23 @@ class TorchKVAgent(KVTransferAgent):
                 current = job.remote.agent_name
                 pair = pairs[current]
                 tag, pair.next_tag = pair.next_tag, pair.next_tag + 1
-                pair.sock.settimeout(check_deadline(deadline, f"KV pull from {current!r}"))
-                wire.send_frame(pair.sock, {
-                    "op": "pull", "tag": tag, "block_ids": job.remote_ids.tolist(),
-                    "head_start": job.head_start, "num_heads": job.num_heads,
-                    "timeout_s": deadline - _now()})
+                what = f"KV pull from {current!r}"
+                pair.sock.settimeout(check_deadline(deadline, what))
+                req = {"op": "pull", "tag": tag, "block_ids": job.remote_ids.tolist(),
+                       "head_start": job.head_start, "num_heads": job.num_heads}
+                # Checked again as it goes: the time may have run out since (a timeout <= 0
+                # the owner refused as bad input), and no read may be asked for after it.
+                req["timeout_s"] = check_deadline(deadline, what)
+                wire.send_frame(pair.sock, req)
                 inflight.append((job, pair, tag))
             works = []
             for job, pair, tag in inflight:
                 current = job.remote.agent_name
+                what = f"KV pull from {current!r}"
                 # The time left now: one owner's slow reply must not give the next its own
                 # whole timeout (two stalled owners took twice the pull's timeout).
-                pair.sock.settimeout(check_deadline(deadline, f"KV pull from {current!r}"))
-                reply = wire.recv_frame(pair.sock)
+                pair.sock.settimeout(check_deadline(deadline, what))
+                reply = _recv_reply(pair.sock, what)
                 if not reply.get("ok"):
                     raise ValueError(f"KV owner {current!r} refused the pull: "
                                      f"{reply.get('error')}")
@@ -228,6 +236,9 @@ class TorchKVAgent(KVTransferAgent):
                 self._drop(name, pair)
             if isinstance(e, ValueError):
                 raise
+            if self._closed:  # close() shut the socket under it: no peer failed
+                raise TransferError(f"KV pull from {current!r}: KV agent {self.name!r} "
+                                    f"was closed during it") from None
             raise _as_transfer_error(e, f"KV pull from {current!r}") from None
 
     def _scratch(self, job: PullJob) -> torch.Tensor:
@@ -287,6 +298,27 @@ def _as_transfer_error(e: BaseException, what: str) -> BaseException:
     return e
 
 
+def _shut(sock: socket.socket) -> None:
+    """Closes ``sock``, waking a pull blocked in recv() on it: close() alone does not on Linux,
+    so close() of the agent left an in-flight pull waiting until its own deadline."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # never connected, or the peer already reset it
+    sock.close()
+
+
+def _recv_reply(sock: socket.socket, what: str) -> dict:
+    """The owner's next control frame. A malformed one is the owner's failure (TransferError),
+    not the caller's bad input: as the ValueError it is in wire, the caller was blamed
+    (INVALID_ARGUMENT) for a broken peer."""
+    try:
+        return wire.recv_frame(sock)
+    except ValueError as e:
+        raise TransferError(f"{what}: the KV owner sent a malformed control frame ({e})") \
+            from None
+
+
 def _first_readable(objs: tuple, timeout_s: float) -> list:
     """Those of ``objs`` (sockets, or objects with a fileno) readable first, within
     ``timeout_s``. epoll, not select(): a busy server's descriptors pass 1024."""
@@ -298,7 +330,7 @@ def _first_readable(objs: tuple, timeout_s: float) -> list:
 
 def _check_hello_reply(sock: socket.socket, deadline: float, what: str) -> None:
     sock.settimeout(check_deadline(deadline, what))
-    reply = wire.recv_frame(sock)
+    reply = _recv_reply(sock, what)
     if not reply.get("ok"):
         error = LayoutMismatchError if reply.get("kind") == "layout" else TransferError
         raise error(f"{what}: the owner refused: {reply.get('error')}")

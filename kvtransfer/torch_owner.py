@@ -3,13 +3,13 @@
 A reader connects to the control server once per (reader agent, owner agent) pair and says
 hello; both sides then build the pair's process group over this owner's TCPStore. Each pull
 request names blocks and a head range; the owner gathers them into one contiguous tensor and
-sends it through the group. Release notifications arrive on the same connection. One thread
-per connected reader, so a slow reader never holds up another.
+sends it through the group. Release notifications arrive on the same connection, after the
+hello. One thread per connected reader, so a slow reader never holds up another, and at most
+MAX_CONNECTIONS of them.
 """
 from __future__ import annotations
 
 import base64
-import collections
 import datetime
 import logging
 import socket
@@ -37,6 +37,17 @@ _MAX_TAG = 2**31 - 1
 _IDLE_CLIENTS = 4
 # How long close() waits for store clients being built (milliseconds each on a live server).
 _CONNECT_WAIT_S = 10.0
+# Connections served at once, each on its own thread. A reader agent holds one per owner
+# agent, so this is far beyond a cluster's decode ranks; 500 idle connections were 500
+# threads here before.
+MAX_CONNECTIONS = 256
+# A reader says hello as soon as it connects; a connection that says nothing (or trickles)
+# within this held a thread and a connection for good.
+HELLO_TIMEOUT_S = 10.0
+# Notifications waiting for the engine's poll (every 20 ms; a release is a few dozen bytes):
+# beyond these they are refused (see _queue_notification). 200 of 1 MiB queued 200 MiB.
+MAX_QUEUED_NOTIFICATIONS = 100_000
+MAX_QUEUED_NOTIFICATION_BYTES = 64 << 20
 
 
 class TorchOwnerServer:
@@ -57,8 +68,11 @@ class TorchOwnerServer:
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_ACCEPT_TICK_S)
         self.port = self._listener.getsockname()[1]
-        self._notifs: collections.deque[bytes] = collections.deque()
+        self._notifs: list[bytes] = []
+        self._notif_bytes = 0
+        self._refusing_notifs = False
         self._conns: set[socket.socket] = set()
+        self._refusing_conns = False  # only the accept thread reads or sets it
         self._lock = threading.Lock()
         self._closed = threading.Event()
         # Store clients being built now, and close()'s wait for them: see _take_client.
@@ -74,10 +88,28 @@ class TorchOwnerServer:
             return len(self._conns)
 
     def take_notifications(self) -> list[bytes]:
-        out = []
-        while self._notifs:
-            out.append(self._notifs.popleft())
+        with self._lock:
+            out, self._notifs, self._notif_bytes = self._notifs, [], 0
         return out
+
+    def _queue_notification(self, msg: bytes) -> None:
+        """Queues ``msg`` for take_notifications(), or refuses it (logged) when the queue is
+        full. The newest is refused rather than the oldest dropped: a release lost either way
+        only leaves its lease to expire (its blocks stay out of use until then, never handed
+        out early), and a reader flooding this owner then loses its own notifications instead
+        of evicting the releases others sent before it."""
+        with self._lock:
+            full = (len(self._notifs) >= MAX_QUEUED_NOTIFICATIONS
+                    or self._notif_bytes + len(msg) > MAX_QUEUED_NOTIFICATION_BYTES)
+            if not full:
+                self._notifs.append(msg)
+                self._notif_bytes += len(msg)
+            warn = full and not self._refusing_notifs
+            self._refusing_notifs = full
+            queued = (len(self._notifs), self._notif_bytes)
+        if warn:  # once per run of refusals, not once per notification of a flood
+            logger.warning("KV owner %r refuses notifications: %d (%d bytes) wait for the "
+                           "engine's poll already", self.name, *queued)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -87,34 +119,57 @@ class TorchOwnerServer:
                 continue
             except OSError:
                 return  # closed
-            conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._closed.is_set():
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= MAX_CONNECTIONS
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._refuse(conn)
+                continue
+            self._refusing_conns = False
             named_thread(self._serve, "pdserve-kv-serve", (conn,)).start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Closes a connection over MAX_CONNECTIONS, telling its reader why if its socket
+        takes the reply at once (the accept loop never waits on a peer)."""
+        if not self._refusing_conns:  # once per run of refusals: a flood would flood the log
+            logger.warning("KV owner %r serves %d connections already; refusing more",
+                           self.name, MAX_CONNECTIONS)
+            self._refusing_conns = True
+        try:
+            conn.setblocking(False)
+            wire.send_frame(conn, {"ok": False, "error": f"KV owner {self.name!r} serves "
+                                                        f"{MAX_CONNECTIONS} connections"})
+        except OSError:
+            pass
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         use_one_openmp_thread()  # its gathers must not start a team beside the engine's
-        pg = None
         try:
+            # Only a reader's hello opens the connection to pulls and notifications: a
+            # notification from anything that connected was queued for the engine.
+            req = wire.recv_frame(conn, time.monotonic() + HELLO_TIMEOUT_S)
+            if req.get("op") != "hello":
+                raise ValueError(f"a connection starts with a hello, not {req.get('op')!r}")
+            conn.settimeout(None)  # idle between pulls for as long as the reader keeps its pair
+            pg = self._hello(conn, req)
             while True:
                 req = wire.recv_frame(conn)
                 op = req.get("op")
-                if op == "hello":
-                    pg = self._hello(conn, req)
-                elif op == "pull":
-                    if pg is None:
-                        raise ValueError("pull before hello")
+                if op == "pull":
                     self._pull(conn, pg, req)
                 elif op == "notify":
-                    self._notifs.append(base64.b64decode(str(req.get("msg", "")), validate=True))
+                    msg = base64.b64decode(str(req.get("msg", "")), validate=True)
+                    self._queue_notification(msg)
                 else:
-                    raise ValueError(f"unknown control op {op!r}")
+                    raise ValueError(f"unknown control op {op!r} after the hello")
         except (EOFError, OSError):
-            pass  # the reader left (or we are closing)
+            pass  # the reader left, said no hello in time, or we are closing
         except (ValueError, TransferError, RuntimeError) as e:
             if not self._closed.is_set():
                 logger.warning("KV owner dropped a reader connection: %s", e)

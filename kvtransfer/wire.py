@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 
 _HEADER = struct.Struct("!I")
 # Block-id lists of a long prompt are a few hundred KB at most; anything bigger is garbage.
@@ -19,13 +20,15 @@ def send_frame(sock: socket.socket, obj: dict) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def recv_frame(sock: socket.socket) -> dict:
-    """The next frame as a dict; EOFError when the peer closed, ValueError on garbage."""
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> dict:
+    """The next frame as a dict; EOFError when the peer closed, ValueError on garbage.
+    ``deadline`` (time.monotonic()): TimeoutError once it passed, however the frame's bytes
+    trickle in (a socket timeout alone bounds each recv, not the frame)."""
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, deadline))
     if size > MAX_FRAME:
         raise ValueError(f"control frame of {size} bytes is over the {MAX_FRAME} limit")
     try:
-        obj = json.loads(_recv_exact(sock, size))
+        obj = json.loads(_recv_exact(sock, size, deadline))
     except ValueError as e:
         raise ValueError(f"bad control frame: {e}") from None
     if not isinstance(obj, dict):
@@ -33,9 +36,14 @@ def recv_frame(sock: socket.socket) -> dict:
     return obj
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no complete control frame before the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise EOFError("the peer closed the control connection")

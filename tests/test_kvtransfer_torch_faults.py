@@ -1,0 +1,281 @@
+"""The torch KV backend when its own agent closes mid-transfer, and against owners that send
+garbage or readers that flood: a closed agent keeps no connection and ends its pulls at once,
+a broken owner is the owner's failure (TransferError, never the caller's ValueError), and an
+owner bounds its connections, their silence and its notification queue. Real sockets, real
+gloo groups and TCPStores, in-process agents."""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.kv_layout import KVCacheLayout
+from kvtransfer import TransferError, TransferTimeout, make_agent, torch_owner, wire
+from tests.proc_signals import wait_until
+
+LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                       kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
+                       tp_rank=0, tp_size=1)
+# Far beyond what any of these steps takes, however loaded the machine: reaching it is a hang.
+BOUND_S = 30.0
+
+
+@pytest.fixture
+def agents():
+    """make(seeded=False): an in-process torch agent, closed after the test."""
+    made = []
+
+    def make(seeded: bool = False):
+        cache = torch.randn(LAYOUT.shape) if seeded else torch.zeros(LAYOUT.shape)
+        made.append(make_agent("torch", cache, LAYOUT))
+        return made[-1]
+
+    yield make
+    for a in reversed(made):
+        a.close()
+
+
+def _started(fn) -> tuple[threading.Thread, dict]:
+    """``fn`` running on a thread, and where its error goes ({"error": ...})."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - checked by the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _joined(t: threading.Thread, out: dict) -> dict:
+    """``out`` once ``t`` ended; {"hung": True} when it still runs after BOUND_S."""
+    t.join(BOUND_S)
+    return out if not t.is_alive() else {"hung": True}
+
+
+def _waiting_in_recv(t: threading.Thread) -> bool:
+    """Whether ``t`` is blocked in a control socket's recv now: its frame is wire's, and the
+    kernel has it asleep in poll (CPython's wait on a socket with a timeout), not on the GIL.
+    Before it got there, a close() made its recv fail at once, fixed or not."""
+    frame = sys._current_frames().get(t.ident)
+    if frame is None or frame.f_code.co_name != "_recv_exact":
+        return False
+    with open(f"/proc/self/task/{t.native_id}/wchan") as f:
+        return "poll" in f.read()
+
+
+def _raw_connection(owner) -> socket.socket:
+    host, _, port = owner.handle().address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=BOUND_S)
+
+
+def _read_until_closed(sock: socket.socket) -> None:
+    """Returns once the owner ended ``sock`` (EOF or reset), past any refusal it sent first;
+    TimeoutError (BOUND_S) when the owner keeps it open."""
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+
+
+# --- a closed reader agent ---------------------------------------------------------------------
+
+def test_a_pair_made_while_the_agent_closes_is_not_kept(agents):
+    owner, reader = agents(seeded=True), agents()
+    connected, go = threading.Event(), threading.Event()
+    connect = reader._connect
+
+    def slow_connect(remote, deadline):
+        pair = connect(remote, deadline)  # the real connection and pair group
+        connected.set()
+        go.wait(BOUND_S)  # close() runs while the connection is being made
+        return pair
+
+    reader._connect = slow_connect
+    pull = _started(lambda: reader.pull([owner.handle()], [1, 2], [3, 4], timeout_s=BOUND_S))
+    assert connected.wait(BOUND_S)
+    reader.close()
+    go.set()
+    out = _joined(*pull)
+    assert isinstance(out.get("error"), TransferError), out
+    assert f"KV agent {reader.name!r} is closed" in str(out["error"])
+    assert reader.peer_names() == []
+    # The owner saw the connection end: it serves nothing for the closed agent.
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+    assert not reader.cache[3:5].any()
+
+
+def test_close_ends_a_pull_waiting_on_a_stalled_owner(agents):
+    owner, reader = agents(seeded=True), agents()
+    reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
+    gathering, stall = threading.Event(), threading.Event()
+
+    def stalled_gather(req):
+        gathering.set()
+        stall.wait(4 * BOUND_S)
+        # A refusal, not blocks: nothing is left sending to the closed reader's group.
+        raise ValueError("the test is over")
+
+    owner._server._gather = stalled_gather
+    try:
+        pull = _started(lambda: reader.pull([owner.handle()], [1], [1],
+                                            timeout_s=4 * BOUND_S))
+        assert gathering.wait(BOUND_S)
+        assert wait_until(lambda: _waiting_in_recv(pull[0]), BOUND_S)  # for the owner's reply
+        reader.close()
+        # Ended by close(), not by its own timeout (past BOUND_S), and says so.
+        done = _joined(*pull)
+        assert "hung" not in done
+        # This agent closed: no peer is to blame (not a PeerGoneError, "the peer is gone").
+        assert type(done.get("error")) is TransferError, done
+        assert f"KV agent {reader.name!r} was closed" in str(done["error"])
+    finally:
+        stall.set()
+
+
+# --- an owner that sends garbage -----------------------------------------------------------------
+
+def _send_garbage(conn: socket.socket) -> None:
+    conn.sendall(struct.pack("!I", 5) + b"{oops")
+
+
+def test_a_malformed_pull_reply_is_the_owners_failure(agents):
+    owner, reader = agents(seeded=True), agents()
+    reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)
+    owner._server._pull = lambda conn, pg, req: _send_garbage(conn)
+    with pytest.raises(TransferError, match="malformed control frame") as e:
+        reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)
+    assert not isinstance(e.value, ValueError)  # ValueError blamed the caller
+    assert reader.peer_names() == []  # the connection is out of step: dropped
+
+
+def test_a_malformed_hello_reply_is_the_owners_failure(agents):
+    owner, reader = agents(seeded=True), agents()
+    owner._server._hello = lambda conn, req: _send_garbage(conn)
+    with pytest.raises(TransferError, match="malformed control frame") as e:
+        reader.pull([owner.handle()], [1], [1], timeout_s=5.0)
+    assert not isinstance(e.value, ValueError)
+
+
+class _StallingSocket:
+    """A pair's socket whose first settimeout() sleeps past the timeout it is given: a pull
+    thread descheduled between the check of its deadline and its request. Records what the
+    reader sends."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.sent: list[bytes] = []
+        self._stalled = False
+
+    def settimeout(self, t: float | None) -> None:
+        if not self._stalled and t is not None:
+            self._stalled = True
+            time.sleep(t + 0.05)
+        self._sock.settimeout(t)
+
+    def sendall(self, data: bytes) -> None:
+        self.sent.append(data)
+        self._sock.sendall(data)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_no_pull_request_goes_out_after_its_deadline(agents):
+    owner, reader = agents(seeded=True), agents()
+    reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)
+    (pair,) = reader._pairs.values()
+    stalling = pair.sock = _StallingSocket(pair.sock)
+    with pytest.raises(TransferTimeout):
+        reader.pull([owner.handle()], [1], [1], timeout_s=0.5)
+    # Sent, its timeout_s was <= 0: the owner refused it as bad input.
+    assert stalling.sent == []
+
+
+# --- an owner's bounds on its readers ------------------------------------------------------------
+
+def test_an_owner_refuses_connections_past_its_cap(agents, monkeypatch, caplog):
+    monkeypatch.setattr(torch_owner, "MAX_CONNECTIONS", 2)
+    owner = agents(seeded=True)
+    held = [_raw_connection(owner) for _ in range(2)]
+    try:
+        assert wait_until(lambda: owner._server.num_readers == 2, BOUND_S)
+        with caplog.at_level(logging.WARNING, logger=torch_owner.__name__):
+            for _ in range(3):
+                with _raw_connection(owner) as extra:
+                    _read_until_closed(extra)
+        assert owner._server.num_readers == 2
+        refusals = [r for r in caplog.records if "refusing more" in r.getMessage()]
+        assert len(refusals) == 1  # once for the run of refusals, not once each
+    finally:
+        for s in held:
+            s.close()
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+    reader = agents()
+    reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)  # served again
+    assert torch.equal(reader.cache[1], owner.cache[1])
+
+
+def test_an_owner_drops_a_connection_that_says_no_hello(agents, monkeypatch):
+    monkeypatch.setattr(torch_owner, "HELLO_TIMEOUT_S", 0.5)
+    owner = agents(seeded=True)
+    with _raw_connection(owner) as silent, _raw_connection(owner) as halfway:
+        halfway.sendall(struct.pack("!I", 100)[:2])  # half a header, then nothing
+        _read_until_closed(silent)
+        _read_until_closed(halfway)
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+
+
+def test_an_owner_drops_a_hello_that_trickles_in(agents, monkeypatch):
+    monkeypatch.setattr(torch_owner, "HELLO_TIMEOUT_S", 0.5)
+    owner = agents(seeded=True)
+    with _raw_connection(owner) as s:
+        s.sendall(struct.pack("!I", 10_000))
+        assert wait_until(lambda: owner._server.num_readers == 1, BOUND_S)
+        # A byte every 0.1 s keeps each recv under the hello timeout, never the frame.
+        for _ in range(int(BOUND_S / 0.1)):
+            if owner._server.num_readers == 0:
+                break
+            try:
+                s.sendall(b" ")
+            except OSError:  # reset by the owner
+                break
+            time.sleep(0.1)
+        assert owner._server.num_readers == 0
+
+
+def test_an_owner_takes_notifications_only_after_a_hello(agents):
+    owner = agents(seeded=True)
+    with _raw_connection(owner) as s:
+        wire.send_frame(s, {"op": "notify", "msg": "cmVsZWFzZTp4"})  # b"release:x"
+        _read_until_closed(s)
+    assert owner.poll_notifications() == []
+
+
+def test_an_owner_refuses_notifications_past_its_queue(agents, monkeypatch):
+    owner, reader = agents(seeded=True), agents()
+    monkeypatch.setattr(torch_owner, "MAX_QUEUED_NOTIFICATIONS", 3)
+    for i in range(5):
+        reader.send_notification(owner.handle(), b"release:%d" % i)
+    # Served in order on the one connection: once this pull is answered, all five arrived.
+    reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)
+    # The first ones are kept: a refused release only leaves its lease to expire.
+    assert owner.poll_notifications() == [b"release:0", b"release:1", b"release:2"]
+    monkeypatch.setattr(torch_owner, "MAX_QUEUED_NOTIFICATION_BYTES", 10)
+    for msg in (b"a" * 6, b"b" * 4, b"c"):
+        reader.send_notification(owner.handle(), msg)
+    reader.pull([owner.handle()], [2], [2], timeout_s=BOUND_S)
+    assert owner.poll_notifications() == [b"a" * 6, b"b" * 4]
+    reader.send_notification(owner.handle(), b"again")  # room again once polled
+    reader.pull([owner.handle()], [3], [3], timeout_s=BOUND_S)
+    assert owner.poll_notifications() == [b"again"]
