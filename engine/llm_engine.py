@@ -72,7 +72,9 @@ class LLMEngine(EngineKVTransfer):
         self._admitting: dict[str, Request] = {}  # committed; its "admit" not drained yet
         # request id -> (request, when its blocks may be reused): see quarantine_kv.
         self._quarantined: dict[str, tuple[Request, float]] = {}
-        self._aborted_outputs: list[RequestOutput] = []
+        # Outputs made outside a step (aborts), or by a step that then failed: the next
+        # step returns them first.
+        self._owed_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self.num_expired_leases = 0
         # Tokens per executed step (the offline benchmark's roofline replays these sizes).
@@ -244,13 +246,13 @@ class LLMEngine(EngineKVTransfer):
 
     def has_unfinished_requests(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_unfinished()
-                or bool(self._aborted_outputs))
+                or bool(self._owed_outputs))
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
             self._drain_inbox()
             self._expire_leases()
-            outputs, self._aborted_outputs = self._aborted_outputs, []
+            outputs, self._owed_outputs = self._owed_outputs, []
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return outputs
@@ -270,6 +272,7 @@ class LLMEngine(EngineKVTransfer):
                 # An interrupted step (Ctrl-C in a notebook, a CUDA OOM) left blocks cached
                 # whose KV it never wrote: a later prompt with their prefix read them.
                 self.scheduler.undo(sched)
+                self._owed_outputs[:0] = outputs
                 raise
             self.scheduler.update_after_step(sched)
             self.num_steps += 1
@@ -285,6 +288,7 @@ class LLMEngine(EngineKVTransfer):
                         outputs.append(output)
             except BaseException:
                 self._unadvance_tokenless(sched)
+                self._owed_outputs[:0] = outputs
                 raise
             return outputs
 
@@ -365,14 +369,14 @@ class LLMEngine(EngineKVTransfer):
         if req is None:
             return
         self._finish(req, RequestStatus.FINISHED_ABORTED)
-        self._aborted_outputs.append(self._final(req))
+        self._owed_outputs.append(self._final(req))
 
     def _quarantine_now(self, request_id: str) -> None:
         req = self._awaiting_kv.pop(request_id, None)
         if req is None:
             return
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED, free_blocks=False)
-        self._aborted_outputs.append(self._final(req))
+        self._owed_outputs.append(self._final(req))
         self._quarantined[request_id] = (req, time.monotonic() + self.config.kv_quarantine_s)
 
     def _release_now(self, request_id: str, expired: bool = False) -> None:

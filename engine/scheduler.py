@@ -234,7 +234,8 @@ class Scheduler:
         """The step of ``out`` failed: its requests give their blocks up and start over (as
         preempted ones do), and the blocks it was to compute leave the prefix cache."""
         self.kv.uncache_last_schedule()
-        for s in out.scheduled:
+        # Last first: each goes to the head of the queue, so they keep their order there.
+        for s in reversed(out.scheduled):
             req = s.request
             if req in self.running:
                 self.running.remove(req)

@@ -303,3 +303,48 @@ def test_an_interrupted_hand_out_of_a_steps_tokens_leaves_no_request_stuck(prese
         got.update({o.request_id[3:]: o.token_ids for o in engine.step() if o.finished})
     assert got == want and len(set(map(tuple, want.values()))) == 3
     assert _all_free(engine)
+
+
+def test_outputs_made_before_a_step_failed_come_with_the_next_step(preset_path):
+    """A failed step re-raised and lost what it was to return: an abort's final output
+    queued before it, and the final output of a request that finished in it before its
+    hand-out was interrupted. A caller that steps on after the error never saw them."""
+    path = str(preset_path("tiny-llama"))
+    engine = LLMEngine(EngineConfig(path, num_gpu_blocks=64))
+    prompt = [(7 * i) % 200 + 5 for i in range(20)]
+    engine.add_request("aborted", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("short", prompt[1:], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("long", prompt[2:], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()  # the prompts and their first tokens
+    engine.abort("aborted")
+    real_forward = engine.executor.execute_model
+
+    def failing(inp):
+        raise RuntimeError("forward failed")
+
+    engine.executor.execute_model = failing
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    engine.executor.execute_model = real_forward
+    real_append, calls = engine.outputs.append_token, []
+
+    def interrupted_second(req, token_id, logprobs):
+        calls.append(req.request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_append(req, token_id, logprobs)
+
+    engine.outputs.append_token = interrupted_second
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.outputs.append_token = real_append
+    assert calls == ["short", "long"]  # "short" took its last token before the interrupt
+    ends = {}
+    for _ in range(50):  # bounded: a lost output never comes
+        if not engine.has_unfinished_requests():
+            break
+        ends.update({o.request_id: o for o in engine.step() if o.finished})
+    assert {rid: o.finish_reason for rid, o in ends.items()} == \
+        {"aborted": "abort", "short": "length", "long": "length"}
+    assert len(ends["short"].token_ids) == 2 and len(ends["long"].token_ids) == 6
+    assert _all_free(engine)
