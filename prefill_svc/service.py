@@ -45,8 +45,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self._leases: dict[str, _Held] = {}
         rt.on_lease_ended = self._lease_ended
         rt.held_transfers = self._held_transfers
-        # Ids released before this servicer saw their lease (see _prefill), oldest first.
-        self._released_early: dict[str, bool] = {}
+        # Ids of the Prefill calls running here, and those of them a ReleaseKV came for
+        # before their lease existed (see _prefill): as many as calls run, never evicted.
+        self._prefilling: set[str] = set()
+        self._released_early: set[str] = set()
+        # Ids released before their Prefill call began here (a release can overtake its
+        # call), oldest first: bounded, since most such ids never come.
+        self._released_unseen: dict[str, bool] = {}
         # Ids whose lease the engine ended lately: a ReleaseKV for one is answered, not
         # mistaken for one that came before its lease.
         self._ended: dict[str, bool] = {}
@@ -69,6 +74,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         since, is released at once)."""
         rid = convert.check_request_id(request.request_id) if request.request_id \
             else f"prefill-{uuid.uuid4().hex}"
+        mine = rid not in self._prefilling  # else the engine refuses this second call
+        self._prefilling.add(rid)
+        if self._released_unseen.pop(rid, False):
+            self._released_early.add(rid)
+        try:
+            return await self._run_prefill(rid, request)
+        finally:
+            if mine:
+                self._prefilling.discard(rid)
+                self._released_early.discard(rid)
+
+    async def _run_prefill(self, rid: str, request: worker_pb2.PrefillRequest
+                           ) -> worker_pb2.PrefillResponse | None:
         params = convert.sampling_from_proto(request.sampling)
         ids = convert.check_prompt_token_ids(request.prompt_token_ids)
         resume = convert.check_token_ids(request.resume_token_ids, "resume")
@@ -96,7 +114,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self._check_size(resp, request)
             return resp
         lease = out.kv_lease
-        if self._released_early.pop(rid, False):
+        if rid in self._released_early:
             # The router cut the call and released before the lease existed, so that
             # release found nothing: this one frees it (it is never listed in the ledger).
             self.rt.engine.release_kv(rid)
@@ -157,7 +175,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         held = self._leases.pop(request.request_id, None)
         if held is None and self._ended.pop(request.request_id, None) is None:
-            _remember(self._released_early, request.request_id)
+            if request.request_id in self._prefilling:
+                self._released_early.add(request.request_id)
+            else:
+                _remember(self._released_unseen, request.request_id)
         self.rt.engine.release_kv(request.request_id)  # idempotent in the engine
         # True only for a lease this call ended: one a reader's pull released, or that
         # expired, was not held any more (as of the engine's events, which reach the loop
