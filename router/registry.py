@@ -12,6 +12,8 @@ Key schema (``ns`` is the namespace, default "pdserve"):
 - ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
                                       workers only: prompts are routed by prefix to them alone)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
+- ``{ns}:kvhandles:{worker_id}`` LIST a prefill worker's ranks' KV-agent handles; expires
+                                      an hour after its last heartbeat
 - the transfer ledger's keys: router/ledger.py
 
 A worker is live while its heartbeat is younger than the reader's TTL or its own, whichever is
@@ -76,6 +78,7 @@ if added == 1 then
   if kept then redis.call('DEL', KEYS[5]) end
   if (kept or ARGV[4]) == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
 end
+redis.call('PEXPIRE', KEYS[6], ARGV[5])
 return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1])}
 """
 # Workers silent for longer than the reader's TTL (ARGV[1]) and than their own (KEYS[2]), if
@@ -126,6 +129,10 @@ return known
 """
 # Long enough for a purged worker that lives to beat again; a dead one's goes by itself.
 _PURGED_TTL_S = 3600.0
+# A prefill worker's KV handles expire this long after its last beat (each beat sets it
+# again): one that died after writing them and before its first beat went through is purged
+# by nobody. A live worker silent for this long lost its registration too, and republishes.
+KV_HANDLES_TTL_S = 3600.0
 
 # The prefix index keeps a worker's blocks twice: in each block's key and in its wblocks set.
 # Every write changes both for a block in one step (these scripts, and publish_events'
@@ -236,9 +243,9 @@ class Registry:
         wid = info.worker_id
         added, is_drained = await self._beat(
             keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
-                  self._k("ttls"), self._k("purged", wid)],
+                  self._k("ttls"), self._k("purged", wid), self._k("kvhandles", wid)],
             args=[wid, info.SerializeToString(), "" if ttl_s is None else repr(float(ttl_s)),
-                  "1" if drained else "0"])
+                  "1" if drained else "0", int(KV_HANDLES_TTL_S * 1000)])
         return Heartbeat(dropped=bool(added), drained=bool(is_drained))
 
     @bounded
@@ -324,6 +331,7 @@ class Registry:
             p.delete(key)
             if handles:
                 p.rpush(key, *handles)
+                p.pexpire(key, int(KV_HANDLES_TTL_S * 1000))
             await p.execute()
 
     @bounded

@@ -13,6 +13,7 @@ from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2, router_pb2
 from router.redis_server import RedisServer
+from router import registry as registry_mod
 from router.registry import Registry
 from router.stats import RouterStats
 
@@ -81,7 +82,7 @@ def test_bad_inputs(redis_url):
     _run(body())
 
 
-def test_kv_handles_are_published_and_leave_with_their_worker(redis_url):
+def test_kv_handles_are_published_and_leave_with_their_worker(redis_url, monkeypatch):
     async def body():
         reg = Registry.from_url(redis_url, "t-kvh", ttl_s=0.5)
         await reg.set_kv_handles("p", [b"rank0\x00bytes", b"rank1"])
@@ -96,6 +97,15 @@ def test_kv_handles_are_published_and_leave_with_their_worker(redis_url):
         time.sleep(0.7)
         assert await reg.live_workers() == []  # stale: purged with its handles
         assert await reg.kv_handles("q") == []
+        # A worker that died after writing its handles, before any beat went through, is
+        # purged by nobody: its handles expire by themselves, and each beat puts that off.
+        monkeypatch.setattr(registry_mod, "KV_HANDLES_TTL_S", 0.3)
+        await reg.set_kv_handles("died", [b"x"])
+        await reg.set_kv_handles("beats", [b"y"])
+        for _ in range(5):
+            await reg.heartbeat(_info("beats"), ttl_s=5.0)
+            await asyncio.sleep(0.1)
+        assert await reg.kv_handles("died") == [] and await reg.kv_handles("beats") == [b"y"]
         await reg.r.aclose()
 
     _run(body())
