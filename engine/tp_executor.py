@@ -177,6 +177,14 @@ class MultiprocExecutor(Executor):
         """kv_cache[block_ids] of ``rank`` as a CPU tensor (inspection and tests):
         [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_size]."""
         self._check_usable()
+        # Checked here for every rank: a worker refusing them dies (its loop ends on the
+        # error), and the whole engine with it; rank 0 read -1 as the last block.
+        if isinstance(rank, bool) or not isinstance(rank, int) or \
+                not 0 <= rank < len(self._layouts):
+            raise ValueError(f"rank must be in [0, {len(self._layouts)}), got {rank!r}")
+        num_blocks = self._layouts[rank].num_blocks
+        if not all(isinstance(i, int) and 0 <= i < num_blocks for i in block_ids):
+            raise ValueError(f"block ids out of range [0, {num_blocks})")
         if rank == 0:
             return self.runner.kv_cache[block_ids].cpu()
         w = self.workers[rank - 1]

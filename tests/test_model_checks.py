@@ -316,3 +316,17 @@ def test_engine_config_accepts(field, value):
     EngineConfig("tiny-llama", **{field: value})
     if field == "seed":
         torch.Generator().manual_seed(value)  # the range is torch's
+
+
+# ---- checkpoint dtypes --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,dtype", [("lm_head.weight", torch.int8),
+                                        ("model.layers.0.input_layernorm.weight", torch.bool)])
+def test_a_weight_that_is_not_floating_point_is_refused(tmp_path, name, dtype):
+    """copy_ casts any dtype to the parameter's: an int8 (quantized) or bool tensor of the
+    right shape loaded as garbage weights, with no error."""
+    hf_model().save_pretrained(tmp_path)
+    edit_weights(tmp_path, lambda t: t.__setitem__(name, (t[name] * 100).to(dtype)))
+    with pytest.raises(ValueError, match=f"weight {name}: .*dtype {dtype}"):
+        load(tmp_path)

@@ -125,6 +125,14 @@ def test_each_rank_caches_its_own_heads(preset_path):
             heads = slice(layout.kv_head_start, layout.kv_head_start + layout.num_kv_heads)
             torch.testing.assert_close(part, full[..., heads, :], atol=1e-4, rtol=0)
         assert layouts[1].kv_head_start == 2
+        # Refused for every rank alike, and the engine lives on: rank 1 died on the ids it
+        # refused (and the engine with it), rank 0 read -1 as the last block.
+        for rank, bad in ((0, [-1]), (1, [-1]), (1, [32]), (2, [0])):
+            with pytest.raises(ValueError, match="out of range|rank must be"):
+                engine.executor.read_blocks(rank, bad)
+        engine.executor.check_health()
+        torch.testing.assert_close(engine.executor.read_blocks(1, blocks[:1]),
+                                   full[:1, ..., 2:4, :], atol=1e-4, rtol=0)
 
 
 def _alive(pid: int) -> bool:

@@ -221,6 +221,11 @@ class LlamaForCausalLM(nn.Module):
                      shard_id: object = None) -> None:
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
+            if not tensor.is_floating_point():
+                # copy_ would cast it to the parameter's dtype: an integer (quantized) or bool
+                # tensor of the right shape loaded as garbage weights, with no error.
+                raise ValueError(f"checkpoint tensor has dtype {tensor.dtype}, not a "
+                                 "floating-point one (quantized checkpoints are not supported)")
             loader(param, tensor, shard_id)
         except ValueError as e:
             raise ValueError(f"weight {hf_name}: {e}") from None
