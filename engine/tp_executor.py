@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -61,6 +61,10 @@ class _Worker:
     sentinel: io.FileIO
     # The KV-transfer pull channel (engine.tp_kv_channel); None without a transfer backend.
     kv_conn: Connection | None = None
+    # What it died of, once told (_describe): the monitor and a failing step may both ask,
+    # and only the first read finds the worker's last message on the pipe.
+    death: str | None = None
+    death_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def exitcode(self) -> int | None:
@@ -361,7 +365,14 @@ def _wait_exit(w: _Worker, deadline: float) -> bool:
 
 
 def _describe(w: _Worker) -> str:
-    """What a worker whose pidfd reported its exit died of."""
+    """What a worker whose pidfd reported its exit died of (the same text for every caller)."""
+    with w.death_lock:
+        if w.death is None:
+            w.death = _read_death(w)
+        return w.death
+
+
+def _read_death(w: _Worker) -> str:
     try:
         # wait(), not poll(): poll() answers None while another thread (the monitor, or the
         # step finding the same death) holds Popen's reaping lock, and the error then said

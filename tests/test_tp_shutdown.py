@@ -4,6 +4,7 @@ a step stuck in a collective on that worker."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import threading
@@ -380,3 +381,29 @@ def test_a_dead_ranks_exit_is_named_while_another_thread_reaps_it():
         ours.close()
         theirs.close()
         proc.wait()
+
+
+def test_every_thread_that_describes_a_dead_rank_gets_its_last_message():
+    """The monitor and a failing step both describe the dead rank, and only the first read
+    of its pipe finds its error: the other's text (the one that set the executor's error,
+    if it won) said only "exit code 1"."""
+    import subprocess
+    import sys
+    from multiprocessing.connection import Pipe
+
+    from engine import tp_comm
+    from engine.tp_executor import _describe, _Worker
+
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    ours, theirs = Pipe()
+    try:
+        proc.wait()
+        tp_comm.send(theirs, tp_comm.OP_ERROR, b"ValueError: the rank's own cause")
+        worker = _Worker(1, proc, ours, sentinel=None)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(lambda _: _describe(worker), range(4)))
+        assert len(set(texts)) == 1
+        assert texts[0].endswith("died (exit code 1): ValueError: the rank's own cause")
+    finally:
+        ours.close()
+        theirs.close()
