@@ -241,15 +241,18 @@ class Cluster:
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} "
                                        "while starting")
+                last = "no answer"
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
                         return
-                except grpc.RpcError:
-                    pass
+                    last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+                except grpc.RpcError as e:
+                    last = f"{e.code().name}: {e.details()}"
                 if time.monotonic() > deadline:
+                    # The last answer says why (a TLS failure reads as UNAVAILABLE here).
                     raise RuntimeError(f"{proc.label} not healthy after "
-                                       f"{self.spec.start_timeout_s:.0f}s")
+                                       f"{self.spec.start_timeout_s:.0f}s (last: {last})")
                 time.sleep(0.2)
 
     def _wait_address(self, proc: Proc, deadline: float,
@@ -378,9 +381,35 @@ def _check_abort(proc: Proc, should_abort: Callable[[], bool] | None) -> None:
 
 def _channel(args: list[str], address: str) -> grpc.Channel:
     """A channel to the service started with ``args``: TLS when it serves TLS, trusting its
-    own certificate (a local cluster's is typically self-signed)."""
+    own certificate (a local cluster's is typically self-signed) under a name it carries.
+    The service is on loopback, but a certificate made for ``localhost`` (or a host name)
+    need not name 127.0.0.1: checked against the address, it failed every probe, and the
+    start waited out its whole timeout for a router that served all along."""
     cert = flag_value(args, "--tls-cert-file")
     if cert is None:
         return grpc.insecure_channel(address)
     with open(cert, "rb") as f:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()))
+        creds = grpc.ssl_channel_credentials(f.read())
+    name = _name_to_check(cert, address.rpartition(":")[0].strip("[]"))
+    options = [] if name is None else [("grpc.ssl_target_name_override", name)]
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def _name_to_check(cert_file: str, host: str) -> str | None:
+    """The name a TLS probe of ``host`` checks the certificate against: None (the host) when
+    the certificate names it or cannot be read here, else a DNS name it carries (or its
+    common name)."""
+    import ssl
+
+    try:
+        # The standard library's only certificate parser without a handshake; private, so
+        # its absence or failure leaves the probe as it was.
+        decoded = ssl._ssl._test_decode_cert(cert_file)
+    except Exception:  # noqa: BLE001 - AttributeError, ssl.SSLError, OSError
+        return None
+    names = [v for kind, v in decoded.get("subjectAltName", ()) if kind in ("DNS", "IP Address")]
+    if host in names:
+        return None
+    dns = [v for kind, v in decoded.get("subjectAltName", ()) if kind == "DNS" and "*" not in v]
+    common = [v for rdn in decoded.get("subject", ()) for k, v in rdn if k == "commonName"]
+    return (dns or common or [None])[0]

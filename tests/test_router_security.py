@@ -139,3 +139,33 @@ def test_the_admin_service_takes_the_admin_key_and_only_it(cluster, tls_files):
                 failover=FailoverPolicy(max_retries=0)) as c:
         with pytest.raises(UnauthenticatedError):
             c.complete([1, 2, 3], max_tokens=2)
+
+
+@pytest.mark.parametrize("names", ["DNS:localhost", "DNS:pdserve.example,DNS:*.example",
+                                   "IP:127.0.0.1"])
+def test_the_launchers_probe_trusts_a_certificate_that_does_not_name_127_0_0_1(tmp_path, names):
+    """The launcher probes its services on 127.0.0.1 with their own certificate: one made for
+    localhost (or a host name) failed the hostname check on every probe, and `pdserve up`
+    waited out its start timeout for a router that served all along."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from grpc_health.v1 import health
+
+    from router.launcher import _channel
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", f"subjectAltName={names}"], check=True, capture_output=True)
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    port = server.add_secure_port("127.0.0.1:0", creds)
+    server.start()
+    try:
+        with _channel(["--tls-cert-file", str(cert)], f"127.0.0.1:{port}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                        timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None)
