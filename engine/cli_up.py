@@ -162,6 +162,10 @@ def up_spec(args: argparse.Namespace):
         from engine.output_processor import check_stream_interval
 
         check_stream_interval(args.stream_interval)
+    if args.default_timeout_s is not None:  # as the router checks it, before anything starts
+        from engine.config import positive_number
+
+        positive_number("--default-timeout-s", args.default_timeout_s)
     if args.max_local_prefill_length is not None:
         from router.local_prefill import LocalPrefillConfig
 

@@ -111,7 +111,7 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _positive_number("tp_startup_timeout_s", self.tp_startup_timeout_s)
+        positive_number("tp_startup_timeout_s", self.tp_startup_timeout_s)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_seq_len_to_capture", self.max_seq_len_to_capture)
         if self.max_model_len is not None:
@@ -119,7 +119,7 @@ class EngineConfig:
         if self.num_gpu_blocks is not None:
             _positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if self.kv_cache_memory_gib is not None:
-            _positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
+            positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
         _finite_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
@@ -130,11 +130,11 @@ class EngineConfig:
                              f"got {self.kv_transfer_backend!r}")
         if self.kv_pull_streams is not None:
             _positive_int("kv_pull_streams", self.kv_pull_streams)
-        _positive_number("kv_transfer_timeout_s", self.kv_transfer_timeout_s)
+        positive_number("kv_transfer_timeout_s", self.kv_transfer_timeout_s)
         _finite_number("kv_quarantine_s", self.kv_quarantine_s)
         if not self.kv_quarantine_s >= 0:
             raise ValueError(f"kv_quarantine_s must be >= 0, got {self.kv_quarantine_s}")
-        _positive_number("kv_lease_timeout_s", self.kv_lease_timeout_s)
+        positive_number("kv_lease_timeout_s", self.kv_lease_timeout_s)
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(
@@ -159,7 +159,7 @@ def _finite_number(name: str, value) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
-def _positive_number(name: str, value) -> None:
+def positive_number(name: str, value) -> None:
     _finite_number(name, value)
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")

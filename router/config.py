@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from client.channels import check_api_key
 from client.keepalive import check_keepalive
 from engine.chat_template import load_chat_template
+from engine.config import positive_number
 from engine.generation_defaults import check_generation_config
 from engine.grpc_server import ServerConfig
 from engine.output_processor import check_stream_interval
@@ -93,14 +94,13 @@ class RouterConfig:
                 or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size (--block-size) must be a power of two, as the "
                              f"workers' is, got {self.block_size!r}")
-        if not self.refresh_interval_s > 0:
-            raise ValueError(f"refresh_interval_s must be > 0, got {self.refresh_interval_s}")
+        # Finite: inf passed "> 0", and every worker call then failed (its timeout inf).
+        positive_number("refresh_interval_s", self.refresh_interval_s)
         if not isinstance(self.max_inflight_requests, int) or self.max_inflight_requests < 1:
             raise ValueError("max_inflight_requests must be >= 1")
-        if self.default_timeout_s is not None and not self.default_timeout_s > 0:
-            raise ValueError("default_timeout_s must be > 0 or None")
-        if not self.prefill_timeout_s > 0:
-            raise ValueError("prefill_timeout_s must be > 0")
+        if self.default_timeout_s is not None:
+            positive_number("default_timeout_s (--default-timeout-s)", self.default_timeout_s)
+        positive_number("prefill_timeout_s (--prefill-timeout-s)", self.prefill_timeout_s)
         if not isinstance(self.migration_limit, int) or isinstance(self.migration_limit, bool) \
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "

@@ -161,6 +161,7 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--prefill", "0", "--model", "/nonexistent/model"], "neither an existing folder"),
     (["--api-key", "a b"], "api_key"),
     (["--admin-api-key", "a b"], "api_key"),
+    (["--default-timeout-s", "inf"], "--default-timeout-s must be a finite number"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):

@@ -174,7 +174,13 @@ def test_the_routers_timeouts_are_flags_and_checked(monkeypatch, capsys):
     config = _router_config(parser.parse_args(base))
     assert (config.default_timeout_s, config.prefill_timeout_s) == (None, 600.0)
     for bad in (["--default-timeout-s", "0"], ["--prefill-timeout-s", "-1"]):
-        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        with pytest.raises(ValueError, match="timeout-s\\) must be > 0"):
+            _router_config(parser.parse_args([*base, *bad]))
+    # inf passed "> 0": the router started, and every request failed after its first token
+    # (a worker call's timeout was inf).
+    for bad in (["--default-timeout-s", "inf"], ["--prefill-timeout-s", "1e309"],
+                ["--default-timeout-s", "nan"]):
+        with pytest.raises(ValueError, match="timeout-s\\) must be a finite number"):
             _router_config(parser.parse_args([*base, *bad]))
     up = parser.parse_args(["up", "--default-timeout-s", "45"])
     assert _up_router_args(up)[-2:] == ["--default-timeout-s", "45.0"]
