@@ -46,6 +46,9 @@ def test_compose_services_and_commands():
             assert args.redis_url == "redis://redis:6379/0"
             assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
             assert args.engine_process  # as `pdserve up` places GPU workers
+            # NCCL between TP ranks and UCX between workers need more than a container's
+            # 64 MB /dev/shm and one IPC namespace.
+            assert svc["ipc"] == "host"
         if args.command == "router":  # named in the ledger alike across restarts
             assert args.router_id
         # Docker SIGKILLs a service past its stop_grace_period: never before the service's
