@@ -80,35 +80,21 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "per role within 10 minutes; then, or with 0, everything stops")
 
 
-class _StopWhileStarting(Exception):
-    """SIGINT or SIGTERM reached ``pdserve up`` before its cluster was up."""
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from router.launcher import Cluster
+    from router.launcher import Cluster, StartAborted
     from router.supervisor import Supervisor
 
     spec = up_spec(args)
     stop = threading.Event()
-
-    def stop_starting(*_) -> None:
-        # While the services start (minutes, for a large model), a stop must not wait for
-        # them: the exception unwinds Cluster.start, which stops what it started. Once only:
-        # a second signal must not cut that cleanup short.
-        if not stop.is_set():
-            stop.set()
-            raise _StopWhileStarting
-
+    # While the services start (minutes, for a large model), a stop must not wait for them:
+    # the start polls the flag, then stops what it started. Not an exception raised from the
+    # handler: it could land inside that cleanup and cut it short, or where a started child
+    # was not tracked yet.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop_starting)
-    cluster = None
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        cluster = Cluster(spec).start()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-    except _StopWhileStarting:
-        if cluster is not None:  # the signal came as start returned
-            cluster.stop()
+        cluster = Cluster(spec).start(should_abort=stop.is_set)
+    except StartAborted:
         print("pdserve up: stopped while starting", flush=True)
         return 0
     except RuntimeError as e:  # a service that did not come up (its own log says why)

@@ -103,7 +103,9 @@ class Cluster:
         self._gpu_slots: list[WorkerGpus] = []  # the plan's places no worker took yet
 
     # --- start ----------------------------------------------------------------------------
-    def start(self) -> Cluster:
+    def start(self, should_abort: Callable[[], bool] | None = None) -> Cluster:
+        """Starts every service and waits until the router sees all workers. ``should_abort``:
+        polled while waiting; once true, what started is stopped and StartAborted raised."""
         if self.procs:  # e.g. `with Cluster(spec).start()`: a second, competing set of services
             raise RuntimeError("this cluster is already started: use `with Cluster(spec)` or "
                                "`Cluster(spec).start()`, not both")
@@ -119,8 +121,9 @@ class Cluster:
                 self.add_worker("decode", wait=False)
             self.start_router(wait=False)
             for p in self.procs:
-                self._wait_healthy(p)
-            self.wait_routable(self.spec.num_prefill, self.spec.num_decode)
+                self._wait_healthy(p, should_abort)
+            self.wait_routable(self.spec.num_prefill, self.spec.num_decode,
+                               should_abort=should_abort)
         except BaseException:
             self.stop()
             raise
@@ -281,7 +284,8 @@ class Cluster:
         if proc.name == "router":
             self.router_address = line
 
-    def wait_routable(self, num_prefill: int, num_decode: int, timeout_s: float = 30.0) -> None:
+    def wait_routable(self, num_prefill: int, num_decode: int, timeout_s: float = 30.0,
+                      should_abort: Callable[[], bool] | None = None) -> None:
         """Until the router's registry view has exactly these many live workers."""
         from client.channels import call_metadata
         from protos import router_pb2, router_pb2_grpc
@@ -295,6 +299,9 @@ class Cluster:
                                          metadata=call_metadata(self.spec.admin_key()))
                 if (s.num_prefill_workers, s.num_decode_workers) == (num_prefill, num_decode):
                     return
+                if should_abort is not None and should_abort():
+                    raise StartAborted("the router's view of the workers: start given up for "
+                                       "a stop")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"router sees {s.num_prefill_workers} prefill and "
                                        f"{s.num_decode_workers} decode workers, expected "

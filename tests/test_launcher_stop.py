@@ -339,3 +339,27 @@ def _children(pid: int) -> list[int]:
             return [int(p) for p in f.read().split()]
     except FileNotFoundError:
         return []
+
+
+def test_pdserve_up_reports_a_failed_start_even_when_told_to_stop_meanwhile(monkeypatch,
+                                                                          capsys):
+    """A stop while the services started was an exception raised from the signal handler,
+    wherever the main thread was: inside the start's own cleanup after a worker failed, it
+    replaced that failure, and ``pdserve up`` exited 0."""
+    from engine.cli import main
+    from router import launcher
+
+    def fails_while_stopped(self, should_abort=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # Ctrl-C as a worker fails to come up
+        time.sleep(0.05)  # the handler runs here, on the main thread
+        assert should_abort is not None and should_abort()
+        raise RuntimeError("decode-1 exited with 1 while starting")
+
+    monkeypatch.setattr(launcher.Cluster, "start", fails_while_stopped)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert main(["up", "--model", "tiny-llama"]) == 1
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert "decode-1 exited with 1 while starting" in capsys.readouterr().err
