@@ -195,7 +195,9 @@ def _gumbel_noise(x: torch.Tensor, generators: list[torch.Generator | None]) -> 
     one draw from the default RNG.
     """
     # -log(-log u) from uniforms: torch's CPU exponential_ is several times slower than
-    # rand + two logs. u == 0 gives -inf (that token loses), never NaN.
+    # rand + two logs. uniform_ returns exactly 0 about once in 2**24 draws: its -inf noise
+    # made a row whose filters left one token all -inf, and argmax then picked token 0, which
+    # the filters had ruled out. Clamped to the smallest normal float, the noise stays finite.
     uniform = torch.empty_like(x)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if not seeded:
@@ -207,7 +209,7 @@ def _gumbel_noise(x: torch.Tensor, generators: list[torch.Generator | None]) -> 
             uniform[unseeded] = torch.rand((len(unseeded), x.shape[1]), device=x.device)
         for i in seeded:
             uniform[i].uniform_(generator=generators[i])
-    return uniform.log_().neg_().log_().neg_()
+    return uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_().log_().neg_()
 
 
 def _keep_threshold(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:

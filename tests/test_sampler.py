@@ -251,6 +251,22 @@ def test_masked_vocab_entries_are_never_sampled(sampler):
     assert max(out.token_ids) < 40
 
 
+@pytest.mark.parametrize("params", [SamplingParams(allowed_token_ids=[7]),
+                                    SamplingParams(top_p=0.5), SamplingParams(min_p=0.5),
+                                    SamplingParams(top_k=1, seed=3)])
+def test_a_uniform_draw_of_zero_never_picks_a_filtered_token(sampler, monkeypatch, params):
+    """uniform_ returns exactly 0 about once in 2**24 draws: that token's noise was -inf,
+    and a row whose filters left only that token went all -inf, so argmax took token 0."""
+    def zeros(self, *args, **kwargs):
+        return self.zero_()
+
+    monkeypatch.setattr(torch.Tensor, "uniform_", zeros)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(*a, **k))
+    logits = torch.full((1, 10), -2.0)
+    logits[0, 7] = 3.0  # the one token each filter keeps
+    assert _sample(sampler, logits, [params], [make_generator(params.seed, "cpu")]).token_ids == [7]
+
+
 def test_empty_batch(sampler):
     out = sampler(torch.empty(0, 10), [], [])
     assert out == SamplerOutput(token_ids=[], logprobs=[])
