@@ -110,6 +110,11 @@ class LLMEngine(EngineKVTransfer):
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate_vocab(vocab)
+        if params.stop and not self.outputs.detokenize:
+            # Matched on the text, which is not made: the request ran to max_tokens.
+            raise ValueError("stop strings need detokenized output: this engine has "
+                             "detokenize=False, or its model no tokenizer (use "
+                             "stop_token_ids)")
         if params.priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {params.priority} needs an engine with scheduling "
                              "policy priority (--scheduling-policy priority)")

@@ -348,3 +348,16 @@ def test_outputs_made_before_a_step_failed_come_with_the_next_step(preset_path):
         {"aborted": "abort", "short": "length", "long": "length"}
     assert len(ends["short"].token_ids) == 2 and len(ends["long"].token_ids) == 6
     assert _all_free(engine)
+
+
+def test_stop_strings_without_detokenized_output_are_refused(preset_path):
+    """Stop strings are matched on the text: an engine that makes none ran such a request to
+    max_tokens, its stop never seen (bad_words, which need the tokenizer too, were refused)."""
+    path = str(preset_path("tiny-llama"))
+    with LLM(path, detokenize=False) as llm:
+        with pytest.raises(ValueError, match="stop strings need detokenized output"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, stop=["gru"]))
+        stopped = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))[0]
+        out = llm.generate([[5, 6, 7]], SamplingParams(
+            max_tokens=4, temperature=0.0, stop_token_ids=[stopped.token_ids[1]]))[0]
+        assert out.token_ids == stopped.token_ids[:2] and out.finish_reason == "stop"
