@@ -212,19 +212,29 @@ class LLMEngine(EngineKVTransfer):
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id
         with self._lock:
-            computed = self.kv_manager.get_computed_blocks(req)
-            cached = min(computed.num_computed_tokens, n)
-            if self.kv_manager.allocate_slots(req, n - cached, computed, cache_blocks=False) is None:
-                # Its block hashes, kept by id, would otherwise be taken for those of the next
-                # prompt under that id: wrong KV from the prefix cache, for it and for others.
-                self.kv_manager.free(req)
-                self._release_id(request_id)
+            try:
+                computed = self.kv_manager.get_computed_blocks(req)
+                cached = min(computed.num_computed_tokens, n)
+                allocated = self.kv_manager.allocate_slots(req, n - cached, computed,
+                                                           cache_blocks=False)
+            except BaseException:  # the id and any block must not stay taken for nobody
+                self._drop_allocation(req)
+                raise
+            if allocated is None:
+                self._drop_allocation(req)
                 raise NoFreeBlocksError(f"no room for {n} tokens "
                                         f"({self.kv_manager.num_free_blocks} free blocks)")
             req.num_cached_tokens = cached
             self._awaiting_kv[request_id] = req
             return KVAllocation(request_id, list(self.kv_manager.get_block_ids(request_id)),
                                 cached, n, self.block_size)
+
+    def _drop_allocation(self, req: Request) -> None:
+        """Frees a decode-role allocation that failed, and its id. Its block hashes, kept by
+        id, would otherwise be taken for those of the next prompt under that id: wrong KV
+        from the prefix cache."""
+        self.kv_manager.free(req)
+        self._release_id(req.request_id)
 
     def commit_prefilled(self, request_id: str) -> None:
         """The prompt KV is in place: admit the request into the continuous batch."""

@@ -115,6 +115,28 @@ def test_abort_waiting_for_kv_frees_blocks(model):
     assert _free(decode)
 
 
+def test_an_allocation_that_fails_midway_frees_its_id_and_blocks(model):
+    """An error between taking the id and handing the allocation back (Ctrl-C, a failed
+    check) kept the id taken for good: the request could not be sent again."""
+    decode = LLMEngine(EngineConfig(model, role="decode"))
+    params = SamplingParams(max_tokens=4)
+    real = decode.kv_manager.allocate_slots
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)  # the blocks are taken, then the interrupt lands
+        raise KeyboardInterrupt
+
+    decode.kv_manager.allocate_slots = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        decode.add_prefilled_request("a", list(range(5, 70)), 9, params)
+    decode.kv_manager.allocate_slots = real
+    assert _free(decode)
+    alloc = decode.add_prefilled_request("a", list(range(5, 70)), 9, params)  # its id is free
+    assert alloc.block_ids
+    decode.abort("a")
+    assert _free(decode)
+
+
 def test_an_abort_between_commit_and_admission_is_not_lost(model):
     """commit_prefilled takes the request out of the KV wait, then queues its admission: a
     cancel from another thread in between must still abort it, not let it run to max_tokens
