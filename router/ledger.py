@@ -258,13 +258,16 @@ class TransferLedger:
 
     # --- reads ----------------------------------------------------------------------------
     @bounded
-    async def entries(self, limit: int = DEFAULT_LIST_LIMIT) -> tuple[list[LedgerEntry], int]:
-        """The live entries, those expiring first, at most ``limit``; and how many more."""
+    async def entries(self, limit: int = DEFAULT_LIST_LIMIT,
+                      offset: int = 0) -> tuple[list[LedgerEntry], int]:
+        """The live entries, those expiring first, at most ``limit`` after the first
+        ``offset`` in the index; and how many more."""
         if not 0 < limit <= MAX_LIST_LIMIT:
             raise ValueError(f"limit must be in [1, {MAX_LIST_LIMIT}], got {limit}")
-        await self._prune()
+        if offset == 0:
+            await self._prune()
         total = await self.r.zcard(self.index_key)
-        keys = await self.r.zrange(self.index_key, 0, limit - 1)
+        keys = await self.r.zrange(self.index_key, offset, offset + limit - 1)
         async with self.r.pipeline(transaction=False) as p:
             for k in keys:
                 p.hgetall(k)
@@ -280,7 +283,7 @@ class TransferLedger:
             out.append(_entry({**raw, **pull}, ttl, pull_ttl))
         if gone:
             await self.r.zrem(self.index_key, *gone)
-        return out, max(total - len(keys), 0)
+        return out, max(total - offset - len(keys), 0)
 
     async def _prune(self) -> None:
         """Drops index members whose entry Redis expired (a worker that died before closing

@@ -235,7 +235,7 @@ class RouterPresence:
     async def predecessor_entries(self) -> list[LedgerEntry]:
         """The ledger's leases of this id's earlier incarnations that are surely gone, and
         that nobody pulls. Raises as the ledger read does."""
-        entries, _ = await self.ledger.entries(limit=MAX_LIST_LIMIT)
+        entries = await self._all_entries()
         # A lease being pulled is left to its pull, which releases it: the puller may not
         # have heard of the cut yet and would read blocks already reused.
         left = [e for e in entries if e.router_id == self.router_id
@@ -246,6 +246,18 @@ class RouterPresence:
                         "elsewhere are left to expire", self.router_id, len(left) - len(mine))
         self._maybe_alive = len(left) - len(mine)
         return mine
+
+    async def _all_entries(self) -> list[LedgerEntry]:
+        """Every entry of the ledger, a page at a time: one listing's limit cut the leases
+        of a cluster holding more, and an earlier incarnation's past it were never seen.
+        Entries dropped meanwhile shift the pages: one skipped so is read next round."""
+        entries, offset = [], 0
+        while True:
+            page, more = await self.ledger.entries(limit=MAX_LIST_LIMIT, offset=offset)
+            entries += page
+            if not more:
+                return entries
+            offset += MAX_LIST_LIMIT
 
     async def stop(self) -> None:
         self._stopping = True

@@ -264,6 +264,28 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
     asyncio.run(body())
 
 
+def test_a_restarted_router_finds_its_predecessors_leases_past_one_listings_limit(
+        redis_url, monkeypatch):
+    """One listing's limit (10 000) cut a cluster's leases: those of the predecessor past it,
+    expiring later, were never released."""
+    import router.router_presence
+    monkeypatch.setattr(router.router_presence, "MAX_LIST_LIMIT", 2)
+
+    async def body():
+        reg = Registry.from_url(redis_url, "l6b")
+        dead = Incarnation("old", socket.gethostname(), os.getpid(), pid_namespace())
+        # Others' leases expire first and fill the first pages.
+        await reg.publish_events("p1", [_opened(f"other-{i}", "r2", dead.encode(),
+                                                expires_in=30.0 + i) for i in range(5)])
+        await reg.publish_events("p1", [_opened(f"mine-{i}", "r1", dead.encode(),
+                                                expires_in=60.0 + i) for i in range(3)])
+        presence = RouterPresence(reg.ledger, "r1")
+        mine = await presence.predecessor_entries()
+        assert sorted(e.request_id for e in mine) == ["mine-0", "mine-1", "mine-2"]
+        await reg.r.aclose()
+    asyncio.run(body())
+
+
 def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis_url,
                                                                            monkeypatch):
     import router.router_presence
