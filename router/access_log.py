@@ -5,7 +5,7 @@ ended. On by default; ``--disable-log-requests`` turns it off.
     ttft_ms=45.1 e2e_ms=812.0 prefill=prefill-41003 decode=decode-40127 migrations=0
 
 (one line), or ``status=UNAVAILABLE error="no prefill worker is available"`` and what was known
-by then. Token counts of n > 1 sequences add up; timings and workers are sequence 0's.
+by then (no ``ttft_ms`` before a first token). Token counts of n > 1 sequences add up; timings and workers are sequence 0's.
 """
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ def request_line(request_id: str, runs: list[RequestRun], status: str, error: st
         u, t = first.usage, first.timings
         fields += [f"n={len(runs)}", f"prompt={len(first.prompt_token_ids)}",
                    f"cached={u.cached_tokens}",
-                   f"output={sum(len(r.output_so_far) for r in runs)}",
-                   f"ttft_ms={t.ttft_s * 1e3:.1f}",
-                   f"e2e_ms={(time.monotonic() - first.t0) * 1e3:.1f}"]
+                   f"output={sum(len(r.output_so_far) for r in runs)}"]
+        if t.ttft_s:  # none without a first token: 0 would read as an instant one
+            fields.append(f"ttft_ms={t.ttft_s * 1e3:.1f}")
+        fields.append(f"e2e_ms={(time.monotonic() - first.t0) * 1e3:.1f}")
         if u.prefill_worker_id:
             fields.append(f"prefill={u.prefill_worker_id}")
         if u.decode_worker_id:

@@ -84,9 +84,13 @@ def _cluster_metrics(directory: WorkerDirectory) -> list[MetricFamily]:
         mine = [w for w in workers if w.info.role == role]
         down = [w for w in mine if directory.is_down(w)]
         draining = [w for w in mine if w.info.draining and w not in down]
-        count.add(len(mine) - len(down) - len(draining), role=role, state="routable")
+        routable = len(directory.candidates(role))
+        count.add(routable, role=role, state="routable")
         count.add(len(draining), role=role, state="draining")
         count.add(len(down), role=role, state="down")
+        # Up and not draining, but of another --block-size: listed, never sent a request.
+        count.add(len(mine) - len(down) - len(draining) - routable, role=role,
+                  state="other_block_size")
     fams = [count, MetricFamily("pdserve_router_worker_hangs_total", "counter",
                                 "Times a worker with calls on it stopped answering health "
                                 "checks and had its calls cut.").add(directory.worker_hangs)]

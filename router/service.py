@@ -94,8 +94,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return resp
 
     async def _abort(self, context, e: Exception) -> None:
-        self.stats.requests_failed += 1
-        await _refuse(context, e)
+        await _refuse(context, e)  # counted in requests_failed by _generate
 
     # --- the model: tokenize, detokenize, its info ------------------------------------------
     async def Tokenize(self, request: router_pb2.TokenizeRequest, context):
@@ -227,6 +226,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # Nobody cancelled the call: engine/stray_cancels.py ends it INTERNAL.
                 code, error = grpc.StatusCode.INTERNAL, "the router cancelled its own handler"
             status = code.name
+            # Here, not where the status is sent: a client's deadline or cancel ends the
+            # handler with a CancelledError no ``except Exception`` sees.
+            self.stats.requests_failed += 1
             raise
         finally:
             if self.config.log_requests:  # router/access_log.py
@@ -322,7 +324,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # request's, and with n > 1 sequence 0 prefills the prompt (the others find it
             # cached).
             if run.index == 0:
-                self.stats.routed(len(ids), where.matched)
+                # The prompt's, as its usage counts them: a client's resumed output in ``ids``
+                # was counted as output where it was made.
+                prompt = len(run.prompt_token_ids)
+                self.stats.routed(prompt, min(where.matched, prompt))
                 self.stats.prefilled(where.local, on_decode_cache=where.held > 0)
             run.timings.router_queue_s = time.monotonic() - run.t0
         run.usage.local_prefill = where.local

@@ -35,6 +35,10 @@ def test_the_line_names_the_request_its_outcome_and_costs():
     assert float(line.split("e2e_ms=")[1].split()[0]) >= 500
     assert request_line("q", [], "INVALID_ARGUMENT", 'bad "x"') == \
         'request q status=INVALID_ARGUMENT error="bad \\"x\\""'
+    # No first token, no ttft_ms (0.0 read as an instant first token).
+    failed = request_line("f", [RequestRun("f", [1, 2], time.monotonic())], "UNAVAILABLE",
+                          "no prefill worker")
+    assert "ttft_ms" not in failed and " output=0 e2e_ms=" in failed
 
 
 def test_a_request_id_cannot_break_or_forge_a_line():

@@ -141,6 +141,9 @@ def test_router_families_count_finished_requests_and_their_phases():
         def is_down(self, w):
             return False
 
+        def candidates(self, role):
+            return []
+
     m = parse_metrics(render(router_metrics(stats, _Dir())))
     assert m[("pdserve_router_requests_total", frozenset())] == 3
     assert m[("pdserve_router_requests_failed_total", frozenset())] == 1
@@ -160,6 +163,39 @@ def test_router_families_count_finished_requests_and_their_phases():
               frozenset({("phase", "prefill_compute")}))] == pytest.approx(0.15)
     assert m[("pdserve_router_workers",
               frozenset({("role", "decode"), ("state", "routable")}))] == 0
+
+
+def test_a_worker_of_another_block_size_is_not_counted_routable():
+    """It gets no requests (WorkerDirectory.candidates leaves it out), yet it was counted
+    with the routable ones."""
+    from types import SimpleNamespace
+
+    from router.metrics import router_metrics
+
+    def worker(wid, draining=False):
+        return SimpleNamespace(worker_id=wid, inflight=0, info=common_pb2.WorkerInfo(
+            worker_id=wid, role="prefill", draining=draining))
+
+    workers = {w.worker_id: w for w in (worker("a"), worker("b"), worker("c", True),
+                                        worker("d"))}
+
+    class _Dir:
+        worker_hangs = 0
+
+        def __init__(self):
+            self.workers = workers
+
+        def is_down(self, w):
+            return w.worker_id == "d"
+
+        def candidates(self, role):  # "b" has another --block-size
+            return [workers["a"]] if role == "prefill" else []
+
+    m = parse_metrics(render(router_metrics(RouterStats(max_inflight=8), _Dir())))
+    states = {state: m[("pdserve_router_workers",
+                        frozenset({("role", "prefill"), ("state", state)}))]
+              for state in ("routable", "draining", "down", "other_block_size")}
+    assert states == {"routable": 1, "draining": 1, "down": 1, "other_block_size": 1}
 
 
 def test_worker_families_carry_its_labels_and_usage():

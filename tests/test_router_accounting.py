@@ -213,6 +213,63 @@ def test_a_worker_lost_after_the_default_timeout_ends_the_request_deadline_excee
     assert s.stats.requests_migrated == 0
 
 
+def test_a_resumed_requests_output_is_not_counted_as_prompt_tokens():
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
+        run.calls(prefill)
+        async for chunk in _tokens(run, 10, 0.001):
+            yield chunk
+
+    s = _servicer(remote_prefill)
+    req = _request(resume_token_ids=[7] * 50, sampling=common_pb2.SamplingParams(max_tokens=60))
+    out = asyncio.run(_collect(s, req))
+    # The 50 resumed tokens were counted as output where they were made.
+    assert out[-1].usage.prompt_tokens == s.stats.prompt_tokens_routed == len(PROMPT)
+
+
+class _CancelledContext(_Context):
+    """A call the client cancels, or whose deadline passes, meanwhile."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self):
+        return self.remaining
+
+    def done(self):
+        return True
+
+    async def write(self, msg):
+        pass
+
+
+@pytest.mark.parametrize("deadline", [True, False])
+def test_a_request_the_client_ends_is_counted_as_failed(deadline):
+    """gRPC cancels the handler at the client's deadline or cancel: a CancelledError, which
+    the ``except Exception`` that counted failures never saw. Such a request was neither
+    failed nor finished, and requests_total drifted from their sum."""
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
+        run.calls(prefill)
+        async for chunk in _tokens(run, 100, 0.05):  # a long generation
+            yield chunk
+
+    async def run():
+        s = _servicer(remote_prefill)
+        ctx = _CancelledContext(10.0 if deadline else None)
+        task = asyncio.ensure_future(s.Generate(_request(
+            sampling=common_pb2.SamplingParams(max_tokens=100)), ctx))
+        await asyncio.sleep(0.2)
+        if deadline:
+            ctx.remaining = 0.0
+        task.cancel()  # what grpc.aio does at the deadline and at the client's cancel
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return s.stats
+
+    stats = asyncio.run(run())
+    assert (stats.requests_total, stats.requests_failed, sum(stats.finished.values()),
+            stats.requests_in_flight) == (1, 1, 0, 0)
+
+
 def test_a_prefill_cut_by_the_routers_own_cap_is_a_worker_failure_not_the_clients_deadline():
     cut = grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
                                grpc.aio.Metadata(), "Deadline Exceeded")
