@@ -68,8 +68,11 @@ class Placer:
                          num_tokens: int, matched: int) -> bool:
         """Whether the decode worker runs the prompt itself."""
         if prefill is not None:
+            # Not this request's own count, held since its pick: the threshold is on what
+            # the worker already has (with it, threshold 1 sent every short prompt to the
+            # decode worker while the prefill worker idled).
             return decode is not None and should_prefill_locally(
-                self.config.local_prefill, num_tokens, matched, prefill.inflight,
+                self.config.local_prefill, num_tokens, matched, prefill.inflight - 1,
                 decode.prefilling)
         # No prefill worker at all: a decode worker that may prefill keeps short prompts
         # served instead of failing every request.

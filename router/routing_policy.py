@@ -100,6 +100,12 @@ class RoutingPolicy:
             # The registry holds each worker's last heartbeat: blocks freed since then still
             # read as taken. Ask the workers themselves before refusing.
             await self._ask_fresh(cands)
+            # Their answers may say draining (or another block size, after a restart at the
+            # same address): such a worker refuses the request, however much room it has.
+            cands = self.candidates("decode")
+            if not cands:
+                raise NoWorkerError(grpc.StatusCode.UNAVAILABLE, "no decode worker is "
+                                    "available" + self.foreign_hint("decode"))
             roomy = [w for w in cands if w.info.num_free_blocks >= need]
         if not roomy:
             raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,

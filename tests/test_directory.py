@@ -302,3 +302,72 @@ def test_routing_picks_an_avoided_worker_with_room_over_a_refusal_and_ignores_un
 
 async def _no_fresh_info(workers) -> None:
     pass
+
+
+def test_a_decode_worker_whose_fresh_info_says_draining_is_not_picked(redis_url):
+    """Asked for room its heartbeat did not show, a worker that answers draining (its drain
+    began since the heartbeat) was picked all the same, from the list taken before asking,
+    and refused the request."""
+    async def body():
+        server = grpc.aio.server()
+        port = server.add_insecure_port("127.0.0.1:0")
+        fresh = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
+                                      address=f"127.0.0.1:{port}", num_free_blocks=50,
+                                      draining=True)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_DecodeInfo(fresh), server)
+        await server.start()
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir-drain"), 16,
+                            refresh_interval_s=3600)
+        writer = Registry.from_url(redis_url, "dir-drain")
+        try:
+            stale = common_pb2.WorkerInfo()
+            stale.CopyFrom(fresh)
+            stale.num_free_blocks, stale.draining = 0, False
+            await writer.heartbeat(stale)
+            await d.start()
+            with pytest.raises(NoWorkerError) as err:
+                await d.pick_decode(33)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+            await server.stop(0)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("threshold, ahead, local", [(1, 0, False), (1, 1, True),
+                                                      (2, 1, False), (2, 2, True)])
+def test_local_prefill_counts_the_requests_already_on_the_prefill_worker(
+        redis_url, threshold, ahead, local):
+    """The request's own in-flight count, taken at its pick, was counted as one already
+    there: threshold 1 sent every short prompt to the decode worker while the prefill
+    worker idled."""
+    from router.config import RouterConfig
+    from router.local_prefill import LocalPrefillConfig
+    from router.placement import Placer
+
+    async def body():
+        ns = f"dir-local-{threshold}-{ahead}"
+        writer = Registry.from_url(redis_url, ns)
+        await writer.heartbeat(_info("p1", "prefill"))
+        await writer.heartbeat(_info("d1", "decode"))
+        await writer.r.aclose()
+        d = WorkerDirectory(Registry.from_url(redis_url, ns), 16, refresh_interval_s=3600)
+        await d.start()
+        try:
+            placer = Placer(RouterConfig(model="tiny-llama", redis_url=redis_url,
+                                         local_prefill=LocalPrefillConfig(
+                                             max_local_prefill_length=100,
+                                             local_prefill_queue_threshold=threshold)), d)
+            holds = [d.hold_inflight(d.workers["p1"]) for _ in range(ahead)]
+            where = await placer.place([], 10, frozenset(), 0)
+            assert where.local == local
+            where.release_prefill()
+            for release in holds:
+                release()
+            assert d.workers["p1"].inflight == 0
+        finally:
+            await d.stop()
+
+    asyncio.run(body())
