@@ -105,7 +105,9 @@ class _DecodeMux:
 
     async def watch_caller(self) -> None:
         """Ends the stream, its requests aborted, once a caller that sends heartbeats has been
-        silent for ``misses`` intervals.
+        silent for ``misses`` intervals past the one its next heartbeat is due in: a caller
+        that beats every interval is silent for up to one interval at any time, so with
+        ``misses`` 1 a live router's stream was cut within a few intervals.
 
         A check that wakes late (this worker's own loop stalled: a starved process) judges
         nothing: the caller's heartbeats may be waiting, unread, behind it, and the reader gets
@@ -115,7 +117,7 @@ class _DecodeMux:
         stalled = False
         while self.reading:
             interval = self.heartbeat.interval_s
-            limit = interval * self.heartbeat.misses
+            limit = interval * (self.heartbeat.misses + 1)
             silent = loop.time() - self.heard
             if silent >= limit and not stalled:
                 logger.warning("DecodeMany caller silent for %.1f s (heartbeats every %g s): "
@@ -182,6 +184,16 @@ class _DecodeMux:
         marks = {key for key, _ in failure_marks(exc)}
         ev.error.refused = REFUSED_KEY in marks
         ev.error.kv_source_failed = KV_SOURCE_FAILED_KEY in marks
+        if ev.ByteSize() + _EVENT_FRAMING_BYTES > _message_limit():
+            # An id near the message limit (a raw caller's; the router's are short): echoed
+            # with the message, the event no message could carry failed the whole stream,
+            # every request on it. Shortened, else dropped: that id's caller gets nothing.
+            ev.error.message = "refused"
+            if ev.ByteSize() + _EVENT_FRAMING_BYTES > _message_limit():
+                del self.pending.events[-1]
+                logger.warning("DecodeMany: no room in a message to refuse a request whose "
+                               "id is %d characters (%s); nothing sent for it", len(rid),
+                               message[:200])
         self.ready.set()
 
     def drain(self) -> None:

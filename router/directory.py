@@ -330,6 +330,11 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     def watched(self, worker: WorkerHandle):
         """Health-checks ``worker`` while the block runs (router/liveness.py): it has calls in
         flight, or a decode worker is pulling a request's KV from it."""
+        if worker.watchers == 0:
+            # Checked only while busy: misses left from its last busy spell are not "in a row"
+            # with this one's. WatchedCalls.add resets them only when no call is registered,
+            # and a decode worker's DecodeMany stream stays registered while idle.
+            worker.calls.misses = 0
         worker.watchers += 1
         self._busy.add(worker)
         try:

@@ -412,6 +412,58 @@ def test_a_worker_whose_own_loop_stalled_hears_the_caller_out_before_judging_it(
     assert judged[0] >= sent[0]  # but only once it had heard the beat behind the stall
 
 
+def test_a_caller_beating_on_time_is_never_judged_hung_even_allowed_one_miss():
+    """A caller beats every interval, so it is silent for up to one interval at any time:
+    with misses 1 the worker allowed exactly that, each beat raced the check, and a live
+    router's stream (every request on it) was cut within an interval or two."""
+    from decode_svc import mux
+
+    async def run():
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def controls():
+            while (ctl := await inbox.get()) is not None:
+                yield ctl
+
+        m = mux._DecodeMux(servicer=None)
+        judged = []
+        m.cancel_all = lambda: judged.append(True)
+        reader = asyncio.ensure_future(m.read(controls()))
+        watch = asyncio.ensure_future(m.watch_caller())
+        for _ in range(8):  # as the router's _beat sends them
+            inbox.put_nowait(_heartbeat(0.2, misses=1))
+            await asyncio.sleep(0.2)
+        alive = not judged and not watch.done()
+        inbox.put_nowait(None)
+        await reader
+        await asyncio.wait_for(watch, 10)
+        return alive
+
+    assert asyncio.run(run())
+
+
+def test_refusing_an_id_near_the_message_limit_never_makes_an_event_over_it(monkeypatch):
+    """The refusal echoes the id with its message: for an id near gRPC's message limit, the
+    event was over it, and gRPC failed the whole stream (every request on it)."""
+    from decode_svc import mux
+
+    monkeypatch.setattr(mux, "_message_limit", lambda: 4096)
+
+    async def refused() -> list:
+        m = mux._DecodeMux(servicer=None)
+        for n in (2000, 4060, 4080, 5000):
+            start = worker_pb2.DecodeStart(request=worker_pb2.DecodeRequest(request_id="x" * n))
+            if start.ByteSize() + 8 > 4096:
+                continue  # no caller could send it
+            m._start(start)
+        return list(m.pending.events)
+
+    events = asyncio.run(refused())
+    assert events and all(ev.ByteSize() + mux._EVENT_FRAMING_BYTES <= 4096 for ev in events)
+    assert [len(ev.request_id) for ev in events][0] == 2000
+    assert "at most" in events[0].error.message  # a short id's refusal keeps its message
+
+
 # --- the router's --stream-interval ---------------------------------------------------------
 def _chunk(tokens, text="", finish=""):
     c = router_pb2.GenerateChunk(token_ids=tokens, text_delta=text, finish_reason=finish)

@@ -371,3 +371,31 @@ def test_local_prefill_counts_the_requests_already_on_the_prefill_worker(
             await d.stop()
 
     asyncio.run(body())
+
+
+def test_a_workers_misses_start_over_with_each_busy_spell_though_a_stream_stays_open(
+        redis_url):
+    """A decode worker's DecodeMany stream stays registered with its calls while idle, so
+    WatchedCalls.add never saw it idle: two misses of a stall long past counted with the first
+    miss of the next busy spell, and three in a row cut every request on the stream."""
+    async def body():
+        writer = Registry.from_url(redis_url, "dir-misses")
+        await writer.heartbeat(_info("d1", "decode"))
+        await writer.r.aclose()
+        d = WorkerDirectory(Registry.from_url(redis_url, "dir-misses"), 16,
+                            refresh_interval_s=3600)
+        await d.start()
+        try:
+            w = d.workers["d1"]
+            key, _ = w.calls.add(lambda reason: None)  # the stream, open for good
+            with d.watched(w):
+                w.calls.misses = 2  # a stall in this busy spell
+                with d.watched(w):  # another request in the same spell
+                    assert w.calls.misses == 2
+            with d.watched(w):  # the next spell, hours later
+                assert w.calls.misses == 0
+            w.calls.remove(key)
+        finally:
+            await d.stop()
+
+    asyncio.run(body())
