@@ -5,7 +5,8 @@ ended. On by default; ``--disable-log-requests`` turns it off.
     ttft_ms=45.1 e2e_ms=812.0 prefill=prefill-41003 decode=decode-40127 migrations=0
 
 (one line), or ``status=UNAVAILABLE error="no prefill worker is available"`` and what was known
-by then (no ``ttft_ms`` before a first token). Token counts of n > 1 sequences add up; timings and workers are sequence 0's.
+by then (no ``ttft_ms`` before a first token). Token counts of n > 1 sequences add up; timings
+and workers are sequence 0's.
 """
 from __future__ import annotations
 
