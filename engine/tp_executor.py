@@ -127,9 +127,18 @@ class MultiprocExecutor(Executor):
 
     # --- steps ----------------------------------------------------------------------------
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
-        self._check_usable()
-        msg = encode_model_input(inp)
+        # In flight before the check: a shutdown on another thread sets _closing, then reads
+        # this, so either the step sees it closing or it sees the step (and leaves the group
+        # and the device memory to it). Set after the check, a shutdown in between freed them
+        # under the step.
         self._step_in_flight = True
+        try:
+            self._check_usable()
+            return self._step(inp, encode_model_input(inp))
+        finally:
+            self._step_in_flight = False
+
+    def _step(self, inp: ModelInput, msg: bytes) -> torch.Tensor | None:
         try:
             for w in self.workers:
                 tp_comm.send(w.conn, tp_comm.OP_STEP, msg)
@@ -144,8 +153,6 @@ class MultiprocExecutor(Executor):
                             "out of step")
             self._abort_collectives()
             raise
-        finally:
-            self._step_in_flight = False
 
     def kv_cache_layouts(self) -> list[KVCacheLayout]:
         return list(self._layouts)

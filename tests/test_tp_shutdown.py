@@ -407,3 +407,31 @@ def test_every_thread_that_describes_a_dead_rank_gets_its_last_message():
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_shutdown_right_after_a_steps_check_leaves_the_group_to_the_step(preset_path):
+    """The step marked itself in flight only after checking the executor was usable: a
+    shutdown from another thread in between released the process group (on a GPU, the device
+    memory) under the step that was about to use them."""
+    from engine.executor import ExecutorError
+
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+                                    num_gpu_blocks=32))
+    executor = engine.executor
+    real_check, during = executor._check_usable, []
+
+    def check_then_shut_down():
+        real_check()
+        stopper = threading.Thread(target=executor.shutdown)
+        stopper.start()
+        stopper.join(60)
+        during.append(executor.group.backend)
+
+    executor._check_usable = check_then_shut_down
+    try:
+        engine.add_request("r", list(range(10, 40)), SamplingParams(max_tokens=2))
+        with pytest.raises(ExecutorError):
+            engine.step()
+        assert during and during[0] is not None
+    finally:
+        engine.shutdown()
