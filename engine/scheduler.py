@@ -152,12 +152,15 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, for_blocks: bool = True) -> None:
+        """``for_blocks``: preempted for want of KV blocks, as the preemption counts (a failed
+        step's requests start over the same way, but were not)."""
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if for_blocks:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         if self.by_priority:
             _insert_in_order(self.waiting, req)
         else:
@@ -239,7 +242,7 @@ class Scheduler:
             req = s.request
             if req in self.running:
                 self.running.remove(req)
-                self._preempt(req)
+                self._preempt(req, for_blocks=False)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advances each scheduled request by the tokens this step computed."""

@@ -348,6 +348,8 @@ def test_outputs_made_before_a_step_failed_come_with_the_next_step(preset_path):
         {"aborted": "abort", "short": "length", "long": "length"}
     assert len(ends["short"].token_ids) == 2 and len(ends["long"].token_ids) == 6
     assert _all_free(engine)
+    # They started over as preempted requests do, but were not preempted for want of blocks.
+    assert engine.get_stats().num_preemptions == 0
 
 
 def test_stop_strings_without_detokenized_output_are_refused(preset_path):
