@@ -13,9 +13,15 @@ from kernels.cpu_build import load_kernel
 from kernels.input_checks import check_block_range
 
 _LIB_NAME = "paged_decode_cpu"
-# The kernel keeps a [num_heads, head_size] accumulator and [num_heads, block_size] scores on
-# its thread's stack.
+# The kernel keeps on its thread's stack, per query head: an accumulator and the scaled query
+# row (head_size each), block_size scores, and its running max, sum and K offset. Counted
+# without the two rows and three scalars, the bound let 2x the stack through.
 MAX_STACK_FLOATS = 1 << 16
+
+
+def stack_floats(num_heads: int, head_size: int, block_size: int) -> int:
+    """The floats (and same-size ints) the kernel keeps on its stack."""
+    return num_heads * (2 * head_size + block_size + 3)
 
 
 @functools.cache
@@ -53,7 +59,8 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and query.dim() == 3 and query.stride(2) == 1
             and k_cache.dtype == torch.float32 and k_cache.dim() == 4
             and blocks_contiguous(k_cache)
-            and query.shape[1] * (k_cache.shape[3] + k_cache.shape[1]) <= MAX_STACK_FLOATS)
+            and stack_floats(query.shape[1], k_cache.shape[3], k_cache.shape[1])
+            <= MAX_STACK_FLOATS)
 
 
 def paged_decode_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor,

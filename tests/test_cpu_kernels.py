@@ -157,3 +157,20 @@ def test_backend_checks_ranges_once_per_step_and_refuses_bad_ids():
     bad = AttentionMetadata(**{**meta.__dict__, "block_tables": tables.clone().fill_(k.shape[0])})
     with pytest.raises(ValueError, match="block ids"):
         CPUAttentionBackend().forward(q, unused, unused, k, v, bad, 0.125)
+
+
+def test_the_stack_budget_counts_everything_the_kernel_keeps_there():
+    """Per query head the kernel keeps an accumulator and the scaled query (head_size each),
+    block_size scores and three scalars on its stack: the budget counted only the first and
+    the scores, and let through shapes that used twice the stack it allows."""
+    from kernels.cpu_decode import MAX_STACK_FLOATS, supports
+
+    def shapes(heads: int, head_size: int, block_size: int):
+        query = torch.zeros(1, heads, head_size)
+        k_cache = torch.zeros(2, block_size, 8, head_size)  # [blocks, block_size, kv heads, d]
+        return query, k_cache
+
+    assert supports(*shapes(32, 128, 16))
+    # 128 * (256 + 16) = 34816 floats counted before, 128 * (2 * 256 + 16 + 3) = 67968 used.
+    assert 128 * (256 + 16) <= MAX_STACK_FLOATS < 128 * (2 * 256 + 16 + 3)
+    assert not supports(*shapes(128, 256, 16))
