@@ -75,6 +75,19 @@ class Tokenizer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            return self._encode_str(text, add_special_tokens)
+        except TypeError:
+            # The tokenizers library's answer to a lone surrogate (the in-process API takes
+            # any str; gRPC messages cannot carry one).
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"text is not valid Unicode: {e.reason} at position "
+                                 f"{e.start}") from None
+            raise
+
+    def _encode_str(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.hf is not None:
             return self.hf.encode(text, add_special_tokens=add_special_tokens)
         if len(text) > _GIL_FREE_ENCODE_CHARS:

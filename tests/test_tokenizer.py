@@ -95,6 +95,14 @@ def test_encode_decode_round_trip(tok, text):
     assert tok.decode(ids, skip_special_tokens=False) == BOS_TOKEN + text
 
 
+@pytest.mark.parametrize("length", [10, 5000])  # both of encode's paths
+def test_a_lone_surrogate_is_a_value_error(tok, length):
+    """The in-process API takes any str: the tokenizers library raised TypeError for a lone
+    surrogate (a crash to a caller catching ValueError for bad input)."""
+    with pytest.raises(ValueError, match="not valid Unicode: surrogates not allowed"):
+        tok.encode("a" * length + "\ud800")
+
+
 def test_common_words_are_merged(tok):
     # Trained merges, not bytes: a frequent word is one token, multi-byte text is compressed.
     assert len(tok.encode(" the")) == 2
