@@ -150,8 +150,6 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
         raise ChatTemplateMissing(f"model {tokenizer.folder.name!r} has no chat template: "
                                   "start the router with --chat-template, or send text or "
                                   "token ids")
-    if continue_final_message and not msgs[-1].content:
-        raise ValueError("continue_final_message needs a final message with content")
     text = render_chat(tokenizer, msgs, template, continue_final_message)
     return tokenizer.encode_plain(text)
 

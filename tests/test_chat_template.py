@@ -67,8 +67,12 @@ def test_continue_final_message_leaves_the_reply_open(tok, hf_tok):
     assert got == want
     assert tok.decode(got, skip_special_tokens=False).endswith(
         "### assistant\nRed, green and blue.")
-    with pytest.raises(ValueError, match="final message with content"):
-        chat_prompt_ids(tok, [{"role": "assistant", "content": ""}], continue_final_message=True)
+    # An empty reply to continue opens the assistant's turn, as HF renders it (it was refused).
+    empty = [chat[0], {"role": "assistant", "content": ""}]
+    got = chat_prompt_ids(tok, empty, continue_final_message=True)
+    assert got == hf_tok.apply_chat_template(empty, continue_final_message=True, tokenize=True,
+                                             return_dict=False)
+    assert tok.decode(got, skip_special_tokens=False).endswith("### assistant\n")
 
 
 @pytest.mark.parametrize("messages, match", [
