@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from protos import common_pb2
 
 # generation_config.json key -> SamplingParams field.
 _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -46,8 +47,12 @@ def check_generation_config(value: str) -> str:
     return value
 
 
-def load_sampling_defaults(generation_config: str, model_folder: str | Path) -> dict:
-    """The SamplingParams fields the checkpoint sets (possibly none), validated."""
+def load_sampling_defaults(generation_config: str, model_folder: str | Path,
+                           vocab_size: int | None = None) -> dict:
+    """The SamplingParams fields the checkpoint sets (possibly none), validated: as a
+    request's (against ``vocab_size`` when given) and as the messages carry them. A default
+    checked only by the engine's rules (no int32 bound, no vocabulary) loaded, then failed
+    every request that left the field unset, each blamed on its request."""
     if check_generation_config(generation_config) == "engine":
         return {}
     folder = Path(model_folder if generation_config == "auto" else generation_config)
@@ -56,7 +61,10 @@ def load_sampling_defaults(generation_config: str, model_folder: str | Path) -> 
     if defaults.get("top_k") == 0:
         defaults["top_k"] = -1  # HF's "off"
     try:
-        SamplingParams(**defaults)
-    except ValueError as e:
+        params = SamplingParams(**defaults)
+        if vocab_size is not None:
+            params.validate_vocab(vocab_size)
+        common_pb2.SamplingParams(**defaults)  # the router fills requests with them
+    except (ValueError, TypeError) as e:
         raise ValueError(f"{folder / 'generation_config.json'}: {e}") from None
     return defaults

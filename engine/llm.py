@@ -23,7 +23,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._ids = itertools.count()
         try:
-            self._defaults = load_sampling_defaults(generation_config, self.engine.model_path)
+            self._defaults = load_sampling_defaults(generation_config, self.engine.model_path,
+                                                    self.engine.model_config.vocab_size)
         except ValueError:
             self.engine.shutdown()
             raise

@@ -130,7 +130,8 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
     mc = ModelConfig.from_pretrained(path)
     served = ServedModel(served_model_name or model, load_tokenizer(path), mc.vocab_size,
                          list(mc.eos_token_ids),
-                         load_sampling_defaults(generation_config, path), chat_template,
+                         load_sampling_defaults(generation_config, path, mc.vocab_size),
+                         chat_template,
                          model_fingerprint(path))
     if served.has_chat_template:
         chat_renderer()

@@ -60,6 +60,19 @@ def test_a_bad_generation_config_is_refused(tmp_path, content, match):
         load_sampling_defaults("auto", tmp_path)
 
 
+@pytest.mark.parametrize("content, match", [
+    ('{"max_new_tokens": 4294967296}', "generation_config.json: .*out of range"),
+    ('{"top_k": 600}', "generation_config.json: top_k 600 exceeds the vocabulary size 512"),
+])
+def test_a_default_no_request_could_carry_is_refused_at_load(tmp_path, content, match):
+    """Checked only by the engine's rules, these loaded, then every request that left the
+    field unset failed INVALID_ARGUMENT (the router's fill of a proto int32, the workers'
+    vocabulary check), and GetModelInfo failed outright."""
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_sampling_defaults("auto", tmp_path, vocab_size=512)
+
+
 def test_check_generation_config(tmp_path):
     with pytest.raises(ValueError, match="'auto', 'engine' or a folder"):
         check_generation_config(str(tmp_path))
