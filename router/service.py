@@ -170,7 +170,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
             prompt = self.model.truncated(await self.model.prompt_ids_async(request),
-                                          request.sampling)
+                                          request.sampling, self.directory.max_model_len())
             # resumed tokens count in max_tokens (router.proto).
             wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
             # Checked again per attempt, once the workers are known (0 until then).

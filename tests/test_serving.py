@@ -193,8 +193,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(cluster, reference):
         assert res.token_ids == want.token_ids and res.usage.prompt_tokens == 100
         short = c.complete(prompt[:20], truncate_prompt_tokens=100, max_tokens=2)
         assert short.usage.prompt_tokens == 20  # nothing to cut
-        with pytest.raises(InvalidArgumentError, match="truncate_prompt_tokens must be >= 1"):
-            c.complete(prompt[:20], truncate_prompt_tokens=0)
+        for bad in (0, -2):
+            with pytest.raises(InvalidArgumentError, match="truncate_prompt_tokens must be >= 1"):
+                c.complete(prompt[:20], truncate_prompt_tokens=bad)
+        # -1, vLLM's "the model's length": as much as leaves room for one output token.
+        fit = c.complete(prompt, truncate_prompt_tokens=-1, max_tokens=1)
+        assert fit.usage.prompt_tokens == 1023 and len(fit.token_ids) == 1
     wait_all_blocks_free(_workers(cluster))
 
 
