@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from bench.cpu_usage import process_cpu_s
+from bench.cpu_usage import process_cpu_s, tree_cpu_s
 from bench.serve import _no_nan, _range, _ratio
 from bench.serve_load import LoadRequests, closed_loop
 from bench.serve_runs import quiet_cluster, services_print_to_stderr
@@ -129,6 +129,13 @@ def _reset_prefix_caches(address: str, timeout_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
+def role_cpu_s(role: str, pid: int) -> float:
+    """CPU seconds of a service: a worker's with its children (its engine process and TP ranks:
+    on a GPU host each worker steps its engine in a process of its own, whose CPU a worker's
+    own count left out), the router's alone."""
+    return process_cpu_s(pid) if role == "router" else tree_cpu_s(pid)
+
+
 def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests, warm: LoadRequests,
          concurrency: int) -> StreamRun:
     async def load(address: str, todo: LoadRequests, c: int):
@@ -139,9 +146,9 @@ def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests, warm: LoadReq
     asyncio.run(load(router.address, warm, 4))
     pids = {"router": router.popen.pid,
             **{p.role: p.popen.pid for p in cluster.procs if p.role in ("prefill", "decode")}}
-    before = {role: process_cpu_s(pid) for role, pid in pids.items()}
+    before = {role: role_cpu_s(role, pid) for role, pid in pids.items()}
     run = asyncio.run(load(router.address, reqs, concurrency))
-    after = {role: process_cpu_s(pid) for role, pid in pids.items()}
+    after = {role: role_cpu_s(role, pid) for role, pid in pids.items()}
     tokens = sum(n for rec in run.records if rec.ok for _, n in rec.chunks)
     return StreamRun(name, rnd, tokens / run.duration_s,
                      sum(not rec.ok for rec in run.records),

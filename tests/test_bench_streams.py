@@ -44,3 +44,24 @@ def test_a_baseline_whose_requests_all_failed_gives_undefined_ratios_not_a_crash
     assert math.isnan(report.tok_s_ratio["multiplexed"])
     assert math.isnan(report.cpu_ratio["multiplexed"]["router"])
     assert "nan" in streams._format(report)
+
+
+def test_a_workers_cpu_counts_its_engine_process_and_ranks():
+    """On a GPU host each worker steps its engine in a process of its own: a count of the
+    worker's process alone left the step's CPU out of the per-token figures."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.proc_signals import wait_until
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run("
+                               "[sys.executable, '-c', 'while True: pass'])"],
+                              start_new_session=True)
+    try:
+        assert wait_until(lambda: streams.role_cpu_s("decode", parent.pid)
+                          > streams.role_cpu_s("router", parent.pid) + 0.05, 60)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the busy child too
+        parent.wait()
