@@ -42,8 +42,11 @@ def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
 
 
 def make_requests(w: OfflineWorkload, vocab_size: int, num_requests: int | None = None) -> OfflineRequests:
+    if num_requests is not None and (isinstance(num_requests, bool) or num_requests < 1):
+        # 0 read as "unset" ran the workload's own count instead.
+        raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
     rng = random.Random(w.seed)
-    n = num_requests or w.num_requests
+    n = w.num_requests if num_requests is None else num_requests
     prompts, outs = [], []
     for _ in range(n):
         prompts.append(random_tokens(rng, rng.randint(*w.prompt_len), vocab_size))

@@ -214,3 +214,13 @@ def test_the_in_process_baseline_hands_out_tokens_at_the_clusters_stream_interva
         run = inprocess_closed_loop(llm.engine, reqs, 2, stream_interval=4)
     for rec in run.records:
         assert [n for _, n in rec.chunks] == [1, 4, 4]  # the first token at once
+
+
+def test_a_request_count_of_zero_is_refused_not_read_as_unset():
+    from bench.workloads import WORKLOADS, make_requests
+
+    w = WORKLOADS["tiny"]
+    assert len(make_requests(w, 512).prompts) == w.num_requests
+    assert len(make_requests(w, 512, 3).prompts) == 3
+    with pytest.raises(ValueError, match="--num-requests must be >= 1, got 0"):
+        make_requests(w, 512, 0)  # ran the workload's own count
