@@ -142,8 +142,18 @@ class GrpcServer:
         except OSError as e:  # the launcher is gone: nobody to tell
             logger.warning("could not report the address on fd %d: %s", self.config.ready_fd, e)
 
-    async def start(self) -> None:
+    async def start(self, serving: bool = True) -> None:
+        """Starts the server; its health SERVING, or with ``serving=False`` NOT_SERVING until
+        ``mark_serving()`` (a service whose start goes on once it listens)."""
         await self.server.start()
+        status = health_pb2.HealthCheckResponse
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status.SERVING if serving else status.NOT_SERVING)
+
+    async def mark_serving(self) -> None:
+        """SERVING, unless a stop began meanwhile (its NOT_SERVING stands)."""
+        if self.stopping.is_set():
+            return
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -198,10 +208,13 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
     ``metrics``: the service's ``MetricFamily`` list, served at ``metrics_port`` if set."""
     exporter = _start_metrics(server.config, metrics)
     try:
-        await server.start()
+        # NOT_SERVING until its start is done (a worker's Redis registration and KV handles,
+        # in on_started): a health check that saw it serving before sent it work it refused.
+        await server.start(serving=on_started is None)
         server.install_signal_handlers()
         if on_started is not None:
             await on_started()
+            await server.mark_serving()
         # Startup is over: full collections from now on skip its heap (engine/gc_policy.py).
         freeze_startup_heap()
         server.report_address()

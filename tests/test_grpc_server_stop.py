@@ -92,3 +92,40 @@ def test_a_launcher_writing_to_the_pipe_does_not_stop_the_service():
 def test_a_bad_parent_fd_is_refused(fd):
     with pytest.raises(ValueError, match="parent_fd must be a file descriptor"):
         ServerConfig(parent_fd=fd)
+
+
+def test_health_says_serving_only_once_the_services_start_is_done():
+    """SERVING was set as the server listened, before on_started (a worker's Redis
+    registration and KV handles): a health check then sent it work its start had not readied."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    service = "pdserve.test.Thing"
+
+    async def status(server: GrpcServer) -> str:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            resp = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def run() -> list[str]:
+        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, drain_timeout_s=0.1,
+                                         grace_s=0.1), [service])
+        seen = []
+
+        async def on_started() -> None:
+            seen.append(await status(server))
+
+        async def watch() -> None:
+            while len(seen) < 2:
+                await asyncio.sleep(0.01)
+                if len(seen) == 1 and await status(server) == "SERVING":
+                    seen.append("SERVING")
+            server.stopping.set()
+
+        watcher = asyncio.ensure_future(watch())
+        await serve(server, lambda: 0, on_started=on_started)
+        await watcher
+        return seen
+
+    assert asyncio.run(run()) == ["NOT_SERVING", "SERVING"]
