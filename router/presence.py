@@ -162,12 +162,13 @@ class WorkerPresence:
                     self._events_lost = True
 
     async def leave(self) -> None:
-        """Leaves routing for a drain: the heartbeat stops and the registration, KV handles
-        and prefix-index entries go, so routers send no more work. The transfer-ledger
-        entries stay, and the closes of their leases keep being published: the drain waits
-        for those leases, an operator lists them, and a router restarted meanwhile under the
-        id whose leases they are finds them to release. ``stop`` drops the rest after the
-        drain. Bounded as ``stop`` is."""
+        """Leaves routing for a drain: the heartbeat stops and the registration and
+        prefix-index entries go, so routers send no more work. The KV handles stay (the
+        decode workers' pulls of its leases read them), and so do the transfer-ledger
+        entries, whose closes keep being published: the drain waits for those leases, an
+        operator lists them, and a router restarted meanwhile under the id whose leases they
+        are finds them to release. ``stop`` drops the rest after the drain. Bounded as
+        ``stop`` is."""
         await stop_task(self._beat_task, _STOP_STEP_S)
         wid = self.info().worker_id
         try:
@@ -191,8 +192,9 @@ class WorkerPresence:
         wid = self.info().worker_id
         try:
             async with asyncio.timeout(_STOP_STEP_S):  # not wait_for: client/tasks.py
-                if self._left:
+                if self._left:  # its leases and KV handles stayed for the drain
                     await self.registry.ledger.forget_worker(wid)
+                    await self.registry.set_kv_handles(wid, [])
                 else:
                     await self.registry.deregister(wid)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat expires

@@ -118,12 +118,13 @@ return n
 # Drops a worker's registration. A registered one leaves a tombstone with the admin's drain
 # decision: a purged worker that lives (its beat came late) registers again and takes that
 # back, not its own copy, which misses a decision made since its last beat.
-# KEYS: workers, heartbeats, drained, ttls, kvhandles:{id}, purged:{id}. ARGV: id, expiry ms.
+# KEYS: workers, heartbeats, drained, ttls, kvhandles:{id}, purged:{id}. ARGV: id, expiry ms,
+# "1" to drop the KV handles too.
 _PURGE_LUA = """
 local drained = redis.call('SREM', KEYS[3], ARGV[1])
 local known = redis.call('HDEL', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('DEL', KEYS[5])
+if ARGV[3] == '1' then redis.call('DEL', KEYS[5]) end
 if known > 0 then redis.call('SET', KEYS[6], drained, 'PX', ARGV[2]) end
 return known
 """
@@ -251,8 +252,9 @@ class Registry:
     @bounded
     async def deregister(self, worker_id: str, keep_transfers: bool = False) -> None:
         """Drops a worker's registration and index entries. ``keep_transfers``: not its
-        transfer-ledger entries (a worker leaving for a drain still holds those leases; it
-        drops them once the drain ends, router/presence.py)."""
+        transfer-ledger entries nor its KV handles (a worker leaving for a drain still holds
+        those leases, which decode workers still read; it drops them once the drain ends,
+        router/presence.py)."""
         await self._purge([worker_id], keep_transfers)
 
     @bounded
@@ -316,10 +318,13 @@ class Registry:
                 # A live worker purged as stale puts back those it still holds when it beats
                 # again (its republish).
                 await self.ledger.forget_worker(wid)
+            # A worker leaving for a drain keeps its KV handles with its leases: the decode
+            # workers' pulls the drain waits for read them (decode_svc/kv_sources.py refuses
+            # a handle its worker has not registered). It drops them once the drain ends.
             await self._purge_entries(
                 keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
                       self._k("ttls"), self._k("kvhandles", wid), self._k("purged", wid)],
-                args=[wid, int(_PURGED_TTL_S * 1000)])
+                args=[wid, int(_PURGED_TTL_S * 1000), "0" if keep_transfers else "1"])
 
     # --- KV agents ------------------------------------------------------------------------
     @bounded

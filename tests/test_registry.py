@@ -395,3 +395,29 @@ def test_a_worker_started_while_redis_is_away_registers_once_it_answers(caplog):
         _run(body())
     assert "registering in Redis failed" in caplog.text
     assert "registry entries republished (Redis answered after the worker's start)" in caplog.text
+
+
+def test_a_worker_leaving_for_a_drain_keeps_its_kv_handles_until_it_stops(redis_url):
+    """Its leases outlive its registration by the drain, and the decode workers pulling them
+    read its KV handles (decode_svc/kv_sources.py refuses a handle its worker has not
+    registered): deleted at the leave, every such pull failed and its lease ran out."""
+    from router.presence import WorkerPresence
+
+    async def body():
+        presence = WorkerPresence(redis_url, "leave", 0.1, lambda: _info("p-leave", "prefill"))
+
+        async def prepare(registry: Registry) -> None:
+            await registry.set_kv_handles("p-leave", [b"handle"])
+
+        await presence.start(prepare)
+        reader = Registry.from_url(redis_url, "leave")
+        try:
+            await presence.leave()
+            assert [i.worker_id for i in await reader.live_workers()] == []  # not routed to
+            assert await reader.kv_handles("p-leave") == [b"handle"]  # still read
+            await presence.stop()
+            assert await reader.kv_handles("p-leave") == []
+        finally:
+            await reader.r.aclose()
+
+    _run(body())
