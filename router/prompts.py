@@ -4,6 +4,7 @@ prompt into token ids (text, token ids or a chat), ids back into text, the model
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -78,15 +79,16 @@ class ServedModel:
         return self.check_vocab(ids, "prompt")
 
     def truncated(self, ids: list[int], sampling: common_pb2.SamplingParams,
-                  max_model_len: int) -> list[int]:
+                  max_model_len: Callable[[], int]) -> list[int]:
         """``ids``, or their last ``sampling.truncate_prompt_tokens``; -1 (vLLM's "the model's
-        length") keeps as many as leave room for one output token in ``max_model_len`` (the
+        length") keeps as many as leave room for one output token in ``max_model_len()`` (the
         workers'; 0 while none is known: kept whole, for the length check to judge)."""
         if not sampling.HasField("truncate_prompt_tokens"):
             return ids
         keep = sampling.truncate_prompt_tokens
         if keep == -1:
-            return ids[-(max_model_len - 1):] if max_model_len > 1 else ids
+            limit = max_model_len()
+            return ids[-(limit - 1):] if limit > 1 else ids
         if keep < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for the model's "
                              f"length, got {keep}")

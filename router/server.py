@@ -66,7 +66,7 @@ async def serve_router(config: RouterConfig) -> None:
         async def stopping() -> None:
             router.draining = True
 
-        await serve(server, lambda: stats.requests_in_flight, on_started=started,
+        await serve(server, router.num_inflight, on_started=started,
                     on_stopping=stopping, metrics=lambda: router_metrics(stats, directory))
     finally:
         if reclaim is not None:

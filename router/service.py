@@ -68,6 +68,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.stats = stats
         self._ids = itertools.count()
         self._release_tasks: set[asyncio.Task] = set()
+        # Requests taken before the draining check but not admitted yet (a large prompt
+        # tokenizes in a thread for a while): a drain that counted only the admitted ones
+        # stopped the server under them.
+        self._starting = 0
+
+    def num_inflight(self) -> int:
+        """Requests the drain waits for: admitted, and taken but not admitted yet."""
+        return self.stats.requests_in_flight + self._starting
 
     # --- RPCs -----------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
@@ -156,6 +164,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         runs: list[RequestRun] = []
         status, error, finish = "OK", "", ""
         self.stats.requests_total += 1
+        self._starting += 1
+        starting = True
         try:
             if self.draining:
                 raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
@@ -170,7 +180,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             resumed = self._resume_ids(request, params)
             n = check_n(request.sampling, bool(resumed))
             prompt = self.model.truncated(await self.model.prompt_ids_async(request),
-                                          request.sampling, self.directory.max_model_len())
+                                          request.sampling, lambda: self.directory.max_model_len())
             # resumed tokens count in max_tokens (router.proto).
             wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
             # Checked again per attempt, once the workers are known (0 until then).
@@ -188,6 +198,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # one the router is too full for is still logged.
             first = True
             with self.stats.admit(), self.inflight.track(rid, runs) as entry:
+                self._starting -= 1
+                starting = False
                 try:
                     async with contextlib.aclosing(chunks):
                         async for chunk in chunks:
@@ -231,6 +243,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self.stats.requests_failed += 1
             raise
         finally:
+            if starting:
+                self._starting -= 1
             if self.config.log_requests:  # router/access_log.py
                 log_request(rid, runs, status, error, finish)
 

@@ -440,3 +440,36 @@ def test_a_failure_after_the_final_chunk_moves_nothing():
     chunks = asyncio.run(read())
     assert [list(c.token_ids) for c in chunks] == [[7], [8]]
     assert chunks[-1].finish_reason == "stop"
+
+
+def test_the_drain_counts_a_request_still_tokenizing():
+    """A large prompt tokenizes in a thread before the request is admitted: a SIGTERM then
+    found the router with nothing in flight, and its stop cut the request."""
+    async def remote_prefill(run, request, prefill, avoid, context, counted):
+        run.calls(prefill)
+        async for chunk in _tokens(run, 2, 0.001):
+            yield chunk
+
+    async def run():
+        s = _servicer(remote_prefill)
+        tokenized = asyncio.Event()
+        real = s.model.prompt_ids_async
+
+        async def slow(request):
+            await tokenized.wait()
+            return await real(request)
+
+        s.model.prompt_ids_async = slow
+        task = asyncio.ensure_future(_collect(s, _request(
+            sampling=common_pb2.SamplingParams(max_tokens=2))))
+        await asyncio.sleep(0.05)
+        counted = (s.stats.requests_in_flight, s.num_inflight())
+        tokenized.set()
+        await task
+        bad = asyncio.ensure_future(_collect(s, router_pb2.GenerateRequest()))  # no prompt
+        with pytest.raises(ValueError):
+            await bad
+        return counted, s.num_inflight()
+
+    counted, after = asyncio.run(run())
+    assert counted == (0, 1) and after == 0
