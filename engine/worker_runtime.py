@@ -226,7 +226,9 @@ class WorkerRuntime:
             self.engine = front
         # Set once a step failed: the engine cannot serve again (a TP rank died, a CUDA
         # error), so the worker stops and exits non-zero for its supervisor to restart it.
-        self.engine_failure: BaseException | None = None
+        # An engine process that died before on_dead was set (while the fingerprint was
+        # read) told nobody: the worker registered, served and refused every request.
+        self.engine_failure: BaseException | None = getattr(front, "error", None)
         # Called when the engine dies; run_worker points it at the server's stop.
         self.on_fatal = None
         self.address = ""

@@ -18,6 +18,10 @@ async def run_worker(config: WorkerConfig, service_name: str,
     drops its transfer-ledger entries and stops. A dead engine ends the process with a
     non-zero status."""
     rt = await WorkerRuntime.create(config)
+    if rt.engine_failure is not None:  # it died as the worker started: nothing to serve with
+        rt.shutdown()
+        raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died as "
+                         f"the worker started: {rt.engine_failure!r}")
     try:
         server = GrpcServer(config.server, [service_name])
         rt.bind(server.address)

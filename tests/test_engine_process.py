@@ -359,3 +359,41 @@ def test_an_id_is_free_again_once_its_request_ended_however_fast_it_ended():
             proc.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_worker_whose_engine_process_died_as_it_started_exits_non_zero(monkeypatch):
+    """The engine process's death is told to the worker only once on_dead is set, after the
+    model's fingerprint is read: one that died meanwhile told nobody, and the worker
+    registered, reported SERVING and refused every request, for good."""
+    from engine import worker_runtime, worker_server
+    from engine.worker_runtime import WorkerConfig
+
+    started = []
+    real_start, real_fingerprint = EngineProcess.start, worker_runtime._fingerprint
+
+    async def start(spec):
+        started.append(await real_start(spec))
+        return started[-1]
+
+    async def fingerprint_while_it_dies(config):
+        proc = started[-1]
+        os.kill(proc.proc.pid, signal.SIGKILL)
+        for _ in range(600):  # its death reaches the loop: the pipe's end
+            if proc.error is not None:
+                break
+            await asyncio.sleep(0.05)
+        return await real_fingerprint(config)
+
+    monkeypatch.setattr(EngineProcess, "start", staticmethod(start))
+    monkeypatch.setattr(worker_runtime, "_fingerprint", fingerprint_while_it_dies)
+    engine = EngineConfig("micro-llama", num_gpu_blocks=32, role="decode",
+                          kv_transfer_backend="torch")
+    config = WorkerConfig(engine=engine, engine_process=True)
+    async def run():
+        async with asyncio.timeout(120):  # without the check it serves for ever
+            await worker_server.run_worker(config, "pdserve.v1.DecodeWorker",
+                                           lambda rt: None, lambda s, server: None)
+
+    with pytest.raises(SystemExit, match="the engine died as the worker started"):
+        asyncio.run(run())
+    assert started and started[-1].error is not None
