@@ -315,9 +315,14 @@ class KVCacheManager:
         if num_tokens // self.block_size > len(held):
             raise ValueError(f"request {request.request_id} holds {len(held)} blocks, too few "
                              f"for {num_tokens} tokens")
-        self._cache_full_blocks(request, num_tokens)
+        # Written already: not the coming step's to compute, so a failure of that step does
+        # not uncache them (it did, and the request never cached them again).
+        self._cache_full_blocks(request, num_tokens, pending=False)
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, num_tokens: int,
+                           pending: bool = True) -> None:
+        """``pending``: the blocks' KV is the coming step's to compute (uncached if it
+        fails, no partial-hit source until it ran)."""
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
@@ -331,7 +336,7 @@ class KVCacheManager:
             if self.pool.cache_full_block(
                     blocks[i], hashes[i], parent_block_hash=hashes[i - 1] if i else None,
                     token_ids=request.token_ids_between(i * bs, (i + 1) * bs),
-                    publish_token_ids=self.event_token_ids):
+                    publish_token_ids=self.event_token_ids) and pending:
                 self._cached_this_schedule.add(blocks[i].block_id)
         self._num_cached_blocks[rid] = end
 

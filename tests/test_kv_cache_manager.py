@@ -279,3 +279,20 @@ def test_token_ids_between_slices_prompt_and_output_as_one_list():
     for start in range(len(whole) + 1):
         for stop in range(start, len(whole) + 1):
             assert req.token_ids_between(start, stop) == whole[start:stop], (start, stop)
+
+
+def test_blocks_written_from_outside_survive_the_failure_of_a_step_that_did_not_write_them():
+    """A decode worker's committed blocks (KV pulled from the prefill worker) were taken for
+    ones the next step computes: that step failing dropped them from the prefix cache (and
+    told the routers), and the request never cached them again."""
+    kv = KVCacheManager(8, 2)
+    d = Request("d", [1, 2, 3, 4], SamplingParams(), output_token_ids=[5])
+    kv.allocate_slots(d, 4, kv.get_computed_blocks(d), cache_blocks=False)
+    d.num_computed_tokens = 4
+    kv.cache_blocks(d, 4)  # its KV landed: commit_prefilled
+    other = Request("o", [9, 9, 9], SamplingParams())
+    kv.allocate_slots(other, 3, kv.get_computed_blocks(other))
+    kv.end_schedule()
+    kv.uncache_last_schedule()  # that step failed
+    assert [kv.pool.blocks[b].block_hash is not None for b in kv.get_block_ids("d")] == \
+        [True, True]
