@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.engine_front import SHUTDOWN_TIMEOUT_S
 from engine.gc_policy import freeze_startup_heap
 from engine.handler_guards import HandlerGuardInterceptor
+from engine.health import HealthServicer
 from engine.process_exit import exit_process, exit_status
 from engine.switch_interval import apply_switch_interval
 from protos.limits import message_size_options
@@ -112,7 +113,7 @@ class GrpcServer:
         interceptors = [*(interceptors or ()), HandlerGuardInterceptor()]
         self.server = grpc.aio.server(options=message_size_options() + _SERVER_OPTIONS,
                                       interceptors=interceptors)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             self.service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)

@@ -129,3 +129,37 @@ def test_health_says_serving_only_once_the_services_start_is_done():
         return seen
 
     assert asyncio.run(run()) == ["NOT_SERVING", "SERVING"]
+
+
+def test_a_health_watch_ends_with_the_stop_not_at_the_grace_periods_end():
+    """grpc's health servicer keeps a Watch open for the server's life, and the drain counts
+    no such stream: every stop waited out the whole grace for a client that watches, then cut
+    it. It gets NOT_SERVING, and its stream ends OK."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def run():
+        server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, drain_timeout_s=0.1,
+                                         grace_s=60.0), ["pdserve.test.Thing"])
+        seen = []
+
+        async def watch() -> None:
+            async with grpc.aio.insecure_channel(server.address) as ch:
+                call = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest())
+                async for resp in call:
+                    seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+                    if len(seen) == 1:
+                        server.stopping.set()  # SIGTERM while it watches
+                seen.append((await call.code()).name)
+
+        async def started() -> None:
+            watcher.append(asyncio.ensure_future(watch()))
+
+        watcher = []
+        # Bounded far below the grace: a watch the stop waited for would take it all.
+        async with asyncio.timeout(30):
+            await serve(server, lambda: 0, on_started=started)
+            await watcher[0]
+        return seen
+
+    assert asyncio.run(run()) == ["SERVING", "NOT_SERVING", "OK"]
