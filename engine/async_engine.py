@@ -173,6 +173,10 @@ class AsyncEngine(EngineFront):
     def num_leased(self) -> int:
         # Read live: a dead engine's leases still end (ReleaseKV, the decode workers'
         # releases, expiry) and its KV can still be read, but no step refreshes its stats.
+        if not self.alive:
+            # Nor expires its leases: one nobody releases (its router died) held the drain
+            # for its whole timeout.
+            self.engine.reclaim_expired_leases()
         return self.engine.num_leases
 
     async def _add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -433,6 +433,33 @@ def test_a_dead_engines_leases_are_counted_as_they_end_not_as_its_last_step_saw_
     assert asyncio.run(run()) == 0
 
 
+def test_a_dead_engines_leases_still_expire_for_the_drain():
+    """Leases expire in the engine's steps: once it died, a lease nobody released (its
+    router died too) counted until the worker's whole --drain-timeout-s ran out."""
+    from engine.async_engine import AsyncEngine
+    from engine.llm_engine import LLMEngine
+
+    async def run():
+        engine = AsyncEngine(await asyncio.to_thread(
+            LLMEngine, _config(role="prefill", kv_lease_timeout_s=0.3)))
+        try:
+            [_ async for _ in engine.generate("r", list(range(10, 50)), _greedy(8))]
+            died = asyncio.get_running_loop().create_future()
+            engine.on_dead = died.set_result
+
+            def broken_step():
+                raise RuntimeError("a device error")
+
+            engine.engine.step = broken_step
+            await asyncio.wait_for(died, 30)
+            await asyncio.sleep(0.5)  # past the lease's end
+            return _drain_count(engine), engine.alive, engine.engine.num_expired_leases
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == (0, False, 1)  # expired, not released
+
+
 def test_a_dead_engine_process_holds_no_leases_to_wait_for():
     """Its KV went with it: no release reaches it and no reader gets the blocks."""
     async def run():
