@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import grpc
 
@@ -19,6 +20,8 @@ from router.inflight import InflightRequests
 from router.ledger import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from router.registry import ROLES
 from router.stats import RouterStats
+
+logger = logging.getLogger(__name__)
 
 
 class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
@@ -71,8 +74,12 @@ class RouterAdminServicer(router_pb2_grpc.RouterAdminServicer):
                 live = await _live(registry)  # the reply is the state after the change
         if wid not in live and not (request.undrain and changed):
             await refuse(context, grpc.StatusCode.NOT_FOUND, f"no live worker {quoted(wid)}")
-        async with _registry(context):
+        try:
+            # This router acting on it at once; its periodic refresh does it otherwise.
             await self.directory.refresh()
+        except Exception as e:  # noqa: BLE001 - the change is written: answered all the same
+            logger.warning("drain of %s written; this router's refresh failed (%s): it acts "
+                           "on it at its next", quoted(wid), e)
         # As the routers see it now: a worker that is shutting down stays draining after an
         # undrain.
         info = live.get(wid)

@@ -347,6 +347,17 @@ def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see
         assert await drain("decode-9", undrain=True) is False
         with pytest.raises(_Aborted):
             await drain("decode-9", undrain=True)
+        # This router's own refresh failing after the drain was written: the drain stands,
+        # and the admin is told so (not UNAVAILABLE, as though nothing had happened).
+        await reg.heartbeat(_info("decode-2", "decode"))
+
+        async def refresh_fails() -> None:
+            raise ConnectionError("Redis went away")
+
+        admin.directory.refresh = refresh_fails
+        assert await drain("decode-2") is True
+        assert [i.draining for i in await reg.live_workers() if i.worker_id == "decode-2"] == \
+            [True]
         await reg.r.aclose()
 
     _run(body())
