@@ -253,8 +253,10 @@ class KVCacheManager:
         held.extend(new_blocks)
         self._req_tables[request.request_id].extend(
             [b.block_id for b in computed.blocks] + [b.block_id for b in new_blocks])
-        if looked_up:
-            # Counted on admission only, so a request retried while the pool is short counts once.
+        if looked_up and request.num_cached_tokens < 0:
+            # Counted on its first admission only (the scheduler sets num_cached_tokens then):
+            # a request retried while the pool is short counts once, and one preempted or
+            # started over after a failed step does not count its own blocks as hits again.
             self._stats.requests += 1
             self._stats.queries += request.num_tokens
             self._stats.hits += computed.num_computed_tokens

@@ -296,3 +296,17 @@ def test_blocks_written_from_outside_survive_the_failure_of_a_step_that_did_not_
     kv.uncache_last_schedule()  # that step failed
     assert [kv.pool.blocks[b].block_hash is not None for b in kv.get_block_ids("d")] == \
         [True, True]
+
+
+def test_a_preempted_request_readmitted_does_not_count_its_own_blocks_as_hits():
+    """It finds the blocks it computed before its preemption: counted again, a request
+    preempted a few times read as a high hit rate where nothing else shared its prefix."""
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(10)))
+    assert mgr.allocate_slots(a, 10, mgr.get_computed_blocks(a)) is not None
+    a.num_cached_tokens = 0  # the scheduler's, at its first admission
+    mgr.free(a)  # preempted
+    a.num_computed_tokens = 0
+    assert mgr.allocate_slots(a, 2, computed := mgr.get_computed_blocks(a)) is not None
+    assert computed.num_computed_tokens == 8  # its own two full blocks
+    assert (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits) == (1, 10, 0)
