@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -89,6 +90,14 @@ def _logit_bias(text: str) -> dict[int, float]:
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
                    "logit_bias", "priority", "bad_words")
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """A bad sampling flag fails (ValueError) before any model loads or router is called:
+    a router's answer to it came after connecting, or as UNAVAILABLE when there was none."""
+    from engine.sampling_params import SamplingParams
+
+    SamplingParams(**sampling_kwargs(args, {}))
 
 
 def sampling_kwargs(args: argparse.Namespace, model_defaults: dict) -> dict:
@@ -189,7 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_generate_remote(args)
     from engine import LLM, SamplingParams
 
-    SamplingParams(**sampling_kwargs(args, {}))  # a bad flag fails before the model loads
+    check_sampling_flags(args)
     with LLM(args.model, **engine_kwargs(args)) as llm:
         defaults = llm.sampling_defaults
         params = SamplingParams(**{**defaults, **sampling_kwargs(args, defaults)})
@@ -325,6 +334,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # Before any gRPC channel or server exists in this process or the ones it starts.
     apply_grpc_experiments()
+    _tolerant_stdout()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(benchmarks="bench" in argv).parse_args(argv)
     try:
@@ -333,6 +343,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for it, and no traceback
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader left (`pdserve admin workers | head -1`): what it did not read is not
+        # wanted, and no traceback is. stdout goes to /dev/null, or the interpreter's own
+        # flush at exit would fail on the pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 1
+
+
+def _tolerant_stdout() -> None:
+    """Model text on a terminal that is not UTF-8: a character it cannot show is replaced,
+    not a UnicodeEncodeError that cut a generation midway (and failed every chat turn)."""
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if encoding != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
 
 
 if __name__ == "__main__":

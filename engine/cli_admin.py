@@ -136,20 +136,12 @@ def cmd_admin(args: argparse.Namespace) -> int:
         stub = router_pb2_grpc.RouterAdminStub(ch)
         try:
             rc = _run(stub, args, md)
-            sys.stdout.flush()  # here, where a reader that left is caught below
+            sys.stdout.flush()  # here: a reader that left is caught in engine.cli.main
             return rc
         except grpc.RpcError as e:
             # The SDK's message: its hint where the address serves no RouterAdmin.
             err = error_from_rpc(e)  # its code too: a stopping router's CANCELLED is not one
             print(f"pdserve admin: {err.code.name}: {err}", file=sys.stderr)
-            return 1
-        except BrokenPipeError:
-            # The reader left (`pdserve admin workers | head -1`): what it did not read is not
-            # wanted, and no traceback is. stdout goes to /dev/null, or the interpreter's own
-            # flush at exit would fail on the pipe again.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
             return 1
 
 

@@ -31,6 +31,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to the in-process engine; a router "
                              "renders with its own --chat-template")
         refuse_engine_flags(args, "a router's workers run with their own")
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise ValueError("chat reads its turns from stdin, which is closed")
+    if hasattr(sys.stdin, "reconfigure"):
+        # A line that is not valid text fails its own turn (the SDK says why), not the read
+        # ahead of every line with it.
+        sys.stdin.reconfigure(errors="surrogateescape")
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     interactive = sys.stdin.isatty()
@@ -91,9 +97,10 @@ class _replier:
 
     def _remote(self) -> Replier:
         from client import Chat, Client
-        from engine.cli import sampling_kwargs
+        from engine.cli import check_sampling_flags, sampling_kwargs
         from engine.cli_admin import connection_kwargs
 
+        check_sampling_flags(self.args)
         client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
                         **connection_kwargs(self.args))
         try:
@@ -119,10 +126,10 @@ class _replier:
     def _local(self) -> Replier:
         from engine import LLM, SamplingParams
         from engine.chat_template import load_chat_template
-        from engine.cli import engine_kwargs, sampling_kwargs
+        from engine.cli import check_sampling_flags, engine_kwargs, sampling_kwargs
 
         template = load_chat_template(self.args.chat_template)
-        SamplingParams(**sampling_kwargs(self.args, {}))  # a bad flag fails before the model loads
+        check_sampling_flags(self.args)
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
         defaults = llm.sampling_defaults

@@ -11,9 +11,10 @@ import time
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     """Streams one prompt through a running router."""
     from client import Client, PdserveError
-    from engine.cli import sampling_kwargs
+    from engine.cli import check_sampling_flags, sampling_kwargs
     from engine.cli_admin import connection_kwargs
 
+    check_sampling_flags(args)
     try:
         with Client([a.strip() for a in args.router.split(",") if a.strip()],
                     **connection_kwargs(args)) as c:
@@ -26,9 +27,11 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if chunk.usage is not None:
                     u = chunk.usage
-                    print(f"\n[{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, "
+                    # On stderr, as chat's: stdout holds the text alone (`> file`).
+                    print(file=sys.stdout, flush=True)
+                    print(f"[{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, "
                           f"total {(time.perf_counter() - t0) * 1e3:.0f} ms, "
-                          f"{u.cached_tokens} cached prompt tokens]")
+                          f"{u.cached_tokens} cached prompt tokens]", file=sys.stderr)
     except PdserveError as e:
         print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
         return 1

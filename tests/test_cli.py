@@ -240,3 +240,52 @@ def test_commands_that_run_no_engine_here_refuse_engine_flags(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "do not apply here" in err or "router address" in err
+
+
+def test_a_terminal_that_is_not_utf8_gets_the_text_with_what_it_cannot_show_replaced():
+    """Model text holds characters an ASCII (or latin-1) stdout cannot encode: the
+    UnicodeEncodeError cut the generation midway (exit 2), and failed every chat turn."""
+    import os
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "generate", "--model", "tiny-llama", "--prompt",
+         "h\u00e9llo w\u00f6rld", "--max-tokens", "40", "--temperature", "1", "--seed", "2"],
+        capture_output=True, env={**os.environ, "PYTHONIOENCODING": "ascii"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert b"?" in proc.stdout and len(proc.stdout.split()) > 10  # all 40 tokens' text
+
+
+def test_remote_sampling_flags_are_checked_before_any_call(capsys):
+    """Checked by the router, a bad flag came back after connecting, or as UNAVAILABLE where
+    there was no router, with another exit status than the local command's."""
+    for command in ("generate", "chat"):
+        assert main([command, "--router", "127.0.0.1:1", "--prompt", "x", "--top-p", "5"]
+                    if command == "generate" else
+                    [command, "--router", "127.0.0.1:1", "--top-p", "5"]) == 2
+        assert "top_p" in capsys.readouterr().err
+
+
+def test_chat_with_stdin_closed_says_so():
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "chat", "--router",
+                           "127.0.0.1:1"], stdin=subprocess.DEVNULL, capture_output=True,
+                          timeout=120, preexec_fn=lambda: __import__("os").close(0))
+    assert proc.returncode == 2 and b"stdin, which is closed" in proc.stderr
+    assert b"Traceback" not in proc.stderr
+
+
+def test_ctrl_c_during_a_call_ends_with_130_and_no_traceback():
+    import signal
+    import socket
+
+    with socket.socket() as hole:  # accepts, never answers: the call waits
+        hole.bind(("127.0.0.1", 0))
+        hole.listen()
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "admin", "--router",
+                                 f"127.0.0.1:{hole.getsockname()[1]}", "stats"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        hole.settimeout(120)
+        conn, _ = hole.accept()  # its imports are done: it is in the call
+        with conn:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and b"Traceback" not in err, err.decode()[-2000:]

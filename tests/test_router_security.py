@@ -99,7 +99,7 @@ def test_the_cli_reaches_the_router_with_the_ca_and_the_key(cluster, tls_files, 
     monkeypatch.setenv("PDSERVE_API_KEY", KEY)  # the key from the environment
     assert cli_main(["generate", "--router", cluster.router_address, "--tls-ca-file", cert,
                      "--prompt", "hello", "--max-tokens", "4"]) == 0
-    assert "4 tokens" in capsys.readouterr().out
+    assert "4 tokens" in capsys.readouterr().err  # the figures go to stderr
 
 
 @pytest.mark.parametrize("key", ["", " x", "a b", "x\n", 5, "clé", "ключ"])
