@@ -35,6 +35,7 @@ _DTYPES = {
 }
 # rope types whose cos/sin table can be precomputed once for all positions.
 _SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+_QWEN3_HEAD_DIM = 128
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 # transformers' config defaults where config.json has no "sliding_window" key. LlamaConfig has
@@ -145,7 +146,10 @@ def _parse(raw: dict[str, Any], folder: Path) -> ModelConfig:
     num_layers = need_int("num_hidden_layers")
     max_positions = need_int("max_position_embeddings")
     vocab_size = need_int("vocab_size")
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    # Qwen3's config class defaults head_dim to 128 (a config.json without it means 128, as
+    # transformers reads it), the others to hidden_size / heads.
+    head_dim = raw.get("head_dim") or (_QWEN3_HEAD_DIM if architecture == "Qwen3ForCausalLM"
+                                       else hidden_size // num_heads)
     if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
         raise ValueError(f"{where}: head_dim must be a positive even integer, got {head_dim!r}")
 

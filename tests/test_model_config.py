@@ -63,6 +63,18 @@ def test_transformers_5_configs(tmp_path):
     assert ModelConfig.from_pretrained(tmp_path / "m").architecture == "MistralForCausalLM"
 
 
+def test_a_qwen3_config_without_head_dim_means_128_as_in_transformers(tmp_path):
+    """Read as hidden_size / heads (16 here), the checkpoint's 128-wide q/k norms failed to
+    load with a shape error that named neither head_dim nor its default."""
+    from transformers import AutoConfig
+
+    write_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    assert ModelConfig.from_pretrained(tmp_path).head_dim == 128
+    assert AutoConfig.from_pretrained(tmp_path).head_dim == 128
+    write_config(tmp_path / "llama")  # the others: hidden_size / heads
+    assert ModelConfig.from_pretrained(tmp_path / "llama").head_dim == 16
+
+
 def test_transformers_4_rope_layout(tmp_path):
     cfg = ModelConfig.from_pretrained(write_config(
         tmp_path, rope_theta=500000.0, torch_dtype="float16", eos_token_id=[1, 2],
