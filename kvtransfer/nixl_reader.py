@@ -236,6 +236,8 @@ class NixlReader:
         return True
 
     def _any_in_flight(self, handles: list) -> bool:
+        if not handles:  # nothing was posted (a read refused at its start, or after a close)
+            return False
         with self.lock:
             if self.agent is None:  # closed after _CLOSE_WAIT_S: nothing tells any more
                 return True

@@ -69,6 +69,8 @@ def test_a_close_ends_the_reads_in_flight_before_it_deregisters(owner, monkeypat
         for r in readers:
             names = [name for name, _, by in calls if by is r]
             assert names == ["transfer", "release_xfer_handle", "deregister_memory"]
+        # A read refused once closed posted nothing: nothing may land, no wait to settle.
+        assert all(r._settle([], 5.0) for r in readers)
     finally:
         os.kill(owner.proc.pid, signal.SIGCONT)
 
