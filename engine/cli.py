@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 import time
 
@@ -347,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:
+        if not _stdout_reader_left():
+            raise  # another pipe than stdout's (a socket, a child's): a fault to show
         # The reader left (`pdserve admin workers | head -1`): what it did not read is not
         # wanted, and no traceback is. stdout goes to /dev/null, or the interpreter's own
         # flush at exit would fail on the pipe again.
@@ -354,6 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 1
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (a captured stdout), no poll
+        return False
 
 
 def _tolerant_stdout() -> None:

@@ -289,3 +289,16 @@ def test_ctrl_c_during_a_call_ends_with_130_and_no_traceback():
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and b"Traceback" not in err, err.decode()[-2000:]
+
+
+def test_a_broken_pipe_other_than_stdouts_is_not_taken_for_a_reader_that_left(monkeypatch):
+    """Every command's BrokenPipeError read as `| head` closing stdout: one from a socket or a
+    child's pipe exited 1 with no word of it."""
+    from engine import cli_remote
+
+    def broken(args):
+        raise BrokenPipeError("a child's pipe")
+
+    monkeypatch.setattr(cli_remote, "cmd_info", broken)
+    with pytest.raises(BrokenPipeError, match="a child's pipe"):
+        main(["info", "--router", "127.0.0.1:1"])
