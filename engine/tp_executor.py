@@ -272,8 +272,11 @@ class MultiprocExecutor(Executor):
         if self._closing:
             return
         self._closing = True
+        # Read once: a step that starts now sees _closing and clears its flag again, and
+        # must not leave the device memory held by a later read of it.
+        in_flight = self._step_in_flight
         self._finalizer()  # bounded: workers that do not quit in time are killed
-        if self._step_in_flight:
+        if in_flight:
             # The engine is stopping under a step (its thread did not finish in time): the
             # workers are gone now, so the step's collective must fail rather than wait on them.
             self._abort_collectives()
@@ -282,13 +285,13 @@ class MultiprocExecutor(Executor):
         if self.kv_agent is not None:
             self.kv_agent.close()
             self.kv_agent = None
-        if not self._step_in_flight:
+        if not in_flight:
             self._release_device_memory()
         # Their listening sockets (the store's, gloo's) would stay open for as long as the
         # shut-down engine is referenced. A step still in flight holds the group itself.
         self._store = None
         group = getattr(self, "group", None)
-        if group is not None and not self._step_in_flight:
+        if group is not None and not in_flight:
             group.backend = None
         torch.set_num_threads(self._previous_threads)
 
