@@ -17,7 +17,8 @@ A caller that hangs with the stream open (a stopped router, a host gone without 
 connection) would leave its requests decoding for nobody until they finish: gRPC's buffers take
 minutes of tokens before a write blocks. So a caller that sends heartbeats (the router does,
 every --health-check-interval-s) is watched: after ``misses`` intervals without a control
-message, every request on the stream is aborted and the stream ends.
+message past the one the next heartbeat was due in, every request on the stream is aborted and
+the stream ends.
 """
 from __future__ import annotations
 

@@ -62,8 +62,8 @@ return out
 # Heartbeats are stamped, and judged stale, by Redis's clock: workers and routers on other
 # hosts may disagree by more than the TTL, and a worker whose clock runs behind would be
 # purged at every refresh. replicate_commands: older Redis refuses a write after TIME without.
-# KEYS: workers, heartbeats, drained, ttls, purged:{id}. ARGV: id, info, own TTL ('' for
-# none), '1' if the worker last knew itself drained.
+# KEYS: workers, heartbeats, drained, ttls, purged:{id}, kvhandles:{id}. ARGV: id, info, own
+# TTL ('' for none), '1' if the worker last knew itself drained, the KV handles' TTL in ms.
 _HEARTBEAT_LUA = """
 redis.replicate_commands()
 local t = redis.call('TIME')

@@ -430,9 +430,9 @@ def test_a_caller_beating_on_time_is_never_judged_hung_even_allowed_one_miss():
         m.cancel_all = lambda: judged.append(True)
         reader = asyncio.ensure_future(m.read(controls()))
         watch = asyncio.ensure_future(m.watch_caller())
-        for _ in range(8):  # as the router's _beat sends them
-            inbox.put_nowait(_heartbeat(0.2, misses=1))
-            await asyncio.sleep(0.2)
+        for _ in range(6):  # a router's beats, each a quarter interval late (a busy loop)
+            inbox.put_nowait(_heartbeat(0.4, misses=1))
+            await asyncio.sleep(0.5)
         alive = not judged and not watch.done()
         inbox.put_nowait(None)
         await reader
