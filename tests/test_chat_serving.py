@@ -70,9 +70,12 @@ def test_pdserve_chat_through_the_router_keeps_the_conversation(cluster, referen
 
 
 def test_pdserve_chat_reports_a_refused_turn_and_goes_on(cluster):
+    # A turn the router refuses (too long for the workers' max_model_len, 1024), then one it
+    # serves. (A bad sampling flag is refused before any call: tests/test_cli.py.)
     proc = subprocess.run(
         [sys.executable, "-m", "engine.cli", "chat", "--router", cluster.router_address,
-         "--max-tokens", "4", "--temperature", "-1"],
-        input="Hello\n", capture_output=True, text=True, timeout=120)
+         "--max-tokens", "4"],
+        input="word " * 2000 + "\nHello\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1  # piped turns: a script learns that one failed
-    assert "INVALID_ARGUMENT" in proc.stderr and "temperature" in proc.stderr
+    assert "INVALID_ARGUMENT" in proc.stderr and "max_model_len" in proc.stderr
+    assert proc.stdout.strip()  # the second turn's reply

@@ -350,8 +350,6 @@ def test_bad_request_ids_get_invalid_argument(cluster, request_id, match):
     ("hello", {"repetition_penalty": 0.0}, "repetition_penalty"),
     ("hello", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("hello", {"priority": 1}, "scheduling policy priority"),  # these workers run fcfs
-    (Chat([{"role": "user", "content": ""}], continue_final_message=True), {},
-     "final message with content"),
 ])
 def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
     with Client(cluster.router_address, timeout=30) as c:
