@@ -268,6 +268,26 @@ def test_an_interrupted_step_leaves_no_uncomputed_block_in_the_prefix_cache(pres
         assert _all_free(llm)
 
 
+def _step_interrupted_at_second_token(engine: LLMEngine) -> list[str]:
+    """A step computed, then interrupted (Ctrl-C) as it hands out its second token; the ids
+    of the requests whose tokens it began to hand out."""
+    real, calls = engine.outputs.append_token, []
+
+    def interrupted(req, token_id, logprobs):
+        calls.append(req.request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(req, token_id, logprobs)
+
+    engine.outputs.append_token = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finally:
+        engine.outputs.append_token = real
+    return calls
+
+
 def test_an_interrupted_hand_out_of_a_steps_tokens_leaves_no_request_stuck(preset_path):
     """A step computed, then interrupted as it handed out its tokens (Ctrl-C in a notebook, a
     detokenizer error): the requests whose token it had not appended were advanced past the
@@ -284,18 +304,7 @@ def test_an_interrupted_hand_out_of_a_steps_tokens_leaves_no_request_stuck(prese
     for j, prompt in enumerate(prompts):
         engine.add_request(f"got{j}", prompt, greedy)
     engine.step()  # the prompts, and their first tokens
-    real, calls = engine.outputs.append_token, []
-
-    def interrupted_once(req, token_id, logprobs):
-        calls.append(1)
-        if len(calls) == 2:  # one request has its token, the others not
-            raise KeyboardInterrupt
-        return real(req, token_id, logprobs)
-
-    engine.outputs.append_token = interrupted_once
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    engine.outputs.append_token = real
+    _step_interrupted_at_second_token(engine)  # one request has its token, the others not
     got = {}
     for _ in range(50):  # bounded: a stuck request never finishes
         if not engine.has_unfinished_requests():
@@ -326,18 +335,7 @@ def test_outputs_made_before_a_step_failed_come_with_the_next_step(preset_path):
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()
     engine.executor.execute_model = real_forward
-    real_append, calls = engine.outputs.append_token, []
-
-    def interrupted_second(req, token_id, logprobs):
-        calls.append(req.request_id)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_append(req, token_id, logprobs)
-
-    engine.outputs.append_token = interrupted_second
-    with pytest.raises(KeyboardInterrupt):
-        engine.step()
-    engine.outputs.append_token = real_append
+    calls = _step_interrupted_at_second_token(engine)
     assert calls == ["short", "long"]  # "short" took its last token before the interrupt
     ends = {}
     for _ in range(50):  # bounded: a lost output never comes

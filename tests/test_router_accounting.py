@@ -161,15 +161,21 @@ def test_a_refused_decode_legs_wait_counts_as_decode_queue_but_not_the_next_legs
     assert 0.05 < t.decode_queue_s < 0.5
 
 
-def test_tpot_of_a_resumed_request_spaces_only_the_tokens_this_call_streamed():
+def _resumed_run(gap_s: float):
+    """A request resumed with 50 output tokens the client brought, streaming 10 more
+    ``gap_s`` apart: the router and its chunks."""
     async def remote_prefill(run, request, prefill, avoid, context, counted):
         run.calls(prefill)
-        async for chunk in _tokens(run, 10, 0.01):
+        async for chunk in _tokens(run, 10, gap_s):
             yield chunk
 
     s = _servicer(remote_prefill)
     req = _request(resume_token_ids=[7] * 50, sampling=common_pb2.SamplingParams(max_tokens=60))
-    out = asyncio.run(_collect(s, req))
+    return s, asyncio.run(_collect(s, req))
+
+
+def test_tpot_of_a_resumed_request_spaces_only_the_tokens_this_call_streamed():
+    s, out = _resumed_run(0.01)
     usage = out[-1].usage
     assert usage.completion_tokens == 60  # the 50 the client brought count as output
     assert s.stats.tpot.count == 1
@@ -214,14 +220,7 @@ def test_a_worker_lost_after_the_default_timeout_ends_the_request_deadline_excee
 
 
 def test_a_resumed_requests_output_is_not_counted_as_prompt_tokens():
-    async def remote_prefill(run, request, prefill, avoid, context, counted):
-        run.calls(prefill)
-        async for chunk in _tokens(run, 10, 0.001):
-            yield chunk
-
-    s = _servicer(remote_prefill)
-    req = _request(resume_token_ids=[7] * 50, sampling=common_pb2.SamplingParams(max_tokens=60))
-    out = asyncio.run(_collect(s, req))
+    s, out = _resumed_run(0.001)
     # The 50 resumed tokens were counted as output where they were made.
     assert out[-1].usage.prompt_tokens == s.stats.prompt_tokens_routed == len(PROMPT)
 
