@@ -63,7 +63,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="a file co-located workers share: while the others are idle, this "
                         "worker's steps borrow their cores (pdserve up sets it)")
     p.add_argument("--core-share-cores", type=int, default=None,
-                   help="cores the --core-share group shares (default: this host's)")
+                   help="cores the --core-share group shares (default: the CPUs this "
+                        "process may use, after its affinity and cgroup quota)")
 
 
 def _worker_config(args: argparse.Namespace, role: str):

@@ -28,7 +28,7 @@ available, a slot's pid answering ``kill(pid, 0)`` stands in for it).
 The file must be a regular file of this user's that only this user may write (checked on
 opening): what it holds sizes this worker's threads, and a file someone else can write or
 truncate could take the cores or kill the worker (a page of the mapping past the file's end is
-SIGBUS). Slots whose values no worker writes count as free. The file's size is checked again
+SIGBUS). Slots naming a pid no process can have count as free. The file's size is checked again
 before each access of a step; the owner truncating it between that check and the access is the
 one case left that still ends in SIGBUS.
 """
@@ -196,10 +196,24 @@ class CoreShare:
             raise ValueError(f"the core share file {self.config.path!r} has {size} bytes, "
                              f"not the {_FILE_BYTES} of a core share file: another file, or "
                              "one cut short")
+        self._allocate()
         self._mm = mmap.mmap(self._fd, _FILE_BYTES)
         # [MAX_SLOTS + 1, 2] int64: aligned 8-byte stores, so readers see whole values.
         rows = np.frombuffer(self._mm, dtype=np.int64).reshape(MAX_SLOTS + 1, _SLOT_FIELDS)
         self._slots, self._wakeups = rows[:MAX_SLOTS], rows[MAX_SLOTS]
+
+    def _allocate(self) -> None:
+        """Gives the file its disk blocks now. Truncated to size, it is sparse: the first
+        store through the mapping then needs a block, and on a full disk that is SIGBUS, not
+        an error (also for every later worker on a file one left sparse). Allocating changes
+        no byte, so a peer's slots stay as they are."""
+        try:
+            os.posix_fallocate(self._fd, 0, _FILE_BYTES)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                return  # a filesystem that cannot allocate ahead: nothing to do better
+            raise ValueError(f"cannot allocate the core share file {self.config.path!r}: "
+                             f"{e.strerror}") from None
 
     def _unmap(self) -> None:
         if self._mm is None:
@@ -268,10 +282,11 @@ class CoreShare:
             if i == self._index:
                 continue
             pid, threads = (int(v) for v in self._slots[i])
-            # Values no worker writes (more threads than the group's cores, a pid no process
-            # can have) count as free.
-            if threads <= cores and 0 < pid <= _PID_MAX and self._in_use(i, pid):
-                total += threads
+            # A pid no process can have, no worker wrote: free. More threads than this
+            # worker's cores is a peer that counts more cores (another --core-share-cores, or
+            # another affinity): it still holds every core this one would count.
+            if 0 < pid <= _PID_MAX and self._in_use(i, pid):
+                total += min(threads, cores)
         return total
 
     def _allowed(self) -> int:

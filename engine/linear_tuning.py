@@ -163,6 +163,11 @@ def _read(path: Path) -> LinearChoice | None:
 
 def _write(path: Path, choice: LinearChoice) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(asdict(choice), f)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(choice), f)
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk must not leave one more temp file at every start.
+        os.unlink(tmp)
+        raise

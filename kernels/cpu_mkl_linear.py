@@ -128,9 +128,13 @@ def mkl_packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         out.copy_(bias)  # the GEMM adds onto it (beta 1)
     if m == 0 or out_features == 0:
         return out
-    if x.stride(1) != 1:
+    # oneMKL refuses a leading dimension under the row length and then computes nothing:
+    # rows that overlap (an expanded input) are copied; a single row's stride is any torch
+    # calls contiguous ([1, k] taken from a transpose has stride (1, 1)), and means nothing.
+    if x.stride(1) != 1 or (m > 1 and x.stride(0) < in_features):
         x = x.contiguous()
+    lda = max(x.stride(0), in_features, 1)
     _lib().cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, out_features, in_features,
-                               x.data_ptr(), x.stride(0), packed.data_ptr(), in_features,
+                               x.data_ptr(), lda, packed.data_ptr(), in_features,
                                1.0 if bias is not None else 0.0, out.data_ptr(), out_features)
     return out

@@ -447,14 +447,53 @@ def test_a_slot_naming_a_live_process_counts_only_while_its_owner_holds_it(share
         me.idle()
         assert other.threads_for_step() == 2
         assert me.others_busy_threads() == 2  # a live owner's threads count
-        # Values no worker writes count as free, even in a slot someone holds.
+        # More threads than this worker counts cores: a peer that counts more (another
+        # --core-share-cores or affinity) holds all of this one's.
         other._slots[other._index, 1] = 1000
-        assert me.others_busy_threads() == 0
+        assert me.others_busy_threads() == 2 and me.threads_for_step() == 1
+        me.idle()
+        # A pid no process can have, no worker wrote: free, even in a slot someone holds.
         other._slots[other._index] = (1 << 40, 1)
         assert me.others_busy_threads() == 0 and me.threads_for_step() == 2
     finally:
         me.close()
         other.close()
+
+
+def test_a_peer_counting_more_cores_takes_this_ones_while_busy(share_path):
+    """Workers of one group under other affinities count other cores; a busy peer on 4 must
+    not look idle to a worker on 2 (both would run, 6 threads on 4 cores)."""
+    big = Peer(share_path, cores=4, base=2)
+    small = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    try:
+        assert big.say("busy") == 4
+        assert small.others_busy_threads() == 2 and small.threads_for_step() == 1
+        small.idle()
+        assert big.say("idle") == 0
+        assert small.threads_for_step() == 2
+    finally:
+        small.close()
+        big.kill()
+
+
+def test_a_share_file_that_cannot_get_its_blocks_is_a_clear_error(share_path, monkeypatch):
+    """Sparse, the file's first store through the mapping on a full disk is SIGBUS: the
+    blocks are taken at opening, where no space is an error naming the file."""
+    def full(fd, offset, length):
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(core_share.os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match="cannot allocate the core share file.*No space"):
+        CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    # A file left sparse by a worker that died so: the next one allocates it too.
+    with pytest.raises(ValueError, match="No space"):
+        CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    monkeypatch.undo()
+    share = CoreShare(CoreShareConfig(share_path, num_cores=2, base_threads=1))
+    try:
+        assert os.stat(share_path).st_blocks > 0 and share.threads_for_step() == 2
+    finally:
+        share.close()
 
 
 class _PausingRow:

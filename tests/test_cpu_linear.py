@@ -65,6 +65,13 @@ def test_mkl_packed_linear_takes_strided_inputs_and_refuses_bad_ones():
     torch.testing.assert_close(mkl_packed_linear(x, packed, 32, 16), F.linear(x, w))
     rows = torch.randn(20, 16)[::2]  # row stride 32
     torch.testing.assert_close(mkl_packed_linear(rows, packed, 32, 16), F.linear(rows, w))
+    # Strides oneMKL takes as a leading dimension under the row length (it then computes
+    # nothing): one row out of a transpose, and rows expanded from one.
+    one_row = torch.randn(16, 1).t()  # [1, 16], stride (1, 1)
+    torch.testing.assert_close(mkl_packed_linear(one_row, packed, 32, 16), F.linear(one_row, w))
+    same = torch.randn(1, 16).expand(4, 16)  # stride (0, 1)
+    b = torch.randn(32)
+    torch.testing.assert_close(mkl_packed_linear(same, packed, 32, 16, b), F.linear(same, w, b))
     with pytest.raises(ValueError, match="2-D float32"):
         mkl_packed_linear(torch.randn(4, 16, dtype=torch.float64), packed, 32, 16)
     with pytest.raises(ValueError, match="features"):

@@ -191,3 +191,15 @@ def test_an_unwritable_cache_still_gives_a_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(not_a_dir))  # mkdir under a file fails
     choice = tuning.choose_linear_kernels(_weights(), KERNELS)
     assert choice.kernel in KERNELS and choice.timings_ms
+
+
+def test_a_failed_cache_write_leaves_no_temp_file(cache, monkeypatch):
+    """A full disk fails the write at every start: each must not leave a file behind."""
+    def no_space(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tuning.json, "dump", no_space)
+    choice = tuning.choose_linear_kernels(_weights(), KERNELS)
+    assert choice.kernel in KERNELS
+    assert [p.name for p in (cache / "linear-choice").iterdir() if not p.name.endswith(".lock")] \
+        == []
