@@ -190,7 +190,7 @@ def _check_service_flags(spec) -> None:
     # missing or broken one must fail here, as an aggregated spec's router_flags() (the
     # model's context length) has it fail.
     ModelConfig.from_pretrained(resolve_model(spec.model))
-    parser = build_parser()
+    parser = build_parser(benchmarks=False)  # the bench modules import torch
     redis = spec.redis_url or "redis://127.0.0.1:6379/0"
     roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
     for role in roles:

@@ -30,6 +30,10 @@ for argv in (["admin", "--help"], ["generate", "--help"], ["up", "--help"]):
     except SystemExit as e:
         assert e.code == 0, (argv, e.code)
 assert main(["info", "--router", "127.0.0.1:1", "--timeout", "0.5"]) == 1  # nobody there
+# What `pdserve up` does before it starts anything: checks every service's flags.
+from engine.cli import build_parser
+from engine.cli_up import up_spec
+up_spec(build_parser(benchmarks=False).parse_args(["up", "--port", "0"]))
 print("TORCH", "torch" in sys.modules)
 """)
     assert out.strip().splitlines()[-1] == "TORCH False"
