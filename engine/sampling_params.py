@@ -12,6 +12,9 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
 MAX_BAD_WORDS = 256
+# Each is tokenized (twice) on the worker's event loop as the request is added: 256 words of
+# 100 000 characters held it ~20 s, long enough for routers to drop the worker as hung.
+MAX_BAD_WORD_CHARS = 1024
 # Stop strings are searched for, and their possible beginnings held back, at every token on
 # the engine thread: 64 of 1024 characters cost ~0.5 ms a token on a 2-core VM, where
 # unbounded ones let one request slow every other (OpenAI's API takes 4).
@@ -131,6 +134,9 @@ class SamplingParams:
             if not isinstance(w, str) or not w.strip():
                 raise ValueError(f"bad_words must be strings with a non-space character, "
                                  f"got {w!r}")
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"a bad word has {len(w)} characters, more than "
+                                 f"{MAX_BAD_WORD_CHARS}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings, more than {MAX_STOP_STRINGS}")
         for s in self.stop:

@@ -47,6 +47,8 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
     (dict(stop=[""]), "stop"),
     (dict(stop=["x"] * 65), "stop has 65 strings, more than 64"),
     (dict(stop=["x" * 1025]), "a stop string has 1025 characters, more than 1024"),
+    (dict(bad_words=["x" * 1025]), "a bad word has 1025 characters, more than 1024"),
+    (dict(bad_words=["x"] * 257), "bad_words has 257 entries, more than 256"),
     (dict(temperature=float("nan")), "temperature"),
     # -inf / inf is NaN, which would win the argmax over every masked-out token; 1e39 is
     # finite here and inf in float32.
