@@ -19,6 +19,7 @@ import grpc
 from decode_svc.kv_sources import KVSources
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
+from engine.config import MAX_KV_LEASE_TIMEOUT_S
 from engine.outputs import KVAllocation, RequestOutput
 from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle, TransferError
@@ -146,13 +147,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         cfg = self.rt.config.engine
         if not h.rank_handles:
             raise ValueError("kv_handle has no rank handles")
-        if not (math.isfinite(h.lease_timeout_s) and h.lease_timeout_s >= 0):
-            # NaN or inf would lift the bound that keeps the pull inside the lease.
-            raise ValueError(f"kv_handle lease_timeout_s must be a finite number >= 0, got "
-                             f"{h.lease_timeout_s}")
-        if len(h.lease_id) > convert.MAX_WORKER_REQUEST_ID_CHARS:
-            raise ValueError(f"kv_handle lease_id is {len(h.lease_id)} characters; at most "
-                             f"{convert.MAX_WORKER_REQUEST_ID_CHARS}")
+        if not (math.isfinite(h.lease_timeout_s)
+                and 0 <= h.lease_timeout_s <= MAX_KV_LEASE_TIMEOUT_S):
+            # NaN or inf would lift the bound that keeps the pull inside the lease; the pull's
+            # Redis record expires with the lease (a huge expiry failed its whole batch).
+            raise ValueError(f"kv_handle lease_timeout_s must be a number in [0, "
+                             f"{MAX_KV_LEASE_TIMEOUT_S:.0f}], got {h.lease_timeout_s}")
+        for name in ("lease_id", "worker_id"):  # both name Redis keys
+            if len(getattr(h, name)) > convert.MAX_WORKER_REQUEST_ID_CHARS:
+                raise ValueError(f"kv_handle {name} is {len(getattr(h, name))} characters; at "
+                                 f"most {convert.MAX_WORKER_REQUEST_ID_CHARS}")
         if h.backend != cfg.kv_transfer_backend:
             raise ValueError(f"kv_handle uses backend {h.backend!r}; this decode worker uses "
                              f"{cfg.kv_transfer_backend!r}")

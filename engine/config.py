@@ -20,6 +20,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+# Leases outlive their worker's reads only by mistake; the lease's Redis records expire with
+# it, and Redis refuses expiries past 2**63 ms (the batch holding one failed whole).
+MAX_KV_LEASE_TIMEOUT_S = 86400.0
+
+
 @dataclass
 class EngineConfig:
     # A local Hugging Face folder or a built-in preset name (see engine.presets).
@@ -58,7 +63,7 @@ class EngineConfig:
     # combined: prefill and decode here; prefill: stop after the first token and lease the
     # blocks to a remote reader; decode: admit requests whose prompt KV arrives from outside.
     role: str = "combined"
-    # A prefill lease not released by then is reclaimed.
+    # A prefill lease not released by then is reclaimed (at most MAX_KV_LEASE_TIMEOUT_S).
     kv_lease_timeout_s: float = 60.0
     # Turn incremental detokenization off when only token ids are wanted (benchmarks).
     detokenize: bool = True
@@ -135,6 +140,9 @@ class EngineConfig:
         if not self.kv_quarantine_s >= 0:
             raise ValueError(f"kv_quarantine_s must be >= 0, got {self.kv_quarantine_s}")
         positive_number("kv_lease_timeout_s", self.kv_lease_timeout_s)
+        if self.kv_lease_timeout_s > MAX_KV_LEASE_TIMEOUT_S:
+            raise ValueError(f"kv_lease_timeout_s must be at most {MAX_KV_LEASE_TIMEOUT_S:.0f} "
+                             f"(a day), got {self.kv_lease_timeout_s}")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
                 and self.max_model_len > self.max_num_batched_tokens:
             raise ValueError(

@@ -287,6 +287,7 @@ def test_absent_or_null_kv_heads_mean_mha(tmp_path):
     ("tp_startup_timeout_s", "5", "tp_startup_timeout_s must be a finite number"),
     ("tp_startup_timeout_s", math.inf, "tp_startup_timeout_s must be a finite number"),
     ("kv_lease_timeout_s", None, "kv_lease_timeout_s must be a finite number"),
+    ("kv_lease_timeout_s", 1e300, "kv_lease_timeout_s must be at most 86400"),
     ("kv_transfer_timeout_s", "30", "kv_transfer_timeout_s must be a finite number"),
     ("kv_quarantine_s", None, "kv_quarantine_s must be a finite number"),
     ("kv_quarantine_s", -1, "kv_quarantine_s must be >= 0"),

@@ -100,8 +100,9 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
     while worker_info(prefill_address).num_leased and time.monotonic() < deadline:
         time.sleep(0.05)
     assert worker_info(prefill_address).num_leased == 0
-    # A lease that is not a finite number of seconds (NaN, inf) would lift that bound.
-    for bad in (float("nan"), float("inf"), -1.0):
+    # A lease that is not a finite number of seconds (NaN, inf) would lift that bound; one
+    # past a day is no lease a worker gives (its Redis record's expiry failed the batch).
+    for bad in (float("nan"), float("inf"), -1.0, 86401.0, 1e300):
         handle.lease_timeout_s = bad
         with pytest.raises(grpc.RpcError) as err:
             list(decode.Decode(worker_pb2.DecodeRequest(
@@ -117,6 +118,14 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
             first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "lease_id" in err.value.details()
+    handle.lease_id = "lease-p"
+    handle.worker_id = "w" * (MAX_WORKER_REQUEST_ID_CHARS + 1)  # names the pull's Redis key
+    with pytest.raises(grpc.RpcError) as err:
+        list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id="lease-long", prompt_token_ids=prompt,
+            first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "worker_id" in err.value.details()
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
 
 
