@@ -100,16 +100,13 @@ class LLMEngine(EngineKVTransfer):
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        self._check_vocab(token_ids, "prompt token id")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
                              f"{self.max_model_len} (room for at least one output token is needed)")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        params.validate_vocab(vocab)
+        params.validate_vocab(self.model_config.vocab_size)
         if params.stop and not self.outputs.detokenize:
             # Matched on the text, which is not made: the request ran to max_tokens.
             raise ValueError("stop strings need detokenized output: this engine has "
@@ -118,6 +115,12 @@ class LLMEngine(EngineKVTransfer):
         if params.priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority {params.priority} needs an engine with scheduling "
                              "policy priority (--scheduling-policy priority)")
+
+    def _check_vocab(self, token_ids, what: str) -> None:
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"{what} {t!r} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None,
@@ -145,6 +148,8 @@ class LLMEngine(EngineKVTransfer):
                         params: SamplingParams) -> Replay:
         """Validates a prompt and the output it resumes from (possibly none), replayed."""
         resume = list(resume_token_ids)
+        # Named for what they are: checked with the prompt, a bad one read as a prompt's.
+        self._check_vocab(resume, "resumed output token id")
         self.validate_prompt(list(prompt_token_ids) + resume, params)
         if resume and len(resume) >= params.max_tokens:
             raise ValueError(f"{len(resume)} resumed output tokens leave nothing to generate "
@@ -202,6 +207,7 @@ class LLMEngine(EngineKVTransfer):
         ``stream_interval``: as for ``add_request``.
         """
         check_stream_interval(stream_interval)
+        self._check_vocab([first_token_id], "first token id")
         replay = self.validate_resume(prompt_token_ids,
                                       list(resume_token_ids) + [first_token_id], params)
         req = Request(request_id, list(prompt_token_ids), params,

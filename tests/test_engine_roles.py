@@ -281,8 +281,10 @@ def test_a_resume_that_leaves_nothing_to_generate_is_refused(model):
     params = SamplingParams(max_tokens=3)
     with pytest.raises(ValueError, match="nothing to generate"):
         engine.add_request("a", [5, 6, 7], params, resume_token_ids=[8, 9, 10])
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="resumed output token id 10000000 is outside"):
         engine.add_request("a", [5, 6, 7], params, resume_token_ids=[10**7])
+    with pytest.raises(ValueError, match="first token id 10000000 is outside"):
+        engine.add_prefilled_request("a", [5, 6, 7], 10**7, params)
     assert not engine.has_unfinished_requests()
 
 
