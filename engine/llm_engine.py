@@ -218,6 +218,10 @@ class LLMEngine(EngineKVTransfer):
         self._claim_id(request_id)
         n = req.num_tokens - 1  # everything before first_token_id
         with self._lock:
+            # An abort queued for an earlier request under this id (its caller left as it
+            # ended, while a step ran) applies to that one: applied at the next step, after
+            # this allocation, it would end this request.
+            self._drain_inbox()
             try:
                 computed = self.kv_manager.get_computed_blocks(req)
                 cached = min(computed.num_computed_tokens, n)

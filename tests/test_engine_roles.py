@@ -1,5 +1,6 @@
 """The prefill and decode roles, joined by copying KV blocks between two engines."""
 import random
+import threading
 import time
 
 import pytest
@@ -459,4 +460,36 @@ def test_a_stale_admit_of_an_aborted_request_leaves_a_new_one_under_its_id_alone
     finished = [o for o in outs if o.finished]
     assert [o.token_ids[0] for o in finished] == [9, 11]  # the old one aborted, the new one ran
     assert finished[0].finish_reason == "abort" and len(finished[1].token_ids) == 4
+    assert _free(engine)
+
+
+def test_an_abort_queued_for_an_ended_request_spares_a_new_allocation_under_its_id(model):
+    """A caller that leaves as its request ends sends an abort that waits for the next step
+    when a step is running; an allocation that takes the id first must not be what it ends."""
+    engine = LLMEngine(EngineConfig(model, role="decode"))
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7, 8], greedy)
+    while not any(o.finished for o in engine.step()):
+        pass
+    stepping, done = threading.Event(), threading.Event()
+
+    def step_in_another_thread():
+        with engine._lock:
+            stepping.set()
+            done.wait(30)
+
+    t = threading.Thread(target=step_in_another_thread)
+    t.start()
+    stepping.wait(30)
+    engine.abort("r")  # the step holds the lock: the abort waits in the inbox
+    done.set()
+    t.join()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    alloc = engine.add_prefilled_request("r", [9, 10, 11, 12, 13], 14, params)
+    assert alloc.block_ids
+    engine.commit_prefilled("r")
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o.finish_reason for o in engine.step() if o.finished]
+    assert finals == ["length"]
     assert _free(engine)
