@@ -9,6 +9,7 @@ are the same for both, and live here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -120,8 +121,9 @@ class EngineFront:
         of N also wakes this loop once per N steps for the request, not every step)."""
         stream = await self._admit(request_id, lambda: self._add_request(
             request_id, prompt_token_ids, params, resume_token_ids, stream_interval))
-        async for out in self._drain(request_id, stream):
-            yield out
+        async with contextlib.aclosing(self._drain(request_id, stream)) as outs:
+            async for out in outs:
+                yield out
 
     async def allocate_prefilled(self, request_id: str, prompt_token_ids: list[int],
                                  first_token_id: int, params: SamplingParams,
@@ -139,8 +141,11 @@ class EngineFront:
         """Decode role: admits the request; yields its outputs; leaving early aborts it."""
         stream = await self._admit(request_id, lambda: self._guarded(
             request_id, self._commit(request_id), release_on_failure=False), allocated=True)
-        async for out in self._drain(request_id, stream):
-            yield out
+        # Closed with the caller's iterator: else the stream and its abort wait for the
+        # loop's generator finalizer (the id refused, the request decoded for nobody).
+        async with contextlib.aclosing(self._drain(request_id, stream)) as outs:
+            async for out in outs:
+                yield out
 
     async def _admit(self, request_id: str, admit: Callable[[], Awaitable],
                      allocated: bool = False) -> _Stream:

@@ -355,3 +355,30 @@ def test_an_id_whose_stream_is_still_open_takes_no_blocks(preset_path):
             ae.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_stream_closed_early_lets_go_of_its_request_as_it_closes(preset_path):
+    """Closing the caller's iterator closes the engine's own with it: the stream and the abort
+    waited for the loop's generator finalizer, the id meanwhile refused to a new request."""
+    from engine import SamplingParams
+
+    engine = _decode_engine(preset_path)
+
+    async def run():
+        ae = AsyncEngine(engine)
+        try:
+            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            gen = ae.generate("x", [5, 6, 7], params)
+            await anext(gen)
+            await gen.aclose()
+            assert ae.num_streams == 0
+
+            async def fresh():
+                return [o async for o in ae.generate("x", [8, 9], SamplingParams(max_tokens=2))]
+
+            outs = await _retry_until_taken(fresh)  # once the abort's last output is in
+            assert outs[-1].finish_reason == "length"
+        finally:
+            ae.shutdown()
+
+    asyncio.run(run())
