@@ -384,6 +384,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         run.calls(prefill)
         with contextlib.ExitStack() as prefilling_call:
             prefilling_call.callback(counted)
+            # Out of time before the call: nothing was sent, so nothing to release.
+            timeout = min(self._timeout(context, run), self.config.prefill_timeout_s)
             try:
                 presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
                     worker_pb2.PrefillRequest(request_id=rid,
@@ -391,7 +393,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                               resume_token_ids=resume, sampling=request.sampling,
                                               router_id=self.router_id,
                                               router_incarnation=self.incarnation),
-                    timeout=min(self._timeout(context, run), self.config.prefill_timeout_s)))
+                    timeout=timeout))
                 lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
             except BaseException as e:
                 if not _refused_by_worker(e):

@@ -129,8 +129,10 @@ class _PrefillStub:
     def __init__(self, outcome: BaseException | None = None) -> None:
         self.outcome = outcome
         self.released: list[str] = []
+        self.called = False
 
     async def Prefill(self, request, timeout):
+        self.called = True
         if self.outcome is not None:
             raise self.outcome
         await asyncio.Event().wait()
@@ -141,11 +143,15 @@ class _PrefillStub:
 
 
 class _Context:
+    def __init__(self, remaining_s: float = 30.0) -> None:
+        self.remaining_s = remaining_s
+
     def time_remaining(self) -> float:
-        return 30.0
+        return self.remaining_s
 
 
-def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str]:
+def _prefill_released(stub: _PrefillStub, cut_after_s: float | None,
+                      context: _Context | None = None) -> list[str]:
     """The ids ReleaseKV was called with: "attempt" for the attempt's own."""
     servicer = _servicer()
     prefill = WorkerHandle(common_pb2.WorkerInfo(worker_id="prefill-x", role="prefill"),
@@ -156,7 +162,8 @@ def _prefill_released(stub: _PrefillStub, cut_after_s: float | None) -> list[str
 
     async def body():
         # ``counted``: the end of the prefill worker's in-flight count, which the pick took.
-        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(), _Context(),
+        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(),
+                                          context or _Context(),
                                           lambda: counts_ended.append(1))
         first = asyncio.ensure_future(anext(chunks))
         if cut_after_s is not None:
@@ -186,3 +193,11 @@ def test_a_request_cut_while_its_prefill_answers_releases_the_lease():
 def test_a_failed_prefill_is_released_unless_the_worker_refused_it(code, released):
     error = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
     assert _prefill_released(_PrefillStub(error), cut_after_s=None) == released
+
+
+def test_a_prefill_never_sent_for_lack_of_time_is_not_released():
+    """A request whose deadline passed before its Prefill call ends DEADLINE_EXCEEDED with no
+    ReleaseKV: one for an id the worker never saw only takes a place in its stray records."""
+    stub = _PrefillStub()
+    assert _prefill_released(stub, cut_after_s=None, context=_Context(-0.01)) == []
+    assert not stub.called
