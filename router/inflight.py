@@ -72,6 +72,12 @@ class InflightRequest:
                 info.prefill_worker_id = worker.info.worker_id
             else:
                 info.decode_worker_id = worker.info.worker_id
+        if info.decode_worker_id and not info.prefill_worker_id \
+                and run.usage.prefill_worker_id == info.decode_worker_id:
+            # A local prefill: the decode worker runs the prompt too, until its first token.
+            info.prefill_worker_id = info.decode_worker_id
+            if not run.started:
+                info.phase = "prefill"
         return info
 
 

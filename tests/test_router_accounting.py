@@ -472,3 +472,22 @@ def test_the_drain_counts_a_request_still_tokenizing():
 
     counted, after = asyncio.run(run())
     assert counted == (0, 1) and after == 0
+
+
+def test_a_request_its_decode_worker_prefills_is_listed_in_prefill_there_until_its_first_token():
+    from router.directory import WorkerHandle
+    from router.inflight import InflightRequest
+
+    decode = WorkerHandle(common_pb2.WorkerInfo(worker_id="decode-1", role="decode"),
+                          None, None, None)
+    run = RequestRun("r1", PROMPT, time.monotonic())
+    listed = InflightRequest("r1", [run], task=None, received=time.monotonic())
+    assert listed.info(time.monotonic()).phase == "routing"
+    run.calls(decode)
+    run.usage.prefill_worker_id = run.usage.decode_worker_id = "decode-1"  # _local_prefill's
+    info = listed.info(time.monotonic())
+    assert (info.phase, info.prefill_worker_id, info.decode_worker_id) == \
+        ("prefill", "decode-1", "decode-1")
+    run.emitted.append(7)  # its first token
+    info = listed.info(time.monotonic())
+    assert (info.phase, info.prefill_worker_id) == ("decode", "decode-1")
