@@ -144,6 +144,7 @@ class AsyncClient:
                 async with contextlib.aclosing(msgs):
                     async for msg in msgs:
                         yield take_chunk(msg, received, tries)
+                tries.ended()
                 return
             except grpc.RpcError as e:
                 if tries.complete:  # all of it arrived: a continuation would generate more

@@ -2,12 +2,13 @@
 
 A client built with several router addresses sends each new request to the next one in turn.
 A call that fails with UNAVAILABLE (the router is down or restarting, or it has no worker to
-offer right now), or that a stopping router ended before taking it (client/errors.py's
-``never_handled``), is tried again, on the next router, after a short back-off once every
-router was tried: from scratch when nothing had arrived, else as a continuation of the prompt
-and the tokens already received (``GenerateRequest.resume_token_ids``), so the stream the
-caller reads goes on without a gap or a repeat. The caller's deadline bounds every attempt
-together. Other statuses are the caller's to see at once.
+offer right now), that a stopping router ended before taking it (client/errors.py's
+``never_handled``), or a stream closed before its final chunk (cut short), is tried again, on
+the next router, after a short back-off once every router was tried: from scratch when nothing
+had arrived, else as a continuation of the prompt and the tokens already received
+(``GenerateRequest.resume_token_ids``), so the stream the caller reads goes on without a gap or
+a repeat. The caller's deadline bounds every attempt together. Other statuses are the caller's
+to see at once.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import grpc
 
 from client.errors import never_handled
 from client.keepalive import check_keepalive, keepalive_options
-from client.liveness import check_health_checks
+from client.liveness import check_health_checks, rpc_error
 from client.types import GenerationChunk, chunk_from_proto
 from protos import router_pb2
 
@@ -32,6 +33,8 @@ MIGRATIONS_SPENT_KEY = "pdserve-migrations-spent"
 # (GenerateRequest.expect_model): a continuation goes on on another router, if one serves the
 # stream's model, and never again on this one.
 MODEL_MISMATCH_KEY = "pdserve-model-mismatch"
+# What a stream closed OK before its final chunk fails with (Attempts.ended).
+UNFINISHED = "the stream ended without a finish reason (cut short)"
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,13 @@ class Attempts:
     def complete(self) -> bool:
         """Every sequence's final chunk has arrived."""
         return len(self.finished) >= max(self.num_sequences, 1)
+
+    def ended(self) -> None:
+        """A stream's call closed OK. A router closes one only after every sequence's final
+        chunk, so one closed before them was cut short (a fault behind it), not finished: it
+        raises UNAVAILABLE, and fails over as a lost router's stream does."""
+        if not self.complete:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, UNFINISHED)
 
     @property
     def router(self) -> int:

@@ -90,6 +90,7 @@ class Client:
                         for msg in call:
                             yield take_chunk(msg, received, tries)
                             self._check_fork()  # an iterator read on in a forked child
+                        tries.ended()
                         return
                     except grpc.RpcError:
                         if cut.reason is not None:  # cancelled by the health checks

@@ -201,19 +201,25 @@ class _EndsThenFails(router_pb2_grpc.RouterServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE, "router lost before its trailers")
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_a_stream_whose_final_chunks_arrived_is_not_resumed_elsewhere(n):
+def _serve(routers: list) -> tuple[list, list[str]]:
+    """Each fake router on a server of its own: (the servers, their addresses)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from client import Client
-
-    routers, servers, addresses = [], [], []
-    for _ in range(2):
-        routers.append(_EndsThenFails(n))
+    servers, addresses = [], []
+    for router in routers:
         servers.append(grpc.server(ThreadPoolExecutor(4)))
-        router_pb2_grpc.add_RouterServicer_to_server(routers[-1], servers[-1])
+        router_pb2_grpc.add_RouterServicer_to_server(router, servers[-1])
         addresses.append(f"127.0.0.1:{servers[-1].add_insecure_port('127.0.0.1:0')}")
         servers[-1].start()
+    return servers, addresses
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_whose_final_chunks_arrived_is_not_resumed_elsewhere(n):
+    from client import Client
+
+    routers = [_EndsThenFails(n) for _ in range(2)]
+    servers, addresses = _serve(routers)
     policy = FailoverPolicy(health_check_interval_s=0, backoff_s=0.0)
     want = sorted([10 + i for i in range(n)] + [20 + i for i in range(n)])
     try:
@@ -229,6 +235,54 @@ def test_a_stream_whose_final_chunks_arrived_is_not_resumed_elsewhere(n):
         assert sorted(asyncio.run(stream())) == want
         # Each client's stream ran once: no continuation, no second answer.
         assert sum(r.calls for r in routers) == 2
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+class _CutShort(router_pb2_grpc.RouterServicer):
+    """A router whose streams close OK after their first token, with no final chunk (a fault
+    behind it); with ``short=False``, one that goes on from the resumed tokens to the end."""
+
+    def __init__(self, short: bool) -> None:
+        self.short, self.resumed = short, []
+
+    def Generate(self, request, context):
+        self.resumed.append(list(request.resume_token_ids))
+        if self.short:
+            yield router_pb2.GenerateChunk(request_id="r", token_ids=[7])
+            return
+        yield router_pb2.GenerateChunk(request_id="r", token_ids=[8, 9], finish_reason="length",
+                                       usage=router_pb2.Usage(completion_tokens=3))
+
+
+def test_a_stream_closed_without_its_finish_reason_fails_over_or_raises():
+    """A stream closed OK before its final chunk was cut short, not finished: it goes on on the
+    next router from the tokens it has, and with no other try left it raises, for both clients
+    (it ended quietly, as if done, with part of the output)."""
+    from client import Client, UnavailableError
+
+    routers = [_CutShort(True), _CutShort(False)]
+    servers, addresses = _serve(routers)
+    policy = FailoverPolicy(health_check_interval_s=0, backoff_s=0.0)
+    alone = FailoverPolicy(health_check_interval_s=0, max_retries=0)
+
+    async def stream(addresses, policy):
+        async with AsyncClient(addresses, timeout=30, failover=policy) as ac:
+            return [ch async for ch in ac.generate([5, 6], max_tokens=3)]
+
+    try:
+        with Client(addresses, timeout=30, failover=policy) as c:
+            blocking = list(c.generate([5, 6], max_tokens=3))
+        for chunks in (blocking, asyncio.run(stream(addresses, policy))):
+            assert [t for ch in chunks for t in ch.token_ids] == [7, 8, 9]
+            assert chunks[-1].finish_reason == "length" and chunks[-1].usage.migrations == 1
+        assert routers[1].resumed == [[7], [7]]
+        with Client(addresses, timeout=30, failover=alone) as c:
+            with pytest.raises(UnavailableError, match="without a finish reason"):
+                list(c.generate([5, 6], max_tokens=3))
+        with pytest.raises(UnavailableError, match="without a finish reason"):
+            asyncio.run(stream(addresses, alone))
     finally:
         for server in servers:
             server.stop(None)
