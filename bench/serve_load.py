@@ -46,6 +46,8 @@ async def one_request(client: AsyncClient, prompt: list[int], max_tokens: int) -
         async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0,
                                            ignore_eos=True):
             rec.add_chunk(time.perf_counter(), len(chunk.token_ids))
+            if chunk.finish_reason:
+                rec.finish_reason = chunk.finish_reason
             if chunk.usage is not None:
                 t = chunk.usage.timings
                 rec.breakdown = {f: getattr(t, f) for f in BREAKDOWN_FIELDS}
@@ -141,6 +143,7 @@ def inprocess_closed_loop(engine, reqs: LoadRequests, concurrency: int,
             rec.cached_tokens = out.num_cached_tokens
             if out.finished:
                 rec.end = now
+                rec.finish_reason = out.finish_reason
                 active.discard(out.request_id)
         admit()
     return LoadRun([records[r] for r in order], time.perf_counter() - t0)

@@ -26,6 +26,8 @@ class RequestRecord:
     # The router's phase timings (seconds) from the final chunk's usage; empty in-process.
     breakdown: dict[str, float] = field(default_factory=dict)
     cached_tokens: int = 0
+    # The final chunk's: a stream without one was cut short, not completed.
+    finish_reason: str | None = None
     error: str | None = None
 
     def add_chunk(self, t: float, num_tokens: int) -> None:
@@ -34,7 +36,8 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.end is not None and bool(self.chunks)
+        return (self.error is None and self.end is not None and self.finish_reason is not None
+                and bool(self.chunks))
 
     @property
     def output_tokens(self) -> int:

@@ -3,20 +3,23 @@ one tiny run end to end through a real cluster (keys and counts only; no timing 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
 
+import grpc
 import pytest
 import torch
 
 from bench import serve
 from bench.serve_metrics import BREAKDOWN_FIELDS, RequestRecord, Stats, percentile, summarize
 from engine.cli import main as cli_main
+from protos import router_pb2, router_pb2_grpc
 
 
-def _record(start, chunks, end, error=None) -> RequestRecord:
-    rec = RequestRecord(start=start, prompt_len=10, error=error)
+def _record(start, chunks, end, error=None, finish_reason="length") -> RequestRecord:
+    rec = RequestRecord(start=start, prompt_len=10, error=error, finish_reason=finish_reason)
     for t, n in chunks:
         rec.add_chunk(t, n)
     rec.end = end
@@ -64,6 +67,46 @@ def test_summarize_pools_itl_and_counts_failures():
     # ITL pooled over requests: 100, 200 (a) and 200 (b) ms.
     assert sorted([res.itl.p50, res.itl.mean]) == pytest.approx([166.666666, 200.0])
     assert res.breakdown_ms == pytest.approx({f: 10.0 for f in BREAKDOWN_FIELDS})
+
+
+class _CutShort(router_pb2_grpc.RouterServicer):
+    """Streams a token, then the final chunk, except for prompts that begin with 0: those end
+    OK after the token, without a finish reason (cut short)."""
+
+    def Generate(self, request, context):
+        yield router_pb2.GenerateChunk(request_id="r", token_ids=[7])
+        if request.token_ids.ids[0] != 0:
+            yield router_pb2.GenerateChunk(request_id="r", token_ids=[8], finish_reason="length",
+                                           usage=router_pb2.Usage(completion_tokens=2))
+
+
+def test_a_stream_cut_short_counts_as_failed_not_completed():
+    """A request is done only with its final chunk's finish reason: one whose stream ended OK
+    before it counted as completed, its partial output as throughput."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.serve_load import one_request
+    from client import AsyncClient, FailoverPolicy
+
+    assert not _record(0.0, [(0.1, 1)], 0.2, finish_reason=None).ok
+    server = grpc.server(ThreadPoolExecutor(2))
+    router_pb2_grpc.add_RouterServicer_to_server(_CutShort(), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    policy = FailoverPolicy(max_retries=0, health_check_interval_s=0)
+
+    async def requests():
+        async with AsyncClient(address, timeout=30, failover=policy) as c:
+            return [await one_request(c, prompt, 2) for prompt in ([1, 2], [0, 2])]
+
+    try:
+        done, cut = asyncio.run(requests())
+    finally:
+        server.stop(None)
+    assert (done.finish_reason, cut.finish_reason) == ("length", None)
+    res = summarize("disagg", "concurrency", 1, [done, cut], 1.0)
+    assert (res.completed, res.failed, res.output_tokens) == (1, 1, 2)
+    assert res.errors == ["UNAVAILABLE: the stream ended without a finish reason (cut short)"]
 
 
 def test_a_poisson_point_reports_the_rate_its_requests_were_sent_at():
