@@ -16,7 +16,8 @@ prefill failure) beside the same slots' figure in the baseline, with the ratio. 
 streams are the moved ones, or after a stop those the stopping worker served. Late streams
 (``--late-streams``) start right after the fault, and at the same moment of the baseline: what a
 request arriving then costs (its TTFT against the baseline's), and whether any reached the
-failed worker.
+failed worker. A figure with nothing to measure (no stream affected, no late stream that got a
+token) is ``n/a`` in the table, ``null`` in the JSON.
 """
 from __future__ import annotations
 
@@ -69,13 +70,14 @@ class FailoverReport:
     migrated: int
     rerouted: int  # attempts the router moved for free: a worker refused them (draining)
     identical: int  # failover-run streams whose tokens equal the in-process engine's
-    # Over the affected streams: the failover run's figure, the same streams' in the baseline.
+    # Over the affected streams: the failover run's figure, the same streams' in the baseline
+    # (None: no stream to measure; one that failed before its first token has no figure).
     affected: int
     stall_metric: str
-    stall_ms_mean: float
-    baseline_ms_mean: float
-    stall_ms_max: float
-    baseline_ms_max: float
+    stall_ms_mean: float | None
+    baseline_ms_mean: float | None
+    stall_ms_max: float | None
+    baseline_ms_max: float | None
     duration_s: float
     baseline_duration_s: float
     # How the stopped worker's process ended (0: it drained and exited); None for kill and hang.
@@ -86,17 +88,25 @@ class FailoverReport:
     late_failed: int = 0
     late_identical: int = 0
     late_on_victim: int = 0  # whose usage names the failed worker (their last attempt's)
-    late_ttft_ms_mean: float = 0.0
-    baseline_late_ttft_ms_mean: float = 0.0
+    late_ttft_ms_mean: float | None = None  # None: no late stream got a token
+    baseline_late_ttft_ms_mean: float | None = None
 
     @property
-    def stall_ratio(self) -> float:
-        return self.stall_ms_mean / self.baseline_ms_mean if self.baseline_ms_mean else 0.0
+    def stall_ratio(self) -> float | None:
+        return _ratio(self.stall_ms_mean, self.baseline_ms_mean)
 
     @property
-    def late_ttft_ratio(self) -> float:
-        return (self.late_ttft_ms_mean / self.baseline_late_ttft_ms_mean
-                if self.baseline_late_ttft_ms_mean else 0.0)
+    def late_ttft_ratio(self) -> float | None:
+        return _ratio(self.late_ttft_ms_mean, self.baseline_late_ttft_ms_mean)
+
+
+def _ratio(x: float | None, base: float | None) -> float | None:
+    """``x / base``; None where either has nothing measured (or the base is 0)."""
+    return None if x is None or not base else x / base
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -148,8 +158,7 @@ def main(args: argparse.Namespace) -> int:
         hit.rerouted = _router_stats(cluster).requests_rerouted - rerouted
     report = _report(args, base, hit, want)
     if args.json:
-        print(json.dumps({**asdict(report), "stall_ratio": report.stall_ratio,
-                          "late_ttft_ratio": report.late_ttft_ratio}, indent=2))
+        print(_json(report))
     else:
         print(_format(report))
     return 0
@@ -259,36 +268,38 @@ def _report(args, undisturbed: Run, run: Run, want: list[list[int]]) -> Failover
         affected = moved
     metric = "ttft" if args.kill == "prefill" else "max_gap"
 
-    def fig(s: Stream) -> float:
-        if not s.times:  # failed before its first token
-            return 0.0
-        return s.ttft_ms if metric == "ttft" else s.max_gap_ms
+    def figs(streams: list[Stream]) -> list[float]:
+        # A stream that failed before its first token has nothing to measure.
+        return [s.ttft_ms if metric == "ttft" else s.max_gap_ms for s in streams if s.times]
 
-    stall = [fig(hit[i]) for i in affected] or [0.0]
-    calm = [fig(base[i]) for i in affected] or [0.0]
+    stall, calm = figs([hit[i] for i in affected]), figs([base[i] for i in affected])
     errors = [s.error for s in hit if s.error]
     return FailoverReport(
         kill=args.kill, fault=args.fault, health_check_interval_s=args.health_check_interval_s,
         streams=len(hit), max_tokens=args.max_tokens, failed=len(errors), migrated=len(moved),
         rerouted=run.rerouted, identical=sum(h.token_ids == w for h, w in zip(hit, want)),
-        affected=len(affected), stall_metric=metric, stall_ms_mean=statistics.mean(stall),
-        baseline_ms_mean=statistics.mean(calm), stall_ms_max=max(stall),
-        baseline_ms_max=max(calm), duration_s=run.duration_s,
+        affected=len(affected), stall_metric=metric, stall_ms_mean=_mean(stall),
+        baseline_ms_mean=_mean(calm), stall_ms_max=max(stall, default=None),
+        baseline_ms_max=max(calm, default=None), duration_s=run.duration_s,
         baseline_duration_s=undisturbed.duration_s,
         victim_exit=run.victim_exit, errors=errors[:3], **_late(undisturbed, run, want_late))
 
 
 def _late(undisturbed: Run, run: Run, want: list[list[int]]) -> dict:
     """The late streams' fields of the report."""
-    def ttft(streams: list[Stream]) -> float:
-        done = [s.ttft_ms for s in streams if s.times]
-        return statistics.mean(done) if done else 0.0
+    def ttft(streams: list[Stream]) -> float | None:
+        return _mean([s.ttft_ms for s in streams if s.times])
 
     late = run.late
     return dict(late=len(late), late_failed=sum(bool(s.error) for s in late),
                 late_identical=sum(s.token_ids == w for s, w in zip(late, want)),
                 late_on_victim=sum(run.victim in s.workers for s in late),
                 late_ttft_ms_mean=ttft(late), baseline_late_ttft_ms_mean=ttft(undisturbed.late))
+
+
+def _json(r: FailoverReport) -> str:
+    return json.dumps({**asdict(r), "stall_ratio": r.stall_ratio,
+                       "late_ttft_ratio": r.late_ttft_ratio}, indent=2)
 
 
 def _format(r: FailoverReport) -> str:
@@ -314,15 +325,20 @@ def _format(r: FailoverReport) -> str:
         "",
         f"| {whose} streams' {what} | failover run | undisturbed run | ratio |",
         "|---|---|---|---|",
-        f"| mean ms | {r.stall_ms_mean:.1f} | {r.baseline_ms_mean:.1f} | {r.stall_ratio:.2f} |",
-        f"| max ms | {r.stall_ms_max:.1f} | {r.baseline_ms_max:.1f} | "
-        f"{(r.stall_ms_max / r.baseline_ms_max if r.baseline_ms_max else 0):.2f} |",
+        f"| mean ms | {_num(r.stall_ms_mean)} | {_num(r.baseline_ms_mean)} | "
+        f"{_num(r.stall_ratio, 2)} |",
+        f"| max ms | {_num(r.stall_ms_max)} | {_num(r.baseline_ms_max)} | "
+        f"{_num(_ratio(r.stall_ms_max, r.baseline_ms_max), 2)} |",
         f"| all streams done, s | {r.duration_s:.2f} | {r.baseline_duration_s:.2f} | "
         f"{r.duration_s / r.baseline_duration_s:.2f} |",
-        *([f"| late streams' TTFT, mean ms | {r.late_ttft_ms_mean:.1f} | "
-           f"{r.baseline_late_ttft_ms_mean:.1f} | {r.late_ttft_ratio:.2f} |",
+        *([f"| late streams' TTFT, mean ms | {_num(r.late_ttft_ms_mean)} | "
+           f"{_num(r.baseline_late_ttft_ms_mean)} | {_num(r.late_ttft_ratio, 2)} |",
            "",
            f"late streams (started right after the fault): {r.late}; failed: {r.late_failed}; "
            f"served by the failed worker: {r.late_on_victim}; tokens identical: "
            f"{r.late_identical} of {r.late}"] if r.late else []),
     ])
+
+
+def _num(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"

@@ -76,6 +76,35 @@ def test_late_streams_are_reported_beside_the_baselines():
                             [[1]]).late == 0
 
 
+def test_figures_with_nothing_to_measure_are_not_reported_as_zero():
+    """No stream moved, every late stream failed, a baseline stream failed before its first
+    token: those figures and their ratios are n/a in the table and null in the JSON (they read
+    0.0, as if the fault had cost nothing)."""
+    def stream() -> Stream:
+        return Stream(0.0, times=[0.01 * i for i in range(1, 9)], token_ids=list(range(8)))
+
+    calm = Run([stream(), stream()], 1.0, late=[Stream(0.5, times=[0.55])])
+    late = [Stream(0.5, error="UnavailableError: gone")]
+    hit = Run([stream(), stream()], 1.1, "d1", late=late)
+    r = failover._report(_args(), calm, hit, [list(range(8))] * 3)
+    assert (r.affected, r.stall_ms_mean, r.baseline_ms_mean, r.stall_ms_max,
+            r.baseline_ms_max, r.stall_ratio) == (0, None, None, None, None, None)
+    assert (r.late_ttft_ms_mean, r.late_ttft_ratio) == (None, None)
+    assert r.baseline_late_ttft_ms_mean == pytest.approx(50.0)
+    table = failover._format(r)
+    assert "| mean ms | n/a | n/a | n/a |" in table and "| max ms | n/a | n/a | n/a |" in table
+    assert "| late streams' TTFT, mean ms | n/a | 50.0 | n/a |" in table
+    out = json.loads(failover._json(r))
+    assert [out[k] for k in ("stall_ms_mean", "baseline_ms_mean", "stall_ratio",
+                             "late_ttft_ms_mean", "late_ttft_ratio")] == [None] * 5
+    # A moved stream whose baseline slot failed before its first token: no baseline figure.
+    hit.streams[0].migrations = 1
+    calm.streams[0] = Stream(0.0, error="UnavailableError: gone")
+    r = failover._report(_args(), calm, hit, [list(range(8))] * 3)
+    assert r.affected == 1 and r.stall_ms_mean == pytest.approx(10.0)
+    assert (r.baseline_ms_mean, r.baseline_ms_max, r.stall_ratio) == (None, None, None)
+
+
 # The tool end to end runs in the slow tier (27 s on the 2-core VM); the faults themselves are
 # tested in tests/test_serving_migration.py, the tool's metrics and flags above.
 @pytest.mark.parametrize("role, metric, fault", [
