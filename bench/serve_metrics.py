@@ -142,7 +142,8 @@ def summarize(system: str, mode: str, load: float, records: list[RequestRecord],
         ttft=Stats.of_seconds([r.ttft for r in done]), tpot=Stats.of_seconds(tpots),
         itl=Stats.of_seconds([x for r in done for x in r.itls]),
         e2e=Stats.of_seconds([r.e2e for r in done]), breakdown_ms=breakdown,
-        mean_cached_tokens=sum(r.cached_tokens for r in done) / len(done) if done else 0.0,
+        mean_cached_tokens=(sum(r.cached_tokens for r in done) / len(done) if done
+                            else math.nan),
         errors=sorted({r.error for r in records if r.error})[:5],
         sent_rate=sent_rate(records) if mode == "poisson" else math.nan)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -152,8 +153,14 @@ def _run(cluster, router, name: str, rnd: int, reqs: LoadRequests, warm: LoadReq
     tokens = sum(n for rec in run.records if rec.ok for _, n in rec.chunks)
     return StreamRun(name, rnd, tokens / run.duration_s,
                      sum(not rec.ok for rec in run.records),
-                     {role: 1e3 * (after[role] - before[role]) / max(tokens, 1)
+                     {role: per_token_ms(after[role] - before[role], tokens)
                       for role in sorted(pids)})
+
+
+def per_token_ms(cpu_s: float, tokens: int) -> float:
+    """CPU ms per output token; NaN without tokens (every request failed), not the run's whole
+    CPU as if one token had cost it."""
+    return 1e3 * cpu_s / tokens if tokens else math.nan
 
 
 def _report(args, runs: list[StreamRun]) -> StreamsReport:

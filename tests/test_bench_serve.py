@@ -67,6 +67,9 @@ def test_summarize_pools_itl_and_counts_failures():
     # ITL pooled over requests: 100, 200 (a) and 200 (b) ms.
     assert sorted([res.itl.p50, res.itl.mean]) == pytest.approx([166.666666, 200.0])
     assert res.breakdown_ms == pytest.approx({f: 10.0 for f in BREAKDOWN_FIELDS})
+    # A point where nothing completed has no mean (it read 0.0 cached tokens; JSON: null).
+    nothing = summarize("disagg", "concurrency", 1, [failed], duration_s=1.0)
+    assert math.isnan(nothing.mean_cached_tokens) and math.isnan(nothing.ttft.mean)
 
 
 class _CutShort(router_pb2_grpc.RouterServicer):

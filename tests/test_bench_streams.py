@@ -44,6 +44,9 @@ def test_a_baseline_whose_requests_all_failed_gives_undefined_ratios_not_a_crash
     assert math.isnan(report.tok_s_ratio["multiplexed"])
     assert math.isnan(report.cpu_ratio["multiplexed"]["router"])
     assert "nan" in streams._format(report)
+    # A run without a token has no CPU per token (it read as the run's whole CPU).
+    assert math.isnan(streams.per_token_ms(2.0, 0))
+    assert streams.per_token_ms(2.0, 4) == pytest.approx(500.0)
 
 
 def test_a_workers_cpu_counts_its_engine_process_and_ranks():
