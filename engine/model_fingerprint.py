@@ -9,15 +9,18 @@ the opposite case, and is safe to serve.
 
 The fingerprint is ``"{files}:{weights}"``:
 
-- ``files``: the model's config and tokenizer files, whole (what the router reads);
-- ``weights``: each safetensors file's name, size and header (every tensor's name, dtype,
-  shape and place), and a sample of every tensor's bytes (64 at its start, its middle and
+- ``files``: the model's config, generation config and tokenizer files (what the router
+  reads, and what sets the stop tokens), the JSON ones by content (keys that only say which
+  tool wrote them left out);
+- ``weights``: each safetensors file's name, data size and header (every tensor's name, dtype,
+  shape and place; not the free-form metadata a converter writes), and a sample of every tensor's bytes (64 at its start, its middle and
   its end; a tensor of at most 16 KiB, a norm's or a bias's, whole). A fine-tune, or a merged
   adapter, changes every element of the tensors it touches, so a sample of each tensor tells
   checkpoints of one shape apart without reading gigabytes; "" when the folder has no weights
   (a router given only the tokenizer).
 
-Chat templates are left out: only the router renders them, so a worker's copy does not matter.
+Chat templates are left out, in their own file or in tokenizer_config.json: only the router
+renders them, so a worker's copy does not matter (a router names its own in ModelIdentity).
 """
 from __future__ import annotations
 
@@ -29,9 +32,12 @@ from pathlib import Path
 from engine.weight_files import INDEX_FILE, weight_files
 
 # The files a model's tokens and shapes depend on; those absent are skipped.
-FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt",
-         "vocab.txt")
+FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model",
+         "vocab.json", "merges.txt", "vocab.txt")
+# Keys of a JSON file left out of its digest: which tool and version wrote it, where it was
+# loaded from, the chat template. Two copies of one model re-saved by other tools are one model.
+_IGNORED_KEYS = {"transformers_version", "_name_or_path", "chat_template"}
 SAMPLE_BYTES = 64
 # Tensors this small are read whole: a norm's or a bias's (8 KiB for a 4096-wide bfloat16
 # one), which a fine-tune may change in few elements; a few MB for a whole large model.
@@ -58,8 +64,27 @@ def files_digest(folder: Path) -> str:
         path = folder / name
         if path.is_file():
             h.update(f"{name}\n".encode())
-            h.update(hashlib.sha256(path.read_bytes()).digest())
+            h.update(hashlib.sha256(_content(path)).digest())
     return h.hexdigest()[:_DIGEST_CHARS]
+
+
+def _content(path: Path) -> bytes:
+    """A JSON object file's keys that matter, in one order; any other file's bytes."""
+    raw = path.read_bytes()
+    if path.suffix != ".json":
+        return raw
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return raw  # whoever reads it refuses it; the bytes still tell copies apart
+    if not isinstance(obj, dict):
+        return raw
+    return _canonical({k: v for k, v in obj.items() if k not in _IGNORED_KEYS})
+
+
+def _canonical(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 def weights_digest(folder: Path) -> str:
@@ -72,7 +97,7 @@ def weights_digest(folder: Path) -> str:
         return ""
     h = hashlib.sha256()
     for path in files:
-        h.update(f"{path.name}\n{path.stat().st_size}\n".encode())
+        h.update(f"{path.name}\n".encode())
         _sample_safetensors(path, h)
     return h.hexdigest()[:_DIGEST_CHARS]
 
@@ -86,12 +111,15 @@ def _sample_safetensors(path: Path, h) -> None:
         if length is None or length > min(_MAX_HEADER, size - 8):
             raise ValueError(f"{path} is not a safetensors file (no header)")
         header = f.read(length)
-        h.update(header)
         try:
             tensors = json.loads(header)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path} has an unreadable safetensors header: {e}") from None
+        if isinstance(tensors, dict):
+            # The tensors' entries, not the metadata: {"format": "pt"} or not, one model.
+            h.update(_canonical({k: v for k, v in tensors.items() if k != "__metadata__"}))
         base = 8 + length
+        h.update(f"\n{size - base}\n".encode())  # the data's size, not the header's
         for offsets in sorted(_spans(tensors, path)):
             for at, n in _samples(*offsets):
                 f.seek(base + at)

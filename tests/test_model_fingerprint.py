@@ -76,6 +76,37 @@ def test_tokenizer_and_config_change_the_files_part_and_chat_templates_do_not(mi
     assert model_fingerprint(copy).split(":")[0] != fp_files
 
 
+def test_a_chat_template_in_the_tokenizer_config_and_what_tools_write_change_nothing(
+        micro, tmp_path):
+    """Routers render chat templates (their own, named apart), so a worker whose template was
+    fixed first is the same model; so is a copy re-saved by another tool or version."""
+    fp = model_fingerprint(micro)
+    copy = _variant(micro, tmp_path)
+    tok = json.loads((copy / "tokenizer_config.json").read_text())
+    tok["chat_template"] = "{{ messages[-1]['content'] }}"
+    (copy / "tokenizer_config.json").write_text(json.dumps(tok, indent=4))
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "9.9.9"
+    (copy / "config.json").write_text(json.dumps(dict(reversed(list(config.items())))))
+    tensors = load_file(copy / "model.safetensors")
+    save_file(tensors, copy / "model.safetensors", metadata={"converted_by": "another tool"})
+    assert model_fingerprint(copy) == fp
+    tok["eos_token"] = "<unk>"  # a setting that is the model's: another model
+    (copy / "tokenizer_config.json").write_text(json.dumps(tok))
+    assert model_fingerprint(copy) != fp
+
+
+def test_the_generation_config_is_part_of_the_model(micro, tmp_path):
+    """Its eos ids stop every worker's outputs: two copies that stop on other tokens differ."""
+    fp = model_fingerprint(micro)
+    copy = _variant(micro, tmp_path)
+    path = copy / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.exists() else {}
+    gen["eos_token_id"] = [2, 5]
+    path.write_text(json.dumps(gen))
+    assert model_fingerprint(copy).split(":")[0] != fp.split(":")[0]
+
+
 def test_a_folder_without_weights_has_an_empty_weights_part(micro, tmp_path):
     copy = _variant(micro, tmp_path)
     (copy / "model.safetensors").unlink()
