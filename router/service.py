@@ -533,6 +533,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # which would generate past its end.
                     return
                 yield chunk
+        # Ended OK before its final chunk: the worker failed somehow, and the request is not
+        # done. Moved on like a lost worker's, not closed OK to the client with part of it.
+        raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {decode.worker_id} ended the request's stream without "
+                        "a finish reason")
 
     def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
         async def release() -> None:

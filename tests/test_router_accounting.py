@@ -441,6 +441,33 @@ def test_a_failure_after_the_final_chunk_moves_nothing():
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_a_decode_stream_that_ends_ok_before_its_final_chunk_is_a_worker_failure():
+    """The router closed the client's stream OK, the request counted finished, with part of
+    its output: now the leg fails UNAVAILABLE, and the request moves as from a lost worker."""
+    from router.migration import is_migratable
+
+    s = service.RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
+                                            log_requests=False, decode_stream="per-request"),
+                               _Directory(), load_served_model("tiny-llama", "auto", None),
+                               RouterStats(8))
+    call = _DecodeCall([worker_pb2.DecodeChunk(token_ids=[7])], None)
+    decode = _Worker("decode-1", "decode")
+    decode.decode_stub = type("Stub", (), {"Decode": lambda _self, req, timeout: call})()
+    run = RequestRun("r", PROMPT, time.monotonic())
+    got = []
+
+    async def read():
+        legs = s._decode_chunks(worker_pb2.DecodeRequest(request_id="r"), decode, _Context(),
+                                run)
+        async for c in legs:
+            got.append(list(c.token_ids))
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(read())
+    assert got == [[7]] and is_migratable(err.value)
+    assert "without a finish reason" in err.value.details()
+
+
 def test_the_drain_counts_a_request_still_tokenizing():
     """A large prompt tokenizes in a thread before the request is admitted: a SIGTERM then
     found the router with nothing in flight, and its stop cut the request."""
