@@ -16,7 +16,8 @@ def _run(code: str) -> str:
     return proc.stdout
 
 
-def test_client_side_modules_and_commands_leave_torch_unloaded():
+def test_client_side_modules_and_commands_leave_torch_unloaded(preset_path):
+    model = preset_path("tiny-llama")  # built here: building a preset takes torch
     out = _run("""
 import sys
 import client, engine, kernels, protos.convert, router.admin, router.launcher
@@ -33,9 +34,9 @@ assert main(["info", "--router", "127.0.0.1:1", "--timeout", "0.5"]) == 1  # nob
 # What `pdserve up` does before it starts anything: checks every service's flags.
 from engine.cli import build_parser
 from engine.cli_up import up_spec
-up_spec(build_parser(benchmarks=False).parse_args(["up", "--port", "0"]))
+up_spec(build_parser(benchmarks=False).parse_args(["up", "--port", "0", "--model", MODEL]))
 print("TORCH", "torch" in sys.modules)
-""")
+""".replace("MODEL", repr(str(model))))
     assert out.strip().splitlines()[-1] == "TORCH False"
 
 
