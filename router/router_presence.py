@@ -50,6 +50,8 @@ _RECLAIM_SETTLE_S = 10.0
 # Every router walks the ledger's index for members whose entry expired, a step (a thousand
 # members) this many beats apart: cheap, and stale members go within minutes.
 _SWEEP_EVERY_BEATS = 10
+# Linux's largest pid (PID_MAX_LIMIT): an incarnation naming a larger one names no process.
+_MAX_PID = 2 ** 22
 
 
 def check_router_id(value) -> str:
@@ -113,8 +115,10 @@ class Incarnation:
     @classmethod
     def decode(cls, s: str) -> Incarnation:
         token, pid, pidns, host = (s.split(" ", 3) + ["", "", ""])[:4]
-        return cls(token, host, int(pid) if pid.isdigit() else 0,
-                   "" if pidns == "-" else pidns)
+        # Free text from a Prefill call: '²' is a digit to isdigit() and none to int(), and a
+        # huge pid overflows os.kill. Any pid but a real one is 0, never surely gone.
+        ok = pid.isascii() and pid.isdigit() and len(pid) <= 8 and int(pid) <= _MAX_PID
+        return cls(token, host, int(pid) if ok else 0, "" if pidns == "-" else pidns)
 
     @classmethod
     def this_process(cls) -> Incarnation:
@@ -123,7 +127,7 @@ class Incarnation:
 
     def surely_gone(self) -> bool:
         """True only when this incarnation cannot be running (seen from this process)."""
-        if not self.pidns or self.pidns != pid_namespace() or self.pid <= 0:
+        if not self.pidns or self.pidns != pid_namespace() or not 0 < self.pid <= _MAX_PID:
             return False
         if self.pid == os.getpid():
             return True
@@ -240,7 +244,7 @@ class RouterPresence:
         # have heard of the cut yet and would read blocks already reused.
         left = [e for e in entries if e.router_id == self.router_id
                 and e.router_incarnation != self.incarnation and not e.decode_worker_id]
-        mine = [e for e in left if Incarnation.decode(e.router_incarnation).surely_gone()]
+        mine = [e for e in left if _surely_gone(e.router_incarnation)]
         if len(mine) < len(left) and len(left) - len(mine) != self._maybe_alive:
             logger.info("router %s: %d leases of an earlier incarnation that may still run "
                         "elsewhere are left to expire", self.router_id, len(left) - len(mine))
@@ -268,6 +272,16 @@ class RouterPresence:
                 await self.ledger.router_leave(self.router_id, self.incarnation)
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat goes stale
             logger.warning("router %s: leaving Redis failed: %r", self.router_id, e)
+
+
+def _surely_gone(incarnation: str) -> bool:
+    """Whether a ledger entry's incarnation is surely gone; False for one that cannot be
+    told: a bad entry must not stop the others being reclaimed."""
+    try:
+        return Incarnation.decode(incarnation).surely_gone()
+    except Exception as e:  # noqa: BLE001 - free text from a Prefill call, and os.kill
+        logger.debug("incarnation %r: cannot tell whether it runs: %r", incarnation[:80], e)
+        return False
 
 
 class _Reclaim:

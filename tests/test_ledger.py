@@ -222,6 +222,11 @@ def test_incarnations_are_gone_only_when_surely_so():
         assert not Incarnation("t", me.host, pid, "").surely_gone()
     assert not Incarnation.decode("garbage").surely_gone()
     assert Incarnation.decode(Incarnation("t", "h", 5).encode()) == Incarnation("t", "h", 5)
+    # Free text from a Prefill call: a pid that is a digit only to isdigit(), or past any
+    # pid (os.kill overflows), names no process.
+    for pid in ("\u00b2", str(10 ** 20), str(2 ** 22 + 1)):
+        assert Incarnation.decode(f"t {pid} {ns} h") == Incarnation("t", "h", 0, ns)
+    assert not Incarnation("t", me.host, 10 ** 20, ns).surely_gone()
 
 
 class _Stub:
@@ -250,7 +255,10 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
             _opened("pulled", "r1", dead.encode()),
             _opened("other-router", "r2", dead.encode()),
             _opened("maybe-alive", "r1", elsewhere.encode()),
-            _opened("other-container", "r1", container.encode())])
+            _opened("other-container", "r1", container.encode()),
+            # Entries no incarnation wrote: they stopped every other lease's reclaim.
+            _opened("odd-pid", "r1", "tok \u00b2 - host"),
+            _opened("huge-pid", "r1", f"tok {10 ** 20} {ns} host")])
         await reg.publish_events("d1", [TransferPulling("p1", "pulled", "d1", time.time(), 60.0)])
         presence = RouterPresence(reg.ledger, "r1")
         await presence.claim()
