@@ -161,6 +161,7 @@ class RouterPresence:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._displaced = False  # another incarnation holds our id (see _beat_once)
+        self._beat_failed = False  # a heartbeat failed since the last one that went through
         self._maybe_alive = 0  # leases left to expire, as last logged (predecessor_entries)
 
     async def claim(self) -> None:
@@ -191,8 +192,14 @@ class RouterPresence:
         try:
             held = await self.ledger.router_claim(self.router_id, self.incarnation, TTL_S)
         except Exception as e:  # noqa: BLE001 - Redis away: retried next beat
-            logger.warning("router %s: heartbeat failed: %s", self.router_id, e)
+            # Once per outage, not once a second while it lasts.
+            if not self._beat_failed:
+                logger.warning("router %s: heartbeat failed: %s", self.router_id, e)
+            self._beat_failed = True
             return False
+        if self._beat_failed:
+            logger.info("router %s: heartbeat goes through again", self.router_id)
+        self._beat_failed = False
         if not held and not self._displaced:
             # Our key expired (Redis was out of reach for a TTL) and another router took the
             # id: both now serve under it. Its leases and ours stay apart by incarnation.

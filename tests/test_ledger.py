@@ -272,6 +272,29 @@ def test_a_restarted_router_releases_only_what_a_surely_gone_predecessor_left(re
     asyncio.run(body())
 
 
+def test_a_router_logs_a_failing_heartbeat_once_per_outage(caplog):
+    class Ledger:
+        up = False
+
+        async def router_claim(self, router_id, incarnation, ttl_s):
+            if not self.up:
+                raise ConnectionError("Redis away")
+            return True
+
+    async def body():
+        ledger = Ledger()
+        presence = RouterPresence(ledger, "r1")
+        for up in (False, False, False, True, False, False):
+            ledger.up = up
+            assert await presence._beat_once() == up
+    with caplog.at_level("INFO", logger="router.router_presence"):
+        asyncio.run(body())
+    assert [r.getMessage() for r in caplog.records] == [
+        "router r1: heartbeat failed: Redis away",
+        "router r1: heartbeat goes through again",
+        "router r1: heartbeat failed: Redis away"]
+
+
 def test_a_restarted_router_finds_its_predecessors_leases_past_one_listings_limit(
         redis_url, monkeypatch):
     """One listing's limit (10 000) cut a cluster's leases: those of the predecessor past it,
