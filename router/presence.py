@@ -156,10 +156,17 @@ class WorkerPresence:
                     # again, with nothing left to remove them.
                     events = [ev for ev in events if is_ledger_event(ev)]
                 try:
-                    await self.registry.publish_events(wid, events)
+                    stored = await self.registry.publish_events(wid, events)
                 except Exception as e:  # noqa: BLE001
                     logger.warning("publishing %d KV events failed: %s", len(events), e)
                     self._events_lost = True
+                    continue
+                if not stored and not self._events_lost:
+                    # Purged as stale while alive: Redis took no block under an id it lists
+                    # no heartbeat for. The next beat registers it again and republishes.
+                    logger.info("worker %s is not registered: its stored blocks wait for its "
+                                "next heartbeat's republish", wid)
+                self._events_lost = self._events_lost or not stored
 
     async def leave(self) -> None:
         """Leaves routing for a drain: the heartbeat stops and the registration and

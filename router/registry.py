@@ -157,6 +157,16 @@ for i = 3, #ARGV do redis.call('SADD', ARGV[2] .. ARGV[i], ARGV[1]) end
 redis.call('SADD', KEYS[1], unpack(ARGV, 3))
 return 0
 """
+# A worker's KV event's stored blocks ARGV[3..] (at most _BLOCKS_PER_STEP), only while it is
+# registered (KEYS[1]: workers; KEYS[2]: wblocks:{id}); 0 if it is not. A worker purged as
+# stale while alive would list blocks under an id no heartbeat names, and were it to die
+# before its next beat (which registers it again and republishes), no purge would find them.
+_STORE_BLOCKS_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+for i = 3, #ARGV do redis.call('SADD', ARGV[2] .. ARGV[i], ARGV[1]) end
+redis.call('SADD', KEYS[2], unpack(ARGV, 3))
+return 1
+"""
 # Drops an entry that does not parse, if it still holds the bytes read: its worker may have
 # written a good one since.
 _DROP_BAD_LUA = """
@@ -214,6 +224,7 @@ class Registry:
         self._purge_entries = client.register_script(_PURGE_LUA)
         self._forget_some = client.register_script(_FORGET_BLOCKS_LUA)
         self._add_some = client.register_script(_ADD_BLOCKS_LUA)
+        self._store_some = client.register_script(_STORE_BLOCKS_LUA)
         self._drop_bad = client.register_script(_DROP_BAD_LUA)
         self.ledger = TransferLedger(self)
 
@@ -345,21 +356,27 @@ class Registry:
 
     # --- prefix-block index ---------------------------------------------------------------
     @bounded
-    async def publish_events(self, worker_id: str, events: list) -> None:
+    async def publish_events(self, worker_id: str, events: list) -> bool:
         """Applies a worker's engine KV-cache events and its transfer-ledger events
-        (router/ledger.py) in one pipeline, in order."""
+        (router/ledger.py) in one pipeline, in order. False if stored blocks were dropped:
+        the worker is not registered (purged, or Redis restarted), and must republish its
+        blocks once its next beat registers it again."""
         if not events:
-            return
+            return True
         wkey = self._k("wblocks", worker_id)
+        stores = []  # where each stored-blocks step's answer is in the pipeline's
         # A transaction: a worker killed mid-send must not leave a block key naming it that
         # its wblocks set lacks (the block's SADD sent, the wblocks one not), orphaned for good.
         async with self.r.pipeline(transaction=True) as p:
             for ev in events:
                 if isinstance(ev, BlockStored):
                     hexes = [h.hex() for h in ev.block_hashes]
-                    for hx in hexes:
-                        p.sadd(self._k("block", hx), worker_id)
-                    p.sadd(wkey, *hexes)
+                    for i in range(0, len(hexes), _BLOCKS_PER_STEP):
+                        stores.append(len(p))
+                        await self._store_some(
+                            keys=[self._k("workers"), wkey], client=p,
+                            args=[worker_id, self._k("block", ""),
+                                  *hexes[i:i + _BLOCKS_PER_STEP]])
                 elif isinstance(ev, BlockRemoved):
                     hexes = [h.hex() for h in ev.block_hashes]
                     for hx in hexes:
@@ -367,7 +384,8 @@ class Registry:
                     p.srem(wkey, *hexes)
                 elif not self.ledger.queue(p, worker_id, ev):
                     raise TypeError(f"not a KV-cache or ledger event: {ev!r}")
-            await p.execute()
+            answers = await p.execute()
+        return all(answers[i] for i in stores)
 
     @bounded
     async def set_worker_blocks(self, worker_id: str, block_hashes: list[bytes]) -> None:

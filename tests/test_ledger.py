@@ -22,7 +22,7 @@ from router.ledger import (EXPIRY_MARGIN_S, MAX_LIST_LIMIT, TransferOpened, Tran
 from router.redis_server import RedisServer
 from router.registry import Registry
 from router.router_presence import TTL_S, Incarnation, RouterPresence, pid_namespace
-from protos import worker_pb2, worker_pb2_grpc
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def test_an_entry_lives_from_open_through_pull_to_its_lease_end(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "l1")
         hashes = hash_request_tokens(list(range(48)), 16)
+        await reg.heartbeat(common_pb2.WorkerInfo(worker_id="p1", role="prefill"))
         # Ledger events ride the same pipeline as the block events, in order.
         await reg.publish_events("p1", [BlockStored(hashes, None, None, 16), _opened("a~1"),
                                         _opened("b~2", blocks=5)])

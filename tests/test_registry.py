@@ -54,6 +54,8 @@ def test_match_counts_leading_blocks_only(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "t2")
         hashes = hash_request_tokens(list(range(80)), 16)  # 5 blocks
+        for wid in "xy":  # blocks are listed only under registered workers
+            await reg.heartbeat(_info(wid))
         await reg.publish_events("x", [BlockStored(hashes[:2], None, None, 16),
                                        BlockStored([hashes[3]], hashes[2], None, 16)])
         await reg.publish_events("y", [BlockStored(hashes, None, None, 16)])
@@ -61,7 +63,6 @@ def test_match_counts_leading_blocks_only(redis_url):
         assert await reg.match_prefix(hashes, ["x", "y", "z"]) == {"x": 2, "y": 4, "z": 0}
         await reg.deregister("y")
         assert await reg.match_prefix(hashes, ["x", "y"]) == {"x": 2, "y": 0}
-        await reg.heartbeat(_info("x"))
         assert await reg.set_drained("x", True)
         assert (await reg.live_workers())[0].draining
         await reg.r.aclose()
@@ -121,6 +122,8 @@ def test_long_chains_are_matched_across_round_trips(redis_url):
         n = 2 * _MATCH_CHUNK + 10
         hashes = hash_request_tokens(list(range(16 * n)), 16)
         assert len(hashes) == n
+        for wid in ("edge", "mid", "all"):
+            await reg.heartbeat(_info(wid))
         await reg.publish_events("edge", [BlockStored(hashes[:_MATCH_CHUNK], None, None, 16)])
         cut = _MATCH_CHUNK + 7
         await reg.publish_events("mid", [BlockStored(hashes[:cut], None, None, 16)])

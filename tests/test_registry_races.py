@@ -212,6 +212,45 @@ def test_a_failed_flush_has_the_next_beat_republish(redis_url):
     asyncio.run(body())
 
 
+def test_a_worker_purged_while_alive_lists_no_block_until_it_registers_again(redis_url):
+    """A live worker purged as stale (its beats held up past the TTL) flushes KV events: the
+    blocks they store must not be listed under an id no heartbeat names, for were it to die
+    before its next beat, no purge would ever find them. Removals and ledger events apply;
+    its next beat registers it again and republishes the blocks."""
+    async def body():
+        republished = asyncio.Event()
+
+        async def republish(registry: Registry) -> None:
+            await registry.set_worker_blocks(W, [_h(1), _h(2)])
+            republished.set()
+
+        presence = WorkerPresence(redis_url, "purgedlive", 0.05, lambda: _info(), republish)
+        await presence.start()
+        router = Registry.from_url(redis_url, "purgedlive")
+        try:
+            presence.add_events([BlockStored([_h(1)], None, None, 16)])
+            await _eventually(lambda: _wblocks(router, W), {_h(1).hex()})
+            presence._beat_task.cancel()  # its loop held up: no beat
+            await _make_stale(router, W)
+            presence.add_events([BlockRemoved([_h(9)]), BlockStored([_h(2)], None, None, 16)])
+            await _until(lambda: _true(presence._events_lost))
+            assert await _naming(router, W) == await _wblocks(router, W) == set()
+            assert not await router.publish_events(W, [BlockStored([_h(3)], None, None, 16)])
+            assert await router.r.keys("purgedlive:*block*") == []
+            presence._beat_task = asyncio.create_task(presence._beat())
+            await asyncio.wait_for(republished.wait(), 10)
+            assert await _naming(router, W) == {_h(1).hex(), _h(2).hex()}
+        finally:
+            await presence.stop()
+            await router.r.aclose()
+
+    asyncio.run(body())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 # --- drain --------------------------------------------------------------------------------------
 class _HeldBeats:
     """Holds a presence's heartbeats at will: while held, the next one waits before it is
