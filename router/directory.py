@@ -8,9 +8,11 @@ fails or hangs, requests route on the last view of the workers, by load alone (n
 hits), waiting on it at most briefly (router/redis_health.py). The periodic refresh keeps
 trying and takes the view up again when Redis answers; any error from the registry (a corrupt
 entry too) is taken as Redis failing, at start as well: the router starts on an empty view and
-fills it when Redis answers. A new, empty Redis (a restart) is not every worker gone: a worker
-last listed before it started keeps its place until it registers again or a heartbeat TTL
-passes.
+fills it when Redis answers. Stale workers' entries are purged beside the refresh, not in it:
+a dead worker's big prefix cache takes seconds to drop, Redis answering all along, and neither
+the view nor the requests' Redis calls wait for that (nor take it for a hung Redis). A new,
+empty Redis (a restart) is not every worker gone: a worker last listed before it started keeps
+its place until it registers again or a heartbeat TTL passes.
 
 Workers serving another model (two clusters sharing a Redis namespace, a model replaced in
 place) are left out of the view, each logged once (router/model_match.py); so are workers of
@@ -86,6 +88,7 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     # Workers with calls in flight (a worker the registry dropped may still have some).
     _busy: set[WorkerHandle] = field(default_factory=set)
     _liveness_task: asyncio.Task | None = None
+    _purge_task: asyncio.Task | None = None
     # Workers found hung by the liveness checks, counted since start.
     worker_hangs: int = 0
     _closing: set[asyncio.Task] = field(default_factory=set)
@@ -112,7 +115,7 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = True
         try:
-            for task in (self._task, self._liveness_task):
+            for task in (self._task, self._liveness_task, self._purge_task):
                 await stop_task(task)
             for timer in self._retiring.values():
                 timer.cancel()
@@ -131,6 +134,16 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         while not self._stopping:
             await asyncio.sleep(self.refresh_interval_s)
             await self._health.run("the periodic registry refresh", self.refresh)
+            if self._purge_task is None or self._purge_task.done():
+                self._purge_task = asyncio.create_task(self._purge_stale())
+
+    async def _purge_stale(self) -> None:
+        # Not tracked by the Redis health: a long purge is Redis answering step after step.
+        # A Redis that fails or hangs fails the refresh too, which tells the request path.
+        try:
+            await self.registry.purge_stale()
+        except Exception as e:  # noqa: BLE001 - retried after the next refresh
+            logger.debug("purging stale workers failed: %r", e)
 
     @property
     def registry_ok(self) -> bool:
@@ -168,7 +181,7 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
             await self._refresh()
 
     async def _refresh(self) -> None:
-        listed = await self.registry.live_workers()
+        listed = await self.registry.live_workers(purge=False)  # purged apart: _purge_stale
         now = time.monotonic()
         live = {i.worker_id: i for i in self._same_model(listed)}
         missing = [w for w in self.workers if w not in live]

@@ -5,7 +5,9 @@ fails or hangs, requests route without it. The request path waits on Redis at mo
 ``REDIS_SLOW_S`` (far below the registry's own bound): once any tracked call has waited that
 long, Redis is taken for hung and requests skip it until it answers, and after a failed call
 they skip it for ``REGISTRY_RETRY_S``. So a hung Redis costs the requests of its first
-``REDIS_SLOW_S`` that much, not every request its timeout (router/directory.py).
+``REDIS_SLOW_S`` that much, not every request its timeout (router/directory.py). Tracked calls
+are short ones (lookups, the registry listing): one that takes long on a healthy Redis (a
+stale worker's purge) is no hang, and is run untracked.
 """
 from __future__ import annotations
 
@@ -79,16 +81,15 @@ class RedisHealth:
 
     async def ask(self, what: str, call: Callable[[], Awaitable[T]], otherwise: T) -> T:
         """``call()`` for the request path, or ``otherwise`` when Redis is skipped or fails.
-        Given up once the oldest call in flight (this one or an earlier) has waited
-        REDIS_SLOW_S, so the requests arriving while Redis hangs all give up together, and
-        later ones skip it."""
+        Given up once it has waited REDIS_SLOW_S; requests arriving once any tracked call has
+        waited that long skip Redis. Its own wait, not the oldest call's: a request arriving
+        late in a slow but answered call's wait was given up at once."""
         if not self.ok:
             return otherwise
         try:
             with self._tracked():
-                give_up_at = min(self._calls.values()) + REDIS_SLOW_S
                 try:
-                    async with asyncio.timeout(give_up_at - time.monotonic()):
+                    async with asyncio.timeout(REDIS_SLOW_S):
                         result = await call()
                 except TimeoutError:
                     raise TimeoutError(f"Redis did not answer within {REDIS_SLOW_S} s") from None

@@ -269,13 +269,24 @@ class Registry:
         await self._purge([worker_id], keep_transfers)
 
     @bounded
-    async def live_workers(self, role: str | None = None) -> list[common_pb2.WorkerInfo]:
-        await self._purge_stale()
+    async def live_workers(self, role: str | None = None,
+                           purge: bool = True) -> list[common_pb2.WorkerInfo]:
+        """The workers whose heartbeat is not stale. ``purge``: the stale ones' entries go
+        first, here; without it they are only left out (a router purges them apart, in
+        ``purge_stale``: with a big prefix cache that takes a while)."""
+        stale = set()
+        if purge:
+            await self._purge_stale()
+        else:
+            stale = set(await self._stale(keys=[self._k("heartbeats"), self._k("ttls")],
+                                          args=[self.ttl_s]))
         raw = await self.r.hgetall(self._k("workers"))
         # errors="replace": a member that is no id matches no worker, and must not raise.
         drained = {d.decode(errors="replace") for d in await self.r.smembers(self._k("drained"))}
         out = []
         for field, blob in sorted(raw.items()):
+            if field in stale:
+                continue
             info = _parse_info(field, blob)
             if info is None:
                 await self._drop_unreadable_info(field, blob)
@@ -284,6 +295,14 @@ class Registry:
             if role is None or info.role == role:
                 out.append(info)
         return out
+
+    @bounded
+    async def purge_stale(self) -> None:
+        """Drops the stale workers' registration and index entries. Each step is short, but a
+        worker's blocks go a step of ``_BLOCKS_PER_STEP`` at a time: some 10^5 blocks take
+        seconds. Cut short (the time bound), it goes on where it stopped at the next call:
+        a worker's heartbeat entry goes last."""
+        await self._purge_stale()
 
     async def _purge_stale(self) -> None:
         stale = await self._stale(keys=[self._k("heartbeats"), self._k("ttls")],

@@ -132,10 +132,10 @@ def test_stop_closes_every_channel_the_directory_opened(redis_url):
 class _CountingRegistry(Registry):
     reads = 0
 
-    async def live_workers(self, role=None):
+    async def live_workers(self, role=None, purge=True):
         type(self).reads += 1
         await asyncio.sleep(0.002)  # a Redis a round trip away
-        return await super().live_workers(role)
+        return await super().live_workers(role, purge)
 
 
 def test_a_burst_of_requests_missing_a_worker_shares_the_registry_reads(redis_url):

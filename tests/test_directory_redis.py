@@ -17,6 +17,7 @@ from engine.block_hash import hash_request_tokens
 from protos import common_pb2
 from router.directory import NoWorkerError, WorkerDirectory
 from router.presence import WorkerPresence
+from router.redis_health import RedisHealth
 from router.redis_server import RedisServer
 from router.registry import Registry
 
@@ -83,6 +84,82 @@ def test_a_hung_redis_delays_only_the_first_routing_decisions():
     # short bound every decision of the first 5 s (and more later) took 5 s.
     assert max(times) < 4.5, times
     assert sum(t < 1.5 for t in times) >= 15, times
+
+
+def test_a_long_purge_of_a_dead_worker_leaves_prefix_routing_on(redis_url):
+    """Purging a dead worker with a big prefix cache takes seconds, Redis answering each step:
+    no hang. It was part of the refresh, so Redis was taken for hung, prefix lookups skipped
+    (no hits), and the view took in no new worker until it ended."""
+    async def body():
+        hashes = hash_request_tokens(list(range(64)), 16)
+        writer = Registry.from_url(redis_url, "slowpurge")
+        for wid in ("live", "dead"):
+            await writer.heartbeat(_info(wid, "prefill"))
+            await writer.set_worker_blocks(wid, hashes)
+        beating = {"live"}  # "dead" beats no more, and is stale a second on
+
+        async def beat() -> None:
+            while True:
+                for wid in beating:
+                    await writer.heartbeat(_info(wid, "prefill"))
+                await asyncio.sleep(0.2)
+
+        beats = asyncio.create_task(beat())
+        reg = Registry.from_url(redis_url, "slowpurge", ttl_s=1.0)
+        forget, purged = reg._forget_blocks, asyncio.Event()
+
+        async def long_forget(wid: str) -> None:  # a big cache's many steps
+            await purged.wait()
+            await forget(wid)
+
+        reg._forget_blocks = long_forget
+        d = WorkerDirectory(reg, 16, refresh_interval_s=0.1)
+        await d.start()
+        try:
+            for _ in range(50):  # 2.5 s: past its TTL, then past REDIS_SLOW_S
+                assert (await d.pick_prefill(hashes, 64))[1] == 64 and d.registry_ok
+                await asyncio.sleep(0.05)
+            beating.add("new")
+            while sorted(d.workers) != ["live", "new"]:
+                await asyncio.sleep(0.05)
+            assert await writer.r.scard("slowpurge:wblocks:dead") == 4  # still purging
+            purged.set()
+            while await writer.r.zscore("slowpurge:heartbeats", "dead") is not None:
+                await asyncio.sleep(0.05)
+            assert await writer.r.scard("slowpurge:wblocks:dead") == 0
+            assert await d.registry.match_prefix(hashes, ["dead"]) == {"dead": 0}
+        finally:
+            purged.set()
+            beats.cancel()
+            await d.stop()
+            await writer.r.aclose()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_request_waits_on_redis_from_its_own_start(monkeypatch):
+    """A request's Redis call is given up REDIS_SLOW_S after it began, not after the oldest
+    call in flight began: one arriving late in a slow but answered call's wait was given up
+    at once, and routed without prefix hits."""
+    import router.redis_health
+    monkeypatch.setattr(router.redis_health, "REDIS_SLOW_S", 2.0)
+
+    async def body():
+        health, answer = RedisHealth(), asyncio.Event()
+        slow = asyncio.create_task(health.run("a slow call", answer.wait))
+        await asyncio.sleep(1.2)
+        assert health.ok
+
+        async def lookup() -> str:
+            await asyncio.sleep(1.2)
+            return "hits"
+
+        got = await health.ask("a lookup", lookup, "none")
+        answer.set()
+        await slow
+        return got
+
+    assert asyncio.run(body()) == "hits"
 
 
 def test_a_redis_restarted_empty_refuses_no_request_and_a_worker_that_leaves_goes():
