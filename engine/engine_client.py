@@ -77,6 +77,9 @@ class EngineProcess(EngineFront):
         # Read whenever the loop likes: also from _watch_silence, not only when readable.
         reader.sock.setblocking(False)
         loop.add_reader(self._fd, self._on_readable)
+        # What came with "ready" waits in the reader's buffer, where no readable event tells
+        # of it (the process may have said ("dead", why) and ended).
+        loop.call_soon(self._on_readable)
         self._silence_limit_s = silence_limit_s
         if silence_limit_s is not None:
             loop.call_later(_WATCH_EVERY_S, self._watch_silence)

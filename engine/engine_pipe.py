@@ -138,18 +138,26 @@ class FrameReader:
     def read_ready(self) -> list:
         """The messages complete after reading what the socket has now (none, if a message is
         still arriving); the socket must be non-blocking. Raises PipeClosed at the end of the
-        stream, BadFrame (once) for a message that cannot be unpickled."""
+        stream once the messages before it are returned (read_blocking may have left some
+        buffered: a peer's last words, sent just before it ended), BadFrame (once) for a
+        message that cannot be unpickled."""
+        end = None
         try:
             data = self.sock.recv(_READ_BYTES)
         except (BlockingIOError, InterruptedError):
             data = None
         except OSError as e:
-            raise PipeClosed(str(e)) from e
+            end = PipeClosed(str(e))
+            data = None
         if data is not None:
-            if not data:
-                raise PipeClosed("end of stream")
-            self._received(data)
-        return self._take()
+            if data:
+                self._received(data)
+            else:
+                end = PipeClosed("end of stream")
+        msgs = self._take()
+        if end is not None and not msgs:  # else the next read finds the end again
+            raise end
+        return msgs
 
     def read_blocking(self, timeout_s: float | None) -> object | None:
         """One message, waiting for it up to ``timeout_s`` (None: forever); None on timeout.

@@ -242,6 +242,49 @@ def test_waiting_for_ready_skips_what_comes_before_it_and_raises_what_cannot_be_
     assert got == info
 
 
+@pytest.mark.parametrize("ended", [False, True])
+def test_what_came_with_ready_is_read_as_the_engine_process_starts(ended):
+    """The engine thread failed to start after "ready" was sent: ("dead", why) came in the
+    same read as "ready". Read at once, and before the pipe's end, it names the cause; the
+    process then ended (exit code 0, which says nothing), or it is still closing up."""
+    import subprocess
+    import sys
+
+    from engine.engine_pipe import EngineProcInfo
+
+    ours, theirs = socket.socketpair()
+    down_ours, down_theirs = socket.socketpair()
+    writer = FrameWriter(theirs)
+    writer.send(("ready", EngineProcInfo(1, 64, [], [], None)))
+    writer.send(("dead", ValueError("the engine thread could not start")))
+    if ended:
+        theirs.close()
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+
+    async def run():
+        reader = FrameReader(ours)
+        info = await asyncio.to_thread(_wait_ready, reader, proc)
+        deaths: list[BaseException] = []
+        engine = EngineProcess(proc, reader, FrameWriter(down_ours), info,
+                               asyncio.get_running_loop(), on_dead=deaths.append)
+        try:
+            for _ in range(100):
+                if deaths:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            engine.shutdown()
+        return deaths
+
+    try:
+        deaths = asyncio.run(run())
+    finally:
+        theirs.close()
+        down_theirs.close()
+    assert [repr(e) for e in deaths] == [repr(ValueError("the engine thread could not start"))]
+
+
 def test_a_late_add_reply_of_a_cancelled_request_does_not_abort_a_new_one_with_its_id():
     """A caller leaves while its one-token request is being added; the request's last output
     overtakes the add's reply (they come from different threads of the engine process), the id
