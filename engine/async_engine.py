@@ -238,3 +238,7 @@ class AsyncEngine(EngineFront):
             self.core_share.close()
         if self._thread.is_alive():  # a daemon thread: the process can still exit
             logger.error("the engine thread did not end; leaving it behind")
+        # Streams still open get no more outputs: they fail, as a dead engine's do. Posted:
+        # shutdown may run off the loop (an engine process stops its engine in a thread).
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_all)

@@ -307,6 +307,8 @@ class EngineProcess(EngineFront):
             if not self.loop.is_closed():
                 self.loop.remove_reader(self._fd)
             self._close_calls(self._dead())
+        if not self.loop.is_closed():  # streams still open get nothing more
+            self.loop.call_soon_threadsafe(self._fail_all)
         self._reader.close()
         self._writer.close()
 

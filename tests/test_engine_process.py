@@ -140,6 +140,22 @@ def test_a_killed_engine_process_fails_its_streams_and_says_so_once():
     assert len(deaths) == 1 and isinstance(deaths[0], EngineDeadError) and not alive
 
 
+def test_a_stream_open_at_shutdown_fails_with_the_engine_shut_down():
+    async def drain(stream):
+        async for _ in stream:
+            pass
+
+    async def run():
+        proc = await _start()
+        stream = proc.generate("r", _prompts()[2], _greedy(100000))
+        await anext(stream)
+        proc.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(drain(stream), 30)
+
+    asyncio.run(run())
+
+
 def test_an_engine_that_cannot_be_built_fails_the_start_with_its_error():
     async def run():
         await _start(max_model_len=10**9)

@@ -113,6 +113,26 @@ def test_an_idle_engine_that_cannot_step_any_more_dies_and_says_so():
     assert [str(e) for e in deaths] == ["tensor-parallel rank 1 died"] and not alive
 
 
+def test_a_stream_open_at_shutdown_fails_with_the_engine_shut_down():
+    """Its consumer (a handler the gRPC server's stop has not yet cut) would otherwise wait
+    for an output no step makes any more."""
+    from engine.async_engine import EngineDeadError
+
+    async def run():
+        engine = _Engine()
+        engine.gate.set()
+        ae = AsyncEngine(engine)
+        stream = ae.commit_prefilled("r4")
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        ae.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(run())
+
+
 def test_failures_map_to_the_status_that_tells_the_caller_what_to_do():
     """A KV pull that timed out is its source worker's failure: UNAVAILABLE, which the router
     migrates; DEADLINE_EXCEEDED is left to the caller's own deadline."""
