@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import select
+import struct
+import time
 from multiprocessing.connection import Connection
 
 import torch
@@ -26,7 +30,8 @@ OP_READY = b"L"  # payload: the worker's KVCacheLayout as JSON
 OP_OK = b"K"
 OP_ERROR = b"E"  # payload: utf-8 error text
 
-# A collective that waits this long for a live peer gives up (a dead peer is seen at once).
+# A collective that waits this long for a live peer gives up (a dead peer is seen at once);
+# so does rank 0's send of a step to a worker that does not take it (tp_executor).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
@@ -52,6 +57,53 @@ def connect_tp_group(rank: int, size: int, store: dist.Store, device: torch.devi
 
 def send(conn: Connection, op: bytes, payload: bytes = b"") -> None:
     conn.send_bytes(op + payload)
+
+
+def send_by(conn: Connection, op: bytes, payload: bytes, deadline: float) -> None:
+    """``send`` to a peer that may have stopped reading (SIGSTOPped, wedged): a message larger
+    than the socket holds would block a plain send for good. Waits for the peer to take it
+    until ``deadline`` (time.monotonic()), then raises TimeoutError, the message part-sent
+    (the pipe is of no use after that); OSError once the peer is gone."""
+    size = len(op) + len(payload)
+    # multiprocessing.connection's framing, which the peer's recv_bytes reads.
+    head = struct.pack("!i", size) if size <= 0x7fffffff else struct.pack("!iQ", -1, size)
+    unsent = [head + op, memoryview(payload)]  # the payload (~1 MB a step) is not copied
+    started = time.monotonic()
+    # conn.fileno() each time: it raises once a shutdown on another thread closed the pipe
+    # (its number may then name another file). Non-blocking only while sending: recv_bytes
+    # expects a blocking socket.
+    os.set_blocking(conn.fileno(), False)
+    try:
+        while True:
+            try:
+                unsent = _past(unsent, os.writev(conn.fileno(), unsent))
+            except BlockingIOError:
+                pass
+            if not unsent:
+                return
+            left = deadline - time.monotonic()
+            # A peer gone wakes the poll too (POLLHUP): the next write raises EPIPE.
+            if left <= 0 or not _writable(conn.fileno(), left):
+                raise TimeoutError(f"it has not taken a {size}-byte message in "
+                                   f"{time.monotonic() - started:.0f} s")
+    finally:
+        if not conn.closed:
+            os.set_blocking(conn.fileno(), True)
+
+
+def _past(bufs: list, sent: int) -> list:
+    """``bufs`` without their first ``sent`` bytes."""
+    while bufs and len(bufs[0]) <= sent:
+        sent -= len(bufs.pop(0))
+    if sent:
+        bufs[0] = memoryview(bufs[0])[sent:]
+    return bufs
+
+
+def _writable(fd: int, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def send_json(conn: Connection, op: bytes, obj: dict) -> None:

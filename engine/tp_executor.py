@@ -139,9 +139,16 @@ class MultiprocExecutor(Executor):
             self._step_in_flight = False
 
     def _step(self, inp: ModelInput, msg: bytes) -> torch.Tensor | None:
+        # A worker that stopped reading would block a large step's send for good (a small
+        # one fits the socket and its collective times out): the send gets as long.
+        deadline = time.monotonic() + tp_comm.COLLECTIVE_TIMEOUT.total_seconds()
         try:
             for w in self.workers:
-                tp_comm.send(w.conn, tp_comm.OP_STEP, msg)
+                try:
+                    tp_comm.send_by(w.conn, tp_comm.OP_STEP, msg, deadline)
+                except TimeoutError as e:
+                    raise TimeoutError(f"tensor-parallel rank {w.rank} (pid {w.process.pid}) "
+                                       f"is stopped or wedged: {e}") from None
             return self.runner.run(inp)
         except (OSError, RuntimeError) as e:
             raise self._fail(f"the step failed: {e}") from None

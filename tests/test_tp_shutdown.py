@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import datetime
 import os
 import threading
 
@@ -435,3 +436,61 @@ def test_a_shutdown_right_after_a_steps_check_leaves_the_group_to_the_step(prese
         assert during and during[0] is not None
     finally:
         engine.shutdown()
+
+
+def test_a_step_too_large_for_the_pipe_fails_on_a_stopped_worker_instead_of_hanging(
+        preset_path, monkeypatch):
+    """A step message larger than the worker's socket holds (~200 KB: 8k prompt tokens) blocked
+    rank 0's send for good on a stopped worker; a small one fails at the collective timeout.
+    The send gets as long."""
+    from engine import tp_comm
+    from engine.executor import ExecutorError
+
+    n, prompt_len = 32, 1024
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+                                    num_gpu_blocks=n * (prompt_len // 16 + 2),
+                                    max_num_batched_tokens=n * prompt_len))
+    worker = engine.executor.workers[0].process
+    try:
+        # The group was built with the real timeout: only the send sees this one.
+        monkeypatch.setattr(tp_comm, "COLLECTIVE_TIMEOUT", datetime.timedelta(seconds=2))
+        stop_process(worker)
+        for i in range(n):
+            engine.add_request(f"r{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)],
+                               SamplingParams(max_tokens=2))
+        with pytest.raises(ExecutorError, match="rank 1 .* is stopped or wedged"):
+            engine.step()
+        with pytest.raises(ExecutorError, match="stopped or wedged"):  # and stays failed
+            engine.check_health()
+    finally:
+        worker.kill()
+        worker.wait()
+        engine.shutdown()
+
+
+def test_a_step_sent_to_a_slow_reader_arrives_whole():
+    """rank 0's step send (non-blocking, in parts) reads as one message on the worker."""
+    import socket
+    import time
+    from multiprocessing.connection import Connection
+
+    from engine import tp_comm
+
+    ours, theirs = (Connection(s.detach()) for s in socket.socketpair())
+    payload = os.urandom(3 << 20)
+    got: list = []
+
+    def read():
+        time.sleep(0.2)  # the socket fills first
+        got.extend(tp_comm.recv(theirs) for _ in range(2))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        tp_comm.send_by(ours, tp_comm.OP_STEP, payload, time.monotonic() + 60)
+        tp_comm.send_by(ours, tp_comm.OP_QUIT, b"", time.monotonic() + 60)
+    finally:
+        reader.join(60)
+        ours.close()
+        theirs.close()
+    assert got == [(tp_comm.OP_STEP, payload), (tp_comm.OP_QUIT, b"")]
