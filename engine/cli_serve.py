@@ -93,7 +93,16 @@ def _worker_config(args: argparse.Namespace, role: str):
                         served_model_name=args.served_model_name)
 
 
+def _record_stop_signals() -> None:
+    """Before the service's imports (torch: seconds) and its model load: a SIGTERM meanwhile
+    ends it with 0 once it can stop, not with -15 (engine/process_exit.py)."""
+    from engine.process_exit import record_stop_signals
+
+    record_stop_signals()
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
+    _record_stop_signals()
     from prefill_svc.server import main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -102,6 +111,7 @@ def cmd_prefill(args: argparse.Namespace) -> int:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    _record_stop_signals()
     from decode_svc.server import main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -195,6 +205,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    _record_stop_signals()
     from router.server import main
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

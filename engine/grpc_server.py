@@ -23,7 +23,7 @@ from engine.engine_front import SHUTDOWN_TIMEOUT_S
 from engine.gc_policy import freeze_startup_heap
 from engine.handler_guards import HandlerGuardInterceptor
 from engine.health import HealthServicer
-from engine.process_exit import exit_process, exit_status
+from engine.process_exit import exit_process, exit_status, stop_asked
 from engine.switch_interval import apply_switch_interval
 from protos.limits import message_size_options
 
@@ -162,6 +162,8 @@ class GrpcServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        if stop_asked.is_set():  # before this service could take it (process_exit.py)
+            self.stopping.set()
         if self.config.parent_fd is not None:
             self._watch_parent(loop, self.config.parent_fd)
 
@@ -206,13 +208,17 @@ async def serve(server: GrpcServer, num_inflight: Callable[[], int],
                 on_stopping: Callable[[], Awaitable[None]] | None = None,
                 metrics: Callable[[], list] | None = None) -> None:
     """Runs ``server`` until SIGTERM/SIGINT (or ``server.stopping`` is set), then drains.
-    ``metrics``: the service's ``MetricFamily`` list, served at ``metrics_port`` if set."""
+    ``metrics``: the service's ``MetricFamily`` list, served at ``metrics_port`` if set. A
+    stop asked before (while the service loaded) returns at once: it never serves."""
+    server.install_signal_handlers()
+    if server.stopping.is_set():
+        logger.info("stopped while starting: exiting without serving")
+        return
     exporter = _start_metrics(server.config, metrics)
     try:
         # NOT_SERVING until its start is done (a worker's Redis registration and KV handles,
         # in on_started): a health check that saw it serving before sent it work it refused.
         await server.start(serving=on_started is None)
-        server.install_signal_handlers()
         if on_started is not None:
             await on_started()
             await server.mark_serving()

@@ -14,6 +14,27 @@ import threading
 
 _PR_SET_PDEATHSIG = 1
 
+# Set by SIGTERM or SIGINT once record_stop_signals ran: a stop asked before the service could
+# take it the usual way (engine/grpc_server.py), e.g. while a worker loads its model.
+stop_asked = threading.Event()
+
+
+def record_stop_signals() -> None:
+    """From a service process's start: SIGTERM and SIGINT set ``stop_asked`` rather than end
+    the process by their default action. Killed so while its model loaded, a worker exited with
+    -15, which ``pdserve up``'s supervisor took for a crash: it started the worker again and
+    counted it against --max-restarts. The service checks the flag once it can, and exits 0
+    without serving. A second signal ends it at once, as the first did: a load can take
+    minutes, which whoever asks twice will not wait for."""
+    def asked(sig: int, _frame) -> None:
+        if stop_asked.is_set():
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        stop_asked.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, asked)
+
 
 def exit_process(status: int = 0) -> None:
     """Ends the process with ``status`` as the interpreter would, less its teardown.

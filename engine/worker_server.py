@@ -5,6 +5,7 @@ import logging
 from collections.abc import Callable
 
 from engine.grpc_server import GrpcServer, serve
+from engine.process_exit import stop_asked
 from engine.worker_metrics import worker_metrics
 from engine.worker_runtime import WorkerConfig, WorkerRuntime
 
@@ -16,12 +17,17 @@ async def run_worker(config: WorkerConfig, service_name: str,
                      add_to_server: Callable[[object, object], None]) -> None:
     """Serves until SIGTERM/SIGINT, or until its engine dies; then leaves the registry, drains,
     drops its transfer-ledger entries and stops. A dead engine ends the process with a
-    non-zero status."""
+    non-zero status; a stop asked while the model loaded, with 0, never having served."""
     rt = await WorkerRuntime.create(config)
     if rt.engine_failure is not None:  # it died as the worker started: nothing to serve with
         rt.shutdown()
         raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died as "
                          f"the worker started: {rt.engine_failure!r}")
+    if stop_asked.is_set():  # SIGTERM/SIGINT while the model loaded
+        logger.info("pdserve %s worker: stopped while loading its model; exiting without "
+                    "serving", config.role)
+        rt.shutdown()
+        return
     try:
         server = GrpcServer(config.server, [service_name])
         rt.bind(server.address)

@@ -4,9 +4,10 @@ Requests running on a worker that crashes move to the others (router/migration.p
 supervisor brings the cluster's capacity back. A worker is started again on a new port, under
 a new name, and registers like any new worker; the router on its own port; the bundled Redis
 on its own port (the workers then republish what they keep there). A worker that exits cleanly
-(0: it was told to stop and drained) was scaled down and stays down. When a role crashes more
-than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service cannot be started again,
-the supervisor gives up and ``pdserve up`` stops everything, as without supervision.
+(0: it was told to stop, and drained or had not served yet) was scaled down and stays down.
+When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service
+cannot be started again, the supervisor gives up and ``pdserve up`` stops everything, as
+without supervision.
 
 Where the launcher is PID 1 (``docker run <image> up`` without --init), the processes its
 services leave when they crash (an engine process, TP ranks) are re-parented to it: the

@@ -1,16 +1,26 @@
 """A service's stop is bounded (engine/grpc_server.py): a shutdown step that never ends does not
-keep the process up until its supervisor's SIGKILL; the stuck coroutine's stack is logged. And
-a service whose launcher died stops on its own (``parent_fd``)."""
+keep the process up until its supervisor's SIGKILL; the stuck coroutine's stack is logged. A
+service whose launcher died stops on its own (``parent_fd``). One told to stop while it starts
+exits 0 without serving."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from engine import grpc_server
 from engine.grpc_server import GrpcServer, ServerConfig, serve
+from tests.proc_signals import reap, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+_FAULTS_DIR = str(ROOT / "tests" / "engine_faults")
 
 
 def test_a_shutdown_step_that_never_ends_is_cut_after_drain_grace_and_slack(monkeypatch, caplog):
@@ -163,3 +173,53 @@ def test_a_health_watch_ends_with_the_stop_not_at_the_grace_periods_end():
         return seen
 
     assert asyncio.run(run()) == ["SERVING", "NOT_SERVING", "OK"]
+
+
+def test_a_stop_asked_before_serve_never_serves(monkeypatch):
+    """A SIGTERM the process recorded before its service could take it (a router setting up,
+    a worker loading its model): serve returns without listening or starting the service."""
+    asked = threading.Event()
+    asked.set()
+    monkeypatch.setattr(grpc_server, "stop_asked", asked)
+    started = []
+
+    async def run() -> None:
+        server = GrpcServer(ServerConfig(drain_timeout_s=0.1, grace_s=0.1), [])
+
+        async def on_started() -> None:
+            started.append(True)
+
+        async with asyncio.timeout(30):
+            await serve(server, lambda: 0, on_started=on_started)
+
+    asyncio.run(run())
+    assert started == []
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_told_to_stop_while_it_loads_exits_0_without_serving(tmp_path):
+    """SIGTERM while the model loads (an operator's stop, a rolling restart): the worker died
+    by the signal's default action, status -15, which ``pdserve up``'s supervisor took for a
+    crash, starting it again against --max-restarts. It exits 0 once the load is done. The
+    load here lasts until the worker has seen the signal (tests/engine_faults)."""
+    marker = tmp_path / "loading"
+    # This checkout's modules for the fault too: it imports them before the worker's own.
+    env = dict(os.environ, PDSERVE_TEST_FAULT=f"load_until_stopped:{marker}",
+               PYTHONPATH=os.pathsep.join(
+                   p for p in (_FAULTS_DIR, str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    read_fd, write_fd = os.pipe()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "decode", "--model", "micro-llama", "--port", "0",
+         "--num-gpu-blocks", "16", "--ready-fd", str(write_fd)],
+        cwd=ROOT, env=env, pass_fds=(write_fd,), stderr=subprocess.PIPE, text=True)
+    os.close(write_fd)
+    try:
+        assert wait_until(lambda: marker.exists() or worker.poll() is not None, 120)
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=120)
+    finally:
+        reap(worker)
+    with os.fdopen(read_fd) as ready:
+        assert ready.read() == ""  # never reported an address: it never served
+    assert worker.returncode == 0, err[-3000:]
+    assert "decode worker: stopped while loading its model; exiting without serving" in err

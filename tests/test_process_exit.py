@@ -9,6 +9,7 @@ supervisor restarts it on.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -88,6 +89,28 @@ def test_a_failing_engine_process_skips_the_teardown(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "terminate called" not in proc.stderr
     assert "RuntimeError: the model would not load" in proc.stderr  # its traceback
+
+
+# A service's stop asked before it serves (engine/process_exit.py's record_stop_signals), then
+# asked again.
+_TWO_STOPS = textwrap.dedent("""
+    import os, signal, sys
+    from engine.process_exit import record_stop_signals, stop_asked
+
+    record_stop_signals()
+    sig = getattr(signal, sys.argv[1])
+    os.kill(os.getpid(), sig)
+    print(stop_asked.is_set(), flush=True)
+    os.kill(os.getpid(), sig)
+    print("still running", flush=True)
+    """)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_first_stop_is_recorded_and_a_second_ends_the_process(tmp_path, sig):
+    proc = _run_script(tmp_path, _TWO_STOPS, sig)
+    assert proc.stdout == "True\n", proc.stderr
+    assert proc.returncode == -getattr(signal, sig)
 
 
 def test_exit_status_follows_sys_exit():

@@ -1,4 +1,5 @@
-"""Faults in an engine process a test starts (tests/test_engine_process_faults.py).
+"""Faults in an engine process a test starts (tests/test_engine_process_faults.py), or in a
+worker process (tests/test_grpc_server_stop.py).
 
 With this folder on PYTHONPATH, Python imports this module as the process starts, before its
 main module runs; ``PDSERVE_TEST_FAULT`` names the fault and its arguments (``name:a,b``). The
@@ -68,8 +69,27 @@ def unloadable_kv_peer_names() -> None:
     LLMEngine.kv_peer_names = lambda self: [_Unloadable()]
 
 
+def load_until_stopped(marker: str) -> None:
+    """Building the engine writes ``marker``, then lasts until the process was told to stop
+    (its SIGTERM seen: engine/process_exit.py), as a large model's load outlasts a stop."""
+    from engine.llm_engine import LLMEngine
+    from engine.process_exit import stop_asked
+
+    init = LLMEngine.__init__
+
+    def slow(self, *args, **kwargs):
+        with open(marker, "w"):
+            pass
+        if not stop_asked.wait(120):
+            raise RuntimeError("no stop asked while loading")
+        init(self, *args, **kwargs)
+
+    LLMEngine.__init__ = slow
+
+
 FAULTS = {f.__name__: f for f in (slow_kv_cache_layouts, hold_gil_at_step,
-                                  unpicklable_kv_peer_names, unloadable_kv_peer_names)}
+                                  unpicklable_kv_peer_names, unloadable_kv_peer_names,
+                                  load_until_stopped)}
 
 
 def _apply(spec: str) -> None:
