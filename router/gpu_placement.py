@@ -6,7 +6,8 @@ prefill workers first (``tp`` consecutive GPUs each), then decode workers. Where
 workers share GPUs round-robin, and each worker's ``--gpu-memory-utilization`` is the
 cluster's divided by the number of workers on its busiest GPU: the engine sizes its KV cache
 from its own share of the device (engine/setup.py), so two workers at 0.45 fill what one at
-0.9 would, whichever starts first.
+0.9 would, whichever starts first. A worker added to the running cluster gets what the workers
+already on its GPUs leave of the cluster's utilization, as theirs stay as they are.
 
 NCCL refuses two ranks of one group on one GPU, so the torch KV-transfer backend (an NCCL pair
 group per prefill/decode pair on CUDA) cannot serve a prefill and a decode worker on one GPU;
@@ -19,6 +20,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The least share of a GPU a worker added to the running cluster is given: less is no room for
+# a model's weights and a cache (4 GiB of an 80 GiB GPU), or only rounding the others left.
+MIN_ADDED_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -51,21 +55,34 @@ class GpuPlan:
         return any(w.shared for w in self.workers)
 
     def next_for(self, role: str, tp: int, utilization: float) -> WorkerGpus:
-        """GPUs for a worker added to the running cluster: the least used ones. It gets the
-        whole utilization only where they were free; else a share as in ``plan_gpus``."""
+        """GPUs for a worker added to the running cluster: those with the most of
+        ``utilization`` left (then the fewest workers). Its share is what is left: the workers
+        there keep theirs, and each engine takes its share of the whole device
+        (engine/setup.py), so a split as in ``plan_gpus`` would put the GPU's shares past
+        ``utilization`` and leave the newcomer too little free memory to start. ValueError
+        where that is under ``MIN_ADDED_SHARE``, unless the workers' own flag sets their
+        memory (``split_memory`` False: the launcher hands out no share)."""
         if tp > len(self.gpus):
             raise ValueError(f"a worker of -tp {tp} needs {tp} GPUs; {len(self.gpus)} visible")
         load = _load(self.workers, self.gpus)
-        order = sorted(self.gpus, key=lambda g: (load[g], self.gpus.index(g)))
+        left = {g: utilization - sum(w.gpu_memory_utilization for w in self.workers
+                                     if g in w.gpus) for g in self.gpus}
+        order = sorted(self.gpus, key=lambda g: (-left[g], load[g], self.gpus.index(g)))
         chosen = tuple(sorted(order[:tp], key=self.gpus.index))
-        busiest = max(load[g] for g in chosen) + 1
         other = "decode" if role == "prefill" else "prefill"
         if self.kv_transfer_backend == "torch" and any(
                 w.role == other and set(w.gpus) & set(chosen) for w in self.workers):
             raise ValueError(f"a new {role} worker would share GPU {','.join(chosen)} with a "
                              f"{other} worker, which --kv-transfer-backend torch (NCCL) "
                              "cannot pair on one GPU")
-        worker = WorkerGpus(role, chosen, utilization / busiest, busiest > 1)
+        fullest = min(chosen, key=lambda g: left[g])
+        share = max(left[fullest], 0.0)
+        if self.split_memory and share < MIN_ADDED_SHARE:
+            raise ValueError(
+                f"a new {role} worker would get {share:.2f} of GPU {fullest}'s memory: its "
+                f"workers hold {utilization - left[fullest]:.2f} of it, of the cluster's "
+                f"--gpu-memory-utilization {utilization}; stop one of them first")
+        worker = WorkerGpus(role, chosen, share, any(load[g] for g in chosen))
         self.workers.append(worker)
         return worker
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import setup
-from router.gpu_placement import plan_gpus, visible_gpus
+from router.gpu_placement import GpuPlan, WorkerGpus, plan_gpus, visible_gpus
 from router.launcher import Cluster, ClusterSpec, Proc
 
 GIB = 1 << 30
@@ -60,13 +60,37 @@ def test_plans_the_gpus_cannot_hold_raise_value_error(kwargs, match):
         plan_gpus(**kwargs)
 
 
-def test_a_worker_added_later_takes_the_least_used_gpu():
+def test_a_worker_added_later_gets_what_the_workers_on_its_gpus_leave():
+    """The workers there keep the shares plan_gpus gave them, and each engine reads its share
+    as a part of the whole device (engine/setup.py): a newcomer given 0.9 / 2 put 1.35 of
+    GPU 0 in shares, and found too little free memory to start."""
     plan = plan_gpus(1, 1, 2, ("0", "1", "2"))
     assert [w.gpus for w in plan.workers] == [("0",), ("1",), ("2",)]
-    late = plan.next_for("decode", 1, 0.9)
-    assert (late.gpus, late.gpu_memory_utilization, late.shared) == (("0",), 0.45, True)
+    with pytest.raises(ValueError, match=r"would get 0\.00 of GPU 0's memory: its workers "
+                                         r"hold 0\.90 of it"):
+        plan.next_for("decode", 1, 0.9)
     plan.workers.remove(plan.workers[2])  # decode on GPU 2 stopped
-    assert plan.next_for("decode", 1, 0.9).gpus == ("2",)
+    late = plan.next_for("decode", 1, 0.9)
+    assert (late.gpus, late.gpu_memory_utilization, late.shared) == (("2",), 0.9, False)
+    # Three workers at 0.3 on one GPU, one stopped: the next gets its 0.3, and no more fits.
+    one = plan_gpus(2, 1, 1, ("0",))
+    one.workers.remove(one.workers[0])
+    late = one.next_for("prefill", 1, 0.9)
+    assert (late.gpus, round(late.gpu_memory_utilization, 4), late.shared) == (("0",), 0.3, True)
+    with pytest.raises(ValueError, match="GPU 0's memory"):
+        one.next_for("decode", 1, 0.9)
+    # The GPU with memory left, not the first with as few workers; a TP worker gets the least
+    # its GPUs have left.
+    uneven = GpuPlan([WorkerGpus("prefill", ("0",), 0.9, False),
+                      WorkerGpus("decode", ("1",), 0.45, True)], ("0", "1"))
+    assert uneven.next_for("decode", 1, 0.9).gpus == ("1",)
+    tp = GpuPlan([WorkerGpus("decode", ("0",), 0.45, True)], ("0", "1"))
+    late = tp.next_for("prefill", 2, 0.9)
+    assert (late.gpus, late.gpu_memory_utilization, late.shared) == (("0", "1"), 0.45, True)
+    # Where the workers' own flag sets their memory, the launcher hands out no share to refuse.
+    flagged = plan_gpus(1, 1, 1, ("0",))
+    flagged.split_memory = False
+    assert flagged.next_for("decode", 1, 0.9).gpus == ("0",)
     with pytest.raises(ValueError, match="-tp 4 needs 4 GPUs"):
         plan.next_for("prefill", 4, 0.9)
     torch_plan = plan_gpus(1, 1, 1, ("0", "1"), kv_transfer_backend="torch")
