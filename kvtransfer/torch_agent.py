@@ -24,7 +24,7 @@ import torch
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import wire
 from kvtransfer.agent import KVTransferAgent, check_deadline
-from kvtransfer.errors import LayoutMismatchError, PeerGoneError, TransferError, TransferTimeout
+from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
 from kvtransfer.handle import KVAgentHandle, torch_store_port
 from kvtransfer.plan import PullJob
 from kvtransfer.torch_owner import TorchOwnerServer
@@ -329,10 +329,13 @@ def _first_readable(objs: tuple, timeout_s: float) -> list:
 
 
 def _check_hello_reply(sock: socket.socket, deadline: float, what: str) -> None:
+    """An owner refusing the handle ("layout": another agent or cache listens at its address
+    now, its owner restarted) makes it a stale handle, whose KV is gone: PeerGoneError, as
+    NIXL's, so the request is prefilled again elsewhere (a ValueError failed it as bad input)."""
     sock.settimeout(check_deadline(deadline, what))
     reply = _recv_reply(sock, what)
     if not reply.get("ok"):
-        error = LayoutMismatchError if reply.get("kind") == "layout" else TransferError
+        error = PeerGoneError if reply.get("kind") == "layout" else TransferError
         raise error(f"{what}: the owner refused: {reply.get('error')}")
 
 
@@ -340,10 +343,11 @@ def _check_size(reply: dict, buf: torch.Tensor, remote_name: str) -> None:
     """Refuses, before the receive is posted, a message of another size than ``buf``: gloo
     aborts the whole process (std::terminate) on a longer one, and a shorter one left the
     tail of ``buf`` uninitialised, scattered into the cache as if it were KV. A handle whose
-    layout is not the owner's (a stale one) makes them."""
+    layout is not the owner's (a stale one) makes them: PeerGoneError, as for the owner's own
+    refusal of one in the hello."""
     want, got = buf.numel() * buf.element_size(), reply.get("nbytes")
     if isinstance(got, bool) or not isinstance(got, int) or got != want:
-        raise LayoutMismatchError(
+        raise PeerGoneError(
             f"KV owner {remote_name!r} sends {got!r} bytes for this pull where its handle's "
             f"layout makes {want}: the handle does not describe the owner's cache")
 

@@ -14,11 +14,14 @@ import threading
 import time
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 
+from engine.call_abort import KV_SOURCE_FAILED
 from engine.kv_layout import KVCacheLayout
-from kvtransfer import (KVAgentHandle, LayoutMismatchError, TransferError, TransferTimeout,
+from engine.worker_runtime import failure_marks, status_for
+from kvtransfer import (KVAgentHandle, PeerGoneError, TransferError, TransferTimeout,
                         make_agent, wire)
 from kvtransfer.torch_owner import MAX_READER_WAIT_S, TorchOwnerServer, reader_timeout
 from tests.kv_owner_proc import Standby, seeded_cache
@@ -157,7 +160,7 @@ _STALE_READER = r"""
 import json, sys
 from dataclasses import replace
 import torch
-from kvtransfer import KVAgentHandle, LayoutMismatchError, make_agent
+from kvtransfer import KVAgentHandle, PeerGoneError, make_agent
 good = KVAgentHandle.from_bytes(bytes.fromhex(sys.argv[1]))
 out = {}
 for case, block_size in (("owner sends more", 2), ("owner sends fewer", 8)):
@@ -170,7 +173,7 @@ for case, block_size in (("owner sends more", 2), ("owner sends fewer", 8)):
     try:
         reader.pull([stale], [1, 2], [1, 2], timeout_s=10.0)
         out[case] = "pulled"
-    except LayoutMismatchError as e:
+    except PeerGoneError as e:  # a stale handle: the request moves, as with NIXL
         out[case] = "refused" if "sends" in str(e) else f"other: {e}"
     out[case + ": cache untouched"] = bool((reader.cache == -7.0).all())
     reader.close()
@@ -197,11 +200,15 @@ def test_the_owner_refuses_a_hello_naming_another_agent_or_layout(agents):
     owner, reader = agents(seed=4), agents()
     good = owner.handle()
     # Another agent's handle pointing at this owner's address (it took over the port).
-    with pytest.raises(LayoutMismatchError, match="the owner refused.*not 'someone-else'"):
+    with pytest.raises(PeerGoneError, match="the owner refused.*not 'someone-else'") as err:
         reader.pull([replace(good, agent_name="someone-else")], [1], [1], timeout_s=10.0)
+    # A stale handle's KV is gone, as NIXL finds it: the request is prefilled again elsewhere,
+    # not failed as the caller's bad input (INVALID_ARGUMENT, no mark).
+    assert status_for(err.value) == grpc.StatusCode.UNAVAILABLE
+    assert failure_marks(err.value) == KV_SOURCE_FAILED
     other = replace(BASE, num_blocks=12)  # compatible with the reader, not the owner's
     stale = replace(good, layout=other, num_bytes=other.num_blocks * other.bytes_per_block)
-    with pytest.raises(LayoutMismatchError, match="the owner refused"):
+    with pytest.raises(PeerGoneError, match="the owner refused"):
         reader.pull([stale], [1], [1], timeout_s=10.0)
     assert not reader.cache.any()
     reader.pull([good], [1], [1], timeout_s=10.0)  # the true handle still reads
