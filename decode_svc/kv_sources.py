@@ -9,6 +9,13 @@ write their handles to the registry before their first heartbeat makes them rout
 (router/presence.py), so a handle that is not byte for byte one of those came from no prefill
 worker of this cluster: it is refused before anything parses it. A worker without a registry
 (driven directly) reads what it is given, as a Redis that does not answer leaves it to.
+
+A refused handle is its source's failure (PeerGoneError: UNAVAILABLE, the request is prefilled
+again elsewhere), not the caller's bad input. The usual one is stale: a prefill worker given
+its --worker-id keeps it across a restart and registers its new agents' handles, so a handle
+given out before the restart differs from them, and its KV is gone (the torch backend's new
+owner refuses such a handle as well). A corrupted one, far rarer, costs a router one more
+prefill within the request's migration limit.
 """
 from __future__ import annotations
 
@@ -35,9 +42,8 @@ class KVSources:
         self._registered: OrderedDict[tuple[bytes, ...], None] = OrderedDict()
 
     async def check(self, h: common_pb2.KVHandle) -> None:
-        """Raises ValueError for a NIXL handle that differs from what its prefill worker
-        registered, PeerGoneError (UNAVAILABLE: the request moves) for one whose worker has
-        registered none."""
+        """Raises PeerGoneError (UNAVAILABLE: the request moves) for a NIXL handle that is not
+        one its prefill worker registered: it registered other handles, or none."""
         if h.backend != "nixl":
             return
         blobs = tuple(h.rank_handles)
@@ -57,8 +63,9 @@ class KVSources:
             raise PeerGoneError(f"prefill worker {quoted(h.worker_id)} has no KV handles in the "
                                 "registry: its KV is not read")
         if registered != blobs:
-            raise ValueError(f"kv_handle differs from the KV handles prefill worker "
-                             f"{quoted(h.worker_id)} registered")
+            raise PeerGoneError(f"kv_handle differs from the KV handles prefill worker "
+                                f"{quoted(h.worker_id)} registered (a stale handle, from "
+                                "before the worker restarted?): its KV is not read")
         self._registered[blobs] = None
         if len(self._registered) > MAX_REMEMBERED:
             self._registered.popitem(last=False)

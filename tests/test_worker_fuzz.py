@@ -266,7 +266,9 @@ def test_a_handle_its_prefill_worker_did_not_register_is_never_parsed(workers):
     corrupted.CopyFrom(resp.kv_handle)
     corrupted.rank_handles[0] = json.dumps(d).encode()
     err = decode_with(corrupted)
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Refused as a stale handle's would be (one from before its worker restarted): the
+    # source's failure, so the router prefills the request again elsewhere.
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and kv_source_failed(err)
     assert "differs from the KV handles prefill worker" in err.details()
     stranger = common_pb2.KVHandle()
     stranger.CopyFrom(corrupted)
