@@ -28,7 +28,8 @@ from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
 from kvtransfer.handle import KVAgentHandle, torch_store_port
 from kvtransfer.plan import PullJob
 from kvtransfer.torch_owner import TorchOwnerServer
-from kvtransfer.torch_pair import OWNER_RANK, READER_RANK, PairJoin, classify, wait_work
+from kvtransfer.torch_pair import (OWNER_RANK, READER_RANK, PairJoin, classify, fail_gloo_waits,
+                                   wait_work)
 
 # Where the owner's control server and store listen (set it to a reachable address across hosts).
 HOST_ENV = "PDSERVE_KV_HOST"
@@ -279,6 +280,10 @@ class TorchKVAgent(KVTransferAgent):
             pairs = list(self._pairs.items())
         for name, pair in pairs:
             self._drop(name, pair)
+            if self.cache.device.type != "cuda":  # NCCL's waits are polled, to their deadline
+                # A pull waiting in gloo for its blocks is out of the socket's reach: it waited
+                # out its whole timeout.
+                fail_gloo_waits(pair.pg)
         self._server.close()
 
 

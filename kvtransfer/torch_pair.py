@@ -13,6 +13,7 @@ import struct
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from engine.thread_names import named_thread
@@ -21,6 +22,7 @@ from kvtransfer.errors import PeerGoneError, TransferError, TransferTimeout
 
 OWNER_RANK, READER_RANK = 0, 1
 _CUDA_POLL_S = 0.0005
+_WAKE_TAG = 0  # no pull's (they count from 1): fail_gloo_waits receives it, and nothing comes
 # TCPStore's wire protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp): a client's first
 # query validates it with this magic number; PING (13) then echoes a 32-bit nonce.
 _VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
@@ -160,6 +162,17 @@ def wait_work(work, deadline: float, device_type: str, what: str) -> None:
         raise
     except RuntimeError as e:
         raise classify(e, what) from None
+
+
+def fail_gloo_waits(pg) -> None:
+    """Fails now every wait on the reader's side of gloo pair group ``pg``, and the group with
+    them. Nothing wakes a gloo wait, not the group's abort(); but a wait that times out closes
+    its context's pairs, failing their other waits ("Application timeout caused pair
+    closure"), and a receive of a tag nobody sends times out."""
+    try:
+        pg.recv([torch.empty(1)], OWNER_RANK, _WAKE_TAG).wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # it timed out, as meant
 
 
 def classify(e: BaseException, what: str) -> TransferError:

@@ -11,12 +11,13 @@ import struct
 import sys
 import threading
 import time
+import traceback
 
 import pytest
 import torch
 
 from engine.kv_layout import KVCacheLayout
-from kvtransfer import TransferError, TransferTimeout, make_agent, torch_owner, wire
+from kvtransfer import TransferError, TransferTimeout, make_agent, torch_owner, torch_pair, wire
 from tests.proc_signals import wait_until
 
 LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
@@ -141,6 +142,53 @@ def test_close_ends_a_pull_waiting_on_a_stalled_owner(agents):
         assert f"KV agent {reader.name!r} was closed" in str(done["error"])
     finally:
         stall.set()
+
+
+def _stall_before_sending(owner) -> tuple[threading.Event, threading.Event]:
+    """(replied, stall): the owner answers a pull's request, then posts its send only once
+    ``stall`` is set, as a stopped or busy owner would."""
+    server = owner._server
+    replied, stall = threading.Event(), threading.Event()
+
+    def stalled_pull(conn, pg, req):
+        data = server._gather(req)
+        wire.send_frame(conn, {"ok": True, "nbytes": data.numel() * data.element_size()})
+        replied.set()
+        stall.wait(4 * BOUND_S)
+        torch_pair.wait_work(pg.send([data], torch_pair.READER_RANK, req["tag"]),
+                             time.monotonic() + BOUND_S, "cpu", "sending KV blocks")
+
+    server._pull = stalled_pull
+    return replied, stall
+
+
+def _in_frame(t: threading.Thread, name: str) -> bool:
+    frame = sys._current_frames().get(t.ident)
+    return frame is not None and name in {f.name for f in traceback.extract_stack(frame)}
+
+
+def test_close_ends_a_pull_waiting_in_the_groups_recv(agents):
+    """gloo's wait cannot be woken (not by the group's abort() either): close() left such a
+    pull waiting out its whole timeout."""
+    owner, reader = agents(seeded=True), agents()
+    reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
+    replied, stall = _stall_before_sending(owner)
+    try:
+        pull = _started(lambda: reader.pull([owner.handle()], [1], [1],
+                                            timeout_s=4 * BOUND_S))
+        assert replied.wait(BOUND_S)
+        assert wait_until(lambda: _in_frame(pull[0], "wait_work"), BOUND_S)
+        reader.close()
+        done = _joined(*pull)
+        assert "hung" not in done
+        assert type(done.get("error")) is TransferError, done
+        assert f"KV agent {reader.name!r} was closed" in str(done["error"])
+    finally:
+        stall.set()
+    # close() closed the group: the owner's late send fails rather than waiting for a reader
+    # that is gone, and nothing lands in the cache.
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+    assert not reader.cache[1].any()
 
 
 # --- an owner that sends garbage -----------------------------------------------------------------
