@@ -12,12 +12,13 @@ The fingerprint is ``"{files}:{weights}"``:
 - ``files``: the model's config, generation config and tokenizer files (what the router
   reads, and what sets the stop tokens), the JSON ones by content (keys that only say which
   tool wrote them left out);
-- ``weights``: each safetensors file's name, data size and header (every tensor's name, dtype,
-  shape and place; not the free-form metadata a converter writes), and a sample of every tensor's bytes (64 at its start, its middle and
-  its end; a tensor of at most 16 KiB, a norm's or a bias's, whole). A fine-tune, or a merged
-  adapter, changes every element of the tensors it touches, so a sample of each tensor tells
-  checkpoints of one shape apart without reading gigabytes; "" when the folder has no weights
-  (a router given only the tokenizer).
+- ``weights``: each safetensors file's name, data size and header (every tensor's name,
+  dtype, shape and place; not the free-form metadata a converter writes), and a sample of
+  every tensor's bytes (64 at its start, its middle and its end; a tensor of at most 16 KiB,
+  a norm's or a bias's, whole). A fine-tune, or a merged adapter, changes every element of
+  the tensors it touches, so a sample of each tensor tells checkpoints of one shape apart
+  without reading gigabytes; "" when the folder has no weights (a router given only the
+  tokenizer).
 
 Chat templates are left out, in their own file or in tokenizer_config.json: only the router
 renders them, so a worker's copy does not matter (a router names its own in ModelIdentity).
