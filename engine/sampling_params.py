@@ -11,6 +11,11 @@ _GREEDY_EPS = 1e-5
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 1024
 MAX_LOGPROBS = 20
+# Token id lists are walked on the engine thread at every step of the request (a stop check,
+# a mask): one request's long list slowed every request's step (20M ids fit a message).
+MAX_STOP_TOKEN_IDS = 1024
+# Allowed ids are a set of the vocabulary's (duplicates dropped): above any vocabulary in use.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_BAD_WORDS = 256
 # Each is tokenized (twice) on the worker's event loop as the request is added: 256 words of
 # 100 000 characters held it ~20 s, long enough for routers to drop the worker as hung.
@@ -80,6 +85,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words)
         self._validate()
+        # The same set, each id once: its mask is built at every step.
+        self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
@@ -124,6 +131,9 @@ class SamplingParams:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool) \
                 or not -2**31 <= self.priority < 2**31:
             raise ValueError(f"priority must be a 32-bit integer, got {self.priority!r}")
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids has {len(self.allowed_token_ids)} ids, more "
+                             f"than {MAX_ALLOWED_TOKEN_IDS}")
         for t in self.allowed_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t!r}")
@@ -145,6 +155,9 @@ class SamplingParams:
             if len(s) > MAX_STOP_CHARS:
                 raise ValueError(f"a stop string has {len(s)} characters, more than "
                                  f"{MAX_STOP_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids, more than "
+                             f"{MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")

@@ -49,6 +49,8 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
     (dict(stop=["x" * 1025]), "a stop string has 1025 characters, more than 1024"),
     (dict(bad_words=["x" * 1025]), "a bad word has 1025 characters, more than 1024"),
     (dict(bad_words=["x"] * 257), "bad_words has 257 entries, more than 256"),
+    (dict(stop_token_ids=[1] * 1025), "stop_token_ids has 1025 ids, more than 1024"),
+    (dict(allowed_token_ids=[1] * (2**18 + 1)), "allowed_token_ids has 262145 ids, more than"),
     (dict(temperature=float("nan")), "temperature"),
     # -inf / inf is NaN, which would win the argmax over every masked-out token; 1e39 is
     # finite here and inf in float32.
@@ -60,6 +62,10 @@ def test_bad_prompt_in_a_batch_queues_nothing(llm):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_are_a_set():
+    assert SamplingParams(allowed_token_ids=[5, 3, 5, 3, 9]).allowed_token_ids == [5, 3, 9]
 
 
 def test_the_hottest_temperature_still_keeps_masked_tokens_out(llm):
