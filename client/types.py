@@ -189,6 +189,9 @@ def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
                 and isinstance(m.get("content"), str)):
             raise TypeError(f"chat message {i} must be a dict with str 'role' and 'content', "
                             f"got {m!r}")
+        if len(m) != 2:  # a "name", "tool_calls": the router renders neither, none is sent
+            raise TypeError(f"chat message {i} must have only the keys 'role' and 'content', "
+                            f"got {sorted(map(str, m))}")
         out.messages.add(role=_sendable_text(m["role"], f"chat message {i}'s role"),
                          content=_sendable_text(m["content"], f"chat message {i}'s content"))
     return out
@@ -212,9 +215,11 @@ def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
     given = {k: v for k, v in sampling.items() if v is not None}
     try:
         params = common_pb2.SamplingParams(**given)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:  # overflow: 2**1100 as a double
         raise ValueError(f"sampling argument {_misfit(given)} cannot be sent: {e}") from None
-    req = router_pb2.GenerateRequest(request_id=request_id or "", sampling=params)
+    req = router_pb2.GenerateRequest(
+        request_id=_sendable_text(request_id, "request_id") if request_id else "",
+        sampling=params)
     if expect_model is not None:
         if not isinstance(expect_model, ModelIdentity):
             raise TypeError("expect_model must be a ModelIdentity (a stream's chunk.model, "
@@ -271,7 +276,7 @@ def _misfit(given: dict) -> str:
     for k, v in given.items():
         try:
             common_pb2.SamplingParams(**{k: v})
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):
             return f"{k}={v!r}"
     return "?"
 

@@ -79,6 +79,13 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
         == ["a b", "c"]
     with pytest.raises(TypeError, match="request_id must be a str, got int"):
         build_request("Hi", 123, {})
+    with pytest.raises(ValueError, match="request_id cannot be sent"):
+        build_request("Hi", "r\ud800", {})
+    # A number too large for a double: protobuf's OverflowError escaped unnamed.
+    with pytest.raises(ValueError, match="sampling argument temperature=.* cannot be sent"):
+        build_request("Hi", None, {"temperature": 2**1030})
+    with pytest.raises(ValueError, match="sampling argument logit_bias=.* cannot be sent"):
+        build_request("Hi", None, {"logit_bias": {5: 2**1100}})
 
 
 @pytest.mark.parametrize("prompt, error, match", [
@@ -88,6 +95,9 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
     ([{"role": "user", "content": "a\ud800"}], ValueError,
      "chat message 0's content cannot be sent"),
     ([1, 1 << 63], ValueError, f"prompt token id {1 << 63} cannot be sent"),
+    # Keys the router would not render, dropped unsaid (the engine refuses them).
+    ([{"role": "user", "content": "hi", "name": "bob"}], TypeError,
+     r"chat message 0 must have only the keys 'role' and 'content', got \['content', 'name'"),
     ([1, True], TypeError, r"a list of token ids \(int, not bool\)"),
 ])
 def test_a_prompt_protobuf_cannot_carry_is_refused_by_name(prompt, error, match):
