@@ -88,7 +88,7 @@ class KVCacheLayout:
     def from_json(cls, text: str | bytes) -> KVCacheLayout:
         try:
             fields = json.loads(text)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
             raise ValueError(f"not a KV cache layout: {e}") from None
         return cls.from_dict(fields)
 

@@ -29,7 +29,7 @@ def recv_frame(sock: socket.socket, deadline: float | None = None) -> dict:
         raise ValueError(f"control frame of {size} bytes is over the {MAX_FRAME} limit")
     try:
         obj = json.loads(_recv_exact(sock, size, deadline))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested too deep
         raise ValueError(f"bad control frame: {e}") from None
     if not isinstance(obj, dict):
         raise ValueError("bad control frame: not a JSON object")

@@ -478,7 +478,7 @@ def test_layout_json_needs_every_field():
     fields = json.loads(BASE.to_json())
     with pytest.raises(ValueError, match=r"missing \['order'\]"):
         KVCacheLayout.from_json(json.dumps({k: v for k, v in fields.items() if k != "order"}))
-    for raw in ("[1]", "{nope", json.dumps({**fields, "colour": "red"})):
+    for raw in ("[1]", "{nope", json.dumps({**fields, "colour": "red"}), "[" * 100_000):
         with pytest.raises(ValueError, match="not a KV cache layout"):
             KVCacheLayout.from_json(raw)
 

@@ -287,6 +287,20 @@ def test_an_owner_refuses_more_block_ids_than_its_cache_holds(agents):
     assert torch.equal(reader.cache[[4, 5]], owner.cache[[0, 0]])
 
 
+def test_a_frame_nested_too_deep_is_garbage_like_any_other():
+    """json's RecursionError got past the ValueError a peer's garbage is (the owner's serve
+    thread died with a traceback; a reader's pull failed INTERNAL)."""
+    ours, theirs = socket.socketpair()
+    try:
+        data = b"[" * 100_000
+        theirs.sendall(wire._HEADER.pack(len(data)) + data)
+        with pytest.raises(ValueError, match="bad control frame"):
+            wire.recv_frame(ours, time.monotonic() + 10)
+    finally:
+        ours.close()
+        theirs.close()
+
+
 # --- 6. a closed owner lets go of its ports and threads ---------------------------------------
 
 def test_a_closed_owner_ends_hellos_that_never_join_and_closes_its_store():
