@@ -25,7 +25,7 @@ from engine.worker_runtime import WorkerRuntime, abort_for
 from kvtransfer import KVAgentHandle, TransferError
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from protos.limits import ENV as MAX_MESSAGE_ENV
-from protos.limits import max_message_bytes
+from protos.limits import ROUTER_ROOM_BYTES, max_message_bytes
 from router.ledger import TransferPulling
 
 # A pull must end this long before the prefill lease does: the handle's lease time was measured
@@ -42,8 +42,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rt.on_drain.append(self._drain_streams)
         # With a registry, only the KV handles prefill workers registered are read.
         self.kv_sources = KVSources(lambda: rt.registry)
-        # Room for a chunk in a message, with its request's id around it in a DecodeMany batch.
-        self.max_chunk_bytes = max_message_bytes() - EVENT_ROOM_BYTES
+        # Room for a chunk in a message, with its request's id around it in a DecodeMany
+        # batch, and with what the router adds passing it on.
+        self.max_chunk_bytes = max_message_bytes() - max(EVENT_ROOM_BYTES, ROUTER_ROOM_BYTES)
 
     def _drain_streams(self) -> None:
         for stream in self.streams:

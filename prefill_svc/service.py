@@ -19,7 +19,7 @@ from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from protos.limits import ENV as MAX_MESSAGE_ENV
-from protos.limits import max_message_bytes
+from protos.limits import ROUTER_ROOM_BYTES, max_message_bytes
 from router.ledger import TransferOpened
 from router.router_presence import check_incarnation, check_router_id
 
@@ -36,8 +36,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         # What gRPC would refuse to send (its error would read as a refusal to the router,
-        # which then releases nothing): an answer over it is refused here, its lease freed.
-        self.max_answer_bytes = max_message_bytes()
+        # which then releases nothing), less what the router adds passing it on: an answer
+        # over it is refused here, its lease freed.
+        self.max_answer_bytes = max_message_bytes() - ROUTER_ROOM_BYTES
         # request id -> the lease held, to answer ReleaseKV truthfully and to put the ledger
         # right (the worker's republish: Redis lost entries, or kept closed ones): dropped as
         # the engine ends each lease (a reader's release, expiry), and pruned past its
@@ -143,8 +144,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         size = resp.ByteSize()
         if size > self.max_answer_bytes:
             raise ValueError(
-                f"the prefill answer would be {size} bytes, over the {self.max_answer_bytes}-byte "
-                f"message limit ({MAX_MESSAGE_ENV}): prompt_logprobs="
+                f"the prefill answer would be {size} bytes, over the {self.max_answer_bytes} "
+                f"bytes it may take of the message limit ({MAX_MESSAGE_ENV}): prompt_logprobs="
                 f"{request.sampling.prompt_logprobs} for {len(request.prompt_token_ids)} prompt "
                 f"tokens; ask for fewer")
 

@@ -18,6 +18,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MIN_MESSAGE_BYTES = 64 * 1024
 # gRPC takes the limit as a C int.
 MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1
+# What a router adds to a worker's answer as it passes it on (its request id, usage with the
+# workers' ids, the model's identity): a worker refuses an answer that leaves less room, or
+# the router could not send on what the worker sent (its client got RESOURCE_EXHAUSTED).
+ROUTER_ROOM_BYTES = 8 * 1024
 
 
 def max_message_bytes(environ: Mapping[str, str] = os.environ) -> int:

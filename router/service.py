@@ -29,6 +29,8 @@ from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused, write_message
 from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
+from protos.limits import ENV as MAX_MESSAGE_ENV
+from protos.limits import max_message_bytes
 from router.access_log import log_request
 from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens,
                            record_first_decode_chunk, without_prompt_logprobs)
@@ -62,6 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # on UNAVAILABLE) while those in flight finish.
         self.draining = False
         self.model = model
+        self._max_message_bytes = max_message_bytes()
         self.inflight = InflightRequests()
         self.directory = directory
         self.placer = Placer(config, directory)
@@ -99,6 +102,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._abort(context, e)
         resp = complete_response([merged[i] for i in sorted(merged)])
         resp.model.CopyFrom(self.model.identity)
+        size = resp.ByteSize()
+        if size > self._max_message_bytes:
+            # Every chunk fitted a message, their sum need not (logprobs of every token of
+            # every sequence): gRPC's own refusal read as RESOURCE_EXHAUSTED, "try later".
+            await self._abort(context, ValueError(
+                f"the whole answer would be {size} bytes, over the {self._max_message_bytes}-"
+                f"byte message limit ({MAX_MESSAGE_ENV}): stream it with Generate, or ask for "
+                "fewer logprobs, tokens or sequences"))
         return resp
 
     async def _abort(self, context, e: Exception) -> None:

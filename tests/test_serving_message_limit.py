@@ -52,6 +52,46 @@ def test_an_answer_over_the_limit_is_refused_and_its_lease_freed(cluster, monkey
     wait_all_blocks_free(workers, timeout_s=30)
 
 
+def test_an_answer_just_under_the_limit_leaves_room_for_what_the_router_adds(cluster,
+                                                                           monkeypatch):
+    """The router passes a prefill answer on with its request id, usage and the model's
+    identity: one that fitted the worker's message, by a few hundred bytes, did not fit the
+    router's (RESOURCE_EXHAUSTED to a client that asked for nothing wrong)."""
+    from client import ResourceExhaustedError
+
+    monkeypatch.setenv(ENV, str(LIMIT))
+    with Client(cluster.router_address, timeout=120) as c:
+        for seed in (103, 109):  # prompts whose answers came that close
+            base = random_prompts(1, seed=seed, lo=320, hi=320)[0]
+            served = 0
+            for n in range(200, 320):
+                try:
+                    list(c.generate(base[:n], max_tokens=1, prompt_logprobs=20,
+                                    temperature=0.0))
+                    served += 1
+                except ResourceExhaustedError as e:
+                    pytest.fail(f"{n} prompt tokens: {e}")
+                except InvalidArgumentError as e:
+                    assert "message limit" in str(e)
+                    break
+            assert 0 < served < 320 - 200
+
+
+def test_a_whole_answer_over_the_limit_is_refused_by_name_and_streams_whole(cluster,
+                                                                           monkeypatch):
+    """Complete sums the chunks: each fits a message, all of them with logprobs need not, and
+    gRPC's refusal reached the client as RESOURCE_EXHAUSTED ("busy: try later")."""
+    monkeypatch.setenv(ENV, str(LIMIT))
+    prompt = random_prompts(1, seed=11, lo=20, hi=20)[0]
+    args = dict(max_tokens=400, logprobs=20, temperature=0.0, ignore_eos=True)
+    with Client(cluster.router_address, timeout=120) as c:
+        with pytest.raises(InvalidArgumentError, match="whole answer .* stream it with Generate"):
+            c.complete(prompt, **args)
+        chunks = list(c.generate(prompt, **args))
+        assert sum(len(ch.token_ids) for ch in chunks) == 400
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 30)
+
+
 def test_decode_chunks_over_the_limit_are_refused_and_a_batch_is_split_under_it(cluster):
     """A local prefill's first chunk carries its prompt_logprobs: one over the limit is refused
     (INVALID_ARGUMENT, its blocks freed), not sent for gRPC to refuse; chunks that fit alone
