@@ -115,8 +115,11 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         # Checked each round, so the loop stops even if a cancel is swallowed (client/tasks.py).
         self._stopping = True
         try:
-            for task in (self._task, self._liveness_task, self._purge_task):
+            for task in (self._task, self._liveness_task):
                 await stop_task(task)
+            # Read after the loop stopped: a round whose cancel was swallowed may have started
+            # a purge since.
+            await stop_task(self._purge_task)
             for timer in self._retiring.values():
                 timer.cancel()
             handles = list(self._open)
@@ -134,7 +137,7 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
         while not self._stopping:
             await asyncio.sleep(self.refresh_interval_s)
             await self._health.run("the periodic registry refresh", self.refresh)
-            if self._purge_task is None or self._purge_task.done():
+            if not self._stopping and (self._purge_task is None or self._purge_task.done()):
                 self._purge_task = asyncio.create_task(self._purge_stale())
 
     async def _purge_stale(self) -> None:

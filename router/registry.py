@@ -343,6 +343,11 @@ class Registry:
 
     async def _purge(self, worker_ids: list[str], keep_transfers: bool = False) -> None:
         for wid in worker_ids:
+            # Unregistered first: a live worker's stored blocks landing while its blocks are
+            # forgotten (seconds, for a big cache) are refused from now, not left under an
+            # id whose heartbeat entry the last step drops (found by no purge after). The
+            # heartbeat entry goes last: a purge cut short is found stale again, and resumed.
+            await self.r.hdel(self._k("workers"), wid)
             await self._forget_blocks(wid)
             if not keep_transfers:
                 # A live worker purged as stale puts back those it still holds when it beats

@@ -247,6 +247,33 @@ def test_a_worker_purged_while_alive_lists_no_block_until_it_registers_again(red
     asyncio.run(body())
 
 
+def test_blocks_stored_while_a_purge_forgets_them_are_refused(redis_url):
+    """A stale worker's purge forgets its blocks step by step (seconds for a big cache), then
+    drops its entries: blocks a live worker stored in between were taken, still registered,
+    and then named an id no purge would find again."""
+    async def body():
+        reg = Registry.from_url(redis_url, "purgewindow")
+        try:
+            await reg.heartbeat(_info())
+            await reg.set_worker_blocks(W, [_h(1)])
+            await reg.r.zadd(reg._k("heartbeats"), {W: 0})  # stale
+            forget, stored = reg._forget_blocks, []
+
+            async def forget_then_store(wid: str) -> None:
+                await forget(wid)
+                stored.append(await reg.publish_events(
+                    W, [BlockStored([_h(2)], None, None, 16)]))
+
+            reg._forget_blocks = forget_then_store
+            await reg.purge_stale()
+            assert stored == [False]  # refused: the worker republishes at its next beat
+            assert await reg.r.keys("purgewindow:*block*") == []
+        finally:
+            await reg.r.aclose()
+
+    asyncio.run(body())
+
+
 async def _true(value: bool) -> bool:
     return value
 
