@@ -155,9 +155,19 @@ class OutputProcessor:
         self._unreported.discard(rid)
         text = delta = ""
         detok = self.detokenizers.get(rid)
-        if detok is not None:
-            delta = detok.finish() if finished else detok.take_delta()
-            text = detok.output_text if finished else ""
+        if detok is not None and finished:
+            # A stop token (or eos) ends the output as it is: its text, kept with
+            # include_stop_str_in_output, was cut at a stop string it completed, the stop
+            # reason still the token.
+            by_token = req.status == RequestStatus.FINISHED_STOPPED and detok.stop_str is None
+            delta = detok.finish(check_stop=not by_token)
+            text = detok.output_text
+            if req.status == RequestStatus.FINISHED_LENGTH and detok.stop_str is not None:
+                # The flush let out text held behind an unfinished character, and it holds a
+                # stop string: the output ends there, and says so (it said length).
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_str
+        elif detok is not None:
+            delta = detok.take_delta()
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=req.prompt_token_ids,

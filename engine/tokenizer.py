@@ -386,12 +386,15 @@ class IncrementalDetokenizer:
         self._emitted = limit
         return delta
 
-    def finish(self) -> str:
-        """Flushes held text (an unfinished character becomes U+FFFD); returns what is left."""
+    def finish(self, check_stop: bool = True) -> str:
+        """Flushes held text (an unfinished character becomes U+FFFD); returns what is left.
+        ``check_stop`` False: no stop string is searched in it (a stop token ended the
+        output; vLLM's rule)."""
         if not self.finished:
             if self.stop_str is None:
                 self._advance(flush=True)
-                if self._stop and not self._stop_deferred:  # no token passed min_tokens
+                # (_stop_deferred: no token passed min_tokens)
+                if self._stop and not self._stop_deferred and check_stop:
                     self.check_stop(self._stop, self._include_stop)
             self.finished = True
         return self.take_delta()
