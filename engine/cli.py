@@ -137,13 +137,16 @@ DEMO_PROMPTS = [
 ]
 
 
-def refuse_engine_flags(args: argparse.Namespace, why: str) -> None:
+def refuse_engine_flags(args: argparse.Namespace, why: str, model: bool = True) -> None:
     """A command that runs no engine here refuses engine flags set to other than their
-    defaults, rather than ignore them (a --dtype that never applies would mislead)."""
+    defaults, rather than ignore them (a --dtype that never applies would mislead);
+    ``model``: --model too (a router serves its own)."""
     base = argparse.ArgumentParser()
     _add_engine_args(base)
     given, defaults = engine_kwargs(args), engine_kwargs(base.parse_args([]))
     changed = sorted(k for k in given if given[k] != defaults[k])
+    if model and args.model != base.parse_args([]).model:
+        changed.insert(0, "model")
     if changed:
         raise ValueError(f"engine flags ({', '.join(changed)}) do not apply here: {why}")
 
@@ -153,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from engine.cli_remote import cmd_demo_serving
 
         refuse_engine_flags(args, "the demo's cluster takes only --model and --max-tokens "
-                                  "(use --offline, or pdserve up)")
+                                  "(use --offline, or pdserve up)", model=False)
         return cmd_demo_serving(args, DEMO_PROMPTS)
     from engine import LLM
 

@@ -9,6 +9,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ROLES = ("combined", "prefill", "decode")
 _KV_TRANSFER_BACKENDS = ("nixl", "torch")
 _LINEAR_BACKENDS = ("auto", "onednn", "mkl", "torch")
+# kernels.BACKENDS, here without importing torch (tests check they agree).
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # The devices the engine runs on; torch.device accepts more ("meta", "xpu") that fail later.
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 # torch.manual_seed's range (a negative seed wraps to its unsigned 64-bit value).
@@ -103,6 +105,10 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.max_cpu_threads is not None:
             _positive_int("max_cpu_threads", self.max_cpu_threads)
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            # None got as far as every request's first step (an AttributeError there).
+            raise ValueError(f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.linear_backend not in _LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {_LINEAR_BACKENDS}, "
                              f"got {self.linear_backend!r}")

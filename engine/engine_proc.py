@@ -244,7 +244,10 @@ async def _build(spec: EngineProcSpec, pipe: _Pipe
         return llm, share, EngineProcInfo(os.getpid(), llm.max_model_len,
                                           llm.kv_cache_layouts(), handles, llm.get_stats())
     except Exception as e:  # noqa: BLE001 - the worker reports it and exits
-        logger.exception("building the engine failed")
+        if isinstance(e, ValueError):  # a bad flag: the worker says it, as without a process
+            logger.error("building the engine failed: %s", e)
+        else:
+            logger.exception("building the engine failed")
         pipe.send(("failed", portable(e)))
         _discard(llm, share)
         return None

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
+from redis.connection import parse_url
 from google.protobuf.message import DecodeError
 
 from engine.block_pool import BlockRemoved, BlockStored
@@ -180,9 +182,24 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 def check_redis_url(url) -> str:
-    """A URL redis-py connects with; ValueError naming it otherwise."""
+    """A URL redis-py connects with; ValueError naming it otherwise. Parsed here, as services
+    build their configuration: a bad port or database failed once the model had loaded and
+    the server listened, and a database number Redis refuses registered nothing for good."""
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
         raise ValueError(f"redis_url must be a redis:// URL, got {url!r}")
+    try:
+        parts = parse_url(url)  # opens nothing
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"redis_url {url!r} does not parse: {e}") from None
+    path = urlparse(url).path.strip("/") if not url.startswith("unix://") else ""
+    if path and not path.isdigit():  # redis-py would take database 0
+        raise ValueError(f"redis_url {url!r}: the database must be a number, got {path!r}")
+    # Redis has 16 databases unless configured otherwise; more is a server's choice.
+    if not 0 <= parts.get("db", 0) < 1 << 16:
+        raise ValueError(f"redis_url {url!r}: database {parts['db']} is no database")
+    port = parts.get("port")
+    if port is not None and not 0 < port < 1 << 16:
+        raise ValueError(f"redis_url {url!r}: port {port} is not a port")
     return url
 
 

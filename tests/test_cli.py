@@ -224,6 +224,11 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
 
     assert cfg("--redis-url", "redis://h:1/0", "--worker-id", "decode-{port}").redis_url
     for extra, match in ((["--redis-url", "http://x"], "redis_url must be a redis:// URL"),
+                         # Failed once the model loaded and the server listened, or (a
+                         # database Redis refuses) never: the worker registered nothing.
+                         (["--redis-url", "redis://h:abc/0"], "does not parse"),
+                         (["--redis-url", "redis://h:1/abc"], "database must be a number"),
+                         (["--redis-url", "redis://h:1/99999"], "is no database"),
                          (["--worker-id", "a b"], "worker_id"),
                          (["--worker-id", "x\ny"], "worker_id")):
         with pytest.raises(ValueError, match=match):
@@ -235,6 +240,8 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
     ["chat", "--router", "127.0.0.1:1", "--tensor-parallel-size", "2"],
     ["demo", "--block-size", "32"],
     ["generate", "--router", "", "--prompt", "x"],  # not a silent run of the local engine
+    ["generate", "--router", "127.0.0.1:1", "--prompt", "x", "--model", "micro-llama"],
+    ["chat", "--router", "127.0.0.1:1", "--model", "micro-llama"],
 ])
 def test_commands_that_run_no_engine_here_refuse_engine_flags(argv, capsys):
     assert main(argv) == 2

@@ -288,6 +288,8 @@ def test_absent_or_null_kv_heads_mean_mha(tmp_path):
     ("tp_startup_timeout_s", math.inf, "tp_startup_timeout_s must be a finite number"),
     ("kv_lease_timeout_s", None, "kv_lease_timeout_s must be a finite number"),
     ("kv_lease_timeout_s", 1e300, "kv_lease_timeout_s must be at most 86400"),
+    ("attention_backend", None, "attention_backend must be one of"),
+    ("attention_backend", "flash", "attention_backend must be one of"),
     ("kv_transfer_timeout_s", "30", "kv_transfer_timeout_s must be a finite number"),
     ("kv_quarantine_s", None, "kv_quarantine_s must be a finite number"),
     ("kv_quarantine_s", -1, "kv_quarantine_s must be >= 0"),
@@ -331,3 +333,24 @@ def test_a_weight_that_is_not_floating_point_is_refused(tmp_path, name, dtype):
     edit_weights(tmp_path, lambda t: t.__setitem__(name, (t[name] * 100).to(dtype)))
     with pytest.raises(ValueError, match=f"weight {name}: .*dtype {dtype}"):
         load(tmp_path)
+
+
+def test_the_configs_attention_backends_are_the_kernels():
+    from engine import config
+    from kernels import BACKENDS
+
+    assert config._ATTENTION_BACKENDS == BACKENDS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_model_len=1), "max_model_len 1 holds no prompt and an output token"),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=1), "--max-num-batched-tokens"),
+    (dict(block_size=1, num_gpu_blocks=1), "the KV cache holds 1 tokens"),
+])
+def test_an_engine_that_could_take_no_prompt_is_refused_at_start(kwargs, match):
+    """One token of context holds no prompt and its output: such an engine started, and
+    refused every request."""
+    from engine import LLM
+
+    with pytest.raises(ValueError, match=match):
+        LLM("micro-llama", **kwargs)
