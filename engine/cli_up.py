@@ -189,13 +189,14 @@ def _check_service_flags(spec) -> None:
     # Every service reads the model only as it starts, after Redis and the others did: a
     # missing or broken one must fail here, as an aggregated spec's router_flags() (the
     # model's context length) has it fail.
-    ModelConfig.from_pretrained(resolve_model(spec.model))
+    model = ModelConfig.from_pretrained(resolve_model(spec.model))
     parser = build_parser(benchmarks=False)  # the bench modules import torch
     redis = spec.redis_url or "redis://127.0.0.1:6379/0"
     roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
     for role in roles:
-        _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url", redis,
-                                          *spec.engine_args(role, [])]), role)
+        worker = _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url",
+                                                   redis, *spec.engine_args(role, [])]), role)
+        model.check_tensor_parallel(worker.engine.tensor_parallel_size)
     router = parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
                                 "--port", str(spec.router_port), *spec.router_flags()])
     # Its keys reach it through its environment (ClusterSpec.router_env), which it reads

@@ -99,6 +99,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Refuses a TP size the model's heads cannot be split over (no torch: ``pdserve up``
+        checks it before it starts anything)."""
+        if self.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                             f"{self.num_attention_heads} attention heads")
+        kv = self.num_key_value_heads
+        if (tp % kv) if tp >= kv else (kv % tp):  # kv_head_range cannot split (or copy) them
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {kv} "
+                             f"num_key_value_heads, nor is it a multiple of them")
+        if self.intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
+                             f"intermediate_size {self.intermediate_size}")
+
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
         folder = Path(folder)

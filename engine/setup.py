@@ -95,16 +95,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> None:
     """Refuses a TP size the model's heads (or the machine's GPUs) cannot be split over."""
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
-                         f"{cfg.num_attention_heads} attention heads")
-    kv = cfg.num_key_value_heads
-    if (tp % kv) if tp >= kv else (kv % tp):  # kv_head_range cannot split (or replicate) them
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's {kv} "
-                         f"num_key_value_heads, nor is it a multiple of them")
-    if cfg.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the model's "
-                         f"intermediate_size {cfg.intermediate_size}")
+    cfg.check_tensor_parallel(tp)
     if device.type == "cuda":
         first = device.index or 0
         if first + tp > torch.cuda.device_count():

@@ -162,6 +162,8 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--api-key", "a b"], "api_key"),
     (["--admin-api-key", "a b"], "api_key"),
     (["--default-timeout-s", "inf"], "--default-timeout-s must be a finite number"),
+    # Found by the prefill worker's engine, after Redis, the router and the decode worker.
+    (["--model", "micro-llama", "-tp", "3"], "tensor_parallel_size 3 does not divide"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):
