@@ -156,11 +156,13 @@ class OutputProcessor:
         text = delta = ""
         detok = self.detokenizers.get(rid)
         if detok is not None and finished:
-            # A stop token (or eos) ends the output as it is: its text, kept with
-            # include_stop_str_in_output, was cut at a stop string it completed, the stop
-            # reason still the token.
-            by_token = req.status == RequestStatus.FINISHED_STOPPED and detok.stop_str is None
-            delta = detok.finish(check_stop=not by_token)
+            # A stop token (or eos) kept with include_stop_str_in_output ends the output as it
+            # is: its text was cut at a stop string it completed, the stop reason still the
+            # token. (Not kept, the flush holds only earlier tokens' text, searched as ever.)
+            kept_stop_token = (req.status == RequestStatus.FINISHED_STOPPED
+                               and detok.stop_str is None
+                               and req.sampling_params.include_stop_str_in_output)
+            delta = detok.finish(check_stop=not kept_stop_token)
             text = detok.output_text
             if req.status == RequestStatus.FINISHED_LENGTH and detok.stop_str is not None:
                 # The flush let out text held behind an unfinished character, and it holds a

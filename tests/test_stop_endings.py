@@ -46,3 +46,13 @@ def test_a_stop_string_the_final_flush_lets_out_ends_the_output_as_a_stop(llm, m
     out = llm.generate([[8189, 1065]], SamplingParams(max_tokens=4, stop=["Tри"]))[0]
     assert out.token_ids == script[:4] and out.text == "OS"
     assert (out.finish_reason, out.stop_reason) == ("stop", "Tри")
+
+
+def test_text_held_before_an_eos_is_still_searched_for_stop_strings(llm, monkeypatch):
+    """eos not kept in the text: the final flush holds only earlier tokens' text, which a
+    stop string in it still cuts."""
+    (eos,) = llm.engine.outputs.eos_token_ids
+    script = [46, 50, 51, 1273, eos]
+    _scripted(monkeypatch, script)
+    out = llm.generate([[8189, 1065]], SamplingParams(max_tokens=8, stop=["Tри"]))[0]
+    assert out.text == "OS" and out.finish_reason == "stop"
