@@ -82,9 +82,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("ready_fd", "parent_fd"):
             fd = getattr(self, name)
-            # Not stdin, stdout or stderr: the report closes its fd (stderr's: the log lost).
-            if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 3):
-                raise ValueError(f"{name} must be a file descriptor above 2, got {fd!r}")
+            if fd is not None and (isinstance(fd, bool) or not isinstance(fd, int) or fd < 0):
+                raise ValueError(f"{name} must be a file descriptor, got {fd!r}")
 
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
