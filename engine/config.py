@@ -127,6 +127,9 @@ class EngineConfig:
         _positive_int("max_seq_len_to_capture", self.max_seq_len_to_capture)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:  # here, before any weight loads
+                raise ValueError(f"max_model_len {self.max_model_len} holds no prompt and an "
+                                 "output token: at least 2")
         if self.num_gpu_blocks is not None:
             _positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if self.kv_cache_memory_gib is not None:

@@ -221,9 +221,6 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: in
                 + ("" if config.enable_chunked_prefill else
                    f", a step {config.max_num_batched_tokens} (--max-num-batched-tokens)"))
         return limit
-    if config.max_model_len < 2:
-        raise ValueError(f"max_model_len {config.max_model_len} holds no prompt and an output "
-                         "token: at least 2")
     if config.max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                          f"max_position_embeddings {cfg.max_position_embeddings}")

@@ -183,24 +183,36 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 def check_redis_url(url) -> str:
     """A URL redis-py connects with; ValueError naming it otherwise. Parsed here, as services
-    build their configuration: a bad port or database failed once the model had loaded and
-    the server listened, and a database number Redis refuses registered nothing for good."""
+    build their configuration: a port or database that does not parse failed once the model
+    had loaded and the server listened. (A database past the server's count still fails only
+    at the first registration.) Messages leave out the URL's password."""
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise ValueError(f"redis_url must be a redis:// URL, got {url!r}")
+        raise ValueError(f"redis_url must be a redis:// URL, got {_redacted(url)!r}")
     try:
         parts = parse_url(url)  # opens nothing
     except (ValueError, TypeError) as e:
-        raise ValueError(f"redis_url {url!r} does not parse: {e}") from None
+        raise ValueError(f"redis_url {_redacted(url)!r} does not parse: {e}") from None
     path = urlparse(url).path.strip("/") if not url.startswith("unix://") else ""
-    if path and not path.isdigit():  # redis-py would take database 0
-        raise ValueError(f"redis_url {url!r}: the database must be a number, got {path!r}")
-    # Redis has 16 databases unless configured otherwise; more is a server's choice.
+    if path and not (path.isascii() and path.isdigit()):  # redis-py would take database 0
+        raise ValueError(f"redis_url {_redacted(url)!r}: the database must be a number, got "
+                         f"{path!r}")
     if not 0 <= parts.get("db", 0) < 1 << 16:
-        raise ValueError(f"redis_url {url!r}: database {parts['db']} is no database")
-    port = parts.get("port")
-    if port is not None and not 0 < port < 1 << 16:
-        raise ValueError(f"redis_url {url!r}: port {port} is not a port")
+        raise ValueError(f"redis_url {_redacted(url)!r}: database {parts['db']} is no database")
     return url
+
+
+def _redacted(url) -> object:
+    """``url`` with any password as ***."""
+    if not isinstance(url, str):
+        return url
+    try:
+        parsed = urlparse(url)
+        if parsed.password is None:
+            return url
+        netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
+        return parsed._replace(netloc=netloc).geturl()
+    except ValueError:
+        return "<a URL that does not parse>"
 
 
 def check_namespace(namespace) -> str:

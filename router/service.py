@@ -106,7 +106,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if size > self._max_message_bytes:
             # Every chunk fitted a message, their sum need not (logprobs of every token of
             # every sequence): gRPC's own refusal read as RESOURCE_EXHAUSTED, "try later".
-            await self._abort(context, ValueError(
+            # (Counted as finished: the generation ran whole.)
+            await _refuse(context, ValueError(
                 f"the whole answer would be {size} bytes, over the {self._max_message_bytes}-"
                 f"byte message limit ({MAX_MESSAGE_ENV}): stream it with Generate, or ask for "
                 "fewer logprobs, tokens or sequences"))

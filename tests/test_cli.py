@@ -231,6 +231,7 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
                          (["--redis-url", "redis://h:abc/0"], "does not parse"),
                          (["--redis-url", "redis://h:1/abc"], "database must be a number"),
                          (["--redis-url", "redis://h:1/99999"], "is no database"),
+                         (["--redis-url", "redis://:s3cret@h:abc/0"], r"redis://:\*\*\*@h"),
                          (["--worker-id", "a b"], "worker_id"),
                          (["--worker-id", "x\ny"], "worker_id")):
         with pytest.raises(ValueError, match=match):
