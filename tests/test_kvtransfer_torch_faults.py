@@ -128,20 +128,25 @@ def test_close_ends_a_pull_waiting_on_a_stalled_owner(agents):
         raise ValueError("the test is over")
 
     owner._server._gather = stalled_gather
-    try:
-        pull = _started(lambda: reader.pull([owner.handle()], [1], [1],
-                                            timeout_s=4 * BOUND_S))
-        assert gathering.wait(BOUND_S)
-        assert wait_until(lambda: _waiting_in_recv(pull[0]), BOUND_S)  # for the owner's reply
-        reader.close()
-        # Ended by close(), not by its own timeout (past BOUND_S), and says so.
-        done = _joined(*pull)
-        assert "hung" not in done
-        # This agent closed: no peer is to blame (not a PeerGoneError, "the peer is gone").
-        assert type(done.get("error")) is TransferError, done
-        assert f"KV agent {reader.name!r} was closed" in str(done["error"])
+    try:  # waiting for the owner's reply
+        _close_mid_pull(owner, reader, gathering, _waiting_in_recv)
     finally:
         stall.set()
+
+
+def _close_mid_pull(owner, reader, reached: threading.Event, waiting) -> None:
+    """Pulls block 1 and closes ``reader`` once ``reached`` is set and ``waiting(thread)``
+    says where the pull waits: it ends by the close, not by its own timeout (past BOUND_S),
+    and says so."""
+    pull = _started(lambda: reader.pull([owner.handle()], [1], [1], timeout_s=4 * BOUND_S))
+    assert reached.wait(BOUND_S)
+    assert wait_until(lambda: waiting(pull[0]), BOUND_S)
+    reader.close()
+    done = _joined(*pull)
+    assert "hung" not in done
+    # This agent closed: no peer is to blame (not a PeerGoneError, "the peer is gone").
+    assert type(done.get("error")) is TransferError, done
+    assert f"KV agent {reader.name!r} was closed" in str(done["error"])
 
 
 def _stall_before_sending(owner) -> tuple[threading.Event, threading.Event]:
@@ -174,15 +179,7 @@ def test_close_ends_a_pull_waiting_in_the_groups_recv(agents):
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
     replied, stall = _stall_before_sending(owner)
     try:
-        pull = _started(lambda: reader.pull([owner.handle()], [1], [1],
-                                            timeout_s=4 * BOUND_S))
-        assert replied.wait(BOUND_S)
-        assert wait_until(lambda: _in_frame(pull[0], "wait_work"), BOUND_S)
-        reader.close()
-        done = _joined(*pull)
-        assert "hung" not in done
-        assert type(done.get("error")) is TransferError, done
-        assert f"KV agent {reader.name!r} was closed" in str(done["error"])
+        _close_mid_pull(owner, reader, replied, lambda t: _in_frame(t, "wait_work"))
     finally:
         stall.set()
     # close() closed the group: the owner's late send fails rather than waiting for a reader

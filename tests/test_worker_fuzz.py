@@ -100,32 +100,26 @@ def test_a_handle_whose_lease_is_about_to_end_is_not_read(workers):
     while worker_info(prefill_address).num_leased and time.monotonic() < deadline:
         time.sleep(0.05)
     assert worker_info(prefill_address).num_leased == 0
+    def refusal(rid: str) -> grpc.RpcError:
+        """The status of a Decode of the prompt from ``handle`` as it now is: refused."""
+        with pytest.raises(grpc.RpcError) as err:
+            list(decode.Decode(worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=prompt, first_token_id=resp.first_token_id,
+                sampling=SAMPLING, kv_handle=handle), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return err.value
+
     # A lease that is not a finite number of seconds (NaN, inf) would lift that bound; one
     # past a day is no lease a worker gives (its Redis record's expiry failed the batch).
     for bad in (float("nan"), float("inf"), -1.0, 86401.0, 1e300):
         handle.lease_timeout_s = bad
-        with pytest.raises(grpc.RpcError) as err:
-            list(decode.Decode(worker_pb2.DecodeRequest(
-                request_id="lease-bad", prompt_token_ids=prompt,
-                first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle),
-                timeout=30))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        refusal("lease-bad")
     handle.lease_timeout_s = 10.0
     handle.lease_id = "x" * (MAX_WORKER_REQUEST_ID_CHARS + 1)  # released by a name too long
-    with pytest.raises(grpc.RpcError) as err:
-        list(decode.Decode(worker_pb2.DecodeRequest(
-            request_id="lease-long", prompt_token_ids=prompt,
-            first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "lease_id" in err.value.details()
+    assert "lease_id" in refusal("lease-long").details()
     handle.lease_id = "lease-p"
     handle.worker_id = "w" * (MAX_WORKER_REQUEST_ID_CHARS + 1)  # names the pull's Redis key
-    with pytest.raises(grpc.RpcError) as err:
-        list(decode.Decode(worker_pb2.DecodeRequest(
-            request_id="lease-long", prompt_token_ids=prompt,
-            first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=handle), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "worker_id" in err.value.details()
+    assert "worker_id" in refusal("lease-long").details()
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
 
 
