@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,17 +105,27 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> No
                              f"{torch.cuda.device_count()}")
 
 
-def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
-                       device: torch.device) -> int:
-    """How many blocks of ``bytes_per_block`` this rank's budget holds."""
+def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device,
+                       num_ranks_on_host: int = 1) -> int:
+    """How many blocks of ``bytes_per_block`` this rank's budget holds. A cache the memory
+    cannot hold is refused here, before it is allocated (``num_ranks_on_host``: the ranks whose
+    caches of that size share the host's memory, CPU TP ranks)."""
     if config.num_gpu_blocks is not None:
-        return config.num_gpu_blocks
-    if config.kv_cache_memory_gib is not None:
-        budget = config.kv_cache_memory_gib * (1 << 30)
-    elif device.type == "cuda":
-        budget = _cuda_kv_budget(device, config.gpu_memory_utilization)
+        num_blocks = config.num_gpu_blocks
     else:
-        budget = _CPU_KV_GIB * (1 << 30)
+        if config.kv_cache_memory_gib is not None:
+            budget = config.kv_cache_memory_gib * (1 << 30)
+        elif device.type == "cuda":  # checked against the free memory as it is sized
+            return _blocks_in(_cuda_kv_budget(device, config.gpu_memory_utilization),
+                              bytes_per_block, device)
+        else:
+            budget = _CPU_KV_GIB * (1 << 30)
+        num_blocks = _blocks_in(budget, bytes_per_block, device)
+    check_kv_cache_fits(config, num_blocks * bytes_per_block, device, num_ranks_on_host)
+    return num_blocks
+
+
+def _blocks_in(budget: float, bytes_per_block: int, device: torch.device) -> int:
     num_blocks = int(budget // bytes_per_block)
     if num_blocks < 1:
         hint = (" (lower what else uses the GPU, raise --gpu-memory-utilization, or set "
@@ -122,6 +133,54 @@ def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int,
         raise ValueError(f"the KV-cache budget ({budget / (1 << 20):.1f} MiB) holds no "
                          f"{bytes_per_block / (1 << 20):.2f} MiB block{hint}")
     return num_blocks
+
+
+def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.device,
+                        num_ranks_on_host: int = 1) -> None:
+    """Refuses a KV cache of ``cache_bytes`` (this rank's) larger than the memory it would be
+    allocated in has free: torch failed inside the allocation with a traceback, or on the CPU
+    the cache was mapped and the OOM killer ended the process as it was zeroed."""
+    if device.type == "cuda":
+        free_device_memory()  # what torch holds idle counts as used until handed back
+        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has only {{}} free"
+    else:
+        free, where = available_host_memory(), "this host has only {} available"
+        cache_bytes *= num_ranks_on_host
+    if free is None or cache_bytes <= free:
+        return
+    if config.num_gpu_blocks is not None:
+        flag = f"--num-gpu-blocks {config.num_gpu_blocks}"
+    elif config.kv_cache_memory_gib is not None:
+        flag = f"--kv-cache-memory-gib {config.kv_cache_memory_gib:g}"
+    else:
+        flag = f"the CPU default of {_CPU_KV_GIB:g} GiB (--kv-cache-memory-gib)"
+    ranks = f" ({num_ranks_on_host} TP ranks' caches)" if device.type == "cpu" \
+        and num_ranks_on_host > 1 else ""
+    raise ValueError(f"{flag} asks for a KV cache of {_size(cache_bytes)}{ranks}, but "
+                     f"{where.format(_size(free))}: lower --num-gpu-blocks or "
+                     "--kv-cache-memory-gib")
+
+
+def available_host_memory() -> int | None:
+    """Bytes the host can give a new allocation without swapping (MemAvailable: free memory
+    and the page cache it may drop); free pages where /proc/meminfo is missing; None where
+    neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _size(nbytes: float) -> str:
+    gib = 1 << 30
+    return f"{nbytes / gib:.1f} GiB" if nbytes >= gib else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def free_device_memory() -> None:
@@ -204,7 +263,10 @@ def cpu_graph_enabled(spec: RankSpec) -> bool:
 def rank_capacity_blocks(spec: RankSpec, cfg: ModelConfig, group: TPGroup) -> int:
     per_block = make_layout(cfg, 1, spec.config.block_size, spec.torch_dtype, group.rank,
                             group.size).bytes_per_block
-    return kv_capacity_blocks(spec.config, per_block, spec.rank_device(group.rank))
+    device = spec.rank_device(group.rank)
+    # CPU ranks all allocate their caches in the one host's memory.
+    on_host = group.size if device.type == "cpu" else 1
+    return kv_capacity_blocks(spec.config, per_block, device, on_host)
 
 
 def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: int) -> int:

@@ -202,6 +202,28 @@ def test_a_share_the_gpu_cannot_hold_is_refused_with_a_clear_error(monkeypatch):
     assert setup._cuda_kv_budget(torch.device("cuda", 0), 0.6) == 0.6 * 80 * GIB - 1 * GIB
 
 
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(kv_cache_memory_gib=10), "--kv-cache-memory-gib 10"),
+    (dict(num_gpu_blocks=10 * 1024), "--num-gpu-blocks 10240"),
+])
+def test_an_explicit_cache_the_gpu_cannot_hold_is_refused_before_it_is_allocated(
+        monkeypatch, kwargs, flag):
+    """A budget set by flag is checked against the device's free memory, as the utilization
+    share is: torch's out-of-memory error was a traceback from inside the allocation."""
+    from engine.config import EngineConfig
+
+    dev = _FakeDevice(80 * GIB)
+    dev.patch(monkeypatch)
+    dev.used = 72 * GIB
+    cuda = torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=f"{flag} asks for a KV cache of 10.0 GiB, but cuda:0 "
+                                         "has only 8.0 GiB free"):
+        setup.kv_capacity_blocks(EngineConfig(model="micro-llama", **kwargs), 1 << 20, cuda)
+    dev.used = 70 * GIB
+    assert setup.kv_capacity_blocks(EngineConfig(model="micro-llama", **kwargs), 1 << 20,
+                                    cuda) == 10 * 1024
+
+
 def test_worker_cli_passes_gpu_memory_utilization_and_checks_it():
     from engine.cli import build_parser
     from engine.cli_serve import _worker_config

@@ -354,3 +354,29 @@ def test_an_engine_that_could_take_no_prompt_is_refused_at_start(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         LLM("micro-llama", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(num_gpu_blocks=10**9), "--num-gpu-blocks 1000000000"),
+    (dict(kv_cache_memory_gib=10**5), "--kv-cache-memory-gib 100000"),
+])
+def test_a_kv_cache_the_host_cannot_hold_is_refused_before_it_is_allocated(kwargs, flag):
+    """torch failed inside the allocation with a traceback (or, mapped lazily, the OOM killer
+    ended the process while the cache was zeroed)."""
+    from engine import LLM
+
+    with pytest.raises(ValueError, match=rf"{flag} asks for a KV cache of [0-9.]+ GiB, but "
+                                         r"this host has only [0-9.]+ [MG]iB available"):
+        LLM("micro-llama", **kwargs)
+
+
+def test_cpu_tp_ranks_caches_share_the_hosts_memory():
+    """Every CPU rank allocates its cache in the one host's memory: two of them need twice."""
+    from engine.setup import available_host_memory, kv_capacity_blocks
+
+    per_block = 1 << 20
+    blocks = int(available_host_memory() * 0.6) // per_block  # fits once, not twice
+    config = EngineConfig(model="micro-llama", num_gpu_blocks=blocks)
+    assert kv_capacity_blocks(config, per_block, torch.device("cpu")) == blocks
+    with pytest.raises(ValueError, match=r"\(2 TP ranks' caches\), but this host has only"):
+        kv_capacity_blocks(config, per_block, torch.device("cpu"), num_ranks_on_host=2)
