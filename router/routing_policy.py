@@ -116,13 +116,23 @@ class RoutingPolicy:
 
     def foreign_hint(self, role: str) -> str:
         """Why none may be available though some are registered: they serve another model
-        (router/model_match.py). "" when none does."""
+        (router/model_match.py), or have another --block-size, whose blocks this router's
+        hashes do not name. "" when none does."""
+        why = []
         n = self.foreign_now.get(role, 0)
-        if not n:
-            return ""
-        return (f" ({n} registered {role} worker{'s' if n > 1 else ''} serve"
-                f"{'' if n > 1 else 's'} another model than this router's; its log says how "
-                "they differ)")
+        if n:
+            why.append(f"{n} registered {role} worker{'s' if n > 1 else ''} serve"
+                       f"{'' if n > 1 else 's'} another model than this router's; its log says "
+                       "how they differ")
+        sizes = [w.info.block_size for w in self.workers.values()
+                 if w.info.role == role and w.info.block_size != self.block_size]
+        if sizes:
+            n = len(sizes)
+            named = ", ".join(str(b) for b in sorted(set(sizes)))
+            why.append(f"{n} registered {role} worker{'s' if n > 1 else ''} ha"
+                       f"{'ve' if n > 1 else 's'} --block-size {named}, not this router's "
+                       f"{self.block_size}")
+        return f" ({'; '.join(why)})" if why else ""
 
     async def _ask_fresh(self, workers: list[WorkerHandle]) -> None:
         """Each decode worker's own current info; one that does not answer keeps its view.

@@ -202,6 +202,30 @@ def test_a_worker_of_another_block_size_is_logged_once(redis_url, caplog):
     assert len(said) == 1 and "p32" in said[0] and "16" in said[0]
 
 
+def test_a_refusal_for_want_of_workers_names_their_other_block_size(redis_url):
+    """Clients got a bare "no prefill worker is available" while the workers were registered
+    and up; only the router's log said why."""
+    async def body():
+        d, writer = await _view(redis_url, "life7", _info("p32", "prefill", block_size=32),
+                                _info("d32", "decode", block_size=32),
+                                _info("d64", "decode", block_size=64))
+        try:
+            with pytest.raises(NoWorkerError) as prefill:
+                await d.pick_prefill([], 10)
+            with pytest.raises(NoWorkerError) as decode:
+                await d.pick_decode(10)
+            return str(prefill.value), str(decode.value)
+        finally:
+            await writer.r.aclose()
+            await d.stop()
+
+    assert asyncio.run(body()) == (
+        "no prefill worker is available (1 registered prefill worker has --block-size 32, not "
+        "this router's 16)",
+        "no decode worker is available (2 registered decode workers have --block-size 32, 64, "
+        "not this router's 16)")
+
+
 def test_block_size_notes_of_workers_gone_for_good_are_dropped(redis_url):
     """A misconfigured worker crash-looping under a new id each time (a pid in the default
     id) left one note per restart for the router's life."""
