@@ -197,6 +197,9 @@ def _check_service_flags(spec) -> None:
         worker = _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url",
                                                    redis, *spec.engine_args(role, [])]), role)
         model.check_tensor_parallel(worker.engine.tensor_parallel_size)
+        # A budget in bytes is sized on the worker's device: only --num-gpu-blocks is known.
+        worker.engine.check_max_model_len(model.max_position_embeddings,
+                                          worker.engine.num_gpu_blocks)
     router = parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
                                 "--port", str(spec.router_port), *spec.router_flags()])
     # Its keys reach it through its environment (ClusterSpec.router_env), which it reads

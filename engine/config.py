@@ -158,6 +158,21 @@ class EngineConfig:
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})")
 
+    def check_max_model_len(self, max_position_embeddings: int,
+                            num_blocks: int | None = None) -> None:
+        """Refuses a max_model_len the model's positions, or a KV cache of ``num_blocks`` (where
+        known), cannot hold. Torch-free: `pdserve up` checks it before anything starts."""
+        if self.max_model_len is None:
+            return
+        if self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len (--max-model-len) {self.max_model_len} exceeds the "
+                             f"model's max_position_embeddings {max_position_embeddings}")
+        if num_blocks is not None and self.max_model_len > num_blocks * self.block_size:
+            raise ValueError(f"max_model_len (--max-model-len) {self.max_model_len} does not "
+                             f"fit the KV cache ({num_blocks} blocks of {self.block_size} tokens "
+                             f"= {num_blocks * self.block_size}; --num-gpu-blocks, "
+                             "--kv-cache-memory-gib, --block-size)")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # True is not a count

@@ -283,12 +283,7 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig, num_blocks: in
                 + ("" if config.enable_chunked_prefill else
                    f", a step {config.max_num_batched_tokens} (--max-num-batched-tokens)"))
         return limit
-    if config.max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {cfg.max_position_embeddings}")
-    if config.max_model_len > capacity:
-        raise ValueError(f"max_model_len {config.max_model_len} does not fit the KV cache "
-                         f"({num_blocks} blocks of {config.block_size} tokens = {capacity})")
+    config.check_max_model_len(cfg.max_position_embeddings, num_blocks)
     return config.max_model_len
 
 

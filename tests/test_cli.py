@@ -117,10 +117,10 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     assert spec.worker_args == ["--scheduling-policy", "priority"]
     assert spec.kv_transfer_backend == "nixl" and spec.gpu_memory_utilization is None
     spec = up_spec(build_parser().parse_args(
-        ["up", "--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "64",
+        ["up", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "64",
          "--max-num-batched-tokens", "1024", "--enforce-eager", "--kv-transfer-backend", "torch",
          "--gpu-memory-utilization", "0.8"]))
-    assert spec.worker_args == ["--dtype", "bfloat16", "--max-model-len", "4096",
+    assert spec.worker_args == ["--dtype", "bfloat16", "--max-model-len", "1024",
                                 "--max-num-seqs", "64", "--max-num-batched-tokens", "1024",
                                 "--enforce-eager"]
     assert spec.kv_transfer_backend == "torch" and spec.gpu_memory_utilization == 0.8
@@ -164,6 +164,11 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--default-timeout-s", "inf"], "--default-timeout-s must be a finite number"),
     # Found by the prefill worker's engine, after Redis, the router and the decode worker.
     (["--model", "micro-llama", "-tp", "3"], "tensor_parallel_size 3 does not divide"),
+    # Both found by each worker's engine once its weights loaded, the others started.
+    (["--model", "micro-llama", "--max-model-len", "4096"],
+     "max_model_len (--max-model-len) 4096 exceeds the model's max_position_embeddings 2048"),
+    (["--model", "micro-llama", "--prefill", "0", "--max-model-len", "100", "--num-gpu-blocks",
+      "4"], "100 does not fit the KV cache (4 blocks of 16 tokens = 64;"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):
