@@ -308,6 +308,42 @@ class Cluster:
                                        f"{num_prefill} and {num_decode}")
                 time.sleep(0.1)
 
+    def wait_listed(self, proc: Proc, timeout_s: float = 30.0,
+                    should_abort: Callable[[], bool] | None = None) -> None:
+        """Until the router lists worker ``proc`` (one started again) as serving its model.
+        RuntimeError when it refuses it (the model's folder changed since the router read
+        it) or does not list it in time, as a cluster that is not routable fails its start.
+        Nothing to check while the router is down: the one started again reads the registry
+        afresh."""
+        from client.channels import call_metadata
+        from protos import router_pb2, router_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        last = "not listed"
+        with _channel(self.spec.router_flags(), self.router_address) as ch:
+            stub = router_pb2_grpc.RouterAdminStub(ch)
+            while self._router_running():
+                _check_abort(proc, should_abort)
+                try:
+                    listed = stub.ListWorkers(router_pb2.ListWorkersRequest(role=proc.role),
+                                              timeout=5.0,
+                                              metadata=call_metadata(self.spec.admin_key()))
+                    for info, why in zip(listed.workers, listed.model_mismatch):
+                        if info.worker_id == proc.name or info.address == proc.address:
+                            if why:
+                                raise RuntimeError(f"{proc.label} serves, but the router sends "
+                                                   f"it no requests: {why}")
+                            return
+                except grpc.RpcError as e:
+                    last = f"{e.code().name}: {e.details()}"
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router does not list {proc.label} after "
+                                       f"{timeout_s:.0f}s (last: {last})")
+                time.sleep(0.1)
+
+    def _router_running(self) -> bool:
+        return any(p.role == "router" and p.popen.poll() is None for p in self.procs)
+
     # --- stop -----------------------------------------------------------------------------
     def stop_proc(self, proc: Proc, grace_s: float | None = None) -> int:
         """SIGTERM (drain, then stop), SIGKILL after the grace period (None: the service's

@@ -6,8 +6,9 @@ a new name, and registers like any new worker; the router on its own port; the b
 on its own port (the workers then republish what they keep there). A worker that exits cleanly
 (0: it was told to stop, and drained or had not served yet) was scaled down and stays down.
 When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service
-cannot be started again, the supervisor gives up and ``pdserve up`` stops everything, as
-without supervision.
+cannot be started again (a worker healthy but refused by the router, as serving another model
+than the router's, among them: ``pdserve up`` would not start so), the supervisor gives up and
+``pdserve up`` stops everything, as without supervision.
 
 Where the launcher is PID 1 (``docker run <image> up`` without --init), the processes its
 services leave when they crash (an engine process, TP ranks) are re-parented to it: the
@@ -114,6 +115,8 @@ class Supervisor:
         it cannot be started again."""
         try:
             new = self.cluster.respawn(proc, should_abort=self.should_stop)
+            if new.role != "router":  # healthy is not enough: the router must take it
+                self.cluster.wait_listed(new, should_abort=self.should_stop)
         except StartAborted:
             self.say(f"pdserve up: a stop was asked while {proc.role} started again; "
                      "not waiting for it")

@@ -4,7 +4,9 @@ the budget stop the cluster."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -81,6 +83,26 @@ def test_a_worker_that_stops_cleanly_stays_down(cluster):
     assert worker not in cluster.procs
     assert not any(p.role == "prefill" for p in cluster.procs)
     assert "stopped cleanly" in said[-1]
+
+
+def test_a_restarted_worker_the_router_refuses_stops_the_cluster(tmp_path, preset_path):
+    """The model's folder changed under the running cluster: the worker started again serves
+    another model, which the router sends no requests. It was reported as serving, and the
+    cluster went on without it, as `pdserve up` would not have started."""
+    model = tmp_path / "model"
+    shutil.copytree(preset_path("micro-llama"), model)
+    spec = ClusterSpec(model=str(model), num_prefill=0, num_decode=1, worker_args=WORKER_ARGS)
+    with Cluster(spec) as cluster:
+        said: list[str] = []
+        sup = Supervisor(cluster, say=said.append)
+        generation = model / "generation_config.json"
+        generation.write_text(json.dumps({**json.loads(generation.read_text()),
+                                          "temperature": 0.25}))
+        _crash(_proc(cluster, "decode"))
+        assert sup.check() == 1
+        assert "decode could not be started again" in said[-1]
+        assert "the router sends it no requests: its model's config or tokenizer files " \
+               "differ from this router's" in said[-1]
 
 
 def test_a_bad_budget_is_refused():
