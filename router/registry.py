@@ -120,12 +120,32 @@ return n
 # Drops a worker's registration. A registered one leaves a tombstone with the admin's drain
 # decision: a purged worker that lives (its beat came late) registers again and takes that
 # back, not its own copy, which misses a decision made since its last beat.
+# Its heartbeat entry goes only if still stale by the purging reader's TTL (ARGV[4]; '' for a
+# deregister) and its own: a beat that landed during the purge's earlier steps registered the
+# worker again, and the blocks it republished then may have been forgotten since. It is
+# dropped again (its next beat republishes once more), but a later purge still finds it, and
+# what it republished, should it die before that beat.
 # KEYS: workers, heartbeats, drained, ttls, kvhandles:{id}, purged:{id}. ARGV: id, expiry ms,
-# "1" to drop the KV handles too.
+# "1" to drop the KV handles too, the reader's TTL.
 _PURGE_LUA = """
+redis.replicate_commands()
 local drained = redis.call('SREM', KEYS[3], ARGV[1])
-local known = redis.call('HDEL', KEYS[1], ARGV[1]) + redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
+local known = redis.call('HDEL', KEYS[1], ARGV[1])
+local beat = redis.call('ZSCORE', KEYS[2], ARGV[1])
+local fresh = false
+if beat then
+  known = known + 1
+  if ARGV[4] ~= '' then
+    local t = redis.call('TIME')
+    local age = t[1] + t[2] / 1000000 - tonumber(beat)
+    local own = tonumber(redis.call('HGET', KEYS[4], ARGV[1]))
+    fresh = age <= tonumber(ARGV[4]) or (own ~= nil and age <= own)
+  end
+end
+if not fresh then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
+end
 if ARGV[3] == '1' then redis.call('DEL', KEYS[5]) end
 if known > 0 then redis.call('SET', KEYS[6], drained, 'PX', ARGV[2]) end
 return known
@@ -342,7 +362,7 @@ class Registry:
             except UnicodeDecodeError:  # no worker's: ids are str
                 await self._drop_unreadable_id(member)
                 continue
-            await self._purge([wid])
+            await self._purge([wid], stale_by=self.ttl_s)
 
     async def _drop_unreadable_info(self, field: bytes, blob: bytes) -> None:
         if await self._drop_bad(keys=[self._k("workers")], args=[field, blob]):
@@ -370,7 +390,10 @@ class Registry:
                                               self._k("purged", worker_id)],
                                         args=[worker_id]))
 
-    async def _purge(self, worker_ids: list[str], keep_transfers: bool = False) -> None:
+    async def _purge(self, worker_ids: list[str], keep_transfers: bool = False,
+                     stale_by: float | None = None) -> None:
+        """``stale_by``: purged as stale by this TTL; the heartbeat entry stays if a beat
+        came meanwhile (_PURGE_LUA). None: dropped regardless (a deregister)."""
         for wid in worker_ids:
             # Unregistered first: a live worker's stored blocks landing while its blocks are
             # forgotten (seconds, for a big cache) are refused from now, not left under an
@@ -388,7 +411,8 @@ class Registry:
             await self._purge_entries(
                 keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
                       self._k("ttls"), self._k("kvhandles", wid), self._k("purged", wid)],
-                args=[wid, int(_PURGED_TTL_S * 1000), "0" if keep_transfers else "1"])
+                args=[wid, int(_PURGED_TTL_S * 1000), "0" if keep_transfers else "1",
+                      "" if stale_by is None else repr(float(stale_by))])
 
     # --- KV agents ------------------------------------------------------------------------
     @bounded

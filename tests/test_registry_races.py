@@ -13,6 +13,7 @@ from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
 from router.presence import WorkerPresence
 from router.redis_server import RedisServer
+from router import registry as registry_mod
 from router.registry import Registry
 
 W = "prefill-0"
@@ -409,5 +410,52 @@ def test_a_worker_restarted_under_a_drained_id_does_not_start_drained(redis_url,
         finally:
             await presence.stop()
             await router.r.aclose()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("dies", [True, False])
+@pytest.mark.parametrize("after", range(8))
+def test_a_worker_beating_again_inside_its_purge_is_found_by_the_next_one(
+        redis_url, monkeypatch, after, dies):
+    """A router purges a worker whose beats came late; its next beat lands between two steps
+    of the purge (which re-registers it) and it republishes. Whichever step that was, what
+    the purge leaves is still found: a worker that dies now is purged again, blocks and all,
+    and one that lives has its whole cache listed again after its next beat."""
+    monkeypatch.setattr(registry_mod, "_BLOCKS_PER_STEP", 1)  # each block forgotten apart
+    cache = [_h(1), _h(2), _h(3)]
+
+    async def body():
+        ns = f"beatinpurge{after}{int(dies)}"
+        router, worker = Registry.from_url(redis_url, ns), Registry.from_url(redis_url, ns)
+
+        async def beat() -> None:  # the worker's presence: a beat, and its republish
+            if (await worker.heartbeat(_info())).dropped:
+                await worker.set_worker_blocks(W, cache)
+
+        try:
+            await worker.heartbeat(_info("warm-up"))
+            await router.r.zadd(router._k("heartbeats"), {"warm-up": 0})
+            await router.purge_stale()  # loads the scripts: no NOSCRIPT round trip below
+            await beat()  # registers, and lists its cache
+            await router.r.zadd(router._k("heartbeats"), {W: 0})  # its beats came late
+            # Its steps: the stale read, unregister, 3 + 1 block forgets (more if the
+            # republish came first), the ledger's read, the last step.
+            with _AfterCommand(router, after, beat) as hook:
+                await router.purge_stale()
+            assert hook.sent > after  # the beat landed
+            assert await _naming(router, W) == await _wblocks(router, W)
+            if dies:
+                # Its heartbeat comes no more: one a purge still knows of goes stale.
+                await router.r.zadd(router._k("heartbeats"), {W: 0}, xx=True)
+                await router.purge_stale()
+                assert await router.r.keys(f"{ns}:*block*") == []
+            else:
+                await beat()
+                assert [i.worker_id for i in await router.live_workers()] == [W]
+                assert await _naming(router, W) == {h.hex() for h in cache}
+        finally:
+            for reg in (router, worker):
+                await reg.r.aclose()
 
     asyncio.run(body())
