@@ -4,6 +4,7 @@ Every service's flags are checked here first, as each will build its configurati
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -185,6 +186,7 @@ def _check_service_flags(spec) -> None:
     from engine.cli import build_parser
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
+    from router.registry import check_redis_database
 
     # Every service reads the model only as it starts, after Redis and the others did: a
     # missing or broken one must fail here, as an aggregated spec's router_flags() (the
@@ -207,6 +209,8 @@ def _check_service_flags(spec) -> None:
     router.api_key = router.api_key or spec.api_key
     router.admin_api_key = router.admin_api_key or spec.admin_api_key
     _router_config(router)
+    if spec.redis_url is not None:  # else pdserve up starts its own
+        asyncio.run(check_redis_database(spec.redis_url))
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

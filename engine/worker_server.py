@@ -8,6 +8,7 @@ from engine.grpc_server import GrpcServer, serve
 from engine.process_exit import stop_asked
 from engine.worker_metrics import worker_metrics
 from engine.worker_runtime import WorkerConfig, WorkerRuntime
+from router.registry import check_redis_database
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +19,8 @@ async def run_worker(config: WorkerConfig, service_name: str,
     """Serves until SIGTERM/SIGINT, or until its engine dies; then leaves the registry, drains,
     drops its transfer-ledger entries and stops. A dead engine ends the process with a
     non-zero status; a stop asked while the model loaded, with 0, never having served."""
+    if config.redis_url is not None:  # before the model loads (minutes, for a large one)
+        await check_redis_database(config.redis_url)
     rt = await WorkerRuntime.create(config)
     if rt.engine_failure is not None:  # it died as the worker started: nothing to serve with
         rt.shutdown()

@@ -15,7 +15,7 @@ from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.metrics import router_metrics
 from router.prompts import load_served_model
-from router.registry import Registry
+from router.registry import Registry, check_redis_database
 from router.router_presence import RouterPresence, default_router_id
 from router.service import RouterServicer
 from router.stats import RouterStats
@@ -27,6 +27,7 @@ SERVICE_NAMES = [router_pb2.DESCRIPTOR.services_by_name[n].full_name
 
 
 async def serve_router(config: RouterConfig) -> None:
+    await check_redis_database(config.redis_url)
     model = await asyncio.to_thread(load_served_model, config.model, config.generation_config,
                                     config.chat_template_text, config.served_model_name)
     if model.sampling_defaults:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -437,3 +439,34 @@ def test_a_worker_leaving_for_a_drain_keeps_its_kv_handles_until_it_stops(redis_
             await reader.r.aclose()
 
     _run(body())
+
+
+def test_a_database_past_the_servers_count_is_refused_as_a_service_starts(redis_url, capsys,
+                                                                         monkeypatch):
+    """Redis refuses to SELECT a database past its `databases` setting (16 by default), on
+    every connection: a router or worker started on one retried registering for good, never
+    routed to nor routing. Each refuses it as it starts, before it loads its model, and so
+    does pdserve up before it starts any; a server not answering yet is no error."""
+    from engine.cli import main
+    from router import launcher
+
+    url = redis_url.rsplit("/", 1)[0] + "/20"
+    said = f"redis_url '{url}': the Redis server has no database 20: it has 16 (0 to 15"
+    with pytest.raises(ValueError) as e:
+        _run(registry_mod.check_redis_database(url))
+    assert said in str(e.value)
+    for fine in (redis_url.rsplit("/", 1)[0] + "/15", "redis://127.0.0.1:1/20"):
+        assert _run(registry_mod.check_redis_database(fine)) is None
+
+    def no_start(self, *args, **kwargs):
+        raise AssertionError("a service was started")
+
+    monkeypatch.setattr(launcher.Cluster, "start", no_start)
+    assert main(["up", "--redis-url", url]) == 2
+    assert said in capsys.readouterr().err
+    for role in ("router", "prefill", "decode"):  # each as it starts alone
+        proc = subprocess.run([sys.executable, "-m", "engine.cli", role, "--model", "tiny-llama",
+                               "--redis-url", url, "--port", "0"], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert said in proc.stderr
