@@ -175,20 +175,15 @@ local hexes = redis.call('SPOP', KEYS[1], ARGV[3])
 for _, hx in ipairs(hexes) do redis.call('SREM', ARGV[2] .. hx, ARGV[1]) end
 return #hexes
 """
-# Adds blocks ARGV[3..] (at most _BLOCKS_PER_STEP) to a worker's. KEYS[1]: wblocks:{id}.
+# Adds blocks ARGV[3..] (at most _BLOCKS_PER_STEP) to a worker's (KEYS[1]: wblocks:{id}); 1 if
+# it did. With KEYS[2] (workers), only while the worker is registered there, else 0: a KV
+# event's stored blocks. A worker purged as stale while alive would list them under an id no
+# heartbeat names, and were it to die before its next beat (which registers it again and
+# republishes), no purge would find them.
 _ADD_BLOCKS_LUA = """
+if KEYS[2] and redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
 for i = 3, #ARGV do redis.call('SADD', ARGV[2] .. ARGV[i], ARGV[1]) end
 redis.call('SADD', KEYS[1], unpack(ARGV, 3))
-return 0
-"""
-# A worker's KV event's stored blocks ARGV[3..] (at most _BLOCKS_PER_STEP), only while it is
-# registered (KEYS[1]: workers; KEYS[2]: wblocks:{id}); 0 if it is not. A worker purged as
-# stale while alive would list blocks under an id no heartbeat names, and were it to die
-# before its next beat (which registers it again and republishes), no purge would find them.
-_STORE_BLOCKS_LUA = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-for i = 3, #ARGV do redis.call('SADD', ARGV[2] .. ARGV[i], ARGV[1]) end
-redis.call('SADD', KEYS[2], unpack(ARGV, 3))
 return 1
 """
 # Drops an entry that does not parse, if it still holds the bytes read: its worker may have
@@ -320,7 +315,6 @@ class Registry:
         self._purge_entries = client.register_script(_PURGE_LUA)
         self._forget_some = client.register_script(_FORGET_BLOCKS_LUA)
         self._add_some = client.register_script(_ADD_BLOCKS_LUA)
-        self._store_some = client.register_script(_STORE_BLOCKS_LUA)
         self._drop_bad = client.register_script(_DROP_BAD_LUA)
         self.ledger = TransferLedger(self)
 
@@ -497,8 +491,8 @@ class Registry:
                     hexes = [h.hex() for h in ev.block_hashes]
                     for i in range(0, len(hexes), _BLOCKS_PER_STEP):
                         stores.append(len(p))
-                        await self._store_some(
-                            keys=[self._k("workers"), wkey], client=p,
+                        await self._add_some(
+                            keys=[wkey, self._k("workers")], client=p,
                             args=[worker_id, self._k("block", ""),
                                   *hexes[i:i + _BLOCKS_PER_STEP]])
                 elif isinstance(ev, BlockRemoved):
