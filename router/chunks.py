@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 from protos import router_pb2, worker_pb2
+from protos.limits import ENV as MAX_MESSAGE_ENV
+from protos.stream_interval import merge_chunk
 from router.migration import RequestRun
 from router.parallel import request_usage
 
@@ -73,3 +75,35 @@ def complete_response(seqs: list[router_pb2.GenerateChunk]) -> router_pb2.Comple
     if len(choices) > 1:
         resp.choices.extend(choices)
     return resp
+
+
+class WholeAnswer:
+    """Complete's answer: each sequence's chunks merged as they come, then the response,
+    made (``close``) before the request counts as finished, so that one over the message
+    limit counts as failed, as the client sees it."""
+
+    def __init__(self, model: router_pb2.ModelIdentity, max_message_bytes: int) -> None:
+        self.model = model
+        self.max_message_bytes = max_message_bytes
+        self.merged: dict[int, router_pb2.GenerateChunk] = {}  # per sequence index
+        self.response: router_pb2.CompleteResponse | None = None
+
+    def add(self, chunk: router_pb2.GenerateChunk) -> None:
+        if chunk.index in self.merged:
+            merge_chunk(self.merged[chunk.index], chunk)
+        else:
+            self.merged[chunk.index] = chunk
+
+    def close(self) -> None:
+        resp = complete_response([self.merged[i] for i in sorted(self.merged)])
+        resp.model.CopyFrom(self.model)
+        size = resp.ByteSize()
+        if size > self.max_message_bytes:
+            # Every chunk fitted a message, their sum need not (logprobs of every token of
+            # every sequence): refused by name, where gRPC's own refusal would read as
+            # RESOURCE_EXHAUSTED, "try later".
+            raise ValueError(
+                f"the whole answer would be {size} bytes, over the {self.max_message_bytes}-"
+                f"byte message limit ({MAX_MESSAGE_ENV}): stream it with Generate, or ask for "
+                "fewer logprobs, tokens or sequences")
+        self.response = resp

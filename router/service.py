@@ -29,10 +29,9 @@ from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused, write_message
 from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
-from protos.limits import ENV as MAX_MESSAGE_ENV
 from protos.limits import max_message_bytes
 from router.access_log import log_request
-from router.chunks import (complete_response, finish_chunk, prompt_cached_tokens,
+from router.chunks import (WholeAnswer, finish_chunk, prompt_cached_tokens,
                            record_first_decode_chunk, without_prompt_logprobs)
 from router.config import RouterConfig
 from router.decode_wait import DecodeWait
@@ -48,7 +47,7 @@ from router.placement import Placer
 from router.prompts import ServedModel
 from router.worker_handle import CountedStream
 from router.stats import RouterStats, SequenceEnd
-from protos.stream_interval import every_n_tokens, merge_chunk
+from protos.stream_interval import every_n_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -91,27 +90,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await self._abort(context, e)
 
     async def Complete(self, request: router_pb2.GenerateRequest, context):
-        merged: dict[int, router_pb2.GenerateChunk] = {}  # per sequence index
+        answer = WholeAnswer(self.model.identity, self._max_message_bytes)
         try:
-            async for chunk in self._generate(request, context, time.monotonic()):
-                if chunk.index in merged:
-                    merge_chunk(merged[chunk.index], chunk)
-                else:
-                    merged[chunk.index] = chunk
+            async for chunk in self._generate(request, context, time.monotonic(),
+                                              answer.close):
+                answer.add(chunk)
         except Exception as e:  # noqa: BLE001
             await self._abort(context, e)
-        resp = complete_response([merged[i] for i in sorted(merged)])
-        resp.model.CopyFrom(self.model.identity)
-        size = resp.ByteSize()
-        if size > self._max_message_bytes:
-            # Every chunk fitted a message, their sum need not (logprobs of every token of
-            # every sequence): gRPC's own refusal read as RESOURCE_EXHAUSTED, "try later".
-            # (Counted as finished: the generation ran whole.)
-            await _refuse(context, ValueError(
-                f"the whole answer would be {size} bytes, over the {self._max_message_bytes}-"
-                f"byte message limit ({MAX_MESSAGE_ENV}): stream it with Generate, or ask for "
-                "fewer logprobs, tokens or sequences"))
-        return resp
+        return answer.response
 
     async def _abort(self, context, e: Exception) -> None:
         await _refuse(context, e)  # counted in requests_failed by _generate
@@ -171,7 +157,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise RouterRejectError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         return remaining
 
-    async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float):
+    async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float,
+                        before_finish: Callable[[], None] | None = None):
+        """The request's chunks. ``before_finish``: called after the last one, before the
+        request counts as finished; what it raises fails the request (Complete's answer)."""
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         runs: list[RequestRun] = []
         status, error, finish = "OK", "", ""
@@ -229,6 +218,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                             entry.writing = False
                             if entry.cancelled:  # it came during the write
                                 raise asyncio.CancelledError
+                    if before_finish is not None:
+                        before_finish()
                     self.stats.request_finished(
                         finish, [SequenceEnd(r.usage, len(r.emitted)) for r in runs])
                 except asyncio.CancelledError:

@@ -11,7 +11,8 @@ import pytest
 from client import Client, InvalidArgumentError
 from protos.limits import ENV, MIN_MESSAGE_BYTES, max_message_bytes, message_size_options
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import random_prompts, wait_all_blocks_free
+from tests.serving_helpers import (free_port, parse_metrics, random_prompts, scrape,
+                                   wait_all_blocks_free)
 
 LIMIT = 128 * 1024
 # Leases far longer than the wait below: blocks that come back came back through a release.
@@ -33,8 +34,11 @@ def test_the_limit_is_validated():
 def cluster():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(LIMIT))  # every process of the cluster inherits it
+        port = free_port()
         with Cluster(ClusterSpec(worker_args=_ARGS,
-                                 router_args=["--max-local-prefill-length", "0"])) as c:
+                                 router_args=["--max-local-prefill-length", "0",
+                                              "--metrics-port", str(port)])) as c:
+            c.metrics_port = port
             yield c
 
 
@@ -80,16 +84,29 @@ def test_an_answer_just_under_the_limit_leaves_room_for_what_the_router_adds(clu
 def test_a_whole_answer_over_the_limit_is_refused_by_name_and_streams_whole(cluster,
                                                                            monkeypatch):
     """Complete sums the chunks: each fits a message, all of them with logprobs need not, and
-    gRPC's refusal reached the client as RESOURCE_EXHAUSTED ("busy: try later")."""
+    gRPC's refusal reached the client as RESOURCE_EXHAUSTED ("busy: try later"). The refused
+    one counted as finished in the router's metrics, though its caller got an error."""
     monkeypatch.setenv(ENV, str(LIMIT))
     prompt = random_prompts(1, seed=11, lo=20, hi=20)[0]
     args = dict(max_tokens=400, logprobs=20, temperature=0.0, ignore_eos=True)
     with Client(cluster.router_address, timeout=120) as c:
+        before = _outcomes(cluster)
         with pytest.raises(InvalidArgumentError, match="whole answer .* stream it with Generate"):
             c.complete(prompt, **args)
+        # It ended with an error status: failed, not finished (it was, before the refusal).
+        assert _outcomes(cluster) == (before[0] + 1, before[1])
         chunks = list(c.generate(prompt, **args))
+        assert _outcomes(cluster) == (before[0] + 1, before[1] + 1)
         assert sum(len(ch.token_ids) for ch in chunks) == 400
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 30)
+
+
+def _outcomes(cluster) -> tuple[float, float]:
+    """The router's (failed, finished with reason "length") request counts."""
+    m = parse_metrics(scrape(cluster.metrics_port)[2])
+    length = frozenset({("finish_reason", "length")})
+    return (m[("pdserve_router_requests_failed_total", frozenset())],
+            m.get(("pdserve_router_requests_finished_total", length), 0.0))
 
 
 def test_decode_chunks_over_the_limit_are_refused_and_a_batch_is_split_under_it(cluster):
