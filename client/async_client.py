@@ -160,7 +160,8 @@ class AsyncClient:
         req = build_request(prompt, request_id, sampling, expect_model)
         tries = self._attempts(timeout)
         msg = await self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
-        return completion_from_proto(msg, req.request_id, tries.moves)
+        return completion_from_proto(msg, req.request_id, tries.moves,
+                                     req.sampling.HasField("prompt_logprobs"))
 
     async def tokenize(self, prompt: str | list | Chat, *,
                        timeout: float | None = None) -> Tokenized:

@@ -123,6 +123,9 @@ class Attempts:
         # of the call (the router lost before it sent the closing status) ends nothing.
         self.num_sequences = 1
         self.finished: set[int] = set()
+        # The request asked for prompt_logprobs and sequence 0's first chunk, which carries
+        # them, is still to come (take_chunk).
+        self.prompt_logprobs_due = False
         # The id the caller's chunks carry (take_chunk): the first one's.
         self.request_id: str | None = None
         # The model of the stream's first chunk: a continuation expects it (attempt_request).
@@ -140,6 +143,7 @@ class Attempts:
         """For a Generate stream: whether it can go on elsewhere, and what ends it."""
         self.resumable = resumable(req)
         self.num_sequences = req.sampling.n if req.sampling.HasField("n") else 1
+        self.prompt_logprobs_due = req.sampling.HasField("prompt_logprobs")
 
     @property
     def complete(self) -> bool:
@@ -240,7 +244,12 @@ def take_chunk(msg: router_pb2.GenerateChunk, received: list[int],
                tries: Attempts) -> GenerationChunk:
     """A streamed chunk, its tokens noted for a continuation; the final usage counts the
     client's own moves beside the router's."""
-    chunk = chunk_from_proto(msg)
+    # A continuation carries no prompt logprobs: they came with the first attempt's first
+    # chunk, and the router leaves them out of a request that resumes after it.
+    due = tries.prompt_logprobs_due and msg.index == 0
+    if due:
+        tries.prompt_logprobs_due = False
+    chunk = chunk_from_proto(msg, scored_prompt=due)
     # The caller reads one request: a continuation's chunks carry the id the first attempt's
     # did (the caller's, or the one the first router chose), not the retry's.
     if tries.request_id is None:

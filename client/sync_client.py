@@ -113,7 +113,8 @@ class Client:
         req = build_request(prompt, request_id, sampling, expect_model)
         tries = self._attempts(timeout)
         msg = self._unary("Complete", lambda n: attempt_request(req, [], n), tries)
-        return completion_from_proto(msg, req.request_id, tries.moves)
+        return completion_from_proto(msg, req.request_id, tries.moves,
+                                     req.sampling.HasField("prompt_logprobs"))
 
     def tokenize(self, prompt: str | list | Chat, *, timeout: float | None = None) -> Tokenized:
         """The token ids Generate would send for a text or a chat (its template applied)."""

@@ -82,7 +82,8 @@ class GenerationChunk:
     index: int = 0
     # With prompt_logprobs, on sequence 0's first chunk (vLLM's shape): None for the first
     # prompt token, which nothing precedes, then each prompt token's logprob given the ones
-    # before it, with its rank and top tokens. None elsewhere (and for a one-token prompt).
+    # before it, with its rank and top tokens ([None] for a one-token prompt, as in process).
+    # None elsewhere.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # On the stream's first chunk: the model that answers (None on the others). A stream
     # that fails over goes on only on a router of this model.
@@ -323,8 +324,10 @@ def _logprobs(items) -> list[TokenLogprobs]:
     return [TokenLogprobs(one(t.sampled), [one(x) for x in t.top]) for t in items]
 
 
-def _prompt_logprobs(items) -> list[TokenLogprobs | None] | None:
-    return [None, *_logprobs(items)] if items else None
+def _prompt_logprobs(items, scored: bool) -> list[TokenLogprobs | None] | None:
+    """``scored``: the message carries the prompt's logprobs. The wire has prompt tokens 1..
+    only, so a one-token prompt's are an empty list there, which cannot say so itself."""
+    return [None, *_logprobs(items)] if items or scored else None
 
 
 def _stop(msg, has: bool) -> int | str | None:
@@ -341,13 +344,17 @@ def _usage(u) -> Usage:
                  u.prefill_worker_id, u.decode_worker_id, u.local_prefill, u.migrations)
 
 
-def chunk_from_proto(m: router_pb2.GenerateChunk) -> GenerationChunk:
+def chunk_from_proto(m: router_pb2.GenerateChunk,
+                     scored_prompt: bool = False) -> GenerationChunk:
+    """``scored_prompt``: it is the first chunk of sequence 0 of a request that asked for
+    prompt_logprobs (and not a continuation, which carries none)."""
     return GenerationChunk(
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text_delta,
         logprobs=_logprobs(m.logprobs), finish_reason=m.finish_reason or None,
         stop_reason=_stop(m.stop_reason, m.HasField("stop_reason")),
         usage=_usage(m.usage) if m.HasField("usage") else None, index=m.index,
-        prompt_logprobs=_prompt_logprobs(m.prompt_logprobs), model=_identity(m, "model"))
+        prompt_logprobs=_prompt_logprobs(m.prompt_logprobs, scored_prompt),
+        model=_identity(m, "model"))
 
 
 def _choice(m, index: int) -> Choice:
@@ -358,10 +365,11 @@ def _choice(m, index: int) -> Choice:
 
 
 def completion_from_proto(m: router_pb2.CompleteResponse, request_id: str = "",
-                          moves: int = 0) -> Completion:
+                          moves: int = 0, scored_prompt: bool = False) -> Completion:
     """``request_id``: the caller's (a retry went out under ``<id>~rN``, the caller's all the
     same); ``moves``: the client's failovers, counted in every choice's migrations (each
-    sequence moved), and the request's summed over them, as the router sums its own."""
+    sequence moved), and the request's summed over them, as the router sums its own;
+    ``scored_prompt``: the request asked for prompt_logprobs."""
     choices = [_choice(c, c.index) for c in m.choices]
     if not choices:  # n = 1: the request's usage is its one sequence's
         choices = [_choice(m, 0)]
@@ -373,4 +381,5 @@ def completion_from_proto(m: router_pb2.CompleteResponse, request_id: str = "",
         moves *= len(choices)
     usage.migrations += moves
     return Completion(request_id or m.request_id, choices, usage,
-                      _prompt_logprobs(m.prompt_logprobs), _identity(m, "model"))
+                      _prompt_logprobs(m.prompt_logprobs, scored_prompt),
+                      _identity(m, "model"))

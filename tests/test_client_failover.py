@@ -300,6 +300,22 @@ def test_attempts_know_when_every_sequence_has_ended():
     assert tries.complete
 
 
+def test_a_one_token_prompts_logprobs_are_none_alone_on_sequence_0s_first_chunk():
+    """The wire carries prompt tokens 1.. (none for a one-token prompt); the caller gets
+    [None], as from the engine in process, on sequence 0's first chunk only: not on another
+    sequence's, nor on a continuation's (the router leaves them out of one)."""
+    tries = Attempts(FailoverPolicy(), 1, 0, None)
+    tries.track(router_pb2.GenerateRequest(
+        sampling=common_pb2.SamplingParams(n=2, prompt_logprobs=1)))
+    chunks = [take_chunk(router_pb2.GenerateChunk(index=i, token_ids=[5]), [], tries)
+              for i in (1, 0, 0)]
+    assert [ch.prompt_logprobs for ch in chunks] == [None, [None], None]
+    unasked = Attempts(FailoverPolicy(), 1, 0, None)
+    unasked.track(router_pb2.GenerateRequest())
+    assert take_chunk(router_pb2.GenerateChunk(token_ids=[5]), [], unasked).prompt_logprobs \
+        is None
+
+
 @pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), 1e10, True, "5"])
 def test_bad_timeouts_are_refused_before_any_call(timeout):
     from client import Client

@@ -421,6 +421,22 @@ def test_prompt_logprobs_come_with_the_first_token(cluster, reference):
     wait_all_blocks_free(_workers(cluster))
 
 
+def test_a_one_token_prompts_logprobs_are_none_alone_as_in_process(cluster, reference):
+    """The engine gives a one-token prompt [None] (nothing precedes its token); the SDK gave
+    None, as if none were asked for: the wire carries prompt tokens 1.., here none."""
+    prompt = random_prompts(1, seed=73, lo=1, hi=1)[0]
+    greedy = dict(max_tokens=3, temperature=0.0, ignore_eos=True)
+    want = reference.generate([prompt], SamplingParams(prompt_logprobs=2, **greedy))[0]
+    assert want.prompt_logprobs == [None]
+    with Client(cluster.router_address, timeout=60) as c:
+        chunks = list(c.generate(prompt, prompt_logprobs=2, **greedy))
+        assert chunks[0].prompt_logprobs == [None]
+        assert all(ch.prompt_logprobs is None for ch in chunks[1:])
+        assert c.complete(prompt, prompt_logprobs=2, **greedy).prompt_logprobs == [None]
+        assert c.complete(prompt, **greedy).prompt_logprobs is None
+    wait_all_blocks_free(_workers(cluster))
+
+
 def test_a_continuations_cached_tokens_count_prompt_tokens_only(cluster, reference):
     import grpc
 
