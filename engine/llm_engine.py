@@ -97,12 +97,17 @@ class LLMEngine(EngineKVTransfer):
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams,
+                        resume: list[int] = ()) -> None:
+        """``resume``: output tokens a resumed request brings, which follow the prompt in its
+        context (checked as such, each token once, a bad one named for what it is)."""
+        self._check_vocab(resume, "resumed output token id")
+        num_tokens = len(token_ids) + len(resume)
+        if not num_tokens:
             raise ValueError("prompt is empty")
         self._check_vocab(token_ids, "prompt token id")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is "
                              f"{self.max_model_len} (room for at least one output token is needed)")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -148,9 +153,7 @@ class LLMEngine(EngineKVTransfer):
                         params: SamplingParams) -> Replay:
         """Validates a prompt and the output it resumes from (possibly none), replayed."""
         resume = list(resume_token_ids)
-        # Named for what they are: checked with the prompt, a bad one read as a prompt's.
-        self._check_vocab(resume, "resumed output token id")
-        self.validate_prompt(list(prompt_token_ids) + resume, params)
+        self.validate_prompt(prompt_token_ids, params, resume)
         if resume and len(resume) >= params.max_tokens:
             raise ValueError(f"{len(resume)} resumed output tokens leave nothing to generate "
                              f"(max_tokens={params.max_tokens})")

@@ -286,6 +286,10 @@ def test_a_resume_that_leaves_nothing_to_generate_is_refused(model):
         engine.add_request("a", [5, 6, 7], params, resume_token_ids=[10**7])
     with pytest.raises(ValueError, match="first token id 10000000 is outside"):
         engine.add_prefilled_request("a", [5, 6, 7], 10**7, params)
+    # The resumed tokens are the context's too: counted with the prompt's.
+    n = engine.max_model_len
+    with pytest.raises(ValueError, match=f"prompt has {n} tokens; max_model_len is {n}"):
+        engine.add_request("a", [5] * (n - 2), params, resume_token_ids=[8, 9])
     assert not engine.has_unfinished_requests()
 
 
