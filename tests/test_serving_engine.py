@@ -49,10 +49,26 @@ class _Engine:
         pass
 
 
-async def _cancel_while_blocked(make_call) -> _Engine:
+def _serve(engine, body, within_s: float | None = None, **kw):
+    """``await body(ae)`` in a new event loop, ``ae`` an AsyncEngine over ``engine`` (``kw``:
+    its options), shut down after; a gated test engine's gate opens first, so that no call
+    still waits on it. ``within_s``: the whole run's bound."""
+    async def run():
+        ae = AsyncEngine(engine, **kw)
+        try:
+            return await body(ae)
+        finally:
+            if isinstance(engine, _Engine):
+                engine.gate.set()
+            ae.shutdown()
+
+    return asyncio.run(run() if within_s is None else asyncio.wait_for(run(), within_s))
+
+
+def _cancel_while_blocked(make_call) -> _Engine:
     engine = _Engine()
-    ae = AsyncEngine(engine)
-    try:
+
+    async def body(ae):
         task = asyncio.ensure_future(make_call(ae))
         await asyncio.sleep(0.05)  # the call is in the pool, waiting on the engine
         task.cancel()
@@ -63,15 +79,13 @@ async def _cancel_while_blocked(make_call) -> _Engine:
         deadline = time.monotonic() + 5
         while not engine.aborted and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        return engine
-    finally:
-        engine.gate.set()
-        ae.shutdown()
+
+    _serve(engine, body)
+    return engine
 
 
 def test_an_allocation_that_lands_after_its_caller_left_is_aborted():
-    engine = asyncio.run(_cancel_while_blocked(
-        lambda ae: ae.allocate_prefilled("r1", [1, 2, 3], 4, None)))
+    engine = _cancel_while_blocked(lambda ae: ae.allocate_prefilled("r1", [1, 2, 3], 4, None))
     assert engine.done == ["r1"] and engine.aborted == ["r1"]
 
 
@@ -80,7 +94,7 @@ def test_a_commit_that_lands_after_its_caller_left_is_aborted():
         async for out in ae.commit_prefilled("r2"):
             return out
 
-    engine = asyncio.run(_cancel_while_blocked(first_output))
+    engine = _cancel_while_blocked(first_output)
     assert engine.done == ["r2"] and engine.aborted == ["r2"]
 
 
@@ -91,25 +105,22 @@ def test_an_idle_engine_that_cannot_step_any_more_dies_and_says_so():
     from engine.async_engine import EngineDeadError
     from engine.executor import ExecutorError
 
-    async def run():
-        engine = _Engine()
-        engine.gate.set()
-        deaths = []
-        ae = AsyncEngine(engine, on_dead=deaths.append)
-        try:
-            stream = ae.commit_prefilled("r3")
-            waiting = asyncio.ensure_future(anext(stream))
-            await asyncio.sleep(0.05)
-            assert not waiting.done() and ae.alive
-            engine.broken = ExecutorError("tensor-parallel rank 1 died")
-            with pytest.raises(EngineDeadError, match="rank 1 died"):
-                await asyncio.wait_for(waiting, 5)
-            await asyncio.sleep(0.05)
-            return deaths, ae.alive
-        finally:
-            ae.shutdown()
+    engine = _Engine()
+    engine.gate.set()
+    deaths = []
 
-    deaths, alive = asyncio.run(run())
+    async def body(ae):
+        stream = ae.commit_prefilled("r3")
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and ae.alive
+        engine.broken = ExecutorError("tensor-parallel rank 1 died")
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            await asyncio.wait_for(waiting, 5)
+        await asyncio.sleep(0.05)
+        return ae.alive
+
+    alive = _serve(engine, body, on_dead=deaths.append)
     assert [str(e) for e in deaths] == ["tensor-parallel rank 1 died"] and not alive
 
 
@@ -169,19 +180,14 @@ class _Busy(_Engine):
 def test_fresh_stats_answer_with_the_last_steps_while_a_long_step_holds_the_engine():
     """The router's probe asks a worker for its info with a 1 s timeout; a worker in a long
     prefill step must still answer, or a healthy worker is marked down."""
-    async def run():
-        engine = _Busy()
-        ae = AsyncEngine(engine)
-        try:
-            during = await asyncio.wait_for(ae.fresh_stats(wait_s=0.05), 2)
-            engine.gate.set()
-            after = await ae.fresh_stats(wait_s=5)
-            return during, after
-        finally:
-            engine.gate.set()
-            ae.shutdown()
+    engine = _Busy()
 
-    during, after = asyncio.run(run())
+    async def body(ae):
+        during = await asyncio.wait_for(ae.fresh_stats(wait_s=0.05), 2)
+        engine.gate.set()
+        return during, await ae.fresh_stats(wait_s=5)
+
+    during, after = _serve(engine, body)
     assert during == 1  # the last stats, not a wait for the step
     assert after > 1  # taken now once the engine is free
 
@@ -190,20 +196,16 @@ def test_stats_callers_during_a_long_step_leave_the_thread_pool_free():
     """Each fresh_stats during a long (or wedged) step held a thread of the default pool
     until the step ended: a few GetWorkerInfo callers and the KV pulls, allocations and
     commits that run there waited for the step too."""
-    async def run():
-        engine = _Busy()
-        ae = AsyncEngine(engine)
-        try:
-            for _ in range(40):  # more than the default pool's threads
-                await ae.fresh_stats(wait_s=0.001)
-            # Answered while the step still holds the engine.
-            pulled = await asyncio.wait_for(asyncio.to_thread(lambda: "pulled"), 30)
-            return pulled, engine.gate.is_set()
-        finally:
-            engine.gate.set()
-            ae.shutdown()
+    engine = _Busy()
 
-    assert asyncio.run(run()) == ("pulled", False)
+    async def body(ae):
+        for _ in range(40):  # more than the default pool's threads
+            await ae.fresh_stats(wait_s=0.001)
+        # Answered while the step still holds the engine.
+        pulled = await asyncio.wait_for(asyncio.to_thread(lambda: "pulled"), 30)
+        return pulled, engine.gate.is_set()
+
+    assert _serve(engine, body) == ("pulled", False)
 
 
 def test_stats_asked_as_the_engine_shuts_down_answer_with_the_last():
@@ -241,20 +243,15 @@ def test_a_step_that_never_ends_kills_the_engine_and_says_where_it_hangs(capfd):
         def add_request(self, *args) -> None:
             pass
 
-    async def run():
-        engine = _Wedged()
-        deaths = []
-        ae = AsyncEngine(engine, on_dead=deaths.append, step_timeout_s=0.3)
-        try:
-            stream = ae.generate("r4", [1, 2, 3], None)
-            with pytest.raises(EngineDeadError, match="step timeout"):
-                await asyncio.wait_for(anext(stream), 10)
-            return deaths, ae.alive
-        finally:
-            engine.gate.set()
-            ae.shutdown()
+    deaths = []
 
-    deaths, alive = asyncio.run(run())
+    async def body(ae):
+        stream = ae.generate("r4", [1, 2, 3], None)
+        with pytest.raises(EngineDeadError, match="step timeout"):
+            await asyncio.wait_for(anext(stream), 10)
+        return ae.alive
+
+    alive = _serve(_Wedged(), body, on_dead=deaths.append, step_timeout_s=0.3)
     assert len(deaths) == 1 and isinstance(deaths[0], EngineStepTimeout)
     assert not alive
     assert "in step" in capfd.readouterr().err  # where the engine thread was stuck
@@ -280,22 +277,18 @@ def test_a_second_stream_for_a_running_request_id_is_refused_and_the_first_keeps
     request's stream, which then streamed to nobody while its caller waited forever."""
     from engine import LLM, SamplingParams
 
-    async def run():
-        with LLM("micro-llama", num_gpu_blocks=32) as llm:
-            ae = AsyncEngine(llm.engine)
-            try:
-                params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-                first = ae.generate("same", [5, 6, 7], params)
-                tokens = list((await anext(first)).new_token_ids)
-                with pytest.raises(ValueError, match="already in the engine"):
-                    await anext(ae.generate("same", [8, 9], params))
-                async for out in first:
-                    tokens.extend(out.new_token_ids)
-                return tokens
-            finally:
-                ae.shutdown()
+    async def body(ae):
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        first = ae.generate("same", [5, 6, 7], params)
+        tokens = list((await anext(first)).new_token_ids)
+        with pytest.raises(ValueError, match="already in the engine"):
+            await anext(ae.generate("same", [8, 9], params))
+        async for out in first:
+            tokens.extend(out.new_token_ids)
+        return tokens
 
-    assert len(asyncio.run(asyncio.wait_for(run(), 60))) == 30
+    with LLM("micro-llama", num_gpu_blocks=32) as llm:
+        assert len(_serve(llm.engine, body, within_s=60)) == 30
 
 
 def _decode_engine(preset_path):
@@ -324,28 +317,24 @@ def test_an_aborted_requests_last_output_never_reaches_a_new_request_under_its_i
 
     engine = _decode_engine(preset_path)
 
-    async def run():
-        ae = AsyncEngine(engine)
-        try:
-            greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-            await ae.allocate_prefilled("x", list(range(10, 50)), 7, greedy)
-            ae.abort("x")  # the pull failed: what the decode servicer does
-            with pytest.raises(ValueError, match="already in the engine"):
-                await ae.allocate_prefilled("x", list(range(60, 90)), 7, greedy)
+    async def body(ae):
+        greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        await ae.allocate_prefilled("x", list(range(10, 50)), 7, greedy)
+        ae.abort("x")  # the pull failed: what the decode servicer does
+        with pytest.raises(ValueError, match="already in the engine"):
+            await ae.allocate_prefilled("x", list(range(60, 90)), 7, greedy)
 
-            async def fresh():
-                return [o async for o in ae.generate("x", [21, 22, 23], greedy)]
+        async def fresh():
+            return [o async for o in ae.generate("x", [21, 22, 23], greedy)]
 
-            outs = await _retry_until_taken(fresh)
-            assert outs[-1].finish_reason == "length"
-            assert sum(len(o.new_token_ids) for o in outs) == 5
-            await asyncio.sleep(0.2)
-            stats = engine.get_stats()
-            assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
-        finally:
-            ae.shutdown()
+        outs = await _retry_until_taken(fresh)
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == 5
+        await asyncio.sleep(0.2)
+        stats = engine.get_stats()
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
 
-    asyncio.run(run())
+    _serve(engine, body)
 
 
 def test_an_id_whose_stream_is_still_open_takes_no_blocks(preset_path):
@@ -355,26 +344,22 @@ def test_an_id_whose_stream_is_still_open_takes_no_blocks(preset_path):
 
     engine = _decode_engine(preset_path)
 
-    async def run():
-        ae = AsyncEngine(engine)
-        try:
-            greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            old = ae.generate("x", [11, 12, 13], greedy)
-            await old.__anext__()
-            await asyncio.sleep(0.3)  # it finished in the engine; its caller reads on later
-            with pytest.raises(ValueError, match="already in the engine"):
-                await ae.allocate_prefilled("x", list(range(100, 140)), 5, greedy)
-            stats = engine.get_stats()
-            assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
-            async for _ in old:
-                pass
-            await asyncio.sleep(0.2)
-            stats = engine.get_stats()
-            assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
-        finally:
-            ae.shutdown()
+    async def body(ae):
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        old = ae.generate("x", [11, 12, 13], greedy)
+        await old.__anext__()
+        await asyncio.sleep(0.3)  # it finished in the engine; its caller reads on later
+        with pytest.raises(ValueError, match="already in the engine"):
+            await ae.allocate_prefilled("x", list(range(100, 140)), 5, greedy)
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
+        async for _ in old:
+            pass
+        await asyncio.sleep(0.2)
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and not engine._awaiting_kv
 
-    asyncio.run(run())
+    _serve(engine, body)
 
 
 def test_a_stream_closed_early_lets_go_of_its_request_as_it_closes(preset_path):
@@ -384,21 +369,17 @@ def test_a_stream_closed_early_lets_go_of_its_request_as_it_closes(preset_path):
 
     engine = _decode_engine(preset_path)
 
-    async def run():
-        ae = AsyncEngine(engine)
-        try:
-            params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-            gen = ae.generate("x", [5, 6, 7], params)
-            await anext(gen)
-            await gen.aclose()
-            assert ae.num_streams == 0
+    async def body(ae):
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        gen = ae.generate("x", [5, 6, 7], params)
+        await anext(gen)
+        await gen.aclose()
+        assert ae.num_streams == 0
 
-            async def fresh():
-                return [o async for o in ae.generate("x", [8, 9], SamplingParams(max_tokens=2))]
+        async def fresh():
+            return [o async for o in ae.generate("x", [8, 9], SamplingParams(max_tokens=2))]
 
-            outs = await _retry_until_taken(fresh)  # once the abort's last output is in
-            assert outs[-1].finish_reason == "length"
-        finally:
-            ae.shutdown()
+        outs = await _retry_until_taken(fresh)  # once the abort's last output is in
+        assert outs[-1].finish_reason == "length"
 
-    asyncio.run(run())
+    _serve(engine, body)
