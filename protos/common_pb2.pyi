@@ -92,7 +92,7 @@ class StopReason(_message.Message):
     def __init__(self, stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "backend", "rank_handles", "block_ids", "num_tokens", "block_size", "lease_timeout_s", "lease_id")
+    __slots__ = ("worker_id", "worker_address", "backend", "rank_handles", "block_ids", "num_tokens", "block_size", "lease_timeout_s", "lease_id", "mac")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class KVHandle(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
     backend: str
@@ -111,7 +112,8 @@ class KVHandle(_message.Message):
     block_size: int
     lease_timeout_s: float
     lease_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., backend: _Optional[str] = ..., rank_handles: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., backend: _Optional[str] = ..., rank_handles: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "block_size", "tensor_parallel_size", "kv_transfer_backend", "max_model_len", "kv_cache_layouts", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running", "num_leased", "prefix_cache_queries", "prefix_cache_hits", "num_expired_leases", "num_preemptions", "num_inflight", "draining", "kv_bytes_transferred", "kv_transfer_failures", "kv_peers_connected", "num_quarantined", "prefix_cache_partial_hits", "model_fingerprint")
