@@ -31,6 +31,7 @@ from engine.grpc_server import ServerConfig
 from engine.kv_cache_manager import NoFreeBlocksError
 from engine.kv_peers import KVPeerConnector
 from engine.outputs import LeaseEnded
+from kvtransfer import handle_mac
 from protos import common_pb2
 from router.registry import ROUTER_TTL_S, check_namespace, check_redis_url
 from router.router_presence import check_served_model_name, check_worker_id
@@ -251,6 +252,8 @@ class WorkerRuntime:
         # This engine's ranks' KV-agent handles, serialized once (the agents live as long as
         # the engine): prefill responses carry them and the registry publishes them.
         self.kv_handle_bytes = [h.to_bytes() for h in engine.kv_transfer_handles()]
+        # What a prefill worker signs its KV handles with, published with its rank handles.
+        self.kv_mac_key = handle_mac.new_key()
         self._presence = None  # router.presence.WorkerPresence once started with Redis
         self._peers = None  # engine.kv_peers.KVPeerConnector: a decode worker's, with Redis
 
@@ -391,7 +394,7 @@ class WorkerRuntime:
         registry = self._presence.registry
 
         async def prepare(registry) -> None:  # before the first heartbeat makes it routable
-            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
+            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes, self.kv_mac_key)
 
         await self._presence.start(prepare if self.config.role == "prefill" else None)
         if self.config.role == "decode":
@@ -405,7 +408,7 @@ class WorkerRuntime:
         (router/presence.py): one landing between the snapshot and its write would be undone
         by it; those that come meanwhile are published after, on top of the snapshot."""
         if self.config.role == "prefill":
-            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes)
+            await registry.set_kv_handles(self.worker_id, self.kv_handle_bytes, self.kv_mac_key)
         hashes = await asyncio.to_thread(self.llm.cached_block_hashes)
         await registry.set_worker_blocks(self.worker_id, hashes)
         if self.held_transfers is not None:

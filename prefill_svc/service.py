@@ -17,6 +17,7 @@ import grpc
 from engine.call_abort import abort_call
 from engine.outputs import KVLease
 from engine.worker_runtime import WorkerRuntime, abort_for
+from kvtransfer import handle_mac
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from protos.limits import ENV as MAX_MESSAGE_ENV
 from protos.limits import ROUTER_ROOM_BYTES, max_message_bytes
@@ -125,6 +126,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
             block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
             lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0), lease_id=rid))
+        # A decode worker reads it only as signed: these blocks, for these tokens' KV.
+        resp.kv_handle.mac = handle_mac.sign(self.rt.kv_mac_key, resp.kv_handle, ids + resume)
         try:
             self._check_size(resp, request)
         except ValueError:

@@ -12,8 +12,9 @@ Key schema (``ns`` is the namespace, default "pdserve"):
 - ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
                                       workers only: prompts are routed by prefix to them alone)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
-- ``{ns}:kvhandles:{worker_id}`` LIST a prefill worker's ranks' KV-agent handles; expires
-                                      an hour after its last heartbeat
+- ``{ns}:kvhandles:{worker_id}`` LIST a prefill worker's ranks' KV-agent handles, then the
+                                      key it signs its KV handles with (tagged); expires an
+                                      hour after its last heartbeat
 - the transfer ledger's keys: router/ledger.py
 
 A worker is live while its heartbeat is younger than the reader's TTL or its own, whichever is
@@ -158,6 +159,8 @@ _PURGED_TTL_S = 3600.0
 # again): one that died after writing them and before its first beat went through is purged
 # by nobody. A live worker silent for this long lost its registration too, and republishes.
 KV_HANDLES_TTL_S = 3600.0
+# Marks the KV handles' key among a worker's rank handles (JSON objects: they start with "{").
+_MAC_KEY_TAG = b"mac-key:"
 
 # The prefix index keeps a worker's blocks twice: in each block's key and in its wblocks set.
 # Every write changes both for a block in one step (these scripts, and publish_events'
@@ -457,20 +460,29 @@ class Registry:
 
     # --- KV agents ------------------------------------------------------------------------
     @bounded
-    async def set_kv_handles(self, worker_id: str, handles: list[bytes]) -> None:
+    async def set_kv_handles(self, worker_id: str, handles: list[bytes],
+                             mac_key: bytes = b"") -> None:
         """A prefill worker's ranks' KV-agent handles (kvtransfer.KVAgentHandle bytes), so
-        decode workers can connect before their first pull; gone when the worker is purged."""
+        decode workers can connect before their first pull, and the key its KV handles are
+        signed with (kvtransfer/handle_mac.py); gone when the worker is purged. The key is an
+        entry of the same list: it has the handles' lifetime and purge by construction."""
         key = self._k("kvhandles", worker_id)
         async with self.r.pipeline(transaction=True) as p:
             p.delete(key)
             if handles:
-                p.rpush(key, *handles)
+                p.rpush(key, *handles, *([_MAC_KEY_TAG + mac_key] if mac_key else []))
                 p.pexpire(key, int(KV_HANDLES_TTL_S * 1000))
             await p.execute()
 
-    @bounded
     async def kv_handles(self, worker_id: str) -> list[bytes]:
-        return list(await self.r.lrange(self._k("kvhandles", worker_id), 0, -1))
+        return (await self.kv_source(worker_id))[0]
+
+    @bounded
+    async def kv_source(self, worker_id: str) -> tuple[list[bytes], bytes]:
+        """A prefill worker's rank handles and its KV handles' key (b"" if none), in one read."""
+        entries = await self.r.lrange(self._k("kvhandles", worker_id), 0, -1)
+        keys = [e[len(_MAC_KEY_TAG):] for e in entries if e.startswith(_MAC_KEY_TAG)]
+        return [e for e in entries if not e.startswith(_MAC_KEY_TAG)], (keys or [b""])[-1]
 
     # --- prefix-block index ---------------------------------------------------------------
     @bounded

@@ -43,6 +43,7 @@ class _Context:
 def _servicer(engine: _Engine) -> PrefillServicer:
     rt = types.SimpleNamespace(
         engine=engine, worker_id="w", address="127.0.0.1:1", kv_handle_bytes=[b"h"],
+        kv_mac_key=b"k" * 32,
         config=types.SimpleNamespace(engine=types.SimpleNamespace(kv_transfer_backend="torch")),
         record_transfer=lambda ev: None, admit=contextlib.nullcontext)
     return PrefillServicer(rt)

@@ -88,27 +88,30 @@ def test_bad_inputs(redis_url):
 def test_kv_handles_are_published_and_leave_with_their_worker(redis_url, monkeypatch):
     async def body():
         reg = Registry.from_url(redis_url, "t-kvh", ttl_s=0.5)
-        await reg.set_kv_handles("p", [b"rank0\x00bytes", b"rank1"])
+        # With the key its KV handles are signed with (kvtransfer/handle_mac.py), read apart.
+        await reg.set_kv_handles("p", [b"rank0\x00bytes", b"rank1"], b"key-p")
         await reg.heartbeat(_info("p"))
         assert await reg.kv_handles("p") == [b"rank0\x00bytes", b"rank1"]
-        await reg.set_kv_handles("p", [b"new"])  # a restart replaces, never appends
-        assert await reg.kv_handles("p") == [b"new"]
+        assert await reg.kv_source("p") == ([b"rank0\x00bytes", b"rank1"], b"key-p")
+        await reg.set_kv_handles("p", [b"new"], b"key-2")  # a restart replaces, never appends
+        assert await reg.kv_source("p") == ([b"new"], b"key-2")
         await reg.deregister("p")
-        assert await reg.kv_handles("p") == []
-        await reg.set_kv_handles("q", [b"x"])
+        assert await reg.kv_source("p") == ([], b"")
+        await reg.set_kv_handles("q", [b"x"], b"key-q")
         await reg.heartbeat(_info("q"))
         time.sleep(0.7)
-        assert await reg.live_workers() == []  # stale: purged with its handles
-        assert await reg.kv_handles("q") == []
+        assert await reg.live_workers() == []  # stale: purged with its handles and key
+        assert await reg.kv_source("q") == ([], b"")
         # A worker that died after writing its handles, before any beat went through, is
         # purged by nobody: its handles expire by themselves, and each beat puts that off.
         monkeypatch.setattr(registry_mod, "KV_HANDLES_TTL_S", 0.3)
-        await reg.set_kv_handles("died", [b"x"])
-        await reg.set_kv_handles("beats", [b"y"])
+        await reg.set_kv_handles("died", [b"x"], b"key-d")
+        await reg.set_kv_handles("beats", [b"y"], b"key-b")
         for _ in range(5):
             await reg.heartbeat(_info("beats"), ttl_s=5.0)
             await asyncio.sleep(0.1)
-        assert await reg.kv_handles("died") == [] and await reg.kv_handles("beats") == [b"y"]
+        assert await reg.kv_source("died") == ([], b"")
+        assert await reg.kv_source("beats") == ([b"y"], b"key-b")
         await reg.r.aclose()
 
     _run(body())
