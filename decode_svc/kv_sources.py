@@ -1,71 +1,100 @@
 """Which KV handles a decode worker reads from: with a registry, only those their prefill
-worker registered.
+worker registered and signed.
+
+A handle names blocks of a prefill worker's cache; the decode worker pulls them and keeps them
+in its prefix cache under the prompt its Decode names. Taken as given, a caller of this port
+could have it read any blocks (another lease's, or a lease's under another prompt) and poison
+that cache for every later request of the prompt. So each prefill worker signs its handles
+(kvtransfer/handle_mac.py) with a key it publishes beside its rank handles in the registry,
+and a handle that does not verify is refused (INVALID_ARGUMENT: the handle is bad input, and
+the caller is no one this worker could tell apart, so PERMISSION_DENIED has nobody to name)
+before a block is allocated or read. Its lease is left alone: the lease is someone else's.
 
 A NIXL handle carries its agent's metadata, which UCX parses in this process the first time
 the agent is met, and UCX checks it with assertions: a corrupted blob aborts the whole process
 (measured with random byte changes: one blob in 70 to 260 failed UCX's address-version
 assertion, SIGABRT), failing every request on the worker for one bad call. Prefill workers
 write their handles to the registry before their first heartbeat makes them routable
-(router/presence.py), so a handle that is not byte for byte one of those came from no prefill
-worker of this cluster: it is refused before anything parses it. A worker without a registry
-(driven directly) reads what it is given, as a Redis that does not answer leaves it to.
+(router/presence.py), so rank handles that are not byte for byte those registered came from no
+prefill worker of this cluster now: they are refused before anything parses them.
 
-A refused handle is its source's failure (PeerGoneError: UNAVAILABLE, the request is prefilled
-again elsewhere), not the caller's bad input. The usual one is stale: a prefill worker given
-its --worker-id keeps it across a restart and registers its new agents' handles, so a handle
-given out before the restart differs from them, and its KV is gone (the torch backend's new
-owner refuses such a handle as well). A corrupted one, far rarer, costs a router one more
-prefill within the request's migration limit.
+A handle refused for its rank handles, or whose key cannot be read, is its source's failure
+(PeerGoneError: UNAVAILABLE, the request is prefilled again elsewhere), not the caller's bad
+input. The usual one is stale: a prefill worker given its --worker-id keeps it across a
+restart and registers its new agents' handles, so a handle given out before the restart
+differs from them, and its KV is gone. A Redis that does not answer refuses the handles of
+prefill workers not met before it stopped (a key read is remembered per worker start): read
+unchecked, they would open the check to whoever times a Redis outage. A worker without a
+registry (driven directly, in no cluster) reads what it is given.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvtransfer import PeerGoneError
+from kvtransfer import PeerGoneError, handle_mac
 from protos import common_pb2
 from router.errors import quoted
 
 logger = logging.getLogger(__name__)
 
-# Handles found registered, remembered so that a pull asks Redis once per prefill worker start.
+# Keys read, remembered so that a pull asks Redis once per prefill worker start.
 MAX_REMEMBERED = 256
-# How long a pull waits for the registry's answer before reading the handle unchecked.
+# How long a pull waits for the registry's answer before refusing the handle.
 REGISTRY_WAIT_S = 1.0
 
 
 class KVSources:
     def __init__(self, registry: Callable[[], object | None]) -> None:
         self._registry = registry  # router.registry.Registry, or None without Redis
-        self._registered: OrderedDict[tuple[bytes, ...], None] = OrderedDict()
+        # (prefill worker id, its rank handles) -> the key it signs its KV handles with
+        self._keys: OrderedDict[tuple[str, tuple[bytes, ...]], bytes] = OrderedDict()
 
-    async def check(self, h: common_pb2.KVHandle) -> None:
-        """Raises PeerGoneError (UNAVAILABLE: the request moves) for a NIXL handle that is not
-        one its prefill worker registered: it registered other handles, or none."""
-        if h.backend != "nixl":
-            return
-        blobs = tuple(h.rank_handles)
-        if blobs in self._registered:
-            return
+    async def check(self, h: common_pb2.KVHandle, token_ids: Sequence[int]) -> None:
+        """Raises ValueError (INVALID_ARGUMENT) for a handle its prefill worker did not sign
+        for the KV of ``token_ids``, and PeerGoneError (UNAVAILABLE: the request moves) for
+        one whose rank handles the worker did not register, or whose key cannot be read."""
         registry = self._registry()
         if registry is None:
             return
+        source = (h.worker_id, tuple(h.rank_handles))
+        key = self._keys.get(source)
+        if key is not None and handle_mac.verify(key, h, token_ids):
+            return
+        # Not met, or not verified by the key met: read it again (a worker restarted under
+        # its id with the same rank handles signs with a new key).
+        key = await self._read_key(registry, h)
+        if not handle_mac.verify(key, h, token_ids):
+            raise ValueError(
+                f"kv_handle mac does not verify with prefill worker {quoted(h.worker_id)}'s "
+                "key: its block ids, lease_id or other fields, or the request's token ids, are "
+                "not those the worker signed; its KV is not read")
+        self._keys[source] = key
+        self._keys.move_to_end(source)
+        if len(self._keys) > MAX_REMEMBERED:
+            self._keys.popitem(last=False)
+
+    async def _read_key(self, registry, h: common_pb2.KVHandle) -> bytes:
+        """The key of the handle's prefill worker, once its rank handles are those the
+        worker registered."""
         try:
             async with asyncio.timeout(REGISTRY_WAIT_S):
-                registered = tuple(await registry.kv_handles(h.worker_id))
-        except Exception as e:  # noqa: BLE001 - Redis away: read the handle, as without one
-            logger.warning("could not check a KV handle of prefill worker %s in the registry "
-                           "(%s): read as given", quoted(h.worker_id), str(e) or type(e).__name__)
-            return
+                registered, key = await registry.kv_source(h.worker_id)
+        except Exception as e:  # noqa: BLE001 - Redis away: nothing to verify with
+            raise PeerGoneError(f"could not read prefill worker {quoted(h.worker_id)}'s KV "
+                                f"handles from the registry ({str(e) or type(e).__name__}): "
+                                "its KV is not read") from None
         if not registered:
             raise PeerGoneError(f"prefill worker {quoted(h.worker_id)} has no KV handles in the "
                                 "registry: its KV is not read")
-        if registered != blobs:
+        if tuple(registered) != tuple(h.rank_handles):
             raise PeerGoneError(f"kv_handle differs from the KV handles prefill worker "
                                 f"{quoted(h.worker_id)} registered (a stale handle, from "
                                 "before the worker restarted?): its KV is not read")
-        self._registered[blobs] = None
-        if len(self._registered) > MAX_REMEMBERED:
-            self._registered.popitem(last=False)
+        if not key:
+            raise PeerGoneError(f"prefill worker {quoted(h.worker_id)} registered no key for "
+                                "its KV handles (a build before they were signed?): its KV "
+                                "is not read")
+        return key

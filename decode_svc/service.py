@@ -85,7 +85,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
-        await self.kv_sources.check(request.kv_handle)  # before NIXL parses any of it
+        # Before NIXL parses any of it, and before a block is allocated.
+        await self.kv_sources.check(request.kv_handle, ids + resume)
         # On this host's clock: the handle says what was left of the lease when it was sent.
         lease_ends = time.monotonic() + request.kv_handle.lease_timeout_s
         # The pull's mark and its release name the lease; a handle from before lease_id

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import SamplingParams
 from engine.call_abort import MAX_STATUS_CHARS, kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
@@ -272,6 +273,49 @@ def test_a_handle_its_prefill_worker_did_not_register_is_never_parsed(workers):
     assert "has no KV handles in the registry" in err.details()
     prefill.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id="unregistered"), timeout=10)
     assert all(p.popen.poll() is None for p in cluster.procs)
+
+
+def test_forged_kv_handles_are_refused_and_poison_no_prefix_cache(workers, reference):
+    """A caller of the decode worker's port makes a handle up from real ones: a lease with
+    another lease's blocks, a lease's blocks under another prompt, a bad MAC. Read as given,
+    the decode worker cached the blocks it read under the prompt named, and later requests of
+    that prompt decoded from another prompt's KV. Each is refused before a block is allocated
+    (the prefill worker signs what it hands out: kvtransfer/handle_mac.py), and the genuine
+    handles are read after, from nothing cached, decoding as the reference does."""
+    cluster, prefill, decode = workers
+    rng = random.Random(53)
+    prompts = [[rng.randint(5, 8000) for _ in range(40)] for _ in range(2)]
+    a, b = (prefill.Prefill(worker_pb2.PrefillRequest(
+        request_id=f"signed-{i}", prompt_token_ids=p, sampling=SAMPLING), timeout=30)
+        for i, p in enumerate(prompts))
+    other_blocks = common_pb2.KVHandle()
+    other_blocks.CopyFrom(a.kv_handle)
+    other_blocks.block_ids[:] = b.kv_handle.block_ids
+    bad_mac = common_pb2.KVHandle()
+    bad_mac.CopyFrom(a.kv_handle)
+    bad_mac.mac = bytes(x ^ 0xFF for x in bad_mac.mac)
+    decode_address = next(p.address for p in cluster.procs if p.role == "decode")
+    forged = [(prompts[0], other_blocks), (prompts[1], a.kv_handle), (prompts[0], bad_mac)]
+    for i, (prompt, handle) in enumerate(forged):
+        with pytest.raises(grpc.RpcError) as err:
+            list(decode.Decode(worker_pb2.DecodeRequest(
+                request_id=f"forged-{i}", prompt_token_ids=prompt,
+                first_token_id=a.first_token_id, sampling=SAMPLING, kv_handle=handle),
+                timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details().startswith("kv_handle mac does not verify with prefill "
+                                              "worker"), err.value.details()
+        wait_all_blocks_free([decode_address], 10.0)
+    want = reference.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0,
+                                                      ignore_eos=True))
+    for prompt, resp, w in zip(prompts, (a, b), want):
+        chunks = list(decode.Decode(worker_pb2.DecodeRequest(
+            request_id=resp.kv_handle.lease_id, prompt_token_ids=prompt,
+            first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=resp.kv_handle),
+            timeout=30))
+        assert chunks[0].num_cached_tokens == 0  # nothing was cached under it
+        assert [resp.first_token_id, *(t for c in chunks for t in c.token_ids)] == w.token_ids
+    wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
 
 
 def test_a_refusal_quoting_a_long_caller_string_keeps_its_status(workers):
