@@ -24,8 +24,10 @@ input. The usual one is stale: a prefill worker given its --worker-id keeps it a
 restart and registers its new agents' handles, so a handle given out before the restart
 differs from them, and its KV is gone. A Redis that does not answer refuses the handles of
 prefill workers not met before it stopped (a key read is remembered per worker start): read
-unchecked, they would open the check to whoever times a Redis outage. A worker without a
-registry (driven directly, in no cluster) reads what it is given.
+unchecked, they would open the check to whoever times a Redis outage. A handle of one met
+that its remembered key does not verify, and whose key cannot be read again, is judged by the
+key met: refused as not signed (INVALID_ARGUMENT), not moved as its source's failure. A worker
+without a registry (driven directly, in no cluster) reads what it is given.
 """
 from __future__ import annotations
 
@@ -55,22 +57,29 @@ class KVSources:
     async def check(self, h: common_pb2.KVHandle, token_ids: Sequence[int]) -> None:
         """Raises ValueError (INVALID_ARGUMENT) for a handle its prefill worker did not sign
         for the KV of ``token_ids``, and PeerGoneError (UNAVAILABLE: the request moves) for
-        one whose rank handles the worker did not register, or whose key cannot be read."""
+        one whose rank handles the worker did not register, or whose key cannot be read and
+        was never met."""
         registry = self._registry()
         if registry is None:
             return
         source = (h.worker_id, tuple(h.rank_handles))
-        key = self._keys.get(source)
-        if key is not None and handle_mac.verify(key, h, token_ids):
+        met = self._keys.get(source)
+        if met is not None and handle_mac.verify(met, h, token_ids):
             return
         # Not met, or not verified by the key met: read it again (a worker restarted under
         # its id with the same rank handles signs with a new key).
-        key = await self._read_key(registry, h)
+        try:
+            key = await self._read_key(registry, h)
+        except PeerGoneError:
+            if met is None:
+                raise
+            # The key met is the only one there is to judge the handle by, and it fails it.
+            # Moved as the source's failure, a forgery timed with a Redis outage would be
+            # prefilled again elsewhere instead of refused as the bad input it is.
+            raise _not_signed(h, " (the one this worker met; the registry gave no newer "
+                                 "one)") from None
         if not handle_mac.verify(key, h, token_ids):
-            raise ValueError(
-                f"kv_handle mac does not verify with prefill worker {quoted(h.worker_id)}'s "
-                "key: its block ids, lease_id or other fields, or the request's token ids, are "
-                "not those the worker signed; its KV is not read")
+            raise _not_signed(h)
         self._keys[source] = key
         self._keys.move_to_end(source)
         if len(self._keys) > MAX_REMEMBERED:
@@ -98,3 +107,10 @@ class KVSources:
                                 "its KV handles (a build before they were signed?): its KV "
                                 "is not read")
         return key
+
+
+def _not_signed(h: common_pb2.KVHandle, which: str = "") -> ValueError:
+    return ValueError(
+        f"kv_handle mac does not verify with prefill worker {quoted(h.worker_id)}'s key{which}: "
+        "its block ids, lease_id or other fields, or the request's token ids, are not those "
+        "the worker signed; its KV is not read")

@@ -1,0 +1,172 @@
+"""decode_svc/kv_sources.py: which KV handles a decode worker with a registry reads. A handle
+its prefill worker did not sign is refused as bad input (ValueError: INVALID_ARGUMENT); one
+whose source cannot vouch for it (rank handles not registered, no key, Redis away for a worker
+never met) as its source's failure (PeerGoneError: UNAVAILABLE, the request moves).
+
+The registry is a fake with Registry.kv_source's contract (tests/test_registry.py covers the
+real one's reads), so that Redis can be made to stop answering between two pulls."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_svc import kv_sources
+from decode_svc.kv_sources import KVSources
+from kvtransfer import PeerGoneError, handle_mac
+from protos import common_pb2
+
+TOKENS = [11, 12, 13, 14, 15]
+RANKS = [b'{"rank":0}', b'{"rank":1}']
+NOT_SIGNED = "kv_handle mac does not verify with prefill worker 'prefill-1'"
+
+
+class FakeRegistry:
+    """router.registry.Registry's kv_source: (rank handles, key), ([], b"") for a worker
+    with nothing registered; ``down`` makes it raise as a Redis not answering does."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, tuple[list[bytes], bytes]] = {}
+        self.down = False
+        self.hang = False
+        self.reads = 0
+
+    async def kv_source(self, worker_id: str) -> tuple[list[bytes], bytes]:
+        self.reads += 1
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.down:
+            raise ConnectionError("Connection refused")
+        return self.sources.get(worker_id, ([], b""))
+
+
+def _handle(key: bytes, *, backend: str = "nixl", ranks=RANKS, blocks=(3, 4),
+            tokens=TOKENS) -> common_pb2.KVHandle:
+    """A handle as prefill worker prefill-1 signs it with ``key``."""
+    h = common_pb2.KVHandle(worker_id="prefill-1", worker_address="10.0.0.1:7001",
+                            backend=backend, rank_handles=list(ranks), block_ids=list(blocks),
+                            num_tokens=len(tokens), block_size=4, lease_timeout_s=20.0,
+                            lease_id="req-1")
+    h.mac = handle_mac.sign(key, h, tokens)
+    return h
+
+
+def _check(sources: KVSources, h: common_pb2.KVHandle, tokens=TOKENS) -> None:
+    asyncio.run(sources.check(h, tokens))
+
+
+@pytest.fixture
+def registry() -> FakeRegistry:
+    return FakeRegistry()
+
+
+@pytest.fixture
+def sources(registry) -> KVSources:
+    return KVSources(lambda: registry)
+
+
+def test_a_signed_handle_is_read_and_its_key_read_once(registry, sources):
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    h = _handle(key)
+    _check(sources, h)
+    h.lease_timeout_s = 3.0  # the router lowers it on the way: not signed
+    _check(sources, h)
+    _check(sources, _handle(key, blocks=(7, 8)))
+    assert registry.reads == 1
+    registry.down = True  # a worker met is checked with the key met
+    _check(sources, _handle(key, blocks=(9,)))
+
+
+@pytest.mark.parametrize("gone", ["redis_down", "worker_purged"])
+def test_a_forged_handle_of_a_worker_met_is_bad_input_when_its_key_cannot_be_read_again(
+        registry, sources, gone):
+    """The remembered key fails the handle and the registry gives no newer one: the handle
+    is judged by the key met. It was refused UNAVAILABLE, and the router prefilled the forged
+    request again elsewhere, where README promises INVALID_ARGUMENT."""
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    _check(sources, _handle(key))
+    if gone == "redis_down":
+        registry.down = True
+    else:
+        del registry.sources["prefill-1"]
+    other_blocks = _handle(key)
+    other_blocks.block_ids[:] = [5, 6]
+    with pytest.raises(ValueError, match=NOT_SIGNED):
+        _check(sources, other_blocks)
+    with pytest.raises(ValueError, match=NOT_SIGNED):  # the same blocks under another prompt
+        _check(sources, _handle(key), [11, 12, 13, 14, 99])
+
+
+def test_a_forged_handle_is_bad_input_while_redis_answers(registry, sources):
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    forged = _handle(handle_mac.new_key())
+    with pytest.raises(ValueError, match=NOT_SIGNED):
+        _check(sources, forged)
+    _check(sources, _handle(key))
+    with pytest.raises(ValueError, match=NOT_SIGNED):  # met, then re-read: the same key
+        _check(sources, forged)
+    assert registry.reads == 3
+
+
+@pytest.mark.parametrize("how", ["refused", "no_answer"])
+def test_redis_not_answering_refuses_a_worker_never_met_unavailable(
+        registry, sources, monkeypatch, how):
+    """Read unchecked, a handle of a worker never met would pass whoever timed an outage."""
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    if how == "refused":
+        registry.down = True
+    else:
+        registry.hang = True
+        monkeypatch.setattr(kv_sources, "REGISTRY_WAIT_S", 0.05)
+    with pytest.raises(PeerGoneError, match="could not read prefill worker 'prefill-1'"):
+        _check(sources, _handle(key))
+    registry.down = registry.hang = False  # nothing was remembered from the failed read
+    _check(sources, _handle(key))
+    assert registry.reads == 2
+
+
+def test_a_worker_that_registered_no_key_is_refused_unavailable(registry, sources):
+    """A prefill worker of a build before handles were signed: its handles carry no MAC and
+    the registry no key, so each is prefilled again elsewhere."""
+    registry.sources["prefill-1"] = (RANKS, b"")
+    unsigned = _handle(b"")
+    unsigned.mac = b""
+    with pytest.raises(PeerGoneError, match="registered no key"):
+        _check(sources, unsigned)
+
+
+def test_a_worker_restarted_under_its_id_with_a_new_key_is_read_after_a_re_read(
+        registry, sources):
+    """The same rank handles (a torch owner on the same port) and a new key: the key met
+    fails the new handles, the key read again verifies them and is remembered in its place."""
+    old, new = handle_mac.new_key(), handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, old)
+    _check(sources, _handle(old))
+    registry.sources["prefill-1"] = (RANKS, new)
+    _check(sources, _handle(new, blocks=(1, 2)))
+    _check(sources, _handle(new, blocks=(5,)))
+    assert registry.reads == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "nixl"])
+def test_rank_handles_are_checked_against_those_registered(registry, sources, backend):
+    """For both backends (the torch one was read unchecked): a handle whose rank handles the
+    worker did not register, or of a worker with none registered, is its source's failure."""
+    key = handle_mac.new_key()
+    with pytest.raises(PeerGoneError, match="has no KV handles in the registry"):
+        _check(sources, _handle(key, backend=backend))
+    registry.sources["prefill-1"] = (RANKS, key)
+    stale = _handle(key, backend=backend, ranks=[b'{"rank":0,"port":1}', RANKS[1]])
+    with pytest.raises(PeerGoneError, match="differs from the KV handles prefill worker"):
+        _check(sources, stale)
+    _check(sources, _handle(key, backend=backend))
+
+
+def test_without_a_registry_a_handle_is_read_as_given():
+    unsigned = _handle(b"")
+    unsigned.mac = b""
+    _check(KVSources(lambda: None), unsigned)
