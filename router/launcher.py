@@ -309,12 +309,15 @@ class Cluster:
                 time.sleep(0.1)
 
     def wait_listed(self, proc: Proc, timeout_s: float = 30.0,
-                    should_abort: Callable[[], bool] | None = None) -> None:
-        """Until the router lists worker ``proc`` (one started again) as serving its model.
-        RuntimeError when it refuses it (the model's folder changed since the router read
-        it) or does not list it in time, as a cluster that is not routable fails its start.
-        Nothing to check while the router is down: the one started again reads the registry
-        afresh."""
+                    should_abort: Callable[[], bool] | None = None) -> str | None:
+        """Until the router lists worker ``proc`` (one started again) as serving its model:
+        None then. RuntimeError when it refuses it (the model's folder changed since the
+        router read it) or does not list it in time, as a cluster that is not routable fails
+        its start. Why it cannot tell, when it cannot: the worker exited meanwhile (its exit
+        is the caller's to count, as any other), or the registry (Redis) is unreachable (the
+        worker registers once it is back, as it would at any time; waiting here would also
+        hold up the restart of a bundled Redis). Nothing to check while the router is down:
+        the one started again reads the registry afresh."""
         from client.channels import call_metadata
         from protos import router_pb2, router_pb2_grpc
 
@@ -324,6 +327,8 @@ class Cluster:
             stub = router_pb2_grpc.RouterAdminStub(ch)
             while self._router_running():
                 _check_abort(proc, should_abort)
+                if proc.popen.poll() is not None:
+                    return f"{proc.label} exited with {proc.popen.returncode}"
                 try:
                     listed = stub.ListWorkers(router_pb2.ListWorkersRequest(role=proc.role),
                                               timeout=5.0,
@@ -333,13 +338,18 @@ class Cluster:
                             if why:
                                 raise RuntimeError(f"{proc.label} serves, but the router sends "
                                                    f"it no requests: {why}")
-                            return
+                            return None
                 except grpc.RpcError as e:
                     last = f"{e.code().name}: {e.details()}"
+                    # The router answers, its registry does not (router/admin.py's _registry).
+                    if (e.code() == grpc.StatusCode.UNAVAILABLE
+                            and "registry" in (e.details() or "")):
+                        return last
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the router does not list {proc.label} after "
                                        f"{timeout_s:.0f}s (last: {last})")
                 time.sleep(0.1)
+        return None
 
     def _router_running(self) -> bool:
         return any(p.role == "router" and p.popen.poll() is None for p in self.procs)

@@ -7,8 +7,11 @@ on its own port (the workers then republish what they keep there). A worker that
 (0: it was told to stop, and drained or had not served yet) was scaled down and stays down.
 When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service
 cannot be started again (a worker healthy but refused by the router, as serving another model
-than the router's, among them: ``pdserve up`` would not start so), the supervisor gives up and
-``pdserve up`` stops everything, as without supervision.
+than the router's, or not listed by it within 30 s, among them: ``pdserve up`` would not start
+so), the supervisor gives up and ``pdserve up`` stops everything, as without supervision. A
+worker that crashes again before the router lists it counts one more crash of its role at the
+next check; one started while the registry (Redis) is unreachable is taken as serving (it
+registers once Redis is back, as any worker does), and said so.
 
 Where the launcher is PID 1 (``docker run <image> up`` without --init), the processes its
 services leave when they crash (an engine process, TP ranks) are re-parented to it: the
@@ -111,12 +114,13 @@ class Supervisor:
         return True
 
     def _respawn(self, proc: Proc) -> int | None:
-        """None once ``proc`` serves again, or once its start was given up for a stop; 1 when
-        it cannot be started again."""
+        """None once ``proc`` serves again (or crashed again: the next check counts it), or
+        once its start was given up for a stop; 1 when it cannot be started again."""
+        unconfirmed = None
         try:
             new = self.cluster.respawn(proc, should_abort=self.should_stop)
             if new.role != "router":  # healthy is not enough: the router must take it
-                self.cluster.wait_listed(new, should_abort=self.should_stop)
+                unconfirmed = self.cluster.wait_listed(new, should_abort=self.should_stop)
         except StartAborted:
             self.say(f"pdserve up: a stop was asked while {proc.role} started again; "
                      "not waiting for it")
@@ -124,7 +128,11 @@ class Supervisor:
         except (RuntimeError, OSError) as e:  # OSError: the process could not even start
             self.say(f"pdserve up: {proc.role} could not be started again ({e}); stopping")
             return 1
-        self.say(f"pdserve up: {new.name} serving on {new.address}")
+        if new.popen.poll() is not None:  # crashed again: the next check counts it
+            self.say(f"pdserve up: {unconfirmed} before the router listed it")
+            return None
+        note = f" (the router could not say if it lists it: {unconfirmed})" if unconfirmed else ""
+        self.say(f"pdserve up: {new.name} serving on {new.address}{note}")
         return None
 
 

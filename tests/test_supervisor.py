@@ -3,6 +3,7 @@ started again and the cluster serves; a worker that stops cleanly stays down; cr
 the budget stop the cluster."""
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ from client import Client
 from engine.cli_up import _serve_until_stopped
 from router import supervisor
 from router.launcher import Cluster, ClusterSpec, Proc
+from router.registry import Registry
 from router.supervisor import Supervisor
 from tests.serving_helpers import WORKER_ARGS, random_prompts
 
@@ -83,6 +85,66 @@ def test_a_worker_that_stops_cleanly_stays_down(cluster):
     assert worker not in cluster.procs
     assert not any(p.role == "prefill" for p in cluster.procs)
     assert "stopped cleanly" in said[-1]
+
+
+def _then(cluster, monkeypatch, after) -> None:
+    """``after(new)`` once a crashed service was started again and is healthy, before the
+    supervisor waits for the router to list it."""
+    respawn = cluster.respawn
+
+    def respawn_then(proc, should_abort=None):
+        new = respawn(proc, should_abort)
+        after(new)
+        return new
+
+    monkeypatch.setattr(cluster, "respawn", respawn_then)
+
+
+def test_a_worker_that_crashes_again_before_it_is_listed_counts_one_more_crash(
+        cluster, monkeypatch):
+    """It was waited on for 30 s, then the cluster stopped, as for a worker the router does
+    not take."""
+    async def gone(worker_id: str) -> None:  # its heartbeat stale past the TTL: purged
+        registry = Registry.from_url(cluster.redis_url, cluster.spec.namespace)
+        await registry.deregister(worker_id)
+        await registry.r.aclose()
+
+    def crash_unlisted(new: Proc) -> None:
+        _crash(new)
+        asyncio.run(gone(new.name))
+
+    _then(cluster, monkeypatch, crash_unlisted)
+    said: list[str] = []
+    sup = Supervisor(cluster, max_restarts=2, say=said.append)
+    _crash(_proc(cluster, "decode"))
+    assert sup.check() is None
+    assert said[-1].endswith("exited with -9 before the router listed it")
+    monkeypatch.undo()
+    assert sup.check() is None  # the second crash: counted, and started again
+    assert "starting it again (2 of 2" in said[-2] and "serving on" in said[-1]
+    cluster.wait_routable(1, 1)
+    assert _serves(cluster) == _proc(cluster, "decode").name
+
+
+def test_a_worker_started_while_redis_is_unreachable_is_taken_as_serving(cluster, monkeypatch):
+    """The router cannot list workers then (UNAVAILABLE); the cluster stopped after 30 s,
+    where the worker would register once Redis is back."""
+    def redis_crashes(new: Proc) -> None:
+        cluster.redis.proc.kill()
+        cluster.redis.proc.wait()
+
+    _then(cluster, monkeypatch, redis_crashes)
+    said: list[str] = []
+    sup = Supervisor(cluster, say=said.append)
+    _crash(_proc(cluster, "decode"))
+    assert sup.check() is None
+    assert "the router could not say if it lists it: UNAVAILABLE: the worker registry " \
+           "(Redis) is unreachable" in said[-1]
+    monkeypatch.undo()
+    assert sup.check() is None  # Redis started again; the workers register there again
+    assert "redis-server serving again" in said[-1]
+    cluster.wait_routable(1, 1)
+    assert _serves(cluster) == _proc(cluster, "decode").name
 
 
 def test_a_restarted_worker_the_router_refuses_stops_the_cluster(tmp_path, preset_path):
