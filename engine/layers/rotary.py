@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,16 +42,31 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def cos_sin_table(max_position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_position, head_size] float32 on the CPU: each position's cos, then its sin.
+
+    The angles are float32 products, as transformers forms them; their cos and sin are taken
+    in float64 by numpy and rounded, so the table is the correctly rounded one on any CPU and
+    thread count. torch's float32 cos/sin are not safe here: split over two threads, one
+    thread's half of this table came back up to 1.5e-4 off (cos(1) as 0.540334) in about one
+    process in 30 on the Zen 4 VM (oneMKL's vector math on first use, by all signs: the same
+    call later in the process was exact). The table lives as long as the engine, so every
+    request that process served had slightly wrong rotations (greedy steps decided by 3e-3
+    flipped; logprobs off by 1e-2).
+    """
+    positions = np.arange(max_position, dtype=np.float32)
+    angles = np.outer(positions, inv_freq.cpu().numpy().astype(np.float32))  # float32 products
+    angles = angles.astype(np.float64)
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    return torch.from_numpy(table)  # [max_position, head_size]
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_size = head_size
-        inv_freq = compute_inv_freq(head_size, base, rope_scaling)
-        # Built on the CPU in float32 whatever the model's default device and dtype.
-        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, inv_freq.cpu())  # [max_position, head_size // 2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, head_size]
+        cache = cos_sin_table(max_position, compute_inv_freq(head_size, base, rope_scaling))
         self.register_buffer("cos_sin_cache", cache.to(torch.empty(0).device),
                              persistent=False)
         self._checked_positions: torch.Tensor | None = None
