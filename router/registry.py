@@ -86,10 +86,17 @@ end
 redis.call('PEXPIRE', KEYS[6], ARGV[5])
 return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1])}
 """
-# Workers silent for longer than the reader's TTL (ARGV[1]) and than their own (KEYS[2]), if
-# they declared one: a reader that waits less than a worker said it may stay silent (a decode
+# A worker silent for ``age`` seconds is gone if longer than the reader's TTL and than its own,
+# if it declared one: a reader that waits less than a worker said it may stay silent (a decode
 # worker beating fast, reading a prefill worker that beats slowly) must not take it for gone.
-_STALE_LUA = """
+# One rule for the stale read and the purge's last step, which must agree.
+_IS_STALE_LUA = """
+local function is_stale(age, reader_ttl, own)
+  return age > reader_ttl and (own == nil or age > own)
+end
+"""
+# Workers stale by the reader's TTL (ARGV[1]) and their own (KEYS[2]).
+_STALE_LUA = _IS_STALE_LUA + """
 local t = redis.call('TIME')
 local now = t[1] + t[2] / 1000000
 local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf',
@@ -97,7 +104,9 @@ local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf',
 local out = {}
 for i = 1, #old, 2 do
   local own = tonumber(redis.call('HGET', KEYS[2], old[i]))
-  if not own or now - tonumber(old[i + 1]) > own then out[#out + 1] = old[i] end
+  if is_stale(now - tonumber(old[i + 1]), tonumber(ARGV[1]), own) then
+    out[#out + 1] = old[i]
+  end
 end
 return out
 """
@@ -130,7 +139,7 @@ return n
 # what it republished, should it die before that beat.
 # KEYS: workers, heartbeats, drained, ttls, kvhandles:{id}, purged:{id}. ARGV: id, expiry ms,
 # "1" to drop the KV handles too, the reader's TTL.
-_PURGE_LUA = """
+_PURGE_LUA = _IS_STALE_LUA + """
 redis.replicate_commands()
 local drained = redis.call('SREM', KEYS[3], ARGV[1])
 local known = redis.call('HDEL', KEYS[1], ARGV[1])
@@ -142,7 +151,7 @@ if beat then
     local t = redis.call('TIME')
     local age = t[1] + t[2] / 1000000 - tonumber(beat)
     local own = tonumber(redis.call('HGET', KEYS[4], ARGV[1]))
-    fresh = age <= tonumber(ARGV[4]) or (own ~= nil and age <= own)
+    fresh = not is_stale(age, tonumber(ARGV[4]), own)
   end
 end
 if not fresh then
