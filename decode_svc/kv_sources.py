@@ -28,15 +28,26 @@ unchecked, they would open the check to whoever times a Redis outage. A handle o
 that its remembered key does not verify, and whose key cannot be read again, is judged by the
 key met: refused as not signed (INVALID_ARGUMENT), not moved as its source's failure. A worker
 without a registry (driven directly, in no cluster) reads what it is given.
+
+A handle is also refused once its lease has ended by the expiry its prefill worker signed
+(``lease_expires_unix_s``): the worker's key lives as long as the worker, so a handle captured
+off the network would otherwise verify for that long, after its lease had been released and
+its blocks given to other prompts. That refusal is a TransferError (UNAVAILABLE, marked as the
+source's failure), as the pull's own refusal of a lease too near its end has always been: the
+router prefills the request again, and a legitimately expired lease is moved as it was. A
+handle without an expiry (0: a prefill build before it was signed) is refused as an unsigned
+one is, UNAVAILABLE: its KV could be replayed for the prefill worker's whole life.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtransfer import PeerGoneError, handle_mac
+from kvtransfer import PeerGoneError, TransferError, handle_mac
 from protos import common_pb2
 from router.errors import quoted
 
@@ -46,22 +57,60 @@ logger = logging.getLogger(__name__)
 MAX_REMEMBERED = 256
 # How long a pull waits for the registry's answer before refusing the handle.
 REGISTRY_WAIT_S = 1.0
+# How far this host's clock may run ahead of a prefill worker's before that worker's signed
+# lease expiry, which is on its own clock, cuts a pull short of what lease_timeout_s allows
+# or refuses the handle. Cluster hosts keep time by NTP, milliseconds apart. A clock further
+# ahead refuses a handle near its lease's end (moved, as an expired lease is); one behind lets
+# a replayed handle be read that much past its lease's end. At most the pull's own margin
+# (decode_svc/service.py's LEASE_READ_MARGIN_S), so that with clocks that agree no read of a
+# replayed handle runs past the signed expiry.
+EXPIRY_CLOCK_SKEW_S = 0.5
 
 
 class KVSources:
-    def __init__(self, registry: Callable[[], object | None]) -> None:
+    def __init__(self, registry: Callable[[], object | None],
+                 clock: Callable[[], float] = time.time) -> None:
         self._registry = registry  # router.registry.Registry, or None without Redis
+        self._clock = clock  # unix seconds, as the signed lease expiry is
         # (prefill worker id, its rank handles) -> the key it signs its KV handles with
         self._keys: OrderedDict[tuple[str, tuple[bytes, ...]], bytes] = OrderedDict()
 
+    def lease_left(self, h: common_pb2.KVHandle) -> float:
+        """Seconds left to read the handle's KV: what ``lease_timeout_s`` says is left of its
+        lease, which is not signed (the router lowers it on the way, and so may anyone
+        raise it), never past the lease's signed expiry."""
+        return min(h.lease_timeout_s, self.signed_lease_left(h))
+
+    def signed_lease_left(self, h: common_pb2.KVHandle) -> float:
+        """Seconds left of the handle's lease by the expiry its prefill worker signed, with
+        this host's clock allowed EXPIRY_CLOCK_SKEW_S ahead; inf for a handle without one
+        (which only a worker without a registry reads)."""
+        if not h.lease_expires_unix_s:
+            return math.inf
+        return h.lease_expires_unix_s + EXPIRY_CLOCK_SKEW_S - self._clock()
+
     async def check(self, h: common_pb2.KVHandle, token_ids: Sequence[int]) -> None:
         """Raises ValueError (INVALID_ARGUMENT) for a handle its prefill worker did not sign
-        for the KV of ``token_ids``, and PeerGoneError (UNAVAILABLE: the request moves) for
-        one whose rank handles the worker did not register, or whose key cannot be read and
-        was never met."""
+        for the KV of ``token_ids``; PeerGoneError (UNAVAILABLE: the request moves) for one
+        without a signed lease expiry, whose rank handles the worker did not register, or
+        whose key cannot be read and was never met; and TransferError (UNAVAILABLE, moved)
+        for one whose signed lease expiry has passed."""
         registry = self._registry()
         if registry is None:
             return
+        if not h.lease_expires_unix_s:
+            raise PeerGoneError(f"kv_handle of prefill worker {quoted(h.worker_id)} has no "
+                                "signed lease expiry (a build before handles had one?): its "
+                                "KV is not read")
+        await self._verify(registry, h, token_ids)
+        left = self.signed_lease_left(h)
+        if not left > 0:
+            raise TransferError(f"the prefill worker's lease on this KV ended "
+                                f"{EXPIRY_CLOCK_SKEW_S - left:.2f} s ago by its signed expiry "
+                                "(a handle replayed after its lease?): too late to read it")
+
+    async def _verify(self, registry, h: common_pb2.KVHandle,
+                      token_ids: Sequence[int]) -> None:
         source = (h.worker_id, tuple(h.rank_handles))
         met = self._keys.get(source)
         if met is not None and handle_mac.verify(met, h, token_ids):

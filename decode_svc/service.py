@@ -87,16 +87,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         # Before NIXL parses any of it, and before a block is allocated.
         await self.kv_sources.check(request.kv_handle, ids + resume)
-        # On this host's clock: the handle says what was left of the lease when it was sent.
-        lease_ends = time.monotonic() + request.kv_handle.lease_timeout_s
+        # On this host's clock: the handle says what was left of the lease when it was sent,
+        # and when the lease ends.
+        lease_left = self.kv_sources.lease_left(request.kv_handle)
+        lease_ends = time.monotonic() + lease_left
         # The pull's mark and its release name the lease; a handle from before lease_id
         # existed had it under this call's id.
         lease_id = request.kv_handle.lease_id or rid
         alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
                                                          interval)
         self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
-                                                self.rt.worker_id, time.time(),
-                                                request.kv_handle.lease_timeout_s))
+                                                self.rt.worker_id, time.time(), lease_left))
         t0 = time.monotonic()
         await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
                          lease_ends, lease_id)
@@ -155,6 +156,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # Redis record expires with the lease (a huge expiry failed its whole batch).
             raise ValueError(f"kv_handle lease_timeout_s must be a number in [0, "
                              f"{MAX_KV_LEASE_TIMEOUT_S:.0f}], got {h.lease_timeout_s}")
+        if not (math.isfinite(h.lease_expires_unix_s) and h.lease_expires_unix_s >= 0):
+            # A time off a prefill worker's clock, or 0 (unset): no worker made anything else.
+            raise ValueError(f"kv_handle lease_expires_unix_s must be a finite number >= 0, "
+                             f"got {h.lease_expires_unix_s}")
         for name in ("lease_id", "worker_id"):  # both name Redis keys
             if len(getattr(h, name)) > convert.MAX_WORKER_REQUEST_ID_CHARS:
                 raise ValueError(f"kv_handle {name} is {len(getattr(h, name))} characters; at "

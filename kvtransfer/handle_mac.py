@@ -9,6 +9,14 @@ handles in the registry, which cluster members read and a router's clients do no
 Signed: every field of the handle but ``lease_timeout_s`` (the router lowers it to what is
 left of the lease on the way: it bounds the pull, it names no block), and a digest of the
 token ids whose KV the blocks hold (the prompt, then a migrated request's resumed output).
+
+The key lives as long as the prefill worker, and a lease's blocks go to other prompts once it
+is released or expires, so a handle alone would stay good for the worker's whole life: one
+captured off the network and replayed later would have a decode worker read other prompts'
+KV into its prefix cache under the handle's prompt. So ``lease_expires_unix_s``, when the
+lease ends on the prefill worker's clock, is signed too, and a decode worker reads no handle
+past it (decode_svc/kv_sources.py); ``lease_timeout_s``, which anyone on the way may raise,
+cannot stretch the read beyond it.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ if TYPE_CHECKING:
     from protos import common_pb2
 
 KEY_BYTES = 32
-_DOMAIN = b"pdserve.kv_handle.v1"
+# v2: the message holds the lease's expiry (v1's did not).
+_DOMAIN = b"pdserve.kv_handle.v2"
 
 
 def new_key() -> bytes:
@@ -43,6 +52,7 @@ def _message(h: common_pb2.KVHandle, token_ids: Sequence[int]) -> bytes:
     """Each field length-prefixed, so no two handles run together into the same bytes."""
     parts = [_DOMAIN, h.worker_id.encode(), h.worker_address.encode(), h.backend.encode(),
              h.lease_id.encode(), struct.pack("<qq", h.num_tokens, h.block_size),
+             struct.pack("<d", h.lease_expires_unix_s),
              struct.pack(f"<{len(h.block_ids)}q", *h.block_ids),
              hashlib.sha256(b"".join(_framed(b) for b in h.rank_handles)).digest(),
              hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()]

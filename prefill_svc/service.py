@@ -121,12 +121,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             # release found nothing: this one frees it (it is never listed in the ledger).
             self.rt.engine.release_kv(rid)
             return None
+        lease_left = max(lease.expires_at - time.monotonic(), 0.0)
         resp.kv_handle.CopyFrom(common_pb2.KVHandle(
             worker_id=self.rt.worker_id, worker_address=self.rt.address,
             backend=self.rt.config.engine.kv_transfer_backend, rank_handles=self.rt.kv_handle_bytes,
             block_ids=lease.block_ids, num_tokens=lease.num_tokens, block_size=lease.block_size,
-            lease_timeout_s=max(lease.expires_at - time.monotonic(), 0.0), lease_id=rid))
-        # A decode worker reads it only as signed: these blocks, for these tokens' KV.
+            lease_timeout_s=lease_left, lease_id=rid,
+            lease_expires_unix_s=time.time() + lease_left))
+        # A decode worker reads it only as signed: these blocks, for these tokens' KV, until
+        # the lease ends.
         resp.kv_handle.mac = handle_mac.sign(self.rt.kv_mac_key, resp.kv_handle, ids + resume)
         try:
             self._check_size(resp, request)

@@ -92,7 +92,7 @@ class StopReason(_message.Message):
     def __init__(self, stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "worker_address", "backend", "rank_handles", "block_ids", "num_tokens", "block_size", "lease_timeout_s", "lease_id", "mac")
+    __slots__ = ("worker_id", "worker_address", "backend", "rank_handles", "block_ids", "num_tokens", "block_size", "lease_timeout_s", "lease_id", "mac", "lease_expires_unix_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class KVHandle(_message.Message):
     LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_address: str
     backend: str
@@ -113,7 +114,8 @@ class KVHandle(_message.Message):
     lease_timeout_s: float
     lease_id: str
     mac: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., backend: _Optional[str] = ..., rank_handles: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    lease_expires_unix_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., backend: _Optional[str] = ..., rank_handles: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ..., lease_expires_unix_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "block_size", "tensor_parallel_size", "kv_transfer_backend", "max_model_len", "kv_cache_layouts", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running", "num_leased", "prefix_cache_queries", "prefix_cache_hits", "num_expired_leases", "num_preemptions", "num_inflight", "draining", "kv_bytes_transferred", "kv_transfer_failures", "kv_peers_connected", "num_quarantined", "prefix_cache_partial_hits", "model_fingerprint")

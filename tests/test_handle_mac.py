@@ -1,5 +1,6 @@
-"""kvtransfer/handle_mac.py: a KV handle's MAC binds each field that names KV, and the tokens
-the KV is of; the lease's remaining time, which the router lowers on the way, it does not."""
+"""kvtransfer/handle_mac.py: a KV handle's MAC binds each field that names KV, the tokens the
+KV is of and when the lease ends; the lease's remaining time, which the router lowers on the
+way, it does not."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ def _handle() -> common_pb2.KVHandle:
     h = common_pb2.KVHandle(worker_id="prefill-1", worker_address="10.0.0.1:7001",
                             backend="nixl", rank_handles=[b'{"a":0}', b'{"a":1}'],
                             block_ids=[3, 4], num_tokens=5, block_size=4, lease_timeout_s=20.0,
-                            lease_id="req-1")
+                            lease_id="req-1", lease_expires_unix_s=1_800_000_020.25)
     h.mac = handle_mac.sign(KEY, h, TOKENS)
     return h
 
@@ -34,6 +35,9 @@ def test_a_signed_handle_verifies_after_the_router_lowers_its_lease_time():
     lambda h: setattr(h, "lease_id", "req-2"),
     lambda h: setattr(h, "num_tokens", 6),
     lambda h: setattr(h, "block_size", 8),
+    # A replayed handle's lease made to end later, or never (0: a build before it was signed).
+    lambda h: setattr(h, "lease_expires_unix_s", h.lease_expires_unix_s + 3600),
+    lambda h: setattr(h, "lease_expires_unix_s", 0.0),
     lambda h: h.block_ids.__setitem__(1, 9),  # the same lease, another block
     lambda h: h.block_ids.reverse(),  # the same blocks, in another order
     lambda h: h.rank_handles.__setitem__(1, b'{"a":2}'),

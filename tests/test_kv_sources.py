@@ -1,21 +1,29 @@
 """decode_svc/kv_sources.py: which KV handles a decode worker with a registry reads. A handle
 its prefill worker did not sign is refused as bad input (ValueError: INVALID_ARGUMENT); one
 whose source cannot vouch for it (rank handles not registered, no key, Redis away for a worker
-never met) as its source's failure (PeerGoneError: UNAVAILABLE, the request moves).
+never met, no signed lease expiry) as its source's failure (PeerGoneError: UNAVAILABLE, the
+request moves), and one past its signed lease expiry as an expired lease (TransferError:
+UNAVAILABLE, the request moves).
 
 The registry is a fake with Registry.kv_source's contract (tests/test_registry.py covers the
-real one's reads), so that Redis can be made to stop answering between two pulls."""
+real one's reads), so that Redis can be made to stop answering between two pulls; the clock
+is a fake, so that a lease ends when a test says."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from decode_svc import kv_sources
-from decode_svc.kv_sources import KVSources
-from kvtransfer import PeerGoneError, handle_mac
+from decode_svc.kv_sources import EXPIRY_CLOCK_SKEW_S, KVSources
+from decode_svc.service import LEASE_READ_MARGIN_S
+from engine.call_abort import KV_SOURCE_FAILED
+from engine.worker_runtime import failure_marks, status_for
+from kvtransfer import PeerGoneError, TransferError, handle_mac
 from protos import common_pb2
 
+NOW = 1_800_000_000.0  # the fake clock's start, in unix seconds
 TOKENS = [11, 12, 13, 14, 15]
 RANKS = [b'{"rank":0}', b'{"rank":1}']
 NOT_SIGNED = "kv_handle mac does not verify with prefill worker 'prefill-1'"
@@ -40,13 +48,21 @@ class FakeRegistry:
         return self.sources.get(worker_id, ([], b""))
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def _handle(key: bytes, *, backend: str = "nixl", ranks=RANKS, blocks=(3, 4),
-            tokens=TOKENS) -> common_pb2.KVHandle:
-    """A handle as prefill worker prefill-1 signs it with ``key``."""
+            tokens=TOKENS, expires: float = NOW + 20.0) -> common_pb2.KVHandle:
+    """A handle as prefill worker prefill-1 signs it with ``key`` at NOW, its lease 20 s."""
     h = common_pb2.KVHandle(worker_id="prefill-1", worker_address="10.0.0.1:7001",
                             backend=backend, rank_handles=list(ranks), block_ids=list(blocks),
                             num_tokens=len(tokens), block_size=4, lease_timeout_s=20.0,
-                            lease_id="req-1")
+                            lease_id="req-1", lease_expires_unix_s=expires)
     h.mac = handle_mac.sign(key, h, tokens)
     return h
 
@@ -61,8 +77,13 @@ def registry() -> FakeRegistry:
 
 
 @pytest.fixture
-def sources(registry) -> KVSources:
-    return KVSources(lambda: registry)
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def sources(registry, clock) -> KVSources:
+    return KVSources(lambda: registry, clock)
 
 
 def test_a_signed_handle_is_read_and_its_key_read_once(registry, sources):
@@ -167,6 +188,58 @@ def test_rank_handles_are_checked_against_those_registered(registry, sources, ba
 
 
 def test_without_a_registry_a_handle_is_read_as_given():
-    unsigned = _handle(b"")
+    unsigned = _handle(b"", expires=0.0)
     unsigned.mac = b""
-    _check(KVSources(lambda: None), unsigned)
+    sources = KVSources(lambda: None)
+    _check(sources, unsigned)
+    assert sources.lease_left(unsigned) == 20.0  # lease_timeout_s alone bounds the read
+
+
+def test_a_handle_past_its_signed_lease_expiry_is_refused_as_an_expired_lease(
+        registry, sources, clock):
+    """The prefill worker's key verifies its handles for the worker's whole life: one replayed
+    after its lease ended, its blocks given to other prompts since, was read (and cached under
+    the replayed prompt), whatever lease_timeout_s its caller claimed. Refused as the pull
+    refuses a lease too near its end: the KV source's failure, UNAVAILABLE, so that the router
+    prefills a legitimately late request again, as it did."""
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    h = _handle(key)
+    h.lease_timeout_s = 86400.0  # not signed: raised by whoever replays it
+    # This host's clock may run a little ahead of the prefill worker's.
+    clock.now = NOW + 20.0 + EXPIRY_CLOCK_SKEW_S - 0.01
+    _check(sources, h)
+    clock.now = NOW + 20.0 + EXPIRY_CLOCK_SKEW_S + 0.01
+    with pytest.raises(TransferError, match=r"ended 0\.51 s ago by its signed expiry") as err:
+        _check(sources, h)
+    assert status_for(err.value) == grpc.StatusCode.UNAVAILABLE
+    assert failure_marks(err.value) == KV_SOURCE_FAILED
+    forged = _handle(key)
+    forged.lease_expires_unix_s += 3600.0  # its lease made to end later: the MAC fails it
+    with pytest.raises(ValueError, match=NOT_SIGNED):
+        _check(sources, forged)
+
+
+def test_the_read_never_outlasts_the_signed_expiry(sources, clock):
+    """lease_timeout_s is not signed (the router lowers it on the way): raised, it would have
+    let the pull run past the lease's end, into blocks given to other prompts."""
+    h = _handle(handle_mac.new_key(), expires=NOW + 5.0)
+    h.lease_timeout_s = 3.0  # as the router lowered it
+    assert sources.lease_left(h) == 3.0
+    h.lease_timeout_s = 600.0
+    assert sources.lease_left(h) == 5.0 + EXPIRY_CLOCK_SKEW_S
+    clock.now = NOW + 4.0
+    assert sources.lease_left(h) == 1.0 + EXPIRY_CLOCK_SKEW_S
+    # The pull stops LEASE_READ_MARGIN_S before that: with clocks that agree, it ends by the
+    # signed expiry.
+    assert EXPIRY_CLOCK_SKEW_S <= LEASE_READ_MARGIN_S
+
+
+def test_a_handle_without_a_signed_lease_expiry_is_refused_unavailable(registry, sources):
+    """A prefill build before the expiry was signed: its handles could be replayed for the
+    worker's whole life. Refused as an unsigned build's are, as its source's failure: the
+    request is prefilled again (on an upgraded prefill worker: they are upgraded first)."""
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    with pytest.raises(PeerGoneError, match="has no signed lease expiry"):
+        _check(sources, _handle(key, expires=0.0))

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
+from decode_svc.kv_sources import EXPIRY_CLOCK_SKEW_S
 from engine.call_abort import MAX_STATUS_CHARS, kv_source_failed, was_refused
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
@@ -316,6 +317,38 @@ def test_forged_kv_handles_are_refused_and_poison_no_prefix_cache(workers, refer
         assert chunks[0].num_cached_tokens == 0  # nothing was cached under it
         assert [resp.first_token_id, *(t for c in chunks for t in c.token_ids)] == w.token_ids
     wait_all_blocks_free([p.address for p in cluster.procs if p.name != "router"], 60.0)
+
+
+def test_a_handle_replayed_after_its_lease_ended_is_refused():
+    """The prefill worker's key lives as long as the worker: a handle captured off the network
+    and replayed after its lease ended, its blocks free for other prompts, lease_timeout_s
+    raised (it is not signed), was read, and the blocks' KV cached under its prompt. The
+    lease's expiry is signed: the handle is refused as an expired lease is, the KV source's
+    failure (UNAVAILABLE), before a block is allocated."""
+    args = list(SHORT_CONTEXT_WORKER_ARGS)
+    args[args.index("--kv-lease-timeout-s") + 1] = "1"
+    with Cluster(ClusterSpec(worker_args=args)) as cluster:
+        addr = {p.role: p.address for p in cluster.procs if p.name != "router"}
+        prompt = list(range(500, 540))
+        with grpc.insecure_channel(addr["prefill"]) as ch:
+            resp = worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(worker_pb2.PrefillRequest(
+                request_id="replayed", prompt_token_ids=prompt, sampling=SAMPLING), timeout=30)
+        replayed = common_pb2.KVHandle()
+        replayed.CopyFrom(resp.kv_handle)
+        replayed.lease_timeout_s = 60.0
+        wait_all_blocks_free([addr["prefill"]], 30.0)  # the lease expired
+        # Past the expiry on this host's clock too, with the skew a decode worker allows.
+        while time.time() <= replayed.lease_expires_unix_s + EXPIRY_CLOCK_SKEW_S:
+            time.sleep(0.05)
+        with grpc.insecure_channel(addr["decode"]) as ch, pytest.raises(grpc.RpcError) as err:
+            list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(worker_pb2.DecodeRequest(
+                request_id="replayed", prompt_token_ids=prompt,
+                first_token_id=resp.first_token_id, sampling=SAMPLING, kv_handle=replayed),
+                timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "by its signed expiry" in err.value.details()
+        assert kv_source_failed(err.value) and not was_refused(err.value)
+        wait_all_blocks_free(list(addr.values()), 10.0)
 
 
 def test_a_refusal_quoting_a_long_caller_string_keeps_its_status(workers):
