@@ -65,6 +65,11 @@ REGISTRY_WAIT_S = 1.0
 # (decode_svc/service.py's LEASE_READ_MARGIN_S), so that with clocks that agree no read of a
 # replayed handle runs past the signed expiry.
 EXPIRY_CLOCK_SKEW_S = 0.5
+# Clocks this far apart (the signed expiry against what lease_timeout_s says is left, which
+# the router measures on its own monotonic clock) are logged: a decode host minutes ahead
+# would otherwise refuse every handle, each request prefilled again, with no word of why.
+CLOCK_WARN_S = 2.0
+CLOCK_WARN_EVERY_S = 60.0
 
 
 class KVSources:
@@ -74,6 +79,7 @@ class KVSources:
         self._clock = clock  # unix seconds, as the signed lease expiry is
         # (prefill worker id, its rank handles) -> the key it signs its KV handles with
         self._keys: OrderedDict[tuple[str, tuple[bytes, ...]], bytes] = OrderedDict()
+        self._clock_warned_at = -math.inf  # time.monotonic()
 
     def lease_left(self, h: common_pb2.KVHandle) -> float:
         """Seconds left to read the handle's KV: what ``lease_timeout_s`` says is left of its
@@ -104,10 +110,27 @@ class KVSources:
                                 "KV is not read")
         await self._verify(registry, h, token_ids)
         left = self.signed_lease_left(h)
+        apart = left - EXPIRY_CLOCK_SKEW_S - h.lease_timeout_s
+        if abs(apart) > CLOCK_WARN_S:
+            self._warn_clocks(h, apart)
         if not left > 0:
             raise TransferError(f"the prefill worker's lease on this KV ended "
                                 f"{EXPIRY_CLOCK_SKEW_S - left:.2f} s ago by its signed expiry "
-                                "(a handle replayed after its lease?): too late to read it")
+                                "(a handle replayed after its lease, or this host's clock "
+                                "ahead of the prefill worker's?): too late to read it")
+
+    def _warn_clocks(self, h: common_pb2.KVHandle, apart: float) -> None:
+        """``apart`` > 0: this host's clock behind the prefill worker's (or lease_timeout_s
+        lowered on the way more than the time spent); < 0: ahead (or lease_timeout_s raised)."""
+        now = time.monotonic()
+        if now - self._clock_warned_at < CLOCK_WARN_EVERY_S:
+            return
+        self._clock_warned_at = now
+        logger.warning("prefill worker %s's signed lease expiry and the handle's "
+                       "lease_timeout_s disagree by %.1f s: this host's clock is %s its own "
+                       "(keep cluster clocks in step, NTP): a clock ahead refuses handles "
+                       "before their leases end, one behind reads replayed ones past theirs",
+                       quoted(h.worker_id), abs(apart), "behind" if apart > 0 else "ahead of")
 
     async def _verify(self, registry, h: common_pb2.KVHandle,
                       token_ids: Sequence[int]) -> None:

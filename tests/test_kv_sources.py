@@ -243,3 +243,23 @@ def test_a_handle_without_a_signed_lease_expiry_is_refused_unavailable(registry,
     registry.sources["prefill-1"] = (RANKS, key)
     with pytest.raises(PeerGoneError, match="has no signed lease expiry"):
         _check(sources, _handle(key, expires=0.0))
+
+
+def test_clocks_apart_are_logged_once_a_minute_and_named_in_the_refusal(
+        registry, sources, clock, caplog):
+    """A decode host minutes ahead of its prefill workers refuses every handle as expired, each
+    request prefilled again: the log and the refusal say the clocks may be why."""
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    with caplog.at_level("WARNING", logger=kv_sources.__name__):
+        _check(sources, _handle(key))  # lease_timeout_s 20 s, signed 20 s left: in step
+        assert not caplog.records
+        clock.now = NOW + 120.0  # this host two minutes ahead
+        with pytest.raises(TransferError, match="this host's clock ahead"):
+            _check(sources, _handle(key))
+        with pytest.raises(TransferError):
+            _check(sources, _handle(key))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned  # once, not per request
+    assert "disagree by 120.0 s: this host's clock is ahead of" in warned[0]
+    assert "'prefill-1'" in warned[0]
