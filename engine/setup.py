@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cpu_graph import preferred_linear_kernel
 from engine.cuda_graph import CUDAGraphConfig
+from engine.host_memory import available_memory
 from engine.kv_layout import make_layout
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -144,7 +144,7 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
         free_device_memory()  # what torch holds idle counts as used until handed back
         free, where = torch.cuda.mem_get_info(device)[0], f"{device} has only {{}} free"
     else:
-        free, where = available_host_memory(), "this host has only {} available"
+        free, where = _host_memory()
         cache_bytes *= num_ranks_on_host
     if free is None or cache_bytes <= free:
         return
@@ -161,21 +161,15 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
                      "--kv-cache-memory-gib")
 
 
-def available_host_memory() -> int | None:
-    """Bytes the host can give a new allocation without swapping (MemAvailable: free memory
-    and the page cache it may drop); free pages where /proc/meminfo is missing; None where
-    neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
+def _host_memory() -> tuple[int | None, str]:
+    """The host memory a cache may take, and what says so (a format string for it)."""
+    mem = available_memory()
+    if mem is None:
+        return None, ""
+    if mem.limit_file is None:
+        return mem.nbytes, "this host has only {} available"
+    return mem.nbytes, (f"this process's cgroup memory limit ({mem.limit_file}: "
+                        f"{_size(mem.limit)}) leaves only {{}} available")
 
 
 def _size(nbytes: float) -> str:

@@ -365,18 +365,21 @@ def test_a_kv_cache_the_host_cannot_hold_is_refused_before_it_is_allocated(kwarg
     ended the process while the cache was zeroed)."""
     from engine import LLM
 
+    # Or, in a container, its cgroup's limit (tests/test_host_memory.py).
     with pytest.raises(ValueError, match=rf"{flag} asks for a KV cache of [0-9.]+ GiB, but "
-                                         r"this host has only [0-9.]+ [MG]iB available"):
+                                         r"(this host has only|this process's cgroup memory "
+                                         r"limit \(.+\) leaves only) [0-9.]+ [MG]iB available"):
         LLM("micro-llama", **kwargs)
 
 
 def test_cpu_tp_ranks_caches_share_the_hosts_memory():
     """Every CPU rank allocates its cache in the one host's memory: two of them need twice."""
-    from engine.setup import available_host_memory, kv_capacity_blocks
+    from engine.host_memory import available_memory
+    from engine.setup import kv_capacity_blocks
 
     per_block = 1 << 20
-    blocks = int(available_host_memory() * 0.6) // per_block  # fits once, not twice
+    blocks = int(available_memory().nbytes * 0.6) // per_block  # fits once, not twice
     config = EngineConfig(model="micro-llama", num_gpu_blocks=blocks)
     assert kv_capacity_blocks(config, per_block, torch.device("cpu")) == blocks
-    with pytest.raises(ValueError, match=r"\(2 TP ranks' caches\), but this host has only"):
+    with pytest.raises(ValueError, match=r"\(2 TP ranks' caches\), but this "):
         kv_capacity_blocks(config, per_block, torch.device("cpu"), num_ranks_on_host=2)
