@@ -25,6 +25,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="the router's port")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="KV blocks per worker (default: from the memory budget)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="each worker rank's KV-cache budget (default: 1 GiB on the CPU; on "
+                        "CUDA what --gpu-memory-utilization leaves beside the weights)")
     # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
@@ -162,7 +165,8 @@ def up_spec(args: argparse.Namespace):
         extra += ["--scheduling-policy", args.scheduling_policy]
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
-    for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"):
+    for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--kv-cache-memory-gib"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             extra += [flag, str(value)]
@@ -196,12 +200,13 @@ def _check_service_flags(spec) -> None:
     redis = spec.redis_url or "redis://127.0.0.1:6379/0"
     roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
     for role in roles:
+        args = spec.engine_args(role, [])
         worker = _worker_config(parser.parse_args([role, "--model", spec.model, "--redis-url",
-                                                   redis, *spec.engine_args(role, [])]), role)
+                                                   redis, *args]), role)
         model.check_tensor_parallel(worker.engine.tensor_parallel_size)
-        # A budget in bytes is sized on the worker's device: only --num-gpu-blocks is known.
         worker.engine.check_max_model_len(model.max_position_embeddings,
                                           worker.engine.num_gpu_blocks)
+        _check_kv_budget(model, worker.engine, args)
     router = parser.parse_args(["router", "--model", spec.model, "--redis-url", redis,
                                 "--port", str(spec.router_port), *spec.router_flags()])
     # Its keys reach it through its environment (ClusterSpec.router_env), which it reads
@@ -211,6 +216,26 @@ def _check_service_flags(spec) -> None:
     _router_config(router)
     if spec.redis_url is not None:  # else pdserve up starts its own
         asyncio.run(check_redis_database(spec.redis_url))
+
+
+def _check_kv_budget(model, engine, args: list[str]) -> None:
+    """A KV-cache memory budget too small for one --max-model-len sequence, refused as each
+    rank of the worker will size its cache (engine/setup.py rank_capacity_blocks). On CUDA
+    without --kv-cache-memory-gib the budget is what the GPU has left once the weights loaded:
+    only the worker knows it."""
+    from engine.kv_layout import make_layout
+    from router.cluster_spec import on_cpu
+
+    if engine.max_model_len is None or engine.num_gpu_blocks is not None:
+        return  # before on_cpu(), which may ask a process of its own for the GPUs
+    cpu = on_cpu(args)
+    if engine.kv_budget_bytes(cpu) is None:
+        return
+    dtype = model.compute_dtype(engine.dtype, "cpu" if cpu else "cuda")
+    tp = engine.tensor_parallel_size
+    per_block = max(make_layout(model, 1, engine.block_size, dtype, rank, tp).bytes_per_block
+                    for rank in range(tp))
+    engine.check_kv_budget(per_block, cpu)
 
 
 def _up_router_args(args: argparse.Namespace) -> list[str]:

@@ -17,6 +17,9 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
 # Tokens one engine step may schedule, where the config does not say.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The KV cache's memory budget on the CPU, where the config sets none.
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+_GIB = 1 << 30
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -172,6 +175,45 @@ class EngineConfig:
                              f"fit the KV cache ({num_blocks} blocks of {self.block_size} tokens "
                              f"= {num_blocks * self.block_size}; --num-gpu-blocks, "
                              "--kv-cache-memory-gib, --block-size)")
+
+    def kv_budget_bytes(self, on_cpu: bool) -> float | None:
+        """The KV cache's memory budget where this config fixes it: --kv-cache-memory-gib, or
+        the CPU's default. None where --num-gpu-blocks sets the blocks, or on CUDA, where the
+        budget is what --gpu-memory-utilization leaves beside the weights once they loaded."""
+        if self.num_gpu_blocks is not None:
+            return None
+        if self.kv_cache_memory_gib is not None:
+            return self.kv_cache_memory_gib * _GIB
+        return DEFAULT_CPU_KV_CACHE_GIB * _GIB if on_cpu else None
+
+    def check_kv_budget(self, bytes_per_block: int, on_cpu: bool) -> None:
+        """Refuses a memory budget (kv_budget_bytes) whose blocks of ``bytes_per_block`` (the
+        largest rank's) cannot hold one max_model_len sequence. Torch-free: `pdserve up` checks
+        it before anything starts; a worker found it only as it sized its cache."""
+        budget = self.kv_budget_bytes(on_cpu)
+        if self.max_model_len is None or budget is None:
+            return
+        blocks = -(-self.max_model_len // self.block_size)
+        need = blocks * bytes_per_block
+        if budget >= need:
+            return
+        if self.kv_cache_memory_gib is not None:
+            given = f"--kv-cache-memory-gib {self.kv_cache_memory_gib:g}"
+        else:
+            given = f"the CPU's default KV-cache budget of {DEFAULT_CPU_KV_CACHE_GIB:g} GiB"
+        least = math.ceil(need / _GIB * 1000) / 1000  # rounded up: the figure given must fit
+        raise ValueError(
+            f"max_model_len (--max-model-len) {self.max_model_len} does not fit {given}: one "
+            f"sequence takes {_size(need)} per rank ({blocks} blocks of {self.block_size} "
+            f"tokens, {_size(bytes_per_block)} each); set --kv-cache-memory-gib {least:.3f} or "
+            "more, or lower --max-model-len")
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", _GIB), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 def _is_int(value) -> bool:

@@ -93,16 +93,17 @@ class KVCacheLayout:
         return cls.from_dict(fields)
 
 
-def dtype_name(dtype: torch.dtype) -> str | None:
-    """A torch dtype's name in layouts ("float32", ...); None for a dtype caches never have."""
-    name = str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype | str) -> str | None:
+    """A torch dtype's name in layouts ("float32", ...), or a name given as such; None for a
+    dtype caches never have."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     return name if name in DTYPE_NAMES else None
 
 
-def make_layout(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def make_layout(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | str,
                 tp_rank: int = 0, tp_size: int = 1) -> KVCacheLayout:
-    from engine.parallel_state import kv_head_range
-
+    """Rank ``tp_rank``'s layout; ``dtype`` a torch dtype or its name (torch-free callers:
+    `pdserve up` sizes a rank's blocks with it before anything starts)."""
     if dtype_name(dtype) is None:
         raise ValueError(f"a KV cache cannot hold {dtype} (choose from {DTYPE_NAMES})")
     heads = kv_head_range(cfg.num_key_value_heads, tp_size, tp_rank)
@@ -111,3 +112,29 @@ def make_layout(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch
         num_kv_heads=heads.num, kv_head_start=heads.start,
         total_num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim,
         dtype=dtype_name(dtype), tp_rank=tp_rank, tp_size=tp_size)
+
+
+@dataclass(frozen=True)
+class KVHeadRange:
+    """The KV heads one rank holds: [start, start + num) of the model's KV heads."""
+
+    start: int
+    num: int
+
+
+def kv_head_range(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KVHeadRange:
+    """Splits KV heads across ranks; with fewer heads than ranks each head is replicated.
+
+    With tp_size > total heads, rank r holds the single head r // (tp_size // total), so each
+    head lives on tp_size // total consecutive ranks.
+    """
+    if tp_size >= total_num_kv_heads:
+        if tp_size % total_num_kv_heads:
+            raise ValueError(f"tensor-parallel size ({tp_size}) is not divisible by the number "
+                             f"of KV heads ({total_num_kv_heads})")
+        return KVHeadRange(tp_rank // (tp_size // total_num_kv_heads), 1)
+    if total_num_kv_heads % tp_size:
+        raise ValueError(f"number of KV heads ({total_num_kv_heads}) is not divisible by "
+                         f"{tp_size}")
+    num = total_num_kv_heads // tp_size
+    return KVHeadRange(tp_rank * num, num)

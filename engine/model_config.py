@@ -91,6 +91,17 @@ class ModelConfig:
 
         return getattr(torch, self.dtype)
 
+    def compute_dtype(self, requested: str, device_type: str) -> str:
+        """The dtype an engine of this model computes and keeps its KV cache in on a
+        ``device_type`` ("cpu" or "cuda") device: ``requested``, or for "auto" float32 on the
+        CPU (its bf16/fp16 matmuls are slow and less exact) and the checkpoint's on CUDA,
+        bfloat16 for a float32 one. Torch-free: `pdserve up` sizes caches with it."""
+        if requested != "auto":
+            return requested
+        if device_type == "cpu":
+            return "float32"
+        return "bfloat16" if self.dtype == "float32" else self.dtype
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim

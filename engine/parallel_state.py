@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -105,29 +104,3 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _CURRENT.all_gather(x, dim)
-
-
-@dataclass(frozen=True)
-class KVHeadRange:
-    """The KV heads one rank holds: [start, start + num) of the model's KV heads."""
-
-    start: int
-    num: int
-
-
-def kv_head_range(total_num_kv_heads: int, tp_size: int, tp_rank: int) -> KVHeadRange:
-    """Splits KV heads across ranks; with fewer heads than ranks each head is replicated.
-
-    With tp_size > total heads, rank r holds the single head r // (tp_size // total), so each
-    head lives on tp_size // total consecutive ranks.
-    """
-    if tp_size >= total_num_kv_heads:
-        if tp_size % total_num_kv_heads:
-            raise ValueError(f"tensor-parallel size ({tp_size}) is not divisible by the number "
-                             f"of KV heads ({total_num_kv_heads})")
-        return KVHeadRange(tp_rank // (tp_size // total_num_kv_heads), 1)
-    if total_num_kv_heads % tp_size:
-        raise ValueError(f"number of KV heads ({total_num_kv_heads}) is not divisible by "
-                         f"{tp_size}")
-    num = total_num_kv_heads // tp_size
-    return KVHeadRange(tp_rank * num, num)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
 from engine.cpu_graph import preferred_linear_kernel
 from engine.cuda_graph import CUDAGraphConfig
 from engine.host_memory import available_memory
@@ -28,7 +28,6 @@ from kernels.cpu_linear import resolve_linear_backend
 from kernels.host_malloc import tune_host_malloc
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_KV_GIB = 1.0
 
 
 @dataclass
@@ -86,12 +85,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU bf16/fp16 matmuls are slow and less exact
-    ckpt = _DTYPES[cfg.dtype]
-    return torch.bfloat16 if ckpt == torch.float32 else ckpt
+    return _DTYPES[cfg.compute_dtype(name, device.type)]
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, device: torch.device) -> None:
@@ -110,16 +104,13 @@ def kv_capacity_blocks(config: EngineConfig, bytes_per_block: int, device: torch
     """How many blocks of ``bytes_per_block`` this rank's budget holds. A cache the memory
     cannot hold is refused here, before it is allocated (``num_ranks_on_host``: the ranks whose
     caches of that size share the host's memory, CPU TP ranks)."""
+    budget = config.kv_budget_bytes(device.type == "cpu")
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
+    elif budget is None:  # CUDA: checked against the free memory as it is sized
+        return _blocks_in(_cuda_kv_budget(device, config.gpu_memory_utilization),
+                          bytes_per_block, device)
     else:
-        if config.kv_cache_memory_gib is not None:
-            budget = config.kv_cache_memory_gib * (1 << 30)
-        elif device.type == "cuda":  # checked against the free memory as it is sized
-            return _blocks_in(_cuda_kv_budget(device, config.gpu_memory_utilization),
-                              bytes_per_block, device)
-        else:
-            budget = _CPU_KV_GIB * (1 << 30)
         num_blocks = _blocks_in(budget, bytes_per_block, device)
     check_kv_cache_fits(config, num_blocks * bytes_per_block, device, num_ranks_on_host)
     return num_blocks
@@ -153,7 +144,7 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
     elif config.kv_cache_memory_gib is not None:
         flag = f"--kv-cache-memory-gib {config.kv_cache_memory_gib:g}"
     else:
-        flag = f"the CPU default of {_CPU_KV_GIB:g} GiB (--kv-cache-memory-gib)"
+        flag = f"the CPU default of {DEFAULT_CPU_KV_CACHE_GIB:g} GiB (--kv-cache-memory-gib)"
     ranks = f" ({num_ranks_on_host} TP ranks' caches)" if device.type == "cpu" \
         and num_ranks_on_host > 1 else ""
     raise ValueError(f"{flag} asks for a KV cache of {_size(cache_bytes)}{ranks}, but "
@@ -258,6 +249,7 @@ def rank_capacity_blocks(spec: RankSpec, cfg: ModelConfig, group: TPGroup) -> in
     per_block = make_layout(cfg, 1, spec.config.block_size, spec.torch_dtype, group.rank,
                             group.size).bytes_per_block
     device = spec.rank_device(group.rank)
+    spec.config.check_kv_budget(per_block, device.type == "cpu")
     # CPU ranks all allocate their caches in the one host's memory.
     on_host = group.size if device.type == "cpu" else 1
     return kv_capacity_blocks(spec.config, per_block, device, on_host)

@@ -108,7 +108,7 @@ class ClusterSpec:
         # bookkeeping (and every eager layer its check whether to give cores back).
         return (self.share_cores and self.prefill_tp == 1 and self.threads_per_rank is None
                 and "OMP_NUM_THREADS" not in os.environ and self.num_ranks > 1
-                and _on_cpu(self.worker_args))
+                and on_cpu(self.worker_args))
 
     def router_flags(self) -> list[str]:
         """The router's flags: the spec's, and for an aggregated cluster a local-prefill limit
@@ -143,7 +143,7 @@ class ClusterSpec:
             args += ["--tensor-parallel-size", str(self.prefill_tp)]
         # Only workers that join the core share (one process each; TP ranks keep their own
         # threads), and only with chunked prefill: without it the budget caps the prompt length.
-        if (role == "prefill" and self.cores_shared and tp_size(args) == 1 and _on_cpu(args)
+        if (role == "prefill" and self.cores_shared and tp_size(args) == 1 and on_cpu(args)
                 and flag_value(args, "--max-num-batched-tokens") is None
                 and "--no-enable-chunked-prefill" not in args):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
@@ -153,7 +153,7 @@ class ClusterSpec:
         """Where the workers go on this host's GPUs; None where they compute on the CPU or
         their flags pin a device (``--device cuda:N``): then the flags say it all."""
         device = flag_value(self.worker_args, "--device") or "auto"
-        if device not in ("auto", "cuda") or _on_cpu(self.worker_args):
+        if device not in ("auto", "cuda") or on_cpu(self.worker_args):
             return None
         if flag_value(self.worker_args, "--gpu-memory-utilization") is not None:
             util = None  # the worker flag, as given, for every worker
@@ -212,7 +212,7 @@ def tp_size(args: list[str]) -> int:
     return int(value) if value is not None and value.isdigit() else 1
 
 
-def _on_cpu(args: list[str]) -> bool:
+def on_cpu(args: list[str]) -> bool:
     """Whether a worker with these arguments computes on the CPU (``--device``; "auto" takes a
     GPU where torch sees one)."""
     device = flag_value(args, "--device") or "auto"

@@ -169,6 +169,14 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
      "max_model_len (--max-model-len) 4096 exceeds the model's max_position_embeddings 2048"),
     (["--model", "micro-llama", "--prefill", "0", "--max-model-len", "100", "--num-gpu-blocks",
       "4"], "100 does not fit the KV cache (4 blocks of 16 tokens = 64;"),
+    # A memory budget whose blocks hold less than one such sequence, as each worker sizes them
+    # (micro-llama: 8 KiB blocks in float32 on the CPU, 4 KiB on each of 2 TP ranks).
+    (["--model", "micro-llama", "--prefill", "0", "--max-model-len", "2048",
+      "--kv-cache-memory-gib", "0.0009"], "max_model_len (--max-model-len) 2048 does not fit "
+     "--kv-cache-memory-gib 0.0009: one sequence takes 1.00 MiB per rank (128 blocks of 16 "
+     "tokens, 8.0 KiB each); set --kv-cache-memory-gib 0.001 or more"),
+    (["--model", "micro-llama", "-tp", "2", "--max-model-len", "2048", "--kv-cache-memory-gib",
+      "0.0004"], "takes 512.0 KiB per rank (128 blocks of 16 tokens, 4.0 KiB each)"),
 ])
 def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, match, capsys,
                                                                        monkeypatch):
@@ -182,6 +190,43 @@ def test_up_refuses_a_flag_any_service_would_refuse_before_starting_one(flags, m
     monkeypatch.setattr(launcher.Cluster, "start", no_start)
     assert main(["up", *flags]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_up_sizes_the_kv_budget_as_the_workers_device_and_dtype_will(gpus, tmp_path,
+                                                                     monkeypatch):
+    """On the CPU a worker computes in float32 and without --kv-cache-memory-gib has 1 GiB;
+    on CUDA a float32 checkpoint runs in bfloat16, and without the flag only the worker can
+    size its budget (from the GPU's free memory)."""
+    from engine.cli import build_parser
+    from engine.cli_up import up_spec
+    from router import cluster_spec
+    from tests.test_model_config import write_config
+
+    monkeypatch.setattr(cluster_spec, "cuda_device_count", lambda: gpus)
+    # float32, 4 layers x (K, V) x 16 tokens x 8 KV heads x 128: 512 KiB a block, 256 on CUDA.
+    model = write_config(tmp_path / "m", hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=4, intermediate_size=256,
+                         max_position_embeddings=65536)
+
+    def up(*flags):
+        return up_spec(build_parser().parse_args(["up", "--model", str(model), "--prefill",
+                                                  "0", "--max-model-len", "4096", *flags]))
+
+    # 4096 tokens, 256 blocks: 128 MiB in float32, 64 MiB in bfloat16.
+    if gpus:
+        up("--kv-cache-memory-gib", "0.0625")
+        up("--max-model-len", "40000")
+        return
+    with pytest.raises(ValueError, match=r"takes 128.00 MiB per rank .* 0.125 or more"):
+        up("--kv-cache-memory-gib", "0.0625")
+    up("--kv-cache-memory-gib", "0.125")
+    up()  # in the CPU's 1 GiB
+    # 2500 blocks: 1.22 GiB.
+    with pytest.raises(ValueError, match=r"40000 does not fit the CPU's default KV-cache "
+                                         r"budget of 1 GiB: one sequence takes 1.22 GiB per "
+                                         r"rank .*--kv-cache-memory-gib 1.221 or more"):
+        up("--max-model-len", "40000")
 
 
 def test_sampling_flags_and_timeouts_are_checked_before_anything_loads(capsys, monkeypatch):

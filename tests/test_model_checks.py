@@ -372,6 +372,24 @@ def test_a_kv_cache_the_host_cannot_hold_is_refused_before_it_is_allocated(kwarg
         LLM("micro-llama", **kwargs)
 
 
+def test_a_budget_too_small_for_one_max_model_len_sequence_names_the_least_that_fits():
+    """The budget's blocks could not hold one sequence of max_model_len: refused with the
+    block count, not the budget a user sets, and `pdserve up` (tests/test_cli.py) could not
+    tell either before its workers sized their caches."""
+    from engine import LLM
+
+    # micro-llama, float32 on the CPU: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 x 4 B.
+    need = 2048 // 16 * (2 * 2 * 16 * 2 * 16 * 4)
+    kw = dict(device="cpu", max_model_len=2048)
+    with LLM("micro-llama", kv_cache_memory_gib=need / (1 << 30), **kw) as llm:
+        assert (llm.engine.num_blocks, llm.engine.max_model_len) == (128, 2048)
+    with pytest.raises(ValueError, match=(
+            r"max_model_len \(--max-model-len\) 2048 does not fit --kv-cache-memory-gib "
+            r"0.0009: one sequence takes 1.00 MiB per rank \(128 blocks of 16 tokens, 8.0 KiB "
+            r"each\); set --kv-cache-memory-gib 0.001 or more, or lower --max-model-len")):
+        LLM("micro-llama", kv_cache_memory_gib=0.0009, **kw)
+
+
 def test_cpu_tp_ranks_caches_share_the_hosts_memory():
     """Every CPU rank allocates its cache in the one host's memory: two of them need twice."""
     from engine.host_memory import available_memory

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel_state import get_tp_group, get_tp_size, kv_head_range
+from engine.kv_layout import kv_head_range
+from engine.parallel_state import get_tp_group, get_tp_size
 from kernels.cpu_linear import PackedLinear, pack_linear
 from kernels.cpu_small_linear import SMALL_LINEAR_MAX_ROWS, small_linear, small_linear_usable
 from kernels.huge_pages import to_huge_pages
