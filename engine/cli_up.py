@@ -190,7 +190,7 @@ def _check_service_flags(spec) -> None:
     from engine.cli import build_parser
     from engine.model_config import ModelConfig
     from engine.presets import resolve_model
-    from router.registry import check_redis_database
+    from router.redis_database import check_redis_database
 
     # Every service reads the model only as it starts, after Redis and the others did: a
     # missing or broken one must fail here, as an aggregated spec's router_flags() (the

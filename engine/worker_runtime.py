@@ -33,6 +33,7 @@ from engine.kv_peers import KVPeerConnector
 from engine.outputs import LeaseEnded
 from kvtransfer import handle_mac
 from protos import common_pb2
+from router.redis_database import DatabaseRefusal
 from router.registry import ROUTER_TTL_S, check_namespace, check_redis_url
 from router.router_presence import check_served_model_name, check_worker_id
 
@@ -232,6 +233,9 @@ class WorkerRuntime:
         self.engine_failure: BaseException | None = getattr(front, "error", None)
         # Called when the engine dies; run_worker points it at the server's stop.
         self.on_fatal = None
+        # Redis refusing the database of --redis-url once it answers (it did not at the
+        # start-up check): run_worker stops the worker, which exits as that check would.
+        self.database_refusal = DatabaseRefusal()
         self.address = ""
         self.worker_id = config.worker_id
         self.inflight = 0
@@ -390,7 +394,7 @@ class WorkerRuntime:
 
         self._presence = WorkerPresence(
             self.config.redis_url, self.config.namespace, self.config.heartbeat_interval_s,
-            self.worker_info, self._republish)
+            self.worker_info, self._republish, self.database_refusal)
         registry = self._presence.registry
 
         async def prepare(registry) -> None:  # before the first heartbeat makes it routable

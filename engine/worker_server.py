@@ -8,7 +8,7 @@ from engine.grpc_server import GrpcServer, serve
 from engine.process_exit import stop_asked
 from engine.worker_metrics import worker_metrics
 from engine.worker_runtime import WorkerConfig, WorkerRuntime
-from router.registry import check_redis_database
+from router.redis_database import check_redis_database
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ async def run_worker(config: WorkerConfig, service_name: str,
                   flush=True)
 
         rt.on_fatal = server.stopping.set
+        rt.database_refusal.stop_with(server.stopping.set)
         # stop_presence leaves routing before the drain; finish_presence, after it, drops
         # the ledger entries of the leases the drain waited for.
         await serve(server, lambda: _num_in_flight(rt), on_started=started,
@@ -53,6 +54,7 @@ async def run_worker(config: WorkerConfig, service_name: str,
             await rt.finish_presence()
         finally:
             rt.shutdown()
+    rt.database_refusal.raise_if_refused()
     if rt.engine_failure is not None:
         # A non-zero exit: `pdserve up`, compose and orchestrators restart the worker.
         raise SystemExit(f"pdserve {config.role} worker {rt.worker_id}: the engine died: "

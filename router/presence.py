@@ -23,14 +23,17 @@ _STOP_STEP_S = 2.0
 class WorkerPresence:
     def __init__(self, redis_url: str, namespace: str, interval_s: float,
                  info: Callable[[], common_pb2.WorkerInfo],
-                 republish: Callable[[Registry], Awaitable[None]] | None = None) -> None:
+                 republish: Callable[[Registry], Awaitable[None]] | None = None,
+                 on_database_missing: Callable[[str], None] | None = None) -> None:
         """``republish`` puts back what the worker keeps in Redis besides its heartbeat (its
         KV handles, its cached blocks) once Redis answers again after failing, once a purge
         dropped the worker, or once KV events failed to publish: events lost, or a new empty
-        Redis, would leave the prefix index wrong for good."""
+        Redis, would leave the prefix index wrong for good. ``on_database_missing``: see
+        Registry.from_url."""
         # Stale after a few missed beats, so a killed worker drops out within seconds.
         ttl_s = max(3 * interval_s, 1.0)
-        self.registry = Registry.from_url(redis_url, namespace, ttl_s=ttl_s)
+        self.registry = Registry.from_url(redis_url, namespace, ttl_s=ttl_s,
+                                          on_database_missing=on_database_missing)
         # Declared with each beat, as how long readers wait for this worker: a decode worker's
         # reads (its KV peers) purge by their own TTL only workers past theirs too, so a
         # prefill worker beating slower is not dropped. At most the routers' TTL, so they

@@ -24,20 +24,20 @@ value must not blind every router.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import redis.asyncio as aioredis
 from redis.connection import parse_url
-from redis.exceptions import RedisError, ResponseError
 from google.protobuf.message import DecodeError
 
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2
 from router.ledger import TransferLedger
 from router.redis_bound import REDIS_TIMEOUT_S, bounded
+from router.redis_database import DatabaseWatch, redacted
 
 logger = logging.getLogger(__name__)
 
@@ -214,79 +214,20 @@ def check_redis_url(url) -> str:
     """A URL redis-py connects with; ValueError naming it otherwise. Parsed here, as services
     build their configuration: a port or database that does not parse failed once the model
     had loaded and the server listened. (A database past the server's count is the server's
-    to say: ``check_redis_database``.) Messages leave out the URL's password."""
+    to say: router/redis_database.py.) Messages leave out the URL's password."""
     if not isinstance(url, str) or not url.startswith(REDIS_SCHEMES):
-        raise ValueError(f"redis_url must be a redis:// URL, got {_redacted(url)!r}")
+        raise ValueError(f"redis_url must be a redis:// URL, got {redacted(url)!r}")
     try:
         parts = parse_url(url)  # opens nothing
     except (ValueError, TypeError) as e:
-        raise ValueError(f"redis_url {_redacted(url)!r} does not parse: {e}") from None
+        raise ValueError(f"redis_url {redacted(url)!r} does not parse: {e}") from None
     path = urlparse(url).path.strip("/") if not url.startswith("unix://") else ""
     if path and not (path.isascii() and path.isdigit()):  # redis-py would take database 0
-        raise ValueError(f"redis_url {_redacted(url)!r}: the database must be a number, got "
+        raise ValueError(f"redis_url {redacted(url)!r}: the database must be a number, got "
                          f"{path!r}")
     if not 0 <= parts.get("db", 0) < 1 << 16:
-        raise ValueError(f"redis_url {_redacted(url)!r}: database {parts['db']} is no database")
+        raise ValueError(f"redis_url {redacted(url)!r}: database {parts['db']} is no database")
     return url
-
-
-# How the server answers the SELECT of a database past its `databases` setting.
-_DB_OUT_OF_RANGE = "DB index is out of range"
-
-
-async def check_redis_database(url: str) -> None:
-    """ValueError if the server at ``url`` has no such database (past its `databases`
-    setting): redis-py selects it on each connection, the server refuses it each time, and a
-    worker or router retried registering for good. Asked as a service starts, before its
-    model loads. A server that does not answer is no error here: services start without
-    Redis, and register once it answers."""
-    client = aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S)
-    try:
-        async with asyncio.timeout(REDIS_TIMEOUT_S):
-            try:
-                await client.ping()
-                return
-            except ResponseError as e:
-                if _DB_OUT_OF_RANGE not in str(e):
-                    return  # not this check's to judge: the service's own calls report it
-            count = await _server_databases(client)
-    except (RedisError, OSError, TimeoutError):  # not answering: the services' retries wait
-        return
-    finally:
-        await client.aclose()
-    db = client.connection_pool.connection_kwargs.get("db", 0)
-    has = (f"it has {count} (0 to {count - 1}: its `databases` setting)" if count
-           else "past its `databases` setting")
-    raise ValueError(f"redis_url {_redacted(url)!r}: the Redis server has no database {db}: "
-                     f"{has}")
-
-
-async def _server_databases(client: aioredis.Redis) -> int | None:
-    """The server's `databases` setting, asked on database 0 (the URL's is refused); None if
-    it does not say (CONFIG renamed away, or refused to this user)."""
-    pool = client.connection_pool
-    db0 = aioredis.Redis(connection_pool=aioredis.ConnectionPool(
-        connection_class=pool.connection_class, **{**pool.connection_kwargs, "db": 0}))
-    try:
-        return int((await db0.config_get("databases"))["databases"])
-    except (RedisError, KeyError, ValueError):
-        return None
-    finally:
-        await db0.aclose(close_connection_pool=True)
-
-
-def _redacted(url) -> object:
-    """``url`` with any password as ***."""
-    if not isinstance(url, str):
-        return url
-    try:
-        parsed = urlparse(url)
-        if parsed.password is None:
-            return url
-        netloc = parsed.netloc.replace(f":{parsed.password}@", ":***@", 1)
-        return parsed._replace(netloc=netloc).geturl()
-    except ValueError:
-        return "<a URL that does not parse>"
 
 
 def check_namespace(namespace) -> str:
@@ -331,12 +272,16 @@ class Registry:
         self.ledger = TransferLedger(self)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "pdserve",
-                 ttl_s: float = ROUTER_TTL_S) -> Registry:
+    def from_url(cls, url: str, namespace: str = "pdserve", ttl_s: float = ROUTER_TTL_S,
+                 on_database_missing: Callable[[str], None] | None = None) -> Registry:
+        """``on_database_missing``: called once with the message if the server refuses the
+        URL's database (router/redis_database.py), which the calls then fail with."""
         # socket_timeout None: redis-py's default (5 s) would await writes through
         # asyncio.wait_for; each call is bounded by router/redis_bound.py instead.
+        watch = DatabaseWatch(url, on_database_missing)
         return cls(aioredis.from_url(url, socket_connect_timeout=REDIS_TIMEOUT_S,
-                                     socket_timeout=None), namespace, ttl_s)
+                                     socket_timeout=None, redis_connect_func=watch.connect),
+                   namespace, ttl_s)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.ns, *parts))

@@ -15,7 +15,8 @@ from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.metrics import router_metrics
 from router.prompts import load_served_model
-from router.registry import Registry, check_redis_database
+from router.redis_database import DatabaseRefusal, check_redis_database
+from router.registry import Registry
 from router.router_presence import RouterPresence, default_router_id
 from router.service import RouterServicer
 from router.stats import RouterStats
@@ -33,7 +34,10 @@ async def serve_router(config: RouterConfig) -> None:
     if model.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     model.sampling_defaults)
-    registry = Registry.from_url(config.redis_url, config.namespace)
+    # Redis not answering at the check above, its refusal of the database comes later.
+    refusal = DatabaseRefusal()
+    registry = Registry.from_url(config.redis_url, config.namespace,
+                                 on_database_missing=refusal)
     presence = RouterPresence(registry.ledger,
                               config.router_id or default_router_id(config.server.host,
                                                                   config.server.port))
@@ -53,6 +57,7 @@ async def serve_router(config: RouterConfig) -> None:
         interceptors = [ApiKeyInterceptor(config.api_key, config.admin_api_key)] if keyed \
             else None
         server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
+        refusal.stop_with(server.stopping.set)
         # After the bind: a router that cannot take its port releases nobody's leases.
         reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))
         router = RouterServicer(config, directory, model, stats, presence.router_id,
@@ -74,6 +79,7 @@ async def serve_router(config: RouterConfig) -> None:
             await stop_task(reclaim, 1.0)
         await presence.stop()
         await directory.stop()
+    refusal.raise_if_refused()
 
 
 def main(config: RouterConfig) -> None:

@@ -14,10 +14,11 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from engine.block_pool import BlockRemoved, BlockStored
 from protos import common_pb2, router_pb2
-from router.redis_server import RedisServer
-from router import registry as registry_mod
+from router.redis_server import RedisServer, free_port
+from router import redis_database, registry as registry_mod
 from router.registry import Registry
 from router.stats import RouterStats
+from tests.proc_signals import reap
 
 
 @pytest.fixture(scope="module")
@@ -456,10 +457,10 @@ def test_a_database_past_the_servers_count_is_refused_as_a_service_starts(redis_
     url = redis_url.rsplit("/", 1)[0] + "/20"
     said = f"redis_url '{url}': the Redis server has no database 20: it has 16 (0 to 15"
     with pytest.raises(ValueError) as e:
-        _run(registry_mod.check_redis_database(url))
+        _run(redis_database.check_redis_database(url))
     assert said in str(e.value)
     for fine in (redis_url.rsplit("/", 1)[0] + "/15", "redis://127.0.0.1:1/20"):
-        assert _run(registry_mod.check_redis_database(fine)) is None
+        assert _run(redis_database.check_redis_database(fine)) is None
 
     def no_start(self, *args, **kwargs):
         raise AssertionError("a service was started")
@@ -473,3 +474,43 @@ def test_a_database_past_the_servers_count_is_refused_as_a_service_starts(redis_
                               text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
         assert said in proc.stderr
+
+
+def _serving(proc: subprocess.Popen) -> None:
+    """Until ``proc`` prints its serving line (AssertionError if it exits first)."""
+    for line in proc.stdout:
+        if " serving on " in line:
+            return
+    raise AssertionError(f"exited with {proc.wait()} before serving")
+
+
+def test_a_service_started_before_redis_stops_once_redis_refuses_its_database(tmp_path):
+    """Redis down as the services start: their start-up check cannot ask, and they serve.
+    Once Redis answers, it refuses the database on every connection, which they took for an
+    outage and retried for good, logging the refusal. Each stops then as that check would
+    have refused it: one error naming the URL and the server's count, `pdserve: error:` and
+    status 2, no traceback."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/20"
+    said = f"redis_url '{url}': the Redis server has no database 20: it has 16 (0 to 15"
+    procs = {}
+    try:
+        for role in ("router", "prefill", "decode"):
+            with open(tmp_path / role, "w") as err:
+                procs[role] = subprocess.Popen(
+                    [sys.executable, "-m", "engine.cli", role, "--model", "tiny-llama",
+                     "--redis-url", url, "--port", "0"],
+                    stdout=subprocess.PIPE, stderr=err, text=True)
+        for proc in procs.values():
+            _serving(proc)
+        with RedisServer(port=port):
+            codes = {role: proc.wait(timeout=120) for role, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            reap(proc)
+    for role, code in codes.items():
+        err = (tmp_path / role).read_text()
+        assert code == 2, err
+        assert f"pdserve: error: {said}" in err
+        assert err.count("stopping: a configuration error") == 1, err
+        assert "Traceback" not in err, err
