@@ -15,7 +15,7 @@ import grpc
 
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.directory import WorkerDirectory, WorkerHandle
-from router.errors import quoted, refuse
+from router.errors import REGISTRY_UNREACHABLE, quoted, refuse
 from router.inflight import InflightRequests
 from router.ledger import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT
 from router.registry import ROLES
@@ -160,9 +160,11 @@ async def _live(registry) -> dict[str, common_pb2.WorkerInfo]:
 
 @contextlib.asynccontextmanager
 async def _registry(context):
-    """A registry call; Redis failing becomes UNAVAILABLE rather than INTERNAL."""
+    """A registry call; Redis failing becomes UNAVAILABLE rather than INTERNAL, marked as
+    Redis's failure (REGISTRY_UNREACHABLE_KEY)."""
     try:
         yield
     except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
         await refuse(context, grpc.StatusCode.UNAVAILABLE,
-                     f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}")
+                     f"the worker registry (Redis) is unreachable: {type(e).__name__}: {e}",
+                     REGISTRY_UNREACHABLE)

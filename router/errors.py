@@ -20,6 +20,12 @@ from engine.call_abort import abort_call
 
 # Characters of a client's string quoted inside a message (a worker id, a role).
 MAX_QUOTED_CHARS = 64
+# Trailing metadata of the admin service's UNAVAILABLE when its registry (Redis) does not
+# answer: `pdserve up` then cannot tell whether the router lists a worker it started again,
+# which registers once Redis is back (router/launcher.py). A mark, not the message's words:
+# any other UNAVAILABLE may mention the registry.
+REGISTRY_UNREACHABLE_KEY = "pdserve-registry-unreachable"
+REGISTRY_UNREACHABLE = ((REGISTRY_UNREACHABLE_KEY, "1"),)
 
 
 class RouterRejectError(Exception):

@@ -319,7 +319,9 @@ class Cluster:
         hold up the restart of a bundled Redis). Nothing to check while the router is down:
         the one started again reads the registry afresh."""
         from client.channels import call_metadata
+        from client.failover import has_mark
         from protos import router_pb2, router_pb2_grpc
+        from router.errors import REGISTRY_UNREACHABLE_KEY
 
         deadline = time.monotonic() + timeout_s
         last = "not listed"
@@ -342,8 +344,7 @@ class Cluster:
                 except grpc.RpcError as e:
                     last = f"{e.code().name}: {e.details()}"
                     # The router answers, its registry does not (router/admin.py's _registry).
-                    if (e.code() == grpc.StatusCode.UNAVAILABLE
-                            and "registry" in (e.details() or "")):
+                    if has_mark(e, REGISTRY_UNREACHABLE_KEY):
                         return last
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the router does not list {proc.label} after "

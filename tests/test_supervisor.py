@@ -10,14 +10,19 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from client import Client
 from engine.cli_up import _serve_until_stopped
+from protos import router_pb2_grpc
 from router import supervisor
+from router.errors import REGISTRY_UNREACHABLE
 from router.launcher import Cluster, ClusterSpec, Proc
 from router.registry import Registry
 from router.supervisor import Supervisor
@@ -145,6 +150,50 @@ def test_a_worker_started_while_redis_is_unreachable_is_taken_as_serving(cluster
     assert "redis-server serving again" in said[-1]
     cluster.wait_routable(1, 1)
     assert _serves(cluster) == _proc(cluster, "decode").name
+
+
+class _AdminNotListing(router_pb2_grpc.RouterAdminServicer):
+    """A router's admin service whose listing answers UNAVAILABLE with ``details``, carrying
+    ``trailing``."""
+
+    def __init__(self, details: str, trailing: tuple) -> None:
+        self.details, self.trailing = details, trailing
+
+    def ListWorkers(self, request, context):
+        context.set_trailing_metadata(self.trailing)
+        context.abort(grpc.StatusCode.UNAVAILABLE, self.details)
+
+
+@pytest.mark.parametrize("trailing, unreachable", [((), False), (REGISTRY_UNREACHABLE, True)])
+def test_only_the_routers_mark_says_the_registry_is_unreachable(trailing, unreachable):
+    """A restarted worker is taken as serving, unconfirmed, when the router cannot list
+    workers because Redis does not answer: said by the admin service's mark, not by the word
+    "registry" in a status message, which any other UNAVAILABLE may hold (a worker was then
+    taken as serving unchecked)."""
+    details = "the worker registry entry is being rewritten: try again"
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    router_pb2_grpc.add_RouterAdminServicer_to_server(_AdminNotListing(details, trailing),
+                                                      server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2)]
+    try:
+        cluster = Cluster(ClusterSpec())
+        cluster.router_address = f"127.0.0.1:{port}"
+        worker = Proc("decode-1", "127.0.0.1:1", sleepers[1], template="decode-{port}")
+        cluster.procs += [Proc("router", cluster.router_address, sleepers[0],
+                               template="router"), worker]
+        if unreachable:
+            assert cluster.wait_listed(worker, timeout_s=30) == f"UNAVAILABLE: {details}"
+        else:
+            with pytest.raises(RuntimeError, match="the router does not list decode-1"):
+                cluster.wait_listed(worker, timeout_s=0.5)
+    finally:
+        server.stop(None)
+        for p in sleepers:
+            p.kill()
+            p.wait()
 
 
 def test_a_restarted_worker_the_router_refuses_stops_the_cluster(tmp_path, preset_path):
