@@ -204,8 +204,10 @@ class AsyncClient:
             async with asyncio.timeout(delay):  # not wait_for: client/tasks.py
                 await self._closing.wait()
 
-    async def wait_ready(self, timeout: float = 30.0) -> None:
-        """Waits until the first router's channel connects (raises DeadlineExceededError)."""
+    async def wait_ready(self, timeout: float | None = 30.0) -> None:
+        """Waits until the first router's channel connects: DeadlineExceededError after
+        ``timeout`` seconds (None: no limit), checked as a call's."""
+        check_timeout(timeout)
         self._connect()
         try:
             async with asyncio.timeout(timeout):  # not wait_for: client/tasks.py

@@ -158,17 +158,21 @@ class Client:
                 fut.cancel()
             self._closing.wait(delay)
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float | None = 30.0) -> None:
+        """Waits until the first router's channel connects: DeadlineExceededError after
+        ``timeout`` seconds (None: no limit), checked as a call's (a NaN never ran out)."""
+        check_timeout(timeout)
         self._check_open()
         ready = grpc.channel_ready_future(self._channels[0])
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             # In slices: a channel that close() (another thread) shuts never makes the
             # future ready, and the caller would wait out its whole timeout.
             while not ready.done():
-                if self._closing.wait(min(_READY_POLL_S, max(deadline - time.monotonic(), 0))):
+                left = _READY_POLL_S if deadline is None else deadline - time.monotonic()
+                if self._closing.wait(min(_READY_POLL_S, max(left, 0))):
                     raise RuntimeError("this Client is closed")
-                if time.monotonic() >= deadline:
+                if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExceededError(
                         f"router {self.address} not reachable in {timeout}s")
         finally:

@@ -327,6 +327,17 @@ def test_bad_timeouts_are_refused_before_any_call(timeout):
     with Client("127.0.0.1:1", failover=FailoverPolicy(health_check_interval_s=0)) as c:
         with pytest.raises(ValueError, match="timeout"):
             c.model_info(timeout=timeout)
+        # Nothing listens there: a NaN, inf or 1e10 s wait_ready waited for good.
+        with pytest.raises(ValueError, match="timeout"):
+            c.wait_ready(timeout)
+
+    async def wait_ready():
+        async with AsyncClient("127.0.0.1:1",
+                               failover=FailoverPolicy(health_check_interval_s=0)) as ac:
+            await ac.wait_ready(timeout)
+
+    with pytest.raises(ValueError, match="timeout"):
+        asyncio.run(wait_ready())
 
 
 @pytest.mark.parametrize("bad", [[], [""], 5])

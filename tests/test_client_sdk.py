@@ -151,6 +151,20 @@ def test_a_blocking_streams_deadline_starts_when_it_is_read(routers):
             c.generate([5], timeout=-1)  # still checked when the iterator is made
 
 
+def test_wait_ready_without_a_limit_waits_until_the_router_answers(routers):
+    addresses = routers(_Router())
+    with Client(addresses, failover=NO_CHECKS) as c:
+        c.wait_ready(None)  # raised TypeError (None + a float)
+        assert c.model_info().model == "m"
+
+    async def run():
+        async with AsyncClient(addresses, failover=NO_CHECKS) as ac:
+            await ac.wait_ready(None)
+            return (await ac.model_info()).model
+
+    assert asyncio.run(run()) == "m"
+
+
 def test_an_address_that_is_no_router_says_so():
     """A worker's port (any server without the Router service) answered "Method not found!"
     alone, as a bare PdserveError."""
