@@ -137,7 +137,10 @@ class Attempts:
         # after a pause (foreign routers skipped, so that two routers of which one serves
         # another model still pause between tries of the other).
         self._tried: set[int] = set()
-        self._pauses = 0
+        # The next round's pause, doubled after each up to max_backoff_s: kept, not computed
+        # as backoff_s * 2 ** rounds, which no float holds past 1023 rounds (OverflowError,
+        # even for backoff_s=0, with the max_retries of a client that retries for good).
+        self._pause = policy.backoff_s
 
     def track(self, req: router_pb2.GenerateRequest) -> None:
         """For a Generate stream: whether it can go on elsewhere, and what ends it."""
@@ -184,8 +187,8 @@ class Attempts:
         delay = 0.0
         if self.router in self._tried:  # a round of routers is over
             self._tried.clear()
-            delay = min(self.policy.backoff_s * 2 ** self._pauses, self.policy.max_backoff_s)
-            self._pauses += 1
+            delay = self._pause
+            self._pause = min(self._pause * 2, self.policy.max_backoff_s)
         left = self.remaining()
         if left is not None and delay >= left:
             return None

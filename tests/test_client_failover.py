@@ -41,6 +41,16 @@ def test_one_router_is_retried_after_a_growing_pause():
     assert tries.router == 0
 
 
+@pytest.mark.parametrize("backoff_s", [0.0, 0.5])
+def test_a_client_that_retries_for_good_keeps_pausing_at_the_longest(backoff_s):
+    """backoff_s * 2 ** rounds outgrew a float after 1023 rounds: OverflowError escaped."""
+    policy = FailoverPolicy(max_retries=10**6, backoff_s=backoff_s, max_backoff_s=4.0)
+    tries = Attempts(policy, 1, 0, None)
+    pauses = [tries.after(UNAVAILABLE) for _ in range(1100)]
+    assert pauses[:4] == ([0.0] * 4 if backoff_s == 0 else [0.5, 1.0, 2.0, 4.0])
+    assert set(pauses[4:]) == {4.0 if backoff_s else 0.0}
+
+
 def test_the_next_router_is_tried_at_once_then_the_round_starts_over_after_a_pause():
     tries = Attempts(FailoverPolicy(max_retries=4, backoff_s=0.5), 2, 1, None)
     seen = []
