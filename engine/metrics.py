@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import math
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -146,17 +148,17 @@ class MetricsServer:
         self.collect = collect
         self.loop = loop
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+            self.httpd = _http_server(host, port, _handler_for(self))
         except OSError as e:
             raise ValueError(f"cannot serve metrics on {host}:{port}: {e}") from None
-        self.httpd.daemon_threads = True
         self.host = host
         self.port = self.httpd.server_address[1]
         self._thread = named_thread(self.httpd.serve_forever, "pdserve-metrics")
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        host = _bare_host(self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def start(self) -> None:
         self._thread.start()
@@ -173,6 +175,33 @@ class MetricsServer:
         families = asyncio.run_coroutine_threadsafe(collect(), self.loop).result(
             COLLECT_TIMEOUT_S)
         return render(families)
+
+
+class _IPv4Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    daemon_threads = True
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # "[::]" takes IPv4 scrapes too, as gRPC's bind of it does on the service's port.
+        with contextlib.suppress(OSError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]
+                 ) -> ThreadingHTTPServer:
+    """Bound to the service's --host, which its gRPC port takes IPv6 ones in brackets ("[::]",
+    "[::1]"); the standard library's server is IPv4 alone, and refused them."""
+    host = _bare_host(host)
+    return (_IPv6Server if ":" in host else _IPv4Server)((host, port), handler)
+
+
+def _bare_host(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _handler_for(server: MetricsServer) -> type[BaseHTTPRequestHandler]:

@@ -167,10 +167,10 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
     return out
 
 
-def scrape(port: int, path: str = "/metrics") -> tuple[int, str, str]:
-    """(status, content type, body) of GET http://127.0.0.1:port/path."""
+def scrape(port: int, path: str = "/metrics", host: str = "127.0.0.1") -> tuple[int, str, str]:
+    """(status, content type, body) of GET http://host:port/path (an IPv6 host bracketed)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=10) as r:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read().decode()

@@ -124,6 +124,39 @@ def test_a_half_sent_request_does_not_hold_its_thread_for_ever(monkeypatch):
             server.stop()
 
 
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+@pytest.mark.parametrize("host, scraped_at", [("[::1]", "[::1]"), ("::1", "[::1]"),
+                                              ("[::]", "[::1]"), ("[::]", "127.0.0.1")])
+def test_an_ipv6_host_is_served_as_the_grpc_port_takes_it(host, scraped_at):
+    """`--host [::]` (an IPv6 or dual-stack pod) serves gRPC; the exporter, IPv4 alone, refused
+    it ("Name or service not known") and the service stopped before it served. "[::]" takes
+    IPv4 scrapes too, as gRPC's port does."""
+    def collect():
+        return [MetricFamily("up_total", "counter", "scrapes").add(1)]
+
+    with _Loop() as loop:
+        server = MetricsServer(host, 0, collect, loop)
+        server.start()
+        try:
+            status, _, body = scrape(server.port, host=scraped_at)
+            assert status == 200 and parse_metrics(body) == {("up_total", frozenset()): 1.0}
+            bare = host.strip("[]")
+            assert server.url == f"http://[{bare}]:{server.port}/metrics"
+        finally:
+            server.stop()
+
+
 def test_router_families_count_finished_requests_and_their_phases():
     from router.metrics import router_metrics
 
