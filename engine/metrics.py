@@ -208,6 +208,15 @@ def _handler_for(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # the socket's, set per connection by StreamRequestHandler
 
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except ConnectionError as e:
+                # The scraper left before its reply (Prometheus' scrape_timeout, a curl cut
+                # short): nothing to tell it, and the server's own handler of this prints a
+                # traceback to the service's stderr.
+                logger.debug("metrics %s: the client left: %r", self.client_address[0], e)
+
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             if self.path.split("?", 1)[0] != "/metrics":
                 self._reply(404, "text/plain; charset=utf-8", "not found: try /metrics\n")

@@ -124,6 +124,39 @@ def test_a_half_sent_request_does_not_hold_its_thread_for_ever(monkeypatch):
             server.stop()
 
 
+def test_a_scraper_that_leaves_before_its_reply_leaves_no_traceback(capfd):
+    """Prometheus cuts a scrape at its scrape_timeout (a loop busy past it), curl at a Ctrl-C:
+    the reply's write then fails with ConnectionResetError, which the standard library's
+    server printed to the service's stderr as a traceback, each time."""
+    import socket
+    import struct
+
+    asked, answer = threading.Event(), threading.Event()
+
+    def collect():
+        asked.set()
+        answer.wait(10)  # bounded: the test's own loop, held until the client has left
+        return [MetricFamily("up_total", "counter", "scrapes").add(1)]
+
+    with _Loop() as loop:
+        server = MetricsServer("127.0.0.1", 0, collect, loop)
+        server.httpd.daemon_threads = False  # so that stop() joins the request's thread
+        server.start()
+        try:
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert asked.wait(10)
+            # Closed with a reset, as a client cut short does: the server's writes then fail.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            answer.set()
+            assert scrape(server.port)[0] == 200  # the server goes on
+        finally:
+            server.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
 def _has_ipv6_loopback() -> bool:
     import socket
 
