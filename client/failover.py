@@ -12,6 +12,7 @@ to see at once.
 """
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -98,7 +99,17 @@ def check_addresses(address: str | Sequence[str]) -> list[str]:
         addresses = []
     if not addresses or not all(isinstance(a, str) and a for a in addresses):
         raise ValueError(f"router address(es) must be non-empty strings, got {address!r}")
+    for a in addresses:
+        m = _HOST_PORT.fullmatch(a)
+        if m and not 0 < int(m.group(1)) <= 65535:
+            raise ValueError(f"router address {a!r}: the port must be in [1, 65535]")
     return addresses
+
+
+# HOST:PORT or [IPV6]:PORT, bare or after dns: (other targets, unix: ones, are gRPC's to
+# parse). gRPC takes a port past 65535 modulo 65536: HOST:70000 dialled HOST:4464.
+_HOST_PORT = re.compile(r"(?!(?:unix|unix-abstract|vsock):)(?:dns:(?://[^/]*/)?)?"
+                        r"(?:\[[^\]]*\]|[^:\[\]/]*):(\d+)", re.ASCII)
 
 
 class Attempts:

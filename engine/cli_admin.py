@@ -24,7 +24,7 @@ from google.protobuf.json_format import MessageToDict
 
 from client.channels import call_metadata, open_channels
 from client.errors import error_from_rpc
-from client.failover import FailoverPolicy
+from client.failover import FailoverPolicy, check_addresses
 
 from protos import router_pb2, router_pb2_grpc
 
@@ -126,6 +126,7 @@ def _list_limit(text: str) -> int:
 
 
 def cmd_admin(args: argparse.Namespace) -> int:
+    check_addresses(args.router)
     conn = connection_kwargs(args)
     # The admin key when the router has one (router --admin-api-key), else its API key.
     md = call_metadata(args.api_key or os.environ.get("PDSERVE_ADMIN_API_KEY")

@@ -350,7 +350,8 @@ def test_bad_timeouts_are_refused_before_any_call(timeout):
         asyncio.run(wait_ready())
 
 
-@pytest.mark.parametrize("bad", [[], [""], 5])
+@pytest.mark.parametrize("bad", [[], [""], 5, "127.0.0.1:70000", ["h:1", "[::1]:65536"],
+                                 "dns:///h:0"])
 def test_bad_addresses_and_policies_are_refused(bad):
     with pytest.raises(ValueError):
         check_addresses(bad)

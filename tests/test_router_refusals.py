@@ -417,6 +417,16 @@ def test_admin_output_to_a_reader_that_left_ends_quietly(router):
     assert "BrokenPipe" not in err and "Traceback" not in err, err
 
 
+def test_admin_refuses_a_port_past_65535_rather_than_dial_it_modulo_65536(capsys):
+    """gRPC dials HOST:70000 as HOST:4464: a mistyped port reached another one, or told of a
+    connection refused on a port nobody typed."""
+    from engine.cli import main as cli_main
+
+    assert cli_main(["admin", "--router", "127.0.0.1:70000", "--timeout", "5", "workers"]) == 2
+    assert "pdserve: error: router address '127.0.0.1:70000': the port must be in [1, 65535]" \
+        in capsys.readouterr().err
+
+
 def test_admin_at_an_address_that_is_no_router_says_what_it_may_be(capsys):
     """A worker's port (a server without RouterAdmin) answered "Method not found!" alone."""
     import concurrent.futures
