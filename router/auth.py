@@ -44,7 +44,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                       if k == "authorization"), "")
         if isinstance(given, str):
             given = given.encode()
-        if hmac.compare_digest(given, expected):
+        if hmac.compare_digest(_scheme_folded(given), expected):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -54,6 +54,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 def _bearer(key: str | None) -> bytes | None:
     return None if key is None else f"Bearer {key}".encode()
+
+
+def _scheme_folded(given: bytes) -> bytes:
+    """An authorization scheme is case-insensitive (RFC 7235): ``bearer <key>``, as some
+    clients and proxies send it, is the same credential. The key itself stays exact."""
+    if given[:7].lower() == b"bearer ":
+        return b"Bearer " + given[7:]
+    return given
 
 
 def _deny_handlers() -> dict[str, grpc.RpcMethodHandler]:

@@ -14,6 +14,7 @@ from client.channels import call_metadata, check_api_key
 from engine import SamplingParams
 from engine.cli import main as cli_main
 from engine.grpc_server import ServerConfig
+from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import WORKER_ARGS, random_prompts
 
@@ -68,6 +69,25 @@ def test_a_missing_or_wrong_key_is_unauthenticated(cluster, tls_files, key):
             list(c.generate(prompt, max_tokens=4))
         with pytest.raises(UnauthenticatedError):
             c.complete(prompt, max_tokens=4)
+
+
+@pytest.mark.parametrize("value, served", [(f"bearer {KEY}", True), (f"BEARER {KEY}", True),
+                                           (f"bearer {KEY.upper()}", False),
+                                           (KEY, False), (f"Bearer  {KEY}", False)])
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(cluster, tls_files, value,
+                                                                  served):
+    """RFC 7235: the scheme is a token matched without case; some clients and proxies send
+    ``bearer``. The key after it is compared byte for byte."""
+    creds = grpc.ssl_channel_credentials(_roots(tls_files))
+    with grpc.secure_channel(cluster.router_address, creds) as ch:
+        call = router_pb2_grpc.RouterStub(ch).GetModelInfo
+        request = router_pb2.ModelInfoRequest()
+        if served:
+            assert call(request, timeout=10, metadata=(("authorization", value),)).model
+        else:
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=10, metadata=(("authorization", value),))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_health_needs_no_key_and_a_plaintext_client_gets_nowhere(cluster, tls_files):
