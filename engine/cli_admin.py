@@ -119,7 +119,10 @@ def _call_timeout(text: str) -> float:
 def _list_limit(text: str) -> int:
     from router.ledger import MAX_LIST_LIMIT  # the router's bound, checked here too
 
-    n = int(text)
+    try:
+        n = int(text)
+    except ValueError:  # argparse would say "invalid _list_limit value"
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if not 0 <= n <= MAX_LIST_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_LIST_LIMIT}], got {n}")
     return n

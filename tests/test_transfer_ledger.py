@@ -81,6 +81,9 @@ def test_a_lease_is_listed_while_held_and_gone_once_released(cluster, capsys):
         cli_main(["admin", "--router", cluster.router_address, "transfers",
                   "--limit", "2147483648"])
     assert "must be in [0, 10000]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["admin", "--router", cluster.router_address, "transfers", "--limit", "ten"])
+    assert "--limit: must be an integer, got 'ten'" in capsys.readouterr().err
     assert _release(prefill.address, "held~1")
     assert wait_until(lambda: not _transfers(cluster).transfers, 10)
     for bad in (dict(router_id="a\nforged line"), dict(router_incarnation="x" * 257)):
