@@ -26,6 +26,7 @@ from engine.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
 from kernels import get_attention_backend
 from kernels.cpu_linear import resolve_linear_backend
 from kernels.host_malloc import tune_host_malloc
+from kernels.mkl_vml import warm_up_vml
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -207,6 +208,9 @@ def load_rank_model(spec: RankSpec, group: TPGroup) -> torch.nn.Module:
     device = spec.rank_device(group.rank)
     if device.type == "cpu":  # activations live in host memory: reuse it step to step
         tune_host_malloc()
+        # Before any step splits oneMKL's vector math over threads (the sampler's log_): its
+        # first call on two threads at once can run one thread on a low-accuracy kernel.
+        warm_up_vml()
     torch.manual_seed(spec.config.seed)
     linear = resolve_linear_backend(spec.config.linear_backend, device, spec.torch_dtype)
     # The compiled CPU step runs on one packed GEMM's layers: where it can run, it is preferred.
