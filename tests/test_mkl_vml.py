@@ -40,7 +40,8 @@ def test_the_warm_up_covers_every_vml_function_torch_links():
     linked = {op for op, name in _CANDIDATES.items()
               if _linked(f"vms{name}") or _linked(f"vmd{name}")}
     assert "log" in linked  # the symbols are visible: the check below means something
-    assert linked == set(VML_OPS)
+    # Another torch build may link fewer: warming up an op that is not VML costs nothing.
+    assert linked <= set(VML_OPS), linked - set(VML_OPS)
     assert set(VML_DTYPES) == {torch.float32, torch.float64}  # vms* and vmd*
 
 
