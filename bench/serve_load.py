@@ -45,14 +45,17 @@ async def one_request(client: AsyncClient, prompt: list[int], max_tokens: int) -
     try:
         async for chunk in client.generate(prompt, max_tokens=max_tokens, temperature=0.0,
                                            ignore_eos=True):
-            rec.add_chunk(time.perf_counter(), len(chunk.token_ids))
+            now = time.perf_counter()
+            rec.add_chunk(now, len(chunk.token_ids))
             if chunk.finish_reason:
-                rec.finish_reason = chunk.finish_reason
+                # The answer is complete here (vLLM's E2EL ends at its last chunk): the
+                # router's clean-up and the call's closing status after it are no latency
+                # of the request, and the in-process baseline has neither.
+                rec.finish_reason, rec.end = chunk.finish_reason, now
             if chunk.usage is not None:
                 t = chunk.usage.timings
                 rec.breakdown = {f: getattr(t, f) for f in BREAKDOWN_FIELDS}
                 rec.cached_tokens = chunk.usage.cached_tokens
-        rec.end = time.perf_counter()
     except PdserveError as e:
         # A failed request counts as failed, not as a crash of the whole benchmark.
         rec.error = f"{e.code.name}: {e.details}"

@@ -2,7 +2,8 @@
 
 TTFT: request start to the first token. TPOT: (e2e - TTFT) / (output tokens - 1), one value
 per request with more than one token. ITL: every gap between consecutive token-carrying chunks,
-pooled over all requests. E2E: request start to the end of its stream.
+pooled over all requests. E2E: request start to the arrival of its final chunk (the one with
+the finish reason), not to the call's close after it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class RequestRecord:
     prompt_len: int
     # (arrival time, tokens in the chunk) of every chunk that carried tokens.
     chunks: list[tuple[float, int]] = field(default_factory=list)
+    # When the final chunk arrived; None for a stream that never sent one.
     end: float | None = None
     # The router's phase timings (seconds) from the final chunk's usage; empty in-process.
     breakdown: dict[str, float] = field(default_factory=dict)

@@ -112,6 +112,39 @@ def test_a_stream_cut_short_counts_as_failed_not_completed():
     assert res.errors == ["UNAVAILABLE: the stream ended without a finish reason (cut short)"]
 
 
+def test_e2e_ends_at_the_final_chunk_not_at_the_calls_close(monkeypatch):
+    """vLLM's E2EL (and so TPOT) ends when the last chunk arrives; the call's closing status
+    after it (the router's clean-up, the trailers) was counted, which the in-process baseline
+    never pays. A clock that ticks once per reading stands for the arrival times."""
+    from concurrent.futures import ThreadPoolExecutor
+    from itertools import count
+    from types import SimpleNamespace
+
+    from bench import serve_load
+    from client import AsyncClient, FailoverPolicy
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    router_pb2_grpc.add_RouterServicer_to_server(_CutShort(), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    ticks = count()
+    monkeypatch.setattr(serve_load, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+    policy = FailoverPolicy(max_retries=0, health_check_interval_s=0)
+
+    async def request():
+        async with AsyncClient(address, timeout=30, failover=policy) as c:
+            return await serve_load.one_request(c, [1, 2], 2)
+
+    try:
+        rec = asyncio.run(request())
+    finally:
+        server.stop(None)
+    # Readings: the start (0), the first token (1), the final chunk (2).
+    assert rec.ok and rec.chunks == [(1, 1), (2, 1)]
+    assert (rec.end, rec.e2e, rec.tpot) == (2, 2, 1)
+
+
 def test_a_poisson_point_reports_the_rate_its_requests_were_sent_at():
     from bench.serve_report import latency_table
 
