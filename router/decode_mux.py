@@ -31,6 +31,17 @@ _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _DEADLINE = object()
 
 
+def _detached(ev: worker_pb2.DecodeEvent) -> worker_pb2.DecodeEvent:
+    """``ev`` copied out of its batch. An event read from a batch shares the batch's memory
+    (protobuf's upb arena) and keeps all of it alive: the events a request that is not read
+    (its client stopped reading) queued would hold every batch they came in, the output of
+    every request on the stream meanwhile, not only its own. Copied only when queued behind
+    another: a request read as its events come frees each batch at once."""
+    own = worker_pb2.DecodeEvent()
+    own.CopyFrom(ev)
+    return own
+
+
 @dataclass
 class _Stream:
     call: grpc.aio.StreamStreamCall
@@ -92,7 +103,7 @@ class DecodeMux:
                 for ev in batch.events:
                     queue = s.requests.get(ev.request_id)
                     if queue is not None:
-                        queue.put_nowait(ev)
+                        queue.put_nowait(_detached(ev) if queue.qsize() else ev)
                 if batch.closing:
                     # The worker is draining, and read none of the requests still open here.
                     why = "it closed the stream (draining) before reading the request"
