@@ -190,6 +190,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-timeout-s", type=float, default=None,
                    help="the deadline of a request whose client sets none, from its arrival "
                         "(default: none; its legs then wait at most 10 x --prefill-timeout-s)")
+    p.add_argument("--client-write-timeout-s", type=float, default=60.0,
+                   help="a Generate client that takes none of a chunk for this long (it "
+                        "stopped reading) has its request ended, CANCELLED (0: never)")
     p.add_argument("--prefill-timeout-s", type=float, default=600.0,
                    help="a Prefill call that takes longer than this fails its worker "
                         "(UNAVAILABLE: the request moves on), whatever the deadline")
@@ -233,6 +236,7 @@ def _router_config(args: argparse.Namespace):
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit,
                       default_timeout_s=args.default_timeout_s,
+                      client_write_timeout_s=args.client_write_timeout_s,
                       prefill_timeout_s=args.prefill_timeout_s,
                       decode_wait_timeout_s=args.decode_wait_timeout_s,
                       decode_stream=args.decode_stream,

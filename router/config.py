@@ -33,6 +33,11 @@ class RouterConfig:
     max_inflight_requests: int = 1024
     # Used when the client sets no deadline (None: none).
     default_timeout_s: float | None = None
+    # A Generate client that takes none of a chunk for this long (it stopped reading, or its
+    # host is gone without closing the connection) has its request ended, CANCELLED: the
+    # router holds its output and its in-flight place no longer (router/write_watch.py).
+    # 0: never.
+    client_write_timeout_s: float = 60.0
     # Without a client deadline, a prefill call that takes longer fails with UNAVAILABLE.
     prefill_timeout_s: float = 600.0
     # When a decode worker prefills a short prompt itself (router/local_prefill.py).
@@ -101,6 +106,11 @@ class RouterConfig:
         if self.default_timeout_s is not None:
             positive_number("default_timeout_s (--default-timeout-s)", self.default_timeout_s)
         positive_number("prefill_timeout_s (--prefill-timeout-s)", self.prefill_timeout_s)
+        if isinstance(self.client_write_timeout_s, bool) \
+                or not isinstance(self.client_write_timeout_s, (int, float)) \
+                or not 0 <= self.client_write_timeout_s < float("inf"):
+            raise ValueError(f"client_write_timeout_s (--client-write-timeout-s) must be a "
+                             f"finite number >= 0, got {self.client_write_timeout_s!r}")
         if not isinstance(self.migration_limit, int) or isinstance(self.migration_limit, bool) \
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "

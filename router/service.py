@@ -26,7 +26,7 @@ import grpc
 
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
-from engine.call_abort import kv_source_failed, was_refused, write_message
+from engine.call_abort import kv_source_failed, was_refused
 from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from protos.limits import max_message_bytes
@@ -46,6 +46,7 @@ from router.parallel import check_n, fan_out, sequence_request
 from router.placement import Placer
 from router.prompts import ServedModel
 from router.worker_handle import CountedStream
+from router.write_watch import ClientStalled, WriteWatch
 from router.stats import RouterStats, SequenceEnd
 from protos.stream_interval import every_n_tokens
 
@@ -81,13 +82,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     # --- RPCs -----------------------------------------------------------------------------
     async def Generate(self, request: router_pb2.GenerateRequest, context):
+        writes = WriteWatch(self.config.client_write_timeout_s)
         try:
-            chunks = self._generate(request, context, time.monotonic())
+            chunks = self._generate(request, context, time.monotonic(), writes=writes)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    await write_message(context, chunk)
+                    await writes.write(context, chunk)
         except Exception as e:  # noqa: BLE001 - every failure becomes a gRPC status
+            # After the request was closed: a client that stopped reading gets the status
+            # only once it reads on, and the router holds nothing of its request meanwhile.
             await self._abort(context, e)
+        finally:
+            writes.stop()
 
     async def Complete(self, request: router_pb2.GenerateRequest, context):
         answer = WholeAnswer(self.model.identity, self._max_message_bytes)
@@ -158,9 +164,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return remaining
 
     async def _generate(self, request: router_pb2.GenerateRequest, context, t0: float,
-                        before_finish: Callable[[], None] | None = None):
+                        before_finish: Callable[[], None] | None = None,
+                        writes: WriteWatch | None = None):
         """The request's chunks. ``before_finish``: called after the last one, before the
-        request counts as finished; what it raises fails the request (Complete's answer)."""
+        request counts as finished; what it raises fails the request (Complete's answer).
+        ``writes``: Generate's writes of the chunks (router/write_watch.py)."""
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         runs: list[RequestRun] = []
         status, error, finish = "OK", "", ""
@@ -233,7 +241,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             "cancelled by the router's operator") from None
         except BaseException as e:
             code, error = status_of(e)
-            if code == grpc.StatusCode.CANCELLED and _past_deadline(context):
+            if writes is not None and writes.stalled:
+                # Closed as its write was given up: the client stopped reading.
+                code, error = status_of(ClientStalled(writes.timeout_s))
+            elif code == grpc.StatusCode.CANCELLED and _past_deadline(context):
                 # gRPC cancels the handler at the client's deadline: that is what ended it
                 # (and what the client got), not a cancel.
                 code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"

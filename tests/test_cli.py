@@ -245,6 +245,16 @@ def test_sampling_flags_and_timeouts_are_checked_before_anything_loads(capsys, m
             ServerConfig(drain_timeout_s=bad)
 
 
+def test_the_router_refuses_a_client_write_timeout_it_cannot_keep():
+    from router.config import RouterConfig
+
+    for bad in (float("nan"), float("inf"), -1.0, True, "60"):
+        with pytest.raises(ValueError, match=r"\(--client-write-timeout-s\) must be a finite"):
+            RouterConfig(model="tiny-llama", redis_url="redis://x", client_write_timeout_s=bad)
+    assert RouterConfig(model="tiny-llama", redis_url="redis://x",
+                        client_write_timeout_s=0).client_write_timeout_s == 0  # 0: never
+
+
 def test_the_sdk_names_a_sampling_argument_the_request_cannot_carry():
     from client.types import build_request
 
