@@ -107,6 +107,10 @@ class PointResult:
     output_tokens: int
     output_tok_s: float
     request_s: float
+    # Prompt tokens of the completed requests, and (prompt + output) tokens over the duration:
+    # vLLM's "Total Token throughput".
+    input_tokens: int
+    total_tok_s: float
     ttft: Stats
     tpot: Stats
     itl: Stats
@@ -130,6 +134,7 @@ def summarize(system: str, mode: str, load: float, records: list[RequestRecord],
               duration_s: float) -> PointResult:
     done = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in done)
+    input_tokens = sum(r.prompt_len for r in done)
     tpots = [r.tpot for r in done if r.tpot is not None]
     breakdown = {}
     timed = [r for r in done if r.breakdown]
@@ -141,6 +146,8 @@ def summarize(system: str, mode: str, load: float, records: list[RequestRecord],
         failed=len(records) - len(done), duration_s=duration_s, output_tokens=tokens,
         output_tok_s=tokens / duration_s if duration_s > 0 else math.nan,
         request_s=len(done) / duration_s if duration_s > 0 else math.nan,
+        input_tokens=input_tokens,
+        total_tok_s=(input_tokens + tokens) / duration_s if duration_s > 0 else math.nan,
         ttft=Stats.of_seconds([r.ttft for r in done]), tpot=Stats.of_seconds(tpots),
         itl=Stats.of_seconds([x for r in done for x in r.itls]),
         e2e=Stats.of_seconds([r.e2e for r in done]), breakdown_ms=breakdown,

@@ -23,12 +23,12 @@ def _load(p: PointResult) -> str:
 
 
 def latency_table(points: list[PointResult]) -> str:
-    rows = ["| system | load | done | out tok/s | req/s | TTFT ms | TPOT ms | ITL ms | E2E ms |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | load | done | out tok/s | total tok/s | req/s | TTFT ms | TPOT ms | "
+            "ITL ms | E2E ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         rows.append(f"| {p.system} | {_load(p)} | {p.completed}/{p.num_requests} | "
-                    f"{_f(p.output_tok_s)} | {_f(p.request_s, 2)} | {_stats(p.ttft)} | "
-                    f"{_stats(p.tpot)} | {_stats(p.itl)} | {_stats(p.e2e)} |")
+                    f"{_f(p.output_tok_s)} | {_f(p.total_tok_s)} | {_f(p.request_s, 2)} | "
+                    f"{_stats(p.ttft)} | {_stats(p.tpot)} | {_stats(p.itl)} | {_stats(p.e2e)} |")
     return "\n".join(rows) + "\n\nLatencies: mean / p50 / p90 / p99."
 
 

@@ -61,6 +61,9 @@ def test_summarize_pools_itl_and_counts_failures():
     assert res.output_tokens == 7
     assert res.output_tok_s == pytest.approx(3.5)
     assert res.request_s == pytest.approx(1.0)
+    # vLLM's total token throughput: prompt and output tokens of the completed requests only.
+    assert res.input_tokens == 20
+    assert res.total_tok_s == pytest.approx((20 + 7) / 2.0)
     assert res.ttft.mean == pytest.approx(200.0)  # (100 + 300) / 2 ms
     # TPOT per request: a (0.4-0.1)/2 = 150 ms, b (0.5-0.3)/3 ~ 66.7 ms.
     assert res.tpot.mean == pytest.approx((150.0 + 200.0 / 3) / 2)
