@@ -27,7 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "KV cache, activations); processes sharing a GPU split it, e.g. 0.45 "
                         "each for two")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
-                   help="exact KV block count (overrides the memory budget)")
+                   help="exact KV block count, instead of a memory budget (overrides "
+                        "--gpu-memory-utilization; not with --kv-cache-memory-gib)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     p.add_argument("--no-enable-partial-block-hits", dest="enable_partial_block_hits",

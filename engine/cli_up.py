@@ -24,7 +24,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="default: start the bundled redis-server")
     p.add_argument("--port", type=int, default=50051, help="the router's port")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
-                   help="KV blocks per worker (default: from the memory budget)")
+                   help="KV blocks per worker (default: from the memory budget; not with "
+                        "--kv-cache-memory-gib)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="each worker rank's KV-cache budget (default: 1 GiB on the CPU; on "
                         "CUDA what --gpu-memory-utilization leaves beside the weights)")

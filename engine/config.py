@@ -137,6 +137,11 @@ class EngineConfig:
             _positive_int("num_gpu_blocks", self.num_gpu_blocks)
         if self.kv_cache_memory_gib is not None:
             positive_number("kv_cache_memory_gib", self.kv_cache_memory_gib)
+            if self.num_gpu_blocks is not None:  # the budget was silently ignored
+                raise ValueError(
+                    f"num_gpu_blocks (--num-gpu-blocks) {self.num_gpu_blocks} sets the KV "
+                    "cache's size exactly, kv_cache_memory_gib (--kv-cache-memory-gib) "
+                    f"{self.kv_cache_memory_gib:g} sizes it from a budget: give one of them")
         _finite_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "

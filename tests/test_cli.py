@@ -152,6 +152,7 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--prefill", "0", "--max-num-seqs", "-1"], "max_num_seqs must be a positive integer"),
     (["-tp", "0"], "-tp must be a positive integer"),
     (["--num-gpu-blocks", "0"], "num_gpu_blocks must be a positive integer"),
+    (["--num-gpu-blocks", "64", "--kv-cache-memory-gib", "2"], "give one of them"),
     (["--port", "70000"], "port must be in"),
     (["--redis-url", "http://x"], "redis_url"),
     (["--metrics-port", "-3"], "metrics_port"),

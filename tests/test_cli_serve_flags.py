@@ -41,6 +41,19 @@ def test_a_bad_namespace_is_refused_before_anything_loads(role, module, extra, n
     assert "namespace (--namespace) must be non-empty without ':'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("role, module", [("prefill", "prefill_svc.server"),
+                                          ("decode", "decode_svc.server")])
+def test_a_worker_refuses_a_kv_block_count_and_a_kv_budget_together(role, module, monkeypatch,
+                                                                     capsys):
+    """The block count sized the cache and the budget was ignored without a word."""
+    _no_service(monkeypatch, module)
+    assert main([role, "--port", "0", "--kv-transfer-backend", "torch", "--num-gpu-blocks",
+                 "64", "--kv-cache-memory-gib", "2"]) == 2
+    assert ("num_gpu_blocks (--num-gpu-blocks) 64 sets the KV cache's size exactly, "
+            "kv_cache_memory_gib (--kv-cache-memory-gib) 2 sizes it from a budget: give one "
+            "of them") in capsys.readouterr().err
+
+
 def test_check_namespace_takes_what_the_registry_takes():
     assert check_namespace("pdserve") == "pdserve"
     for bad in ("", "a:b", None, 5):
