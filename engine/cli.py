@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from engine.cli_vllm import add_refused_vllm_flags
 from engine.grpc_experiments import apply_grpc_experiments
 from protos.limits import max_message_bytes
 
@@ -22,6 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    add_refused_vllm_flags(p)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the GPU's memory this process may use (weights, "
                         "KV cache, activations); processes sharing a GPU split it, e.g. 0.45 "

@@ -11,6 +11,7 @@ import sys
 import threading
 
 from engine.cli_serve import _router_config, _worker_config
+from engine.cli_vllm import add_refused_vllm_flags
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=None,
                    help="each worker rank's KV-cache budget (default: 1 GiB on the CPU; on "
                         "CUDA what --gpu-memory-utilization leaves beside the weights)")
+    add_refused_vllm_flags(p)
     # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)

@@ -197,3 +197,23 @@ def test_the_routers_timeouts_are_flags_and_checked(monkeypatch, capsys):
             _router_config(parser.parse_args([*base, *bad]))
     up = parser.parse_args(["up", "--default-timeout-s", "45"])
     assert _up_router_args(up)[-2:] == ["--default-timeout-s", "45.0"]
+
+
+@pytest.mark.parametrize("command", [["prefill"], ["decode"], ["up"],
+                                     ["generate", "--prompt", "x"]])
+def test_vllms_kv_cache_bytes_are_not_taken_for_gib(command, capsys):
+    """argparse took vLLM's --kv-cache-memory=BYTES (its own start-up log suggests that
+    spelling) for an abbreviation of --kv-cache-memory-gib: 5.8e9 GiB, refused only once the
+    model had loaded, in a message naming a flag nobody typed."""
+    parser = build_parser()
+    for flag in ("--kv-cache-memory=5800000000", "--kv-cache-memory-bytes=1073741824"):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([*command, flag])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert "is vLLM's KV-cache budget in bytes; pdserve takes --kv-cache-memory-gib" in err
+        gib = "5.402" if "5800000000" in flag else "1"
+        assert f"bytes: --kv-cache-memory-gib {gib})" in err
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--kv-cache-memory-bytes", "40G"])
+    assert "pdserve takes --kv-cache-memory-gib, in GiB\n" in capsys.readouterr().err
