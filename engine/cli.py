@@ -31,14 +31,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
                    help="exact KV block count, instead of a memory budget (overrides "
                         "--gpu-memory-utilization; not with --kv-cache-memory-gib)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false")
+    # Both spellings, as vLLM's: its command lines carry --enable-prefix-caching (on here
+    # by default), which argparse refused as an unrecognized argument.
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV of cached prompt prefixes (default: on)")
     p.add_argument("--no-enable-partial-block-hits", dest="enable_partial_block_hits",
                    action="store_false",
                    help="reuse cached prefixes in whole blocks only: never copy the cached part "
                         "of a block a prompt shares only partly")
-    p.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts over steps of at most "
+                                      "--max-num-batched-tokens (default: on)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (worker processes; gloo/NCCL)")
     p.add_argument("--attention-backend", default="auto",

@@ -217,3 +217,22 @@ def test_vllms_kv_cache_bytes_are_not_taken_for_gib(command, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--kv-cache-memory-bytes", "40G"])
     assert "pdserve takes --kv-cache-memory-gib, in GiB\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("role, module", [("prefill", "prefill_svc.server"),
+                                          ("decode", "decode_svc.server")])
+def test_vllms_enable_spellings_of_the_engine_switches_are_taken(role, module, monkeypatch):
+    """--enable-prefix-caching, on vLLM command lines, was an unrecognized argument."""
+    started = []
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=started.append))
+    base = [role, "--port", "0", "--kv-transfer-backend", "torch"]
+    for flags, on in ((["--enable-prefix-caching", "--enable-chunked-prefill"], True),
+                      ([], True),
+                      (["--no-enable-prefix-caching", "--no-enable-chunked-prefill"], False)):
+        assert main([*base, *flags]) == 0
+        engine = started.pop().engine
+        assert (engine.enable_prefix_caching, engine.enable_chunked_prefill) == (on, on)
+    parser = build_parser()
+    for command in (["generate", "--prompt", "x"], ["chat"], ["demo", "--offline"]):
+        args = parser.parse_args([*command, "--enable-prefix-caching"])
+        assert args.enable_prefix_caching is True and args.enable_chunked_prefill is True
