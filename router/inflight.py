@@ -16,6 +16,7 @@ from client.failover import MAX_REQUEST_ID_CHARS
 from protos import router_pb2
 from router.errors import RouterRejectError
 from router.migration import RequestRun
+from router.write_watch import WriteWatch
 
 # Control characters (Cc) would let an id forge lines in the access log; format characters
 # (Cf: U+202E turns the text after it around, zero-width ones hide) and the line and paragraph
@@ -36,8 +37,13 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-# How long CancelRequest lets a chunk's write finish before it cancels the handler anyway.
+# How long CancelRequest lets a chunk's write finish before it gives the write up.
 WRITE_GRACE_S = 1.0
+
+
+class OperatorCancelled(RouterRejectError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.CANCELLED, "cancelled by the router's operator")
 
 
 @dataclass(eq=False)
@@ -53,11 +59,21 @@ class InflightRequest:
     writing: bool = False
     task_cancelled: bool = False
     finished: bool = False
+    # Generate's writes to its client (None: the handler writes nothing, as Complete).
+    writes: WriteWatch | None = None
 
     def cancel_task(self) -> None:
         if not self.finished:
             self.task_cancelled = True
             self.task.cancel()
+
+    def cut_write(self) -> None:
+        """A write still under way after the grace (a client that stopped reading) is given
+        up: the call ends with the operator's CANCELLED, which the client reads after the
+        output it had not read. Cancelling the handler's task there would end the call with
+        no status at all."""
+        if not self.finished and self.writes is not None:
+            self.writes.give_up(OperatorCancelled())  # none if past it: it saw the flag
 
     def info(self, now: float) -> router_pb2.RequestInfo:
         run = self.runs[0]  # its phase and workers stand for the request's
@@ -86,12 +102,15 @@ class InflightRequests:
         self._by_id: dict[str, InflightRequest] = {}
 
     @contextlib.contextmanager
-    def track(self, request_id: str, runs: list[RequestRun]) -> Iterator[InflightRequest]:
-        """Registers the request for the current task's lifetime in this block."""
+    def track(self, request_id: str, runs: list[RequestRun],
+              writes: WriteWatch | None = None) -> Iterator[InflightRequest]:
+        """Registers the request for the current task's lifetime in this block. ``writes``:
+        the handler's writes of its chunks, if it writes them."""
         if request_id in self._by_id:
             raise RouterRejectError(grpc.StatusCode.ALREADY_EXISTS,
                                     f"request id {request_id!r} is already in flight")
-        entry = InflightRequest(request_id, runs, asyncio.current_task(), time.monotonic())
+        entry = InflightRequest(request_id, runs, asyncio.current_task(), time.monotonic(),
+                                writes=writes)
         self._by_id[request_id] = entry
         try:
             yield entry
@@ -114,8 +133,8 @@ class InflightRequests:
             # grpc.aio takes a cancel of the handler's task during its write for the client's
             # and ends the RPC with no status: the client would wait out its deadline. The
             # handler sees the flag when the write returns; a write that does not (a client
-            # that stopped reading) is cut after a grace period.
-            asyncio.get_running_loop().call_later(WRITE_GRACE_S, entry.cancel_task)
+            # that stopped reading) is given up after a grace period.
+            asyncio.get_running_loop().call_later(WRITE_GRACE_S, entry.cut_write)
         else:
             entry.cancel_task()
         return True

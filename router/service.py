@@ -38,7 +38,7 @@ from router.decode_wait import DecodeWait
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, refuse,
                            status_of)
-from router.inflight import InflightRequests, check_request_id
+from router.inflight import InflightRequests, OperatorCancelled, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
 from router.migration import RequestRun, is_migratable
 from router.model_match import expected_model_mismatch
@@ -46,7 +46,7 @@ from router.parallel import check_n, fan_out, sequence_request
 from router.placement import Placer
 from router.prompts import ServedModel
 from router.worker_handle import CountedStream
-from router.write_watch import ClientStalled, WriteWatch
+from router.write_watch import WriteWatch
 from router.stats import RouterStats, SequenceEnd
 from protos.stream_interval import every_n_tokens
 
@@ -206,7 +206,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # Admitted only once valid: a bad request is INVALID_ARGUMENT under any load, and
             # one the router is too full for is still logged.
             first = True
-            with self.stats.admit(), self.inflight.track(rid, runs) as entry:
+            with self.stats.admit(), self.inflight.track(rid, runs, writes) as entry:
                 self._starting -= 1
                 starting = False
                 try:
@@ -237,13 +237,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # closed); the client learns why.
                     if entry.task_cancelled:
                         entry.task.uncancel()
-                    raise RouterRejectError(grpc.StatusCode.CANCELLED,
-                                            "cancelled by the router's operator") from None
+                    raise OperatorCancelled() from None
         except BaseException as e:
             code, error = status_of(e)
-            if writes is not None and writes.stalled:
-                # Closed as its write was given up: the client stopped reading.
-                code, error = status_of(ClientStalled(writes.timeout_s))
+            if writes is not None and writes.cut is not None:
+                # Closed as its write was given up: the client stopped reading, or an
+                # operator's cancel found the write stuck.
+                code, error = status_of(writes.cut)
             elif code == grpc.StatusCode.CANCELLED and _past_deadline(context):
                 # gRPC cancels the handler at the client's deadline: that is what ended it
                 # (and what the client got), not a cancel.

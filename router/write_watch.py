@@ -7,7 +7,8 @@ router kept its output as the worker made it, and its place among --max-inflight
 A write that takes none of a chunk for --client-write-timeout-s is given up: the request ends
 (its worker's part cancelled, if any is left), and the call's status waits behind the output
 the client did not read (grpc sends it once the client reads on, or drops it with the
-connection).
+connection). An operator's cancel (RouterAdmin.CancelRequest) gives up a write it finds stuck
+the same way (router/inflight.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class WriteWatch:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self.stalled = False
+        # Why the write under way was given up (the call ends with it); None: it was not.
+        self.cut: RouterRejectError | None = None
         self._since: float | None = None  # when the write under way began (loop clock)
         self._task = asyncio.current_task()
         self._loop = asyncio.get_running_loop()
@@ -43,21 +45,28 @@ class WriteWatch:
         try:
             await write_message(context, message)
         except asyncio.CancelledError:
-            if not self.stalled:
+            if self.cut is None:
                 raise  # the call's own: its client's cancel, its deadline, the server's stop
             # Not the call's cancel: grpc.aio would end it with no status, which the client,
             # reading on, would wait for until its deadline, or for ever.
             self._task.uncancel()
-            raise ClientStalled(self.timeout_s) from None
+            raise self.cut from None
         finally:
             self._since = None
+
+    def give_up(self, why: RouterRejectError) -> None:
+        """Cancels the write under way, which then raises ``why`` (the call's status); none
+        when the handler is past it, or it was given up already."""
+        if self._since is None or self.cut is not None:
+            return
+        # The task is in the write (or just back from it, and the cancel lands there).
+        self.cut = why
+        self._task.cancel()
 
     def _check(self) -> None:
         now = self._loop.time()
         if self._since is not None and now - self._since >= self.timeout_s:
-            # The task is in the write (or just back from it, and the cancel lands there).
-            self.stalled = True
-            self._task.cancel()
+            self.give_up(ClientStalled(self.timeout_s))
             return
         due = self._since + self.timeout_s if self._since is not None else now + self.timeout_s
         self._timer = self._loop.call_at(due, self._check)

@@ -2,11 +2,13 @@
 cancel of its handler's task is lost (Python 3.11's asyncio.wait_for inside redis-py swallows
 one landing as a Redis reply arrives: client/tasks.py), and when it comes while gRPC writes a
 chunk (grpc.aio takes a task cancel there for the client's and sends no status). The router's
-request path in process, its workers replaced by a stream of chunks, gRPC's writes by sleeps."""
+request path in process, its workers replaced by a stream of chunks, gRPC's writes by sleeps,
+or served on loopback to a client that stops reading."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
@@ -14,7 +16,9 @@ import pytest
 
 import router.inflight
 
-from protos import common_pb2, router_pb2, worker_pb2
+from engine.grpc_server import GrpcServer, ServerConfig
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from router.admin import RouterAdminServicer
 from router.config import RouterConfig
 from router.directory import WorkerHandle
 from router.errors import RouterRejectError
@@ -22,6 +26,7 @@ from router.migration import RequestRun
 from router.prompts import load_served_model
 from router.service import RouterServicer
 from router.stats import RouterStats
+from router.write_watch import WriteWatch
 
 
 class _Directory:
@@ -37,17 +42,19 @@ class _Directory:
         """As WorkerDirectory's while no worker is known: any length passes."""
 
 
-def _servicer(stall_after: int | None = None) -> RouterServicer:
+def _servicer(stall_after: int | None = None, chunks: int = 100, tokens_per_chunk: int = 1,
+              **config) -> RouterServicer:
     model = load_served_model("tiny-llama", "auto", None)
-    servicer = RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused"),
-                              _Directory(), model, RouterStats(8))
+    servicer = RouterServicer(RouterConfig(model="tiny-llama", redis_url="redis://unused",
+                                           **config), _Directory(), model, RouterStats(8))
 
     async def sequence(run, request, context):  # what the workers would stream
-        for i in range(100):
+        for i in range(chunks):
             if i == stall_after:
                 await asyncio.Event().wait()  # a decode step that never comes
             await asyncio.sleep(0.005)
-            yield router_pb2.GenerateChunk(request_id=run.request_id, token_ids=[100 + i])
+            yield router_pb2.GenerateChunk(request_id=run.request_id,
+                                           token_ids=[100 + i] * tokens_per_chunk)
 
     servicer._sequence = sequence
     return servicer
@@ -108,18 +115,88 @@ def test_an_operator_cancel_while_waiting_for_a_token_cuts_the_wait():
     assert len(servicer.inflight) == 0
 
 
-def test_a_write_that_never_returns_is_cut_after_the_grace_period(monkeypatch):
+class _StuckContext:
+    async def write(self, message) -> None:
+        await asyncio.Event().wait()  # a client that stopped reading: the write never returns
+
+
+def test_a_write_that_never_returns_is_given_up_after_the_grace_period(monkeypatch):
     monkeypatch.setattr(router.inflight, "WRITE_GRACE_S", 0.05)
     servicer = _servicer()
 
-    async def body():
-        async for chunk in servicer._generate(REQUEST, None, time.monotonic()):
-            asyncio.get_running_loop().call_soon(servicer.inflight.cancel, "r1")
-            await asyncio.sleep(30)  # a client that stopped reading: the write never returns
+    async def body():  # as Generate writes the chunks
+        writes = WriteWatch(0)
+        chunks = servicer._generate(REQUEST, None, time.monotonic(), writes=writes)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                asyncio.get_running_loop().call_soon(servicer.inflight.cancel, "r1")
+                await writes.write(_StuckContext(), chunk)
 
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(body())
+    _operator_cancelled(body)
     assert len(servicer.inflight) == 0
+
+
+def _stalled_reader_servicer() -> RouterServicer:
+    """Chunks of 2 KB for as long as the request lasts; no --client-write-timeout-s, so that
+    only the operator's cancel can end a write stuck on a client that stopped reading."""
+    return _servicer(chunks=10**6, tokens_per_chunk=1000, client_write_timeout_s=0)
+
+
+async def _serve(servicer: RouterServicer, body):
+    """``body(channel, admin)`` against the servicer and its RouterAdmin, served on loopback."""
+    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0), ["pdserve.v1.Router"])
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server.server)
+    router_pb2_grpc.add_RouterAdminServicer_to_server(
+        RouterAdminServicer(_Directory(), servicer.stats, servicer.inflight), server.server)
+    await server.start()
+    try:
+        # BDP probing off: the client's window stays at HTTP/2's 64 KiB, as one whose reads
+        # stopped before gRPC grew it (tests/test_serving_stalled_client.py).
+        async with grpc.aio.insecure_channel(server.address,
+                                             options=[("grpc.http2.bdp_probe", 0)]) as channel:
+            return await body(channel, router_pb2_grpc.RouterAdminStub(channel))
+    finally:
+        await server.server.stop(0)
+
+
+async def _stop_reading(servicer: RouterServicer, channel: grpc.aio.Channel):
+    """A Generate call whose client read one chunk, then nothing: once the router's write to
+    it has been stuck for half a second (the window is shut)."""
+    call = router_pb2_grpc.RouterStub(channel).Generate(REQUEST)
+    await call.read()
+    writing = 0  # polls in a row that found the handler in a write (one takes microseconds)
+    while writing < 10:
+        await asyncio.sleep(0.05)
+        writing = writing + 1 if servicer.inflight._by_id["r1"].writing else 0
+    return call
+
+
+@pytest.mark.timeout(60)  # a status that never came would hang it
+def test_an_operator_cancel_of_a_client_that_stopped_reading_ends_its_call_with_a_status(
+        caplog):
+    """The write never returns: the grace's end gives it up, as --client-write-timeout-s
+    does. Cancelling the handler's task there ended the call with no status, and the client,
+    reading on, waited for one for ever."""
+    caplog.set_level(logging.INFO, logger="pdserve.access")
+    servicer = _stalled_reader_servicer()
+
+    async def body(channel, admin):
+        call = await _stop_reading(servicer, channel)
+        await admin.CancelRequest(router_pb2.CancelRequestRequest(request_id="r1"))
+        while len(servicer.inflight):  # the grace passes, the write still stuck
+            await asyncio.sleep(0.05)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() is not grpc.aio.EOF:
+                pass  # what the window and the buffers held, then the status
+        return err.value
+
+    err = asyncio.run(_serve(servicer, body))
+    assert err.code() == grpc.StatusCode.CANCELLED
+    assert err.details() == "cancelled by the router's operator"
+    assert len(servicer.inflight) == 0
+    # The access log says who ended it (it said the client).
+    [line] = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
+    assert "status=CANCELLED" in line and "error=\"cancelled by the router's operator\"" in line
 
 
 class _PrefillStub:
