@@ -64,12 +64,18 @@ def kv_source_failed(e: BaseException) -> bool:
     return _marked(e, KV_SOURCE_FAILED_KEY)
 
 
+class CallEnded(asyncio.CancelledError):
+    """A send found the call ended under the handler: the call's own cancellation (its
+    client's cancel, its deadline), which gRPC has not cancelled the handler's task for yet
+    (engine/stray_cancels.py must not take it for the handler's own)."""
+
+
 @contextlib.asynccontextmanager
 async def _ended_call_cancels():
     try:
         yield
     except ExecuteBatchError:
-        raise asyncio.CancelledError from None
+        raise CallEnded from None
 
 
 # Characters of a status message; percent-encoded in the header, the worst UTF-8 character

@@ -44,8 +44,8 @@ def _async_guarded(behavior: Callable, method: str, request_streaming: bool,
                         behavior(await admitted(request, context), context)) as responses:
                     async for response in responses:
                         yield response
-            except asyncio.CancelledError:
-                if not is_stray_cancel(context):
+            except asyncio.CancelledError as e:
+                if not is_stray_cancel(context, e):
                     raise
                 await end_stray_cancel(context, method)
         return stream
@@ -53,8 +53,8 @@ def _async_guarded(behavior: Callable, method: str, request_streaming: bool,
     async def unary(request, context):
         try:
             return await behavior(await admitted(request, context), context)
-        except asyncio.CancelledError:
-            if not is_stray_cancel(context):
+        except asyncio.CancelledError as e:
+            if not is_stray_cancel(context, e):
                 raise
             await end_stray_cancel(context, method)
     return unary

@@ -11,6 +11,9 @@ under every method).
 
 A cancellation that is the call's own (the caller's cancel, its deadline, the server's stop)
 cancels the handler's task, which ``Task.cancelling()`` counts; one that is not leaves it at 0.
+A write or a refusal that finds the call ended is its own too, before gRPC cancels the task
+(engine/call_abort.py's CallEnded: a client that cancels while the handler's write waits for it
+to read).
 """
 from __future__ import annotations
 
@@ -20,14 +23,18 @@ from typing import NoReturn
 
 import grpc
 
-from engine.call_abort import abort_call
+from engine import call_abort
 
 logger = logging.getLogger(__name__)
 
 
-def is_stray_cancel(context: grpc.aio.ServicerContext) -> bool:
-    """In a handler's ``except asyncio.CancelledError``: whether nobody cancelled the call
-    (neither its caller nor gRPC), so that gRPC would end it with no status."""
+def is_stray_cancel(context: grpc.aio.ServicerContext, error: BaseException) -> bool:
+    """In a handler's ``except asyncio.CancelledError``, ``error`` the one caught: whether
+    nobody cancelled the call (neither its caller nor gRPC), so that gRPC would end it with no
+    status."""
+    # The class looked up at each call: the module's own, should it be loaded again.
+    if isinstance(error, call_abort.CallEnded):
+        return False
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0 and not context.done()
 
@@ -36,6 +43,6 @@ async def end_stray_cancel(context: grpc.aio.ServicerContext, method: str) -> No
     """In that ``except``: ends the call INTERNAL, the traceback logged."""
     logger.error("%s: the handler was cancelled, not its call; the call ends INTERNAL",
                  method, exc_info=True)
-    await abort_call(context, grpc.StatusCode.INTERNAL,
-                     f"the server cancelled its own handling of {method} (a server fault: "
-                     "its log has where)")
+    await call_abort.abort_call(context, grpc.StatusCode.INTERNAL,
+                                f"the server cancelled its own handling of {method} (a "
+                                "server fault: its log has where)")

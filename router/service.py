@@ -248,7 +248,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # gRPC cancels the handler at the client's deadline: that is what ended it
                 # (and what the client got), not a cancel.
                 code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-            elif isinstance(e, asyncio.CancelledError) and is_stray_cancel(context):
+            elif isinstance(e, asyncio.CancelledError) and is_stray_cancel(context, e):
                 # Nobody cancelled the call: engine/stray_cancels.py ends it INTERNAL.
                 code, error = grpc.StatusCode.INTERNAL, "the router cancelled its own handler"
             status = code.name

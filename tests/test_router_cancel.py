@@ -171,6 +171,10 @@ async def _stop_reading(servicer: RouterServicer, channel: grpc.aio.Channel):
     return call
 
 
+def _access_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
+
+
 @pytest.mark.timeout(60)  # a status that never came would hang it
 def test_an_operator_cancel_of_a_client_that_stopped_reading_ends_its_call_with_a_status(
         caplog):
@@ -195,8 +199,29 @@ def test_an_operator_cancel_of_a_client_that_stopped_reading_ends_its_call_with_
     assert err.details() == "cancelled by the router's operator"
     assert len(servicer.inflight) == 0
     # The access log says who ended it (it said the client).
-    [line] = [r.getMessage() for r in caplog.records if r.name == "pdserve.access"]
+    [line] = _access_lines(caplog)
     assert "status=CANCELLED" in line and "error=\"cancelled by the router's operator\"" in line
+
+
+def test_a_client_that_cancels_while_its_write_waits_is_no_fault_in_the_log(caplog):
+    """The write to a client that stopped reading fails when it cancels, before gRPC cancels
+    the handler: the net under a handler's own cancels (engine/stray_cancels.py) took that for
+    one, and logged the normal end of a client's cancel as an ERROR with a traceback."""
+    caplog.set_level(logging.DEBUG)
+    servicer = _stalled_reader_servicer()
+
+    async def body(channel, admin):
+        call = await _stop_reading(servicer, channel)
+        call.cancel()
+        # The handler's end: the net's log, if any, comes in the same step.
+        while not _access_lines(caplog):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(_serve(servicer, body))
+    [line] = _access_lines(caplog)
+    assert "status=CANCELLED" in line and 'error="cancelled by the client"' in line
+    faults = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not faults, [r.getMessage() for r in faults]
 
 
 class _PrefillStub:
