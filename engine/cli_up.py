@@ -82,6 +82,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-timeout-s", type=float, default=None,
                    help="router --default-timeout-s: the deadline of a request whose client "
                         "sets none (default: none)")
+    p.add_argument("--client-write-timeout-s", type=float, default=None,
+                   help="router --client-write-timeout-s: a Generate client that takes none "
+                        "of its output for this long has its request ended (default 60; 0: "
+                        "never)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -246,7 +250,7 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     # Not the API keys: on its command line any local user would read them (ClusterSpec).
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
                  "--generation-config", "--stream-interval", "--max-local-prefill-length",
-                 "--served-model-name", "--default-timeout-s"):
+                 "--served-model-name", "--default-timeout-s", "--client-write-timeout-s"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

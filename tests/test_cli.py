@@ -129,9 +129,10 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
         build_parser().parse_args([role, *spec.worker_args, "--kv-transfer-backend", "torch"])
     spec = up_spec(build_parser().parse_args(
         ["up", "--stream-interval", "8", "--max-local-prefill-length", "96",
-         "--served-model-name", "team/llama"]))
+         "--served-model-name", "team/llama", "--client-write-timeout-s", "0"]))
     args = spec.router_args
     assert args[args.index("--stream-interval") + 1] == "8"
+    assert args[args.index("--client-write-timeout-s") + 1] == "0.0"  # 0 (never) is a value
     assert args[args.index("--max-local-prefill-length") + 1] == "96"
     assert args[args.index("--served-model-name") + 1] == "team/llama"
     assert spec.worker_args == ["--served-model-name", "team/llama"]
@@ -163,6 +164,8 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--api-key", "a b"], "api_key"),
     (["--admin-api-key", "a b"], "api_key"),
     (["--default-timeout-s", "inf"], "--default-timeout-s must be a finite number"),
+    (["--client-write-timeout-s", "-1"], "(--client-write-timeout-s) must be a finite number"),
+    (["--client-write-timeout-s", "nan"], "(--client-write-timeout-s) must be a finite"),
     # Found by the prefill worker's engine, after Redis, the router and the decode worker.
     (["--model", "micro-llama", "-tp", "3"], "tensor_parallel_size 3 does not divide"),
     # Both found by each worker's engine once its weights loaded, the others started.
