@@ -191,8 +191,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="the deadline of a request whose client sets none, from its arrival "
                         "(default: none; its legs then wait at most 10 x --prefill-timeout-s)")
     p.add_argument("--client-write-timeout-s", type=float, default=60.0,
-                   help="a Generate client that takes none of a chunk for this long (it "
-                        "stopped reading) has its request ended, CANCELLED (0: never)")
+                   help="a Generate chunk that waits this long for its client to take it "
+                        "(the client stopped reading, or its link is too slow for the chunk) "
+                        "ends the request, CANCELLED (0: never)")
     p.add_argument("--prefill-timeout-s", type=float, default=600.0,
                    help="a Prefill call that takes longer than this fails its worker "
                         "(UNAVAILABLE: the request moves on), whatever the deadline")

@@ -33,10 +33,10 @@ class RouterConfig:
     max_inflight_requests: int = 1024
     # Used when the client sets no deadline (None: none).
     default_timeout_s: float | None = None
-    # A Generate client that takes none of a chunk for this long (it stopped reading, or its
-    # host is gone without closing the connection) has its request ended, CANCELLED: the
-    # router holds its output and its in-flight place no longer (router/write_watch.py).
-    # 0: never.
+    # A Generate chunk that waits this long for its client to take it (the client stopped
+    # reading, or its host is gone without closing the connection; or a chunk larger than its
+    # link carries in that time) ends the request, CANCELLED: the router holds its output and
+    # its in-flight place no longer (router/write_watch.py). 0: never.
     client_write_timeout_s: float = 60.0
     # Without a client deadline, a prefill call that takes longer fails with UNAVAILABLE.
     prefill_timeout_s: float = 600.0

@@ -4,11 +4,15 @@ A chunk's write waits for the client's HTTP/2 window: a client that stopped read
 connection open, or whose host went away without closing it (with the window shut nothing
 goes out for TCP to find it gone), held the request for ever when it set no deadline: the
 router kept its output as the worker made it, and its place among --max-inflight-requests.
-A write that takes none of a chunk for --client-write-timeout-s is given up: the request ends
-(its worker's part cancelled, if any is left), and the call's status waits behind the output
-the client did not read (grpc sends it once the client reads on, or drops it with the
-connection). An operator's cancel (RouterAdmin.CancelRequest) gives up a write it finds stuck
-the same way (router/inflight.py).
+A write not done --client-write-timeout-s after it began is given up: the request ends (its
+worker's part cancelled, if any is left), and the call's status waits behind the output the
+client did not read (grpc sends it once the client reads on, or drops it with the
+connection). grpc tells nothing of a write's progress, so a chunk larger than the client's
+link carries in that time is given up too, though the client reads it (measured: a 40 MiB
+chunk over a 4 MB/s link, read throughout, cut by a 2 s timeout): set the timeout well past
+the largest chunk's transfer time on the slowest client link.
+An operator's cancel (RouterAdmin.CancelRequest) gives up a write it finds stuck the same
+way (router/inflight.py).
 """
 from __future__ import annotations
 
@@ -23,8 +27,8 @@ from router.errors import RouterRejectError
 class ClientStalled(RouterRejectError):
     def __init__(self, timeout_s: float) -> None:
         super().__init__(grpc.StatusCode.CANCELLED,
-                         f"the router cancelled the stream: the client took none of its output "
-                         f"for {timeout_s:g} s (--client-write-timeout-s)")
+                         f"the router cancelled the stream: a chunk of its output waited "
+                         f"{timeout_s:g} s for the client to take it (--client-write-timeout-s)")
 
 
 class WriteWatch:
