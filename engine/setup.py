@@ -134,7 +134,8 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
     the cache was mapped and the OOM killer ended the process as it was zeroed."""
     if device.type == "cuda":
         free_device_memory()  # what torch holds idle counts as used until handed back
-        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has only {{}} free"
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{device} has only {_size(free)} free"
     else:
         free, where = _host_memory()
         cache_bytes *= num_ranks_on_host
@@ -149,19 +150,20 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
     ranks = f" ({num_ranks_on_host} TP ranks' caches)" if device.type == "cpu" \
         and num_ranks_on_host > 1 else ""
     raise ValueError(f"{flag} asks for a KV cache of {_size(cache_bytes)}{ranks}, but "
-                     f"{where.format(_size(free))}: lower --num-gpu-blocks or "
+                     f"{where}: lower --num-gpu-blocks or "
                      "--kv-cache-memory-gib")
 
 
 def _host_memory() -> tuple[int | None, str]:
-    """The host memory a cache may take, and what says so (a format string for it)."""
+    """The host memory a cache may take, and what says so. Not a format string: a cgroup's
+    path is any name its creator chose, braces included."""
     mem = available_memory()
     if mem is None:
         return None, ""
     if mem.limit_file is None:
-        return mem.nbytes, "this host has only {} available"
+        return mem.nbytes, f"this host has only {_size(mem.nbytes)} available"
     return mem.nbytes, (f"this process's cgroup memory limit ({mem.limit_file}: "
-                        f"{_size(mem.limit)}) leaves only {{}} available")
+                        f"{_size(mem.limit)}) leaves only {_size(mem.nbytes)} available")
 
 
 def _size(nbytes: float) -> str:

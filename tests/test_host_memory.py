@@ -115,3 +115,19 @@ def test_a_kv_cache_over_the_cgroups_headroom_is_refused_naming_it(root, monkeyp
             rf"cgroup memory limit \({re.escape(str(limit))}: 2.0 GiB\) leaves only 1.0 GiB "
             "available")):
         setup.kv_capacity_blocks(config, MIB, cpu)
+
+
+def test_a_cgroup_whose_name_holds_braces_is_named_as_it_is(tmp_path, monkeypatch):
+    """A cgroup's name is its creator's (cgroupfs takes braces): the refusal's message was a
+    format string with the limit file's path in it, which raised IndexError instead."""
+    write(tmp_path, "proc/meminfo", "MemAvailable: 8388608 kB\n")
+    write(tmp_path, "proc/self/cgroup", "0::/job{1}\n")
+    write(tmp_path, "sys/fs/cgroup/job{1}/memory.max", f"{GIB}\n")
+    write(tmp_path, "sys/fs/cgroup/job{1}/memory.current", f"{768 * MIB}\n")
+    monkeypatch.setattr(setup, "available_memory",
+                        lambda: host_memory.available_memory(str(tmp_path)))
+    limit = tmp_path / "sys/fs/cgroup/job{1}/memory.max"
+    with pytest.raises(ValueError, match=(
+            rf"limit \({re.escape(str(limit))}: 1.0 GiB\) leaves only 256.0 MiB available")):
+        setup.kv_capacity_blocks(EngineConfig(model="micro-llama", kv_cache_memory_gib=0.5),
+                                 MIB, torch.device("cpu"))
