@@ -145,7 +145,7 @@ class ClusterSpec:
         # threads), and only with chunked prefill: without it the budget caps the prompt length.
         if (role == "prefill" and self.cores_shared and tp_size(args) == 1 and on_cpu(args)
                 and flag_value(args, "--max-num-batched-tokens") is None
-                and "--no-enable-chunked-prefill" not in args):
+                and _chunked_prefill(args)):
             args += ["--max-num-batched-tokens", str(_SHARED_CPU_PREFILL_BUDGET)]
         return args
 
@@ -244,3 +244,13 @@ def _max_position(model: str) -> int:
     from engine.presets import resolve_model
 
     return ModelConfig.from_pretrained(resolve_model(model)).max_position_embeddings
+
+
+def _chunked_prefill(args: list[str]) -> bool:
+    """Whether the engine will chunk prefill: on by default; of its two switches
+    (argparse's BooleanOptionalAction) the last one given wins."""
+    on = True
+    for a in args:
+        if a in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+            on = a == "--enable-chunked-prefill"
+    return on

@@ -56,6 +56,11 @@ def test_prefill_workers_on_shared_cpu_cores_take_smaller_steps(monkeypatch):
     assert _budget(shared.engine_args("prefill", ["--tensor-parallel-size", "2"])) == []
     # Without chunked prefill the budget would cap the prompt length: left alone.
     assert _budget(shared.engine_args("prefill", ["--no-enable-chunked-prefill"])) == []
+    # The last of the two switches wins, as argparse reads them.
+    assert _budget(shared.engine_args("prefill", ["--no-enable-chunked-prefill",
+                                                  "--enable-chunked-prefill"])) == ["512"]
+    assert _budget(shared.engine_args("prefill", ["--enable-chunked-prefill",
+                                                  "--no-enable-chunked-prefill"])) == []
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user placed the threads: not shared
     assert _budget(shared.engine_args("prefill", [])) == []
     assert shared.step_budget("decode") == 2048  # the engine's default
