@@ -83,8 +83,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="router --default-timeout-s: the deadline of a request whose client "
                         "sets none (default: none)")
     p.add_argument("--client-write-timeout-s", type=float, default=None,
-                   help="router --client-write-timeout-s: a Generate client that takes none "
-                        "of its output for this long has its request ended (default 60; 0: "
+                   help="router --client-write-timeout-s: a Generate chunk that waits this "
+                        "long for its client to take it (the client stopped reading, or its "
+                        "link is too slow for the chunk) ends the request (default 60; 0: "
                         "never)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "

@@ -376,3 +376,18 @@ def test_a_broken_pipe_other_than_stdouts_is_not_taken_for_a_reader_that_left(mo
     monkeypatch.setattr(cli_remote, "cmd_info", broken)
     with pytest.raises(BrokenPipeError, match="a child's pipe"):
         main(["info", "--router", "127.0.0.1:1"])
+
+
+def _flag_help(command: str, flag: str) -> str:
+    from engine.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.choices and command in a.choices)
+    return next(a.help for a in sub.choices[command]._actions if flag in a.option_strings)
+
+
+def test_up_describes_the_client_write_timeout_as_the_router_applies_it():
+    # The router times one chunk's write, so a client on a link too slow for a large chunk is
+    # cut while it reads; up's help said only a client that takes none of its output was.
+    up_help = _flag_help("up", "--client-write-timeout-s")
+    assert "takes none" not in up_help
+    assert "chunk that waits this long" in up_help
+    assert "chunk that waits this long" in _flag_help("router", "--client-write-timeout-s")
