@@ -36,6 +36,10 @@ class CancelledError(PdserveError):
     code = grpc.StatusCode.CANCELLED
 
 
+# A call in flight when its client's close() (another thread or task) shut the channels.
+CLIENT_CLOSED = "the call was cancelled: its client was closed"
+
+
 class NotFoundError(PdserveError):
     code = grpc.StatusCode.NOT_FOUND
 

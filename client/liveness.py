@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.errors import CancelledError
+from client.errors import CLIENT_CLOSED, CancelledError
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def _raise_local_cancel() -> None:
     the task does not end as if it had been cancelled itself."""
     if asyncio.current_task() is None or _cancelling():
         raise  # noqa: PLE0704 - re-raises the CancelledError being handled
-    raise CancelledError("the call was cancelled: its client was closed") from None
+    raise CancelledError(CLIENT_CLOSED) from None
 
 
 async def check_loop(interval_s: float, misses: int, busy: Callable[[], list],

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from client.channels import call_metadata, open_channels
-from client.errors import DeadlineExceededError, error_from_rpc
+from client.errors import (CLIENT_CLOSED, CancelledError, DeadlineExceededError,
+                           error_from_rpc)
 from client.failover import (Attempts, FailoverPolicy, attempt_request, check_addresses,
                              check_timeout, take_chunk)
 from client.liveness import CheckThread, Peer, cut_router
@@ -99,6 +100,7 @@ class Client:
             except grpc.RpcError as e:
                 if tries.complete:  # all of it arrived: a continuation would generate more
                     return
+                self._raise_if_closed(e)
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e, tries.note(e)) from None
@@ -148,6 +150,7 @@ class Client:
                             raise
                         raise cut.error() from None
             except grpc.RpcError as e:
+                self._raise_if_closed(e)
                 delay = tries.after(e)
                 if delay is None:
                     raise error_from_rpc(e) from None
@@ -182,6 +185,12 @@ class Client:
         self._closed = True
         self._closing.set()
         self._finalizer()
+
+    def _raise_if_closed(self, e: grpc.RpcError) -> None:
+        """A call close() cut (its channel shut under it) says so, as AsyncClient's does, not
+        gRPC's "Stream removed (Channel closed!)"."""
+        if self._closed and e.code() == grpc.StatusCode.CANCELLED:
+            raise CancelledError(CLIENT_CLOSED) from None
 
     def _check_open(self) -> None:
         self._check_fork()

@@ -18,7 +18,7 @@ import pytest
 
 import client.async_client as async_client
 import client.sync_client as sync_client
-from client import AsyncClient, Client, FailoverPolicy
+from client import AsyncClient, CancelledError, Client, FailoverPolicy
 from client.failover import Attempts
 from protos import router_pb2, router_pb2_grpc
 
@@ -396,3 +396,27 @@ def test_async_close_from_another_thread_stops_the_checks_on_their_own_loop(serv
 
     assert asyncio.run(run()) == []
     assert recorder.cancelled.wait(BOUND_S)  # the channel closed: the router saw the cancel
+
+
+@pytest.mark.parametrize("call", sorted(_BLOCKING_CALLS))
+def test_close_from_another_thread_cancels_a_call_in_flight_with_the_sdks_message(serve, call):
+    """As AsyncClient's: not gRPC's 'Stream removed (Channel closed!)', which reads as a
+    network fault rather than the caller's own close()."""
+    recorder = _Recorder()
+    c = Client(serve(recorder), timeout=60, failover=LONG_BACKOFF)
+    got = []
+
+    def read():
+        try:
+            _BLOCKING_CALLS[call](c)
+        except Exception as e:  # noqa: BLE001 - what the caller sees is the point
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert recorder.started.wait(BOUND_S)
+    c.close()
+    reader.join(BOUND_S)
+    assert not reader.is_alive()
+    assert [type(e) for e in got] == [CancelledError], got
+    assert str(got[0]) == "the call was cancelled: its client was closed"
