@@ -82,12 +82,22 @@ class WorkerPresence:
     async def _register(self, prepare: Callable[[], Awaitable[None]] | None) -> None:
         """A predecessor's entries under this id go, ``prepare`` writes what must be there
         before the worker is routable, then a first heartbeat (it finds no registration,
-        which is no drop)."""
+        which is no drop); all again if a purge of the id ended meanwhile."""
         info = self.info()
-        await self.registry.clear_worker(info.worker_id)
-        if prepare is not None:
-            await prepare()
-        await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+        for _ in range(2):
+            await self.registry.clear_worker(info.worker_id)
+            if prepare is not None:
+                await prepare()
+            beat = await self.registry.heartbeat(info, ttl_s=self.beat_ttl_s)
+            # A router's purge of a crashed predecessor under this id (stale, its big cache
+            # taking seconds) ended after the clear: its last step dropped what ``prepare``
+            # wrote (the KV handles, without which decode workers refuse this worker's KV),
+            # which no later beat finds dropped: this one registered the worker as a first
+            # beat does. Once more: the beat is fresh now, and no purge takes it for stale.
+            if not beat.purged:
+                break
+            logger.info("worker %s: a purge of its predecessor's entries ended as it "
+                        "registered; registering again", info.worker_id)
         self._last_beat = asyncio.get_running_loop().time()
 
     def add_events(self, events: list) -> None:

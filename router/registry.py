@@ -69,6 +69,8 @@ return out
 # purged at every refresh. replicate_commands: older Redis refuses a write after TIME without.
 # KEYS: workers, heartbeats, drained, ttls, purged:{id}, kvhandles:{id}. ARGV: id, info, own
 # TTL ('' for none), '1' if the worker last knew itself drained, the KV handles' TTL in ms.
+# Returns: whether it registered the worker, whether it is drained, whether a purge's
+# tombstone was found (a purge ended since the worker's last beat, or since it cleared its id).
 _HEARTBEAT_LUA = """
 redis.replicate_commands()
 local t = redis.call('TIME')
@@ -76,15 +78,16 @@ local added = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('ZADD', KEYS[2], string.format('%.6f', t[1] + t[2] / 1000000), ARGV[1])
 if ARGV[3] == '' then redis.call('HDEL', KEYS[4], ARGV[1])
 else redis.call('HSET', KEYS[4], ARGV[1], ARGV[3]) end
+local purged = 0
 if added == 1 then
   -- Registered again. A purge left the admin's last decision in a tombstone; without one,
   -- Redis forgot it (a restart) and the worker's own last word stands.
   local kept = redis.call('GET', KEYS[5])
-  if kept then redis.call('DEL', KEYS[5]) end
+  if kept then redis.call('DEL', KEYS[5]); purged = 1 end
   if (kept or ARGV[4]) == '1' then redis.call('SADD', KEYS[3], ARGV[1]) end
 end
 redis.call('PEXPIRE', KEYS[6], ARGV[5])
-return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1])}
+return {added, redis.call('SISMEMBER', KEYS[3], ARGV[1]), purged}
 """
 # A worker silent for ``age`` seconds is gone if longer than the reader's TTL and than its own,
 # if it declared one: a reader that waits less than a worker said it may stay silent (a decode
@@ -252,6 +255,9 @@ class Heartbeat:
     # or a new empty Redis), with its index entries and KV handles.
     dropped: bool
     drained: bool  # an admin drained it (as Redis has it after this beat)
+    # It was registered again over a purge's tombstone: a purge of its id ended since its
+    # last beat (or since a starting worker cleared its id), dropping its KV handles too.
+    purged: bool = False
 
 
 class Registry:
@@ -300,12 +306,12 @@ class Registry:
         if ttl_s is not None and not 0 < ttl_s < float("inf"):
             raise ValueError(f"a heartbeat's ttl_s must be positive seconds, got {ttl_s!r}")
         wid = info.worker_id
-        added, is_drained = await self._beat(
+        added, is_drained, purged = await self._beat(
             keys=[self._k("workers"), self._k("heartbeats"), self._k("drained"),
                   self._k("ttls"), self._k("purged", wid), self._k("kvhandles", wid)],
             args=[wid, info.SerializeToString(), "" if ttl_s is None else repr(float(ttl_s)),
                   "1" if drained else "0", int(KV_HANDLES_TTL_S * 1000)])
-        return Heartbeat(dropped=bool(added), drained=bool(is_drained))
+        return Heartbeat(dropped=bool(added), drained=bool(is_drained), purged=bool(purged))
 
     @bounded
     async def deregister(self, worker_id: str, keep_transfers: bool = False) -> None:

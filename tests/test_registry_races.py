@@ -414,6 +414,38 @@ def test_a_worker_restarted_under_a_drained_id_does_not_start_drained(redis_url,
     asyncio.run(body())
 
 
+def test_a_purge_of_its_predecessor_ending_inside_a_restart_leaves_the_new_worker_whole(
+        redis_url):
+    """A prefill worker restarts under its id while a router purges its crashed
+    predecessor's stale entry (seconds, for a big cache). The purge's last step lands after
+    the new worker wrote its KV handles and before its first beat, and drops the handles;
+    that beat registers the worker all the same, and its later beats find nothing dropped.
+    The worker must still end up with its handles: decode workers refuse the KV of a prefill
+    worker that has none, for every request the routers send it."""
+    async def body():
+        ns = "restart-in-purge"
+        router = Registry.from_url(redis_url, ns)
+        await router.heartbeat(_info())  # the predecessor, then its crash
+        await router.r.zadd(router._k("heartbeats"), {W: 0})  # its beat went stale
+        presence = WorkerPresence(redis_url, ns, 0.05, lambda: _info())
+
+        async def prepare(reg: Registry) -> None:
+            await reg.set_kv_handles(W, [b"rank-0"], b"mac-key")
+            await router.purge_stale()  # the router's purge, ending just now
+
+        await presence.start(prepare)
+        try:
+            assert await router.kv_source(W) == ([b"rank-0"], b"mac-key")
+            await asyncio.sleep(0.2)  # and its beats keep them
+            assert await router.kv_source(W) == ([b"rank-0"], b"mac-key")
+            assert [i.worker_id for i in await router.live_workers()] == [W]
+        finally:
+            await presence.stop()
+            await router.r.aclose()
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("dies", [True, False])
 @pytest.mark.parametrize("after", range(8))
 def test_a_worker_beating_again_inside_its_purge_is_found_by_the_next_one(
