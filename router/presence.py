@@ -93,11 +93,20 @@ class WorkerPresence:
             # taking seconds) ended after the clear: its last step dropped what ``prepare``
             # wrote (the KV handles, without which decode workers refuse this worker's KV),
             # which no later beat finds dropped: this one registered the worker as a first
-            # beat does. Once more: the beat is fresh now, and no purge takes it for stale.
+            # beat does. Once more: the beat is fresh now, and no purge starts that takes it
+            # for stale (one under way already may still end).
             if not beat.purged:
                 break
             logger.info("worker %s: a purge of its predecessor's entries ended as it "
-                        "registered; registering again", info.worker_id)
+                        "registered; its entries are written again", info.worker_id)
+        else:
+            # Another router's purge, begun while the predecessor was stale, ended in the
+            # second round too. What it dropped is written once more, past the beat: a purge
+            # ending now also drops the registration, so the next beat finds that and
+            # republishes. Not round after round: one longer than the heartbeat TTL (the whole
+            # republish of _beat_once's late registration) would be purged as stale in each.
+            if prepare is not None:
+                await prepare()
         self._last_beat = asyncio.get_running_loop().time()
 
     def add_events(self, events: list) -> None:

@@ -446,6 +446,43 @@ def test_a_purge_of_its_predecessor_ending_inside_a_restart_leaves_the_new_worke
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("routers", [2, 3])
+def test_purges_of_its_predecessor_by_several_routers_ending_inside_a_restart(
+        redis_url, routers):
+    """Every router that found the crashed predecessor stale purges it: another router's
+    purge, under way since, can end inside the new worker's second registration round as the
+    first one's ended inside its first, and a third one's as the worker writes its entries
+    once more. The worker must end up whole: it stopped after two rounds without its KV
+    handles, and its later beats found nothing dropped."""
+    async def body():
+        ns = f"restart-in-{routers}-purges"
+        router = Registry.from_url(redis_url, ns)
+        await router.heartbeat(_info())  # the predecessor, then its crash
+        await router.r.zadd(router._k("heartbeats"), {W: 0})  # its beat went stale
+        # The first router's purge ends in the first round; the others found the predecessor
+        # stale before that round's beat, and end later.
+        purges = [router.purge_stale] + [
+            lambda: router._purge([W], stale_by=router.ttl_s)] * (routers - 1)
+
+        async def prepare(reg: Registry) -> None:
+            await reg.set_kv_handles(W, [b"rank-0"], b"mac-key")
+            if purges:
+                await purges.pop(0)()
+
+        presence = WorkerPresence(redis_url, ns, 0.05, lambda: _info(), prepare)
+        await presence.start(prepare)
+        try:
+            assert purges == []
+            await asyncio.sleep(0.3)  # a registration a purge dropped: the next beat's
+            assert await router.kv_source(W) == ([b"rank-0"], b"mac-key")
+            assert [i.worker_id for i in await router.live_workers()] == [W]
+        finally:
+            await presence.stop()
+            await router.r.aclose()
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("dies", [True, False])
 @pytest.mark.parametrize("after", range(8))
 def test_a_worker_beating_again_inside_its_purge_is_found_by_the_next_one(
