@@ -207,10 +207,9 @@ _BLOCKING_CALLS = {"generate": lambda c: list(c.generate([1])),
                    "complete": lambda c: c.complete([1])}
 
 
-@pytest.mark.parametrize("call", sorted(_BLOCKING_CALLS))
-def test_close_from_another_thread_ends_a_blocking_calls_backoff(serve, backing_off, call):
-    c = Client(serve(_Recorder(unavailable=True)), timeout=600, failover=LONG_BACKOFF)
-    got = []
+def _call_in_thread(c: Client, call: str) -> tuple[threading.Thread, list[Exception]]:
+    """Runs one of _BLOCKING_CALLS on ``c`` in a thread; what it raised lands in the list."""
+    got: list[Exception] = []
 
     def read():
         try:
@@ -220,6 +219,13 @@ def test_close_from_another_thread_ends_a_blocking_calls_backoff(serve, backing_
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return reader, got
+
+
+@pytest.mark.parametrize("call", sorted(_BLOCKING_CALLS))
+def test_close_from_another_thread_ends_a_blocking_calls_backoff(serve, backing_off, call):
+    c = Client(serve(_Recorder(unavailable=True)), timeout=600, failover=LONG_BACKOFF)
+    reader, got = _call_in_thread(c, call)
     assert backing_off.wait(BOUND_S)
     c.close()
     reader.join(BOUND_S)  # a 60 s backoff: ends in time only if close() woke it
@@ -404,16 +410,7 @@ def test_close_from_another_thread_cancels_a_call_in_flight_with_the_sdks_messag
     network fault rather than the caller's own close()."""
     recorder = _Recorder()
     c = Client(serve(recorder), timeout=60, failover=LONG_BACKOFF)
-    got = []
-
-    def read():
-        try:
-            _BLOCKING_CALLS[call](c)
-        except Exception as e:  # noqa: BLE001 - what the caller sees is the point
-            got.append(e)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    reader, got = _call_in_thread(c, call)
     assert recorder.started.wait(BOUND_S)
     c.close()
     reader.join(BOUND_S)
