@@ -58,7 +58,12 @@ INLINE_METHODS = frozenset({"add_request"})
 
 
 def portable(exc: BaseException) -> BaseException:
-    """``exc`` if it survives pickling, else a RuntimeError with its type and text."""
+    """``exc`` if it survives pickling, else a RuntimeError with its type and text; so is
+    torch's own (a GPU OOM): the worker unpickles what crosses on its event loop, and a class
+    of torch's would import torch there, a second and more in which the loop does nothing
+    else (the worker never imports torch)."""
+    if type(exc).__module__.partition(".")[0] == "torch":
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
     try:
         pickle.loads(pickle.dumps(exc))
         return exc

@@ -18,10 +18,6 @@ from engine.setup import (RankSpec, cpu_graph_enabled, cuda_graph_config, load_r
                           rank_capacity_blocks)
 
 
-class ExecutorError(RuntimeError):
-    """The executor can no longer run steps (a TP worker died or failed)."""
-
-
 class Executor(ABC):
     num_blocks: int
     runner: ModelRunner  # rank 0's

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from engine import tp_comm
-from engine.executor import Executor, ExecutorError, make_rank_agent
+from engine.executor import Executor, make_rank_agent
+from engine.executor_error import ExecutorError
 from engine.kv_layout import KVCacheLayout, make_layout
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelInput, ModelRunner

@@ -91,3 +91,32 @@ assert model.has_chat_template and model.tokenizer.hf is None
 print("TORCH", "torch" in sys.modules, "transformers.tokenization_utils_base" in sys.modules)
 """)
     assert out.strip().splitlines()[-1] == "TORCH False False"
+
+
+def test_a_tp_ranks_death_reaches_an_engine_process_worker_without_importing_torch():
+    # The worker reads its engine process's messages on its event loop: a class it unpickles
+    # from a module that imports torch imported torch there, and for that second and more the
+    # loop read nothing else and answered no health check (the death reported that late).
+    from engine.engine_pipe import frame
+    from engine.engine_proc import portable
+    from engine.executor_error import ExecutorError
+
+    import torch
+
+    dead = frame(("dead", portable(ExecutorError("tensor-parallel rank 1 died"))))
+    oom = frame(("dead", portable(torch.OutOfMemoryError("CUDA out of memory"))))
+    out = _run(f"""
+import socket, sys
+from engine.engine_client import EngineProcess
+from engine.engine_pipe import FrameReader
+assert "torch" not in sys.modules
+ours, theirs = socket.socketpair()
+theirs.sendall(bytes.fromhex({dead.hex()!r}) + bytes.fromhex({oom.hex()!r}))
+ours.setblocking(False)
+for kind, e in FrameReader(ours).read_ready():
+    print("GOT", kind, type(e).__name__, e)
+print("TORCH", "torch" in sys.modules)
+""")
+    assert out.strip().splitlines()[-3:] == [
+        "GOT dead ExecutorError tensor-parallel rank 1 died",
+        "GOT dead RuntimeError OutOfMemoryError: CUDA out of memory", "TORCH False"]

@@ -103,7 +103,7 @@ def test_an_idle_engine_that_cannot_step_any_more_dies_and_says_so():
     stops, a waiting stream gets EngineDeadError, and on_dead hears of it once (the worker
     then leaves the cluster and exits non-zero: engine/worker_server.py)."""
     from engine.async_engine import EngineDeadError
-    from engine.executor import ExecutorError
+    from engine.executor_error import ExecutorError
 
     engine = _Engine()
     engine.gate.set()

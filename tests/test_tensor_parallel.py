@@ -20,7 +20,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.executor import ExecutorError
+from engine.executor_error import ExecutorError
 from engine.llm_engine import LLMEngine
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]

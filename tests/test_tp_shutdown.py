@@ -196,7 +196,7 @@ def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
 _INTERRUPTED = """
 import sys
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.executor import ExecutorError
+from engine.executor_error import ExecutorError
 
 engine = LLMEngine(EngineConfig(sys.argv[1], tensor_parallel_size=2, num_gpu_blocks=32))
 worker = engine.executor.workers[0].process
@@ -299,7 +299,7 @@ def test_a_rank_dead_at_the_last_step_of_start_up_is_named(preset_path, monkeypa
     from pathlib import Path
 
     import engine.tp_executor as tp_executor
-    from engine.executor import ExecutorError
+    from engine.executor_error import ExecutorError
 
     connect, killed = tp_executor.tp_comm.connect_tp_group, []
 
@@ -414,7 +414,7 @@ def test_a_shutdown_right_after_a_steps_check_leaves_the_group_to_the_step(prese
     """The step marked itself in flight only after checking the executor was usable: a
     shutdown from another thread in between released the process group (on a GPU, the device
     memory) under the step that was about to use them."""
-    from engine.executor import ExecutorError
+    from engine.executor_error import ExecutorError
 
     engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32))
@@ -444,7 +444,7 @@ def test_a_step_too_large_for_the_pipe_fails_on_a_stopped_worker_instead_of_hang
     rank 0's send for good on a stopped worker; a small one fails at the collective timeout.
     The send gets as long."""
     from engine import tp_comm
-    from engine.executor import ExecutorError
+    from engine.executor_error import ExecutorError
 
     n, prompt_len = 32, 1024
     engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
