@@ -292,7 +292,9 @@ class EngineProcess(EngineFront):
         """As ``AsyncEngine.fresh_stats``: now, or the last step's after ``wait_s``."""
         fresh = self._call("get_stats")
         done, _ = await asyncio.wait({fresh}, timeout=wait_s)
-        if done and fresh.exception() is None:
+        if not done:  # nobody awaits it now: a death that fails it is no error left unread
+            fresh.add_done_callback(_retrieve)
+        elif fresh.exception() is None:
             self.stats = fresh.result()
         return self.stats
 
@@ -348,6 +350,11 @@ class RemoteLLM:
 
     def cached_block_hashes(self) -> list:
         return self._proc.submit("cached_block_hashes").result()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _wait_ready(reader: FrameReader, proc: subprocess.Popen) -> EngineProcInfo:

@@ -4,6 +4,7 @@ processes; faults inside them come from tests/engine_faults (applied as the chil
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import select
@@ -520,3 +521,29 @@ def test_a_dead_engine_process_holds_no_leases_to_wait_for():
             proc.shutdown()
 
     assert asyncio.run(run()) == (1, 0)
+
+
+def test_a_stats_take_left_behind_by_a_stuck_step_fails_quietly_when_the_engine_dies():
+    """fresh_stats answers with the last stats once its take waits too long (a step holds the
+    engine, or the process is stopped); the take still fails when the engine dies, and nobody
+    awaits it: asyncio must not report it as an exception never retrieved."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        reported: list[str] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context["message"]))
+        proc = await _start()
+        try:
+            died = loop.create_future()
+            proc.on_dead = died.set_result
+            last = proc.stats
+            stop_process(proc.proc)  # the take is never answered
+            assert await proc.fresh_stats(wait_s=0.05) is last
+            proc.proc.kill()
+            await asyncio.wait_for(died, 30)
+            await asyncio.sleep(0.1)  # the take's failure reaches its asyncio future
+            gc.collect()
+            return reported
+        finally:
+            proc.shutdown()
+
+    assert asyncio.run(run()) == []
