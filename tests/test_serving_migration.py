@@ -97,29 +97,39 @@ async def _until(pred, timeout_s: float = 60.0) -> None:
 async def _kill_twice(cluster, decode: list, prompt) -> list[int] | None:
     """Streams ``prompt`` and kills the decode worker running it, twice; the token ids that
     arrived before the request failed UNAVAILABLE, or None when it finished before the second
-    kill found it running."""
+    kill found it running. The kills are not waited for on the loop: a killed worker's exit
+    can take seconds (its mappings torn down), in which the stream, unread, ran on."""
+    killed: list = []
+
     def running():
         # None, not StopIteration: raised in asyncio.to_thread, that hangs the await for good.
-        return next((p for p in decode if p.popen.poll() is None
+        return next((p for p in decode if p not in killed and p.popen.poll() is None
                      and worker_info(p.address).num_running), None)
 
-    got: list[int] = []
-    async with AsyncClient(cluster.router_address, timeout=120) as client:
-        task = asyncio.ensure_future(_stream(client, prompt, dict(max_tokens=400, **GREEDY),
-                                             got))
-        await _until(lambda: len(got) >= 4)
-        _kill(await asyncio.to_thread(running))
-        n = len(got)
-        await _until(lambda: len(got) >= n + 4 or task.done())  # moved and streaming
-        victim = await asyncio.to_thread(running)
-        if victim is None:
-            assert (await task).finish_reason == "length"  # finished: the race was lost
-            return None
-        _kill(victim)
-        with pytest.raises(UnavailableError):
-            await task
-        return got
+    def kill(proc) -> None:
+        proc.popen.kill()
+        killed.append(proc)
 
+    got: list[int] = []
+    try:
+        async with AsyncClient(cluster.router_address, timeout=120) as client:
+            task = asyncio.ensure_future(_stream(client, prompt,
+                                                 dict(max_tokens=400, **GREEDY), got))
+            await _until(lambda: len(got) >= 4)
+            kill(await asyncio.to_thread(running))
+            n = len(got)
+            await _until(lambda: len(got) >= n + 4 or task.done())  # moved and streaming
+            victim = await asyncio.to_thread(running)
+            if victim is None:
+                assert (await task).finish_reason == "length"  # finished: the race was lost
+                return None
+            kill(victim)
+            with pytest.raises(UnavailableError):
+                await task
+            return got
+    finally:
+        for proc in killed:
+            await asyncio.to_thread(proc.popen.wait, 10)
 
 # Long enough that no stream can finish while the last one still waits for its prefill: on
 # the 2-core VM 13 prompts queue for up to ~450 ms, and a 48-token stream that went first
