@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-_GIB = 1 << 30
+from engine.config import GIB
 
 
 class _RefuseKvCacheBytes(argparse.Action):
@@ -17,7 +17,7 @@ class _RefuseKvCacheBytes(argparse.Action):
         except ValueError:  # vLLM also takes "40G" and such: no conversion guessed here
             nbytes = math.nan
         if math.isfinite(nbytes) and nbytes > 0:
-            hint = f" ({values} bytes: --kv-cache-memory-gib {nbytes / _GIB:.4g})"
+            hint = f" ({values} bytes: --kv-cache-memory-gib {nbytes / GIB:.4g})"
         parser.error(f"{option_string} is vLLM's KV-cache budget in bytes; pdserve takes "
                      f"--kv-cache-memory-gib, in GiB{hint}")
 

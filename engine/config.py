@@ -19,7 +19,7 @@ _SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # The KV cache's memory budget on the CPU, where the config sets none.
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
-_GIB = 1 << 30
+GIB = 1 << 30
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -188,8 +188,8 @@ class EngineConfig:
         if self.num_gpu_blocks is not None:
             return None
         if self.kv_cache_memory_gib is not None:
-            return self.kv_cache_memory_gib * _GIB
-        return DEFAULT_CPU_KV_CACHE_GIB * _GIB if on_cpu else None
+            return self.kv_cache_memory_gib * GIB
+        return DEFAULT_CPU_KV_CACHE_GIB * GIB if on_cpu else None
 
     def check_kv_budget(self, bytes_per_block: int, on_cpu: bool) -> None:
         """Refuses a memory budget (kv_budget_bytes) whose blocks of ``bytes_per_block`` (the
@@ -206,7 +206,7 @@ class EngineConfig:
             given = f"--kv-cache-memory-gib {self.kv_cache_memory_gib:g}"
         else:
             given = f"the CPU's default KV-cache budget of {DEFAULT_CPU_KV_CACHE_GIB:g} GiB"
-        least = math.ceil(need / _GIB * 1000) / 1000  # rounded up: the figure given must fit
+        least = math.ceil(need / GIB * 1000) / 1000  # rounded up: the figure given must fit
         raise ValueError(
             f"max_model_len (--max-model-len) {self.max_model_len} does not fit {given}: one "
             f"sequence takes {_size(need)} per rank ({blocks} blocks of {self.block_size} "
@@ -215,7 +215,7 @@ class EngineConfig:
 
 
 def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", _GIB), ("MiB", 1 << 20)):
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes / 1024:.1f} KiB"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_GIB, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig
 from engine.cpu_graph import preferred_linear_kernel
 from engine.cuda_graph import CUDAGraphConfig
 from engine.host_memory import available_memory
@@ -167,8 +167,7 @@ def _host_memory() -> tuple[int | None, str]:
 
 
 def _size(nbytes: float) -> str:
-    gib = 1 << 30
-    return f"{nbytes / gib:.1f} GiB" if nbytes >= gib else f"{nbytes / (1 << 20):.1f} MiB"
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def free_device_memory() -> None:
@@ -195,11 +194,10 @@ def _cuda_kv_budget(device: torch.device, utilization: float) -> float:
     # What the share still lacks must be free now, beside the (1 - utilization) of the device
     # left to this process's activations, its CUDA context and every other process.
     if budget > free:
-        gib = 1 << 30
         raise ValueError(
             f"--gpu-memory-utilization {utilization} gives this process "
-            f"{total * utilization / gib:.1f} GiB of {device} ({total / gib:.1f} GiB), "
-            f"{budget / gib:.1f} GiB of it for the KV cache, but only {free / gib:.1f} GiB is "
+            f"{total * utilization / GIB:.1f} GiB of {device} ({total / GIB:.1f} GiB), "
+            f"{budget / GIB:.1f} GiB of it for the KV cache, but only {free / GIB:.1f} GiB is "
             "free: other processes use the rest. Lower --gpu-memory-utilization, or set "
             "--num-gpu-blocks / --kv-cache-memory-gib")
     return budget
