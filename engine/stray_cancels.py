@@ -23,7 +23,7 @@ from typing import NoReturn
 
 import grpc
 
-from engine import call_abort
+from engine.call_abort import CallEnded, abort_call
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ def is_stray_cancel(context: grpc.aio.ServicerContext, error: BaseException) -> 
     """In a handler's ``except asyncio.CancelledError``, ``error`` the one caught: whether
     nobody cancelled the call (neither its caller nor gRPC), so that gRPC would end it with no
     status."""
-    # The class looked up at each call: the module's own, should it be loaded again.
-    if isinstance(error, call_abort.CallEnded):
+    if isinstance(error, CallEnded):
         return False
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0 and not context.done()
@@ -43,6 +42,6 @@ async def end_stray_cancel(context: grpc.aio.ServicerContext, method: str) -> No
     """In that ``except``: ends the call INTERNAL, the traceback logged."""
     logger.error("%s: the handler was cancelled, not its call; the call ends INTERNAL",
                  method, exc_info=True)
-    await call_abort.abort_call(context, grpc.StatusCode.INTERNAL,
-                                f"the server cancelled its own handling of {method} (a "
-                                "server fault: its log has where)")
+    await abort_call(context, grpc.StatusCode.INTERNAL,
+                     f"the server cancelled its own handling of {method} (a "
+                     "server fault: its log has where)")
