@@ -62,8 +62,11 @@ def mkl_available() -> bool:
     """Whether oneMKL's packed sgemm is there and computes F.linear (probed once)."""
     if _lib() is None:
         return False
+    # A private generator for all three: a draw from the global one, at the first engine's
+    # start in a process, moved --seed's state (that engine's unseeded samples differed).
     g = torch.Generator().manual_seed(0)
-    w, x, b = torch.randn(37, 19, generator=g), torch.randn(5, 19, generator=g), torch.randn(37)
+    w, x = torch.randn(37, 19, generator=g), torch.randn(5, 19, generator=g)
+    b = torch.randn(37, generator=g)
     try:
         got = mkl_packed_linear(x, mkl_pack_weight(w), 37, 19, b)
     except (RuntimeError, ValueError):

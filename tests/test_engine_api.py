@@ -160,6 +160,25 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert llm.generate(["same seed"], reseeded)[0].token_ids != alone
 
 
+def test_the_engine_seed_alone_sets_what_unseeded_samples_draw(preset_path):
+    """An engine's ``seed`` (``--seed``) fixes its unseeded samples, the first engine a process
+    starts included: the oneMKL probe that engine runs once per process drew from the global
+    generator after the seed was set, so the same seed gave that engine other samples."""
+    from kernels.cpu_mkl_linear import mkl_available
+
+    path = str(preset_path("micro-llama"))
+    unseeded = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+
+    def samples(seed: int) -> list[list[int]]:
+        with LLM(path, seed=seed) as llm:
+            return [o.token_ids for o in llm.generate(["one prompt", "another"], unseeded)]
+
+    mkl_available.cache_clear()  # as at a process's first engine
+    first = samples(3)
+    assert first == samples(3)
+    assert first != samples(4)
+
+
 def test_logprobs_returned_per_token(llm):
     out = llm.generate(["logprobs"], SamplingParams(max_tokens=5, temperature=0.0,
                                                     logprobs=3, ignore_eos=True))[0]
