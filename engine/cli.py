@@ -316,6 +316,10 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} worker")
         _add_engine_args(p)
+        # Here, not among the engine flags: generate and chat take --seed per request.
+        p.add_argument("--seed", type=int, default=0,
+                       help="the engine's random state at start, which samples of requests "
+                            "without a seed of their own draw from (as vLLM's --seed)")
         cli_serve.add_worker_args(p)
         p.set_defaults(func=getattr(cli_serve, f"cmd_{role}"))
 

@@ -77,7 +77,8 @@ def _worker_config(args: argparse.Namespace, role: str):
                           kv_transfer_backend=args.kv_transfer_backend,
                           kv_transfer_timeout_s=args.kv_transfer_timeout_s,
                           kv_lease_timeout_s=args.kv_lease_timeout_s,
-                          kv_quarantine_s=args.kv_quarantine_s, **engine_kwargs(args))
+                          kv_quarantine_s=args.kv_quarantine_s, seed=args.seed,
+                          **engine_kwargs(args))
     return WorkerConfig(engine=engine,
                         server=ServerConfig(args.host, args.port, args.drain_timeout_s,
                                              args.shutdown_grace_s, ready_fd=args.ready_fd,

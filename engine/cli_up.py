@@ -37,6 +37,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="every worker's engine seed (see `pdserve prefill --help`)")
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
                    help="how decode workers pull KV from prefill workers")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -174,7 +176,7 @@ def up_spec(args: argparse.Namespace):
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
     for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--kv-cache-memory-gib"):
+                 "--kv-cache-memory-gib", "--seed"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             extra += [flag, str(value)]

@@ -119,10 +119,10 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     spec = up_spec(build_parser().parse_args(
         ["up", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "64",
          "--max-num-batched-tokens", "1024", "--enforce-eager", "--kv-transfer-backend", "torch",
-         "--gpu-memory-utilization", "0.8"]))
+         "--gpu-memory-utilization", "0.8", "--seed", "7"]))
     assert spec.worker_args == ["--dtype", "bfloat16", "--max-model-len", "1024",
                                 "--max-num-seqs", "64", "--max-num-batched-tokens", "1024",
-                                "--enforce-eager"]
+                                "--seed", "7", "--enforce-eager"]
     assert spec.kv_transfer_backend == "torch" and spec.gpu_memory_utilization == 0.8
     # Every flag it forwards is one the workers take.
     for role in ("prefill", "decode"):
@@ -289,6 +289,8 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
                                                          *extra]), "decode")
 
     assert cfg("--redis-url", "redis://h:1/0", "--worker-id", "decode-{port}").redis_url
+    # vLLM's --seed: the engine's, taken by every worker (refused as unknown before).
+    assert (cfg().engine.seed, cfg("--seed", "7").engine.seed) == (0, 7)
     for extra, match in ((["--redis-url", "http://x"], "redis_url must be a redis:// URL"),
                          # Failed once the model loaded and the server listened, or (a
                          # database Redis refuses) never: the worker registered nothing.
@@ -296,6 +298,7 @@ def test_a_worker_checks_its_registry_url_and_id_before_loading_its_model():
                          (["--redis-url", "redis://h:1/abc"], "database must be a number"),
                          (["--redis-url", "redis://h:1/99999"], "is no database"),
                          (["--redis-url", "redis://:s3cret@h:abc/0"], r"redis://:\*\*\*@h"),
+                         (["--seed", str(2**64)], "seed must be an integer"),
                          (["--worker-id", "a b"], "worker_id"),
                          (["--worker-id", "x\ny"], "worker_id")):
         with pytest.raises(ValueError, match=match):
