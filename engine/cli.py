@@ -14,15 +14,21 @@ from protos.limits import max_message_bytes
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help="HF folder or preset name")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (auto: float32 on the CPU, the "
+                        "checkpoint's on CUDA, bfloat16 for a float32 one)")
+    p.add_argument("--device", default="auto", help="auto: cuda when there is one, else cpu")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests run at once")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="priority: requests with a lower priority value run first")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens in one engine step: the prefill chunk size")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None,
+                   help="this rank's KV-cache budget (default: 1 GiB on the CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves beside the weights)")
     add_refused_vllm_flags(p)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: the share of the GPU's memory this process may use (weights, "

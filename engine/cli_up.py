@@ -15,7 +15,8 @@ from engine.cli_vllm import add_refused_vllm_flags
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model", default="tiny-llama",
+                   help="HF folder or built-in preset name (default: tiny-llama)")
     p.add_argument("--prefill", type=int, default=1,
                    help="prefill workers; 0 runs aggregated: the decode workers prefill every "
                         "prompt themselves, behind the same router")
@@ -32,11 +33,17 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "CUDA what --gpu-memory-utilization leaves beside the weights)")
     add_refused_vllm_flags(p)
     # Engine flags every worker gets as given (see `pdserve prefill --help`); unset: theirs.
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (default auto: float32 on the CPU, "
+                        "the checkpoint's on CUDA, bfloat16 for a float32 one)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests each worker runs at once (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one engine step: the prefill chunk size (default 2048)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: never capture or replay CUDA graphs")
     p.add_argument("--seed", type=int, default=None,
                    help="every worker's engine seed (see `pdserve prefill --help`)")
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
