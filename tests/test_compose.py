@@ -6,7 +6,12 @@ import fnmatch
 import pathlib
 import re
 import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
+import grpc
 import yaml
 
 from engine.cli import build_parser
@@ -42,7 +47,6 @@ def test_compose_services_and_commands():
         assert args.host == "0.0.0.0"
         assert args.metrics_port == METRICS_PORT
         if args.command in ("prefill", "decode"):
-            assert args.worker_id == name == svc["hostname"]  # the router dials the hostname
             assert args.redis_url == "redis://redis:6379/0"
             assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
             assert args.engine_process  # as `pdserve up` places GPU workers
@@ -71,10 +75,15 @@ def test_prometheus_scrapes_every_pdserve_service():
     prom = services["prometheus"]
     assert prom["profiles"] == ["monitoring"]  # opt-in: `docker compose --profile monitoring`
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
-    targets = {t for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]
-               for cfg in job["static_configs"] for t in cfg["targets"]}
-    want = {f"{n}:{METRICS_PORT}" for n in services if n not in ("redis", "prometheus")}
-    assert targets == want
+    # Looked up in Docker's DNS, which answers every replica of a scaled service: a static
+    # "decode-0:9400" scraped one replica of three, whichever the lookup gave.
+    scraped = set()
+    for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]:
+        assert set(job) == {"job_name", "dns_sd_configs"}, job["job_name"]
+        for cfg in job["dns_sd_configs"]:
+            assert (cfg["type"], cfg["port"]) == ("A", METRICS_PORT)
+            scraped |= set(cfg["names"])
+    assert scraped == {n for n in services if n not in ("redis", "prometheus")}
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
@@ -159,3 +168,69 @@ def test_the_build_context_leaves_out_caches_and_the_virtual_environment():
         needed += [str(f.relative_to(ROOT)) for f in (ROOT / package).rglob("*")
                    if f.is_file() and "__pycache__" not in f.parts]
     assert not [p for p in needed if _ignored(p, patterns)]
+
+
+def _worker_services(services: dict) -> dict:
+    return {n: svc for n, svc in services.items() 
+            if svc.get("command", [""])[0] in ("prefill", "decode")}
+
+
+def test_every_worker_service_scales(monkeypatch):
+    """`docker compose up --scale decode-0=3`: three containers of one service. A fixed
+    hostname, --worker-id, container_name or host port made them one name to the router (the
+    hostname every replica advertised, which Docker's DNS answers with any of them), one id in
+    the registry, or a clash at start. Each replica now advertises its own hostname (its
+    container's short id, resolvable on the compose network) and takes its id from it."""
+    from engine.cli_serve import _worker_config
+    from engine.worker_runtime import WorkerRuntime
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    parser = build_parser()
+    for name, svc in _worker_services(services).items():
+        assert not {"hostname", "container_name", "ports"} & set(svc), name
+        args = parser.parse_args([_expand(a) for a in svc["command"]])
+        config = _worker_config(args, args.command)
+        seen = set()
+        for container_id in ("3f2a9c1b7d10", "8e41d0c2aa57", "c09b77e3f415"):
+            # What WorkerRuntime.bind reads: the container's hostname, set by Docker.
+            monkeypatch.setattr("socket.gethostname", lambda cid=container_id: cid)
+            replica = SimpleNamespace(worker_id=config.worker_id, config=config)
+            WorkerRuntime.bind(replica, f"{args.host}:{args.port}")
+            assert replica.address == f"{container_id}:{args.port}", name
+            seen.add(replica.worker_id)
+        assert len(seen) == 3, (name, seen)
+        # Replicas share their service's GPU (Docker assigns none per replica): each one's
+        # share of its memory is set from the environment, not fixed in the file.
+        share = svc["command"][svc["command"].index("--gpu-memory-utilization") + 1]
+        assert share == f"${{{args.command.upper()}_GPU_MEMORY_UTILIZATION:-0.9}}", name
+
+
+def test_the_worker_health_check_answers_with_the_images_packages():
+    """The health check runs in the image (python3 is the venv's, first on PATH, with pdserve's
+    grpcio and grpcio-health-checking): run here against a real health service, on the port
+    each worker listens on, it passes only while that reports SERVING."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    spec = yaml.safe_load(COMPOSE.read_text())
+    test = spec["x-worker"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python3", "-c"]
+    code = test[3]
+    port = int(re.search(r"'localhost:(\d+)'", code).group(1))
+    for name, svc in _worker_services(spec["services"]).items():
+        assert svc["healthcheck"] == spec["x-worker"]["healthcheck"], name
+        assert build_parser().parse_args([_expand(a) for a in svc["command"]]).port == port
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bound = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        here = code.replace(f"'localhost:{port}'", f"'127.0.0.1:{bound}'")
+        outcomes = []
+        for status in (health_pb2.HealthCheckResponse.NOT_SERVING,
+                       health_pb2.HealthCheckResponse.SERVING):
+            servicer.set("", status)
+            outcomes.append(subprocess.run([sys.executable, "-c", here], timeout=60).returncode)
+        assert outcomes == [1, 0]
+    finally:
+        server.stop(None)
