@@ -45,6 +45,7 @@ from router.gpu_placement import DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, Worker
 from router.proc_family import kill_family, pin_family
 from router import share_dirs
 from router.redis_server import RedisServer
+from router.stderr_tail import StderrTail
 
 
 def stop_grace_s(drain_timeout_s: float) -> float:
@@ -72,6 +73,14 @@ class Proc:
     args: list[str] = field(default_factory=list, repr=False)
     env: dict[str, str] | None = field(default=None, repr=False)
     gpus: WorkerGpus | None = None  # a worker's GPUs, where the cluster placed it on some
+    # Its stderr, passed on to ours; its last lines say why it exited (router/stderr_tail.py).
+    tail: StderrTail | None = field(default=None, repr=False)
+
+    def last_words(self, wait_s: float = 2.0) -> str:
+        """": " and its last stderr lines ("" if none), for a message about its exit;
+        waits up to ``wait_s`` for what it wrote last to come through."""
+        lines = self.tail.last_lines(wait_s=wait_s) if self.tail is not None else []
+        return f": {' | '.join(lines)}" if lines else ""
 
     @property
     def label(self) -> str:
@@ -194,6 +203,7 @@ class Cluster:
             self._lifeline = os.pipe()
         parent_fd = self._lifeline[0]
         read_fd, write_fd = os.pipe()
+        err_read, err_write = os.pipe()
         try:
             # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops
             # the services in order (routers drained first); the lifeline pipe still ends them
@@ -201,14 +211,17 @@ class Cluster:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd),
                  "--parent-fd", str(parent_fd)],
-                env=env, pass_fds=(write_fd, parent_fd), start_new_session=True)
+                env=env, pass_fds=(write_fd, parent_fd), stderr=err_write,
+                start_new_session=True)
         except BaseException:
             os.close(read_fd)
+            os.close(err_read)
             raise
         finally:
             os.close(write_fd)  # the service holds the only write end: EOF once it is gone
+            os.close(err_write)
         proc = Proc(name, "", popen, ready=os.fdopen(read_fd, "rb"), template=name, args=args,
-                    env=env)
+                    env=env, tail=StderrTail(err_read))
         self.procs.append(proc)
         return proc
 
@@ -243,7 +256,7 @@ class Cluster:
                 _check_abort(proc, should_abort)
                 if proc.popen.poll() is not None:
                     raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} "
-                                       "while starting")
+                                       f"while starting{proc.last_words()}")
                 last = "no answer"
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -278,7 +291,8 @@ class Cluster:
                 proc.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} while starting")
+            raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} while "
+                               f"starting{proc.last_words()}")
         proc.address = line
         proc.name = proc.name.replace("{port}", line.rpartition(":")[2])
         if proc.name == "router":
@@ -380,6 +394,8 @@ class Cluster:
             if proc.ready is not None:
                 proc.ready.close()
                 proc.ready = None
+            if proc.tail is not None:  # what it wrote last, passed on before we go on
+                proc.tail.closed.wait(5.0)
         if proc in self.procs:
             self.procs.remove(proc)
             if proc.gpus is not None and self.gpu_plan is not None:

@@ -5,13 +5,19 @@ supervisor brings the cluster's capacity back. A worker is started again on a ne
 a new name, and registers like any new worker; the router on its own port; the bundled Redis
 on its own port (the workers then republish what they keep there). A worker that exits cleanly
 (0: it was told to stop, and drained or had not served yet) was scaled down and stays down.
-When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S``, or a service
-cannot be started again (a worker healthy but refused by the router, as serving another model
-than the router's, or not listed by it within 30 s, among them: ``pdserve up`` would not start
-so), the supervisor gives up and ``pdserve up`` stops everything, as without supervision. A
-worker that crashes again before the router lists it counts one more crash of its role at the
-next check; one started while the registry (Redis) is unreachable is taken as serving (it
-registers once Redis is back, as any worker does), and said so.
+When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S`` (the user's
+budget; 0: fail fast), the supervisor gives up and ``pdserve up`` stops everything, as without
+supervision. A worker that cannot be started again (it exits while starting, as one whose
+configuration is refused does, with 2; it is healthy but refused by the router, as serving
+another model than the router's, or not listed by it within 30 s) is lost, said loudly with why
+its first process exited and why the new one failed (their last stderr lines): the cluster
+serves on without it while it still has a worker of each role it was started with, the
+router and Redis (what every request needs; its other workers' requests are not cut, and
+the user decides when to stop it); it stops once it has none left of a role, or when the
+router or Redis cannot be started again. A worker that crashes again before the router lists
+it counts one more crash of its role at the next check; one started while the registry
+(Redis) is unreachable is taken as serving (it registers once Redis is back, as any worker
+does), and said so.
 
 Where the launcher is PID 1 (``docker run <image> up`` without --init), the processes its
 services leave when they crash (an engine process, TP ranks) are re-parented to it: the
@@ -46,6 +52,8 @@ class Supervisor:
     reap_orphans: bool = field(default_factory=lambda: os.getpid() == 1)
     _crashes: dict[str, collections.deque] = field(
         default_factory=lambda: collections.defaultdict(collections.deque))
+    # The workers given up on, each with why: the cluster serves on without them.
+    lost: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
@@ -75,9 +83,12 @@ class Supervisor:
                          "not started again")
                 self.cluster.stop_proc(proc)
                 continue
-            if not self._may_restart(proc.role, f"{proc.name} exited with {code}"):
+            # Its last stderr lines (a refused configuration's "pdserve: error: ..."), once
+            # its engine process or TP ranks, which share its stderr, are gone too.
+            what = f"{proc.name} exited with {code}{proc.last_words(wait_s=1.0)}"
+            if not self._may_restart(proc.role, what):
                 return 1
-            code = self._respawn(proc)
+            code = self._respawn(proc, what)
             if code is not None or self.should_stop():  # stopping: start no more
                 return code
         return None
@@ -113,26 +124,49 @@ class Supervisor:
                  f"{self.max_restarts} within {RESTART_WINDOW_S:.0f} s)")
         return True
 
-    def _respawn(self, proc: Proc) -> int | None:
-        """None once ``proc`` serves again (or crashed again: the next check counts it), or
-        once its start was given up for a stop; 1 when it cannot be started again."""
+    def _respawn(self, proc: Proc, what: str) -> int | None:
+        """None once ``proc`` serves again (or crashed again: the next check counts it), once
+        its start was given up for a stop, or once it is lost and the cluster serves on
+        without it; 1 when it cannot be started again and the cluster cannot serve without it.
+        ``what``: how it exited, for the message."""
         unconfirmed = None
         try:
             new = self.cluster.respawn(proc, should_abort=self.should_stop)
             if new.role != "router":  # healthy is not enough: the router must take it
-                unconfirmed = self.cluster.wait_listed(new, should_abort=self.should_stop)
+                try:
+                    unconfirmed = self.cluster.wait_listed(new, should_abort=self.should_stop)
+                except RuntimeError:
+                    # Serving, but sent nothing: it would hold its GPU for no request.
+                    self.cluster.stop_proc(new)
+                    raise
         except StartAborted:
             self.say(f"pdserve up: a stop was asked while {proc.role} started again; "
                      "not waiting for it")
             return None
         except (RuntimeError, OSError) as e:  # OSError: the process could not even start
-            self.say(f"pdserve up: {proc.role} could not be started again ({e}); stopping")
-            return 1
+            return self._lost(proc, f"{proc.role} could not be started again ({e}) after "
+                                    f"{what}")
         if new.popen.poll() is not None:  # crashed again: the next check counts it
             self.say(f"pdserve up: {unconfirmed} before the router listed it")
             return None
         note = f" (the router could not say if it lists it: {unconfirmed})" if unconfirmed else ""
         self.say(f"pdserve up: {new.name} serving on {new.address}{note}")
+        return None
+
+    def _lost(self, proc: Proc, why: str) -> int | None:
+        """``proc`` cannot be started again (``why``): 1 when the cluster cannot serve
+        without it (the router, or the last worker of its role), else None, said loudly."""
+        left = sum(p.role == proc.role for p in self.cluster.procs)
+        if proc.role not in ("prefill", "decode") or left == 0:
+            what = ("nothing serves without the router" if proc.role == "router"
+                    else f"no {proc.role} worker left")
+            self.say(f"pdserve up: {why}; stopping: {what}")
+            return 1
+        self.lost.append(f"{proc.name}: {why}")
+        counts = ", ".join(f"{sum(p.role == role for p in self.cluster.procs)} {role}"
+                           for role in ("prefill", "decode"))
+        self.say(f"pdserve up: DEGRADED: {why}; serving on without it ({counts} workers "
+                 f"left; {len(self.lost)} lost since the start)")
         return None
 
 

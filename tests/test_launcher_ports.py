@@ -105,7 +105,8 @@ def test_an_explicit_port_in_use_fails_instead_of_being_shared(preset_path):
 
 def test_a_worker_that_fails_before_serving_is_named_by_role_and_pid(preset_path):
     """Its name holds "{port}" until it reports its port; the error said
-    "prefill-{port} exited with 2" (a flag the worker refused, e.g. -tp 3 on 8 heads)."""
+    "prefill-{port} exited with 2" (a flag the worker refused, e.g. -tp 3 on 8 heads). Its
+    last stderr line follows: why, which was only somewhere above among every service's."""
     preset_path("tiny-llama")
     with RedisServer() as r:
         cluster = Cluster(ClusterSpec(redis_url=r.url))
@@ -113,7 +114,8 @@ def test_a_worker_that_fails_before_serving_is_named_by_role_and_pid(preset_path
             cluster.start_router()
             with pytest.raises(RuntimeError,
                                match=r"^the prefill worker \(pid \d+\) exited with 2 while "
-                                     r"starting$"):
+                                     r"starting: pdserve: error: max_num_seqs must be a "
+                                     r"positive integer, got 0$"):
                 cluster.add_worker("prefill", extra=["--max-num-seqs", "0"])
         finally:
             cluster.stop()
