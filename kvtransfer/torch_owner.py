@@ -44,6 +44,14 @@ MAX_CONNECTIONS = 256
 # A reader says hello as soon as it connects; a connection that says nothing (or trickles)
 # within this held a thread and a connection for good.
 HELLO_TIMEOUT_S = 10.0
+# After its hello a connection waits for the reader's next pull with no time limit, for as
+# long as the reader keeps its pair. A reader whose host vanished (crashed, cut off: no FIN or
+# RST ever comes) held its thread, its pair group and one of MAX_CONNECTIONS for good. TCP
+# keepalive probes, answered by the reader's kernel even while its process is stopped, end
+# such a connection after KEEPALIVE_IDLE_S of silence and KEEPALIVE_PROBES unanswered probes.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 3
 # Notifications waiting for the engine's poll (every 20 ms; a release is a few dozen bytes):
 # beyond these they are refused (see _queue_notification). 200 of 1 MiB queued 200 MiB.
 MAX_QUEUED_NOTIFICATIONS = 100_000
@@ -65,6 +73,9 @@ class TorchOwnerServer:
             host, 0, None, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
         self.store_port = self._store.port
         self._idle_clients: list[dist.TCPStore] = []
+        # The client that deletes ended pairs' keys (_forget_pair_keys), made on first use.
+        self._janitor: dist.TCPStore | None = None
+        self._janitor_lock = threading.Lock()
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(_ACCEPT_TICK_S)
         self.port = self._listener.getsockname()[1]
@@ -120,6 +131,7 @@ class TorchOwnerServer:
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keep_alive(conn)
             with self._lock:
                 if self._closed.is_set():
                     conn.close()
@@ -150,6 +162,7 @@ class TorchOwnerServer:
 
     def _serve(self, conn: socket.socket) -> None:
         use_one_openmp_thread()  # its gathers must not start a team beside the engine's
+        prefix = None
         try:
             # Only a reader's hello opens the connection to pulls and notifications: a
             # notification from anything that connected was queued for the engine.
@@ -157,6 +170,7 @@ class TorchOwnerServer:
             if req.get("op") != "hello":
                 raise ValueError(f"a connection starts with a hello, not {req.get('op')!r}")
             conn.settimeout(None)  # idle between pulls for as long as the reader keeps its pair
+            prefix = req.get("prefix")  # _hello checks it before the join writes under it
             pg = self._hello(conn, req)
             while True:
                 req = wire.recv_frame(conn)
@@ -177,6 +191,28 @@ class TorchOwnerServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            if isinstance(prefix, str) and prefix:
+                self._forget_pair_keys(prefix)
+
+    def _forget_pair_keys(self, prefix: str) -> None:
+        """Deletes what the pair's join left in the store, once its connection ended. Kept,
+        every pair ever joined here stayed in the store's memory (about 500 bytes each): a
+        reader makes a new pair after each failed pull, and each time it starts. The keys are
+        gloo's own (ProcessGroupGloo's device 0, then each rank's address), read by the join
+        only; NCCL's are left, as its first send reads them. One client does it for every
+        connection, one at a time: readers dropping many connections at once would otherwise
+        make a burst of store connections, which stalls the store's server for seconds."""
+        if self.device_type == "cuda":
+            return
+        with self._janitor_lock:
+            try:
+                if self._janitor is None:
+                    self._janitor = self._new_client()
+                pair_store = dist.PrefixStore(prefix, self._janitor)
+                for rank in (OWNER_RANK, READER_RANK):
+                    pair_store.delete_key(f"0/{rank}")
+            except (TransferError, RuntimeError):
+                self._janitor = None  # closing, or the store failed: the next one makes another
 
     def _hello(self, conn: socket.socket, req: dict):
         prefix = req.get("prefix")
@@ -205,10 +241,15 @@ class TorchOwnerServer:
         timeout. Kept for the next join once done: the store's server stalls for seconds
         after every few dozen connections made in a burst."""
         with self._lock:
+            if self._idle_clients and not self._closed.is_set():
+                return self._idle_clients.pop()
+        return self._new_client()
+
+    def _new_client(self) -> dist.TCPStore:
+        """A new store client; TransferError once the owner is closing."""
+        with self._lock:
             if self._closed.is_set():
                 raise TransferError("the KV owner is closing")
-            if self._idle_clients:
-                return self._idle_clients.pop()
             self._connecting += 1
         try:
             # Its constructor pings the server with no time limit: a server dropped while a
@@ -292,7 +333,20 @@ class TorchOwnerServer:
         self._store = None
         with self._lock:
             self._idle_clients.clear()
+        self._janitor = None
         self._acceptor.join(timeout=2 * _ACCEPT_TICK_S + 1)
+
+
+def _keep_alive(conn: socket.socket) -> None:
+    """Probes ``conn``'s peer once it idles (see KEEPALIVE_IDLE_S); the timings where the
+    platform lets them be set (Linux; macOS names the idle time TCP_KEEPALIVE)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))
+    for opt, value in ((idle, KEEPALIVE_IDLE_S),
+                       (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+                       (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES)):
+        if opt is not None:
+            conn.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 def reader_timeout(req: dict) -> float:

@@ -1,40 +1,51 @@
 """The torch KV backend when its own agent closes mid-transfer, and against owners that send
 garbage or readers that flood: a closed agent keeps no connection and ends its pulls at once,
 a broken owner is the owner's failure (TransferError, never the caller's ValueError), and an
-owner bounds its connections, their silence and its notification queue. Real sockets, real
-gloo groups and TCPStores, in-process agents."""
+owner bounds its connections, their silence and its notification queue, and lets go of
+readers that died or vanished. Real sockets, real gloo groups and TCPStores, in-process agents
+(and a reader process to kill)."""
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
+import os
 import socket
 import struct
+import subprocess
 import sys
+import termios
 import threading
 import time
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import TransferError, TransferTimeout, make_agent, torch_owner, torch_pair, wire
-from tests.proc_signals import wait_until
+from tests.proc_signals import reap, wait_until
 
 LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
                        kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
                        tp_rank=0, tp_size=1)
+_TCP_REPAIR = 19  # linux/tcp.h; the socket module does not name it
+# 64 KiB blocks: a pull of all of them (8 MiB) is more than loopback's socket buffers hold, so
+# the owner's send waits for a reader that stopped before receiving it.
+BIG = replace(LAYOUT, num_layers=4, num_blocks=128, block_size=16, head_size=64)
 # Far beyond what any of these steps takes, however loaded the machine: reaching it is a hang.
 BOUND_S = 30.0
 
 
 @pytest.fixture
 def agents():
-    """make(seeded=False): an in-process torch agent, closed after the test."""
+    """make(seeded=False, layout=LAYOUT): an in-process torch agent, closed after the test."""
     made = []
 
-    def make(seeded: bool = False):
-        cache = torch.randn(LAYOUT.shape) if seeded else torch.zeros(LAYOUT.shape)
-        made.append(make_agent("torch", cache, LAYOUT))
+    def make(seeded: bool = False, layout: KVCacheLayout = LAYOUT):
+        cache = torch.randn(layout.shape) if seeded else torch.zeros(layout.shape)
+        made.append(make_agent("torch", cache, layout))
         return made[-1]
 
     yield make
@@ -269,6 +280,114 @@ def test_an_owner_refuses_connections_past_its_cap(agents, monkeypatch, caplog):
     reader = agents()
     reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)  # served again
     assert torch.equal(reader.cache[1], owner.cache[1])
+
+
+# A reader that stops itself (SIGSTOP) once the owner has answered its pull, before it posts
+# the receive: the owner is then sending, and nobody receives.
+_READER_STOPPED_MID_PULL = r"""
+import os, signal, sys
+import torch
+from kvtransfer import KVAgentHandle, make_agent, torch_agent
+handle = KVAgentHandle.from_bytes(bytes.fromhex(sys.argv[1]))
+check = torch_agent._check_size
+
+def stop_once_answered(reply, buf, remote_name):
+    check(reply, buf, remote_name)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+torch_agent._check_size = stop_once_answered
+reader = make_agent("torch", torch.zeros(handle.layout.shape), handle.layout)
+ids = list(range(handle.layout.num_blocks))
+reader.pull([handle], ids, ids, timeout_s=600.0)
+"""
+
+
+def _serve_thread_sending(owner) -> bool:
+    """Whether one of the owner's connection threads waits for its pull's send now."""
+    names = {t.ident for t in threading.enumerate() if t.name == "pdserve-kv-serve"}
+    for ident, frame in sys._current_frames().items():
+        while ident in names and frame is not None:
+            if frame.f_code.co_name == "wait_work":
+                return True
+            frame = frame.f_back
+    return False
+
+
+def test_an_owner_lets_go_of_a_reader_killed_mid_pull(agents):
+    owner = agents(seeded=True, layout=BIG)
+    proc = subprocess.Popen([sys.executable, "-c", _READER_STOPPED_MID_PULL,
+                             owner.handle().to_bytes().hex()])
+    try:
+        stopped = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+        assert stopped.si_code == os.CLD_STOPPED, stopped
+        assert wait_until(lambda: _serve_thread_sending(owner), BOUND_S)
+        proc.kill()
+    finally:
+        reap(proc)
+    # Its send fails, and the connection, its thread and its pair group go with it.
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+    assert not _serve_thread_sending(owner)
+    reader = agents(layout=BIG)
+    reader.pull([owner.handle()], [5, 9], [1, 2], timeout_s=BOUND_S)  # served as before
+    assert torch.equal(reader.cache[[1, 2]], owner.cache[[5, 9]])
+
+
+def test_an_owner_forgets_each_pairs_store_keys_once_its_connection_ends(agents):
+    # A reader makes a new pair after every failed pull and every start: each pair's join
+    # stayed in the owner's store for good.
+    owner = agents(seeded=True)
+    store = owner._server._store
+    for _ in range(2):
+        reader = agents()
+        reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)
+        assert store.num_keys() > 0  # the pair's, while its connection lasts
+        reader.close()
+    # A join that never completes leaves the owner's half.
+    with _raw_connection(owner) as s:
+        wire.send_frame(s, {"op": "hello", "reader": "r", "prefix": "kvpair/r/never",
+                            "timeout_s": 0.5})
+        _read_until_closed(s)
+    assert wait_until(lambda: owner._server.num_readers == 0 and store.num_keys() == 0,
+                      BOUND_S), store.num_keys()
+    reader = agents()
+    reader.pull([owner.handle()], [2], [2], timeout_s=BOUND_S)  # later pairs join as before
+    assert torch.equal(reader.cache[2], owner.cache[2])
+
+
+def _unsent_bytes(sock: socket.socket) -> int:
+    """Bytes ``sock`` sent that its peer has not acknowledged yet (or not sent yet)."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)
+    return buf[0]
+
+
+def _vanish(sock: socket.socket) -> None:
+    """Closes ``sock`` without a FIN or an RST, as a host that crashed or was cut off leaves
+    its connections: in TCP repair mode, close() only forgets the socket (CAP_NET_ADMIN)."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_REPAIR, 1)
+    except PermissionError:
+        pytest.skip("TCP repair mode needs CAP_NET_ADMIN")
+    sock.close()
+
+
+def test_an_owner_lets_go_of_a_reader_whose_host_vanished(agents, monkeypatch):
+    # An idle connection waits for the reader's next pull with no time limit: without
+    # keepalive probes one whose reader vanished held its thread and a connection for good.
+    monkeypatch.setattr(torch_owner, "KEEPALIVE_IDLE_S", 1)
+    monkeypatch.setattr(torch_owner, "KEEPALIVE_INTERVAL_S", 1)
+    owner, reader = agents(seeded=True), agents()
+    reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)
+    (conn,) = owner._server._conns
+    # The owner's reply acknowledged: else its retransmission, not a probe, finds the reader
+    # gone (this host's kernel answers it with an RST).
+    assert wait_until(lambda: _unsent_bytes(conn) == 0, BOUND_S)
+    (pair,) = reader._pairs.values()
+    _vanish(pair.sock)
+    assert wait_until(lambda: owner._server.num_readers == 0, BOUND_S)
+    other = agents()
+    other.pull([owner.handle()], [2], [2], timeout_s=BOUND_S)  # others are served as before
+    assert torch.equal(other.cache[2], owner.cache[2])
 
 
 def test_an_owner_drops_a_connection_that_says_no_hello(agents, monkeypatch):
