@@ -50,6 +50,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                                       "--max-num-batched-tokens (default: on)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks to split the model over (worker processes; gloo/NCCL)")
+    p.add_argument("--tp-idle-ping-interval-s", type=float, default=5.0,
+                   help="TP>1: while no step runs, ping every rank this often, so a stopped or "
+                        "wedged rank fails the engine (as a dead one does) before a request "
+                        "waits out the step timeout on it (0: no pings)")
+    p.add_argument("--tp-idle-ping-timeout-s", type=float, default=10.0,
+                   help="TP>1: a rank that has not answered an idle ping within this is taken "
+                        "as wedged")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "cpu", "triton"],
                    help="auto: Triton on CUDA, the compiled CPU kernels on CPU")
@@ -136,6 +143,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_partial_block_hits=args.enable_partial_block_hits,
                 enable_chunked_prefill=args.enable_chunked_prefill,
                 tensor_parallel_size=args.tensor_parallel_size,
+                tp_idle_ping_interval_s=args.tp_idle_ping_interval_s,
+                tp_idle_ping_timeout_s=args.tp_idle_ping_timeout_s,
                 attention_backend=args.attention_backend, linear_backend=args.linear_backend,
                 enforce_eager=args.enforce_eager,
                 max_seq_len_to_capture=args.max_seq_len_to_capture)

@@ -28,6 +28,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # Leases outlive their worker's reads only by mistake; the lease's Redis records expire with
 # it, and Redis refuses expiries past 2**63 ms (the batch holding one failed whole).
 MAX_KV_LEASE_TIMEOUT_S = 86400.0
+# A day: longer idle-ping settings are no liveness check, and the waits must not overflow.
+_MAX_PING_S = 86400.0
 
 
 @dataclass
@@ -76,6 +78,14 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A TP worker that does not answer start-up within this many seconds fails the engine.
     tp_startup_timeout_s: float = 600.0
+    # While no step runs, rank 0 pings every TP worker this often (0: never): a rank that is
+    # stopped or wedged (not dead: a dead one is seen at once) would otherwise be found only
+    # by the next request's step timeout, minutes later, the worker reporting SERVING meanwhile.
+    tp_idle_ping_interval_s: float = 5.0
+    # An idle worker that has not answered a ping within this fails the engine, as a dead
+    # rank does. An idle rank answers in well under a millisecond; this only has to outlast
+    # a descheduled or swapping process. Steps are never pinged, so a long one cannot trip it.
+    tp_idle_ping_timeout_s: float = 10.0
     # CUDA only: run decode steps eagerly instead of replaying captured CUDA graphs.
     enforce_eager: bool = False
     # CUDA graphs cover decode steps whose sequences all fit this many tokens (longer ones, and
@@ -126,6 +136,14 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         positive_number("tp_startup_timeout_s", self.tp_startup_timeout_s)
+        _finite_number("tp_idle_ping_interval_s", self.tp_idle_ping_interval_s)
+        if not 0 <= self.tp_idle_ping_interval_s <= _MAX_PING_S:
+            raise ValueError(f"tp_idle_ping_interval_s must be seconds in [0, {_MAX_PING_S:g}] "
+                             f"(0: no pings), got {self.tp_idle_ping_interval_s}")
+        positive_number("tp_idle_ping_timeout_s", self.tp_idle_ping_timeout_s)
+        if self.tp_idle_ping_timeout_s > _MAX_PING_S:
+            raise ValueError(f"tp_idle_ping_timeout_s must be at most {_MAX_PING_S:g}, "
+                             f"got {self.tp_idle_ping_timeout_s}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_seq_len_to_capture", self.max_seq_len_to_capture)
         if self.max_model_len is not None:

@@ -24,6 +24,7 @@ OP_STEP = b"S"  # payload: engine.step_codec buffer
 OP_NUM_BLOCKS = b"B"  # payload: {"num_blocks": int}
 OP_READ_BLOCKS = b"R"  # payload: {"block_ids": [int]}; reply OP_OK with the raw block bytes
 OP_QUIT = b"Q"
+OP_PING = b"P"  # idle liveness check (tp_executor); reply OP_OK, empty
 # worker -> rank 0
 OP_HELLO = b"H"  # payload: {"capacity_blocks": int}
 OP_READY = b"L"  # payload: the worker's KVCacheLayout as JSON

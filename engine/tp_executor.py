@@ -5,7 +5,9 @@ theirs, sizes the KV cache to the smallest rank's budget, and runs one collectiv
 rank reports ready. Each step: the flattened input goes down every worker's pipe, then all
 ranks run the forward together. A worker that dies is noticed by a monitor thread and by the
 next collective (gloo sees the closed socket at once), and every later call fails with the
-same ``ExecutorError``: the engine never hangs on a dead rank.
+same ``ExecutorError``: the engine never hangs on a dead rank. One that is stopped or wedged
+instead stays connected: while the engine is idle its checks ping every worker
+(engine.tp_liveness), and one that does not answer in time fails the engine the same way.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
-from engine import tp_comm
+from engine import tp_comm, tp_liveness
 from engine.executor import Executor, make_rank_agent
 from engine.executor_error import ExecutorError
 from engine.kv_layout import KVCacheLayout, make_layout
@@ -81,6 +83,13 @@ class MultiprocExecutor(Executor):
         self._error_lock = threading.Lock()  # the monitor and a failing step race to report
         self._closing = False
         self._step_in_flight = False  # rank 0 inside a forward: shutdown may have to unblock it
+        # Held by whatever uses the workers' control pipes (a step from its send to the end
+        # of its forward, a read with its answer, an idle ping): their messages never
+        # interleave, and a ping never waits on a rank busy in a step.
+        self._pipe_lock = threading.Lock()
+        self._ping_interval = spec.config.tp_idle_ping_interval_s
+        self._ping_timeout = spec.config.tp_idle_ping_timeout_s
+        self.idle_pings = 0  # answered rounds (tests, inspection)
         self._kv_channel: KVChannelClient | None = None
         self._previous_threads = torch.get_num_threads()
         if device.type == "cpu":
@@ -125,6 +134,8 @@ class MultiprocExecutor(Executor):
         # be collected (its finalizer then stops the workers and the monitor wakes and ends).
         named_thread(_monitor, "pdserve-tp-monitor",
                      (weakref.ref(self), list(self.workers))).start()
+        # When the ranks last proved alive (a step or a ping): an idle ping is due from then.
+        self._last_contact = time.monotonic()
 
     # --- steps ----------------------------------------------------------------------------
     def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
@@ -135,7 +146,11 @@ class MultiprocExecutor(Executor):
         self._step_in_flight = True
         try:
             self._check_usable()
-            return self._step(inp, encode_model_input(inp))
+            msg = encode_model_input(inp)
+            with self._pipe_lock:
+                logits = self._step(inp, msg)
+            self._last_contact = time.monotonic()  # a busy engine never pings
+            return logits
         finally:
             self._step_in_flight = False
 
@@ -207,8 +222,9 @@ class MultiprocExecutor(Executor):
         if rank == 0:
             return self.runner.kv_cache[block_ids].cpu()
         w = self.workers[rank - 1]
-        tp_comm.send_json(w.conn, tp_comm.OP_READ_BLOCKS, {"block_ids": list(block_ids)})
-        raw = self._expect(w, tp_comm.OP_OK)
+        with self._pipe_lock:  # an idle ping's answer must not be taken for this one's
+            tp_comm.send_json(w.conn, tp_comm.OP_READ_BLOCKS, {"block_ids": list(block_ids)})
+            raw = self._expect(w, tp_comm.OP_OK)
         layout = self._layouts[rank]
         shape = (len(block_ids), *layout.shape[1:])
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -216,7 +232,44 @@ class MultiprocExecutor(Executor):
 
     # --- failure --------------------------------------------------------------------------
     def check_health(self) -> None:
+        """Raises once a rank died, or (pinging it when due) stopped answering while idle.
+        The engine thread calls it between steps only (engine.async_engine)."""
         self._check_usable()
+        if self._ping_interval and \
+                time.monotonic() - self._last_contact >= self._ping_interval:
+            self._ping_idle()
+
+    def _ping_idle(self) -> None:
+        # Not while anything else uses the pipes: a step in flight is proof enough of life for
+        # now (and a rank in a long step would answer only after it), and two messages at
+        # once would interleave. Skipped, not waited for: the caller is the engine's own
+        # thread, which must not wait out another thread's read.
+        if not self._pipe_lock.acquire(blocking=False):
+            return
+        try:
+            self._check_usable()
+            try:
+                silent = tp_liveness.ping(self.workers, self._ping_timeout)
+            except tp_liveness.PingFailed as e:  # its last word, read here: keep its text
+                self._set_error(str(e))
+                raise self._error from None
+            except (EOFError, OSError, ValueError) as e:
+                if self._closing:  # shutdown closed the pipes under the ping
+                    raise ExecutorError("the executor is shut down") from None
+                raise self._fail(f"an idle ping failed: {e}") from None
+            if silent is not None:
+                # What the step timeout would find at the next request, minutes later: the
+                # engine dies now, the worker reports NOT_SERVING and exits (its shutdown
+                # kills the silent rank), and its supervisor starts it again.
+                self._set_error(f"tensor-parallel rank {silent.rank} (pid "
+                                f"{silent.process.pid}) did not answer an idle ping within "
+                                f"{self._ping_timeout:g} s (--tp-idle-ping-timeout-s): it is "
+                                "stopped or wedged")
+                raise self._error
+            self.idle_pings += 1
+            self._last_contact = time.monotonic()
+        finally:
+            self._pipe_lock.release()
 
     def _check_usable(self) -> None:
         if self._error is not None:

@@ -140,6 +140,8 @@ def _loop(runner: ModelRunner, conn: Connection, device: torch.device, owner=Non
                 owner.reads_due_soon()
         elif op == tp_comm.OP_READ_BLOCKS:
             tp_comm.send(conn, tp_comm.OP_OK, read_blocks(runner, payload))
+        elif op == tp_comm.OP_PING:
+            tp_comm.send(conn, tp_comm.OP_OK)
         elif op == tp_comm.OP_QUIT:
             return
         else:

@@ -286,6 +286,13 @@ def test_absent_or_null_kv_heads_mean_mha(tmp_path):
     ("gpu_memory_utilization", True, "gpu_memory_utilization must be a finite number"),
     ("tp_startup_timeout_s", "5", "tp_startup_timeout_s must be a finite number"),
     ("tp_startup_timeout_s", math.inf, "tp_startup_timeout_s must be a finite number"),
+    ("tp_idle_ping_interval_s", "5", "tp_idle_ping_interval_s must be a finite number"),
+    ("tp_idle_ping_interval_s", None, "tp_idle_ping_interval_s must be a finite number"),
+    ("tp_idle_ping_interval_s", -1, r"tp_idle_ping_interval_s must be seconds in \[0, 86400\]"),
+    ("tp_idle_ping_interval_s", 1e9, r"tp_idle_ping_interval_s must be seconds in \[0, 86400\]"),
+    ("tp_idle_ping_timeout_s", 0, "tp_idle_ping_timeout_s must be > 0"),
+    ("tp_idle_ping_timeout_s", math.nan, "tp_idle_ping_timeout_s must be a finite number"),
+    ("tp_idle_ping_timeout_s", 1e9, "tp_idle_ping_timeout_s must be at most 86400"),
     ("kv_lease_timeout_s", None, "kv_lease_timeout_s must be a finite number"),
     ("kv_lease_timeout_s", 1e300, "kv_lease_timeout_s must be at most 86400"),
     ("attention_backend", None, "attention_backend must be one of"),
@@ -314,6 +321,7 @@ def test_engine_config_refuses(field, value, match):
 @pytest.mark.parametrize("field, value", [
     ("seed", -1), ("seed", -(2 ** 63)), ("seed", 2 ** 64 - 1), ("device", "cuda:1"),
     ("device", "cpu"), ("kv_cache_memory_gib", 1), ("kv_quarantine_s", 0),
+    ("tp_idle_ping_interval_s", 0), ("tp_idle_ping_timeout_s", 0.05),
 ])
 def test_engine_config_accepts(field, value):
     EngineConfig("tiny-llama", **{field: value})
