@@ -138,6 +138,17 @@ class ModelConfig:
         eos = cfg.eos_token_ids + [i for i in extra if i not in cfg.eos_token_ids]
         return dataclasses.replace(cfg, eos_token_ids=eos)
 
+    def with_tokenizer_eos(self, eos_token_id: int | None) -> ModelConfig:
+        """This config with the tokenizer's eos among its stop ids, as vLLM stops on it: a chat
+        model's end of turn is often its tokenizer's eos and in neither config file (Llama 3
+        Instruct's first release, <|eot_id|>), and a reply ran on past it to max_tokens, the
+        tokens hidden from its text as special ones. An id outside the model's vocab is left
+        out: the model never samples it."""
+        if eos_token_id is None or eos_token_id in self.eos_token_ids \
+                or not 0 <= eos_token_id < self.vocab_size:
+            return self
+        return dataclasses.replace(self, eos_token_ids=[*self.eos_token_ids, eos_token_id])
+
 
 def _read_config_json(folder: Path) -> dict[str, Any]:
     if not folder.is_dir():

@@ -283,6 +283,8 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     model_config = ModelConfig.from_pretrained(path)
     # A checkpoint without tokenizer files still serves token-id prompts; broken files are an error.
     tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
+    if tokenizer is not None:
+        model_config = model_config.with_tokenizer_eos(tokenizer.eos_token_id)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, model_config, device)
     check_tensor_parallel(model_config, config.tensor_parallel_size, device)

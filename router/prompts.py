@@ -135,8 +135,10 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
     from engine.tokenizer import load_tokenizer
 
     path = resolve_model(EngineConfig(model=model).model)
-    mc = ModelConfig.from_pretrained(path)
-    served = ServedModel(served_model_name or model, load_tokenizer(path), mc.vocab_size,
+    tokenizer = load_tokenizer(path)
+    # The stop ids the workers use (engine/setup.py), the tokenizer's eos among them.
+    mc = ModelConfig.from_pretrained(path).with_tokenizer_eos(tokenizer.eos_token_id)
+    served = ServedModel(served_model_name or model, tokenizer, mc.vocab_size,
                          list(mc.eos_token_ids),
                          load_sampling_defaults(generation_config, path, mc.vocab_size),
                          chat_template,

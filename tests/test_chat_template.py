@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import io
-import json
-import shutil
 import subprocess
 import sys
 
@@ -23,6 +21,7 @@ from engine.chat_template import (MAX_ROLE_CHARS, ChatMessage, ChatTemplateBroke
 from engine.tokenizer import load_tokenizer
 from engine.tokenizer_builder import CHAT_TEMPLATE
 from router.config import RouterConfig
+from tests.chat_models import model_with_template
 from tests.hf_oracle import hf_greedy, hf_tokenizer
 
 CHATS = [
@@ -288,27 +287,16 @@ def test_a_template_that_does_not_parse_is_the_servers_fault_a_refusal_the_clien
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "roles must be" in message
 
 
-def _model_with_template(preset_path, folder, template: str) -> str:
-    src = preset_path("tiny-llama")
-    folder.mkdir()
-    for name in ("config.json", "generation_config.json", "special_tokens_map.json",
-                 "tokenizer.json"):
-        shutil.copy(src / name, folder / name)
-    config = json.loads((src / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
-                                                              "chat_template": template}))
-    return str(folder)
-
-
 def test_a_model_template_that_does_not_parse_fails_the_routers_start(preset_path, tmp_path):
     from router.prompts import load_served_model
 
-    broken = _model_with_template(preset_path, tmp_path / "broken", SYNTAX_ERRORS[0])
+    src = preset_path("tiny-llama")
+    broken = model_with_template(src, tmp_path / "broken", SYNTAX_ERRORS[0])
     with pytest.raises(ChatTemplateBroken, match="chat template of model .* does not parse"):
         load_served_model(broken, "auto", None)
     # The operator's template replaces it: nothing renders with the model's then.
     assert load_served_model(broken, "auto", QA_TEMPLATE).has_chat_template
-    fine = _model_with_template(preset_path, tmp_path / "fine", EXTENSION_TEMPLATES[2])
+    fine = model_with_template(src, tmp_path / "fine", EXTENSION_TEMPLATES[2])
     assert load_served_model(fine, "auto", None).has_chat_template
     proc = subprocess.run([sys.executable, "-m", "engine.cli", "router", "--model", broken,
                            "--redis-url", "redis://127.0.0.1:1", "--port", "0"],
@@ -322,3 +310,32 @@ def test_a_chat_role_is_bounded():
     assert ChatMessage("r" * MAX_ROLE_CHARS, "x").role
     with pytest.raises(ValueError, match=f"at most {MAX_ROLE_CHARS}"):
         ChatMessage("r" * (MAX_ROLE_CHARS + 1), "x")
+
+
+def test_a_reply_ends_at_the_tokenizers_eos_that_config_json_does_not_list(preset_path, tmp_path,
+                                                                          hf_tok):
+    """A chat model whose turns end with its tokenizer's eos, in neither config.json nor
+    generation_config.json (Llama 3 Instruct's first release and its <|eot_id|>): vLLM stops
+    there. The reply ran on past it to max_tokens, every token of it hidden from the text."""
+    from engine import LLM
+    from router.prompts import load_served_model
+
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "eot", CHAT_TEMPLATE,
+                                 eos_token="<|pad|>")
+    eot = hf_tok.convert_tokens_to_ids("<|pad|>")
+    chat = [{"role": "user", "content": "Hello"}]
+    with LLM(folder, num_gpu_blocks=64) as llm:
+        assert llm.tokenizer.eos_token_id == eot
+        assert llm.tokenizer.decode(llm.chat_prompt(chat), skip_special_tokens=False) \
+            .endswith("Hello<|pad|>\n### assistant\n")  # how its template ends a turn
+        # The model made to say it at once (random weights would never): the reply ends there.
+        out = llm.chat(chat, SamplingParams(max_tokens=8, temperature=0.0,
+                                            logit_bias={eot: 100}))
+        assert (out.token_ids, out.text, out.finish_reason) == ([eot], "", "stop")
+        # ignore_eos goes past it, as past any eos.
+        out = llm.chat(chat, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                                            logit_bias={eot: 100}))
+        assert out.token_ids == [eot] * 3 and out.finish_reason == "length"
+    # The router reports the ids its workers stop on.
+    eos = hf_tok.convert_tokens_to_ids("<|end_of_text|>")
+    assert load_served_model(folder, "auto", None).eos_token_ids == [eos, eot]
