@@ -105,6 +105,10 @@ class _replier:
                         **connection_kwargs(self.args))
         try:
             info = client.model_info()
+            if not info.has_chat_template:
+                # Refused now, not as each turn's FAILED_PRECONDITION after it was typed.
+                raise ValueError(f"the router's model {info.model!r} has no chat template: "
+                                 "start the router with --chat-template FILE to chat with it")
             sampling = sampling_kwargs(self.args, info.sampling_defaults)
         except BaseException:
             client.close()
@@ -130,6 +134,8 @@ class _replier:
 
         template = load_chat_template(self.args.chat_template)
         check_sampling_flags(self.args)
+        if template is None:
+            _check_model_template(self.args.model)
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
         defaults = llm.sampling_defaults
@@ -147,3 +153,19 @@ class _replier:
                     f"{n} tokens, TTFT {first * 1e3:.1f} ms, total "
                     f"{(time.perf_counter() - t0) * 1e3:.0f} ms, {len(ids)} prompt tokens")
         return reply
+
+
+def _check_model_template(model: str) -> None:
+    """ValueError when the model has no chat template (or no tokenizer): said before its
+    engine loads (minutes for a large model), not as every turn's error after it did, which
+    also told the user to start a router with --chat-template."""
+    from engine.config import EngineConfig
+    from engine.presets import resolve_model
+    from engine.tokenizer import has_tokenizer_files, load_tokenizer
+
+    path = resolve_model(EngineConfig(model=model).model)
+    if not has_tokenizer_files(path):
+        raise ValueError(f"model {model!r} has no tokenizer, so no chat template to chat with")
+    if not load_tokenizer(path).chat_template:
+        raise ValueError(f"model {model!r} has no chat template: pass --chat-template FILE "
+                         "(a Jinja chat template) to chat with it")

@@ -12,6 +12,7 @@ from client import Client
 from engine import SamplingParams
 from engine.chat_template import load_chat_template
 from router.launcher import Cluster, ClusterSpec
+from tests.chat_models import model_with_template
 from tests.serving_helpers import WORKER_ARGS
 
 # Different turn markers from the model's own template, so the tokens show which one ran.
@@ -30,9 +31,12 @@ def template_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(template_file):
-    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS,
-                       router_args=["--chat-template", template_file])
+    # The tests' router renders with the operator's template, given to it alone: a router a
+    # test adds renders with its own model's (or has none).
+    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS)
     with Cluster(spec) as c:
+        c.start_router(extra=["--chat-template", template_file])  # c.router_address: this one
+        c.wait_routable(0, 1)
         yield c
 
 
@@ -79,3 +83,23 @@ def test_pdserve_chat_reports_a_refused_turn_and_goes_on(cluster):
     assert proc.returncode == 1  # piped turns: a script learns that one failed
     assert "INVALID_ARGUMENT" in proc.stderr and "max_model_len" in proc.stderr
     assert proc.stdout.strip()  # the second turn's reply
+
+
+def _chat(address: str, turns: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", "chat", "--router", address,
+                           *flags], input=turns, capture_output=True, text=True, timeout=120)
+
+
+def test_pdserve_chat_refuses_a_router_without_a_chat_template(cluster, preset_path, tmp_path):
+    """Said before any turn is read, with what the router needs: every turn failed instead,
+    each with FAILED_PRECONDITION after it was typed."""
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "none", None)
+    address = cluster.router_address
+    try:
+        router = cluster.start_router(extra=["--model", folder])
+    finally:
+        cluster.router_address = address  # the other tests' router
+    proc = _chat(router.address, "Hello\nAgain\n", "--max-tokens", "2")
+    assert proc.returncode == 2, proc.stderr
+    assert "has no chat template: start the router with --chat-template FILE" in proc.stderr
+    assert "FAILED_PRECONDITION" not in proc.stderr and proc.stdout == ""

@@ -312,6 +312,24 @@ def test_a_chat_role_is_bounded():
         ChatMessage("r" * (MAX_ROLE_CHARS + 1), "x")
 
 
+def test_pdserve_chat_offline_refuses_a_model_without_a_template_before_loading_it(
+        preset_path, tmp_path, monkeypatch, capsys):
+    """Said at the start, with the flag that fixes it: it loaded the engine, then failed every
+    turn typed with the router's hint ("start the router with --chat-template")."""
+    from engine.cli import main
+
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "none", None)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n"))
+    assert main(["chat", "--model", folder, "--max-tokens", "2", "--num-gpu-blocks", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template: pass --chat-template FILE" in err and "router" not in err
+    # The flag then does what the message says.
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    assert main(["chat", "--model", folder, "--max-tokens", "2", "--num-gpu-blocks", "64",
+                 "--chat-template", QA_TEMPLATE]) == 0
+    assert capsys.readouterr().err.count("tokens, TTFT") == 1
+
+
 def test_a_reply_ends_at_the_tokenizers_eos_that_config_json_does_not_list(preset_path, tmp_path,
                                                                           hf_tok):
     """A chat model whose turns end with its tokenizer's eos, in neither config.json nor
