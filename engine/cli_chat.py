@@ -55,7 +55,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line or line.strip() in ("/exit", "/quit"):
                 # A script piping turns in learns that some failed; a person saw each error.
                 return 1 if failed and not interactive else 0
-            text = line.rstrip("\n")
+            # A file written on Windows ends its lines with CR LF: the CR went into the turn.
+            text = line.rstrip("\r\n")
             if text.strip() == "/reset":
                 history = list(system)
                 print("(conversation cleared)", flush=True)

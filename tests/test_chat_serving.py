@@ -3,6 +3,7 @@
 in-process engine on the same rendered prompts."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,13 @@ def test_pdserve_chat_refuses_a_router_without_a_chat_template(cluster, preset_p
     assert proc.returncode == 2, proc.stderr
     assert "has no chat template: start the router with --chat-template FILE" in proc.stderr
     assert "FAILED_PRECONDITION" not in proc.stderr and proc.stdout == ""
+
+
+def test_piped_turns_written_on_windows_are_the_same_turns(cluster):
+    """Lines ending in CR LF: the CR went into each turn, a token more in every prompt."""
+    lf = _chat(cluster.router_address, "Hello\nAnd then?\n", "--max-tokens", "4")
+    crlf = _chat(cluster.router_address, "Hello\r\nAnd then?\r\n", "--max-tokens", "4")
+    assert lf.returncode == crlf.returncode == 0, crlf.stderr
+    prompts = [re.findall(r"(\d+) prompt tokens", p.stderr) for p in (lf, crlf)]
+    assert len(prompts[0]) == 2 and prompts[1] == prompts[0]
+    assert crlf.stdout == lf.stdout
