@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,16 +48,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"pdserve: error: {e.code.name}: {e.details}", file=sys.stderr)
         return 1
     failed = 0
+    read_turn = _terminal_reader() if interactive else _piped_line
     with contextlib.closing(replier):
         while True:
-            if interactive:
-                print("you> ", end="", flush=True)
-            line = sys.stdin.readline()
-            if not line or line.strip() in ("/exit", "/quit"):
+            text = read_turn()
+            if text is None or text.strip() in ("/exit", "/quit"):
                 # A script piping turns in learns that some failed; a person saw each error.
                 return 1 if failed and not interactive else 0
-            # A file written on Windows ends its lines with CR LF: the CR went into the turn.
-            text = line.rstrip("\r\n")
             if text.strip() == "/reset":
                 history = list(system)
                 print("(conversation cleared)", flush=True)
@@ -81,6 +79,29 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             print(flush=True)
             history.append({"role": "assistant", "content": "".join(parts)})
+
+
+def _piped_line() -> str | None:
+    """The next line of piped turns without its line ending, or None at end of input. A file
+    written on Windows ends its lines with CR LF: the CR went into the turn (one more token)."""
+    line = sys.stdin.readline()
+    return line.rstrip("\r\n") if line else None
+
+
+def _terminal_reader() -> Callable[[], str | None]:
+    """Turns typed on a terminal, read by ``input`` with line editing: without it, arrow keys
+    went into the turn as escape codes (a mistyped "/exit" corrected with the left arrow was
+    sent to the model), and up recalls earlier turns."""
+    with contextlib.suppress(ImportError):  # not built into every Python
+        importlib.import_module("readline")  # importing it gives input() line editing
+
+    def read() -> str | None:
+        try:
+            return input("you> ")
+        except EOFError:  # Ctrl-D: the shell's prompt starts on a line of its own
+            print(flush=True)
+            return None
+    return read
 
 
 class _replier:

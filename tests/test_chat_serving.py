@@ -3,6 +3,8 @@
 in-process engine on the same rendered prompts."""
 from __future__ import annotations
 
+import os
+import pty
 import re
 import subprocess
 import sys
@@ -114,3 +116,40 @@ def test_piped_turns_written_on_windows_are_the_same_turns(cluster):
     prompts = [re.findall(r"(\d+) prompt tokens", p.stderr) for p in (lf, crlf)]
     assert len(prompts[0]) == 2 and prompts[1] == prompts[0]
     assert crlf.stdout == lf.stdout
+
+
+def test_pdserve_chat_on_a_terminal_edits_the_line(cluster):
+    """On a terminal a turn is read with line editing: the left arrow went into the turn as
+    its escape code, so a mistyped "/exit" corrected with it was sent to the model."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "chat", "--router",
+                             cluster.router_address, "--max-tokens", "2"],
+                            stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+    seen = bytearray()
+
+    def prompts(n: int) -> bool:
+        """Reads the terminal until the n-th prompt (True) or the program's exit (False)."""
+        while seen.count(b"you> ") < n:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the program ended, and with it its side of the terminal
+                return False
+            if not chunk:
+                return False
+            seen.extend(chunk)
+        return True
+
+    try:
+        assert prompts(1), seen
+        os.write(master, b"/ext\x1b[Di\r")  # "/ext", left arrow, "i", Enter
+        if prompts(2):  # the line went to the model as a turn: end the chat
+            os.write(master, b"\x04")
+            prompts(3)
+        assert proc.wait(timeout=60) == 0, seen
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"tokens, TTFT" not in seen, seen
