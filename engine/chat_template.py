@@ -147,9 +147,9 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
     msgs = check_messages(messages)
     template = chat_template if chat_template is not None else tokenizer.chat_template
     if not template:
+        # Said to LLM.chat's caller as to the router's (which names its own flag).
         raise ChatTemplateMissing(f"model {tokenizer.folder.name!r} has no chat template: "
-                                  "start the router with --chat-template, or send text or "
-                                  "token ids")
+                                  "give one (chat_template), or send text or token ids")
     text = render_chat(tokenizer, msgs, template, continue_final_message)
     return tokenizer.encode_plain(text)
 

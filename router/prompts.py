@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.chat_template import (ChatMessage, ChatTemplateUnusable, chat_prompt_ids,
-                                  chat_renderer, check_chat_template)
+from engine.chat_template import (ChatMessage, ChatTemplateMissing, ChatTemplateUnusable,
+                                  chat_prompt_ids, chat_renderer, check_chat_template)
 from engine.model_fingerprint import text_digest
 from engine.tokenizer import Tokenizer
 from protos import common_pb2, convert, router_pb2
@@ -100,6 +100,11 @@ class ServedModel:
                                    [ChatMessage(m.role, m.content) for m in chat.messages],
                                    continue_final_message=chat.continue_final_message,
                                    chat_template=self.chat_template)
+        except ChatTemplateMissing:
+            raise RouterRejectError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {self.name!r} has no chat template: start the router with "
+                "--chat-template, or send text or token ids") from None
         except ChatTemplateUnusable as e:
             raise RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
 
