@@ -74,7 +74,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 history.pop()  # the turn failed: the next one starts from before it
                 failed += 1
                 code = getattr(e, "code", None)
-                print(f"\npdserve: error: {f'{code.name}: ' if code else ''}{e}",
+                # The history grows by every turn: once over the context, every later turn
+                # fails the same way until the user starts over.
+                hint = ("\n(each turn's prompt holds the whole conversation: /reset starts "
+                        "a new one)") if "max_model_len" in str(e) \
+                    and any(m["role"] == "assistant" for m in history) else ""
+                print(f"\npdserve: error: {f'{code.name}: ' if code else ''}{e}{hint}",
                       file=sys.stderr, flush=True)
                 continue
             print(flush=True)

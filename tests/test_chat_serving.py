@@ -85,7 +85,16 @@ def test_pdserve_chat_reports_a_refused_turn_and_goes_on(cluster):
         input="word " * 2000 + "\nHello\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1  # piped turns: a script learns that one failed
     assert "INVALID_ARGUMENT" in proc.stderr and "max_model_len" in proc.stderr
+    assert "/reset" not in proc.stderr  # no conversation yet to start over
     assert proc.stdout.strip()  # the second turn's reply
+
+
+def test_pdserve_chat_points_to_reset_when_a_conversation_outgrows_the_context(cluster):
+    # Every turn carries the whole history: past max_model_len, each later one fails alike.
+    proc = _chat(cluster.router_address, "Hello\n" + "word " * 2000 + "\n", "--max-tokens",
+                 "4")
+    assert proc.returncode == 1
+    assert "max_model_len" in proc.stderr and "/reset starts a new one" in proc.stderr
 
 
 def _chat(address: str, turns: str, *flags: str) -> subprocess.CompletedProcess:
