@@ -46,6 +46,18 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: never capture or replay CUDA graphs")
     p.add_argument("--seed", type=int, default=None,
                    help="every worker's engine seed (see `pdserve prefill --help`)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block, the workers' and the router's prefix "
+                        "hashes' (default 16)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="the workers reuse cached prompt prefixes (default: on)")
+    p.add_argument("--engine-step-timeout-s", type=float, default=None,
+                   help="each worker's limit on one engine step (see `pdserve prefill --help`)")
+    p.add_argument("--tp-idle-ping-interval-s", type=float, default=None,
+                   help="-tp > 1: how often idle prefill workers ping their ranks (default 5; "
+                        "0: never)")
+    p.add_argument("--tp-idle-ping-timeout-s", type=float, default=None,
+                   help="-tp > 1: a rank silent this long is taken as wedged (default 10)")
     p.add_argument("--kv-transfer-backend", default="nixl", choices=["nixl", "torch"],
                    help="how decode workers pull KV from prefill workers")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -183,10 +195,13 @@ def up_spec(args: argparse.Namespace):
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
     for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--kv-cache-memory-gib", "--seed"):
+                 "--kv-cache-memory-gib", "--seed", "--block-size", "--engine-step-timeout-s",
+                 "--tp-idle-ping-interval-s", "--tp-idle-ping-timeout-s"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             extra += [flag, str(value)]
+    if args.enable_prefix_caching is False:
+        extra.append("--no-enable-prefix-caching")
     if args.enforce_eager:
         extra.append("--enforce-eager")
     spec = ClusterSpec(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
@@ -260,7 +275,8 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     # Not the API keys: on its command line any local user would read them (ClusterSpec).
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
                  "--generation-config", "--stream-interval", "--max-local-prefill-length",
-                 "--served-model-name", "--default-timeout-s", "--client-write-timeout-s"):
+                 "--served-model-name", "--default-timeout-s", "--client-write-timeout-s",
+                 "--block-size"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

@@ -99,6 +99,7 @@ def test_bench_offline_json(capsys):
 
 def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     from engine.cli import build_parser
+    from engine.cli_serve import _worker_config
     from engine.cli_up import up_spec
 
     (tmp_path / "turns.jinja").write_text("{{ messages[0]['content'] }}")
@@ -127,6 +128,21 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     # Every flag it forwards is one the workers take.
     for role in ("prefill", "decode"):
         build_parser().parse_args([role, *spec.worker_args, "--kv-transfer-backend", "torch"])
+    # Refused as unrecognized before: the block size both sides hash prompts with, the
+    # switch vLLM's command lines carry, the workers' wedge limits.
+    spec = up_spec(build_parser().parse_args(
+        ["up", "--block-size", "32", "--no-enable-prefix-caching", "--engine-step-timeout-s",
+         "30", "--tp-idle-ping-interval-s", "2", "--tp-idle-ping-timeout-s", "4"]))
+    assert spec.worker_args == ["--block-size", "32", "--engine-step-timeout-s", "30.0",
+                                "--tp-idle-ping-interval-s", "2.0",
+                                "--tp-idle-ping-timeout-s", "4.0", "--no-enable-prefix-caching"]
+    assert spec.router_args[spec.router_args.index("--block-size") + 1] == "32"
+    for role in ("prefill", "decode"):
+        worker = _worker_config(build_parser().parse_args([role, *spec.worker_args]), role)
+        assert (worker.engine.block_size, worker.engine.enable_prefix_caching,
+                worker.engine_step_timeout_s, worker.engine.tp_idle_ping_interval_s,
+                worker.engine.tp_idle_ping_timeout_s) == (32, False, 30.0, 2.0, 4.0)
+    assert up_spec(build_parser().parse_args(["up", "--enable-prefix-caching"])).worker_args == []
     spec = up_spec(build_parser().parse_args(
         ["up", "--stream-interval", "8", "--max-local-prefill-length", "96",
          "--served-model-name", "team/llama", "--client-write-timeout-s", "0"]))
@@ -155,6 +171,8 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     (["--num-gpu-blocks", "0"], "num_gpu_blocks must be a positive integer"),
     (["--num-gpu-blocks", "64", "--kv-cache-memory-gib", "2"], "give one of them"),
     (["--port", "70000"], "port must be in"),
+    (["--block-size", "24"], "must be a power of two"),
+    (["--tp-idle-ping-timeout-s", "0"], "tp_idle_ping_timeout_s"),
     (["--redis-url", "http://x"], "redis_url"),
     (["--metrics-port", "-3"], "metrics_port"),
     (["--served-model-name", "two words"], "served_model_name"),
