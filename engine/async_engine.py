@@ -66,6 +66,9 @@ class AsyncEngine(EngineFront):
         # A step that runs longer than this kills the engine (None: steps may run forever).
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic start of the running step
+        # ... and of the running idle health check: a TP engine's waits on its ranks (idle
+        # pings, up to --tp-idle-ping-timeout-s), and a request that came meanwhile with it.
+        self._check_started: float | None = None
         self._thread = named_thread(self._run, "pdserve-engine")
         self._thread.start()
         if step_timeout_s:
@@ -84,7 +87,9 @@ class AsyncEngine(EngineFront):
                     self._wake.wait(_IDLE_TICK_S)
                     self._wake.clear()
                     # An idle step runs no model: a dead TP rank shows only here.
+                    self._check_started = time.monotonic()
                     self.engine.check_health()
+                    self._check_started = None
                 if self.core_share is not None and self.engine.has_unfinished_requests():
                     self._size_step(self.core_share)
                 self._step_started = time.monotonic()
@@ -125,18 +130,21 @@ class AsyncEngine(EngineFront):
     def _watch_steps(self) -> None:
         if self.error is not None or self._stop.is_set() or not self._thread.is_alive():
             return
-        started = self._step_started
-        if started is not None and time.monotonic() - started > self.step_timeout_s:
-            self._wedged(time.monotonic() - started)
-            return
+        # The check too: a rank stopped while idle held it for the ping timeout, unwatched,
+        # so a ping timeout above the step timeout kept a request waiting past the latter.
+        for started, what in ((self._step_started, "an engine step"),
+                              (self._check_started, "an idle health check of the engine")):
+            if started is not None and time.monotonic() - started > self.step_timeout_s:
+                self._wedged(what, time.monotonic() - started)
+                return
         self.loop.call_later(min(1.0, self.step_timeout_s / 4), self._watch_steps)
 
-    def _wedged(self, running_s: float) -> None:
+    def _wedged(self, what: str, running_s: float) -> None:
         """A step that never ends (a hung GPU kernel or collective) would keep the worker up,
         answering health checks, with every request on it stuck: it dies instead, so its
         requests move on and its supervisor restarts it."""
-        e = EngineStepTimeout(f"an engine step has run {running_s:.0f} s, past the step "
-                              f"timeout of {self.step_timeout_s:g} s: the engine is wedged")
+        e = EngineStepTimeout(f"{what} has run {running_s:.0f} s, past the step timeout of "
+                              f"{self.step_timeout_s:g} s: the engine is wedged")
         logger.error("%s; the engine thread's stack follows", e)
         faulthandler.dump_traceback(all_threads=True)
         self.error = e

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.engine_front import EngineDeadError, EngineStepTimeout
 from engine.config import EngineConfig
 from engine.executor_error import ExecutorError
 from engine.llm_engine import LLMEngine
@@ -76,6 +77,47 @@ def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path)
     assert isinstance(cause, ExecutorError)
     assert f"rank 1 (pid {rank1.process.pid}) did not answer an idle ping" in str(cause)
     assert rank1.process.poll() is not None  # the shutdown ended it
+
+
+def test_a_ping_waiting_on_a_stopped_rank_is_bounded_by_the_step_timeout(preset_path):
+    """The engine thread waits out a ping on the rank it pings, and a request that comes
+    meanwhile waits with it: a ping timeout above the step timeout kept the engine up, its
+    requests waiting, for the whole ping timeout (30 s against a step timeout of 3 s, measured),
+    where without pings the request's step died at the step timeout. The watchdog bounds the
+    check as it bounds a step."""
+    engine = _tp2(str(preset_path("tiny-llama")), interval_s=0.1, timeout_s=3600.0)
+    (rank1,) = engine.executor.workers
+
+    async def run():
+        died = asyncio.Event()
+        causes = []
+
+        def on_dead(e):
+            causes.append(e)
+            died.set()
+
+        ae = AsyncEngine(engine, on_dead=on_dead, step_timeout_s=2)
+        try:
+            stop_process(rank1.process)
+            # A ping sent and unread (no step ran): the engine thread waits on its answer.
+            assert await asyncio.to_thread(wait_until, lambda: _unread(rank1.conn) > 0,
+                                           _DEATH_WAIT_S)
+            waiting = asyncio.ensure_future(_drain(ae.generate("after", [5, 6, 7], _GREEDY)))
+            await asyncio.wait_for(died.wait(), _DEATH_WAIT_S)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(waiting, _DEATH_WAIT_S)
+            return causes
+        finally:
+            ae.shutdown()  # kills the stopped rank
+
+    (cause,) = asyncio.run(run())
+    assert isinstance(cause, EngineStepTimeout)
+    assert "an idle health check of the engine has run" in str(cause)
+    assert rank1.process.poll() is not None
+
+
+async def _drain(stream) -> list:
+    return [o async for o in stream]
 
 
 def test_pings_at_a_tiny_interval_leave_concurrent_requests_untouched(preset_path):
