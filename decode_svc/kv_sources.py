@@ -23,8 +23,9 @@ A handle refused for its rank handles, or whose key cannot be read, is its sourc
 input. The usual one is stale: a prefill worker given its --worker-id keeps it across a
 restart and registers its new agents' handles, so a handle given out before the restart
 differs from them, and its KV is gone. A Redis that does not answer refuses the handles of
-prefill workers not met before it stopped (a key read is remembered per worker start): read
-unchecked, they would open the check to whoever times a Redis outage. A handle of one met
+prefill workers not met before it stopped (a key read is remembered per worker start, here or
+when engine/kv_peers.py connected to the worker ahead): read unchecked, they would open the
+check to whoever times a Redis outage. A handle of one met
 that its remembered key does not verify, and whose key cannot be read again, is judged by the
 key met: refused as not signed (INVALID_ARGUMENT), not moved as its source's failure. A worker
 without a registry (driven directly, in no cluster) reads what it is given.
@@ -152,6 +153,12 @@ class KVSources:
                                  "one)") from None
         if not handle_mac.verify(key, h, token_ids):
             raise _not_signed(h)
+        self.remember(h.worker_id, h.rank_handles, key)
+
+    def remember(self, worker_id: str, rank_handles: Sequence[bytes], key: bytes) -> None:
+        """The key prefill worker ``worker_id`` registered with ``rank_handles``, read from the
+        registry (here, or ahead by engine/kv_peers.py): its handles verify without Redis."""
+        source = (worker_id, tuple(rank_handles))
         self._keys[source] = key
         self._keys.move_to_end(source)
         if len(self._keys) > MAX_REMEMBERED:

@@ -42,6 +42,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rt.on_drain.append(self._drain_streams)
         # With a registry, only the KV handles prefill workers registered are read.
         self.kv_sources = KVSources(lambda: rt.registry)
+        # Prefill workers' keys read ahead: a first pull from each verifies without Redis.
+        rt.on_kv_source = self.kv_sources.remember
         # Room for a chunk in a message, with its request's id around it in a DecodeMany
         # batch, and with what the router adds passing it on.
         self.max_chunk_bytes = max_message_bytes() - max(EVENT_ROOM_BYTES, ROUTER_ROOM_BYTES)

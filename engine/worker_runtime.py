@@ -246,6 +246,9 @@ class WorkerRuntime:
         # Called on the loop with each lease's request id as the engine ends it (a reader's
         # release, ReleaseKV or expiry): the prefill servicer's view of what it still leases.
         self.on_lease_ended: Callable[[str], None] | None = None
+        # A decode worker's: told (worker id, rank handles, key) of each prefill worker its
+        # KV peer connector meets (the decode servicer's KV sources remember the key).
+        self.on_kv_source: Callable[[str, list[bytes], bytes], None] | None = None
         # The transfer-ledger entries of the leases held now, each with what is left of it:
         # the prefill servicer's, for the republish to put in place of the ledger's.
         self.held_transfers: Callable[[], list] | None = None
@@ -402,7 +405,8 @@ class WorkerRuntime:
 
         await self._presence.start(prepare if self.config.role == "prefill" else None)
         if self.config.role == "decode":
-            self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s)
+            self._peers = KVPeerConnector(registry, self.llm, self.config.heartbeat_interval_s,
+                                          self.on_kv_source)
             self._peers.start()
 
     async def _republish(self, registry) -> None:
