@@ -9,16 +9,37 @@ keeps the last few KiB, so a message about a service's exit can quote its last l
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 
 KEEP_BYTES = 8192
+# A pipe holds 64 KiB by default: what a service writes while the launcher does not read (a
+# `pdserve up` stopped by Ctrl-Z, until `bg`) past that blocks the service in its next log
+# line, on its event loop: it stops serving (measured: the router hung after ~300 requests'
+# access lines). 1 MiB holds some thousands of requests' lines; its memory is taken only as it
+# fills, but each such pipe counts 256 pages against the user's fs.pipe-user-pages-soft (16384
+# by default; root is exempt), past which the user's new pipes get 8 KiB: no more than 1 MiB,
+# even where fs.pipe-max-size (the most an unprivileged process may ask) allows more.
+PIPE_SIZE = 1 << 20
+PIPE_MAX_SIZE_FILE = "/proc/sys/fs/pipe-max-size"
+
+
+def widen(fd: int) -> int:
+    """Makes the pipe of ``fd`` hold PIPE_SIZE, or as much as this process may; its size."""
+    try:
+        with open(PIPE_MAX_SIZE_FILE) as f:
+            size = min(int(f.read()), PIPE_SIZE)
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except (OSError, ValueError):  # no /proc, or the user's pipe pages are spent: as it was
+        return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
 
 
 class StderrTail:
     def __init__(self, read_fd: int, out_fd: int = 2) -> None:
         self._fd = read_fd
         self._out = out_fd
+        widen(read_fd)
         self._kept = b""
         self._lock = threading.Lock()
         self.closed = threading.Event()  # end of file: every writer of the pipe is gone
