@@ -26,7 +26,10 @@ PIPE_MAX_SIZE_FILE = "/proc/sys/fs/pipe-max-size"
 
 
 def widen(fd: int) -> int:
-    """Makes the pipe of ``fd`` hold PIPE_SIZE, or as much as this process may; its size."""
+    """Makes the pipe of ``fd`` hold PIPE_SIZE, or as much as this process may; its size
+    (0 where pipes cannot be resized: not Linux)."""
+    if not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return 0
     try:
         with open(PIPE_MAX_SIZE_FILE) as f:
             size = min(int(f.read()), PIPE_SIZE)
