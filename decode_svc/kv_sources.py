@@ -54,7 +54,8 @@ from router.errors import quoted
 
 logger = logging.getLogger(__name__)
 
-# Keys read, remembered so that a pull asks Redis once per prefill worker start.
+# Keys read, remembered so that a pull asks Redis once per prefill worker start; the least
+# recently used goes first.
 MAX_REMEMBERED = 256
 # How long a pull waits for the registry's answer before refusing the handle.
 REGISTRY_WAIT_S = 1.0
@@ -138,6 +139,10 @@ class KVSources:
         source = (h.worker_id, tuple(h.rank_handles))
         met = self._keys.get(source)
         if met is not None and handle_mac.verify(met, h, token_ids):
+            # Used: last to go. Kept in insertion order, a worker pulled from all along was
+            # dropped after MAX_REMEMBERED other starts (each met ahead by engine/kv_peers.py
+            # too), and its next pull during a Redis outage was refused and moved.
+            self._keys.move_to_end(source)
             return
         # Not met, or not verified by the key met: read it again (a worker restarted under
         # its id with the same rank handles signs with a new key).

@@ -99,6 +99,23 @@ def test_a_signed_handle_is_read_and_its_key_read_once(registry, sources):
     _check(sources, _handle(key, blocks=(9,)))
 
 
+def test_a_worker_pulled_from_keeps_its_key_past_other_workers_starts(
+        registry, sources, monkeypatch):
+    """The keys were dropped in the order they were first read, however often used: a prefill
+    worker pulled from all along lost its key after MAX_REMEMBERED other starts (each one met
+    ahead by engine/kv_peers.py), and its next pull while Redis was down was refused."""
+    monkeypatch.setattr(kv_sources, "MAX_REMEMBERED", 2)
+    key = handle_mac.new_key()
+    registry.sources["prefill-1"] = (RANKS, key)
+    _check(sources, _handle(key))
+    sources.remember("prefill-2", [b'{"rank":0,"p":2}'], handle_mac.new_key())
+    _check(sources, _handle(key, blocks=(5,)))  # used since prefill-2 was met
+    sources.remember("prefill-3", [b'{"rank":0,"p":3}'], handle_mac.new_key())
+    registry.down = True
+    _check(sources, _handle(key, blocks=(6,)))
+    assert registry.reads == 1
+
+
 @pytest.mark.parametrize("gone", ["redis_down", "worker_purged"])
 def test_a_forged_handle_of_a_worker_met_is_bad_input_when_its_key_cannot_be_read_again(
         registry, sources, gone):
