@@ -156,15 +156,15 @@ class Supervisor:
     def _lost(self, proc: Proc, why: str) -> int | None:
         """``proc`` cannot be started again (``why``): 1 when the cluster cannot serve
         without it (the router, or the last worker of its role), else None, said loudly."""
-        left = sum(p.role == proc.role for p in self.cluster.procs)
-        if proc.role not in ("prefill", "decode") or left == 0:
+        left = {role: sum(p.role == role for p in self.cluster.procs)
+                for role in ("prefill", "decode")}
+        if not left.get(proc.role):  # the router, Redis, or the last worker of its role
             what = ("nothing serves without the router" if proc.role == "router"
                     else f"no {proc.role} worker left")
             self.say(f"pdserve up: {why}; stopping: {what}")
             return 1
         self.lost.append(f"{proc.name}: {why}")
-        counts = ", ".join(f"{sum(p.role == role for p in self.cluster.procs)} {role}"
-                           for role in ("prefill", "decode"))
+        counts = ", ".join(f"{n} {role}" for role, n in left.items())
         self.say(f"pdserve up: DEGRADED: {why}; serving on without it ({counts} workers "
                  f"left; {len(self.lost)} lost since the start)")
         return None

@@ -5,6 +5,7 @@ processes over gloo), a real worker process for the serving path."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import os
 import random
@@ -47,6 +48,23 @@ def _unread(conn) -> int:
     return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
+@dataclasses.dataclass
+class _Deaths:
+    """What an AsyncEngine's on_dead was told, and an event set by it."""
+    event: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    causes: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, error: BaseException) -> None:
+        self.causes.append(error)
+        self.event.set()
+
+
+def _watched(engine, step_timeout_s: float):
+    """``engine`` stepped by an AsyncEngine (on the running loop) whose death is recorded."""
+    deaths = _Deaths()
+    return AsyncEngine(engine, on_dead=deaths, step_timeout_s=step_timeout_s), deaths
+
+
 def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path):
     """Without the pings nothing asks an idle rank anything: the engine stayed up, the
     worker SERVING, until a request's step waited out the step timeout (120 s) on it."""
@@ -54,22 +72,15 @@ def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path)
     (rank1,) = engine.executor.workers
 
     async def run():
-        died = asyncio.Event()
-        causes = []
-
-        def on_dead(e):
-            causes.append(e)
-            died.set()
-
         # A step timeout far beyond the wait below: only the pings can find the stop.
-        ae = AsyncEngine(engine, on_dead=on_dead, step_timeout_s=3600)
+        ae, deaths = _watched(engine, step_timeout_s=3600)
         try:
             outs = [o async for o in ae.generate("warm", [5, 6, 7, 8], _GREEDY)]
             assert outs[-1].finish_reason == "length"  # it served before the stop
             stop_process(rank1.process)
-            await asyncio.wait_for(died.wait(), _DEATH_WAIT_S)
+            await asyncio.wait_for(deaths.event.wait(), _DEATH_WAIT_S)
             assert not ae.alive
-            return causes
+            return deaths.causes
         finally:
             ae.shutdown()  # kills the stopped rank
 
@@ -89,24 +100,17 @@ def test_a_ping_waiting_on_a_stopped_rank_is_bounded_by_the_step_timeout(preset_
     (rank1,) = engine.executor.workers
 
     async def run():
-        died = asyncio.Event()
-        causes = []
-
-        def on_dead(e):
-            causes.append(e)
-            died.set()
-
-        ae = AsyncEngine(engine, on_dead=on_dead, step_timeout_s=2)
+        ae, deaths = _watched(engine, step_timeout_s=2)
         try:
             stop_process(rank1.process)
             # A ping sent and unread (no step ran): the engine thread waits on its answer.
             assert await asyncio.to_thread(wait_until, lambda: _unread(rank1.conn) > 0,
                                            _DEATH_WAIT_S)
             waiting = asyncio.ensure_future(_drain(ae.generate("after", [5, 6, 7], _GREEDY)))
-            await asyncio.wait_for(died.wait(), _DEATH_WAIT_S)
+            await asyncio.wait_for(deaths.event.wait(), _DEATH_WAIT_S)
             with pytest.raises(EngineDeadError):
                 await asyncio.wait_for(waiting, _DEATH_WAIT_S)
-            return causes
+            return deaths.causes
         finally:
             ae.shutdown()  # kills the stopped rank
 
