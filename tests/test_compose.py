@@ -39,9 +39,13 @@ def test_compose_services_and_commands():
     for name, svc in services.items():
         # Crashed services come back (as `pdserve up` brings them back); clean stops do not.
         third_party = name in ("redis", "prometheus")
-        assert svc["restart"] == ("unless-stopped" if third_party else "on-failure")
         if third_party:
+            assert svc["restart"] == "unless-stopped"
             continue
+        # A bare on-failure restarted a service refused its configuration (exit 2 at every
+        # start) forever: at most as many times as `pdserve up` restarts one by default.
+        policy, _, retries = svc["restart"].partition(":")
+        assert (policy, retries) == ("on-failure", str(_up_default_max_restarts())), name
         args = parser.parse_args([_expand(a) for a in svc["command"]])
         roles.add(args.command)
         assert args.host == "0.0.0.0"
@@ -86,6 +90,10 @@ def test_prometheus_scrapes_every_pdserve_service():
     assert scraped == {n for n in services if n not in ("redis", "prometheus")}
 
 
+def _up_default_max_restarts() -> int:
+    return build_parser().parse_args(["up"]).max_restarts
+
+
 def _dockerfile_instructions() -> list[tuple[str, str]]:
     """(instruction, arguments) per Dockerfile instruction, continuation lines joined."""
     text = (COMPOSE.parent / "Dockerfile").read_text().replace("\\\n", " ")
@@ -102,6 +110,28 @@ def test_image_can_compile_kernels_at_run_time():
         if op == "RUN" and "apt-get install" in args:
             installed |= set(shlex.split(args.split("apt-get install", 1)[1].split("&&")[0]))
     assert {"gcc", "libc6-dev", "python3-dev", "redis-server"} <= installed
+
+
+def test_image_installs_the_torch_the_project_is_tested_with():
+    """pyproject asks for torch>=2.4 only: `pip install .` in the image took PyPI's newest
+    torch, not the one the Makefile installs and the tests run against."""
+    makefile = (ROOT / "Makefile").read_text()
+    tested = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, re.M).group(1)
+    args = {}
+    for op, rest in _dockerfile_instructions():
+        if op == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+        if op == "RUN" and "pip install" in rest:
+            installs = shlex.split(rest.split("pip install", 1)[1].split("&&")[0])
+            pins = [a for a in installs if a.startswith("torch==")]
+            assert len(pins) == 1, rest
+            version = pins[0].removeprefix("torch==")
+            version = args.get(version[2:-1], version) if version.startswith("${") else version
+            assert version == tested, (version, tested)
+            assert "." in installs  # the package itself, in the same resolution
+            return
+    raise AssertionError("the Dockerfile installs nothing with pip")
 
 
 def test_image_keeps_caches_on_the_models_volume():
