@@ -145,6 +145,8 @@ def _serve_until_stopped(args: argparse.Namespace, spec, cluster, supervisor_cls
                else f"{args.prefill} prefill, {args.decode} decode")
     print(f"pdserve up: router on {cluster.router_address} ({workers}, model "
           f"{args.model}); Ctrl-C stops everything", flush=True)
+    # Where the services' lines are, shown here too: a killed launcher leaves them there.
+    print(f"  services' stderr: {cluster.log_dir}", flush=True)
     for proc in cluster.procs:
         if proc.gpus is not None:
             print(f"  {proc.name}: {proc.gpus.describe()}", flush=True)

@@ -43,7 +43,7 @@ from router.cluster_spec import DRAIN_TIMEOUT_S, ClusterSpec, flag_value, tp_siz
 from router.cluster_spec import cuda_device_count  # noqa: F401
 from router.gpu_placement import DEFAULT_GPU_MEMORY_UTILIZATION, GpuPlan, WorkerGpus
 from router.proc_family import kill_family, pin_family
-from router import share_dirs
+from router import log_dirs, share_dirs
 from router.redis_server import RedisServer
 from router.stderr_tail import StderrTail
 
@@ -73,7 +73,8 @@ class Proc:
     args: list[str] = field(default_factory=list, repr=False)
     env: dict[str, str] | None = field(default=None, repr=False)
     gpus: WorkerGpus | None = None  # a worker's GPUs, where the cluster placed it on some
-    # Its stderr, passed on to ours; its last lines say why it exited (router/stderr_tail.py).
+    # Its stderr (a file in the cluster's log_dir), passed on to ours; its last lines say why
+    # it exited (router/stderr_tail.py).
     tail: StderrTail | None = field(default=None, repr=False)
 
     def last_words(self, wait_s: float = 2.0) -> str:
@@ -104,6 +105,11 @@ class Cluster:
         self.router_address = ""
         # The folder of the workers' core-share file, made with the first worker.
         self._share_dir: str | None = None
+        # The folder of the services' stderr files (router/stderr_tail.py), made with the
+        # first service and removed at the stop; a killed launcher leaves it, with the
+        # services' last lines.
+        self.log_dir: str | None = None
+        self._num_spawned = 0
         self._num_routers = 0
         # Every service gets the read end (--parent-fd); only this process holds the write
         # end, so when it dies, however, the services read end of file and stop.
@@ -203,7 +209,12 @@ class Cluster:
             self._lifeline = os.pipe()
         parent_fd = self._lifeline[0]
         read_fd, write_fd = os.pipe()
-        err_read, err_write = os.pipe()
+        if self.log_dir is None:
+            self.log_dir = log_dirs.make()
+        self._num_spawned += 1
+        tail = StderrTail(os.path.join(self.log_dir, f"{name.partition('-')[0]}-"
+                                                     f"{self._num_spawned}.log"))
+        popen = None
         try:
             # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops
             # the services in order (routers drained first); the lifeline pipe still ends them
@@ -211,17 +222,18 @@ class Cluster:
             popen = subprocess.Popen(
                 [sys.executable, "-m", "engine.cli", *args, "--ready-fd", str(write_fd),
                  "--parent-fd", str(parent_fd)],
-                env=env, pass_fds=(write_fd, parent_fd), stderr=err_write,
+                env=env, pass_fds=(write_fd, parent_fd), stderr=tail.write_fd,
                 start_new_session=True)
         except BaseException:
             os.close(read_fd)
-            os.close(err_read)
+            tail.close()
             raise
         finally:
             os.close(write_fd)  # the service holds the only write end: EOF once it is gone
-            os.close(err_write)
+            if popen is not None:
+                tail.started(popen)
         proc = Proc(name, "", popen, ready=os.fdopen(read_fd, "rb"), template=name, args=args,
-                    env=env, tail=StderrTail(err_read))
+                    env=env, tail=tail)
         self.procs.append(proc)
         return proc
 
@@ -396,6 +408,7 @@ class Cluster:
                 proc.ready = None
             if proc.tail is not None:  # what it wrote last, passed on before we go on
                 proc.tail.closed.wait(5.0)
+                proc.tail.close()
         if proc in self.procs:
             self.procs.remove(proc)
             if proc.gpus is not None and self.gpu_plan is not None:
@@ -426,6 +439,9 @@ class Cluster:
         if self._share_dir is not None:
             share_dirs.remove(self._share_dir)
             self._share_dir = None
+        if self.log_dir is not None:
+            log_dirs.remove(self.log_dir)
+            self.log_dir = None
         if self._lifeline is not None:
             for fd in self._lifeline:
                 os.close(fd)

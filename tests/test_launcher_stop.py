@@ -3,6 +3,7 @@ past its grace, not when it exits and forgets one (a TP worker its rank 0 could 
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from router import share_dirs
+from router import log_dirs, share_dirs
 from router.launcher import Cluster, ClusterSpec, Proc
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,7 +137,8 @@ _LAUNCHER = textwrap.dedent("""
     from tests.serving_helpers import WORKER_ARGS
     cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS, drain_timeout_s=2.0)).start()
     print(json.dumps({"services": [p.popen.pid for p in cluster.procs],
-                      "redis": cluster.redis.proc.pid, "share_dir": cluster._share_dir}),
+                      "redis": cluster.redis.proc.pid, "share_dir": cluster._share_dir,
+                      "log_dir": cluster.log_dir}),
           flush=True)
     time.sleep(600)
 """)
@@ -161,6 +163,13 @@ def test_a_killed_launcher_leaves_no_service_behind():
         left = [pid for pid in [*pids["services"], pids["redis"]]
                 if not _wait_gone(pid, max(0.0, deadline - time.monotonic()))]
         assert not left, f"processes {left} of {pids} outlived their launcher"
+        # What each wrote as it stopped stays in its stderr file, with no launcher to pass
+        # it on (a pipe's reader, it took those lines with it).
+        logs = [(pathlib.Path(pids["log_dir"]) / name).read_bytes()
+                for name in sorted(os.listdir(pids["log_dir"]))]
+        assert len(logs) == 3
+        assert all(b"the launcher that started this service is gone: stopping" in log
+                   for log in logs), [log[-300:] for log in logs]
         # Its core-share folder it could not remove: the next launcher's sweep does.
         share_dir = pids["share_dir"]
         assert os.path.isdir(share_dir)
@@ -174,6 +183,8 @@ def test_a_killed_launcher_leaves_no_service_behind():
                 os.kill(pid, signal.SIGKILL)
         if pids.get("share_dir"):
             share_dirs.remove(pids["share_dir"])
+        if pids.get("log_dir"):
+            log_dirs.remove(pids["log_dir"])
 
 
 def test_stopping_the_cluster_lets_requests_in_flight_finish():

@@ -1,45 +1,166 @@
-"""router/stderr_tail.py: a launched service's stderr, passed on by the launcher."""
+"""router/stderr_tail.py: a launched service's stderr, a file the launcher passes on, with real
+processes: a stopped launcher holds no service, a killed one loses none of its last lines."""
 from __future__ import annotations
 
 import os
+import pathlib
+import select
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from router.stderr_tail import PIPE_MAX_SIZE_FILE, StderrTail
+from router.stderr_tail import RECLAIM_BYTES, StderrTail
+from tests.proc_signals import reap, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
-# A service's burst of log lines: 512 KiB, then its exit.
-_WRITER = ("import sys\n"
-           "for i in range(8192):\n"
-           "    sys.stderr.write(f'{i:08d} ' + 'x' * 54 + '\\n')\n"
-           "sys.stderr.flush()\n")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LINES = 65536  # 4 MiB of 64-byte lines: four times the widest pipe the launcher had
+LINE = "{:08d} " + "x" * 54 + "\n"
+
+# A service's burst of log lines, once the test says go (the launcher stopped by then).
+_WRITER = f"""
+import sys
+with open(sys.argv[1]) as go:
+    go.read()
+for i in range({LINES}):
+    sys.stderr.write({LINE!r}.format(i))
+sys.stderr.flush()
+"""
+
+# A launcher: the service started as Cluster._spawn starts one, its stderr passed on to ours.
+_LAUNCHER = f"""
+import subprocess, sys
+from router.stderr_tail import StderrTail
+tail = StderrTail(sys.argv[1])
+service = subprocess.Popen([sys.executable, "-c", {_WRITER!r}, sys.argv[2]],
+                           stderr=tail.write_fd)
+tail.started(service)
+print(service.pid, flush=True)
+service.wait()
+print(tail.last_lines(n=1, wait_s=60)[0], flush=True)
+"""
+
+# A service that stops as the launcher dies (its lifeline's end of file), saying so.
+_STOPPING = """
+import sys
+sys.stdin.read()
+sys.stderr.write("pdserve: stopping: the launcher is gone\\n")
+"""
 
 
-def test_a_service_is_not_held_by_a_launcher_that_does_not_pass_its_lines_on():
-    """The launcher's thread stuck on its own stderr (a pipe nobody reads here; `pdserve up`
-    stopped by Ctrl-Z alike): the service's 64 KiB pipe filled and every later log line of
-    the service blocked, on its event loop (the router stopped answering its health checks).
-    Its stderr pipe now holds 1 MiB, so a 512 KiB burst goes through."""
-    with open(PIPE_MAX_SIZE_FILE) as f:
-        if int(f.read()) < 1 << 20:
-            pytest.skip("this host's pipes hold less than 1 MiB (fs.pipe-max-size)")
+def _wait_exit(pid: int, timeout_s: float) -> bool:
+    """Whether process ``pid`` (not our child) exited within ``timeout_s``."""
+    fd = os.pidfd_open(pid)
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])
+    finally:
+        os.close(fd)
+
+
+def test_a_stopped_launcher_holds_no_service(tmp_path):
+    """The launcher read each service's stderr from a pipe: stopped (SIGSTOP; Ctrl-Z with its
+    services in sessions of their own), it left the service blocked in its log line once the
+    pipe was full (1 MiB), on its event loop (requests hung). The service now writes to a
+    file: its 4 MiB go through while the launcher is stopped, the launcher passes them all on
+    once it runs again, quotes the last line, and gives the file's blocks back as it reads."""
+    log, out, go = tmp_path / "service.log", tmp_path / "launcher.err", tmp_path / "go"
+    os.mkfifo(go)
+    with open(out, "wb") as err:
+        launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(log), str(go)],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=err)
+    try:
+        service_pid = int(launcher.stdout.readline())
+        stop_process(launcher)
+        try:
+            with open(go, "w") as f:
+                f.write("go")
+            # Blocked in a write without the fix: it would never exit.
+            assert _wait_exit(service_pid, 60), "the service stalled behind the launcher"
+        finally:
+            os.kill(launcher.pid, signal.SIGCONT)
+        assert launcher.stdout.readline().decode().strip() == LINE.format(LINES - 1).strip()
+        assert launcher.wait(timeout=60) == 0
+    finally:
+        reap(launcher)
+    expected = "".join(LINE.format(i) for i in range(LINES)).encode()
+    assert out.read_bytes() == expected  # passed on whole, in order
+    st = os.stat(log)
+    assert st.st_size == len(expected)
+    # What was passed on was given back: at most the last step's worth is still held.
+    assert st.st_blocks * 512 <= RECLAIM_BYTES + 65536, st.st_blocks
+
+
+def test_a_killed_launcher_leaves_the_services_last_lines_in_their_file(tmp_path):
+    """Its pipe's reader gone with it, what a service wrote as it stopped for the launcher's
+    death (SIGKILL, the OOM killer) was lost; it stays in the service's file now."""
+    log = tmp_path / "service.log"
+    launcher_code = f"""
+import subprocess, sys
+from router.stderr_tail import StderrTail
+tail = StderrTail(sys.argv[1])
+service = subprocess.Popen([sys.executable, "-c", {_STOPPING!r}], stdin=subprocess.PIPE,
+                           stderr=tail.write_fd)
+tail.started(service)
+print(service.pid, flush=True)
+service.wait()
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code, str(log)], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        service_pid = int(launcher.stdout.readline())
+        launcher.kill()
+        launcher.wait()
+        assert _wait_exit(service_pid, 60)
+    finally:
+        reap(launcher)
+    assert log.read_bytes().endswith(b"pdserve: stopping: the launcher is gone\n")
+
+
+def test_the_last_lines_wait_for_what_the_service_started(tmp_path):
+    """An engine process (a TP rank) shares its worker's stderr and may write after the worker
+    exited: its lines are quoted too, once the last of them closed the file."""
+    grandchild = "import sys; sys.stdin.read(); sys.stderr.write('engine: gone too\\n')"
+    service_code = ("import subprocess, sys\n"
+                    f"subprocess.Popen([sys.executable, '-c', {grandchild!r}], "
+                    "stdin=subprocess.PIPE)\n"
+                    "sys.stderr.write('worker: exiting\\n')\n")
     out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
+    tail = StderrTail(str(tmp_path / "service.log"), out_fd=out_write)
     try:
-        service = subprocess.Popen([sys.executable, "-c", _WRITER], stderr=err_write)
+        service = subprocess.Popen([sys.executable, "-c", service_code], stderr=tail.write_fd)
+        tail.started(service)
+        assert service.wait(timeout=60) == 0
+        assert tail.last_lines(n=2, wait_s=60) == ["worker: exiting", "engine: gone too"]
+        assert tail.closed.is_set()
     finally:
-        os.close(err_write)
-    tail = StderrTail(err_read, out_fd=out_write)
-    try:
-        assert service.wait(timeout=60) == 0  # it blocked in a write without the wider pipe
-    finally:
-        if service.poll() is None:
-            service.kill()
-            service.wait()
-        os.close(out_read)  # the thread's write fails now: it reads on to the end
-        assert tail.closed.wait(30)
+        tail.close()
         os.close(out_write)
-    assert tail.last_lines(n=1) == [f"{8191:08d} " + "x" * 54]
+        with os.fdopen(out_read, "rb") as f:
+            assert f.read() == b"worker: exiting\nengine: gone too\n"
+    assert not (tmp_path / "service.log").exists()
+
+
+def test_without_inotify_or_holes_the_file_is_emptied_once_passed_on(tmp_path, monkeypatch):
+    """Not Linux, or a file system without holes: the service's exit stands for its last
+    writer's close, and the file, read to its end, is emptied rather than punched."""
+    from router import stderr_tail
+
+    monkeypatch.setattr(stderr_tail, "_LIBC", None)
+    log = tmp_path / "service.log"
+    with open(tmp_path / "out", "wb") as out:
+        tail = StderrTail(str(log), out_fd=out.fileno())
+        try:
+            writer = _WRITER.replace("with open(sys.argv[1]) as go:\n    go.read()\n", "")
+            service = subprocess.Popen([sys.executable, "-c", writer], stderr=tail.write_fd)
+            assert service.wait(timeout=60) == 0  # all written before the reading starts
+            tail.started(service)
+            assert tail.last_lines(n=1, wait_s=60) == [LINE.format(LINES - 1).strip()]
+            assert tail.closed.is_set()
+            assert log.stat().st_size == 0
+        finally:
+            tail.close()
+    assert (tmp_path / "out").read_bytes() == "".join(LINE.format(i)
+                                                       for i in range(LINES)).encode()
