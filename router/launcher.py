@@ -267,8 +267,8 @@ class Cluster:
             while True:
                 _check_abort(proc, should_abort)
                 if proc.popen.poll() is not None:
-                    raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} "
-                                       f"while starting{proc.last_words()}")
+                    raise StartExited(f"{proc.label} exited with {proc.popen.returncode} "
+                                      f"while starting{proc.last_words()}")
                 last = "no answer"
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
@@ -303,8 +303,8 @@ class Cluster:
                 proc.popen.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            raise RuntimeError(f"{proc.label} exited with {proc.popen.returncode} while "
-                               f"starting{proc.last_words()}")
+            raise StartExited(f"{proc.label} exited with {proc.popen.returncode} while "
+                              f"starting{proc.last_words()}")
         proc.address = line
         proc.name = proc.name.replace("{port}", line.rpartition(":")[2])
         if proc.name == "router":
@@ -456,6 +456,11 @@ class Cluster:
 
 class StartAborted(Exception):
     """A service's start was given up for a stop asked meanwhile (``should_abort``)."""
+
+
+class StartExited(RuntimeError):
+    """A service exited before it served (a refused configuration, a model folder it could
+    not read): the message says with what and quotes its last lines."""
 
 
 def _check_abort(proc: Proc, should_abort: Callable[[], bool] | None) -> None:

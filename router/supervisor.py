@@ -7,10 +7,15 @@ on its own port (the workers then republish what they keep there). A worker that
 (0: it was told to stop, and drained or had not served yet) was scaled down and stays down.
 When a role crashes more than ``max_restarts`` times within ``RESTART_WINDOW_S`` (the user's
 budget; 0: fail fast), the supervisor gives up and ``pdserve up`` stops everything, as without
-supervision. A worker that cannot be started again (it exits while starting, as one whose
-configuration is refused does, with 2; it is healthy but refused by the router, as serving
-another model than the router's, or not listed by it within 30 s) is lost, said loudly with why
-its first process exited and why the new one failed (their last stderr lines): the cluster
+supervision. A service whose new process exits while starting (its model folder unreadable for
+a moment, Redis refusing it) is started again after a wait that doubles each time (2 s, 4 s, ...
+at most 60 s; other services are looked after meanwhile), each failed start counting as one
+more crash of its role: it was given up at its first failed start, with restarts left. A worker
+that cannot be started again (its role's budget spent on such starts, as one whose
+configuration is refused, exiting 2 at every start, spends it; it is healthy but refused by
+the router, as serving another model than the router's, or not listed by it within 30 s; it
+is not healthy within --start-timeout) is lost, said loudly with why its first process exited
+and why the last new one failed (their last stderr lines): the cluster
 serves on without it while it still has a worker of each role it was started with, the
 router and Redis (what every request needs; its other workers' requests are not cut, and
 the user decides when to stop it); it stops once it has none left of a role, or when the
@@ -31,10 +36,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.launcher import Cluster, Proc, StartAborted
+from router.launcher import Cluster, Proc, StartAborted, StartExited
 from router.redis_server import RedisServer
 
 RESTART_WINDOW_S = 600.0
+# The wait before a service whose new process exited while starting is started again,
+# doubled at each such exit, up to the most.
+RETRY_BACKOFF_S = 2.0
+RETRY_BACKOFF_MAX_S = 60.0
+
+
+@dataclass
+class PendingStart:
+    """A service to start again once ``due`` (time.monotonic()): its new process exited while
+    starting."""
+    proc: Proc  # the process that crashed: how to start it, and its name in messages
+    what: str  # how that one exited
+    due: float
+    failed_starts: int
 
 
 @dataclass
@@ -54,15 +73,24 @@ class Supervisor:
         default_factory=lambda: collections.defaultdict(collections.deque))
     # The workers given up on, each with why: the cluster serves on without them.
     lost: list[str] = field(default_factory=list)
+    # The first wait before a start that exited is tried again (RETRY_BACKOFF_S).
+    retry_backoff_s: float = RETRY_BACKOFF_S
+    # The services waiting to be started again, each until its due time.
+    pending: list[PendingStart] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not self.retry_backoff_s >= 0:
+            raise ValueError(f"retry_backoff_s must be >= 0, got {self.retry_backoff_s!r}")
 
     def check(self) -> int | None:
         """Starts again what crashed since the last check; an exit code once the cluster
         cannot go on, else None (also when a restart was given up for a stop asked
         meanwhile: the caller's loop stops)."""
+        # A start that fails in this check is tried again at a later one, however short its
+        # wait: a check returns once what crashed was dealt with.
+        now = time.monotonic()
         if self.reap_orphans:
             reap_zombies(keep=self._own_pids())
         redis = self.cluster.redis
@@ -91,6 +119,11 @@ class Supervisor:
             code = self._respawn(proc, what)
             if code is not None or self.should_stop():  # stopping: start no more
                 return code
+        for start in [s for s in self.pending if s.due <= now]:
+            self.pending.remove(start)
+            code = self._respawn(start.proc, start.what, start.failed_starts)
+            if code is not None or self.should_stop():
+                return code
         return None
 
     def _own_pids(self) -> set[int]:
@@ -110,25 +143,47 @@ class Supervisor:
         self.say(f"pdserve up: redis-server serving again on {redis.host}:{redis.port}")
         return True
 
-    def _may_restart(self, role: str, what: str) -> bool:
+    def _count_crash(self, role: str) -> int:
+        """One more crash of ``role``: how many within the window."""
         now = time.monotonic()
         crashes = self._crashes[role]
         while crashes and now - crashes[0] > RESTART_WINDOW_S:
             crashes.popleft()
         crashes.append(now)
-        if len(crashes) > self.max_restarts:
-            self.say(f"pdserve up: {what}; {len(crashes)} {role} crashes within "
+        return len(crashes)
+
+    def _may_restart(self, role: str, what: str) -> bool:
+        n = self._count_crash(role)
+        if n > self.max_restarts:
+            self.say(f"pdserve up: {what}; {n} {role} crashes within "
                      f"{RESTART_WINDOW_S:.0f} s (--max-restarts {self.max_restarts}); stopping")
             return False
-        self.say(f"pdserve up: {what}; starting it again ({len(crashes)} of "
+        self.say(f"pdserve up: {what}; starting it again ({n} of "
                  f"{self.max_restarts} within {RESTART_WINDOW_S:.0f} s)")
         return True
 
-    def _respawn(self, proc: Proc, what: str) -> int | None:
+    def _start_failed(self, proc: Proc, what: str, failed_starts: int,
+                      e: StartExited) -> int | None:
+        """``proc``'s new process exited while starting (``e``): started again later while
+        its role's budget lasts, else lost."""
+        why = f"{proc.role} could not be started again ({e}) after {what}"
+        n = self._count_crash(proc.role)
+        if n > self.max_restarts:
+            return self._lost(proc, f"{why}; {n} {proc.role} crashes within "
+                                    f"{RESTART_WINDOW_S:.0f} s (--max-restarts "
+                                    f"{self.max_restarts})")
+        wait_s = min(self.retry_backoff_s * 2 ** (failed_starts - 1), RETRY_BACKOFF_MAX_S)
+        self.pending.append(PendingStart(proc, what, time.monotonic() + wait_s, failed_starts))
+        self.say(f"pdserve up: {why}; starting it again in {wait_s:.0f} s ({n} of "
+                 f"{self.max_restarts} within {RESTART_WINDOW_S:.0f} s)")
+        return None
+
+    def _respawn(self, proc: Proc, what: str, failed_starts: int = 0) -> int | None:
         """None once ``proc`` serves again (or crashed again: the next check counts it), once
-        its start was given up for a stop, or once it is lost and the cluster serves on
-        without it; 1 when it cannot be started again and the cluster cannot serve without it.
-        ``what``: how it exited, for the message."""
+        its start was given up for a stop, once it waits to be started again, or once it is
+        lost and the cluster serves on without it; 1 when it cannot be started again and the
+        cluster cannot serve without it. ``what``: how it exited, for the message;
+        ``failed_starts``: its new processes that exited while starting so far."""
         unconfirmed = None
         try:
             new = self.cluster.respawn(proc, should_abort=self.should_stop)
@@ -143,6 +198,8 @@ class Supervisor:
             self.say(f"pdserve up: a stop was asked while {proc.role} started again; "
                      "not waiting for it")
             return None
+        except StartExited as e:
+            return self._start_failed(proc, what, failed_starts + 1, e)
         except (RuntimeError, OSError) as e:  # OSError: the process could not even start
             return self._lost(proc, f"{proc.role} could not be started again ({e}) after "
                                     f"{what}")

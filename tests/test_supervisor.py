@@ -219,6 +219,8 @@ def test_a_restarted_worker_the_router_refuses_stops_the_cluster(tmp_path, prese
 def test_a_bad_budget_is_refused():
     with pytest.raises(ValueError, match="max_restarts"):
         Supervisor(Cluster(ClusterSpec()), max_restarts=-1)
+    with pytest.raises(ValueError, match="retry_backoff_s"):
+        Supervisor(Cluster(ClusterSpec()), retry_backoff_s=-1.0)
 
 
 def _crashed_worker(cluster: Cluster) -> Proc:

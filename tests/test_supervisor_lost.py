@@ -45,8 +45,9 @@ def _redis_with_databases(port: int, databases: int) -> subprocess.Popen:
 def test_a_worker_refused_at_its_restart_is_named_with_its_first_refusal():
     """Redis came back with fewer databases than the cluster's index: every service refuses
     its configuration and exits 2, the supervisor starts the decode worker again, and the new
-    one is refused at its start. The message said only "the decode worker (pid N) exited with
-    2 while starting; stopping", why somewhere above among every service's lines."""
+    one is refused at its start, as the next one is, which spends the budget. The message said
+    only "the decode worker (pid N) exited with 2 while starting; stopping", why somewhere
+    above among every service's lines."""
     first = RedisServer()
     port = first.port
     url = f"redis://127.0.0.1:{port}/10"
@@ -54,11 +55,16 @@ def test_a_worker_refused_at_its_restart_is_named_with_its_first_refusal():
     smaller = None
     try:
         with Cluster(spec) as cluster:
-            sup = Supervisor(cluster, say=(said := []).append)
+            sup = Supervisor(cluster, max_restarts=2, say=(said := []).append,
+                             retry_backoff_s=0.0)
             first.stop()
             smaller = _redis_with_databases(port, 2)
             for proc in cluster.procs:  # each meets the refusal at its next Redis call
                 assert proc.popen.wait(timeout=120) == 2
+            assert sup.check() is None  # its first new process refused: one more try
+            assert any(line.startswith("pdserve up: decode could not be started again (")
+                       and "; starting it again in 0 s (2 of 2 within 600 s)" in line
+                       for line in said), said
             assert sup.check() == 1
     finally:
         first.stop()
@@ -71,7 +77,38 @@ def test_a_worker_refused_at_its_restart_is_named_with_its_first_refusal():
     again, _, before = line.partition(" after decode-")
     assert "exited with 2 while starting: " in again and refusal in again, line
     assert "exited with 2: " in before and refusal in before, line  # the first refusal
+    assert "; 3 decode crashes within 600 s (--max-restarts 2)" in before, line
     assert line.endswith("; stopping: no decode worker left"), line
+
+
+def test_a_worker_whose_new_process_exits_while_starting_is_started_again(tmp_path,
+                                                                         preset_path):
+    """The model's folder unreadable for a moment (a remount, a sync): the decode worker
+    started again after a crash exits while starting. It was given up at once (the cluster
+    stopped: no decode worker left), with restarts left; it is started again later, and
+    serves once the folder is back."""
+    model = tmp_path / "model"
+    shutil.copytree(preset_path("micro-llama"), model)
+    spec = ClusterSpec(model=str(model), num_prefill=0, num_decode=1, worker_args=WORKER_ARGS)
+    with Cluster(spec) as cluster:
+        sup = Supervisor(cluster, say=(said := []).append, retry_backoff_s=0.0)
+        (model / "config.json").rename(tmp_path / "config.json")
+        (dead,) = _procs(cluster, "decode")
+        dead.popen.kill()
+        dead.popen.wait()
+        assert sup.check() is None
+        assert said[-1].startswith("pdserve up: decode could not be started again (the decode "
+                                   "worker (pid "), said[-1]
+        assert "exited with 2 while starting: pdserve: error: model folder " in said[-1]
+        assert f"after {dead.name} exited with -9" in said[-1], said[-1]
+        assert said[-1].endswith("; starting it again in 0 s (2 of 5 within 600 s)"), said[-1]
+        assert not _procs(cluster, "decode") and not sup.lost
+        (tmp_path / "config.json").rename(model / "config.json")
+        assert sup.check() is None
+        (new,) = _procs(cluster, "decode")
+        assert said[-1] == f"pdserve up: {new.name} serving on {new.address}", said[-1]
+        assert not sup.pending and not sup.lost
+        _serves(cluster, new.name)
 
 
 def _serves(cluster, decode_worker: str) -> None:
