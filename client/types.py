@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from client.chat import Chat, chat_prompt
 from protos import common_pb2, router_pb2
 
 # The keyword arguments generate() and complete() accept (the router's SamplingParams).
@@ -139,17 +140,6 @@ class Completion:
         return self.choices[0].logprobs
 
 
-@dataclass
-class Chat:
-    """A conversation as the prompt: the router renders it with the model's chat template and
-    the model answers as the assistant. A plain list of messages is the same as ``Chat(list)``;
-    ``continue_final_message`` leaves the last message open for the model to continue (an
-    assistant reply the caller has begun) instead of opening a new assistant turn."""
-
-    messages: Sequence[Mapping[str, str]]  # [{"role": "user", "content": "Hi"}, ...]
-    continue_final_message: bool = False
-
-
 # What generate() and complete() take as the prompt.
 Prompt = str | list[int] | list[Mapping[str, str]] | Chat
 
@@ -173,6 +163,8 @@ class ModelInfo:
     eos_token_ids: list[int]
     # What a stream's first chunk names (None from a router older than this field).
     identity: ModelIdentity | None = None
+    # The model's named chat templates, where it ships several (Chat.chat_template_name).
+    chat_template_names: list[str] = field(default_factory=list)
 
 
 def _set_chat(req, prompt: Chat | Sequence[Mapping[str, str]]) -> None:
@@ -181,21 +173,7 @@ def _set_chat(req, prompt: Chat | Sequence[Mapping[str, str]]) -> None:
 
 
 def _chat_prompt(chat: Chat) -> router_pb2.ChatPrompt:
-    msgs = chat.messages
-    if isinstance(msgs, (str, bytes, Mapping)) or not isinstance(msgs, Sequence):
-        raise TypeError("Chat.messages must be a list of {'role': ..., 'content': ...} dicts")
-    out = router_pb2.ChatPrompt(continue_final_message=bool(chat.continue_final_message))
-    for i, m in enumerate(msgs):
-        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise TypeError(f"chat message {i} must be a dict with str 'role' and 'content', "
-                            f"got {m!r}")
-        if len(m) != 2:  # a "name", "tool_calls": the router renders neither, none is sent
-            raise TypeError(f"chat message {i} must have only the keys 'role' and 'content', "
-                            f"got {sorted(map(str, m))}")
-        out.messages.add(role=_sendable_text(m["role"], f"chat message {i}'s role"),
-                         content=_sendable_text(m["content"], f"chat message {i}'s content"))
-    return out
+    return chat_prompt(chat, _sendable_text)
 
 
 def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
@@ -306,7 +284,8 @@ def detokenize_request(token_ids: list[int],
 def model_info_from_proto(m: router_pb2.ModelInfo) -> ModelInfo:
     defaults = {f.name: v for f, v in m.sampling_defaults.ListFields()}
     return ModelInfo(m.model, m.vocab_size, m.max_model_len, m.block_size, m.has_chat_template,
-                     defaults, list(m.eos_token_ids), _identity(m, "identity"))
+                     defaults, list(m.eos_token_ids), _identity(m, "identity"),
+                     list(m.chat_template_names))
 
 
 def _identity(m, name: str) -> ModelIdentity | None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.chat_options import ChatOptions
 from engine.tokenizer import Tokenizer, read_utf8
 
 # A conversation longer than this is refused before rendering; the prompt's token count is
@@ -42,6 +43,9 @@ class ChatTemplateBroken(ChatTemplateUnusable):
 class ChatMessage:
     role: str  # "system", "user", "assistant", or what the template accepts
     content: str
+    # The speaker's name (OpenAI's "name"); the template sees it as the message's "name" key,
+    # absent when None, as transformers passes a message without one.
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role.strip():
@@ -52,11 +56,24 @@ class ChatMessage:
         if not isinstance(self.content, str):
             raise ValueError(f"a chat message's content must be a string, "
                              f"got {type(self.content).__name__}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise ValueError(f"a chat message's name must be a string, "
+                             f"got {type(self.name).__name__}")
+
+    def as_dict(self) -> dict[str, str]:
+        d = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+_MESSAGE_KEYS = {"role", "content"}
+_OPTIONAL_KEYS = {"name"}
 
 
 def check_messages(messages: Sequence[ChatMessage | Mapping]) -> list[ChatMessage]:
-    """``ChatMessage``s from messages or ``{"role": ..., "content": ...}`` mappings; ValueError
-    naming the first bad one."""
+    """``ChatMessage``s from messages or ``{"role": ..., "content": ...}`` mappings (a
+    ``"name"`` too, optionally); ValueError naming the first bad one."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("chat messages must be a list of {role, content} messages")
     if not messages:
@@ -68,11 +85,12 @@ def check_messages(messages: Sequence[ChatMessage | Mapping]) -> list[ChatMessag
         if isinstance(m, ChatMessage):
             out.append(m)
             continue
-        if not isinstance(m, Mapping) or set(m) != {"role", "content"}:
-            raise ValueError(f"chat message {i} must have exactly the keys role and content, "
-                             f"got {m!r}")
+        if not isinstance(m, Mapping) or not _MESSAGE_KEYS <= set(m) <= \
+                _MESSAGE_KEYS | _OPTIONAL_KEYS:
+            raise ValueError(f"chat message {i} must have the keys role and content (and "
+                             f"optionally name), got {m!r}")
         try:
-            out.append(ChatMessage(m["role"], m["content"]))
+            out.append(ChatMessage(m["role"], m["content"], m.get("name")))
         except ValueError as e:
             raise ValueError(f"chat message {i}: {e}") from None
     return out
@@ -140,22 +158,61 @@ def _fallback_environment():
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mapping], *,
                     continue_final_message: bool = False,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None,
+                    options: ChatOptions | None = None) -> list[int]:
     """The prompt token ids of a conversation. The template ends with the opening of the
     assistant's turn, or, with ``continue_final_message``, leaves the last message open so the
-    model continues it (an assistant reply begun by the caller)."""
+    model continues it (an assistant reply begun by the caller). ``options`` (which carry
+    their own continue_final_message) add vLLM's other chat options."""
+    if options is None:
+        options = ChatOptions(continue_final_message=continue_final_message)
+    elif continue_final_message:
+        raise ValueError("give continue_final_message in options, not beside them")
     msgs = check_messages(messages)
-    template = chat_template if chat_template is not None else tokenizer.chat_template
-    if not template:
-        # Said to LLM.chat's caller as to the router's (which names its own flag).
-        raise ChatTemplateMissing(f"model {tokenizer.folder.name!r} has no chat template: "
-                                  "give one (chat_template), or send text or token ids")
-    text = render_chat(tokenizer, msgs, template, continue_final_message)
+    options.check_last_role(msgs[-1].role)
+    clash = sorted(set(options.chat_template_kwargs) & set(tokenizer.special_tokens_map))
+    if clash:  # a special token this tokenizer names beyond the reserved ones
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: "
+                         "the template reads the tokenizer's special tokens under these names")
+    template = select_template(tokenizer, chat_template, options.chat_template_name)
+    text = render_chat(tokenizer, msgs, template, options)
     return tokenizer.encode_plain(text)
 
 
+def select_template(tokenizer: Tokenizer, chat_template: str | None,
+                    name: str | None) -> str:
+    """The template a chat renders with: ``chat_template`` (the operator's, or LLM.chat's
+    caller's), else the model's named ``name``, else the model's default. ChatTemplateMissing
+    when there is none; ValueError for a name the model lacks, or none given where the model
+    has several templates and no "default" (transformers refuses that too)."""
+    named = tokenizer.chat_templates
+    if name is not None:
+        if chat_template is not None:
+            raise ValueError("chat_template_name selects one of the model's named templates, "
+                             "but chats here render with a template given in its place")
+        if name not in named:
+            have = (f"it has {_names(named)}" if named else "it has no named templates")
+            raise ValueError(f"model {tokenizer.folder.name!r} has no chat template named "
+                             f"{name!r}: {have}")
+        return named[name]
+    if chat_template is not None:
+        return chat_template
+    if tokenizer.chat_template:
+        return tokenizer.chat_template
+    if named:
+        raise ValueError(f"model {tokenizer.folder.name!r} has several chat templates and none "
+                         f"named 'default': choose one with chat_template_name ({_names(named)})")
+    # Said to LLM.chat's caller as to the router's (which names its own flag).
+    raise ChatTemplateMissing(f"model {tokenizer.folder.name!r} has no chat template: "
+                              "give one (chat_template), or send text or token ids")
+
+
+def _names(named: Mapping[str, str]) -> str:
+    return ", ".join(repr(n) for n in sorted(named))
+
+
 def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
-                continue_final_message: bool) -> str:
+                options: ChatOptions) -> str:
     """The conversation as text, rendered as ``apply_chat_template(tokenize=False)`` does:
     transformers' sandboxed Jinja environment, with the special tokens' strings as variables.
     ValueError when the template refuses the conversation (its raise_exception) or fails on
@@ -164,10 +221,12 @@ def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
 
     render_jinja_template = chat_renderer()
     try:
+        # The request's kwargs were checked to set none of the names passed beside them.
         rendered, _ = render_jinja_template(
-            conversations=[[{"role": m.role, "content": m.content} for m in msgs]],
-            chat_template=template, add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message, **tokenizer.special_tokens_map)
+            conversations=[[m.as_dict() for m in msgs]], chat_template=template,
+            add_generation_prompt=options.generation_prompt,
+            continue_final_message=options.continue_final_message,
+            **tokenizer.special_tokens_map, **options.chat_template_kwargs)
     except (TemplateSyntaxError, SyntaxError) as e:
         # Python's SyntaxError: what Jinja's parser lets through into the code it compiles
         # ({% break %} outside a loop). Either way no conversation renders.

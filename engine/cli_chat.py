@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="in-process only: render with this Jinja template instead of the "
                         "model's (a router uses its own --chat-template)")
+    p.add_argument("--chat-template-kwargs", default=None, type=_json_object, metavar="JSON",
+                   help="extra variables for the template, as a JSON object (vLLM's "
+                        "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
+    p.add_argument("--chat-template-name", default=None, metavar="NAME",
+                   help="which of the model's named chat templates renders (default: its "
+                        "'default')")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object ({\"name\": value, ...})")
+    return value
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -32,6 +49,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to the in-process engine; a router "
                              "renders with its own --chat-template")
         refuse_engine_flags(args, "a router's workers run with their own")
+    if args.chat_template and args.chat_template_name:
+        raise ValueError("--chat-template-name selects one of the model's named templates; "
+                         "--chat-template replaces them")
     if sys.stdin is None:  # started with stdin closed (`<&-`)
         raise ValueError("chat reads its turns from stdin, which is closed")
     if hasattr(sys.stdin, "reconfigure"):
@@ -146,7 +166,9 @@ class _replier:
             t0 = time.perf_counter()
             # Every turn with the model (and chat template) of the first, whichever router
             # each reaches: a conversation does not change models midway.
-            for chunk in client.generate(Chat(history), expect_model=info.identity, **sampling):
+            chat = Chat(history, chat_template_kwargs=self.args.chat_template_kwargs,
+                        chat_template_name=self.args.chat_template_name)
+            for chunk in client.generate(chat, expect_model=info.identity, **sampling):
                 u = chunk.usage
                 yield chunk.text, None if u is None else (
                     f"{u.completion_tokens} tokens, TTFT {u.timings.ttft_s * 1e3:.1f} ms, total "
@@ -162,7 +184,7 @@ class _replier:
         template = load_chat_template(self.args.chat_template)
         check_sampling_flags(self.args)
         if template is None:
-            _check_model_template(self.args.model)
+            _check_model_template(self.args.model, self.args.chat_template_name)
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
         defaults = llm.sampling_defaults
@@ -170,7 +192,9 @@ class _replier:
 
         def reply(history: list[dict]):
             t0 = time.perf_counter()
-            ids = llm.chat_prompt(history, chat_template=template)
+            ids = llm.chat_prompt(history, chat_template=template,
+                                  chat_template_kwargs=self.args.chat_template_kwargs,
+                                  chat_template_name=self.args.chat_template_name)
             n = 0
             first = None
             for out in llm.stream(ids, params):
@@ -182,7 +206,7 @@ class _replier:
         return reply
 
 
-def _check_model_template(model: str) -> None:
+def _check_model_template(model: str, name: str | None) -> None:
     """ValueError when the model has no chat template (or no tokenizer): said before its
     engine loads (minutes for a large model), not as every turn's error after it did, which
     also told the user to start a router with --chat-template."""
@@ -193,6 +217,13 @@ def _check_model_template(model: str) -> None:
     path = resolve_model(EngineConfig(model=model).model)
     if not has_tokenizer_files(path):
         raise ValueError(f"model {model!r} has no tokenizer, so no chat template to chat with")
-    if not load_tokenizer(path).chat_template:
+    tok = load_tokenizer(path)
+    if not tok.chat_template and not tok.chat_templates:
         raise ValueError(f"model {model!r} has no chat template: pass --chat-template FILE "
                          "(a Jinja chat template) to chat with it")
+    if (name is None and not tok.chat_template) or (name is not None
+                                                    and name not in tok.chat_templates):
+        names = ", ".join(sorted(tok.chat_templates)) or "none"
+        raise ValueError(f"model {model!r} has no chat template named "
+                         f"{name or 'default'!r}: pass --chat-template-name (its named "
+                         f"templates: {names})")

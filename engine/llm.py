@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.generation_defaults import check_generation_config, load_sampling_defaults
@@ -81,24 +82,38 @@ class LLM:
         return final  # type: ignore[return-value]
 
     def chat(self, messages: Sequence[Mapping[str, str]], params: SamplingParams | None = None,
-             *, continue_final_message: bool = False,
-             chat_template: str | None = None) -> RequestOutput:
-        """One assistant reply to a conversation (``[{"role": ..., "content": ...}, ...]``)
-        rendered with the model's chat template, or ``chat_template`` (its text)."""
-        return self.generate([self.chat_prompt(messages, continue_final_message, chat_template)],
-                             params)[0]
+             *, continue_final_message: bool = False, chat_template: str | None = None,
+             add_generation_prompt: bool | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             chat_template_name: str | None = None) -> RequestOutput:
+        """One assistant reply to a conversation (``[{"role": ..., "content": ...}, ...]``,
+        a ``"name"`` optionally) rendered with the model's chat template, or
+        ``chat_template`` (its text). The options are vLLM's (engine/chat_options.py), but
+        ``add_generation_prompt`` None is True unless ``continue_final_message``."""
+        return self.generate([self.chat_prompt(
+            messages, continue_final_message, chat_template,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            chat_template_name=chat_template_name)], params)[0]
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]],
                     continue_final_message: bool = False,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None, *,
+                    add_generation_prompt: bool | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    chat_template_name: str | None = None) -> list[int]:
         """The prompt token ids chat() sends (engine/chat_template.py)."""
+        from engine.chat_options import ChatOptions
         from engine.chat_template import chat_prompt_ids
 
         if self.tokenizer is None:
             raise ValueError("the model has no tokenizer, so no chat template")
-        return chat_prompt_ids(self.tokenizer, messages,
-                               continue_final_message=continue_final_message,
-                               chat_template=chat_template)
+        options = ChatOptions(add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message,
+                              chat_template_kwargs=chat_template_kwargs,
+                              chat_template_name=chat_template_name)
+        return chat_prompt_ids(self.tokenizer, messages, chat_template=chat_template,
+                               options=options)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields one prompt's outputs as tokens arrive."""

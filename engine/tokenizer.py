@@ -61,6 +61,8 @@ class Tokenizer:
         self.all_special_ids: list[int] = list(snapshot.all_special_ids)
         self.skipped_special_ids: frozenset[int] = frozenset(snapshot.skipped_special_ids)
         self.chat_template: str | None = snapshot.chat_template
+        # The model's named templates, "default" among them if it has one ({}: one or none).
+        self.chat_templates: dict[str, str] = dict(snapshot.chat_templates)
         # Variables every chat template sees (bos_token, eos_token, ...), as transformers passes.
         self.special_tokens_map: dict = dict(snapshot.special_tokens_map)
 

@@ -34,7 +34,7 @@ from kernels.cache_dirs import pdserve_cache_dir
 logger = logging.getLogger(__name__)
 
 # Bump when the fields below or their meaning change.
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 # What AutoTokenizer may read from a model folder (config.json names the tokenizer class
 # when tokenizer_config.json does not).
 KEY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -71,6 +71,8 @@ class TokenizerSnapshot:
     chat_template: str | None
     # The special tokens' strings; chat templates see them as variables (bos_token, ...).
     special_tokens_map: dict[str, Any] = field(default_factory=dict)
+    # Every named template where the model ships several ({} where it ships one or none).
+    chat_templates: dict[str, str] = field(default_factory=dict)
 
     def build_backend(self):
         """A fresh ``tokenizers.Tokenizer`` that encodes and decodes as the snapshotted one."""
@@ -87,7 +89,9 @@ class TokenizerSnapshot:
 def snapshot_of(hf) -> TokenizerSnapshot:
     """The snapshot of a loaded transformers fast tokenizer."""
     template = hf.chat_template
+    named = {}
     if isinstance(template, dict):
+        named = {str(k): v for k, v in template.items() if isinstance(v, str)}
         template = template.get("default")
     try:
         backend_json = hf.backend_tokenizer.to_str()
@@ -105,6 +109,7 @@ def snapshot_of(hf) -> TokenizerSnapshot:
         split_special_tokens=bool(getattr(hf, "split_special_tokens", False)),
         chat_template=template if isinstance(template, str) else None,
         special_tokens_map=json.loads(json.dumps(dict(hf.special_tokens_map), default=str)),
+        chat_templates=named,
     )
 
 

@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from protos import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -14,20 +15,28 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
-    __slots__ = ("messages", "continue_final_message")
+    __slots__ = ("messages", "continue_final_message", "add_generation_prompt", "chat_template_kwargs", "chat_template_name")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_NAME_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     continue_final_message: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    add_generation_prompt: bool
+    chat_template_kwargs: _struct_pb2.Struct
+    chat_template_name: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., chat_template_name: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "resume_token_ids", "expect_model")
@@ -318,12 +327,13 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "has_chat_template", "sampling_defaults", "eos_token_ids", "identity")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "has_chat_template", "chat_template_names", "sampling_defaults", "eos_token_ids", "identity")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_NAMES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -332,10 +342,11 @@ class ModelInfo(_message.Message):
     max_model_len: int
     block_size: int
     has_chat_template: bool
+    chat_template_names: _containers.RepeatedScalarFieldContainer[str]
     sampling_defaults: _common_pb2.SamplingParams
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     identity: ModelIdentity
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., chat_template_names: _Optional[_Iterable[str]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
     __slots__ = ("limit",)

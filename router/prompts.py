@@ -4,11 +4,13 @@ prompt into token ids (text, token ids or a chat), ids back into text, the model
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from engine.chat_options import MAX_TEMPLATE_KWARGS_DEPTH, ChatOptions
 from engine.chat_template import (ChatMessage, ChatTemplateMissing, ChatTemplateUnusable,
                                   chat_prompt_ids, chat_renderer, check_chat_template)
 from engine.model_fingerprint import text_digest
@@ -43,13 +45,23 @@ class ServedModel:
     def __post_init__(self) -> None:
         template = (self.chat_template if self.chat_template is not None
                     else self.tokenizer.chat_template)
+        if self.chat_template is None and self.tokenizer.chat_templates:
+            # Any of them may render a stream's prompt: the digest covers them all.
+            template = json.dumps(self.tokenizer.chat_templates, sort_keys=True)
         self.identity = router_pb2.ModelIdentity(
             name=self.name, fingerprint=self.fingerprint,
             chat_template=text_digest(template) if template else "")
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_template or self.tokenizer.chat_template)
+        return bool(self.chat_template or self.tokenizer.chat_template
+                    or self.tokenizer.chat_templates)
+
+    @property
+    def chat_template_names(self) -> list[str]:
+        """The names a chat may select; none under the operator's template, which replaces
+        the model's."""
+        return [] if self.chat_template is not None else sorted(self.tokenizer.chat_templates)
 
     async def prompt_ids_async(self, msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest
                                ) -> list[int]:
@@ -95,11 +107,17 @@ class ServedModel:
         return ids[-keep:]
 
     def chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
+        options = ChatOptions(
+            add_generation_prompt=(chat.add_generation_prompt
+                                   if chat.HasField("add_generation_prompt") else None),
+            continue_final_message=chat.continue_final_message,
+            chat_template_kwargs=template_kwargs(chat.chat_template_kwargs),
+            chat_template_name=chat.chat_template_name or None)
+        msgs = [ChatMessage(m.role, m.content, m.name if m.HasField("name") else None)
+                for m in chat.messages]
         try:
-            return chat_prompt_ids(self.tokenizer,
-                                   [ChatMessage(m.role, m.content) for m in chat.messages],
-                                   continue_final_message=chat.continue_final_message,
-                                   chat_template=self.chat_template)
+            return chat_prompt_ids(self.tokenizer, msgs, chat_template=self.chat_template,
+                                   options=options)
         except ChatTemplateMissing:
             raise RouterRejectError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -124,6 +142,7 @@ class ServedModel:
         return router_pb2.ModelInfo(
             model=self.name, vocab_size=self.vocab_size, max_model_len=max_model_len,
             block_size=block_size, has_chat_template=self.has_chat_template,
+            chat_template_names=self.chat_template_names,
             sampling_defaults=common_pb2.SamplingParams(**self.sampling_defaults),
             eos_token_ids=self.eos_token_ids, identity=self.identity)
 
@@ -153,10 +172,41 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
         # Checked now: a template that does not parse would fail every chat, each blamed on
         # its request. The operator's was checked when read; the model's is checked here.
         if chat_template is None:
-            check_chat_template(served.tokenizer.chat_template,
-                                f"the chat template of model {model!r}",
-                                " (start the router with --chat-template to use another)")
+            named = served.tokenizer.chat_templates
+            for name, text in (named.items() if named
+                               else [(None, served.tokenizer.chat_template)]):
+                what = "the chat template" + (f" {name!r}" if name else "")
+                check_chat_template(text, f"{what} of model {model!r}",
+                                    " (start the router with --chat-template to use another)")
     return served
+
+
+# A Struct's numbers are doubles; integers beyond this do not survive the trip exactly, and
+# below it a whole double is taken as the integer a JSON client wrote ({{ n }} renders "3",
+# as transformers renders the int the same kwargs hold, not "3.0").
+_EXACT_INT = 2 ** 53
+
+
+def template_kwargs(struct) -> dict:
+    """``ChatPrompt.chat_template_kwargs`` as Python values (ChatOptions checks the rest)."""
+    return {k: _value(v, 1) for k, v in struct.fields.items()}
+
+
+def _value(v, depth: int):
+    if depth > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise ValueError(f"chat_template_kwargs nest deeper than {MAX_TEMPLATE_KWARGS_DEPTH} "
+                         "levels")
+    kind = v.WhichOneof("kind")
+    if kind == "number_value":
+        x = v.number_value
+        return int(x) if x.is_integer() and abs(x) <= _EXACT_INT else x
+    if kind == "struct_value":
+        return {k: _value(f, depth + 1) for k, f in v.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(f, depth + 1) for f in v.list_value.values]
+    if kind in ("string_value", "bool_value"):
+        return getattr(v, kind)
+    return None  # null_value, or a Value with no kind set (JSON's null either way)
 
 
 def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> bool:
@@ -168,9 +218,10 @@ def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) 
     if which == "token_ids":
         return len(msg.token_ids.ids) > INLINE_PROMPT_CHARS
     if which == "chat":
-        n = 0
+        kwargs = msg.chat.chat_template_kwargs
+        n = kwargs.ByteSize() if kwargs.fields else 0
         for m in msg.chat.messages:  # a message counts 1 at least: a million empty ones too
-            n += 1 + len(m.role) + len(m.content)
+            n += 1 + len(m.role) + len(m.content) + len(m.name)
             if n > INLINE_PROMPT_CHARS:
                 return True
     return False

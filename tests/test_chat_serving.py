@@ -11,11 +11,13 @@ import sys
 
 import pytest
 
-from client import Client
+from client import Chat, Client, InvalidArgumentError
 from engine import SamplingParams
 from engine.chat_template import load_chat_template
 from router.launcher import Cluster, ClusterSpec
 from tests.chat_models import model_with_template
+from tests.chat_option_templates import NAMED_WITHOUT_DEFAULT
+from tests.hf_oracle import hf_tokenizer
 from tests.serving_helpers import WORKER_ARGS
 
 # Different turn markers from the model's own template, so the tokens show which one ran.
@@ -102,15 +104,20 @@ def _chat(address: str, turns: str, *flags: str) -> subprocess.CompletedProcess:
                            *flags], input=turns, capture_output=True, text=True, timeout=120)
 
 
+def _router_of(cluster, folder: str):
+    """Another router, on ``folder``'s copy of the workers' model (another template)."""
+    address = cluster.router_address
+    try:
+        return cluster.start_router(extra=["--model", folder])
+    finally:
+        cluster.router_address = address  # the other tests' router
+
+
 def test_pdserve_chat_refuses_a_router_without_a_chat_template(cluster, preset_path, tmp_path):
     """Said before any turn is read, with what the router needs: every turn failed instead,
     each with FAILED_PRECONDITION after it was typed."""
     folder = model_with_template(preset_path("tiny-llama"), tmp_path / "none", None)
-    address = cluster.router_address
-    try:
-        router = cluster.start_router(extra=["--model", folder])
-    finally:
-        cluster.router_address = address  # the other tests' router
+    router = _router_of(cluster, folder)
     proc = _chat(router.address, "Hello\nAgain\n", "--max-tokens", "2")
     assert proc.returncode == 2, proc.stderr
     assert "has no chat template: start the router with --chat-template FILE" in proc.stderr
@@ -162,3 +169,69 @@ def test_pdserve_chat_on_a_terminal_edits_the_line(cluster):
             proc.kill()
             proc.wait()
     assert b"tokens, TTFT" not in seen, seen
+
+
+OPTIONS_CHAT = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi", "name": "ann"},
+                {"role": "assistant", "content": "Hello", "name": "bot"},
+                {"role": "user", "content": "Think?"}]
+
+
+def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, reference,
+                                                                      preset_path, tmp_path):
+    """A model with named templates and no "default" (it counted as having no template), a
+    message's name, add_generation_prompt, continue_final_message and chat_template_kwargs:
+    the router's prompt is HF's apply_chat_template's with the same arguments; bad options
+    are the client's INVALID_ARGUMENT."""
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "named",
+                                 NAMED_WITHOUT_DEFAULT)
+    router = _router_of(cluster, folder)
+    hf = hf_tokenizer(folder)
+    kwargs = {"enable_thinking": False, "budget": 3,
+              "persona": {"style": "terse ", "tags": ["a", "b"]}}
+    begun = OPTIONS_CHAT + [{"role": "assistant", "content": "Let me"}]
+    cases = [(Chat(OPTIONS_CHAT, chat_template_name="thinking", chat_template_kwargs=kwargs),
+              dict(chat_template="thinking", add_generation_prompt=True, **kwargs)),
+             (Chat(OPTIONS_CHAT, chat_template_name="thinking", add_generation_prompt=False),
+              dict(chat_template="thinking", add_generation_prompt=False)),
+             (Chat(begun, chat_template_name="thinking", continue_final_message=True,
+                   add_generation_prompt=False),
+              dict(chat_template="thinking", continue_final_message=True)),
+             (Chat(OPTIONS_CHAT, chat_template_name="qa"),
+              dict(chat_template="qa", add_generation_prompt=True))]
+    with Client(router.address, timeout=60) as c:
+        info = c.model_info()
+        assert info.has_chat_template and info.chat_template_names == ["qa", "thinking"]
+        for chat, hf_args in cases:
+            want = hf.apply_chat_template(chat.messages, tokenize=True, return_dict=False,
+                                          **hf_args)
+            assert c.tokenize(chat).token_ids == want, hf_args
+        res = c.complete(cases[0][0], max_tokens=6, **GREEDY)
+        for bad, match in [
+                (Chat(OPTIONS_CHAT), "none named 'default': choose one with chat_template_name "
+                                     "('qa', 'thinking')"),
+                (Chat(OPTIONS_CHAT, chat_template_name="rag"), "no chat template named 'rag'"),
+                (Chat(begun, chat_template_name="qa", continue_final_message=True,
+                      add_generation_prompt=True), "cannot both be true"),
+                (Chat(OPTIONS_CHAT, chat_template_name="qa", continue_final_message=True),
+                 "not 'assistant'"),
+                (Chat(OPTIONS_CHAT, chat_template_name="qa",
+                      chat_template_kwargs={"add_generation_prompt": True}),
+                 "may not set 'add_generation_prompt'"),
+                (Chat(OPTIONS_CHAT, chat_template_name="qa",
+                      chat_template_kwargs={"x": "y" * 70000}), "bytes of JSON")]:
+            with pytest.raises(InvalidArgumentError, match=re.escape(match)):
+                c.complete(bad, max_tokens=2)
+    prompt = hf.apply_chat_template(OPTIONS_CHAT, tokenize=True, return_dict=False,
+                                    **cases[0][1])
+    want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert res.token_ids == want.token_ids
+    assert res.usage.prompt_tokens == len(prompt)
+    # pdserve chat picks the template and passes the kwargs.
+    proc = _chat(router.address, "Hi\n", "--max-tokens", "4", "--chat-template-name",
+                 "thinking", "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert proc.returncode == 0, proc.stderr
+    turn = hf.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True,
+                                  return_dict=False, chat_template="thinking",
+                                  add_generation_prompt=True, enable_thinking=False)
+    assert f"{len(turn)} prompt tokens" in proc.stderr

@@ -96,8 +96,11 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
      "chat message 0's content cannot be sent"),
     ([1, 1 << 63], ValueError, f"prompt token id {1 << 63} cannot be sent"),
     # Keys the router would not render, dropped unsaid (the engine refuses them).
-    ([{"role": "user", "content": "hi", "name": "bob"}], TypeError,
-     r"chat message 0 must have only the keys 'role' and 'content', got \['content', 'name'"),
+    ([{"role": "user", "content": "hi", "tool_calls": []}], TypeError,
+     r"chat message 0 may have only the keys 'role', 'content' and 'name', "
+     r"got \['content', 'role', 'tool_calls'"),
+    ([{"role": "user", "content": "hi", "name": "b\ud800"}], ValueError,
+     "chat message 0's name cannot be sent"),
     ([1, True], TypeError, r"a list of token ids \(int, not bool\)"),
 ])
 def test_a_prompt_protobuf_cannot_carry_is_refused_by_name(prompt, error, match):

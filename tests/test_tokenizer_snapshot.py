@@ -83,11 +83,12 @@ def test_random_text_encodes_as_transformers(pair, text):
 
 def test_a_cached_load_renders_chats_as_transformers(pair):
     tok, hf = pair
-    for continue_final in (False, True):
-        want = hf.apply_chat_template(CHAT, add_generation_prompt=not continue_final,
+    begun = CHAT + [{"role": "assistant", "content": "It is"}]  # what continuing continues
+    for chat, continue_final in ((CHAT, False), (begun, True)):
+        want = hf.apply_chat_template(chat, add_generation_prompt=not continue_final,
                                       continue_final_message=continue_final, tokenize=True,
                                       return_dict=False)
-        assert chat_prompt_ids(tok, CHAT, continue_final_message=continue_final) == want
+        assert chat_prompt_ids(tok, chat, continue_final_message=continue_final) == want
 
 
 def test_the_first_load_writes_a_snapshot_the_next_one_reads(empty_cache, preset_path, caplog):
