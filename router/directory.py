@@ -65,6 +65,10 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     # fingerprint: workers serving another are left out (router/model_match.py). "" checks none.
     model: str = ""
     model_fingerprint: str = ""
+    # Equally good workers go by an order drawn from this (the router's id): routers sharing
+    # the workers, each knowing only its own requests in flight, then spread over them
+    # instead of all taking the same one (router/routing_policy.py). "": the smaller id first.
+    tie_seed: str = ""
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.

@@ -7,14 +7,20 @@ flight to it, which are fresher: counted from their pick, router/worker_handle.p
 token saves its prefill; a queued request delays this one by roughly a prompt's prefill, hence
 the exchange rate. Decode: among workers with enough free blocks for the prompt, the fewest
 requests in flight, then the most free blocks; when no worker's last heartbeat shows enough,
-the workers are asked for their current free blocks before the request is refused. Ties go to
-the smaller worker id, so routing is deterministic. Decode workers publish their cached blocks
-too: ``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn),
-which router/local_prefill.py may let prefill it.
+the workers are asked for their current free blocks before the request is refused. Ties go by
+an order of the workers drawn from the router's id (``tie_seed``; without one, the smaller id
+first), so a router's routing is deterministic, and routers sharing the workers order them
+each their own way: each knows only its own requests in flight, and with one shared order
+every router idle at once sent its next prompt to the same worker (two routers with a request
+each: both on one prefill and one decode worker, the other two idle; now half the time, as
+two independent orders of two workers agree). Decode workers publish their cached blocks too:
+``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn), which
+router/local_prefill.py may let prefill it.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 
 import grpc
@@ -39,6 +45,14 @@ class NoWorkerError(Exception):
 class RoutingPolicy:
     """WorkerDirectory's picks, over its ``candidates`` and the registry's prefix index."""
 
+    def tie_rank(self, worker_id: str) -> str:
+        """Where ``worker_id`` comes among equally good workers, the lowest first: by a hash
+        of it under the router's ``tie_seed``, or by the id itself without one."""
+        if not self.tie_seed:
+            return worker_id
+        return hashlib.blake2b(f"{self.tie_seed}\0{worker_id}".encode(),
+                               digest_size=8).hexdigest()
+
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
         registered since the last periodic refresh takes the request instead of a refusal."""
@@ -57,12 +71,12 @@ class RoutingPolicy:
                                 "no prefill worker is available" + self.foreign_hint("prefill"))
         matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
 
-        def score(w: WorkerHandle) -> tuple:
+        def rank(w: WorkerHandle) -> tuple:  # the best first
             cached = min(matched.get(w.worker_id, 0) * self.block_size, num_tokens)
             load = w.inflight + w.info.num_waiting
-            return (cached - LOAD_COST_TOKENS * load, -w.inflight, _neg(w.worker_id))
+            return (LOAD_COST_TOKENS * load - cached, w.inflight, self.tie_rank(w.worker_id))
 
-        best = max(cands, key=score)
+        best = min(cands, key=rank)
         return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
 
     async def _match_prefix(self, block_hashes: list[bytes],
@@ -81,8 +95,8 @@ class RoutingPolicy:
         if not cands or not block_hashes:
             return None, 0
         matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
-        best = max(cands, key=lambda w: (matched.get(w.worker_id, 0), -w.inflight,
-                                         _neg(w.worker_id)))
+        best = min(cands, key=lambda w: (-matched.get(w.worker_id, 0), w.inflight,
+                                         self.tie_rank(w.worker_id)))
         cached = min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
         return (best, cached) if cached else (None, 0)
 
@@ -112,7 +126,8 @@ class RoutingPolicy:
                                 f"no room on any decode worker: none has {need} free KV "
                                 f"blocks")
         return min(_prefer(roomy, avoid),
-                   key=lambda w: (w.inflight, -w.info.num_free_blocks, w.worker_id))
+                   key=lambda w: (w.inflight, -w.info.num_free_blocks,
+                                  self.tie_rank(w.worker_id)))
 
     def foreign_hint(self, role: str) -> str:
         """Why none may be available though some are registered: they serve another model
@@ -163,11 +178,3 @@ def _prefer(cands: list[WorkerHandle], avoid: frozenset[str]) -> list[WorkerHand
     """The candidates not in ``avoid``, or all of them when that leaves none."""
     kept = [w for w in cands if w.worker_id not in avoid]
     return kept or cands
-
-
-
-def _neg(s: str) -> tuple:
-    """Sorts strings descending inside a max(): the smaller id wins a tie. The end marker
-    ranks above every character, so that an id beats the longer ids it is a prefix of ("p1"
-    before "p10"), as it sorts before them."""
-    return (*(-ord(c) for c in s), 1)

@@ -47,7 +47,8 @@ async def serve_router(config: RouterConfig) -> None:
                                 + keepalive_options(config.keepalive_time_s,
                                                     config.keepalive_timeout_s),
                                 config.liveness, model=config.model_name,
-                                model_fingerprint=model.fingerprint)
+                                model_fingerprint=model.fingerprint,
+                                tie_seed=presence.router_id)
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)

@@ -300,6 +300,38 @@ def test_routing_picks_an_avoided_worker_with_room_over_a_refusal_and_ignores_un
     asyncio.run(body())
 
 
+def test_routers_sharing_idle_workers_send_their_requests_to_different_ones(redis_url):
+    """Each router counts only its own requests in flight: with one tie order shared by all,
+    four routers with a request each sent all four to one prefill and one decode worker
+    while the other two idled. Each router orders tied workers by its own id instead."""
+    async def body():
+        writer = Registry.from_url(redis_url, "dir10")
+        for wid, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"),
+                          ("d2", "decode")):
+            await writer.heartbeat(_info(wid, role))
+        routers = [WorkerDirectory(Registry.from_url(redis_url, "dir10"), 16,
+                                   refresh_interval_s=3600, tie_seed=f"router-{i}")
+                   for i in range(4)]
+        try:
+            prefills, decodes = [], []
+            for d in routers:
+                await d.refresh()
+                worker, _ = await d.pick_prefill(hash_request_tokens(list(range(32)), 16), 32)
+                prefills.append(worker.worker_id)
+                decodes.append((await d.pick_decode(33)).worker_id)
+            assert sorted(set(prefills)) == ["p1", "p2"], prefills
+            assert sorted(set(decodes)) == ["d1", "d2"], decodes
+            # A router's own order is the same at every pick: its routing stays deterministic.
+            again = await routers[0].pick_prefill(hash_request_tokens(list(range(32)), 16), 32)
+            assert again[0].worker_id == prefills[0]
+        finally:
+            await writer.r.aclose()
+            for d in routers:
+                await d.stop()
+
+    asyncio.run(body())
+
+
 async def _no_fresh_info(workers) -> None:
     pass
 

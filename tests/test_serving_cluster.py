@@ -48,7 +48,12 @@ def _drain(cluster, proc, undrain=False):
 
 def test_shared_prefix_goes_to_the_worker_that_holds_it(cluster):
     prefills = _by_role(cluster, "prefill")
-    holder = prefills[-1]  # not the tie-break winner: only the prefix index can pick it
+    # Not the worker the router takes when nothing is cached (its tie order comes from its
+    # id): only the prefix index can pick the holder.
+    with Client(cluster.router_address, timeout=60) as c:
+        first = c.complete(random_prompts(1, seed=12, lo=40, hi=40)[0], max_tokens=1,
+                           **GREEDY).usage.prefill_worker_id
+    holder = next(p for p in prefills if p.name != first)
     prefix = random_prompts(1, seed=11, lo=96, hi=96)[0]
     with grpc.insecure_channel(holder.address) as ch:  # warm the holder's prefix cache
         stub = worker_pb2_grpc.PrefillWorkerStub(ch)
