@@ -337,6 +337,7 @@ class RouterAdminServicer:
 
     def DrainWorker(self, request, context):
         """Stops routing new requests to a worker (requests in flight finish); undrain reverses it.
+        Written to the registry: every router sharing it acts on it at its next refresh (0.5 s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
