@@ -41,6 +41,7 @@ from router.model_match import model_mismatch
 from router.redis_bound import REDIS_TIMEOUT_S
 from router.redis_health import RedisHealth
 from router.registry import Registry
+from router.router_peers import RouterPlace
 from router.routing_policy import LOAD_COST_TOKENS, NoWorkerError, RoutingPolicy
 from router.worker_failures import WorkerFailures
 from router.worker_handle import WorkerHandle, prefilling
@@ -65,10 +66,13 @@ class WorkerDirectory(RoutingPolicy, WorkerFailures):
     # fingerprint: workers serving another are left out (router/model_match.py). "" checks none.
     model: str = ""
     model_fingerprint: str = ""
-    # Equally good workers go by an order drawn from this (the router's id): routers sharing
-    # the workers, each knowing only its own requests in flight, then spread over them
-    # instead of all taking the same one (router/routing_policy.py). "": the smaller id first.
+    # Equally good workers go by this router's place among the routers sharing the namespace
+    # (router/router_peers.py; None while unknown), else by an order drawn from ``tie_seed``
+    # (the router's id): routers sharing the workers, each knowing only its own requests in
+    # flight, then spread over them instead of all taking the same one
+    # (router/routing_policy.py). Neither: the smaller id first.
     tie_seed: str = ""
+    router_place: Callable[[], RouterPlace | None] | None = None
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
     _task: asyncio.Task | None = None
     # Requests refresh on a miss beside the periodic loop; one refresh applies at a time.

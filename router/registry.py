@@ -16,6 +16,7 @@ Key schema (``ns`` is the namespace, default "pdserve"):
                                       key it signs its KV handles with (tagged); expires an
                                       hour after its last heartbeat
 - the transfer ledger's keys: router/ledger.py
+- the routers beating in the namespace: router/router_peers.py
 
 A worker is live while its heartbeat is younger than the reader's TTL or its own, whichever is
 longer; a stale worker drops out of ``live_workers`` without anyone deregistering it, and its

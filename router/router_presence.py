@@ -33,6 +33,7 @@ import grpc
 from client.tasks import stop_task
 from protos import worker_pb2, worker_pb2_grpc
 from router.ledger import MAX_LIST_LIMIT, LedgerEntry, TransferLedger
+from router.router_peers import RouterPeers
 
 logger = logging.getLogger(__name__)
 
@@ -153,9 +154,13 @@ _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
 class RouterPresence:
-    def __init__(self, ledger: TransferLedger, router_id: str) -> None:
+    def __init__(self, ledger: TransferLedger, router_id: str,
+                 peers: RouterPeers | None = None) -> None:
+        """``peers``: beaten with the heartbeat, so routing knows this router's place among
+        the routers sharing the namespace (router/router_peers.py)."""
         self.ledger = ledger
         self.router_id = router_id
+        self.peers = peers
         self.me = Incarnation.this_process()
         self.incarnation = self.me.encode()
         self._task: asyncio.Task | None = None
@@ -212,10 +217,21 @@ class RouterPresence:
         cursor, beats = 0, 0
         while not self._stopping:
             await asyncio.sleep(HEARTBEAT_S)
-            await self._beat_once()
+            if await self._beat_once():
+                await self.beat_peers()
             beats += 1
             if beats % _SWEEP_EVERY_BEATS == 0:
                 cursor = await self._sweep(cursor)
+
+    async def beat_peers(self) -> None:
+        """This router's beat among its peers; a failure keeps the place last known (the
+        heartbeat's own failure says Redis is away)."""
+        if self.peers is None:
+            return
+        try:
+            await self.peers.beat()
+        except Exception as e:  # noqa: BLE001 - redis-py's errors, OSError, timeouts
+            logger.debug("router %s: peers beat failed: %r", self.router_id, e)
 
     async def _sweep(self, cursor: int) -> int:
         """One step of the ledger index's sweep (TransferLedger.sweep); the next cursor."""
@@ -277,6 +293,8 @@ class RouterPresence:
         try:
             async with asyncio.timeout(_STOP_S):
                 await self.ledger.router_leave(self.router_id, self.incarnation)
+                if self.peers is not None:
+                    await self.peers.leave()
         except Exception as e:  # noqa: BLE001 - stopping anyway; the heartbeat goes stale
             logger.warning("router %s: leaving Redis failed: %r", self.router_id, e)
 

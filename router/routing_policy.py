@@ -7,15 +7,21 @@ flight to it, which are fresher: counted from their pick, router/worker_handle.p
 token saves its prefill; a queued request delays this one by roughly a prompt's prefill, hence
 the exchange rate. Decode: among workers with enough free blocks for the prompt, the fewest
 requests in flight, then the most free blocks; when no worker's last heartbeat shows enough,
-the workers are asked for their current free blocks before the request is refused. Ties go by
-an order of the workers drawn from the router's id (``tie_seed``; without one, the smaller id
-first), so a router's routing is deterministic, and routers sharing the workers order them
-each their own way: each knows only its own requests in flight, and with one shared order
-every router idle at once sent its next prompt to the same worker (two routers with a request
-each: both on one prefill and one decode worker, the other two idle; now half the time, as
-two independent orders of two workers agree). Decode workers publish their cached blocks too:
-``longest_decode_prefix`` finds the one holding most of a prompt (a chat's next turn), which
-router/local_prefill.py may let prefill it.
+the workers are asked for their current free blocks before the request is refused.
+
+Ties: each router knows only its own requests in flight, and with one tie order shared by all
+(the smaller id first), every router idle at once sent its next prompt to the same worker (two
+routers with a request each: both on one prefill and one decode worker, the other two idle).
+Router i of the R sharing the namespace (router/router_peers.py) ranks its W candidates by id
+starting at the (i*W/R)-th, wrapping around, so routers spread over the workers; while it does
+not know its place (Redis away since its start), the order is a hash of the worker ids drawn
+from the router's id (``tie_seed``), independent of other routers'. Either way a router's own
+routing is deterministic; a lone router, or a directory with neither, takes the smaller id
+first.
+
+Decode workers publish their cached blocks too: ``longest_decode_prefix`` finds the one
+holding most of a prompt (a chat's next turn), which router/local_prefill.py may let prefill
+it.
 """
 from __future__ import annotations
 
@@ -45,13 +51,18 @@ class NoWorkerError(Exception):
 class RoutingPolicy:
     """WorkerDirectory's picks, over its ``candidates`` and the registry's prefix index."""
 
-    def tie_rank(self, worker_id: str) -> str:
-        """Where ``worker_id`` comes among equally good workers, the lowest first: by a hash
-        of it under the router's ``tie_seed``, or by the id itself without one."""
+    def tie_ranks(self, workers: list[WorkerHandle]) -> dict[str, tuple]:
+        """Per worker id, where it comes among ``workers`` when they are equally good, the
+        lowest first (the module's docstring says how)."""
+        place = self.router_place() if self.router_place is not None else None
+        ids = sorted(w.worker_id for w in workers)
+        if place is not None:
+            start = place.offset(len(ids))
+            return {wid: ((i - start) % len(ids), wid) for i, wid in enumerate(ids)}
         if not self.tie_seed:
-            return worker_id
-        return hashlib.blake2b(f"{self.tie_seed}\0{worker_id}".encode(),
-                               digest_size=8).hexdigest()
+            return {wid: (0, wid) for wid in ids}
+        return {wid: (0, hashlib.blake2b(f"{self.tie_seed}\0{wid}".encode(),
+                                         digest_size=8).hexdigest()) for wid in ids}
 
     async def _candidates_now(self, role: str) -> list[WorkerHandle]:
         """Candidates, re-reading the registry when the cached view has none: a worker that
@@ -70,11 +81,12 @@ class RoutingPolicy:
             raise NoWorkerError(grpc.StatusCode.UNAVAILABLE,
                                 "no prefill worker is available" + self.foreign_hint("prefill"))
         matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
+        ties = self.tie_ranks(cands)
 
         def rank(w: WorkerHandle) -> tuple:  # the best first
             cached = min(matched.get(w.worker_id, 0) * self.block_size, num_tokens)
             load = w.inflight + w.info.num_waiting
-            return (LOAD_COST_TOKENS * load - cached, w.inflight, self.tie_rank(w.worker_id))
+            return (LOAD_COST_TOKENS * load - cached, w.inflight, ties[w.worker_id])
 
         best = min(cands, key=rank)
         return best, min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
@@ -95,8 +107,9 @@ class RoutingPolicy:
         if not cands or not block_hashes:
             return None, 0
         matched = await self._match_prefix(block_hashes, [w.worker_id for w in cands])
+        ties = self.tie_ranks(cands)
         best = min(cands, key=lambda w: (-matched.get(w.worker_id, 0), w.inflight,
-                                         self.tie_rank(w.worker_id)))
+                                         ties[w.worker_id]))
         cached = min(matched.get(best.worker_id, 0) * self.block_size, num_tokens)
         return (best, cached) if cached else (None, 0)
 
@@ -125,9 +138,9 @@ class RoutingPolicy:
             raise NoWorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"no room on any decode worker: none has {need} free KV "
                                 f"blocks")
-        return min(_prefer(roomy, avoid),
-                   key=lambda w: (w.inflight, -w.info.num_free_blocks,
-                                  self.tie_rank(w.worker_id)))
+        roomy = _prefer(roomy, avoid)
+        ties = self.tie_ranks(roomy)
+        return min(roomy, key=lambda w: (w.inflight, -w.info.num_free_blocks, ties[w.worker_id]))
 
     def foreign_hint(self, role: str) -> str:
         """Why none may be available though some are registered: they serve another model

@@ -17,7 +17,8 @@ from router.metrics import router_metrics
 from router.prompts import load_served_model
 from router.redis_database import DatabaseRefusal, check_redis_database
 from router.registry import Registry
-from router.router_presence import RouterPresence, default_router_id
+from router.router_peers import RouterPeers
+from router.router_presence import TTL_S, RouterPresence, default_router_id
 from router.service import RouterServicer
 from router.stats import RouterStats
 
@@ -38,17 +39,18 @@ async def serve_router(config: RouterConfig) -> None:
     refusal = DatabaseRefusal()
     registry = Registry.from_url(config.redis_url, config.namespace,
                                  on_database_missing=refusal)
-    presence = RouterPresence(registry.ledger,
-                              config.router_id or default_router_id(config.server.host,
-                                                                  config.server.port))
+    router_id = config.router_id or default_router_id(config.server.host, config.server.port)
+    peers = RouterPeers(registry.r, config.namespace, router_id, TTL_S)
+    presence = RouterPresence(registry.ledger, router_id, peers)
     await presence.claim()
+    await presence.beat_peers()
     directory = WorkerDirectory(registry, config.block_size, config.refresh_interval_s,
                                 message_size_options()
                                 + keepalive_options(config.keepalive_time_s,
                                                     config.keepalive_timeout_s),
                                 config.liveness, model=config.model_name,
                                 model_fingerprint=model.fingerprint,
-                                tie_seed=presence.router_id)
+                                tie_seed=router_id, router_place=lambda: peers.place)
     await directory.start()
     presence.start()
     stats = RouterStats(config.max_inflight_requests)
