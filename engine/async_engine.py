@@ -47,8 +47,10 @@ class AsyncEngine(EngineFront):
                  step_timeout_s: float | None = None) -> None:
         super().__init__(loop or asyncio.get_running_loop(), on_dead)
         self.engine = engine
-        # Called in the engine thread after every step (e.g. to publish KV-cache events).
+        # Called in the engine thread after every step (e.g. to publish KV-cache events), and
+        # within each step before its forward (``_scheduled``).
         self.on_step = on_step
+        engine.on_scheduled = self._scheduled
         # Sizes each step's CPU threads from what co-located workers use (engine/core_share.py),
         # and between decoder layers gives back borrowed cores another worker now needs.
         self.core_share = core_share
@@ -118,6 +120,13 @@ class AsyncEngine(EngineFront):
             self.on_step(self.engine)
         if outputs:
             self.loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _scheduled(self, engine: LLMEngine) -> None:
+        """In the engine thread, within a step whose schedule is made, before its forward:
+        the hook again, so the KV events of the schedule (the blocks it evicted above all)
+        reach the prefix index while the forward runs rather than after it."""
+        if self.on_step is not None:
+            self.on_step(engine)
 
     def _died(self, e: BaseException) -> None:
         """In the engine thread, once a step failed: every stream and ``on_dead`` learn it."""

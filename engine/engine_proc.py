@@ -132,6 +132,11 @@ class _ChildEngine(AsyncEngine):
             self._sent_stats = self.stats
             self.pipe.send(("step", [self._encoder.encode(o) for o in outputs], stats, events))
 
+    def _scheduled(self, engine: LLMEngine) -> None:
+        events = engine.take_kv_events()
+        if events:  # the worker applies them as a step's, with no outputs nor stats
+            self.pipe.send(("step", [], None, events))
+
     def _died(self, e: BaseException) -> None:
         if not self._stop.is_set():
             self.pipe.send(("dead", portable(e)))

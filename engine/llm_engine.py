@@ -11,6 +11,7 @@ import collections
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.bad_words import tokenize_bad_words
@@ -80,6 +81,11 @@ class LLMEngine(EngineKVTransfer):
         # Tokens per executed step (the offline benchmark's roofline replays these sizes).
         self.step_num_tokens: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.step_num_sampled: collections.deque[int] = collections.deque(maxlen=1 << 16)
+        # Called in each step once its schedule is made, before its forward (in the stepping
+        # thread, under the step lock): a served engine publishes its KV events there. After
+        # the step, the blocks its schedule evicted stayed in the prefix index for a whole
+        # forward (seconds of a long prefill on CPUs), and routers sent their prefixes here.
+        self.on_scheduled: Callable[[LLMEngine], None] | None = None
         self.kv_connector = None
         if config.kv_transfer_backend is not None:
             from engine.kv_connector import KVConnector
@@ -285,6 +291,8 @@ class LLMEngine(EngineKVTransfer):
             if sched.is_empty:
                 return outputs
             try:
+                if self.on_scheduled is not None:
+                    self.on_scheduled(self)
                 inp = prepare_input(sched, self.block_size, self.device)
                 # [num_sampled + prompt logprob rows, vocab]
                 logits = self.executor.execute_model(inp)

@@ -413,3 +413,61 @@ def test_a_worker_whose_engine_process_died_as_it_started_exits_non_zero(monkeyp
     with pytest.raises(SystemExit, match="the engine died as the worker started"):
         asyncio.run(run())
     assert started and started[-1].error is not None
+
+
+def test_an_engine_process_sends_the_blocks_a_schedule_evicts_before_its_forward(preset_path):
+    """tests/test_serving_engine.py's test of the same, in the engine's own process: its
+    KV events crossed to the worker only with the step's outputs, after the forward."""
+    import socket
+    import threading
+
+    from engine.block_hash import hash_request_tokens
+    from engine.block_pool import BlockRemoved
+    from engine.engine_pipe import FrameWriter
+    from engine.engine_proc import _ChildEngine, _Pipe
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), num_gpu_blocks=8,
+                                    max_model_len=128))
+    engine.enable_kv_events()
+    first = list(range(10, 122))  # 7 blocks of 8: the second prompt evicts most of them
+    sent: list = []
+    # Per forward: the first prompt's blocks evicted by then, and those the worker was sent.
+    seen: list[tuple[set, set]] = []
+    second_forward = threading.Event()
+    forward = engine.executor.execute_model
+
+    def watched_forward(inp):
+        gone = set(hash_request_tokens(first, 16)) - set(engine.kv_manager.cached_block_hashes())
+        told = {h for m in sent if m[0] == "step" for ev in m[3]
+                if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
+        seen.append((gone, told))
+        if len(seen) == 2:
+            second_forward.set()
+        return forward(inp)
+
+    engine.executor.execute_model = watched_forward
+    ours, theirs = socket.socketpair()
+    pipe = _Pipe(FrameWriter(theirs))
+    send = pipe.send
+    pipe.send = lambda msg: (sent.append(msg), send(msg))
+
+    async def run():
+        child = _ChildEngine(engine, pipe, None, None)
+        try:
+            for rid, start in (("first", 10), ("second", 300)):
+                engine.add_request(rid, list(range(start, start + 112)),
+                                   SamplingParams(max_tokens=1))
+            child.wake()
+            assert await asyncio.to_thread(second_forward.wait, 60)
+        finally:
+            child.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+        ours.close()
+        theirs.close()
+    gone, told = seen[1]
+    assert len(gone) >= 5 and told == gone

@@ -383,3 +383,40 @@ def test_a_stream_closed_early_lets_go_of_its_request_as_it_closes(preset_path):
         assert outs[-1].finish_reason == "length"
 
     _serve(engine, body)
+
+
+def test_the_blocks_a_schedule_evicts_are_published_before_its_forward(preset_path):
+    """A served engine's KV events went out after each step: the blocks its schedule evicted
+    stayed in the prefix index for the whole forward (a second of a long prefill on CPUs),
+    and routers sent prompts with those prefixes to a worker that no longer held them. With
+    2 prefill workers of 40 blocks under eviction, 11 of 60 requests for a hot prefix got
+    fewer cached tokens than the index had promised; 0 of 60 once removals went out before
+    the forward."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.block_pool import BlockRemoved
+
+    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), num_gpu_blocks=8,
+                                    max_model_len=128))
+    engine.enable_kv_events()
+    published: list = []  # as the worker's hook takes them, in the engine thread
+    removed_at_forward: list[set[bytes]] = []
+    forward = engine.executor.execute_model
+
+    def watched_forward(inp):
+        removed_at_forward.append({h for ev in published if isinstance(ev, BlockRemoved)
+                                   for h in ev.block_hashes})
+        return forward(inp)
+
+    engine.executor.execute_model = watched_forward
+
+    async def body(ae):
+        # 7 blocks each of 8: the second prompt's schedule evicts most of the first's.
+        for rid, start in (("first", 10), ("second", 300)):
+            outs = [o async for o in ae.generate(rid, list(range(start, start + 112)),
+                                                 SamplingParams(max_tokens=1))]
+            assert outs[-1].finished
+
+    _serve(engine, body, within_s=60, on_step=lambda e: published.extend(e.take_kv_events()))
+    evicted = {h for ev in published if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
+    assert len(removed_at_forward) == 2 and len(evicted) >= 5
+    assert removed_at_forward[-1] == evicted
