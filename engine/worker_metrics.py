@@ -24,6 +24,8 @@ _COUNTERS = (
     ("prefix_cache_hits_total", "prefix_cache_hits", "Prompt tokens found cached."),
     ("prefix_cache_partial_hits_total", "prefix_cache_partial_hits",
      "Of the hits: tokens copied from cached blocks a prompt shared only in part."),
+    ("prefix_cache_evictions_total", "prefix_cache_evictions",
+     "Cached blocks evicted to make room for other tokens."),
     ("preemptions_total", "num_preemptions", "Requests preempted for lack of KV blocks."),
     ("kv_leases_expired_total", "num_expired_leases",
      "KV leases freed by expiry, never released by a reader."),

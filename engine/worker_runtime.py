@@ -376,6 +376,7 @@ class WorkerRuntime:
             num_waiting=s.num_waiting, num_running=s.num_running, num_leased=s.num_leased,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_partial_hits=s.prefix_cache_partial_hits,
+            prefix_cache_evictions=s.prefix_cache_evictions,
             num_expired_leases=s.num_expired_leases, num_preemptions=s.num_preemptions,
             num_quarantined=s.num_quarantined,
             num_inflight=self.inflight, draining=self.draining,

@@ -268,6 +268,7 @@ def test_worker_families_carry_its_labels_and_usage():
     info = common_pb2.WorkerInfo(worker_id="decode-1", role="decode", model="tiny",
                                  num_free_blocks=96, num_total_blocks=128, num_running=3,
                                  prefix_cache_hits=7, prefix_cache_partial_hits=2,
+                                 prefix_cache_evictions=5,
                                  kv_bytes_transferred=4096, draining=True)
     m = parse_metrics(render(worker_metrics(info)))
     labels = frozenset({("worker_id", "decode-1"), ("role", "decode"), ("model", "tiny")})
@@ -275,5 +276,38 @@ def test_worker_families_carry_its_labels_and_usage():
     assert m[("pdserve_worker_requests_running", labels)] == 3
     assert m[("pdserve_worker_prefix_cache_hits_total", labels)] == 7
     assert m[("pdserve_worker_prefix_cache_partial_hits_total", labels)] == 2
+    assert m[("pdserve_worker_prefix_cache_evictions_total", labels)] == 5
     assert m[("pdserve_worker_kv_transfer_bytes_total", labels)] == 4096
     assert m[("pdserve_worker_draining", labels)] == 1
+
+
+def test_a_workers_info_counts_the_cached_blocks_it_evicted(preset_path):
+    """The engine counted its prefix-cache evictions, and neither a worker's info nor its
+    metrics showed them: nothing told an operator the cache was too small for the load."""
+    from engine import SamplingParams
+    from engine.config import EngineConfig
+    from engine.worker_runtime import WorkerConfig, WorkerRuntime
+
+    async def run():
+        rt = await WorkerRuntime.create(WorkerConfig(EngineConfig(
+            str(preset_path("tiny-llama")), role="prefill", kv_transfer_backend="torch",
+            num_gpu_blocks=8, max_model_len=128)))
+        try:
+            # 7 blocks of 8 each: the second prompt evicts most of the first's.
+            for rid, start in (("first", 10), ("second", 300)):
+                outs = [o async for o in rt.engine.generate(
+                    rid, list(range(start, start + 112)), SamplingParams(max_tokens=2), [])]
+                assert outs[-1].kv_lease is not None
+                rt.llm.release_kv(rid)
+            await rt.engine.fresh_stats()
+            return rt.worker_info()
+        finally:
+            rt.shutdown()
+
+    info = asyncio.run(run())
+    assert info.prefix_cache_evictions >= 5
+    labels = frozenset({("worker_id", info.worker_id), ("role", "prefill"),
+                        ("model", info.model)})
+    m = parse_metrics(render(worker_metrics(info)))
+    assert m[("pdserve_worker_prefix_cache_evictions_total", labels)] == \
+        info.prefix_cache_evictions
