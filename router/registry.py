@@ -9,8 +9,9 @@ Key schema (``ns`` is the namespace, default "pdserve"):
                                       it is taken for gone, as the worker declared (optional)
 - ``{ns}:purged:{worker_id}``   STRING "1"/"0": whether an admin had drained a worker when it
                                       was purged, for its return; expires after an hour
-- ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (prefill
-                                      workers only: prompts are routed by prefix to them alone)
+- ``{ns}:block:{hash_hex}``     SET   worker ids holding the block with that hash (both roles:
+                                      prefill workers by prefix, decode workers for the reuse
+                                      of their cache, router/local_prefill.py)
 - ``{ns}:wblocks:{worker_id}``  SET   hash hexes the worker holds (to clean up after it)
 - ``{ns}:kvhandles:{worker_id}`` LIST a prefill worker's ranks' KV-agent handles, then the
                                       key it signs its KV handles with (tagged); expires an
