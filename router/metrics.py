@@ -13,7 +13,6 @@ from router.stats import PHASES, RouterStats
 
 _COUNTERS = (
     ("requests_total", "requests_total", "Requests received (Generate and Complete)."),
-    ("requests_failed_total", "requests_failed", "Requests that ended with an error status."),
     ("prompt_tokens_total", "prompt_tokens_routed", "Prompt tokens routed."),
     ("prefix_tokens_matched_total", "prefix_tokens_matched",
      "Prompt tokens the worker that ran the prompt already held in its prefix cache, as the "
@@ -55,14 +54,20 @@ def router_metrics(stats: RouterStats, directory: WorkerDirectory) -> list[Metri
                              "the decode worker (local, conditional disaggregation).")
     prefilled.add(stats.requests_prefilled_remotely, where="remote")
     prefilled.add(stats.requests_prefilled_locally, where="local")
+    failed = MetricFamily("pdserve_router_requests_failed_total", "counter",
+                          "Requests that ended with an error status, by its gRPC code (a "
+                          "client's CANCELLED and DEADLINE_EXCEEDED among them).")
+    for code, n in sorted(stats.failed.items()):
+        failed.add(n, code=code)
     finished = MetricFamily("pdserve_router_requests_finished_total", "counter",
                             "Requests that streamed their last token, by finish reason.")
     for reason, n in sorted(stats.finished.items()):
         finished.add(n, finish_reason=reason)
     fams += [
-        prefilled, finished,
+        prefilled, failed, finished,
         MetricFamily("pdserve_router_time_to_first_token_seconds", "histogram",
-                     "Time to first token, from arrival at the router.").add(stats.ttft),
+                     "Time to first token, from arrival at the router; observed as it is "
+                     "sent, whether the request then finishes or not.").add(stats.ttft),
         MetricFamily("pdserve_router_time_per_output_token_seconds", "histogram",
                      "Mean time between output tokens, per request.").add(stats.tpot),
         MetricFamily("pdserve_router_e2e_request_latency_seconds", "histogram",

@@ -205,7 +205,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     for i, run in enumerate(runs)])
             # Admitted only once valid: a bad request is INVALID_ARGUMENT under any load, and
             # one the router is too full for is still logged.
-            first = True
+            first, timed = True, False
             with self.stats.admit(), self.inflight.track(rid, runs, writes) as entry:
                 self._starting -= 1
                 starting = False
@@ -221,6 +221,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 raise asyncio.CancelledError
                             if chunk.finish_reason and chunk.index == 0:
                                 finish = chunk.finish_reason
+                            if not timed and chunk.index == 0:
+                                # Once per request, whatever its migrations: sequence 0's
+                                # first token set its ttft_s on arrival, before this chunk.
+                                timed = True
+                                self.stats.first_token(runs[0].timings.ttft_s)
                             entry.writing = True  # router/inflight.py: CancelRequest waits
                             yield chunk
                             entry.writing = False
@@ -254,7 +259,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             status = code.name
             # Here, not where the status is sent: a client's deadline or cancel ends the
             # handler with a CancelledError no ``except Exception`` sees.
-            self.stats.requests_failed += 1
+            self.stats.request_failed(code)
             raise
         finally:
             if starting:

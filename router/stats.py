@@ -37,6 +37,9 @@ class RouterStats:
     requests_total: int = 0
     requests_in_flight: int = 0
     requests_failed: int = 0
+    # The failed ones by gRPC status code name: a client's cancel or deadline is no failure of
+    # the cluster's, an overload (RESOURCE_EXHAUSTED) or an INTERNAL is.
+    failed: Counter = field(default_factory=Counter)
     prompt_tokens_routed: int = 0
     prefix_tokens_matched: int = 0
     # Where prompts ran: on a decode worker (conditional disaggregation) or a prefill worker.
@@ -78,6 +81,17 @@ class RouterStats:
         finally:
             self.requests_in_flight -= 1
 
+    def request_failed(self, code: grpc.StatusCode) -> None:
+        self.requests_failed += 1
+        self.failed[code.name] += 1
+
+    def first_token(self, ttft_s: float) -> None:
+        """A request's first token (sequence 0's) on its way to the client: its TTFT is
+        observed then, once, whether or not the request finishes well. Observed at its end,
+        the histogram lagged by whole generations and left out the requests a deadline or a
+        cancel ended after their first token (the slowest ones, often)."""
+        self.ttft.observe(ttft_s)
+
     def routed(self, prompt_tokens: int, matched_tokens: int) -> None:
         self.prompt_tokens_routed += prompt_tokens
         self.prefix_tokens_matched += matched_tokens
@@ -91,12 +105,11 @@ class RouterStats:
 
     def request_finished(self, finish_reason: str, seqs: list[SequenceEnd]) -> None:
         """A request that ended well (sequence 0's finish reason). Request-level figures
-        count it once, as vLLM's do, whatever its n: the first token is sequence 0's, the end
-        the last sequence's, the phases sequence 0's (the one that ran the prompt). Token
-        spacing (TPOT) is each sequence's own."""
+        count it once, as vLLM's do, whatever its n: the end the last sequence's, the phases
+        sequence 0's (the one that ran the prompt). Token spacing (TPOT) is each sequence's
+        own. (TTFT was observed at the first token: ``first_token``.)"""
         t = seqs[0].usage.timings
         self.finished[finish_reason] += 1
-        self.ttft.observe(t.ttft_s)
         self.e2e.observe(max(s.usage.timings.e2e_s for s in seqs))
         for phase in PHASES:
             self.phases[phase].observe(getattr(t, f"{phase}_s"))

@@ -7,6 +7,7 @@ import asyncio
 import math
 import threading
 
+import grpc
 import pytest
 
 from engine.grpc_server import ServerConfig
@@ -193,8 +194,12 @@ def test_an_ipv6_host_is_served_as_the_grpc_port_takes_it(host, scraped_at):
 def test_router_families_count_finished_requests_and_their_phases():
     from router.metrics import router_metrics
 
-    stats = RouterStats(max_inflight=8, requests_total=3, requests_failed=1,
-                        generation_tokens=11, requests_prefilled_remotely=2)
+    stats = RouterStats(max_inflight=8, requests_total=4, generation_tokens=11,
+                        requests_prefilled_remotely=2)
+    stats.request_failed(grpc.StatusCode.CANCELLED)
+    stats.request_failed(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    for ttft in (0.2, 0.0, 0.3):  # the third got its first token, then failed
+        stats.first_token(ttft)
     usage = router_pb2.Usage(completion_tokens=5, timings=router_pb2.RequestTimings(
         ttft_s=0.2, e2e_s=0.6, prefill_compute_s=0.15, kv_transfer_s=0.01))
     stats.request_finished("length", [SequenceEnd(usage, 5)])
@@ -211,13 +216,16 @@ def test_router_families_count_finished_requests_and_their_phases():
             return []
 
     m = parse_metrics(render(router_metrics(stats, _Dir())))
-    assert m[("pdserve_router_requests_total", frozenset())] == 3
-    assert m[("pdserve_router_requests_failed_total", frozenset())] == 1
+    assert m[("pdserve_router_requests_total", frozenset())] == 4
+    assert [m[("pdserve_router_requests_failed_total", frozenset({("code", code)}))]
+            for code in ("CANCELLED", "RESOURCE_EXHAUSTED")] == [1, 1]
+    assert stats.requests_failed == 2  # GetClusterStats' sum
     assert m[("pdserve_router_worker_hangs_total", frozenset())] == 2
     assert m[("pdserve_router_generation_tokens_total", frozenset())] == 11
     assert m[("pdserve_router_requests_finished_total",
               frozenset({("finish_reason", "length")}))] == 1
-    assert m[("pdserve_router_time_to_first_token_seconds_count", frozenset())] == 2
+    assert m[("pdserve_router_time_to_first_token_seconds_count", frozenset())] == 3
+    assert m[("pdserve_router_e2e_request_latency_seconds_count", frozenset())] == 2
     # TPOT only where there is a second token: (0.6 - 0.2) / 4.
     assert m[("pdserve_router_time_per_output_token_seconds_count", frozenset())] == 1
     assert m[("pdserve_router_time_per_output_token_seconds_sum", frozenset())] == \

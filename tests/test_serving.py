@@ -527,6 +527,32 @@ def test_prometheus_metrics_from_the_router_and_from_a_worker(cluster):
         assert cluster.stop_proc(worker) == 0
 
 
+def test_ttft_is_observed_at_the_first_token_and_failures_by_their_code(cluster):
+    """TTFT was observed as a request finished: the histogram lagged by whole generations, and
+    left out every request a cancel or deadline ended after its first token. Failures had no
+    code: a client's cancels read as the cluster's errors."""
+    def now(name, **labels):
+        return parse_metrics(scrape(cluster.metrics_port)[2]).get(
+            (name, frozenset(labels.items())), 0.0)
+
+    ttft = "pdserve_router_time_to_first_token_seconds_count"
+    failed = "pdserve_router_requests_failed_total"
+    before = now(ttft)
+    cancelled, invalid = now(failed, code="CANCELLED"), now(failed, code="INVALID_ARGUMENT")
+    with Client(cluster.router_address, timeout=60) as c:
+        stream = c.generate(random_prompts(1, seed=17)[0], max_tokens=400, temperature=0.0,
+                            ignore_eos=True)
+        next(stream)  # observed before it was sent: no wait
+        assert now(ttft) == before + 1
+        stream.close()  # cancels the call
+        assert wait_until(lambda: now(failed, code="CANCELLED") == cancelled + 1, 10)
+        with pytest.raises(InvalidArgumentError):
+            c.complete("hello", temperature=-1.0)
+    assert now(failed, code="INVALID_ARGUMENT") == invalid + 1
+    assert now(ttft) == before + 1  # once; the bad request had no first token
+    wait_all_blocks_free(_workers(cluster))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_services_stream_tokens_without_waking_grpcs_event_engine(cluster):
     # `pdserve` turns the EventEngine's socket I/O off in every service it starts

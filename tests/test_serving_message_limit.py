@@ -105,7 +105,7 @@ def _outcomes(cluster) -> tuple[float, float]:
     """The router's (failed, finished with reason "length") request counts."""
     m = parse_metrics(scrape(cluster.metrics_port)[2])
     length = frozenset({("finish_reason", "length")})
-    return (m[("pdserve_router_requests_failed_total", frozenset())],
+    return (sum(v for (name, _), v in m.items() if name == "pdserve_router_requests_failed_total"),
             m.get(("pdserve_router_requests_finished_total", length), 0.0))
 
 
