@@ -188,6 +188,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--migration-limit", type=int, default=3,
                    help="times a request may move to other workers when its worker fails "
                         "under it, continuing from the tokens already streamed (0: fail it)")
+    p.add_argument("--migration-backoff-s", type=float, default=0.2,
+                   help="a move after a failure whose worker still answers (no crash: a "
+                        "refusal that may come again) waits this long first, doubling each "
+                        "time after (at most 16x), jittered, never past the deadline (0: at "
+                        "once)")
     p.add_argument("--default-timeout-s", type=float, default=None,
                    help="the deadline of a request whose client sets none, from its arrival "
                         "(default: none; its legs then wait at most 10 x --prefill-timeout-s)")
@@ -237,6 +242,7 @@ def _router_config(args: argparse.Namespace):
                       namespace=args.namespace, block_size=args.block_size,
                       max_inflight_requests=args.max_inflight_requests,
                       migration_limit=args.migration_limit,
+                      migration_backoff_s=args.migration_backoff_s,
                       default_timeout_s=args.default_timeout_s,
                       client_write_timeout_s=args.client_write_timeout_s,
                       prefill_timeout_s=args.prefill_timeout_s,

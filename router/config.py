@@ -46,6 +46,10 @@ class RouterConfig:
     # moves to other workers with the tokens it has so far, at most this many times; 0 fails
     # it at once (router/migration.py).
     migration_limit: int = 3
+    # A move after a failure whose worker still answers its probe (no crash: a refusal that
+    # may come again) waits this long first, twice as long each time after (at most 16x),
+    # jittered, never past the request's deadline (router/migration.py); 0: at once.
+    migration_backoff_s: float = 0.2
     # A prefilled request that a decode worker refuses for want of room (RESOURCE_EXHAUSTED)
     # tries again, on another when it can, for at most this long while the prefill lease
     # holds its KV (router/decode_wait.py); 0 refuses it at once.
@@ -115,6 +119,11 @@ class RouterConfig:
                 or self.migration_limit < 0:
             raise ValueError(f"migration_limit must be an integer >= 0, got "
                              f"{self.migration_limit!r}")
+        if isinstance(self.migration_backoff_s, bool) \
+                or not isinstance(self.migration_backoff_s, (int, float)) \
+                or not 0 <= self.migration_backoff_s < float("inf"):
+            raise ValueError(f"migration_backoff_s (--migration-backoff-s) must be a finite "
+                             f"number >= 0, got {self.migration_backoff_s!r}")
         if isinstance(self.decode_wait_timeout_s, bool) \
                 or not isinstance(self.decode_wait_timeout_s, (int, float)) \
                 or not 0 <= self.decode_wait_timeout_s < float("inf"):

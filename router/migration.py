@@ -18,9 +18,21 @@ handler took yet, which is the worker's refusal: engine/call_abort.py's ``was_re
 the request (draining, or its engine dead, since the router last heard of it; the worker
 says so, engine/call_abort.py's REFUSED_KEY) moves it without spending one, once per
 worker: nothing was lost, and a rolling restart's race must not fail requests.
+
+Pacing: a failure whose worker still answers its probe was no crash, and what caused it (in a
+chaos soak, a decode worker refusing every pull while Redis came back empty) may well cause
+the next attempt's too: moved at once, a request spent its migrations within milliseconds and
+failed where a short wait would have served it. Such a move waits first:
+``--migration-backoff-s`` the first time, doubling each time after, jittered so that requests
+failed together do not all come back together, never past the request's deadline. A worker
+that no longer answers (or is draining) is skipped by every request from then on, so the move
+away from it goes at once. The wait holds nothing: the failed attempt's calls are closed and
+its lease release sent, and a cancel or the deadline ends the request where it waits.
 """
 from __future__ import annotations
 
+import asyncio
+import random
 import secrets
 from dataclasses import dataclass, field
 
@@ -29,6 +41,10 @@ import grpc
 from client.errors import never_handled
 from protos import router_pb2
 from router.directory import WorkerHandle
+from router.errors import RouterRejectError
+
+# A paced move waits at most 2**MAX_DOUBLINGS times --migration-backoff-s.
+MAX_DOUBLINGS = 4
 
 
 @dataclass
@@ -51,6 +67,8 @@ class RequestRun:
     # Workers that refused it before doing any of it (draining, engine stopped): each may send
     # it on once without spending a migration (router/service.py's _migrate).
     refused_by: set[str] = field(default_factory=set)
+    # Moves that waited first (pacing): each one waits twice as long as the one before.
+    paced: int = 0
     # The workers the current attempt called, in order; the last is the one that answered
     # UNAVAILABLE, though the cause may be an earlier one (a decode worker cannot pull the KV
     # from a prefill worker that died).
@@ -104,3 +122,19 @@ def is_migratable(exc: BaseException) -> bool:
     raise CancelledError in the router, never a status)."""
     return isinstance(exc, grpc.aio.AioRpcError) and (
         exc.code() == grpc.StatusCode.UNAVAILABLE or never_handled(exc))
+
+
+def backoff_s(base_s: float, paced: int) -> float:
+    """The wait before a request's move after ``paced`` earlier waits."""
+    return base_s * 2 ** min(paced, MAX_DOUBLINGS) * random.uniform(0.5, 1.0)
+
+
+async def wait_to_move(delay_s: float, time_left: float | None) -> None:
+    """Waits ``delay_s`` before a move; one that would reach the request's deadline
+    (``time_left`` seconds away; None: none) ends it DEADLINE_EXCEEDED there, as any other
+    wait of the request would (the client's own deadline may cancel it a moment sooner)."""
+    if time_left is None or delay_s < time_left:
+        await asyncio.sleep(delay_s)
+        return
+    await asyncio.sleep(max(time_left, 0.0))
+    raise RouterRejectError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")

@@ -40,7 +40,7 @@ from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, re
                            status_of)
 from router.inflight import InflightRequests, OperatorCancelled, check_request_id
 from router.liveness import first_while_watched, watched_stream, watched_unary
-from router.migration import RequestRun, is_migratable
+from router.migration import RequestRun, backoff_s, is_migratable, wait_to_move
 from router.model_match import expected_model_mismatch
 from router.parallel import check_n, fan_out, sequence_request
 from router.placement import Placer
@@ -314,11 +314,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # until the registry drops it.
             run.refused_by.add(failed.worker_id)
             run.failed.add(failed.worker_id)
-            run.retries += 1
-            self.stats.requests_rerouted += 1
-            await self.directory.probe(failed)
+            alive = await self.directory.probe(failed)
             logger.info("request %s: worker %s refused it (%s); sent elsewhere",
                         run.request_id, failed.worker_id, e.details())
+            await self._pace(run, context, alive)
+            run.retries += 1
+            self.stats.requests_rerouted += 1
             return True
         if run.migrations >= self.config.migration_limit:
             self.stats.migrations_exhausted += 1
@@ -328,6 +329,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         alive = await asyncio.gather(*(self.directory.probe(w) for w in run.workers))
         run.failed.add(failed.worker_id)
         run.failed.update(w.worker_id for w, ok in zip(run.workers, alive) if not ok)
+        await self._pace(run, context, alive[run.workers.index(failed)])
         run.migrations += 1
         run.retries += 1
         self.stats.requests_migrated += 1
@@ -336,6 +338,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                        e.details(), len(run.emitted), run.migrations,
                        self.config.migration_limit)
         return True
+
+    async def _pace(self, run: RequestRun, context, blamed_alive: bool) -> None:
+        """Waits before a move when the worker blamed for the failure still serves: it may
+        fail the next attempt the same way (router/migration.py's pacing)."""
+        base = self.config.migration_backoff_s
+        if not blamed_alive or not base:
+            return
+        delay = backoff_s(base, run.paced)
+        run.paced += 1
+        logger.info("request %s: its worker still serves; next attempt in %.3f s",
+                    run.request_id, delay)
+        await wait_to_move(delay, self._time_left(context, run))
 
     async def _attempt(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
         """One try at the request (or its continuation, after ``run.output_so_far``)."""
