@@ -67,6 +67,9 @@ class RequestRun:
     # Workers that refused it before doing any of it (draining, engine stopped): each may send
     # it on once without spending a migration (router/service.py's _migrate).
     refused_by: set[str] = field(default_factory=set)
+    # Workers only the next attempt avoids (besides ``failed``): the one that answered for a
+    # failure blamed on another (router/service.py's _migrate).
+    avoid_next: set[str] = field(default_factory=set)
     # Moves that waited first (pacing): each one waits twice as long as the one before.
     paced: int = 0
     # The workers the current attempt called, in order; the last is the one that answered

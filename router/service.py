@@ -299,6 +299,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # (one dying is still alive to a probe for a moment, and would take the
             # continuation), not the decode worker that said so.
             failed = next((w for w in run.workers if w.info.role == "prefill"), failed)
+        # Not blamed, but the next attempt prefers another pair than the one that just
+        # failed: a decode worker that cannot verify any prefill worker's KV (its registry
+        # view lost) refuses every pull, whichever prefill worker the request moves to.
+        run.avoid_next = {run.workers[-1].worker_id} - {failed.worker_id}
         remaining = self._time_left(context, run)
         if remaining is not None and remaining <= 0:
             # The deadline ended it, not the worker: UNAVAILABLE would send the client on
@@ -358,7 +362,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # score the prompt again, and so may use the prefix cache.
             request = without_prompt_logprobs(request)
         ids = run.all_token_ids
-        avoid = frozenset(run.failed)
+        avoid = frozenset(run.failed | run.avoid_next)
+        run.avoid_next = set()
         run.workers.clear()
         # The usage names this attempt's workers: a continuation the prefill finishes (its
         # last token) has no decode worker, not the failed attempt's.

@@ -365,8 +365,8 @@ def test_a_worker_refusing_again_or_failing_spends_a_migration(refused):
 
 def test_a_decode_leg_that_cannot_read_the_kv_blames_the_prefill_worker():
     """A decode worker that could not read the request's KV says its source failed: the
-    continuation avoids that prefill worker (one dying is alive to a probe for a moment), not
-    the decode worker that said so."""
+    continuation avoids that prefill worker (one dying is alive to a probe for a moment), and
+    for its own attempt only, the decode worker that said so (another pair first)."""
     attempts = []
 
     async def remote_prefill(run, request, prefill, avoid, context, counted):
@@ -381,7 +381,7 @@ def test_a_decode_leg_that_cannot_read_the_kv_blames_the_prefill_worker():
 
     s = _servicer(remote_prefill)
     out = asyncio.run(_collect(s, _request(sampling=common_pb2.SamplingParams(max_tokens=2))))
-    assert attempts == [set(), {"prefill-1"}]
+    assert attempts == [set(), {"prefill-1", "decode-1"}]
     assert out[-1].usage.migrations == 1
 
 

@@ -134,14 +134,13 @@ async def _cluster(redis_url: str, decodes: list[_Decode], on_wait=lambda: None,
     log.setLevel(logging.INFO)
     log.addHandler(waits)
     try:
-        for wid, servicer in [("p1", prefill), *((f"d{i + 1}", d) for i, d in enumerate(decodes))]:
+        workers = [("p1", "prefill", prefill, worker_pb2_grpc.add_PrefillWorkerServicer_to_server)]
+        workers += [(f"d{i}", "decode", d, worker_pb2_grpc.add_DecodeWorkerServicer_to_server)
+                    for i, d in enumerate(decodes, 1)]
+        for wid, role, servicer, add in workers:
             server = grpc.aio.server()
             servers.append(server)
-            role = "prefill" if servicer is prefill else "decode"
-            if servicer is prefill:
-                worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
-            else:
-                worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
+            add(servicer, server)
             servicer.info = _info(wid, role, server.add_insecure_port("127.0.0.1:0"))
             await server.start()
             await writer.heartbeat(servicer.info, ttl_s=60)
@@ -242,6 +241,25 @@ def test_a_move_away_from_a_worker_that_no_longer_serves_does_not_wait(redis_url
     assert not isinstance(end, grpc.aio.AioRpcError), end
     assert got == WANT and end.usage.migrations == 1 and end.usage.decode_worker_id == "d2"
     assert len(leaving.calls) == 1 and len(other.calls) == 1 and waits.count == 0
+
+
+def test_the_move_after_a_pull_refused_as_its_sources_failure_tries_another_decode_worker(
+        redis_url):
+    """The failure is blamed on the prefill worker, which the next attempt avoids; with it the
+    decode worker that refused, so a decode worker that refuses every pull (its view of the
+    prefill workers' keys lost with Redis) does not take each move in turn."""
+    stuck, other = _Decode(refusing=True), _Decode()
+
+    async def body():
+        async with _cluster(redis_url, [stuck, other], migration_backoff_s=0,
+                            migration_limit=1) as (address, prefill, router, waits):
+            got: list[int] = []
+            return got, await _generate(address, got)
+
+    got, end = asyncio.run(body())
+    assert not isinstance(end, grpc.aio.AioRpcError), end
+    assert got == WANT and end.usage.migrations == 1 and end.usage.decode_worker_id == "d2"
+    assert len(stuck.calls) == 1 and len(other.calls) == 1
 
 
 def _nothing_held(router: RouterServicer) -> bool:
