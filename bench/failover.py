@@ -36,6 +36,7 @@ import grpc
 from client import AsyncClient
 from client.errors import PdserveError
 from engine import LLM, SamplingParams
+from engine.cli_serve import tokenizer_flags
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 
@@ -111,6 +112,9 @@ def _mean(xs: list[float]) -> float | None:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="a tokenizer folder other than the model's (the engine's and the "
+                        "cluster's)")
     p.add_argument("--kill", choices=["decode", "prefill"], default="decode",
                    help="the role of the worker that fails under the streams")
     p.add_argument("--fault", choices=["kill", "hang", "stop"], default="kill",
@@ -141,14 +145,15 @@ def main(args: argparse.Namespace) -> int:
         [[rng.randrange(10, 8000) for _ in range(n)] for n in part]
         for part in (lens[:args.streams], lens[:args.streams], lens[args.streams:],
                      lens[args.streams:]))
-    with LLM(args.model) as llm:
+    with LLM(args.model, tokenizer=args.tokenizer) as llm:
         want = [o.token_ids for o in llm.generate(prompts + late, SamplingParams(
             max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))]
     two = args.kill  # the role that gets two workers, one of which dies
+    tok = tokenizer_flags(args.tokenizer)
     spec = ClusterSpec(model=args.model, num_prefill=2 if two == "prefill" else 1,
-                       num_decode=2 if two == "decode" else 1,
+                       num_decode=2 if two == "decode" else 1, worker_args=tok,
                        router_args=["--max-local-prefill-length", "0", "--health-check-interval-s",
-                                    str(args.health_check_interval_s)])
+                                    str(args.health_check_interval_s), *tok])
     with Cluster(spec) as cluster:
         warm = [[t + 1 for t in p] for p in prompts[:2]]
         asyncio.run(_run(cluster, warm, [], args.max_tokens, two, None))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 from dataclasses import asdict, dataclass, field
 
@@ -26,6 +27,9 @@ from bench.serve_metrics import PointResult, Stats
 @dataclass
 class ServeConfig:
     model: str = "tiny-llama"
+    # The tokenizer folder of every service and the in-process engine (--tokenizer); None:
+    # the model's own.
+    tokenizer: str | None = None
     num_prefill: int = 1
     num_decode: int = 1
     num_prompts: int = 32
@@ -115,6 +119,9 @@ class ServeReport:
 def add_args(p: argparse.ArgumentParser) -> None:
     d = ServeConfig()
     p.add_argument("--model", default=d.model, help="HF folder or preset name")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="a tokenizer folder other than the model's, for the router, the "
+                        "workers and the in-process engine (pdserve up --tokenizer)")
     p.add_argument("--prefill", type=int, default=d.num_prefill, help="prefill workers")
     p.add_argument("--decode", type=int, default=d.num_decode, help="decode workers")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts,
@@ -194,6 +201,11 @@ def _range(s: str, name: str) -> tuple[int, int]:
     return rng
 
 
+def _abspath(path: str | None) -> str | None:
+    """A folder the cluster's services find whatever their working directory."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     for name in ("prefill", "decode", "num_prompts", "num_gpu_blocks", "prefix_output_len",
                  "rounds"):
@@ -202,8 +214,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if args.prefix_requests < 0 or args.prefix_len < 1 or args.unique_len < 1:
         raise ValueError("--prefix-len and --unique-len must be >= 1, --prefix-requests >= 0")
     cfg = ServeConfig(
-        model=args.model, num_prefill=args.prefill, num_decode=args.decode,
-        num_prompts=args.num_prompts, concurrency=_int_list(args.concurrency, "concurrency"),
+        model=args.model, tokenizer=_abspath(args.tokenizer), num_prefill=args.prefill,
+        num_decode=args.decode, num_prompts=args.num_prompts,
+        concurrency=_int_list(args.concurrency, "concurrency"),
         request_rates=_rate_list(args.request_rates),
         prompt_len=_range(args.prompt_len, "prompt-len"),
         output_len=_range(args.output_len, "output-len"), seed=args.seed,

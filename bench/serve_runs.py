@@ -134,11 +134,13 @@ def run(cfg: ServeConfig) -> ServeReport:
     from router.launcher import ClusterSpec
 
     vocab = ModelConfig.from_pretrained(resolve_model(cfg.model)).vocab_size
-    stream = ["--decode-stream", cfg.decode_stream, "--stream-interval", str(cfg.stream_interval)]
+    tok = [] if cfg.tokenizer is None else ["--tokenizer", cfg.tokenizer]
+    stream = ["--decode-stream", cfg.decode_stream, "--stream-interval", str(cfg.stream_interval),
+              *tok]
     router_args = stream + ([] if cfg.max_local_prefill_length is None
                             else ["--max-local-prefill-length", str(cfg.max_local_prefill_length)])
     # Every worker of both clusters, and the in-process engine below, alike.
-    worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks)]
+    worker_args = ["--num-gpu-blocks", str(cfg.num_gpu_blocks), *tok]
     if not cfg.partial_block_hits:
         worker_args.append("--no-enable-partial-block-hits")
     spec = ClusterSpec(model=cfg.model, num_prefill=cfg.num_prefill, num_decode=cfg.num_decode,
@@ -166,7 +168,8 @@ def run(cfg: ServeConfig) -> ServeReport:
             _log("starting an aggregated cluster: 1 decode worker prefilling itself")
             runners["agg"] = _cluster_runner(stack.enter_context(quiet_cluster(agg_spec)))
         if cfg.inprocess and rounds:
-            llm = stack.enter_context(LLM(cfg.model, num_gpu_blocks=cfg.num_gpu_blocks,
+            llm = stack.enter_context(LLM(cfg.model, tokenizer=cfg.tokenizer,
+                                          num_gpu_blocks=cfg.num_gpu_blocks,
                                           enable_partial_block_hits=cfg.partial_block_hits))
             runners["inprocess"] = _inprocess_runner(llm.engine, cfg.stream_interval)
         for r, points in enumerate(rounds):

@@ -29,6 +29,7 @@ from bench.workloads import random_tokens
 from client import AsyncClient
 from client.errors import PdserveError
 from engine import LLM, SamplingParams
+from engine.cli_serve import tokenizer_flags
 from router.launcher import Cluster, ClusterSpec
 
 # Shared prefixes (lengths drawn in PREFIX_LEN) each followed by an own suffix.
@@ -41,6 +42,9 @@ POOL_CANDIDATES = 120
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="a tokenizer folder other than the model's (the engine's and the "
+                        "cluster's)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     p.add_argument("--concurrency", type=int, default=16, help="client loops")
     p.add_argument("--num-prefill", type=int, default=1,
@@ -107,10 +111,10 @@ def vm_rss_mb(pid: int) -> int:
     return -1
 
 
-def make_pool(model: str, rng: random.Random, candidates: int,
-              max_tokens: int) -> list[tuple[list[int], list[int]]]:
+def make_pool(model: str, rng: random.Random, candidates: int, max_tokens: int,
+              tokenizer: str | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt, the engine's greedy output of max_tokens) for the decisive candidates."""
-    with LLM(model, enable_prefix_caching=False) as llm:
+    with LLM(model, tokenizer=tokenizer, enable_prefix_caching=False) as llm:
         vocab = llm.engine.model_config.vocab_size
         prefixes = [random_tokens(rng, rng.randint(*PREFIX_LEN), vocab)
                     for _ in range(NUM_PREFIXES)]
@@ -186,12 +190,15 @@ async def _soak(cluster: Cluster, args: argparse.Namespace, traffic: _Traffic) -
 
 def main(args: argparse.Namespace) -> int:
     check_args(args)
-    pool = make_pool(args.model, random.Random(args.seed), args.pool_candidates, args.max_tokens)
+    pool = make_pool(args.model, random.Random(args.seed), args.pool_candidates, args.max_tokens,
+                     args.tokenizer)
     if not pool:
         raise ValueError(f"none of {args.pool_candidates} prompts is decisive over "
                          f"{args.max_tokens} tokens: ask for fewer --max-tokens")
     report = SoakReport(args.duration, len(pool))
-    spec = ClusterSpec(model=args.model, num_prefill=args.num_prefill, num_decode=1)
+    tok = tokenizer_flags(args.tokenizer)
+    spec = ClusterSpec(model=args.model, num_prefill=args.num_prefill, num_decode=1,
+                       worker_args=tok, router_args=tok)
     with Cluster(spec) as cluster:
         asyncio.run(_soak(cluster, args, _Traffic(args, pool, report)))
     if args.json:

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from engine.cli_serve import TOKENIZER_HELP
 from engine.cli_vllm import add_refused_vllm_flags
 from engine.grpc_experiments import apply_grpc_experiments
 from protos.limits import max_message_bytes
@@ -14,6 +15,7 @@ from protos.limits import max_message_bytes
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama", help="HF folder or preset name")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER", help=TOKENIZER_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (auto: float32 on the CPU, the "
                         "checkpoint's on CUDA, bfloat16 for a float32 one)")
@@ -133,7 +135,8 @@ def sampling_kwargs(args: argparse.Namespace, model_defaults: dict) -> dict:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, block_size=args.block_size,
+    return dict(tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 scheduling_policy=args.scheduling_policy,
                 max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_memory_gib,

@@ -184,7 +184,8 @@ class _replier:
         template = load_chat_template(self.args.chat_template)
         check_sampling_flags(self.args)
         if template is None:
-            _check_model_template(self.args.model, self.args.chat_template_name)
+            _check_model_template(self.args.model, self.args.chat_template_name,
+                                  self.args.tokenizer)
         llm = LLM(self.args.model, **engine_kwargs(self.args))
         self._close = llm.shutdown
         defaults = llm.sampling_defaults
@@ -206,18 +207,20 @@ class _replier:
         return reply
 
 
-def _check_model_template(model: str, name: str | None) -> None:
+def _check_model_template(model: str, name: str | None, tokenizer: str | None = None) -> None:
     """ValueError when the model has no chat template (or no tokenizer): said before its
     engine loads (minutes for a large model), not as every turn's error after it did, which
-    also told the user to start a router with --chat-template."""
+    also told the user to start a router with --chat-template. ``tokenizer``: --tokenizer."""
     from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
     from engine.presets import resolve_model
-    from engine.tokenizer import has_tokenizer_files, load_tokenizer
+    from engine.tokenizer_choice import load_model_tokenizer
 
-    path = resolve_model(EngineConfig(model=model).model)
-    if not has_tokenizer_files(path):
-        raise ValueError(f"model {model!r} has no tokenizer, so no chat template to chat with")
-    tok = load_tokenizer(path)
+    path = resolve_model(EngineConfig(model=model, tokenizer=tokenizer).model)
+    tok = load_model_tokenizer(path, tokenizer, ModelConfig.from_pretrained(path).vocab_size)
+    if tok is None:
+        raise ValueError(f"model {model!r} has no tokenizer, so no chat template to chat with "
+                         "(--tokenizer names a folder with one)")
     if not tok.chat_template and not tok.chat_templates:
         raise ValueError(f"model {model!r} has no chat template: pass --chat-template FILE "
                          "(a Jinja chat template) to chat with it")

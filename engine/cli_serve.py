@@ -11,6 +11,19 @@ _SERVED_MODEL_NAME_HELP = (
     "to workers registered with its own, clients see it (default: --model's folder name; "
     "the last path component is what is compared)")
 
+TOKENIZER_HELP = (
+    "a local folder holding the tokenizer's files, when not --model's (a checkpoint without "
+    "them, or another compatible tokenizer; its ids must all be < the model's vocab_size). "
+    "The router and every worker must get the same one: it is part of the model fingerprint "
+    "they are matched by (default: --model's folder)")
+
+
+def tokenizer_flags(tokenizer: str | None) -> list[str]:
+    """``--tokenizer`` for services a launcher starts (none: []), the folder made absolute:
+    they may run in another working directory."""
+    return [] if tokenizer is None else ["--tokenizer",
+                                         os.path.abspath(os.path.expanduser(tokenizer))]
+
 
 def add_lifecycle_args(p: argparse.ArgumentParser) -> None:
     """The flags every service's lifecycle takes (engine/grpc_server.py)."""
@@ -122,6 +135,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER", help=TOKENIZER_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--redis-url", required=True)
@@ -253,7 +267,7 @@ def _router_config(args: argparse.Namespace):
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
                       generation_config=args.generation_config,
                       log_requests=args.log_requests, router_id=args.router_id,
-                      served_model_name=args.served_model_name,
+                      served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                       liveness=LivenessConfig(args.health_check_interval_s,
                                               args.health_check_misses),
                       local_prefill=LocalPrefillConfig(

@@ -10,13 +10,15 @@ import signal
 import sys
 import threading
 
-from engine.cli_serve import _router_config, _worker_config
+from engine.cli_serve import TOKENIZER_HELP, _router_config, _worker_config
 from engine.cli_vllm import add_refused_vllm_flags
 
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-llama",
                    help="HF folder or built-in preset name (default: tiny-llama)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help=TOKENIZER_HELP + "; given to the router and every worker")
     p.add_argument("--prefill", type=int, default=1,
                    help="prefill workers; 0 runs aggregated: the decode workers prefill every "
                         "prompt themselves, behind the same router")
@@ -196,6 +198,9 @@ def up_spec(args: argparse.Namespace):
         extra += ["--scheduling-policy", args.scheduling_policy]
     if args.served_model_name:
         extra += ["--served-model-name", args.served_model_name]
+    if args.tokenizer is not None:  # the services may start in other working directories
+        args.tokenizer = os.path.abspath(os.path.expanduser(args.tokenizer))
+        extra += ["--tokenizer", args.tokenizer]
     for flag in ("--dtype", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
                  "--kv-cache-memory-gib", "--seed", "--block-size", "--engine-step-timeout-s",
                  "--tp-idle-ping-interval-s", "--tp-idle-ping-timeout-s"):
@@ -229,7 +234,8 @@ def _check_service_flags(spec) -> None:
     # Every service reads the model only as it starts, after Redis and the others did: a
     # missing or broken one must fail here, as an aggregated spec's router_flags() (the
     # model's context length) has it fail.
-    model = ModelConfig.from_pretrained(resolve_model(spec.model))
+    path = resolve_model(spec.model)
+    model = ModelConfig.from_pretrained(path)
     parser = build_parser(benchmarks=False)  # the bench modules import torch
     redis = spec.redis_url or "redis://127.0.0.1:6379/0"
     roles = (["prefill"] if spec.num_prefill else []) + ["decode"]
@@ -248,8 +254,18 @@ def _check_service_flags(spec) -> None:
     router.api_key = router.api_key or spec.api_key
     router.admin_api_key = router.admin_api_key or spec.admin_api_key
     _router_config(router)
+    _check_tokenizer(path, router.tokenizer, model.vocab_size)
     if spec.redis_url is not None:  # else pdserve up starts its own
         asyncio.run(check_redis_database(spec.redis_url))
+
+
+def _check_tokenizer(path, tokenizer: str | None, vocab_size: int) -> None:
+    """A --tokenizer folder without a tokenizer, or one that does not fit the model, refused
+    here, not by each service after the others started."""
+    from engine.tokenizer_choice import load_model_tokenizer
+
+    if tokenizer is not None:
+        load_model_tokenizer(path, tokenizer, vocab_size)
 
 
 def _check_kv_budget(model, engine, args: list[str]) -> None:
@@ -278,7 +294,7 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
                  "--generation-config", "--stream-interval", "--max-local-prefill-length",
                  "--served-model-name", "--default-timeout-s", "--client-write-timeout-s",
-                 "--block-size"):
+                 "--block-size", "--tokenizer"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

@@ -36,6 +36,9 @@ _MAX_PING_S = 86400.0
 class EngineConfig:
     # A local Hugging Face folder or a built-in preset name (see engine.presets).
     model: str
+    # A local folder holding the tokenizer's files, when not the model's (vLLM's --tokenizer;
+    # engine/tokenizer_choice.py). None: the model folder's.
+    tokenizer: str | None = None
     # Compute dtype; "auto" is float32 on CPU and the checkpoint's dtype on CUDA.
     dtype: str = "auto"
     device: str = "auto"
@@ -106,6 +109,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or preset name")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer):
+            raise ValueError("tokenizer (--tokenizer) must be a non-empty folder path or None")
         for name in ("enable_prefix_caching", "enable_partial_block_hits",
                      "enable_chunked_prefill", "detokenize", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):  # "false" would read as on

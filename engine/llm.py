@@ -17,7 +17,9 @@ Prompt = str | list[int]
 class LLM:
     """``generation_config``: where requests without SamplingParams take their defaults from
     (engine/generation_defaults.py): "auto", the model's generation_config.json; "engine",
-    the engine's SamplingParams() defaults; or another folder's file."""
+    the engine's SamplingParams() defaults; or another folder's file. ``tokenizer=FOLDER``
+    (an EngineConfig field, as vLLM's argument) reads the tokenizer from that local folder
+    instead of the model's (engine/tokenizer_choice.py)."""
 
     def __init__(self, model: str, generation_config: str = "auto", **config) -> None:
         check_generation_config(generation_config)

@@ -10,8 +10,9 @@ the opposite case, and is safe to serve.
 The fingerprint is ``"{files}:{weights}"``:
 
 - ``files``: the model's config, generation config and tokenizer files (what the router
-  reads, and what sets the stop tokens), the JSON ones by content (keys that only say which
-  tool wrote them left out);
+  reads, and what sets the stop tokens; the tokenizer's from --tokenizer's folder when one is
+  given, so that a router and workers serving other tokenizers differ), the JSON ones by
+  content (keys that only say which tool wrote them left out);
 - ``weights``: each safetensors file's name, data size and header (every tensor's name,
   dtype, shape and place; not the free-form metadata a converter writes), and a sample of
   every tensor's bytes (64 at its start, its middle and its end; a tensor of at most 16 KiB,
@@ -36,6 +37,9 @@ from engine.weight_files import INDEX_FILE, weight_files
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model",
          "vocab.json", "merges.txt", "vocab.txt")
+# Of FILES, those of the model itself; the rest are the tokenizer's (read from --tokenizer's
+# folder when it is given: engine/tokenizer_choice.py).
+MODEL_FILES = ("config.json", "generation_config.json")
 # Keys of a JSON file left out of its digest: which tool and version wrote it, where it was
 # loaded from, the chat template. Two copies of one model re-saved by other tools are one model.
 _IGNORED_KEYS = {"transformers_version", "_name_or_path", "chat_template"}
@@ -48,10 +52,11 @@ _MAX_HEADER = 100 * 1024 * 1024
 _DIGEST_CHARS = 16
 
 
-def model_fingerprint(folder: Path) -> str:
+def model_fingerprint(folder: Path, tokenizer_folder: Path | None = None) -> str:
     """``folder``'s fingerprint (module docstring); blocking. ValueError for weights that are
-    not safetensors files."""
-    return f"{files_digest(folder)}:{weights_digest(folder)}"
+    not safetensors files. ``tokenizer_folder``: where the tokenizer files are read from when
+    not ``folder`` (--tokenizer)."""
+    return f"{files_digest(folder, tokenizer_folder)}:{weights_digest(folder)}"
 
 
 def text_digest(text: str) -> str:
@@ -59,10 +64,14 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
 
 
-def files_digest(folder: Path) -> str:
+def files_digest(folder: Path, tokenizer_folder: Path | None = None) -> str:
+    """The digest of ``folder``'s config files and the tokenizer files of ``tokenizer_folder``
+    (default ``folder``): the tokenizer served, wherever it came from. One tokenizer in the
+    model's folder or in another gives one digest."""
     h = hashlib.sha256()
     for name in FILES:
-        path = folder / name
+        where = folder if name in MODEL_FILES or tokenizer_folder is None else tokenizer_folder
+        path = Path(where) / name
         if path.is_file():
             h.update(f"{name}\n".encode())
             h.update(hashlib.sha256(_content(path)).digest())

@@ -22,7 +22,8 @@ from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.parallel_state import TPGroup, tp_group_scope
 from engine.presets import resolve_model
-from engine.tokenizer import Tokenizer, has_tokenizer_files, load_tokenizer
+from engine.tokenizer import Tokenizer
+from engine.tokenizer_choice import load_model_tokenizer
 from kernels import get_attention_backend
 from kernels.cpu_linear import resolve_linear_backend
 from kernels.host_malloc import tune_host_malloc
@@ -281,8 +282,9 @@ def resolve_engine(config: EngineConfig) -> EngineSetup:
     """Everything decided before any rank loads weights; bad choices fail here, early."""
     path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(path)
-    # A checkpoint without tokenizer files still serves token-id prompts; broken files are an error.
-    tokenizer = load_tokenizer(path) if has_tokenizer_files(path) else None
+    # A checkpoint without tokenizer files (and no --tokenizer) still serves token-id prompts;
+    # broken files are an error. The chosen tokenizer's eos stops requests, as on the router.
+    tokenizer = load_model_tokenizer(path, config.tokenizer, model_config.vocab_size)
     if tokenizer is not None:
         model_config = model_config.with_tokenizer_eos(tokenizer.eos_token_id)
     device = resolve_device(config.device)

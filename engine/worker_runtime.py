@@ -190,12 +190,17 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 
 async def _fingerprint(config: WorkerConfig) -> str:
     """The served folder's fingerprint, read once the engine loaded it (a preset exists by
-    then)."""
+    then), with the tokenizer files of --tokenizer's folder when given: this worker's engine
+    detokenizes, applies stop strings and stops on the tokenizer's eos with it."""
     from engine.model_fingerprint import model_fingerprint
     from engine.presets import resolve_model
+    from engine.tokenizer_choice import tokenizer_folder
 
-    return await asyncio.to_thread(
-        lambda: model_fingerprint(resolve_model(config.engine.model)))
+    def read() -> str:
+        path = resolve_model(config.engine.model)
+        return model_fingerprint(path, tokenizer_folder(path, config.engine.tokenizer))
+
+    return await asyncio.to_thread(read)
 
 
 class WorkerRuntime:

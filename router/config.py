@@ -89,12 +89,18 @@ class RouterConfig:
     # The model's name to clients (GetModelInfo) and the workers' registered name this router
     # serves requests with (--served-model-name, as theirs): "" for the --model's folder name.
     served_model_name: str = ""
+    # The folder of the tokenizer when not the model's (--tokenizer, as the workers'): it
+    # tokenizes prompts, renders chats and counts in the fingerprint workers must match.
+    tokenizer: str | None = None
     # The template text chat_template names, read when the config is built.
     chat_template_text: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path or preset name")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer):
+            raise ValueError("tokenizer (--tokenizer) must be a non-empty folder path or None")
         check_redis_url(self.redis_url)
         check_namespace(self.namespace)
         # The workers' rule (EngineConfig): a router with another block size hashes prompts

@@ -148,25 +148,37 @@ class ServedModel:
 
 
 def load_served_model(model: str, generation_config: str, chat_template: str | None,
-                      served_model_name: str = "") -> ServedModel:
+                      served_model_name: str = "", tokenizer: str | None = None) -> ServedModel:
     """Reads the model folder (a preset is generated first); blocking. ``served_model_name``
-    is the name clients see ("": ``model``)."""
+    is the name clients see ("": ``model``); ``tokenizer``: the folder of the tokenizer when
+    not the model's (--tokenizer; the workers must be given the same one)."""
     from engine.config import EngineConfig
     from engine.generation_defaults import load_sampling_defaults
     from engine.model_config import ModelConfig
     from engine.model_fingerprint import model_fingerprint
     from engine.presets import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer import TOKENIZER_FILES, has_tokenizer_files, load_tokenizer
+    from engine.tokenizer_choice import load_model_tokenizer, tokenizer_folder
 
-    path = resolve_model(EngineConfig(model=model).model)
-    tokenizer = load_tokenizer(path)
+    path = resolve_model(EngineConfig(model=model, tokenizer=tokenizer).model)
+    if tokenizer is None:
+        # The router needs a tokenizer even where the workers need none (token-id prompts).
+        if path.is_dir() and not has_tokenizer_files(path):
+            raise ValueError(f"no tokenizer files in {str(path)!r} (looked for "
+                             f"{', '.join(TOKENIZER_FILES)}), which the router needs: pass "
+                             "--tokenizer FOLDER, a folder with this model's tokenizer")
+        tok = load_tokenizer(path)
+        mc = ModelConfig.from_pretrained(path)
+    else:
+        mc = ModelConfig.from_pretrained(path)
+        tok = load_model_tokenizer(path, tokenizer, mc.vocab_size)
     # The stop ids the workers use (engine/setup.py), the tokenizer's eos among them.
-    mc = ModelConfig.from_pretrained(path).with_tokenizer_eos(tokenizer.eos_token_id)
-    served = ServedModel(served_model_name or model, tokenizer, mc.vocab_size,
+    mc = mc.with_tokenizer_eos(tok.eos_token_id)
+    served = ServedModel(served_model_name or model, tok, mc.vocab_size,
                          list(mc.eos_token_ids),
                          load_sampling_defaults(generation_config, path, mc.vocab_size),
                          chat_template,
-                         model_fingerprint(path))
+                         model_fingerprint(path, tokenizer_folder(path, tokenizer)))
     if served.has_chat_template:
         chat_renderer()
         # Checked now: a template that does not parse would fail every chat, each blamed on

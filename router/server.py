@@ -31,7 +31,8 @@ SERVICE_NAMES = [router_pb2.DESCRIPTOR.services_by_name[n].full_name
 async def serve_router(config: RouterConfig) -> None:
     await check_redis_database(config.redis_url)
     model = await asyncio.to_thread(load_served_model, config.model, config.generation_config,
-                                    config.chat_template_text, config.served_model_name)
+                                    config.chat_template_text, config.served_model_name,
+                                    config.tokenizer)
     if model.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     model.sampling_defaults)
