@@ -110,6 +110,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "long for its client to take it (the client stopped reading, or its "
                         "link is too slow for the chunk) ends the request (default 60; 0: "
                         "never)")
+    p.add_argument("--migration-limit", type=int, default=None,
+                   help="router --migration-limit: how many times a request whose worker "
+                        "fails moves on to another (default 3; 0: never)")
+    p.add_argument("--migration-backoff-s", type=float, default=None,
+                   help="router --migration-backoff-s: the first wait before a move away "
+                        "from a worker that still answers (default 0.2; 0: at once)")
     p.add_argument("--max-restarts", type=int, default=5,
                    help="a service that crashes is started again, up to this many crashes "
                         "per role within 10 minutes; then, or with 0, everything stops")
@@ -294,7 +300,7 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
                  "--generation-config", "--stream-interval", "--max-local-prefill-length",
                  "--served-model-name", "--default-timeout-s", "--client-write-timeout-s",
-                 "--block-size", "--tokenizer"):
+                 "--block-size", "--tokenizer", "--migration-limit", "--migration-backoff-s"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

@@ -145,8 +145,11 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     assert up_spec(build_parser().parse_args(["up", "--enable-prefix-caching"])).worker_args == []
     spec = up_spec(build_parser().parse_args(
         ["up", "--stream-interval", "8", "--max-local-prefill-length", "96",
-         "--served-model-name", "team/llama", "--client-write-timeout-s", "0"]))
+         "--served-model-name", "team/llama", "--client-write-timeout-s", "0",
+         "--migration-limit", "0", "--migration-backoff-s", "0.5"]))
     args = spec.router_args
+    assert args[args.index("--migration-limit") + 1] == "0"
+    assert args[args.index("--migration-backoff-s") + 1] == "0.5"
     assert args[args.index("--stream-interval") + 1] == "8"
     assert args[args.index("--client-write-timeout-s") + 1] == "0.0"  # 0 (never) is a value
     assert args[args.index("--max-local-prefill-length") + 1] == "96"
@@ -158,6 +161,9 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
                        (["--generation-config", "nowhere"], "'auto', 'engine' or a folder"),
                        (["--max-restarts", "-1"], "max-restarts"),
                        (["--stream-interval", "0"], "stream_interval must be"),
+                       (["--migration-limit", "-1"], "migration_limit must be"),
+                       (["--migration-backoff-s", "nan"],
+                        r"migration_backoff_s \(--migration-backoff-s\) must be"),
                        (["--max-local-prefill-length", "-1"], "max_local_prefill_length"),
                        (["--prefill", "0", "--max-local-prefill-length", "0"],
                         "nothing to serve it")):
