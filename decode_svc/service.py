@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from protos.limits import ENV as MAX_MESSAGE_ENV
 from protos.limits import ROUTER_ROOM_BYTES, max_message_bytes
 from router.ledger import TransferPulling
+
+logger = logging.getLogger(__name__)
 
 # A pull must end this long before the prefill lease does: the handle's lease time was measured
 # on another host and crossed the network since.
@@ -47,6 +50,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Room for a chunk in a message, with its request's id around it in a DecodeMany
         # batch, and with what the router adds passing it on.
         self.max_chunk_bytes = max_message_bytes() - max(EVENT_ROOM_BYTES, ROUTER_ROOM_BYTES)
+        # Notifications that a lease will not be read here, on their way (_release_unread).
+        self._releases: set[asyncio.Future] = set()
 
     def _drain_streams(self) -> None:
         for stream in self.streams:
@@ -96,8 +101,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # The pull's mark and its release name the lease; a handle from before lease_id
         # existed had it under this call's id.
         lease_id = request.kv_handle.lease_id or rid
-        alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
-                                                         interval)
+        try:
+            alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
+                                                             interval)
+        except asyncio.CancelledError:
+            # Cut before any read was posted: the router's release of the lease waits for this
+            # worker's word that no read of it is in flight (the read a pull ends with says
+            # so itself), else the blocks stay held until the lease expires.
+            self._release_unread(remotes, lease_id)
+            raise
         self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
                                                 self.rt.worker_id, time.time(), lease_left))
         t0 = time.monotonic()
@@ -213,6 +225,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             self.rt.engine.abort(alloc.request_id)
             raise
         self.rt.kv_bytes += int(getattr(stats, "num_bytes", 0))
+
+    def _release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
+        task = asyncio.ensure_future(asyncio.to_thread(self.rt.llm.release_unread_kv, remotes,
+                                                       lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._released_unread)
+
+    def _released_unread(self, task: asyncio.Future) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The lease then ends at its expiry, as one whose owner went away does.
+            logger.warning("could not tell a prefill worker that a lease will not be read: %s",
+                           task.exception())
 
     def _abort_after_pull(self, pull: asyncio.Future, request_id: str) -> None:
         if not pull.cancelled():

@@ -55,6 +55,12 @@ class EngineKVTransfer:
             end = min(end, float(deadline))
         return self.kv_connector.pull(alloc, remotes, remote_block_ids, end, lease_id)
 
+    def release_unread_kv(self, remotes: list, lease_id: str) -> None:
+        """Decode role: tells the owner of ``remotes`` (kvtransfer.KVAgentHandle) that lease
+        ``lease_id`` will not be read here, so that it may free the blocks. Blocking."""
+        self._need_connector()
+        self.kv_connector.release_unread(list(remotes), lease_id)
+
     def preconnect_kv(self, remotes: list) -> bool:
         """Decode role: connects to a prefill engine's ranks (kvtransfer.KVAgentHandle) ahead
         of the first pull from them; whether there was anything to set up. Blocking."""

@@ -143,6 +143,14 @@ class KVConnector:
         return TransferStats(len(local_ids), sum(s.num_bytes for s in stats),
                              sum(s.num_descriptors for s in stats), time.monotonic() - t0)
 
+    def release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
+        """Tells the owner that lease ``lease_id`` will not be read here: its request was cut
+        before this engine posted any read of it. The router's release of a lease a reader may
+        still be reading leaves its blocks held until the reader says its read is over."""
+        if not isinstance(lease_id, str) or not lease_id:
+            raise ValueError("lease_id must be a non-empty string")
+        self.agent.send_notification(remotes[0], RELEASE_PREFIX + lease_id.encode())
+
     def counters(self) -> KVConnectorCounters:
         c = self.agent.counters()
         return KVConnectorCounters(c.transfers, c.bytes, c.failures, c.timeouts,

@@ -2,7 +2,8 @@
 
 Prefill runs the prompt (chunked, sharing cached prefix blocks), samples the first token and
 answers with it and a KV handle; the prompt's blocks stay leased until ReleaseKV, the decode
-worker's release notification, or the lease's expiry.
+worker's release notification, or the lease's expiry. A ReleaseKV that says a decode worker may
+still be reading them (``may_be_read``) leaves them to the latter two.
 """
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # Ids whose lease the engine ended lately: a ReleaseKV for one is answered, not
         # mistaken for one that came before its lease.
         self._ended: dict[str, bool] = {}
+        # Router releases left to the lease's reader (ReleaseKV's may_be_read).
+        self.num_releases_deferred = 0
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -180,6 +183,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             convert.check_request_id(request.request_id)
         except ValueError as e:
             await abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.may_be_read and request.request_id in self._leases:
+            # A decode worker may be reading these blocks, and commits what it read unless
+            # the router's cancel reaches it first: freed now, they could be given to another
+            # prompt and overwritten under that read, and the reader would cache that KV under
+            # this prompt's hashes. Its own release (sent once its read ended) or the lease's
+            # expiry (past which it posts no read) frees them.
+            self.num_releases_deferred += 1
+            return worker_pb2.ReleaseKVResponse(released=False)
         held = self._leases.pop(request.request_id, None)
         if held is None and self._ended.pop(request.request_id, None) is None:
             if request.request_id in self._prefilling:

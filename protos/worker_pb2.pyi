@@ -54,10 +54,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., text_delta: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[_Union[_common_pb2.StopReason, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "may_be_read")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAY_BE_READ_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    may_be_read: bool
+    def __init__(self, request_id: _Optional[str] = ..., may_be_read: _Optional[bool] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)

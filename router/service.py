@@ -21,6 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -34,7 +35,7 @@ from router.access_log import log_request
 from router.chunks import (WholeAnswer, finish_chunk, prompt_cached_tokens,
                            record_first_decode_chunk, without_prompt_logprobs)
 from router.config import RouterConfig
-from router.decode_wait import DecodeWait
+from router.decode_wait import DecodeWait, is_decode_full
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, refuse,
                            status_of)
@@ -466,6 +467,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield first
             return
         done = False
+        leg = _DecodeLeg()
         try:
             yield first
             dreq = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=run.prompt_token_ids,
@@ -474,7 +476,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                             sampling=request.sampling, kv_handle=presp.kv_handle,
                                             stream_interval=self.config.stream_interval)
             chunks, chunk = await self._start_decode(run, dreq, prefill, avoid, context,
-                                                     lease_ends)
+                                                     lease_ends, leg)
             async with contextlib.aclosing(chunks):
                 while chunk is not None:
                     done = done or bool(chunk.finish_reason)
@@ -484,15 +486,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not done:
                 # Cancel, deadline or failure before decode pulled the KV: free the lease now
                 # rather than when it expires. Idempotent on the worker.
-                self._release_later(prefill, rid)
+                self._release_later(prefill, rid, may_be_read=leg.may_be_reading)
 
     async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
                             prefill: WorkerHandle, avoid: frozenset[str], context,
-                            lease_ends: float):
+                            lease_ends: float, leg: _DecodeLeg):
         """A prefilled request's decode leg, open and past its first chunk: (the leg's chunks,
         that chunk). A refusal for want of room is tried again, elsewhere when it can be,
         while the prefill lease keeps the KV (router/decode_wait.py). ``lease_ends``: when the
-        lease ends, on this host's monotonic clock."""
+        lease ends, on this host's monotonic clock. ``leg`` says, once this returns or raises,
+        whether a decode worker may still be reading the KV."""
         # What is left of the lease now: the first token's write to the client came between.
         wait = DecodeWait.after_prefill(self.config.decode_wait_timeout_s,
                                         max(lease_ends - time.monotonic(), 0.0),
@@ -512,6 +515,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # bounds its pull by it, so that it never reads blocks the lease no longer holds.
             dreq.kv_handle.lease_timeout_s = max(lease_ends - time.monotonic(), 0.0)
             chunks = self._decode(dreq, decode, context, run)
+            leg.may_be_reading = True
             try:
                 # Until its first chunk the decode worker is pulling the KV from the prefill
                 # worker, which is health-checked meanwhile: a hung one fails the leg at once.
@@ -519,6 +523,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     chunk = await first_while_watched(prefill.calls, chunks)
             except Exception as e:  # noqa: BLE001 - re-raised unless the worker was full
                 await chunks.aclose()
+                # The worker's own word that its pull never began (a refusal, no room) or has
+                # ended (it commits nothing it failed to read); any other end (a cut, a lost
+                # call) leaves it unknown whether a read, and the commit after it, is to come.
+                leg.may_be_reading = not (was_refused(e) or kv_source_failed(e)
+                                          or is_decode_full(e))
                 await wait.backoff(e)
                 run.workers.remove(decode)  # a refusal for room is no failure of the worker's
                 refused.add(decode.worker_id)
@@ -526,6 +535,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except BaseException:
                 await chunks.aclose()
                 raise
+            leg.may_be_reading = False  # a first chunk comes after the pull, never during it
             if wait.retries:
                 self.stats.decode_waits += 1
                 if not timed and run.decode_timed:  # this leg's queue began at the refusal
@@ -577,16 +587,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         f"decode worker {decode.worker_id} ended the request's stream without "
                         "a finish reason")
 
-    def _release_later(self, prefill: WorkerHandle, rid: str) -> None:
+    def _release_later(self, prefill: WorkerHandle, rid: str, may_be_read: bool = False) -> None:
+        """``may_be_read``: a decode worker was given the lease's handle and may still read its
+        blocks (and commit what it read: the cut reaches it on another connection, maybe after
+        its pull ended), so the prefill worker must not reuse them before that read is over."""
+        req = worker_pb2.ReleaseKVRequest(request_id=rid, may_be_read=may_be_read)
+
         async def release() -> None:
             with self.directory.in_use(prefill), \
                     contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
-                await prefill.prefill_stub.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=rid),
-                                                     timeout=5.0)
+                await prefill.prefill_stub.ReleaseKV(req, timeout=5.0)
 
         task = asyncio.get_running_loop().create_task(release())
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
+
+
+@dataclass
+class _DecodeLeg:
+    """A prefilled request's decode legs, as the release of its lease needs them."""
+
+    may_be_reading: bool = False  # a Decode call with the handle, not answered "not reading"
 
 
 _DEADLINE_SLACK_S = 0.05

@@ -263,6 +263,24 @@ def test_lease_expiry_frees_an_idle_owners_blocks(model):
         prefill.close()
 
 
+@pytest.mark.parametrize("backend", ["nixl", "torch"])
+def test_a_reader_cut_before_its_pull_frees_the_owners_lease_without_reading(model, backend):
+    """decode_svc's word that a lease will not be read (its request was cut before the pull):
+    the owner, told by the router that a read might still come, frees the blocks then, not
+    at the lease's expiry (60 s here)."""
+    prefill = PrefillProc(model, 1, backend, wait=False)
+    decode = _started_side_by_side(prefill, lambda: _decode_engine(model, 1, backend))
+    try:
+        prefill.prefill("cut", list(range(100, 150)))
+        decode.release_unread_kv(prefill.handles, "cut")
+        s = prefill.wait_stats(lambda s: s["leased"] == 0, timeout=15)
+        assert (s["free"], s["leased"], s["expired"], s["released"]) == (s["total"], 0, 0, 1)
+        assert decode.kv_transfer_counters().transfers == 0  # nothing was read
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
 def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
     prefill = PrefillProc(model, 1, "torch", wait=False)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,216 @@
+"""The router's ReleaseKV for a request cut while a decode worker may be pulling its KV, and the
+prefill worker's answer to it: the blocks must not be reused under that read.
+
+The decode worker commits what its pull read, and registers the prompt's block hashes with it,
+unless the router's cut reaches it before its pull ends; the cut travels on another connection
+(with the default multiplexed decode stream, queued behind that stream's other messages) than
+the ReleaseKV. Freed at once, the blocks could be given to another prompt and overwritten under
+the read, and the decode worker's prefix cache would serve that other prompt's KV under this
+prompt's hashes (tests/test_kvtransfer_engine.py shows a late read being served, and cached,
+as is). The router's request path in process, its workers replaced by stubs; the prefill
+servicer in process over a scripted engine (as tests/test_prefill_release.py)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import types
+
+import grpc
+import pytest
+
+from engine.call_abort import KV_SOURCE_FAILED, REFUSED
+from protos import common_pb2, worker_pb2
+from router.directory import WorkerHandle
+from router.migration import RequestRun
+from router.worker_handle import CountedStream
+from tests.test_prefill_release import _Engine, _servicer as _prefill_servicer
+from tests.test_router_cancel import REQUEST, _Context, _Directory, _servicer
+
+
+class _PrefillStub:
+    def __init__(self) -> None:
+        self.releases: list[worker_pb2.ReleaseKVRequest] = []
+
+    async def Prefill(self, request, timeout):
+        return worker_pb2.PrefillResponse(first_token_id=7, kv_handle=common_pb2.KVHandle(
+            worker_id="prefill-x", lease_id=request.request_id, lease_timeout_s=30.0))
+
+    async def ReleaseKV(self, request, timeout):
+        self.releases.append(request)
+        return worker_pb2.ReleaseKVResponse(released=True)
+
+
+class _Decodes(_Directory):
+    """Every decode leg goes to one worker whose legs play ``leg`` (an async generator)."""
+
+    def __init__(self, leg) -> None:
+        self.leg = leg
+        self.opened = asyncio.Event()
+        self.decode = WorkerHandle(common_pb2.WorkerInfo(worker_id="decode-x", role="decode"),
+                                   None, None, None)
+
+    async def pick_decode(self, num_tokens, avoid):
+        return self.decode
+
+    def hold_inflight(self, worker):
+        return lambda: None
+
+    watched = _Directory.in_use
+
+    def open(self):
+        self.opened.set()
+        return self.leg()
+
+
+def _error(code: grpc.StatusCode, marks=()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*marks), "x")
+
+
+async def _pulling():  # a pull that has not ended when the request is cut
+    await asyncio.Event().wait()
+    yield  # pragma: no cover
+
+
+async def _streaming():  # pulled and committed: its first chunk came, then the cut
+    yield worker_pb2.DecodeChunk(token_ids=[8])
+    await asyncio.Event().wait()
+
+
+def _failing(error):
+    async def leg():
+        raise error
+        yield  # pragma: no cover
+    return leg
+
+
+def _release_after_cut(leg, cut_in_decode: bool = True) -> list[bool]:
+    """``may_be_read`` of each ReleaseKV the router sent for the attempt, cut (the client's
+    cancel, its deadline) once its decode leg is open, or before it when not ``cut_in_decode``
+    (a leg that fails ends the request by itself)."""
+    servicer = _servicer()
+    directory = _Decodes(leg)
+    servicer.directory = directory
+    servicer._decode = lambda dreq, decode, context, run: CountedStream(lambda: None,
+                                                                        directory.open())
+    stub = _PrefillStub()
+    prefill = WorkerHandle(common_pb2.WorkerInfo(worker_id="prefill-x", role="prefill"),
+                           None, stub, None)
+    run = RequestRun("r9", [11, 12, 13], time.monotonic())
+
+    async def body():
+        chunks = servicer._remote_prefill(run, REQUEST, prefill, frozenset(), _Context(),
+                                          lambda: None)
+        await anext(chunks)  # the first token, from the prefill
+        if cut_in_decode:
+            rest = asyncio.ensure_future(_drain(chunks))
+            await directory.opened.wait()
+            for _ in range(5):  # the leg's first chunk, if it has one, reaches the client
+                await asyncio.sleep(0)
+            rest.cancel()
+            with contextlib.suppress(BaseException):
+                await rest
+        else:
+            await chunks.aclose()
+        await asyncio.gather(*servicer._release_tasks)
+
+    asyncio.run(body())
+    assert [r.request_id for r in stub.releases] == [run.attempt_id] * len(stub.releases)
+    return [r.may_be_read for r in stub.releases]
+
+
+async def _drain(chunks) -> None:
+    async for _ in chunks:
+        pass
+
+
+def test_a_request_cut_while_its_decode_worker_pulls_leaves_the_blocks_to_the_reader():
+    assert _release_after_cut(_pulling) == [True]
+
+
+def test_a_request_cut_before_its_decode_leg_or_after_its_pull_frees_the_blocks_at_once():
+    assert _release_after_cut(_pulling, cut_in_decode=False) == [False]
+    assert _release_after_cut(_streaming) == [False]
+
+
+@pytest.mark.parametrize("error, may_be_read", [
+    # The worker's own word: its pull failed (and it commits nothing), or it took nothing.
+    (_error(grpc.StatusCode.UNAVAILABLE, KV_SOURCE_FAILED), False),
+    (_error(grpc.StatusCode.RESOURCE_EXHAUSTED, REFUSED), False),
+    (_error(grpc.StatusCode.RESOURCE_EXHAUSTED), False),  # no room: before any block was read
+    # A lost call: the worker may be pulling still.
+    (_error(grpc.StatusCode.UNAVAILABLE), True),
+])
+def test_a_decode_leg_that_failed_frees_the_blocks_unless_a_read_may_go_on(error, may_be_read):
+    assert _release_after_cut(_failing(error)) == [may_be_read]
+
+
+def _release(svc, rid: str, may_be_read: bool):
+    return svc.ReleaseKV(worker_pb2.ReleaseKVRequest(request_id=rid, may_be_read=may_be_read),
+                         None)
+
+
+def test_a_release_that_a_read_may_follow_holds_the_blocks_until_the_reader_releases_them():
+    """The prefill worker side: the lease stays (the engine is not told to free its blocks)
+    until the reader's own release, which its pull sends once its read has ended, or the
+    lease's expiry; a release without a reader frees them at once."""
+    async def run():
+        engine = _Engine()
+        engine.go.set()
+        svc = _prefill_servicer(engine)
+        for rid in ("read", "unread"):
+            resp = await svc._prefill(worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=list(range(5, 25))))
+            assert resp.HasField("kv_handle")
+        answer = await _release(svc, "read", may_be_read=True)
+        assert not answer.released and engine.released == [] and "read" in svc._leases
+        assert (await _release(svc, "unread", may_be_read=False)).released
+        assert engine.released == ["unread"]
+        svc._lease_ended("read")  # the engine ended the lease: the reader's release came
+        assert "read" not in svc._leases and svc.num_releases_deferred == 1
+    asyncio.run(run())
+
+
+class _Allocating:
+    """A decode engine whose allocation waits until the request is cut."""
+
+    def __init__(self) -> None:
+        self.allocating = asyncio.Event()
+
+    async def allocate_prefilled(self, *args):
+        self.allocating.set()
+        await asyncio.Event().wait()
+
+
+def test_a_decode_worker_cut_before_its_pull_tells_the_owner_it_will_not_read():
+    """Else the prefill worker, told by the router that a read may be on its way, would hold
+    the blocks until the lease expires."""
+    from decode_svc.service import DecodeServicer
+    from tests.test_kv_peers import _handles
+
+    told = []
+    engine = _Allocating()
+    rt = types.SimpleNamespace(
+        engine=engine, registry=None, on_drain=[], worker_id="decode-x",
+        record_transfer=lambda ev: None,
+        llm=types.SimpleNamespace(release_unread_kv=lambda remotes, lease: told.append(
+            ([r.agent_name for r in remotes], lease))),
+        config=types.SimpleNamespace(engine=types.SimpleNamespace(
+            kv_transfer_backend="torch", block_size=16, kv_transfer_timeout_s=30.0)))
+    svc = DecodeServicer(rt)
+    request = worker_pb2.DecodeRequest(
+        request_id="d1", prompt_token_ids=list(range(5, 25)), first_token_id=7,
+        kv_handle=common_pb2.KVHandle(worker_id="prefill-x", backend="torch", block_size=16,
+                                      rank_handles=_handles("owner"), block_ids=[3, 4],
+                                      num_tokens=20, lease_timeout_s=30.0, lease_id="p1"))
+
+    async def run():
+        chunks = svc.decode(request, lambda: None)
+        call = asyncio.ensure_future(anext(chunks))
+        await engine.allocating.wait()
+        call.cancel()  # the router's cut, or the call's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.gather(*svc._releases)
+    asyncio.run(run())
+    assert told == [(["owner"], "p1")]
