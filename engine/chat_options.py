@@ -20,9 +20,11 @@ MAX_TEMPLATE_KWARGS_DEPTH = 16
 # Names the renderer sets itself: the arguments of transformers' render_jinja_template and
 # what it hands the template (messages, its globals), and the special tokens' strings. A
 # kwarg of one of these names would replace the conversation or the flags above, or the
-# model's own turn markers, behind the request's back.
+# model's own turn markers, behind the request's back. "self": jinja2's Template.render takes
+# the variables as **kwargs beside it, so that name fails the call itself (a TypeError, an
+# INTERNAL error, not the request's).
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "messages", "conversation", "conversations", "tools", "documents", "chat_template",
+    "self", "messages", "conversation", "conversations", "tools", "documents", "chat_template",
     "add_generation_prompt", "continue_final_message", "return_assistant_tokens_mask",
     "raise_exception", "strftime_now", "bos_token", "eos_token", "unk_token", "sep_token",
     "pad_token", "cls_token", "mask_token", "additional_special_tokens"})

@@ -159,6 +159,7 @@ def test_sdk_sends_the_options_and_the_router_reads_them_back(folders):
     (Chat(BEGUN, add_generation_prompt=True, continue_final_message=True), "cannot both"),
     (Chat(CHAT, continue_final_message=True), "not 'assistant'"),
     (Chat(CHAT, chat_template_kwargs={"messages": "x"}), "may not set 'messages'"),
+    (Chat(CHAT, chat_template_kwargs={"self": 1}), "may not set 'self'"),
     (Chat(CHAT, chat_template_name="qa"), "no named templates"),
 ])
 def test_the_router_refuses_bad_options_as_invalid_argument(folders, chat, match):
