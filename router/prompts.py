@@ -232,6 +232,8 @@ def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) 
     if which == "chat":
         kwargs = msg.chat.chat_template_kwargs
         n = kwargs.ByteSize() if kwargs.fields else 0
+        if n > INLINE_PROMPT_CHARS:  # with few messages or none, the loop below says nothing
+            return True
         for m in msg.chat.messages:  # a message counts 1 at least: a million empty ones too
             n += 1 + len(m.role) + len(m.content) + len(m.name)
             if n > INLINE_PROMPT_CHARS:

@@ -170,6 +170,19 @@ def test_the_router_refuses_bad_options_as_invalid_argument(folders, chat, match
     assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
 
 
+def test_large_template_kwargs_are_read_off_the_event_loop():
+    """Their conversion and checks take ~0.1 s a MB: a chat whose kwargs alone are large
+    (no message, or one short one) is read in a thread, as a long conversation is."""
+    from router.prompts import INLINE_PROMPT_CHARS, _large_prompt
+
+    big = {f"k{i}": i for i in range(INLINE_PROMPT_CHARS)}
+    for messages in ([], [{"role": "user", "content": "hi"}]):
+        req = build_request(Chat(messages, chat_template_kwargs=big), None, {})
+        assert _large_prompt(req)
+    assert not _large_prompt(build_request(Chat(CHAT, chat_template_kwargs={"b": 1}), None,
+                                           {}))
+
+
 def test_llm_chat_prompt_takes_the_options(reference, folders):
     ids = reference.chat_prompt(CHAT, chat_template=OPTIONS_TEMPLATE, add_generation_prompt=False,
                                 chat_template_kwargs={"budget": 7})
