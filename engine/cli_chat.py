@@ -36,7 +36,15 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object ({\"name\": value, ...})")
-    return value
+    from engine.chat_options import check_template_kwargs
+
+    # Checked now, not at the first turn: through a router the SDK's TypeError for a NaN
+    # (json.loads takes one) ended the chat with a traceback, and a reserved name failed
+    # every turn.
+    try:
+        return check_template_kwargs(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -207,6 +207,11 @@ def test_pdserve_chat_offline_picks_a_named_template_and_passes_kwargs(folders, 
     with pytest.raises(SystemExit):
         main(["chat", "--model", folder, "--chat-template-kwargs", "[1]"])
     assert "must be a JSON object" in capsys.readouterr().err
+    for bad, match in [('{"b": NaN}', "JSON has no such number"),
+                       ('{"bos_token": "x"}', "may not set 'bos_token'")]:
+        with pytest.raises(SystemExit):
+            main(["chat", "--model", folder, "--chat-template-kwargs", bad])
+        assert match in capsys.readouterr().err
     assert main(["chat", "--model", folder, "--max-tokens", "2", "--num-gpu-blocks", "64",
                  "--chat-template-name", "thinking", "--chat-template-kwargs",
                  '{"enable_thinking": false, "budget": 2}']) == 0
