@@ -66,13 +66,6 @@ class ChatOptions:
             return not self.continue_final_message
         return self.add_generation_prompt
 
-    def check_last_role(self, role: str) -> None:
-        # What "continue" means: the caller began the assistant's reply. Continuing a user's
-        # message would have the model write the user's words.
-        if self.continue_final_message and role != "assistant":
-            raise ValueError(f"continue_final_message continues an assistant message: the last "
-                             f"message's role is {role!r}, not 'assistant'")
-
 
 def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """A plain-dict copy of ``kwargs`` after checking: string keys none of them reserved,

@@ -169,7 +169,6 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
     elif continue_final_message:
         raise ValueError("give continue_final_message in options, not beside them")
     msgs = check_messages(messages)
-    options.check_last_role(msgs[-1].role)
     clash = sorted(set(options.chat_template_kwargs) & set(tokenizer.special_tokens_map))
     if clash:  # a special token this tokenizer names beyond the reserved ones
         raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: "

@@ -122,10 +122,13 @@ def test_bad_options_are_refused(options, match):
         ChatOptions(**options)
 
 
-def test_continuing_needs_an_assistant_message_last(folders):
+def test_continuing_a_user_message_renders_as_transformers(folders):
+    # HF's apply_chat_template and vLLM continue whatever message comes last (a user's
+    # sentence to complete, too): refusing it would break callers that relied on it.
     tok = load_tokenizer(folders["options"])
-    with pytest.raises(ValueError, match="the last message's role is 'user', not 'assistant'"):
-        chat_prompt_ids(tok, CHAT, continue_final_message=True)
+    assert CHAT[-1]["role"] == "user"
+    assert chat_prompt_ids(tok, CHAT, continue_final_message=True) == _hf(
+        folders["options"], CHAT, add_generation_prompt=False, continue_final_message=True)
 
 
 def test_sdk_sends_the_options_and_the_router_reads_them_back(folders):
@@ -157,7 +160,6 @@ def test_sdk_sends_the_options_and_the_router_reads_them_back(folders):
 
 @pytest.mark.parametrize("chat, match", [
     (Chat(BEGUN, add_generation_prompt=True, continue_final_message=True), "cannot both"),
-    (Chat(CHAT, continue_final_message=True), "not 'assistant'"),
     (Chat(CHAT, chat_template_kwargs={"messages": "x"}), "may not set 'messages'"),
     (Chat(CHAT, chat_template_kwargs={"self": 1}), "may not set 'self'"),
     (Chat(CHAT, chat_template_name="qa"), "no named templates"),
