@@ -22,7 +22,12 @@ ones they wrote as they stopped for its death) at their ends.
 Every writer gone (the service and whatever it started: the pipe's end of file before) is
 inotify's IN_CLOSE_WRITE, sent once the last process holding the file's shared open file
 description closed it; where inotify cannot be had (not Linux, the user's inotify instances
-spent), the service's own exit (``watch``) stands for it.
+spent), the service's own exit (``watch``) stands for it. A process that opens the file anew
+(``open("/dev/stderr")``, a script's ``2>/dev/stderr``: through a pipe, the same pipe) sends
+one too as it closes its own description: one seen while the service still holds the file as
+its stderr is not the last (before, the launcher stopped passing the service's lines on, for
+its life); one that opened it ``"w"`` also emptied the file, which is then read from its
+start again.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ _CHUNK = 65536
 _IN_MODIFY, _IN_CLOSE_WRITE = 0x2, 0x8
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
 _EVENT = struct.Struct("iIII")  # struct inotify_event, without its name
+# A multiple of any file system's block size (ext4's and XFS's: 4 KiB): punches start at one.
+_BLOCK = 65536
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -115,6 +122,9 @@ class StderrTail:
                     self._write_on(chunk)
                     self._reclaim()
                     continue
+                if os.fstat(self._fd).st_size < self._pos:  # emptied by an open with "w"
+                    self._pos = self._freed = 0
+                    continue
                 if writers_gone:  # read to the end after the last writer's close
                     break
                 self._reclaim_at_end()
@@ -146,10 +156,24 @@ class StderrTail:
         offset = 0
         while offset < len(events):
             _, mask, _, name_len = _EVENT.unpack_from(events, offset)
-            if mask & _IN_CLOSE_WRITE:
+            if mask & _IN_CLOSE_WRITE and not self._service_holds_it():
                 return True
             offset += _EVENT.size + name_len
         return False
+
+    def _service_holds_it(self) -> bool:
+        """Whether the service still has the file as its stderr: a close seen meanwhile was
+        another open file description's. Its exit closed its fds before its exit status can
+        be read: then (or where /proc does not tell) False."""
+        process = self._process
+        if process is None or process.poll() is not None:
+            return False
+        try:
+            held = os.stat(f"/proc/{process.pid}/fd/2")
+        except OSError:
+            return False
+        mine = os.fstat(self._fd)
+        return (held.st_dev, held.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _write_on(self, chunk: bytes) -> None:
         # The launcher's stderr gone (a closed pipe) must not stop the reading: the file would
@@ -166,8 +190,12 @@ class StderrTail:
         read is punched."""
         if not self._punch or self._pos - self._freed < RECLAIM_BYTES:
             return
+        # From the start of the block holding ``_freed``: only whole blocks are given back, and
+        # the one the last step ended in, read by now, was merely zeroed (a block kept per
+        # step, 0.4% of all a service wrote, for its life).
+        start = self._freed - self._freed % _BLOCK
         if _LIBC.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                           self._freed, self._pos - self._freed) == 0:
+                           start, self._pos - start) == 0:
             self._freed = self._pos
         elif ctypes.get_errno() in (errno.EOPNOTSUPP, errno.ENOSYS):
             self._punch = False  # this file system has no holes: emptied when read instead
