@@ -44,6 +44,8 @@ RESTART_WINDOW_S = 600.0
 # doubled at each such exit, up to the most.
 RETRY_BACKOFF_S = 2.0
 RETRY_BACKOFF_MAX_S = 60.0
+# Enough for any wait > 0 to reach the most (2**64 times 1e-18 s is 18 s).
+_MAX_DOUBLINGS = 64
 
 
 @dataclass
@@ -172,7 +174,10 @@ class Supervisor:
             return self._lost(proc, f"{why}; {n} {proc.role} crashes within "
                                     f"{RESTART_WINDOW_S:.0f} s (--max-restarts "
                                     f"{self.max_restarts})")
-        wait_s = min(self.retry_backoff_s * 2 ** (failed_starts - 1), RETRY_BACKOFF_MAX_S)
+        # The doubling bounded too: past 2**1023 it is no float (a start refused at every try,
+        # under a budget the longest waits never spend, gets there in 17 hours).
+        doublings = min(failed_starts - 1, _MAX_DOUBLINGS)
+        wait_s = min(self.retry_backoff_s * 2 ** doublings, RETRY_BACKOFF_MAX_S)
         self.pending.append(PendingStart(proc, what, time.monotonic() + wait_s, failed_starts))
         self.say(f"pdserve up: {why}; starting it again in {wait_s:.0f} s ({n} of "
                  f"{self.max_restarts} within {RESTART_WINDOW_S:.0f} s)")

@@ -314,3 +314,25 @@ def test_as_pid_1_the_supervisor_reaps_orphans_but_not_its_own_children():
     assert own.returncode == -signal.SIGKILL and "exited with -9" in said[-1]
     with pytest.raises(ChildProcessError):  # reaped
         os.waitpid(orphan, os.WNOHANG)
+
+
+def test_a_start_that_keeps_failing_waits_at_most_the_longest_wait():
+    """A service refused at every start, under a budget its 60 s waits never spend (more than
+    ten restarts within the 10-minute window), is tried for as long as the cluster runs: its
+    1025th wait (17 hours in) was 2 s times 2**1024, a float's overflow, which ended
+    ``pdserve up`` with a traceback."""
+    cluster = Cluster(ClusterSpec())
+    try:
+        sup = Supervisor(cluster, max_restarts=20, say=(said := []).append)
+        dead = Proc("decode-1", "", subprocess.Popen([sys.executable, "-c", "exit(3)"]),
+                    template="decode-{port}", args=["decode", "--no-such-flag"])
+        dead.popen.wait()
+        sup.pending.append(supervisor.PendingStart(dead, "decode-1 exited with 3", due=0.0,
+                                                   failed_starts=1100))
+        assert sup.check() is None  # its new process exits 2 (the flag refused)
+        (again,) = sup.pending
+        assert again.failed_starts == 1101
+        assert said[-1].endswith(f"; starting it again in {supervisor.RETRY_BACKOFF_MAX_S:.0f} "
+                                 f"s (1 of 20 within 600 s)"), said[-1]
+    finally:
+        cluster.stop()
