@@ -41,8 +41,10 @@ def load_model_tokenizer(model_path: str | Path, tokenizer: str | None,
     tok = load_tokenizer(folder)
     # The model's own tokenizer may count more ids than its embedding (extra added tokens
     # the model never samples); a chosen one must fit, as vLLM refuses one longer than the
-    # embedding: a prompt id past it would index outside the embedding table.
-    if tokenizer is not None and tok.vocab_size > model_vocab_size:
+    # embedding: a prompt id past it would index outside the embedding table. The model's
+    # own folder named as --tokenizer is the model's own tokenizer: taken as without the flag.
+    own = tokenizer is None or folder.resolve() == Path(model_path).expanduser().resolve()
+    if not own and tok.vocab_size > model_vocab_size:
         raise ValueError(f"--tokenizer {tokenizer!r} has {tok.vocab_size} token ids, more than "
                          f"the model's vocab_size {model_vocab_size} (config.json): its ids "
                          "must all be < vocab_size, so it is not this model's tokenizer")

@@ -95,6 +95,11 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_refused(folders, tmp_path):
         LLM(folders["bare"], tokenizer=str(big), num_gpu_blocks=16)
     assert main(["up", "--model", folders["bare"], "--tokenizer", str(big), "--port", "0",
                  "--prefill", "0"]) == 2
+    # The model's own folder named as --tokenizer is taken as without the flag, where a
+    # tokenizer with extra added ids past the embedding loads.
+    from engine.tokenizer_choice import load_model_tokenizer
+    assert load_model_tokenizer(big, None, 8192).vocab_size == n + 1
+    assert load_model_tokenizer(big, f"{big}/.", 8192).vocab_size == n + 1
 
 
 def test_the_fingerprint_digests_the_tokenizer_served(folders):
