@@ -208,12 +208,13 @@ class Cluster:
         if self._lifeline is None:
             self._lifeline = os.pipe()
         parent_fd = self._lifeline[0]
-        read_fd, write_fd = os.pipe()
-        if self.log_dir is None:
+        # Made again if gone: a /tmp cleaner that removed it would fail every later restart.
+        if self.log_dir is None or not os.path.isdir(self.log_dir):
             self.log_dir = log_dirs.make()
         self._num_spawned += 1
         tail = StderrTail(os.path.join(self.log_dir, f"{name.partition('-')[0]}-"
                                                      f"{self._num_spawned}.log"))
+        read_fd, write_fd = os.pipe()  # after the tail: its failure leaks no pipe
         popen = None
         try:
             # A session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops

@@ -149,3 +149,32 @@ def test_starting_a_started_cluster_is_refused_and_stops_nothing():
     finally:
         running.kill()
         running.wait()
+
+
+def test_a_service_starts_after_its_log_folder_was_removed():
+    """A /tmp cleaner that removed the services' log folder must not fail every later start
+    (the supervisor would lose each worker it restarts)."""
+    import shutil
+
+    from router import log_dirs
+    from router.launcher import Cluster
+
+    cluster = Cluster(ClusterSpec())
+    try:
+        first = cluster._spawn("decode-a", ["--help"])
+        assert first.popen.wait(60) == 0
+        gone = cluster.log_dir
+        shutil.rmtree(gone)
+        second = cluster._spawn("decode-b", ["--help"])
+        assert second.popen.wait(60) == 0
+        assert cluster.log_dir != gone and os.path.isdir(cluster.log_dir)
+        assert second.tail.closed.wait(30)
+        assert os.path.exists(second.tail.path)
+    finally:
+        for proc in list(cluster.procs):
+            proc.tail.close()
+            proc.ready.close()
+        if cluster.log_dir is not None:
+            log_dirs.remove(cluster.log_dir)
+        for fd in cluster._lifeline or ():
+            os.close(fd)
