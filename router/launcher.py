@@ -210,6 +210,8 @@ class Cluster:
         parent_fd = self._lifeline[0]
         # Made again if gone: a /tmp cleaner that removed it would fail every later restart.
         if self.log_dir is None or not os.path.isdir(self.log_dir):
+            if self.log_dir is not None:
+                log_dirs.remove(self.log_dir)  # forgotten, not to be removed at exit
             self.log_dir = log_dirs.make()
         self._num_spawned += 1
         tail = StderrTail(os.path.join(self.log_dir, f"{name.partition('-')[0]}-"
