@@ -14,12 +14,23 @@ from dataclasses import dataclass
 
 import grpc
 
-from client.liveness import (WatchedCalls, check_health_checks, check_loop, rpc_error,
+from client.liveness import (WatchedCalls, check_health_checks, check_loop,
                              watched_stream, watched_unary)
 from engine.call_abort import KV_SOURCE_FAILED
 
-__all__ = ["LivenessConfig", "WatchedCalls", "check_loop", "first_while_watched",
-           "watched_stream", "watched_unary"]
+__all__ = ["KVSourceCut", "LivenessConfig", "WatchedCalls", "check_loop",
+           "first_while_watched", "watched_stream", "watched_unary"]
+
+
+class KVSourceCut(grpc.aio.AioRpcError):
+    """The router's own cut of a decode leg whose KV source it took as hung, marked as that
+    source's failure for the migration to blame. Unlike a decode worker's own answer with the
+    mark, it says nothing of that worker's pull: one-sided reads from a worker whose event
+    loop stalls go on, and the decode worker learns of the cut only from its cancel."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                         grpc.aio.Metadata(*KV_SOURCE_FAILED), details=reason)
 
 
 @dataclass(frozen=True)
@@ -61,5 +72,5 @@ async def first_while_watched(calls: WatchedCalls, chunks: AsyncIterator):
             first.exception()
     if cut.reason is not None and first.cancelled():
         # The KV's source hung, not the decode worker reading it: the migration blames it.
-        raise rpc_error(grpc.StatusCode.UNAVAILABLE, cut.reason, KV_SOURCE_FAILED)
+        raise KVSourceCut(cut.reason)
     return first.result()

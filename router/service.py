@@ -40,7 +40,7 @@ from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefi
 from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, refuse,
                            status_of)
 from router.inflight import InflightRequests, OperatorCancelled, check_request_id
-from router.liveness import first_while_watched, watched_stream, watched_unary
+from router.liveness import KVSourceCut, first_while_watched, watched_stream, watched_unary
 from router.migration import RequestRun, backoff_s, is_migratable, wait_to_move
 from router.model_match import expected_model_mismatch
 from router.parallel import check_n, fan_out, sequence_request
@@ -524,10 +524,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except Exception as e:  # noqa: BLE001 - re-raised unless the worker was full
                 await chunks.aclose()
                 # The worker's own word that its pull never began (a refusal, no room) or has
-                # ended (it commits nothing it failed to read); any other end (a cut, a lost
-                # call) leaves it unknown whether a read, and the commit after it, is to come.
-                leg.may_be_reading = not (was_refused(e) or kv_source_failed(e)
-                                          or is_decode_full(e))
+                # ended (it commits nothing it failed to read); any other end (a cut, this
+                # router's for a hung source too, a lost call) leaves it unknown whether a
+                # read, and the commit after it, is to come.
+                leg.may_be_reading = isinstance(e, KVSourceCut) or not (
+                    was_refused(e) or kv_source_failed(e) or is_decode_full(e))
                 await wait.backoff(e)
                 run.workers.remove(decode)  # a refusal for room is no failure of the worker's
                 refused.add(decode.worker_id)

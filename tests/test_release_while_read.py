@@ -84,10 +84,12 @@ def _failing(error):
     return leg
 
 
-def _release_after_cut(leg, cut_in_decode: bool = True) -> list[bool]:
+def _release_after_cut(leg, cut_in_decode: bool = True,
+                       source_hung: bool = False) -> list[bool]:
     """``may_be_read`` of each ReleaseKV the router sent for the attempt, cut (the client's
     cancel, its deadline) once its decode leg is open, or before it when not ``cut_in_decode``
-    (a leg that fails ends the request by itself)."""
+    (a leg that fails ends the request by itself), or by the router's health checks judging
+    the prefill worker hung when ``source_hung``."""
     servicer = _servicer()
     directory = _Decodes(leg)
     servicer.directory = directory
@@ -105,6 +107,8 @@ def _release_after_cut(leg, cut_in_decode: bool = True) -> list[bool]:
         if cut_in_decode:
             rest = asyncio.ensure_future(_drain(chunks))
             await directory.opened.wait()
+            if source_hung:
+                assert prefill.calls.cut_all("health checks unanswered") == 1
             for _ in range(5):  # the leg's first chunk, if it has one, reaches the client
                 await asyncio.sleep(0)
             rest.cancel()
@@ -126,6 +130,14 @@ async def _drain(chunks) -> None:
 
 def test_a_request_cut_while_its_decode_worker_pulls_leaves_the_blocks_to_the_reader():
     assert _release_after_cut(_pulling) == [True]
+
+
+def test_a_leg_cut_for_a_hung_prefill_worker_leaves_the_blocks_to_the_reader():
+    """The router's own cut, marked as the KV source's failure for the migration to blame
+    it, is no word from the decode worker that its pull ended: a prefill worker whose event
+    loop stalled (unanswered health checks) still serves one-sided reads, and frees the
+    blocks once it takes the ReleaseKV, maybe under a read the cut has not stopped yet."""
+    assert _release_after_cut(_pulling, source_hung=True) == [True]
 
 
 def test_a_request_cut_before_its_decode_leg_or_after_its_pull_frees_the_blocks_at_once():
