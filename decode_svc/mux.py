@@ -66,6 +66,8 @@ class _DecodeMux:
     def __init__(self, servicer) -> None:
         self.servicer = servicer
         self.tasks: dict[str, asyncio.Task] = {}
+        # The starts whose task has not run yet (a cancel may come before it does).
+        self.unstarted: dict[str, worker_pb2.DecodeRequest] = {}
         # Events not sent yet: the writer takes the whole batch each time it wakes, so every
         # request a step woke lands in one message.
         self.pending = worker_pb2.DecodeBatch()
@@ -149,12 +151,15 @@ class _DecodeMux:
         else:
             task = asyncio.create_task(self._run(rid, start))
             self.tasks[rid] = task
+            if start.request.HasField("kv_handle") and not start.request.local_prefill:
+                self.unstarted[rid] = start.request
             # Not in _run's finally: a task cancelled before its first step (a cancel read
             # right after its start) never enters _run, and would stay listed, holding the
             # stream open after the caller half-closed it.
             task.add_done_callback(functools.partial(self._done, rid))
 
     async def _run(self, rid: str, start: worker_pb2.DecodeStart) -> None:
+        self.unstarted.pop(rid, None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + start.timeout_s if start.timeout_s > 0 else None
 
@@ -175,6 +180,11 @@ class _DecodeMux:
     def _done(self, rid: str, task: asyncio.Task) -> None:
         if self.tasks.get(rid) is task:
             del self.tasks[rid]
+            request = self.unstarted.pop(rid, None)
+            if request is not None:
+                # Cancelled before it ran: the router, which sent the start, left the lease to
+                # this worker's word that it will not read it, or to the lease's expiry.
+                self.servicer.release_unstarted(request)
         self.ready.set()
 
     def _fail(self, rid: str, exc: Exception) -> None:

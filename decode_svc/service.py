@@ -92,8 +92,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
-        # Before NIXL parses any of it, and before a block is allocated.
-        await self.kv_sources.check(request.kv_handle, ids + resume)
+        try:
+            # Before NIXL parses any of it, and before a block is allocated.
+            await self.kv_sources.check(request.kv_handle, ids + resume)
+        except asyncio.CancelledError:
+            self.release_unstarted(request)  # as a cut during the allocation, once verified
+            raise
         # On this host's clock: the handle says what was left of the lease when it was sent,
         # and when the lease ends.
         lease_left = self.kv_sources.lease_left(request.kv_handle)
@@ -226,9 +230,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         self.rt.kv_bytes += int(getattr(stats, "num_bytes", 0))
 
+    def release_unstarted(self, request: worker_pb2.DecodeRequest) -> None:
+        """For a request cut before its pull began and before its handle was verified (a
+        DecodeMany start cancelled before its task ran, a cut during the check): tells the
+        owner, once the handle verifies, that its lease will not be read here."""
+        if not request.local_prefill and request.HasField("kv_handle"):
+            self._track_release(asyncio.ensure_future(self._release_verified(request)))
+
+    async def _release_verified(self, request: worker_pb2.DecodeRequest) -> None:
+        # Only for a handle its prefill worker signed: the notification frees whatever lease
+        # it names, and a caller of this worker must not free another request's that way.
+        try:
+            ids = convert.check_prompt_token_ids(request.prompt_token_ids)
+            resume = convert.check_token_ids(request.resume_token_ids, "resume")
+            remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
+            await self.kv_sources.check(request.kv_handle, ids + resume)
+        except Exception:  # noqa: BLE001 - a handle no pull would have read: nothing to tell
+            return
+        await asyncio.to_thread(self.rt.llm.release_unread_kv, remotes,
+                                request.kv_handle.lease_id or request.request_id)
+
     def _release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
-        task = asyncio.ensure_future(asyncio.to_thread(self.rt.llm.release_unread_kv, remotes,
-                                                       lease_id))
+        self._track_release(asyncio.ensure_future(asyncio.to_thread(
+            self.rt.llm.release_unread_kv, remotes, lease_id)))
+
+    def _track_release(self, task: asyncio.Future) -> None:
         self._releases.add(task)
         task.add_done_callback(self._released_unread)
 

@@ -226,3 +226,65 @@ def test_a_decode_worker_cut_before_its_pull_tells_the_owner_it_will_not_read():
         await asyncio.gather(*svc._releases)
     asyncio.run(run())
     assert told == [(["owner"], "p1")]
+
+
+def _decode_servicer(engine, told: list):
+    from decode_svc.service import DecodeServicer
+    rt = types.SimpleNamespace(
+        engine=engine, registry=None, on_drain=[], worker_id="decode-x", draining=False,
+        admit=contextlib.nullcontext, record_transfer=lambda ev: None,
+        llm=types.SimpleNamespace(release_unread_kv=lambda remotes, lease: told.append(
+            ([r.agent_name for r in remotes], lease))),
+        config=types.SimpleNamespace(engine=types.SimpleNamespace(
+            kv_transfer_backend="torch", block_size=16, kv_transfer_timeout_s=30.0)))
+    return DecodeServicer(rt)
+
+
+def _pulled_request(rid: str = "d1") -> worker_pb2.DecodeRequest:
+    from tests.test_kv_peers import _handles
+    return worker_pb2.DecodeRequest(
+        request_id=rid, prompt_token_ids=list(range(5, 25)), first_token_id=7,
+        kv_handle=common_pb2.KVHandle(worker_id="prefill-x", backend="torch", block_size=16,
+                                      rank_handles=_handles("owner"), block_ids=[3, 4],
+                                      num_tokens=20, lease_timeout_s=30.0, lease_id="p1"))
+
+
+def test_a_multiplexed_start_cancelled_before_it_ran_tells_the_owner_it_will_not_read():
+    """A cancel read in the same tick as its start cancels a task that never entered
+    decode(): without a word the lease the router left to it stayed held until expiry."""
+    from decode_svc import mux
+
+    told: list = []
+    svc = _decode_servicer(_Allocating(), told)
+
+    async def controls():  # no await between them: one tick of the reader
+        yield worker_pb2.DecodeControl(start=worker_pb2.DecodeStart(request=_pulled_request()))
+        yield worker_pb2.DecodeControl(cancel="d1")
+
+    async def run():
+        m = mux._DecodeMux(servicer=svc)
+        await m.read(controls())
+        async with asyncio.timeout(10):
+            assert [b async for b in m.batches()] == []
+        await asyncio.gather(*svc._releases)
+        return m
+
+    m = asyncio.run(run())
+    assert m.tasks == {} and m.unstarted == {}
+    assert told == [(["owner"], "p1")]
+
+
+def test_a_start_whose_handle_does_not_fit_this_worker_tells_no_one_when_cancelled():
+    """The word frees whatever lease the handle names: only a handle a pull would have read
+    (here, one for another KV transfer backend) is told about."""
+    told: list = []
+    svc = _decode_servicer(_Allocating(), told)
+    request = _pulled_request()
+    request.kv_handle.backend = "nixl"
+
+    async def run():
+        svc.release_unstarted(request)
+        await asyncio.gather(*svc._releases)
+
+    asyncio.run(run())
+    assert told == []
