@@ -128,11 +128,16 @@ class KVSources:
         if now - self._clock_warned_at < CLOCK_WARN_EVERY_S:
             return
         self._clock_warned_at = now
+        # Ahead and late look alike here: a handle that took long to arrive (this worker
+        # paused, SIGSTOPped or starved; the call queued) has less lease left than it says.
+        late = "" if apart > 0 else (", or the handle reached this worker that late (this "
+                                     "process paused or overloaded, the call queued)")
         logger.warning("prefill worker %s's signed lease expiry and the handle's "
-                       "lease_timeout_s disagree by %.1f s: this host's clock is %s its own "
+                       "lease_timeout_s disagree by %.1f s: this host's clock is %s its own%s "
                        "(keep cluster clocks in step, NTP): a clock ahead refuses handles "
                        "before their leases end, one behind reads replayed ones past theirs",
-                       quoted(h.worker_id), abs(apart), "behind" if apart > 0 else "ahead of")
+                       quoted(h.worker_id), abs(apart), "behind" if apart > 0 else "ahead of",
+                       late)
 
     async def _verify(self, registry, h: common_pb2.KVHandle,
                       token_ids: Sequence[int]) -> None:

@@ -279,4 +279,5 @@ def test_clocks_apart_are_logged_once_a_minute_and_named_in_the_refusal(
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1, warned  # once, not per request
     assert "disagree by 120.0 s: this host's clock is ahead of" in warned[0]
+    assert "or the handle reached this worker that late" in warned[0]  # not only skew
     assert "'prefill-1'" in warned[0]
