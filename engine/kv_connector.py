@@ -113,6 +113,7 @@ class KVConnector:
         t0 = time.monotonic()
         timeout_s = deadline - t0
         if timeout_s <= 0:
+            self._release_after_failure(remotes[0], notify)
             raise TransferTimeout("the KV pull's deadline passed before it started")
         futures = self.engine.executor.start_worker_pulls(list(remotes), remote_ids, local_ids,
                                                           deadline)
@@ -137,11 +138,23 @@ class KVConnector:
         if error is not None:
             if _writes_may_land(error, futures):
                 self.engine.quarantine_kv(alloc.request_id)
+            self._release_after_failure(remotes[0], notify)
             raise error
         if futures:
             self.agent.send_notification(remotes[0], notify)
         return TransferStats(len(local_ids), sum(s.num_bytes for s in stats),
                              sum(s.num_descriptors for s in stats), time.monotonic() - t0)
+
+    def _release_after_failure(self, owner: KVAgentHandle, notify: bytes) -> None:
+        # A failed pull commits nothing (its blocks are freed, or quarantined while a read may
+        # still land in them), so the owner may reuse the lease's blocks now: a router that
+        # cut the request mid-pull left them to this reader's word (ReleaseKV may_be_read),
+        # which would otherwise come only with the lease's expiry. Best effort: an owner that
+        # is gone has nothing to free.
+        try:
+            self.agent.send_notification(owner, notify)
+        except Exception as e:  # noqa: BLE001 - the pull's own error is what the caller needs
+            logger.debug("could not tell the owner a failed pull is over: %r", e)
 
     def release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
         """Tells the owner that lease ``lease_id`` will not be read here: its request was cut

@@ -441,6 +441,10 @@ def test_a_pull_whose_deadline_passed_before_it_started_posts_nothing(model, tp)
         assert bool((after == before).all())
         decode.abort("late")
         assert _all_free(decode) and decode.get_stats().num_quarantined == 0
+        # A failed pull commits nothing, so it tells the owner its read is over: a lease the
+        # router left to this reader (ReleaseKV may_be_read) is freed now, not at its expiry.
+        s = prefill.wait_stats(lambda s: s["leased"] == 0, timeout=15)
+        assert (s["free"], s["leased"], s["expired"], s["released"]) == (s["total"], 0, 0, 1)
     finally:
         decode.shutdown()
         prefill.close()
