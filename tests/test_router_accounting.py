@@ -149,7 +149,8 @@ def test_a_refused_decode_legs_wait_counts_as_decode_queue_but_not_the_next_legs
 
     async def body():
         chunks, _ = await s._start_decode(run, dreq, _Worker("prefill-1", "prefill"),
-                                          frozenset(), _Context(), time.monotonic() + 20)
+                                          frozenset(), _Context(), time.monotonic() + 20,
+                                          service._DecodeLeg())
         await chunks.aclose()
 
     asyncio.run(body())
