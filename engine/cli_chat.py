@@ -47,6 +47,17 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _check_kwargs_travel(kwargs: dict) -> None:
+    """Through a router the kwargs travel as a protobuf Struct, which holds what the engine
+    takes except ints past 2**53 (doubles): refused before the first turn, not at every one."""
+    from client.chat import Chat, chat_prompt
+
+    try:
+        chat_prompt(Chat([], chat_template_kwargs=kwargs), lambda text, _where: text)
+    except TypeError as e:
+        raise ValueError(f"--chat-template-kwargs: {e}") from None
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from client import PdserveError
 
@@ -57,6 +68,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template applies to the in-process engine; a router "
                              "renders with its own --chat-template")
         refuse_engine_flags(args, "a router's workers run with their own")
+        if args.chat_template_kwargs:
+            _check_kwargs_travel(args.chat_template_kwargs)
     if args.chat_template and args.chat_template_name:
         raise ValueError("--chat-template-name selects one of the model's named templates; "
                          "--chat-template replaces them")

@@ -214,6 +214,12 @@ def test_pdserve_chat_offline_picks_a_named_template_and_passes_kwargs(folders, 
         with pytest.raises(SystemExit):
             main(["chat", "--model", folder, "--chat-template-kwargs", bad])
         assert match in capsys.readouterr().err
+    # The engine takes any int; a router's Struct cannot carry one past 2**53 exactly, so
+    # through a router it is refused before the first turn (no router needed to see it).
+    assert main(["chat", "--router", "127.0.0.1:1", "--chat-template-kwargs",
+                 '{"seed": 9007199254740993}']) == 2
+    assert "--chat-template-kwargs: chat_template_kwargs['seed'] is 9007199254740993: " \
+           "integers beyond 2**53" in capsys.readouterr().err
     assert main(["chat", "--model", folder, "--max-tokens", "2", "--num-gpu-blocks", "64",
                  "--chat-template-name", "thinking", "--chat-template-kwargs",
                  '{"enable_thinking": false, "budget": 2}']) == 0
