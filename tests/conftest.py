@@ -56,6 +56,17 @@ def _clusters_stopped():
 
 
 @pytest.fixture(scope="module")
+def redis_url():
+    """A redis-server of the module's own, on a free port. Per module, not per session: modules
+    flush it and count its keys, so none may see another's (a module that needs more, such as a
+    Redis past its first second, wraps this under the same name)."""
+    from router.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
 def reference():
     """The in-process engine the serving tests compare a cluster's output with."""
     from engine import LLM

@@ -107,6 +107,19 @@ def worker_info(address: str) -> common_pb2.WorkerInfo:
                 common_pb2.WorkerInfoRequest(), timeout=10)
 
 
+def heartbeat_info(worker_id: str, role: str = "prefill", *, address: str = "127.0.0.1:1",
+                   block_size: int = 16, num_free_blocks: int = 100, num_total_blocks: int = 0,
+                   max_model_len: int = 0, model: str = "", model_fingerprint: str = "",
+                   draining: bool = False) -> common_pb2.WorkerInfo:
+    """A worker's info as the registry and directory tests publish it, no worker behind it:
+    room to be routed to unless told otherwise, the proto's defaults for the rest."""
+    return common_pb2.WorkerInfo(worker_id=worker_id, role=role, address=address,
+                                 block_size=block_size, num_free_blocks=num_free_blocks,
+                                 num_total_blocks=num_total_blocks, max_model_len=max_model_len,
+                                 model=model, model_fingerprint=model_fingerprint,
+                                 draining=draining)
+
+
 def wait_all_blocks_free(addresses: list[str], timeout_s: float = 30.0) -> None:
     """Every worker idle with every block back in the free pool (cached blocks count as free)."""
     deadline = time.monotonic() + timeout_s

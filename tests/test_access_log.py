@@ -15,7 +15,7 @@ from client import Client, FailoverPolicy, InvalidArgumentError, UnavailableErro
 from protos import router_pb2
 from router.access_log import request_line
 from router.migration import RequestRun
-from router.redis_server import RedisServer, free_port
+from router.redis_server import free_port
 
 
 def test_the_line_names_the_request_its_outcome_and_costs():
@@ -57,13 +57,6 @@ def test_a_long_error_is_cut():
     assert len(line) < 1200
     kept, more = line.split('error="', 1)[1].split("\\u2026(")
     assert set(kept) == {"e"} and more == f'{2_000_000 - len(kept)} more characters)"'
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer()
-    yield server.url
-    server.stop()
 
 
 def _router(redis_url: str, *flags: str):

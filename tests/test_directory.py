@@ -10,19 +10,8 @@ import pytest
 from engine.block_hash import hash_request_tokens
 from protos import common_pb2, worker_pb2_grpc
 from router.directory import NoWorkerError, WorkerDirectory
-from router.redis_server import RedisServer
 from router.registry import Registry
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-def _info(wid: str, role: str) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16,
-                                 num_free_blocks=100)
+from tests.serving_helpers import heartbeat_info
 
 
 def test_a_worker_registered_since_the_last_refresh_is_routed_to(redis_url):
@@ -35,8 +24,8 @@ def test_a_worker_registered_since_the_last_refresh_is_routed_to(redis_url):
                 await d.pick_prefill(hash_request_tokens(list(range(32)), 16), 32)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
             writer = Registry.from_url(redis_url, "dir1")
-            await writer.heartbeat(_info("p1", "prefill"))
-            await writer.heartbeat(_info("d1", "decode"))
+            await writer.heartbeat(heartbeat_info("p1", "prefill"))
+            await writer.heartbeat(heartbeat_info("d1", "decode"))
             await writer.r.aclose()
             worker, cached = await d.pick_prefill(hash_request_tokens(list(range(32)), 16), 32)
             assert (worker.worker_id, cached) == ("p1", 0)
@@ -66,8 +55,7 @@ def test_decode_room_is_asked_of_the_worker_before_a_refusal(redis_url):
     async def body():
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        fresh = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
-                                      address=f"127.0.0.1:{port}", num_free_blocks=50)
+        fresh = heartbeat_info("d1", "decode", address=f"127.0.0.1:{port}", num_free_blocks=50)
         servicer = _DecodeInfo(fresh)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         await server.start()
@@ -102,8 +90,7 @@ def test_a_worker_that_fails_its_probe_gets_no_requests_until_it_returns(redis_u
     async def body():
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        infos = [common_pb2.WorkerInfo(worker_id=w, role="decode", block_size=16,
-                                       address=f"127.0.0.1:{port}", num_free_blocks=50)
+        infos = [heartbeat_info(w, "decode", address=f"127.0.0.1:{port}", num_free_blocks=50)
                  for w in ("d1", "d2")]
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_DecodeInfo(infos[0]), server)
         await server.start()
@@ -160,8 +147,7 @@ def test_a_worker_registered_anew_is_probed_itself_not_by_its_predecessor_s_prob
             server = grpc.aio.server()
             port = server.add_insecure_port("127.0.0.1:0")
             addresses.append(f"127.0.0.1:{port}")
-            info = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
-                                         address=addresses[-1], num_free_blocks=50)
+            info = heartbeat_info("d1", "decode", address=addresses[-1], num_free_blocks=50)
             worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer or _DecodeInfo(info),
                                                                server)
             await server.start()
@@ -169,17 +155,15 @@ def test_a_worker_registered_anew_is_probed_itself_not_by_its_predecessor_s_prob
         d = WorkerDirectory(Registry.from_url(redis_url, "dir5"), 16, refresh_interval_s=3600)
         writer = Registry.from_url(redis_url, "dir5")
         try:
-            await writer.heartbeat(common_pb2.WorkerInfo(
-                worker_id="d1", role="decode", block_size=16, address=addresses[0],
-                num_free_blocks=50))
+            await writer.heartbeat(heartbeat_info("d1", "decode", address=addresses[0],
+                                                  num_free_blocks=50))
             await d.start()
             old = d.workers["d1"]
             old_probe = asyncio.ensure_future(d.probe(old))  # hangs on the wedged process
             await asyncio.sleep(0.1)
             # The worker restarts at another address, and a request fails on the new one.
-            await writer.heartbeat(common_pb2.WorkerInfo(
-                worker_id="d1", role="decode", block_size=16, address=addresses[1],
-                num_free_blocks=50))
+            await writer.heartbeat(heartbeat_info("d1", "decode", address=addresses[1],
+                                                  num_free_blocks=50))
             await d.refresh()
             new = d.workers["d1"]
             assert new.info.address == addresses[1] and not old_probe.done()
@@ -202,10 +186,9 @@ def test_the_decode_worker_holding_most_of_a_prompt_is_found(redis_url):
         writer = Registry.from_url(redis_url, "dir4")
         prompt = list(range(100, 200))  # 6 whole blocks
         hashes = hash_request_tokens(prompt, 16)
-        full = common_pb2.WorkerInfo(worker_id="d0", role="decode", address="127.0.0.1:1",
-                                     block_size=16, num_free_blocks=3)
-        for info in (_info("d1", "decode"), _info("d2", "decode"), full,
-                     _info("p1", "prefill")):
+        full = heartbeat_info("d0", "decode", num_free_blocks=3)
+        for info in (heartbeat_info("d1", "decode"), heartbeat_info("d2", "decode"), full,
+                     heartbeat_info("p1", "prefill")):
             await writer.heartbeat(info)
         await writer.set_worker_blocks("d1", hashes[:2])
         await writer.set_worker_blocks("d2", hashes[:5])
@@ -238,7 +221,7 @@ def test_a_worker_registered_at_another_address_has_its_old_channel_closed(redis
         d = WorkerDirectory(Registry.from_url(redis_url, "dir6"), 16, refresh_interval_s=3600)
         writer = Registry.from_url(redis_url, "dir6")
         try:
-            info = _info("d1", "decode")
+            info = heartbeat_info("d1", "decode")
             await writer.heartbeat(info)
             await d.start()
             old = d.workers["d1"]
@@ -269,7 +252,7 @@ def test_routing_picks_an_avoided_worker_with_room_over_a_refusal_and_ignores_un
         d = WorkerDirectory(Registry.from_url(redis_url, "dir7"), 16, refresh_interval_s=3600)
         writer = Registry.from_url(redis_url, "dir7")
         try:
-            roomy, full = _info("d10", "decode"), _info("d2", "decode")
+            roomy, full = heartbeat_info("d10", "decode"), heartbeat_info("d2", "decode")
             full.num_free_blocks = 0
             for info in (roomy, full):
                 info.max_model_len = 4096
@@ -277,14 +260,14 @@ def test_routing_picks_an_avoided_worker_with_room_over_a_refusal_and_ignores_un
             await d.refresh()
             d._ask_fresh = _no_fresh_info  # the heartbeats are the workers' own view here
             assert (await d.pick_decode(33, avoid=frozenset({"d10"}))).worker_id == "d10"
-            tie = _info("d1", "decode")
+            tie = heartbeat_info("d1", "decode")
             tie.max_model_len = 4096
             await writer.heartbeat(tie)
             for wid in ("p1", "p10"):
-                p = _info(wid, "prefill")
+                p = heartbeat_info(wid, "prefill")
                 p.max_model_len = 4096
                 await writer.heartbeat(p)
-            old = _info("p0", "prefill")
+            old = heartbeat_info("p0", "prefill")
             old.max_model_len, old.draining = 256, True  # on its way out
             await writer.heartbeat(old)
             await d.refresh()
@@ -308,7 +291,7 @@ def test_routers_sharing_idle_workers_send_their_requests_to_different_ones(redi
         writer = Registry.from_url(redis_url, "dir10")
         for wid, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"),
                           ("d2", "decode")):
-            await writer.heartbeat(_info(wid, role))
+            await writer.heartbeat(heartbeat_info(wid, role))
         routers = [WorkerDirectory(Registry.from_url(redis_url, "dir10"), 16,
                                    refresh_interval_s=3600, tie_seed=f"router-{i}")
                    for i in range(4)]
@@ -343,9 +326,8 @@ def test_a_decode_worker_whose_fresh_info_says_draining_is_not_picked(redis_url)
     async def body():
         server = grpc.aio.server()
         port = server.add_insecure_port("127.0.0.1:0")
-        fresh = common_pb2.WorkerInfo(worker_id="d1", role="decode", block_size=16,
-                                      address=f"127.0.0.1:{port}", num_free_blocks=50,
-                                      draining=True)
+        fresh = heartbeat_info("d1", "decode", address=f"127.0.0.1:{port}", num_free_blocks=50,
+                               draining=True)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_DecodeInfo(fresh), server)
         await server.start()
         d = WorkerDirectory(Registry.from_url(redis_url, "dir-drain"), 16,
@@ -382,8 +364,8 @@ def test_local_prefill_counts_the_requests_already_on_the_prefill_worker(
     async def body():
         ns = f"dir-local-{threshold}-{ahead}"
         writer = Registry.from_url(redis_url, ns)
-        await writer.heartbeat(_info("p1", "prefill"))
-        await writer.heartbeat(_info("d1", "decode"))
+        await writer.heartbeat(heartbeat_info("p1", "prefill"))
+        await writer.heartbeat(heartbeat_info("d1", "decode"))
         await writer.r.aclose()
         d = WorkerDirectory(Registry.from_url(redis_url, ns), 16, refresh_interval_s=3600)
         await d.start()
@@ -412,7 +394,7 @@ def test_a_workers_misses_start_over_with_each_busy_spell_though_a_stream_stays_
     miss of the next busy spell, and three in a row cut every request on the stream."""
     async def body():
         writer = Registry.from_url(redis_url, "dir-misses")
-        await writer.heartbeat(_info("d1", "decode"))
+        await writer.heartbeat(heartbeat_info("d1", "decode"))
         await writer.r.aclose()
         d = WorkerDirectory(Registry.from_url(redis_url, "dir-misses"), 16,
                             refresh_interval_s=3600)

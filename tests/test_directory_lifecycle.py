@@ -12,25 +12,18 @@ import pytest
 from grpc import ChannelConnectivity
 
 from client.liveness import WatchedCalls, check_loop
-from protos import common_pb2
 from router import directory
 from router.directory import NoWorkerError, WorkerDirectory
-from router.redis_server import RedisServer
 from router.registry import Registry
+from tests.serving_helpers import heartbeat_info
 
 
 @pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        # Past a new Redis's first second: the view (TTL below) then takes a worker missing
-        # from it for gone, not for one that has not beaten since a restart.
-        time.sleep(1.1)
-        yield server.url
-
-
-def _info(wid: str, role: str, block_size: int = 16) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1",
-                                 block_size=block_size, num_free_blocks=100)
+def redis_url(redis_url):
+    # Past a new Redis's first second: the view (TTL below) then takes a worker missing
+    # from it for gone, not for one that has not beaten since a restart.
+    time.sleep(1.1)
+    return redis_url
 
 
 async def _view(redis_url: str, ns: str, *infos, registry=None) -> tuple:
@@ -62,7 +55,7 @@ def test_a_dropped_worker_keeps_its_channel_while_a_request_uses_it(redis_url, m
     monkeypatch.setattr(directory, "RETIRE_AFTER_S", 0.05)
 
     async def body():
-        d, writer = await _view(redis_url, "life1", _info("p1", "prefill"))
+        d, writer = await _view(redis_url, "life1", heartbeat_info("p1", "prefill"))
         try:
             p1 = d.workers["p1"]
             with d.in_use(p1):
@@ -113,8 +106,8 @@ def test_the_health_checks_go_on_past_a_peer_whose_channel_closed():
 
 def test_stop_closes_every_channel_the_directory_opened(redis_url):
     async def body():
-        d, writer = await _view(redis_url, "life2", _info("p1", "prefill"),
-                                _info("d1", "decode"), _info("d2", "decode"))
+        d, writer = await _view(redis_url, "life2", heartbeat_info("p1", "prefill"),
+                                heartbeat_info("d1", "decode"), heartbeat_info("d2", "decode"))
         try:
             p1, d1, d2 = (d.workers[w] for w in ("p1", "d1", "d2"))
             await writer.deregister("d1")
@@ -143,7 +136,7 @@ def test_a_burst_of_requests_missing_a_worker_shares_the_registry_reads(redis_ur
     # Queued one by one, a burst's reads outlasted the Redis time limit and a healthy Redis
     # was taken for a failing one.
     async def body():
-        d, writer = await _view(redis_url, "life3", _info("d1", "decode"),
+        d, writer = await _view(redis_url, "life3", heartbeat_info("d1", "decode"),
                                 registry=_CountingRegistry.from_url(redis_url, "life3", ttl_s=0.5))
         try:
             _CountingRegistry.reads = 0
@@ -156,7 +149,7 @@ def test_a_burst_of_requests_missing_a_worker_shares_the_registry_reads(redis_ur
             assert 1 <= _CountingRegistry.reads <= 3
             assert d.registry_ok
             # A worker registered before a request misses is still seen by it.
-            await writer.heartbeat(_info("p1", "prefill"))
+            await writer.heartbeat(heartbeat_info("p1", "prefill"))
             worker, _ = await d.pick_prefill([], 10)
             assert worker.worker_id == "p1"
         finally:
@@ -169,7 +162,7 @@ def test_a_burst_of_requests_missing_a_worker_shares_the_registry_reads(redis_ur
 def test_marks_of_workers_gone_for_good_are_dropped(redis_url):
     async def body():
         d, writer = await _view(redis_url, "life4",
-                                *(_info(f"d{i}", "decode") for i in range(20)))
+                                *(heartbeat_info(f"d{i}", "decode") for i in range(20)))
         try:
             for w in list(d.workers.values()):
                 assert await d.probe(w) is False  # nothing listens: marked down
@@ -187,7 +180,7 @@ def test_marks_of_workers_gone_for_good_are_dropped(redis_url):
 
 def test_a_worker_of_another_block_size_is_logged_once(redis_url, caplog):
     async def body():
-        d, writer = await _view(redis_url, "life5", _info("p32", "prefill", block_size=32))
+        d, writer = await _view(redis_url, "life5", heartbeat_info("p32", "prefill", block_size=32))
         try:
             with caplog.at_level(logging.WARNING, logger="router.directory"):
                 for _ in range(3):
@@ -206,9 +199,9 @@ def test_a_refusal_for_want_of_workers_names_their_other_block_size(redis_url):
     """Clients got a bare "no prefill worker is available" while the workers were registered
     and up; only the router's log said why."""
     async def body():
-        d, writer = await _view(redis_url, "life7", _info("p32", "prefill", block_size=32),
-                                _info("d32", "decode", block_size=32),
-                                _info("d64", "decode", block_size=64))
+        d, writer = await _view(redis_url, "life7", heartbeat_info("p32", "prefill", block_size=32),
+                                heartbeat_info("d32", "decode", block_size=32),
+                                heartbeat_info("d64", "decode", block_size=64))
         try:
             with pytest.raises(NoWorkerError) as prefill:
                 await d.pick_prefill([], 10)
@@ -230,8 +223,8 @@ def test_block_size_notes_of_workers_gone_for_good_are_dropped(redis_url):
     """A misconfigured worker crash-looping under a new id each time (a pid in the default
     id) left one note per restart for the router's life."""
     async def body():
-        d, writer = await _view(redis_url, "life6",
-                                *(_info(f"p{i}", "prefill", block_size=32) for i in range(20)))
+        restarts = (heartbeat_info(f"p{i}", "prefill", block_size=32) for i in range(20))
+        d, writer = await _view(redis_url, "life6", *restarts)
         try:
             with pytest.raises(NoWorkerError):
                 await d.pick_prefill([], 10)

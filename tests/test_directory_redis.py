@@ -5,6 +5,7 @@ of another model sharing the namespace get no requests."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -20,18 +21,11 @@ from router.presence import WorkerPresence
 from router.redis_health import RedisHealth
 from router.redis_server import RedisServer
 from router.registry import Registry
+from tests.serving_helpers import heartbeat_info
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-def _info(wid: str, role: str, model: str = "", fingerprint: str = "") -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16,
-                                 num_free_blocks=100, max_model_len=2048, model=model,
-                                 model_fingerprint=fingerprint)
+# Every worker here says one model's context length, as a cluster's do.
+_info = functools.partial(heartbeat_info, max_model_len=2048)
 
 
 async def _register(url: str, ns: str, *infos: common_pb2.WorkerInfo) -> None:
@@ -238,10 +232,10 @@ def test_workers_of_another_model_get_no_requests(redis_url, caplog):
     the same model named by another path (another host's mount) included."""
     async def body():
         await _register(redis_url, "mix",
-                        _info("p-other", "prefill", "model-B"),
-                        _info("d-other", "decode", "/models/model-B"),
-                        _info("p-ours", "prefill", "/mnt/elsewhere/Model-A/"),
-                        _info("d-ours", "decode", "model-a"))
+                        _info("p-other", "prefill", model="model-B"),
+                        _info("d-other", "decode", model="/models/model-B"),
+                        _info("p-ours", "prefill", model="/mnt/elsewhere/Model-A/"),
+                        _info("d-ours", "decode", model="model-a"))
         d = WorkerDirectory(Registry.from_url(redis_url, "mix"), 16, refresh_interval_s=3600,
                             model="/models/model-A")
         try:
@@ -265,10 +259,12 @@ def test_workers_are_told_apart_by_their_models_content(redis_url, caplog):
     (replaced in place, or another cluster's mount at the same path) get no requests."""
     async def body():
         await _register(redis_url, "content",
-                        _info("p-copy", "prefill", "/copies/renamed", "f1:w1"),
-                        _info("d-ours", "decode", "model-a", "f1:w1"),
-                        _info("p-retrained", "prefill", "model-a", "f1:w2"),
-                        _info("d-retokenized", "decode", "model-a", "f2:w1"))
+                        *(_info(wid, role, model=model, model_fingerprint=fingerprint)
+                          for wid, role, model, fingerprint in [
+                              ("p-copy", "prefill", "/copies/renamed", "f1:w1"),
+                              ("d-ours", "decode", "model-a", "f1:w1"),
+                              ("p-retrained", "prefill", "model-a", "f1:w2"),
+                              ("d-retokenized", "decode", "model-a", "f2:w1")]))
         d = WorkerDirectory(Registry.from_url(redis_url, "content"), 16,
                             refresh_interval_s=3600, model="model-a", model_fingerprint="f1:w1")
         try:

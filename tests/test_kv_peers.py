@@ -7,13 +7,10 @@ import asyncio
 import time
 from dataclasses import replace
 
-import pytest
-
 import engine.kv_peers as kv_peers
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import KVAgentHandle
 from protos import common_pb2
-from router.redis_server import RedisServer
 from router.registry import Registry
 
 LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
@@ -51,12 +48,6 @@ def _handles(*names: str) -> list[bytes]:
                          base_addr=4096, num_bytes=8 * LAYOUT.bytes_per_block, device_id=0,
                          mem_type="DRAM", layout=LAYOUT, address="127.0.0.1:9")
     return [replace(base, agent_name=n).to_bytes() for n in names]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
 
 
 async def _registered(redis_url: str, namespace: str, *agents: str):

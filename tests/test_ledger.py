@@ -25,12 +25,6 @@ from router.router_presence import TTL_S, Incarnation, RouterPresence, pid_names
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 
 
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
 def _opened(rid: str, router: str = "r1", inc: str = "inc", expires_in: float = 60.0,
             blocks: int = 3, clock_off: float = 0.0) -> TransferOpened:
     now = time.time() + clock_off  # the worker's clock

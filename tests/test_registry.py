@@ -19,33 +19,24 @@ from router import redis_database, registry as registry_mod
 from router.registry import Registry
 from router.stats import RouterStats
 from tests.proc_signals import reap
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
+from tests.serving_helpers import heartbeat_info
 
 
 def _run(coro):
     return asyncio.run(coro)
 
 
-def _info(wid: str, role: str = "prefill") -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16)
-
-
 def test_stale_workers_drop_out_and_take_their_blocks(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "t1", ttl_s=0.5)
         hashes = hash_request_tokens(list(range(64)), 16)
-        await reg.heartbeat(_info("a"))
-        await reg.heartbeat(_info("b", "decode"))
+        await reg.heartbeat(heartbeat_info("a"))
+        await reg.heartbeat(heartbeat_info("b", "decode"))
         await reg.publish_events("a", [BlockStored(hashes, None, None, 16)])
         assert [w.worker_id for w in await reg.live_workers("prefill")] == ["a"]
         assert await reg.match_prefix(hashes, ["a"]) == {"a": 4}
         time.sleep(0.7)
-        await reg.heartbeat(_info("b", "decode"))  # b keeps beating, a went silent
+        await reg.heartbeat(heartbeat_info("b", "decode"))  # b keeps beating, a went silent
         assert [w.worker_id for w in await reg.live_workers()] == ["b"]
         assert await reg.r.scard(f"t1:block:{hashes[0].hex()}") == 0
         await reg.r.aclose()
@@ -58,7 +49,7 @@ def test_match_counts_leading_blocks_only(redis_url):
         reg = Registry.from_url(redis_url, "t2")
         hashes = hash_request_tokens(list(range(80)), 16)  # 5 blocks
         for wid in "xy":  # blocks are listed only under registered workers
-            await reg.heartbeat(_info(wid))
+            await reg.heartbeat(heartbeat_info(wid))
         await reg.publish_events("x", [BlockStored(hashes[:2], None, None, 16),
                                        BlockStored([hashes[3]], hashes[2], None, 16)])
         await reg.publish_events("y", [BlockStored(hashes, None, None, 16)])
@@ -91,7 +82,7 @@ def test_kv_handles_are_published_and_leave_with_their_worker(redis_url, monkeyp
         reg = Registry.from_url(redis_url, "t-kvh", ttl_s=0.5)
         # With the key its KV handles are signed with (kvtransfer/handle_mac.py), read apart.
         await reg.set_kv_handles("p", [b"rank0\x00bytes", b"rank1"], b"key-p")
-        await reg.heartbeat(_info("p"))
+        await reg.heartbeat(heartbeat_info("p"))
         assert await reg.kv_handles("p") == [b"rank0\x00bytes", b"rank1"]
         assert await reg.kv_source("p") == ([b"rank0\x00bytes", b"rank1"], b"key-p")
         await reg.set_kv_handles("p", [b"new"], b"key-2")  # a restart replaces, never appends
@@ -99,7 +90,7 @@ def test_kv_handles_are_published_and_leave_with_their_worker(redis_url, monkeyp
         await reg.deregister("p")
         assert await reg.kv_source("p") == ([], b"")
         await reg.set_kv_handles("q", [b"x"], b"key-q")
-        await reg.heartbeat(_info("q"))
+        await reg.heartbeat(heartbeat_info("q"))
         time.sleep(0.7)
         assert await reg.live_workers() == []  # stale: purged with its handles and key
         assert await reg.kv_source("q") == ([], b"")
@@ -109,7 +100,7 @@ def test_kv_handles_are_published_and_leave_with_their_worker(redis_url, monkeyp
         await reg.set_kv_handles("died", [b"x"], b"key-d")
         await reg.set_kv_handles("beats", [b"y"], b"key-b")
         for _ in range(5):
-            await reg.heartbeat(_info("beats"), ttl_s=5.0)
+            await reg.heartbeat(heartbeat_info("beats"), ttl_s=5.0)
             await asyncio.sleep(0.1)
         assert await reg.kv_source("died") == ([], b"")
         assert await reg.kv_source("beats") == ([b"y"], b"key-b")
@@ -129,7 +120,7 @@ def test_long_chains_are_matched_across_round_trips(redis_url):
         hashes = hash_request_tokens(list(range(16 * n)), 16)
         assert len(hashes) == n
         for wid in ("edge", "mid", "all"):
-            await reg.heartbeat(_info(wid))
+            await reg.heartbeat(heartbeat_info(wid))
         await reg.publish_events("edge", [BlockStored(hashes[:_MATCH_CHUNK], None, None, 16)])
         cut = _MATCH_CHUNK + 7
         await reg.publish_events("mid", [BlockStored(hashes[:cut], None, None, 16)])
@@ -150,7 +141,7 @@ def test_a_worker_stops_even_when_redis_stops_answering():
     from router.presence import WorkerPresence
 
     async def body(server):
-        presence = WorkerPresence(server.url, "t-stuck", 0.2, lambda: _info("w"))
+        presence = WorkerPresence(server.url, "t-stuck", 0.2, lambda: heartbeat_info("w"))
         await presence.start()
         server.proc.send_signal(signal.SIGSTOP)
         try:
@@ -181,16 +172,16 @@ def test_a_call_to_a_hung_redis_times_out_and_the_registry_recovers(monkeypatch)
 
     async def body(server):
         reg = Registry.from_url(server.url, "t-hung")
-        await reg.heartbeat(_info("w"))
+        await reg.heartbeat(heartbeat_info("w"))
         server.proc.send_signal(signal.SIGSTOP)
         try:
             with pytest.raises(redis.exceptions.TimeoutError, match="live_workers"):
                 await reg.live_workers()
             with pytest.raises(redis.exceptions.TimeoutError, match="heartbeat"):
-                await reg.heartbeat(_info("w"))  # a pipeline
+                await reg.heartbeat(heartbeat_info("w"))  # a pipeline
         finally:
             server.proc.send_signal(signal.SIGCONT)
-        await reg.heartbeat(_info("w2"))
+        await reg.heartbeat(heartbeat_info("w2"))
         assert [w.worker_id for w in await reg.live_workers()] == ["w", "w2"]
         await reg.r.aclose()
 
@@ -212,7 +203,7 @@ def test_a_worker_dropped_from_the_registry_puts_its_entries_back(redis_url, cap
     from router.presence import WorkerPresence
 
     async def body():
-        info = _info("w-drop")
+        info = heartbeat_info("w-drop")
         republished = []
 
         async def republish(registry: Registry) -> None:
@@ -250,7 +241,7 @@ def test_a_worker_held_past_its_heartbeat_ttl_says_how_long(redis_url, caplog):
     from router.presence import WorkerPresence
 
     async def body():
-        info = _info("w-held")
+        info = heartbeat_info("w-held")
         republished = []
 
         async def republish(registry: Registry) -> None:
@@ -297,7 +288,7 @@ def test_liveness_goes_by_redis_clock_not_the_hosts(redis_url, monkeypatch):
         router = Registry.from_url(redis_url, "skew")
         try:
             monkeypatch.setattr(time, "time", lambda: real() - 60.0)  # the worker's host
-            await worker.heartbeat(_info("behind"))
+            await worker.heartbeat(heartbeat_info("behind"))
             monkeypatch.setattr(time, "time", lambda: real() + 60.0)  # the router's, ahead
             assert [i.worker_id for i in await router.live_workers()] == ["behind"]
         finally:
@@ -341,7 +332,7 @@ def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see
                 worker_id=wid, undrain=undrain), _AbortContext())).draining
 
         assert not await reg.set_drained("decode-1", True)  # gone before the drain landed
-        await reg.heartbeat(_info("decode-1", "decode"))
+        await reg.heartbeat(heartbeat_info("decode-1", "decode"))
         assert [i.draining for i in await reg.live_workers()] == [False]
         with pytest.raises(_Aborted) as err:
             await drain("nobody")
@@ -349,7 +340,7 @@ def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see
         assert await drain("decode-1") is True
         assert await drain("decode-1", undrain=True) is False
         # A worker that is shutting down says it is draining itself: an undrain cannot end that.
-        stopping = _info("decode-1", "decode")
+        stopping = heartbeat_info("decode-1", "decode")
         stopping.draining = True
         await reg.heartbeat(stopping)
         assert await drain("decode-1", undrain=True) is True
@@ -360,7 +351,7 @@ def test_a_drain_lands_only_on_a_registered_worker_and_says_what_the_routers_see
             await drain("decode-9", undrain=True)
         # This router's own refresh failing after the drain was written: the drain stands,
         # and the admin is told so (not UNAVAILABLE, as though nothing had happened).
-        await reg.heartbeat(_info("decode-2", "decode"))
+        await reg.heartbeat(heartbeat_info("decode-2", "decode"))
 
         async def refresh_fails() -> None:
             raise ConnectionError("Redis went away")
@@ -394,7 +385,7 @@ def test_a_worker_started_while_redis_is_away_registers_once_it_answers(caplog):
             republished.append(1)
             await prepare(registry)
 
-        presence = WorkerPresence(url, "late", 0.1, lambda: _info("w-late"), republish)
+        presence = WorkerPresence(url, "late", 0.1, lambda: heartbeat_info("w-late"), republish)
         await presence.start(prepare)  # nothing listens on the port yet
         try:
             with RedisServer(port=port):
@@ -426,7 +417,8 @@ def test_a_worker_leaving_for_a_drain_keeps_its_kv_handles_until_it_stops(redis_
     from router.presence import WorkerPresence
 
     async def body():
-        presence = WorkerPresence(redis_url, "leave", 0.1, lambda: _info("p-leave", "prefill"))
+        presence = WorkerPresence(redis_url, "leave", 0.1,
+                                  lambda: heartbeat_info("p-leave", "prefill"))
 
         async def prepare(registry: Registry) -> None:
             await registry.set_kv_handles("p-leave", [b"handle"])

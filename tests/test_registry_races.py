@@ -10,23 +10,12 @@ import time
 import pytest
 
 from engine.block_pool import BlockRemoved, BlockStored
-from protos import common_pb2
 from router.presence import WorkerPresence
-from router.redis_server import RedisServer
 from router import registry as registry_mod
 from router.registry import Registry
+from tests.serving_helpers import heartbeat_info
 
 W = "prefill-0"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-def _info(wid: str = W, role: str = "prefill") -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16)
 
 
 def _h(i: int) -> bytes:
@@ -71,10 +60,11 @@ async def _make_stale(reg: Registry, wid: str) -> None:
 def test_an_unreadable_entry_is_dropped_once_and_never_blinds_a_reader(redis_url, caplog):
     async def body():
         reg = Registry.from_url(redis_url, "bad")
-        await reg.heartbeat(_info("good"))
+        await reg.heartbeat(heartbeat_info("good"))
         await reg.r.hset("bad:workers", mapping={
             "garbage": b"\xff\xff\xff",  # not protobuf
-            "liar": _info("someone-else").SerializeToString(),  # not the id its field names
+            # not the id its field names
+            "liar": heartbeat_info("someone-else").SerializeToString(),
         })
         await reg.r.zadd("bad:heartbeats", {b"\xff\xfe": 1.0})  # no id (not UTF-8), stale
         await reg.r.sadd("bad:drained", b"\xff\xfd")
@@ -126,7 +116,7 @@ def test_a_kv_event_landing_inside_a_purge_leaves_no_orphaned_block(redis_url, a
     async def body():
         ns = f"orphan{after}"
         router, worker = Registry.from_url(redis_url, ns), Registry.from_url(redis_url, ns)
-        await worker.heartbeat(_info())
+        await worker.heartbeat(heartbeat_info(W))
         await worker.publish_events(W, [BlockStored([_h(1), _h(2)], None, None, 16)])
 
         async def last_event():
@@ -167,7 +157,7 @@ def test_events_flushed_during_a_republish_are_applied_after_it(redis_url):
             await registry.set_worker_blocks(W, snapshot)
             republished.set()
 
-        presence = WorkerPresence(redis_url, "repub", 0.05, lambda: _info(), republish)
+        presence = WorkerPresence(redis_url, "repub", 0.05, lambda: heartbeat_info(W), republish)
         await presence.start()
         try:
             presence.add_events([BlockStored(list(cache), None, None, 16)])
@@ -194,7 +184,7 @@ def test_a_failed_flush_has_the_next_beat_republish(redis_url):
             await registry.set_worker_blocks(W, [_h(7)])
             republished.set()
 
-        presence = WorkerPresence(redis_url, "lostev", 0.05, lambda: _info(), republish)
+        presence = WorkerPresence(redis_url, "lostev", 0.05, lambda: heartbeat_info(W), republish)
         await presence.start()
         publish = presence.registry.publish_events
 
@@ -225,7 +215,8 @@ def test_a_worker_purged_while_alive_lists_no_block_until_it_registers_again(red
             await registry.set_worker_blocks(W, [_h(1), _h(2)])
             republished.set()
 
-        presence = WorkerPresence(redis_url, "purgedlive", 0.05, lambda: _info(), republish)
+        presence = WorkerPresence(redis_url, "purgedlive", 0.05, lambda: heartbeat_info(W),
+                                  republish)
         await presence.start()
         router = Registry.from_url(redis_url, "purgedlive")
         try:
@@ -255,7 +246,7 @@ def test_blocks_stored_while_a_purge_forgets_them_are_refused(redis_url):
     async def body():
         reg = Registry.from_url(redis_url, "purgewindow")
         try:
-            await reg.heartbeat(_info())
+            await reg.heartbeat(heartbeat_info(W))
             await reg.set_worker_blocks(W, [_h(1)])
             await reg.r.zadd(reg._k("heartbeats"), {W: 0})  # stale
             forget, stored = reg._forget_blocks, []
@@ -322,7 +313,7 @@ async def _draining(router: Registry) -> list[bool]:
 
 
 async def _with_presence(redis_url: str, ns: str, scenario) -> None:
-    presence = WorkerPresence(redis_url, ns, 0.05, lambda: _info())
+    presence = WorkerPresence(redis_url, ns, 0.05, lambda: heartbeat_info(W))
     await presence.start()
     beats = _HeldBeats(presence)
     router = Registry.from_url(redis_url, ns)
@@ -397,11 +388,11 @@ def test_a_worker_restarted_under_a_drained_id_does_not_start_drained(redis_url,
     async def body():
         ns = f"inherit{int(purged_first)}"
         router = Registry.from_url(redis_url, ns)
-        await router.heartbeat(_info())  # the predecessor, then its crash
+        await router.heartbeat(heartbeat_info(W))  # the predecessor, then its crash
         assert await router.set_drained(W, True)
         if purged_first:
             await _make_stale(router, W)
-        presence = WorkerPresence(redis_url, ns, 0.05, lambda: _info())
+        presence = WorkerPresence(redis_url, ns, 0.05, lambda: heartbeat_info(W))
         await presence.start()
         try:
             assert await _draining(router) == [False]
@@ -428,7 +419,7 @@ def test_purges_of_its_predecessor_by_routers_ending_inside_a_restart_leave_it_w
     async def body():
         ns = f"restart-in-{routers}-purges"
         router = Registry.from_url(redis_url, ns)
-        await router.heartbeat(_info())  # the predecessor, then its crash
+        await router.heartbeat(heartbeat_info(W))  # the predecessor, then its crash
         await router.r.zadd(router._k("heartbeats"), {W: 0})  # its beat went stale
         # The first router's purge ends in the first round; the others found the predecessor
         # stale before that round's beat, and end later.
@@ -440,7 +431,7 @@ def test_purges_of_its_predecessor_by_routers_ending_inside_a_restart_leave_it_w
             if purges:
                 await purges.pop(0)()
 
-        presence = WorkerPresence(redis_url, ns, 0.05, lambda: _info(), prepare)
+        presence = WorkerPresence(redis_url, ns, 0.05, lambda: heartbeat_info(W), prepare)
         await presence.start(prepare)
         try:
             assert purges == []
@@ -470,11 +461,11 @@ def test_a_worker_beating_again_inside_its_purge_is_found_by_the_next_one(
         router, worker = Registry.from_url(redis_url, ns), Registry.from_url(redis_url, ns)
 
         async def beat() -> None:  # the worker's presence: a beat, and its republish
-            if (await worker.heartbeat(_info())).dropped:
+            if (await worker.heartbeat(heartbeat_info(W))).dropped:
                 await worker.set_worker_blocks(W, cache)
 
         try:
-            await worker.heartbeat(_info("warm-up"))
+            await worker.heartbeat(heartbeat_info("warm-up"))
             await router.r.zadd(router._k("heartbeats"), {"warm-up": 0})
             await router.purge_stale()  # loads the scripts: no NOSCRIPT round trip below
             await beat()  # registers, and lists its cache

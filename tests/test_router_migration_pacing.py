@@ -26,11 +26,11 @@ from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.liveness import LivenessConfig
 from router.prompts import load_served_model
-from router.redis_server import RedisServer
 from router.registry import Registry
 from router.server import SERVICE_NAMES
 from router.service import RouterServicer
 from router.stats import RouterStats
+from tests.serving_helpers import heartbeat_info
 
 PROMPT = list(range(10, 50))
 MAX_TOKENS = 6
@@ -39,18 +39,6 @@ WANT = [200 + i for i in range(MAX_TOKENS)]
 # A wait no test may sit out: a request that waited it would end at the client's deadline.
 LONG_S = 600.0
 _namespaces = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-def _info(wid: str, role: str, port: int) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address=f"127.0.0.1:{port}",
-                                 block_size=16, num_free_blocks=100, num_total_blocks=100,
-                                 max_model_len=1024)
 
 
 class _Prefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -141,7 +129,9 @@ async def _cluster(redis_url: str, decodes: list[_Decode], on_wait=lambda: None,
             server = grpc.aio.server()
             servers.append(server)
             add(servicer, server)
-            servicer.info = _info(wid, role, server.add_insecure_port("127.0.0.1:0"))
+            port = server.add_insecure_port("127.0.0.1:0")
+            servicer.info = heartbeat_info(wid, role, address=f"127.0.0.1:{port}",
+                                           num_total_blocks=100, max_model_len=1024)
             await server.start()
             await writer.heartbeat(servicer.info, ttl_s=60)
         await directory.start()

@@ -5,28 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-import pytest
-
 from engine.block_hash import hash_request_tokens
-from protos import common_pb2
 from router.directory import WorkerDirectory
-from router.redis_server import RedisServer
 from router.registry import Registry
 from router.router_peers import RouterPeers, RouterPlace
 from router.router_presence import TTL_S
+from tests.serving_helpers import heartbeat_info
 
 PROMPT = list(range(32))
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
-
-
-def _info(wid: str, role: str) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1", block_size=16,
-                                 num_free_blocks=100)
 
 
 async def _first_picks(url: str, ns: str, router_ids: list[str]) -> tuple[Counter, Counter]:
@@ -75,7 +61,7 @@ def test_routers_idle_at_once_send_their_first_requests_to_different_workers(red
             writer = Registry.from_url(redis_url, ns)
             for wid, role in (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"),
                               ("d2", "decode")):
-                await writer.heartbeat(_info(wid, role))
+                await writer.heartbeat(heartbeat_info(wid, role))
             await writer.r.aclose()
         assert [await _hash_first(redis_url, "peers1", rid) for rid in ("router-0", "router-3")] \
             == ["p1", "p1"]  # the case this test is about: both on p1 by the hash

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -27,24 +28,20 @@ from router.admin import RouterAdminServicer
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.prompts import INLINE_PROMPT_CHARS, ServedModel, load_served_model
-from router.redis_server import RedisServer
 from router.registry import Registry
 from router.server import SERVICE_NAMES
 from router.service import RouterServicer
 from router.stats import RouterStats
+from tests.serving_helpers import heartbeat_info
 
 # The operator's template quotes what it refuses: the client's whole message.
 ECHOING_TEMPLATE = ("{% for m in messages %}{% if m['content'].startswith('bad') %}"
                     "{{ raise_exception('refused: ' + m['content']) }}{% endif %}"
                     "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
 BIG = 200_000
+# Sized as a worker's heartbeat says it: the router refuses what these cannot hold.
+_info = functools.partial(heartbeat_info, num_total_blocks=100, max_model_len=1024)
 _namespaces = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +148,6 @@ def _refusal(call, request) -> grpc.RpcError:
 
 def _chat(role: str, content: str) -> router_pb2.ChatPrompt:
     return router_pb2.ChatPrompt(messages=[router_pb2.ChatMessage(role=role, content=content)])
-
-
-def _info(wid: str, role: str, block_size: int = 16) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(worker_id=wid, role=role, address="127.0.0.1:1",
-                                 block_size=block_size, num_free_blocks=100,
-                                 num_total_blocks=100, max_model_len=1024)
 
 
 # ---- a client's text in statuses and the access log -------------------------------------

@@ -15,16 +15,8 @@ import redis.asyncio as aioredis
 from client.tasks import stop_task
 from router.directory import WorkerDirectory
 from router.presence import WorkerPresence
-from router.redis_server import RedisServer
 from router.registry import Registry
 from protos import common_pb2
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    server = RedisServer()
-    yield server.url
-    server.stop()
 
 
 async def _redis_loop(call, stopping: list[bool]) -> None:
