@@ -4,7 +4,9 @@ Decode allocates blocks for the prompt (reusing the prefix this worker already c
 the missing blocks from the prefill worker through kvtransfer, which also tells the prefill
 worker to release its lease, then admits the request into the continuous batch and streams.
 A ``local_prefill`` request skips the prefill worker: see decode_svc/local_prefill.py.
-``DecodeMany`` runs the same requests, many on one stream: see decode_svc/mux.py.
+``DecodeMany`` runs the same requests, many on one stream: see decode_svc/mux.py. ``ForgetLease``
+answers a router that cut a call before it could tell whether it arrived: see
+decode_svc/forgotten_leases.py.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 import grpc
 
+from decode_svc.forgotten_leases import Reading, ReadLeases
 from decode_svc.kv_sources import KVSources
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
@@ -52,6 +55,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.max_chunk_bytes = max_message_bytes() - max(EVENT_ROOM_BYTES, ROUTER_ROOM_BYTES)
         # Notifications that a lease will not be read here, on their way (_release_unread).
         self._releases: set[asyncio.Future] = set()
+        # The leases Decodes read here, and those the router forgot (ForgetLease).
+        self.leases = ReadLeases()
 
     def _drain_streams(self) -> None:
         for stream in self.streams:
@@ -92,33 +97,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
-        try:
-            # Before NIXL parses any of it, and before a block is allocated.
-            await self.kv_sources.check(request.kv_handle, ids + resume)
-        except asyncio.CancelledError:
-            self.release_unstarted(request)  # as a cut during the allocation, once verified
-            raise
-        # On this host's clock: the handle says what was left of the lease when it was sent,
-        # and when the lease ends.
-        lease_left = self.kv_sources.lease_left(request.kv_handle)
-        lease_ends = time.monotonic() + lease_left
         # The pull's mark and its release name the lease; a handle from before lease_id
         # existed had it under this call's id.
         lease_id = request.kv_handle.lease_id or rid
+        # Before the first await: a ForgetLease for the lease, answered on this loop, either
+        # finds this call reading (its end tells the owner) or refuses it here. Past the pull
+        # the owner has had its word, and nothing more is read.
+        reading = self.leases.enter(lease_id)
         try:
-            alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
-                                                             interval)
-        except asyncio.CancelledError:
-            # Cut before any read was posted: the router's release of the lease waits for this
-            # worker's word that no read of it is in flight (the read a pull ends with says
-            # so itself), else the blocks stay held until the lease expires.
-            self._release_unread(remotes, lease_id)
-            raise
-        self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
-                                                self.rt.worker_id, time.time(), lease_left))
-        t0 = time.monotonic()
-        await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
-                         lease_ends, lease_id)
+            try:
+                # Before NIXL parses any of it, and before a block is allocated.
+                await self.kv_sources.check(request.kv_handle, ids + resume)
+            except asyncio.CancelledError:
+                self.release_unstarted(request)  # as a cut during the allocation, once verified
+                raise
+            # On this host's clock: the handle says what was left of the lease when it was sent,
+            # and when the lease ends.
+            lease_left = self.kv_sources.lease_left(request.kv_handle)
+            lease_ends = time.monotonic() + lease_left
+            try:
+                alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
+                                                                 interval)
+            except asyncio.CancelledError:
+                # Cut before any read was posted: the router's release of the lease waits for this
+                # worker's word that no read of it is in flight (the read a pull ends with says
+                # so itself), else the blocks stay held until the lease expires.
+                self._release_unread(remotes, lease_id)
+                raise
+            self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
+                                                    self.rt.worker_id, time.time(), lease_left))
+            t0 = time.monotonic()
+            await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
+                             lease_ends, lease_id, reading)
+        finally:
+            reading.end()
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         first_chunk = True
@@ -199,10 +211,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _pull(self, alloc: KVAllocation, remotes: list[KVAgentHandle],
                     remote_block_ids: list[int], remaining: float | None,
-                    lease_ends: float, lease_id: str) -> None:
+                    lease_ends: float, lease_id: str, reading: Reading) -> None:
         """Reads the prompt's KV, within the caller's deadline and before the prefill lease
         ends: a one-sided read past it would copy blocks the prefill worker may have given to
-        another prompt, and this worker would decode, and cache, another prompt's KV."""
+        another prompt, and this worker would decode, and cache, another prompt's KV.
+        ``reading`` holds the lease until the read is over, even past a cut."""
         timeout = self.rt.config.engine.kv_transfer_timeout_s
         if remaining is not None:
             timeout = max(min(timeout, remaining), 0.001)
@@ -223,6 +236,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # The transfer thread may still be writing into the blocks: free them only after
             # (its error, a deadline's TransferTimeout, is nobody's to raise by then).
             pull.add_done_callback(lambda f: self._abort_after_pull(f, alloc.request_id))
+            reading.until(pull)
             raise
         except BaseException:
             self.rt.kv_failures += 1
@@ -269,6 +283,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not pull.cancelled():
             pull.exception()  # retrieved: the caller left, so asyncio need not log it
         self.rt.engine.abort(request_id)
+
+    async def ForgetLease(self, request: worker_pb2.ForgetLeaseRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.ForgetLeaseResponse:
+        try:
+            reading = self.leases.forget(request.lease_id, request.lease_timeout_s)
+        except ValueError as e:
+            await abort_for(context, e)
+        return worker_pb2.ForgetLeaseResponse(may_be_reading=reading)
 
     async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
         await self.rt.engine.fresh_stats()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x03\x12\x11\n\trouter_id\x18\x05 \x01(\t\x12\x1a\n\x12router_incarnation\x18\x06 \x01(\t\"4\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xd3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\";\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bmay_be_read\x18\x02 \x01(\x08\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x03\x12\x17\n\x0fstream_interval\x18\x08 \x01(\r\"M\n\rDecodeTimings\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x03 \x01(\x01\"\xa0\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.DecodeTimings\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"L\n\x0b\x44\x65\x63odeStart\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x85\x01\n\rDecodeControl\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.DecodeStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x30\n\theartbeat\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.DecodeHeartbeatH\x00\x42\x06\n\x04kind\"5\n\x0f\x44\x65\x63odeHeartbeat\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\x0e\n\x06misses\x18\x02 \x01(\x05\"W\n\x0b\x44\x65\x63odeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\x08\x12\x18\n\x10kv_source_failed\x18\x04 \x01(\x08\"}\n\x0b\x44\x65\x63odeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.DecodeChunkH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.DecodeErrorH\x00\x42\x06\n\x04kind\"G\n\x0b\x44\x65\x63odeBatch\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\x12\x0f\n\x07\x63losing\x18\x02 \x01(\x08\x32\xc8\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x61\n\x10ResetPrefixCache\x12).pdserve.v1.WorkerPrefixCacheResetRequest\x1a\".pdserve.v1.WorkerPrefixCacheReset2\xbf\x02\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x44\n\nDecodeMany\x12\x19.pdserve.v1.DecodeControl\x1a\x17.pdserve.v1.DecodeBatch(\x01\x30\x01\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x61\n\x10ResetPrefixCache\x12).pdserve.v1.WorkerPrefixCacheResetRequest\x1a\".pdserve.v1.WorkerPrefixCacheResetb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\npdserve.v1\x1a\x13protos/common.proto\"\xb5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x03\x12\x11\n\trouter_id\x18\x05 \x01(\t\x12\x1a\n\x12router_incarnation\x18\x06 \x01(\t\"4\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\"\xd3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\'\n\tkv_handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12+\n\x07timings\x18\x08 \x01(\x0b\x32\x1a.pdserve.v1.PrefillTimings\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\";\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bmay_be_read\x18\x02 \x01(\x08\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf6\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\x03\x12\x17\n\x0fstream_interval\x18\x08 \x01(\r\"?\n\x12\x46orgetLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0flease_timeout_s\x18\x02 \x01(\x01\"-\n\x13\x46orgetLeaseResponse\x12\x16\n\x0emay_be_reading\x18\x01 \x01(\x08\"M\n\rDecodeTimings\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x66irst_step_s\x18\x03 \x01(\x01\"\xa0\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12+\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.StopReason\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.DecodeTimings\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"L\n\x0b\x44\x65\x63odeStart\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequest\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x85\x01\n\rDecodeControl\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.DecodeStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x30\n\theartbeat\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.DecodeHeartbeatH\x00\x42\x06\n\x04kind\"5\n\x0f\x44\x65\x63odeHeartbeat\x12\x12\n\ninterval_s\x18\x01 \x01(\x01\x12\x0e\n\x06misses\x18\x02 \x01(\x05\"W\n\x0b\x44\x65\x63odeError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0f\n\x07refused\x18\x03 \x01(\x08\x12\x18\n\x10kv_source_failed\x18\x04 \x01(\x08\"}\n\x0b\x44\x65\x63odeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.DecodeChunkH\x00\x12(\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.DecodeErrorH\x00\x42\x06\n\x04kind\"G\n\x0b\x44\x65\x63odeBatch\x12\'\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.DecodeEvent\x12\x0f\n\x07\x63losing\x18\x02 \x01(\x08\x32\xc8\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x61\n\x10ResetPrefixCache\x12).pdserve.v1.WorkerPrefixCacheResetRequest\x1a\".pdserve.v1.WorkerPrefixCacheReset2\x8f\x03\n\x0c\x44\x65\x63odeWorker\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeChunk0\x01\x12\x44\n\nDecodeMany\x12\x19.pdserve.v1.DecodeControl\x1a\x17.pdserve.v1.DecodeBatch(\x01\x30\x01\x12N\n\x0b\x46orgetLease\x12\x1e.pdserve.v1.ForgetLeaseRequest\x1a\x1f.pdserve.v1.ForgetLeaseResponse\x12\x46\n\rGetWorkerInfo\x12\x1d.pdserve.v1.WorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12\x61\n\x10ResetPrefixCache\x12).pdserve.v1.WorkerPrefixCacheResetRequest\x1a\".pdserve.v1.WorkerPrefixCacheResetb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,24 +44,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEKVRESPONSE']._serialized_end=734
   _globals['_DECODEREQUEST']._serialized_start=737
   _globals['_DECODEREQUEST']._serialized_end=983
-  _globals['_DECODETIMINGS']._serialized_start=985
-  _globals['_DECODETIMINGS']._serialized_end=1062
-  _globals['_DECODECHUNK']._serialized_start=1065
-  _globals['_DECODECHUNK']._serialized_end=1353
-  _globals['_DECODESTART']._serialized_start=1355
-  _globals['_DECODESTART']._serialized_end=1431
-  _globals['_DECODECONTROL']._serialized_start=1434
-  _globals['_DECODECONTROL']._serialized_end=1567
-  _globals['_DECODEHEARTBEAT']._serialized_start=1569
-  _globals['_DECODEHEARTBEAT']._serialized_end=1622
-  _globals['_DECODEERROR']._serialized_start=1624
-  _globals['_DECODEERROR']._serialized_end=1711
-  _globals['_DECODEEVENT']._serialized_start=1713
-  _globals['_DECODEEVENT']._serialized_end=1838
-  _globals['_DECODEBATCH']._serialized_start=1840
-  _globals['_DECODEBATCH']._serialized_end=1911
-  _globals['_PREFILLWORKER']._serialized_start=1914
-  _globals['_PREFILLWORKER']._serialized_end=2242
-  _globals['_DECODEWORKER']._serialized_start=2245
-  _globals['_DECODEWORKER']._serialized_end=2564
+  _globals['_FORGETLEASEREQUEST']._serialized_start=985
+  _globals['_FORGETLEASEREQUEST']._serialized_end=1048
+  _globals['_FORGETLEASERESPONSE']._serialized_start=1050
+  _globals['_FORGETLEASERESPONSE']._serialized_end=1095
+  _globals['_DECODETIMINGS']._serialized_start=1097
+  _globals['_DECODETIMINGS']._serialized_end=1174
+  _globals['_DECODECHUNK']._serialized_start=1177
+  _globals['_DECODECHUNK']._serialized_end=1465
+  _globals['_DECODESTART']._serialized_start=1467
+  _globals['_DECODESTART']._serialized_end=1543
+  _globals['_DECODECONTROL']._serialized_start=1546
+  _globals['_DECODECONTROL']._serialized_end=1679
+  _globals['_DECODEHEARTBEAT']._serialized_start=1681
+  _globals['_DECODEHEARTBEAT']._serialized_end=1734
+  _globals['_DECODEERROR']._serialized_start=1736
+  _globals['_DECODEERROR']._serialized_end=1823
+  _globals['_DECODEEVENT']._serialized_start=1825
+  _globals['_DECODEEVENT']._serialized_end=1950
+  _globals['_DECODEBATCH']._serialized_start=1952
+  _globals['_DECODEBATCH']._serialized_end=2023
+  _globals['_PREFILLWORKER']._serialized_start=2026
+  _globals['_PREFILLWORKER']._serialized_end=2354
+  _globals['_DECODEWORKER']._serialized_start=2357
+  _globals['_DECODEWORKER']._serialized_end=2756
 # @@protoc_insertion_point(module_scope)

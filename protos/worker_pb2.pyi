@@ -87,6 +87,20 @@ class DecodeRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KVHandle, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
+class ForgetLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "lease_timeout_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    lease_timeout_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ForgetLeaseResponse(_message.Message):
+    __slots__ = ("may_be_reading",)
+    MAY_BE_READING_FIELD_NUMBER: _ClassVar[int]
+    may_be_reading: bool
+    def __init__(self, may_be_reading: _Optional[bool] = ...) -> None: ...
+
 class DecodeTimings(_message.Message):
     __slots__ = ("kv_transfer_s", "queue_s", "first_step_s")
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]

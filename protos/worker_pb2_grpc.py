@@ -249,6 +249,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_worker__pb2.DecodeControl.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DecodeBatch.FromString,
                 _registered_method=True)
+        self.ForgetLease = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/ForgetLease',
+                request_serializer=protos_dot_worker__pb2.ForgetLeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.ForgetLeaseResponse.FromString,
+                _registered_method=True)
         self.GetWorkerInfo = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/GetWorkerInfo',
                 request_serializer=protos_dot_common__pb2.WorkerInfoRequest.SerializeToString,
@@ -281,6 +286,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetLease(self, request, context):
+        """The caller cut a call it gave a lease's handle to and cannot tell whether the call reached
+        this worker: says whether a read of the lease may be under way here (then this worker
+        tells its owner when that read is over); if not, refuses every Decode with that lease from
+        now on, so that the caller may free it at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWorkerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -306,6 +321,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.DecodeMany,
                     request_deserializer=protos_dot_worker__pb2.DecodeControl.FromString,
                     response_serializer=protos_dot_worker__pb2.DecodeBatch.SerializeToString,
+            ),
+            'ForgetLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetLease,
+                    request_deserializer=protos_dot_worker__pb2.ForgetLeaseRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.ForgetLeaseResponse.SerializeToString,
             ),
             'GetWorkerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerInfo,
@@ -372,6 +392,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/DecodeMany',
             protos_dot_worker__pb2.DecodeControl.SerializeToString,
             protos_dot_worker__pb2.DecodeBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/ForgetLease',
+            protos_dot_worker__pb2.ForgetLeaseRequest.SerializeToString,
+            protos_dot_worker__pb2.ForgetLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -486,7 +486,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not done:
                 # Cancel, deadline or failure before decode pulled the KV: free the lease now
                 # rather than when it expires. Idempotent on the worker.
-                self._release_later(prefill, rid, may_be_read=leg.may_be_reading)
+                reader = leg.reader if leg.may_be_reading else None
+                self._release_later(prefill, rid, reader=reader,
+                                    lease=(presp.kv_handle.lease_id or rid, lease_ends))
 
     async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
                             prefill: WorkerHandle, avoid: frozenset[str], context,
@@ -515,7 +517,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # bounds its pull by it, so that it never reads blocks the lease no longer holds.
             dreq.kv_handle.lease_timeout_s = max(lease_ends - time.monotonic(), 0.0)
             chunks = self._decode(dreq, decode, context, run)
-            leg.may_be_reading = True
+            leg.may_be_reading, leg.reader = True, decode
             try:
                 # Until its first chunk the decode worker is pulling the KV from the prefill
                 # worker, which is health-checked meanwhile: a hung one fails the leg at once.
@@ -588,13 +590,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         f"decode worker {decode.worker_id} ended the request's stream without "
                         "a finish reason")
 
-    def _release_later(self, prefill: WorkerHandle, rid: str, may_be_read: bool = False) -> None:
-        """``may_be_read``: a decode worker was given the lease's handle and may still read its
-        blocks (and commit what it read: the cut reaches it on another connection, maybe after
-        its pull ended), so the prefill worker must not reuse them before that read is over."""
-        req = worker_pb2.ReleaseKVRequest(request_id=rid, may_be_read=may_be_read)
-
+    def _release_later(self, prefill: WorkerHandle, rid: str, reader: WorkerHandle | None = None,
+                       lease: tuple[str, float] = ("", 0.0)) -> None:
+        """``reader``: a decode worker given the lease's handle that may still read its blocks
+        (and commit what it read: the cut reaches it on another connection, maybe after its
+        pull ended), so the prefill worker must not reuse them before that read is over,
+        unless ``reader`` says no read of it was or will be posted there (``lease``: its id,
+        and when it ends on this host's monotonic clock)."""
         async def release() -> None:
+            may_be_read = reader is not None and await self._may_be_read(reader, *lease)
+            req = worker_pb2.ReleaseKVRequest(request_id=rid, may_be_read=may_be_read)
             with self.directory.in_use(prefill), \
                     contextlib.suppress(grpc.aio.AioRpcError, asyncio.TimeoutError):
                 await prefill.prefill_stub.ReleaseKV(req, timeout=5.0)
@@ -603,12 +608,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
 
+    async def _may_be_read(self, reader: WorkerHandle, lease_id: str, lease_ends: float) -> bool:
+        """Whether ``reader`` may be reading the lease, by its own word (ForgetLease): a Decode
+        call cut before its first chunk may or may not have reached it, and gRPC does not say.
+        Told no, it refuses any Decode with the lease still to come. Without an answer, a read
+        may be under way."""
+        req = worker_pb2.ForgetLeaseRequest(lease_id=lease_id,
+                                            lease_timeout_s=max(lease_ends - time.monotonic(), 0.0))
+        try:
+            with self.directory.in_use(reader):
+                answer = await reader.decode_stub.ForgetLease(req, timeout=5.0)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.TimeoutError):
+            return True  # its channel closed (the worker left the registry) included
+        return answer.may_be_reading
+
 
 @dataclass
 class _DecodeLeg:
     """A prefilled request's decode legs, as the release of its lease needs them."""
 
     may_be_reading: bool = False  # a Decode call with the handle, not answered "not reading"
+    reader: WorkerHandle | None = None  # the worker of the last such call
 
 
 _DEADLINE_SLACK_S = 0.05

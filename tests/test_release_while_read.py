@@ -41,14 +41,29 @@ class _PrefillStub:
         return worker_pb2.ReleaseKVResponse(released=True)
 
 
+class _DecodeStub:
+    """A decode worker's ForgetLease: ``reading`` is its answer; None, a lost call."""
+
+    def __init__(self, reading: bool | None) -> None:
+        self.reading = reading
+        self.forgets: list[worker_pb2.ForgetLeaseRequest] = []
+
+    async def ForgetLease(self, request, timeout):
+        self.forgets.append(request)
+        if self.reading is None:
+            raise _error(grpc.StatusCode.UNAVAILABLE)
+        return worker_pb2.ForgetLeaseResponse(may_be_reading=self.reading)
+
+
 class _Decodes(_Directory):
     """Every decode leg goes to one worker whose legs play ``leg`` (an async generator)."""
 
-    def __init__(self, leg) -> None:
+    def __init__(self, leg, reading: bool | None) -> None:
         self.leg = leg
         self.opened = asyncio.Event()
+        self.stub = _DecodeStub(reading)
         self.decode = WorkerHandle(common_pb2.WorkerInfo(worker_id="decode-x", role="decode"),
-                                   None, None, None)
+                                   None, None, self.stub)
 
     async def pick_decode(self, num_tokens, avoid):
         return self.decode
@@ -84,14 +99,15 @@ def _failing(error):
     return leg
 
 
-def _release_after_cut(leg, cut_in_decode: bool = True,
-                       source_hung: bool = False) -> list[bool]:
+def _release_after_cut(leg, cut_in_decode: bool = True, source_hung: bool = False,
+                       reading: bool | None = True, forgets: list | None = None) -> list[bool]:
     """``may_be_read`` of each ReleaseKV the router sent for the attempt, cut (the client's
     cancel, its deadline) once its decode leg is open, or before it when not ``cut_in_decode``
     (a leg that fails ends the request by itself), or by the router's health checks judging
-    the prefill worker hung when ``source_hung``."""
+    the prefill worker hung when ``source_hung``. ``reading``: the decode worker's answer
+    to ForgetLease (None: the call fails); the ForgetLease requests go to ``forgets``."""
     servicer = _servicer()
-    directory = _Decodes(leg)
+    directory = _Decodes(leg, reading)
     servicer.directory = directory
     servicer._decode = lambda dreq, decode, context, run: CountedStream(lambda: None,
                                                                         directory.open())
@@ -120,6 +136,8 @@ def _release_after_cut(leg, cut_in_decode: bool = True,
 
     asyncio.run(body())
     assert [r.request_id for r in stub.releases] == [run.attempt_id] * len(stub.releases)
+    if forgets is not None:
+        forgets.extend(directory.stub.forgets)
     return [r.may_be_read for r in stub.releases]
 
 
@@ -132,6 +150,18 @@ def test_a_request_cut_while_its_decode_worker_pulls_leaves_the_blocks_to_the_re
     assert _release_after_cut(_pulling) == [True]
 
 
+def test_a_request_cut_before_its_decode_worker_met_the_lease_frees_the_blocks_at_once():
+    """A per-request Decode call cut a moment after it was opened may never have left: the
+    decode worker, asked, says it never met the lease (and refuses it from now on), so the
+    blocks need not wait for a reader that will not come, nor for the lease's expiry."""
+    forgets: list = []
+    assert _release_after_cut(_pulling, reading=False, forgets=forgets) == [False]
+    assert [f.lease_id for f in forgets] == [forgets[0].lease_id] and forgets[0].lease_id
+    assert 0 < forgets[0].lease_timeout_s <= 30.0  # what is left of the handle's lease
+    # A worker that does not answer may be reading: left to it, or to the expiry.
+    assert _release_after_cut(_pulling, reading=None) == [True]
+
+
 def test_a_leg_cut_for_a_hung_prefill_worker_leaves_the_blocks_to_the_reader():
     """The router's own cut, marked as the KV source's failure for the migration to blame
     it, is no word from the decode worker that its pull ended: a prefill worker whose event
@@ -141,8 +171,10 @@ def test_a_leg_cut_for_a_hung_prefill_worker_leaves_the_blocks_to_the_reader():
 
 
 def test_a_request_cut_before_its_decode_leg_or_after_its_pull_frees_the_blocks_at_once():
-    assert _release_after_cut(_pulling, cut_in_decode=False) == [False]
-    assert _release_after_cut(_streaming) == [False]
+    forgets: list = []
+    assert _release_after_cut(_pulling, cut_in_decode=False, forgets=forgets) == [False]
+    assert _release_after_cut(_streaming, forgets=forgets) == [False]
+    assert forgets == []  # no decode worker to ask: none may be reading
 
 
 @pytest.mark.parametrize("error, may_be_read", [

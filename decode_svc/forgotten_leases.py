@@ -1,0 +1,128 @@
+"""Which prefill leases a decode worker is reading, and which its caller told it to forget
+(``DecodeWorker.ForgetLease``).
+
+A router that cuts a Decode call before its first chunk cannot tell whether the call reached
+this worker: gRPC does not say whether a cancelled call was sent. A per-request call is cut a
+millisecond or two after it was opened, often before it left; read or not, the router must
+leave the lease to its reader (ReleaseKV ``may_be_read``), and a worker that never got the call
+sent no word, so the blocks stayed held until the lease expired. So the router asks. Both the
+question and any Decode with the lease are answered here on one event loop, so one of two
+orders holds, whichever way they crossed on the wire:
+
+- the Decode came first and is still running (``reading``): the answer is "may be reading";
+  its own end tells the lease's owner (a cut before its pull: "will not read"; a pull's end,
+  failed or not, releases the lease), as a multiplexed request's does;
+- otherwise the lease is forgotten: a Decode with it that arrives later (overtaken on the wire,
+  or queued in gRPC) is refused before any read is posted, and the router may free the lease
+  at once. A Decode that ended before the question posts nothing more either.
+
+A Decode counts as reading from before its handle's check until it ends, and past its end
+while a pull it cut short may still be writing (decode_svc/service.py's ``_pull``).
+
+The forgotten leases are bounded: each lasts as long as its lease could still be read (what the
+router said was left of it, and a margin for the clocks), and past ``MAX_FORGOTTEN`` of them a
+lease is not forgotten: the router then leaves it to the reader or the expiry, as before.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+
+from engine.config import MAX_KV_LEASE_TIMEOUT_S
+from protos import convert
+
+# How many leases may be forgotten at once. Each is a cut whose Decode had not arrived, and
+# lasts one lease: thousands a second with 60 s leases.
+MAX_FORGOTTEN = 100_000
+# Kept this long past what the router said was left of the lease: a Decode arriving late holds
+# a handle whose lease_timeout_s counts from when the router sent it, and a decode host's clock
+# behind the prefill host's lets a signed expiry pass late (decode_svc/kv_sources.py).
+FORGET_MARGIN_S = 30.0
+
+
+class LeaseForgotten(ValueError):
+    """A Decode for a lease its caller forgot: INVALID_ARGUMENT, nothing read."""
+
+
+class Reading:
+    """One Decode's hold on a lease: ``end()`` once it posts no more reads."""
+
+    def __init__(self, leases: ReadLeases, lease_id: str) -> None:
+        self._leases, self.lease_id = leases, lease_id
+        self._pull: asyncio.Future | None = None
+        self._ended = False
+
+    def until(self, pull: asyncio.Future) -> None:
+        """Holds on until ``pull`` (a read still writing after its Decode left) is done."""
+        self._pull = pull
+        pull.add_done_callback(lambda _f: self.end())
+
+    def end(self) -> None:
+        if self._ended or (self._pull is not None and not self._pull.done()):
+            return
+        self._ended = True
+        self._leases._leave(self.lease_id)
+
+
+class ReadLeases:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # lease id -> Decodes holding it here (usually one)
+        self._reading: dict[str, int] = {}
+        # lease id -> until when a Decode with it is refused (clock), oldest first
+        self._forgotten: dict[str, float] = {}
+
+    def enter(self, lease_id: str) -> Reading:
+        """A Decode's hold on ``lease_id``, before anything of it is read; raises
+        LeaseForgotten for a lease forgotten here."""
+        until = self._forgotten.get(lease_id)
+        if until is not None:
+            if until > self._clock():
+                raise LeaseForgotten(f"kv_handle lease {lease_id!r} was forgotten here "
+                                     "(ForgetLease): its request was cut before this call "
+                                     "arrived; its KV is not read")
+            del self._forgotten[lease_id]
+        self._reading[lease_id] = self._reading.get(lease_id, 0) + 1
+        return Reading(self, lease_id)
+
+    def _leave(self, lease_id: str) -> None:
+        left = self._reading[lease_id] - 1
+        if left:
+            self._reading[lease_id] = left
+        else:
+            del self._reading[lease_id]
+
+    def forget(self, lease_id: str, lease_timeout_s: float) -> bool:
+        """Whether a read of ``lease_id`` may be under way here (the ForgetLease answer); if
+        not, a Decode with it is refused from now on. Raises ValueError for bad input."""
+        if not lease_id:
+            raise ValueError("lease_id is empty")
+        if len(lease_id) > convert.MAX_WORKER_REQUEST_ID_CHARS:
+            raise ValueError(f"lease_id is {len(lease_id)} characters; at most "
+                             f"{convert.MAX_WORKER_REQUEST_ID_CHARS}")
+        if not (math.isfinite(lease_timeout_s) and 0 <= lease_timeout_s <= MAX_KV_LEASE_TIMEOUT_S):
+            raise ValueError(f"lease_timeout_s must be a number in [0, "
+                             f"{MAX_KV_LEASE_TIMEOUT_S:.0f}], got {lease_timeout_s}")
+        if lease_id in self._reading:
+            return True
+        now = self._clock()
+        self._drop_expired(now)
+        if lease_id not in self._forgotten and len(self._forgotten) >= MAX_FORGOTTEN:
+            return True  # no room to refuse its Decode: left to the reader or the expiry
+        until = now + lease_timeout_s + FORGET_MARGIN_S
+        self._forgotten[lease_id] = max(until, self._forgotten.pop(lease_id, until))
+        return False
+
+    def _drop_expired(self, now: float) -> None:
+        # Oldest first, which is nearly soonest to end (leases differ in length): one that
+        # ended behind a longer one goes when that one does, or in the sweep below.
+        while self._forgotten:
+            lease_id, until = next(iter(self._forgotten.items()))
+            if until > now:
+                break
+            del self._forgotten[lease_id]
+        if len(self._forgotten) >= MAX_FORGOTTEN:
+            for lease_id in [k for k, u in self._forgotten.items() if u <= now]:
+                del self._forgotten[lease_id]

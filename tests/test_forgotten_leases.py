@@ -1,0 +1,89 @@
+"""A decode worker's answer to ForgetLease (decode_svc/forgotten_leases.py): "may be reading"
+while any read of the lease may still land, and otherwise a refusal of the lease to every
+Decode still to come, for as long as the lease lasts and no longer."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import pytest
+
+from decode_svc import forgotten_leases
+from decode_svc.forgotten_leases import LeaseForgotten, ReadLeases
+from tests.test_release_while_read import _decode_servicer, _pulled_request
+
+
+class _PullingEngine:
+    """Allocates at once; the pull (rt.llm.pull_kv, in a thread) waits for ``go``."""
+
+    def __init__(self) -> None:
+        self.allocated: list[str] = []
+        self.aborted: list[str] = []
+        self.pulling = threading.Event()
+        self.go = threading.Event()
+
+    async def allocate_prefilled(self, rid, *args):
+        self.allocated.append(rid)
+        return types.SimpleNamespace(request_id=rid, num_cached_tokens=0)
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def pull_kv(self, alloc, remotes, block_ids, timeout, deadline, lease_id):
+        self.pulling.set()
+        assert self.go.wait(30)
+        raise ConnectionError("the transfer failed")
+
+
+def test_a_decode_cut_mid_pull_is_reading_until_its_pull_ends_then_the_lease_is_refused():
+    """The cut ends the Decode while its pull still writes into the blocks: told "not read"
+    then, the router would free the lease under that read."""
+    engine = _PullingEngine()
+    svc = _decode_servicer(engine, [])
+    svc.rt.llm.pull_kv = engine.pull_kv
+    svc.rt.kv_failures = 0
+
+    async def run():
+        try:
+            await cut_mid_pull()
+        finally:
+            engine.go.set()  # a failed check leaves no thread waiting
+
+    async def cut_mid_pull():
+        call = asyncio.ensure_future(anext(svc.decode(_pulled_request("d1"), lambda: None)))
+        await asyncio.to_thread(engine.pulling.wait, 30)
+        call.cancel()  # the router's cut
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert svc.leases.forget("p1", 30.0)  # the read may still land
+        engine.go.set()
+        async with asyncio.timeout(30):
+            while engine.aborted != ["d1"]:  # the pull ended, and its blocks went back
+                await asyncio.sleep(0.01)
+        assert not svc.leases.forget("p1", 30.0)  # nothing more is read here
+        with pytest.raises(LeaseForgotten):  # a Decode still to come reads nothing
+            await anext(svc.decode(_pulled_request("d2"), lambda: None))
+        assert engine.allocated == ["d1"]
+
+    asyncio.run(run())
+
+
+def test_forgotten_leases_last_as_long_as_the_lease_and_are_bounded(monkeypatch):
+    now = [100.0]
+    leases = ReadLeases(clock=lambda: now[0])
+    assert not leases.forget("a", 10.0)
+    with pytest.raises(LeaseForgotten):
+        leases.enter("a")
+    now[0] += 10.0 + forgotten_leases.FORGET_MARGIN_S + 0.1  # past the lease, and its margin
+    leases.enter("a").end()  # read as any lease is
+    with pytest.raises(ValueError):
+        leases.forget("b", float("nan"))
+    monkeypatch.setattr(forgotten_leases, "MAX_FORGOTTEN", 2)
+    assert not leases.forget("b", 10.0) and not leases.forget("c", 20.0)
+    assert leases.forget("d", 10.0)  # no room: not refused, so left to the reader or expiry
+    leases.enter("d").end()
+    now[0] += 10.0 + forgotten_leases.FORGET_MARGIN_S + 0.1  # "b" ended: its room is free
+    assert not leases.forget("d", 10.0)
+    with pytest.raises(LeaseForgotten):
+        leases.enter("c")
