@@ -55,6 +55,10 @@ class TorchKVAgent(KVTransferAgent):
         self._pairs: dict[str, _Pair] = {}
         self._pairs_lock = threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}
+        # Sockets of connections being made: close() shuts them, as it does its pairs'. A
+        # hello to an owner that never answers (a stopped one) otherwise kept the connecting
+        # thread, a release notification's, past close() until its own deadline.
+        self._handshakes: set[socket.socket] = set()
         self._closed = False
 
     def handle(self) -> KVAgentHandle:
@@ -107,6 +111,13 @@ class TorchKVAgent(KVTransferAgent):
             sock = socket.create_connection((host, int(port)), timeout=left)
         except OSError as e:
             raise PeerGoneError(f"{what}: {e}") from None
+        with self._pairs_lock:
+            closed = self._closed
+            if not closed:
+                self._handshakes.add(sock)
+        if closed:
+            sock.close()
+            raise TransferError(f"KV agent {self.name!r} is closed")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             prefix = f"kvpair/{self.name}/{uuid.uuid4().hex}"
@@ -118,7 +129,13 @@ class TorchKVAgent(KVTransferAgent):
             store, pg = self._join(sock, host, store_port, prefix, deadline, what)
         except BaseException as e:
             sock.close()
+            if self._closed:  # close() shut it: no peer failed
+                raise TransferError(f"{what}: KV agent {self.name!r} was closed during it") \
+                    from None
             raise _as_transfer_error(e, what) from None
+        finally:
+            with self._pairs_lock:
+                self._handshakes.discard(sock)
         return _Pair(sock, pg, store)
 
     def _join(self, sock: socket.socket, host: str, store_port: int, prefix: str,
@@ -278,6 +295,14 @@ class TorchKVAgent(KVTransferAgent):
                 return
             self._closed = True
             pairs = list(self._pairs.items())
+            handshakes = list(self._handshakes)
+        for sock in handshakes:
+            # Shut down, not closed: its thread closes it. Closed here, the fd left the
+            # thread's epoll set before the thread saw the shutdown's wake-up, and it slept on.
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for name, pair in pairs:
             self._drop(name, pair)
             if self.cache.device.type != "cuda":  # NCCL's waits are polled, to their deadline

@@ -127,6 +127,37 @@ def test_a_pair_made_while_the_agent_closes_is_not_kept(agents):
     assert not reader.cache[3:5].any()
 
 
+def test_close_ends_a_notification_whose_owner_never_answers_the_hello(agents):
+    """A failed pull's release goes out on a background thread (engine/kv_release_sender),
+    which then connects afresh: to an owner that accepts and never answers (a stopped one)
+    it waited out the notification's 10 s, past the agent's close()."""
+    reader = agents()
+    listener = socket.create_server(("127.0.0.1", 0))  # it reads, and never answers
+    listener.settimeout(BOUND_S)
+    port = listener.getsockname()[1]
+    silent = replace(agents().handle(), agent_name="silent", address=f"127.0.0.1:{port}",
+                     metadata=f'{{"store_port": {port}}}'.encode())
+    conns = []
+    try:
+        notify = _started(lambda: reader.send_notification(silent, b"release:x"))
+        while True:  # until one of its connections speaks: the hello goes out first
+            conns.append(listener.accept()[0])
+            conns[-1].settimeout(0.2)
+            try:
+                if conns[-1].recv(1):
+                    break
+            except socket.timeout:
+                pass
+        reader.close()
+        out = _joined(*notify)
+        assert isinstance(out.get("error"), TransferError), out
+        assert "was closed during it" in str(out["error"])
+    finally:
+        for c in conns:
+            c.close()
+        listener.close()
+
+
 def test_close_ends_a_pull_waiting_on_a_stalled_owner(agents):
     owner, reader = agents(seeded=True), agents()
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
