@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.kv_release_sender import ReleaseSender
 from engine.outputs import KVAllocation
 from engine.thread_names import named_thread
 from kvtransfer import KVAgentHandle, TransferStats, TransferTimeout
@@ -67,6 +68,9 @@ class KVConnector:
         self.num_released = 0
         if engine.config.role == "prefill":  # readers pull only while blocks are leased
             self.agent.expect_reads(lambda: engine.num_leases > 0)
+        # A failed pull's release goes out on these threads: sent on the pull's, an owner
+        # that never answers held the pull's error back for the notification's timeout.
+        self._releases = ReleaseSender(self.agent.send_notification)
         self._stop = threading.Event()
         self._poller = named_thread(self._poll_releases, "pdserve-kv-release")
         self._poller.start()
@@ -149,12 +153,10 @@ class KVConnector:
         # A failed pull commits nothing (its blocks are freed, or quarantined while a read may
         # still land in them), so the owner may reuse the lease's blocks now: a router that
         # cut the request mid-pull left them to this reader's word (ReleaseKV may_be_read),
-        # which would otherwise come only with the lease's expiry. Best effort: an owner that
-        # is gone has nothing to free.
-        try:
-            self.agent.send_notification(owner, notify)
-        except Exception as e:  # noqa: BLE001 - the pull's own error is what the caller needs
-            logger.debug("could not tell the owner a failed pull is over: %r", e)
+        # which would otherwise come only with the lease's expiry. Best effort, and off this
+        # thread: an owner that is gone has nothing to free, and the pull's error must not
+        # wait on one that does not answer.
+        self._releases.submit(owner, notify)
 
     def release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
         """Tells the owner that lease ``lease_id`` will not be read here: its request was cut
@@ -195,5 +197,6 @@ class KVConnector:
 
     def close(self) -> None:
         self._stop.set()
+        self._releases.close()
         self._poller.join(timeout=5)
 

@@ -411,6 +411,35 @@ def test_a_pull_cut_short_while_its_owner_serves_it_quarantines_nothing(model, m
         prefill.close()
 
 
+def test_a_failed_pulls_error_does_not_wait_for_its_release_to_reach_the_owner(model):
+    """A failed pull tells its owner the read is over, without holding the error back for it:
+    over torch it connects afresh, and an owner that does not answer (stopped here; a host
+    gone off the network alike) held the pull's thread and its error for the notification's
+    10 s, and then the owner, once back, was never told. The error comes while the owner is
+    still stopped, and the owner, resumed, is told."""
+    prefill = PrefillProc(model, 1, "torch", wait=False)
+    decode = _started_side_by_side(prefill, lambda: _decode_engine(model, 1, "torch"))
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    try:
+        lease = prefill.prefill("late", list(range(400, 440)))
+        alloc = decode.add_prefilled_request("late", lease["prompt"], lease["first_token"],
+                                             params)
+        stop_process(prefill.proc)
+        try:
+            with pytest.raises(TransferError, match="deadline passed"):
+                decode.pull_kv(alloc, prefill.handles, lease["block_ids"], 30.0,
+                               deadline=time.monotonic() - 0.01)
+            decode.abort("late")
+            assert _all_free(decode)
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        s = prefill.wait_stats(lambda s: s["leased"] == 0, timeout=15)
+        assert (s["free"], s["leased"], s["expired"], s["released"]) == (s["total"], 0, 0, 1)
+    finally:
+        decode.shutdown()
+        prefill.close()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_pull_whose_deadline_passed_before_it_started_posts_nothing(model, tp):
     """The decode service's deadline is absolute (the prefill lease's end): a pull that waited
