@@ -25,7 +25,7 @@ from decode_svc.local_prefill import check_local_prefill_request, stream_local_p
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
 from engine.config import MAX_KV_LEASE_TIMEOUT_S
 from engine.outputs import KVAllocation, RequestOutput
-from engine.worker_runtime import WorkerRuntime, abort_for
+from engine.worker_runtime import WorkerRuntime, abort_for, failure_marks, status_for
 from kvtransfer import KVAgentHandle, TransferError
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
 from protos.limits import ENV as MAX_MESSAGE_ENV
@@ -123,6 +123,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 # worker's word that no read of it is in flight (the read a pull ends with says
                 # so itself), else the blocks stay held until the lease expires.
                 self._release_unread(remotes, lease_id)
+                raise
+            except Exception as e:
+                if _left_to_reader(e):
+                    self._release_unread(remotes, lease_id)
                 raise
             self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
                                                     self.rt.worker_id, time.time(), lease_left))
@@ -298,6 +302,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def ResetPrefixCache(self, request, context) -> common_pb2.WorkerPrefixCacheReset:
         return await self.rt.reset_prefix_cache()
+
+
+def _left_to_reader(exc: Exception) -> bool:
+    """Whether a decode worker that failed with ``exc`` before its pull began should tell the
+    owner it will not read: the router leaves the lease to that word after an error it cannot
+    place (an engine that died, an internal error). Not after one it frees the lease for
+    itself (a refusal, marked) or hands the lease to another decode worker for (no room,
+    RESOURCE_EXHAUSTED), where the word could free it under that worker's read; nor after
+    INVALID_ARGUMENT, which a duplicate call makes: its request id is in the engine, maybe
+    pulling this very lease."""
+    return (status_for(exc) not in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    grpc.StatusCode.INVALID_ARGUMENT)
+            and not failure_marks(exc))
 
 
 def _chunk(out: RequestOutput) -> worker_pb2.DecodeChunk:

@@ -104,16 +104,24 @@ class KVConnector:
             raise ValueError(f"alloc must be a KVAllocation, got {type(alloc).__name__}")
         if not isinstance(remotes, (list, tuple)) or not remotes:
             raise ValueError("remotes must be a non-empty list of KVAgentHandle")
-        if len(remote_block_ids) != len(alloc.block_ids):
-            raise ValueError(f"the remote holds {len(remote_block_ids)} blocks; the request "
-                             f"needs {len(alloc.block_ids)}")
-        remote_ids = list(remote_block_ids[alloc.num_cached_blocks:])
-        local_ids = alloc.block_ids_to_fill
-        # Rank 0 checks layouts and ids before any rank moves a byte.
-        plan_pull(self.agent.layout, self.agent.backend, list(remotes), remote_ids, local_ids)
         if lease_id is not None and not isinstance(lease_id, str):
             raise ValueError(f"lease_id must be a string, got {type(lease_id).__name__}")
         notify = RELEASE_PREFIX + (lease_id or alloc.request_id).encode()
+        try:
+            if len(remote_block_ids) != len(alloc.block_ids):
+                raise ValueError(f"the remote holds {len(remote_block_ids)} blocks; the "
+                                 f"request needs {len(alloc.block_ids)}")
+            remote_ids = list(remote_block_ids[alloc.num_cached_blocks:])
+            local_ids = alloc.block_ids_to_fill
+            # Rank 0 checks layouts and ids before any rank moves a byte.
+            plan_pull(self.agent.layout, self.agent.backend, list(remotes), remote_ids,
+                      local_ids)
+        except ValueError:
+            # Nothing will be read here, as after a failed pull: the router, which takes
+            # this INVALID_ARGUMENT for a reader that may be reading, leaves the lease to
+            # this word (else held until its expiry).
+            self._release_after_failure(remotes[0], notify)
+            raise
         t0 = time.monotonic()
         timeout_s = deadline - t0
         if timeout_s <= 0:

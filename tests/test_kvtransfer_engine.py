@@ -301,6 +301,10 @@ def test_layout_mismatch_and_dead_prefill_leave_no_blocks(model, preset_path):
                                                         lease["first_token"], params),
                            prefill.handles, lease["block_ids"][:-1], 10.0)
         decode.abort("b")
+        # Neither reads the lease, and says so: the router, told INVALID_ARGUMENT, left the
+        # lease to the reader's word (ReleaseKV may_be_read), else held until its expiry.
+        s = prefill.wait_stats(lambda s: s["leased"] == 0, timeout=15)
+        assert (s["free"], s["leased"], s["expired"]) == (s["total"], 0, 0)
         prefill.proc.kill()
         prefill.proc.wait()
         alloc = decode.add_prefilled_request("c", lease["prompt"], lease["first_token"], params)

@@ -320,3 +320,46 @@ def test_a_start_whose_handle_does_not_fit_this_worker_tells_no_one_when_cancell
 
     asyncio.run(run())
     assert told == []
+
+
+class _FailingAllocation:
+    """A decode engine whose allocation fails with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def allocate_prefilled(self, *args):
+        raise self.error
+
+
+def _allocation_errors():
+    from engine.engine_front import EngineDeadError
+    from engine.kv_cache_manager import NoFreeBlocksError
+    from engine.worker_runtime import RejectError
+    return [
+        # Errors the router cannot place: it leaves the lease to this worker's word.
+        (EngineDeadError("the engine died"), True),
+        (RuntimeError("a bug"), True),
+        # It frees the lease itself (a refusal), or hands it to another decode worker (no
+        # room), whose read this worker's word must not free the blocks under.
+        (RejectError(grpc.StatusCode.UNAVAILABLE, "draining"), False),
+        (NoFreeBlocksError("no room"), False),
+        # A duplicate call's: the same request may be pulling this lease here.
+        (ValueError("request id 'd1' is already in the engine"), False),
+    ]
+
+
+@pytest.mark.parametrize("error, tells", _allocation_errors())
+def test_a_decode_worker_whose_allocation_failed_tells_the_owner_it_will_not_read(error, tells):
+    """Without the word, the router's ReleaseKV (may_be_read: an error it cannot place) left
+    the blocks held until the lease expired."""
+    told: list = []
+    svc = _decode_servicer(_FailingAllocation(error), told)
+
+    async def run():
+        with pytest.raises(type(error)):
+            await anext(svc.decode(_pulled_request(), lambda: None))
+        await asyncio.gather(*svc._releases)
+
+    asyncio.run(run())
+    assert told == ([(["owner"], "p1")] if tells else [])
