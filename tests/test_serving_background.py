@@ -24,6 +24,9 @@ class _Agent:
         msgs, self.inbox = self.inbox, []
         return msgs
 
+    def send_notification(self, owner, msg: bytes) -> None:  # a failed pull's release
+        raise AssertionError("these engines pull nothing, so they send no release")
+
 
 class _Engine:
     """What KVConnector touches on an LLMEngine."""
