@@ -67,7 +67,12 @@ def serve():
     servers = []
 
     def start(servicer) -> str:
-        servers.append(grpc.server(ThreadPoolExecutor(8)))
+        # A router's ping policy (engine/grpc_server.py): a default server answers the SDK's
+        # keepalive pings of an idle channel with GOAWAY (too_many_pings) after ~20 s, on a
+        # loaded machine while a forking test ran; gRPC busy at fork() can hang the child.
+        servers.append(grpc.server(ThreadPoolExecutor(8), options=[
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 0),
+            ("grpc.http2.max_ping_strikes", 0)]))
         router_pb2_grpc.add_RouterServicer_to_server(servicer, servers[-1])
         port = servers[-1].add_insecure_port("127.0.0.1:0")
         servers[-1].start()
