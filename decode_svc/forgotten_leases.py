@@ -16,6 +16,13 @@ orders holds, whichever way they crossed on the wire:
   or queued in gRPC) is refused before any read is posted, and the router may free the lease
   at once. A Decode that ended before the question posts nothing more either.
 
+The question can overtake the cut itself (on the multiplexed stream the cancel waits behind the
+stream's other messages), and a Decode found reading may then end before its pull without a
+cancel (no room, say): one that ended so, its handle verified, the last here holding a lease it
+was asked about, tells the owner itself (``Reading.end``), else the router's release, left to
+this worker's word, held the blocks until the lease expired. The lease is forgotten then,
+as one never met is. The router asks only once done with the lease: it hands it to no one else.
+
 A Decode counts as reading from before its handle's check until it ends, and past its end
 while a pull it cut short may still be writing (decode_svc/service.py's ``_pull``).
 
@@ -53,17 +60,23 @@ class Reading:
         self._leases, self.lease_id = leases, lease_id
         self._pull: asyncio.Future | None = None
         self._ended = False
+        # A pull was started: its end, failed or not, tells the owner the read is over.
+        self.pulled = False
 
     def until(self, pull: asyncio.Future) -> None:
         """Holds on until ``pull`` (a read still writing after its Decode left) is done."""
         self._pull = pull
         pull.add_done_callback(lambda _f: self.end())
 
-    def end(self) -> None:
+    def end(self) -> bool:
+        """Whether this was the last hold here on a lease a ForgetLease was answered "may be
+        reading" for: its caller waits for this worker's word, which a read's own end (a pull,
+        failed or not) sends, and the caller of ``end`` otherwise owes. The lease is then
+        forgotten (a Decode with it still to come is refused), unless there is no room."""
         if self._ended or (self._pull is not None and not self._pull.done()):
-            return
+            return False
         self._ended = True
-        self._leases._leave(self.lease_id)
+        return self._leases._leave(self.lease_id)
 
 
 class ReadLeases:
@@ -73,6 +86,9 @@ class ReadLeases:
         self._reading: dict[str, int] = {}
         # lease id -> until when a Decode with it is refused (clock), oldest first
         self._forgotten: dict[str, float] = {}
+        # lease id (read here now) -> its ForgetLease's lease_timeout_s: answered "may be
+        # reading", so forgotten once its last Decode here ends
+        self._asked: dict[str, float] = {}
 
     def enter(self, lease_id: str) -> Reading:
         """A Decode's hold on ``lease_id``, before anything of it is read; raises
@@ -87,12 +103,14 @@ class ReadLeases:
         self._reading[lease_id] = self._reading.get(lease_id, 0) + 1
         return Reading(self, lease_id)
 
-    def _leave(self, lease_id: str) -> None:
+    def _leave(self, lease_id: str) -> bool:
         left = self._reading[lease_id] - 1
         if left:
             self._reading[lease_id] = left
-        else:
-            del self._reading[lease_id]
+            return False
+        del self._reading[lease_id]
+        lease_timeout_s = self._asked.pop(lease_id, None)
+        return lease_timeout_s is not None and not self._remember(lease_id, lease_timeout_s)
 
     def forget(self, lease_id: str, lease_timeout_s: float) -> bool:
         """Whether a read of ``lease_id`` may be under way here (the ForgetLease answer); if
@@ -106,7 +124,12 @@ class ReadLeases:
             raise ValueError(f"lease_timeout_s must be a number in [0, "
                              f"{MAX_KV_LEASE_TIMEOUT_S:.0f}], got {lease_timeout_s}")
         if lease_id in self._reading:
+            self._asked[lease_id] = max(lease_timeout_s, self._asked.get(lease_id, 0.0))
             return True
+        return self._remember(lease_id, lease_timeout_s)
+
+    def _remember(self, lease_id: str, lease_timeout_s: float) -> bool:
+        """Forgets ``lease_id``; True when there is no room to (nothing refused then)."""
         now = self._clock()
         self._drop_expired(now)
         if lease_id not in self._forgotten and len(self._forgotten) >= MAX_FORGOTTEN:

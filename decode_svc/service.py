@@ -104,6 +104,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # finds this call reading (its end tells the owner) or refuses it here. Past the pull
         # the owner has had its word, and nothing more is read.
         reading = self.leases.enter(lease_id)
+        verified = told = False
         try:
             try:
                 # Before NIXL parses any of it, and before a block is allocated.
@@ -111,6 +112,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except asyncio.CancelledError:
                 self.release_unstarted(request)  # as a cut during the allocation, once verified
                 raise
+            verified = True
             # On this host's clock: the handle says what was left of the lease when it was sent,
             # and when the lease ends.
             lease_left = self.kv_sources.lease_left(request.kv_handle)
@@ -123,10 +125,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 # worker's word that no read of it is in flight (the read a pull ends with says
                 # so itself), else the blocks stay held until the lease expires.
                 self._release_unread(remotes, lease_id)
+                told = True
                 raise
             except Exception as e:
                 if _left_to_reader(e):
                     self._release_unread(remotes, lease_id)
+                    told = True
                 raise
             self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
                                                     self.rt.worker_id, time.time(), lease_left))
@@ -134,7 +138,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
                              lease_ends, lease_id, reading)
         finally:
-            reading.end()
+            # Ended before any read was posted, and asked about (ForgetLease): the router left
+            # the lease to this worker's word (forgotten_leases.py).
+            if reading.end() and verified and not (told or reading.pulled):
+                self._release_unread(remotes, lease_id)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         first_chunk = True
@@ -234,6 +241,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         deadline = time.monotonic() + min(timeout, lease_left)
         pull = asyncio.ensure_future(asyncio.to_thread(
             self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, None, deadline, lease_id))
+        reading.pulled = True
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:

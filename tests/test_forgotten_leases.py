@@ -87,3 +87,64 @@ def test_forgotten_leases_last_as_long_as_the_lease_and_are_bounded(monkeypatch)
     assert not leases.forget("d", 10.0)
     with pytest.raises(LeaseForgotten):
         leases.enter("c")
+
+
+class _RefusingAfterAsked:
+    """Allocates once ``go`` is set, then fails with ``error`` (no room, or a duplicate's
+    INVALID_ARGUMENT): the Decode ends before any read was posted."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.allocating = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def allocate_prefilled(self, rid, *args):
+        self.allocating.set()
+        await self.go.wait()
+        raise self.error
+
+
+def _refusals():
+    from engine.kv_cache_manager import NoFreeBlocksError
+    return [NoFreeBlocksError("no room"), ValueError("request id 'd1' is already in the engine")]
+
+
+@pytest.mark.parametrize("error", _refusals())
+def test_a_decode_asked_about_and_ended_before_its_pull_tells_the_owner(error):
+    """The router's ForgetLease can overtake its cut (on the multiplexed stream the cancel waits
+    behind the stream's other messages): "may be reading", so its ReleaseKV leaves the lease to
+    this worker's word. A Decode that then fails before its pull (no room, which the cut came
+    too late to turn into a cancel) sent none: the router, which asked, hands the lease to no
+    one else, yet the blocks stayed held until the lease expired. The lease is refused here
+    from then on, as one never met is, so the word frees no blocks under a later read."""
+    told: list = []
+    engine = _RefusingAfterAsked(error)
+    svc = _decode_servicer(engine, told)
+
+    async def run():
+        call = asyncio.ensure_future(anext(svc.decode(_pulled_request("d1"), lambda: None)))
+        await engine.allocating.wait()
+        assert svc.leases.forget("p1", 30.0)  # the router's question, ahead of its cancel
+        engine.go.set()
+        with pytest.raises(type(error)):
+            await call
+        await asyncio.gather(*svc._releases)
+        with pytest.raises(LeaseForgotten):
+            await anext(svc.decode(_pulled_request("d2"), lambda: None))
+
+    asyncio.run(run())
+    assert told == [(["owner"], "p1")]
+
+
+def test_a_decode_ending_before_its_pull_is_silent_while_another_holds_the_lease():
+    """Two Decodes with one lease here (a duplicate call): the one that fails before its pull
+    must not tell the owner while the other may still read, even after a ForgetLease."""
+    leases = ReadLeases()
+    first, second = leases.enter("a"), leases.enter("a")
+    assert leases.forget("a", 10.0)
+    assert not second.end()  # "a" is still read by ``first``
+    assert first.end()  # the last reader of a lease its caller asked about
+    with pytest.raises(LeaseForgotten):
+        leases.enter("a")
+    unasked = leases.enter("b")
+    assert not unasked.end()  # nobody asked: the lease is left to its router, as before
