@@ -162,7 +162,16 @@ def test_pings_at_a_tiny_interval_leave_concurrent_requests_untouched(preset_pat
             thread.join()
             ae.shutdown()
 
-    got = asyncio.run(run())
+    # The pinger's loop never lets go of the GIL on its own: the engine thread, back from each
+    # torch op that released it, waited out the whole switch interval (5 ms) for it, and a
+    # step took ~0.5 s. A short interval lets the steps run at their pace, and switches
+    # between the two threads more often (~50x as many a second), not less.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        got = asyncio.run(run())
+    finally:
+        sys.setswitchinterval(interval)
     assert pinger_errors == []
     assert got == want
     assert engine.executor.idle_pings > 0
