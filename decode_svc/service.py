@@ -302,6 +302,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             reading = self.leases.forget(request.lease_id, request.lease_timeout_s)
         except ValueError as e:
             await abort_for(context, e)
+        if reading:
+            self.rt.leases_forget_reading += 1
+        else:
+            self.rt.leases_forgotten += 1
         return worker_pb2.ForgetLeaseResponse(may_be_reading=reading)
 
     async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:

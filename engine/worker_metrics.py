@@ -31,6 +31,10 @@ _COUNTERS = (
      "KV leases freed by expiry, never released by a reader."),
     ("kv_transfer_bytes_total", "kv_bytes_transferred", "KV bytes this worker pulled."),
     ("kv_transfer_failures_total", "kv_transfer_failures", "KV pulls that failed."),
+    ("kv_leases_forgotten_total", "leases_forgotten",
+     "Leases a router's ForgetLease found unread here (freed at once, refused from then on)."),
+    ("kv_leases_forget_reading_total", "leases_forget_reading",
+     "ForgetLease questions answered 'may be reading' (the read's end tells the owner)."),
 )
 
 

@@ -259,6 +259,9 @@ class WorkerRuntime:
         self.held_transfers: Callable[[], list] | None = None
         self.kv_bytes = 0
         self.kv_failures = 0
+        # A decode worker's ForgetLease answers (decode_svc/service.py), by answer.
+        self.leases_forgotten = 0
+        self.leases_forget_reading = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
         self._layouts = [lay.to_json() for lay in engine.kv_cache_layouts()]
         # This engine's ranks' KV-agent handles, serialized once (the agents live as long as
@@ -386,6 +389,8 @@ class WorkerRuntime:
             num_quarantined=s.num_quarantined,
             num_inflight=self.inflight, draining=self.draining,
             kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures,
+            leases_forgotten=self.leases_forgotten,
+            leases_forget_reading=self.leases_forget_reading,
             kv_peers_connected=self._peers.num_connected if self._peers is not None else 0)
 
     # --- lifecycle ------------------------------------------------------------------------

@@ -318,9 +318,13 @@ def test_a_decode_call_for_a_forgotten_lease_is_refused_and_reads_nothing(cluste
             request_id="late-call", prompt_token_ids=prompt, sampling=sampling), timeout=60)
         lease_id = presp.kv_handle.lease_id
         assert worker_info(prefill_address).num_leased == 1
+        before = worker_info(decode_address)
         answer = decode.ForgetLease(worker_pb2.ForgetLeaseRequest(
             lease_id=lease_id, lease_timeout_s=presp.kv_handle.lease_timeout_s), timeout=10)
         assert not answer.may_be_reading  # it never met the lease
+        after = worker_info(decode_address)  # counted by answer, for the worker's metrics
+        assert (after.leases_forgotten - before.leases_forgotten,
+                after.leases_forget_reading - before.leases_forget_reading) == (1, 0)
         with pytest.raises(grpc.RpcError) as refused:
             list(decode.Decode(worker_pb2.DecodeRequest(
                 request_id="late-call", prompt_token_ids=prompt,
