@@ -391,7 +391,9 @@ def test_async_close_from_another_thread_stops_the_checks_on_their_own_loop(serv
     async def run():
         asyncio.get_running_loop().set_debug(True)
         task = asyncio.create_task(_drain(ac, "complete"))
-        while not _health_checks():
+        # The call must have reached the router before the close, or it has nothing to cancel
+        # (the checks start with the channels, before the call is sent).
+        while not (_health_checks() and recorder.started.is_set()):
             await asyncio.sleep(0.01)
         closer = threading.Thread(target=asyncio.run, args=(ac.close(),))
         closer.start()
