@@ -299,10 +299,7 @@ class TorchKVAgent(KVTransferAgent):
         for sock in handshakes:
             # Shut down, not closed: its thread closes it. Closed here, the fd left the
             # thread's epoll set before the thread saw the shutdown's wake-up, and it slept on.
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            wire.wake(sock)
         for name, pair in pairs:
             self._drop(name, pair)
             if self.cache.device.type != "cuda":  # NCCL's waits are polled, to their deadline
@@ -331,10 +328,7 @@ def _as_transfer_error(e: BaseException, what: str) -> BaseException:
 def _shut(sock: socket.socket) -> None:
     """Closes ``sock``, waking a pull blocked in recv() on it: close() alone does not on Linux,
     so close() of the agent left an in-flight pull waiting until its own deadline."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # never connected, or the peer already reset it
+    wire.wake(sock)
     sock.close()
 
 

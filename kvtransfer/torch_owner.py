@@ -321,10 +321,7 @@ class TorchOwnerServer:
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            wire.wake(c)
         with self._lock:  # no client is being built against the server dropped next
             self._connected.wait_for(lambda: self._connecting == 0, timeout=_CONNECT_WAIT_S)
         # Stops the store's server (the last reference): its port closes, and a serve thread

@@ -15,6 +15,16 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 << 20
 
 
+def wake(sock: socket.socket) -> None:
+    """Shuts ``sock`` down both ways, waking a thread blocked in recv() or epoll on it (close()
+    alone does neither on Linux). A socket never connected, or one the peer already reset,
+    has nothing to wake."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def send_frame(sock: socket.socket, obj: dict) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode()
     sock.sendall(_HEADER.pack(len(data)) + data)
