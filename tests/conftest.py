@@ -32,6 +32,27 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture
+def kv_agents():
+    """make(backend, layout=SMALL_LAYOUT, seed=None): an in-process KV agent over a zeroed
+    cache (a seeded random one with ``seed``), closed after the test, last made first."""
+    import torch
+
+    from kvtransfer import make_agent
+    from tests.kv_owner_proc import SMALL_LAYOUT, seeded_cache
+
+    made = []
+
+    def make(backend: str, layout=SMALL_LAYOUT, seed: int | None = None):
+        cache = torch.zeros(layout.shape) if seed is None else seeded_cache(layout, seed)
+        made.append(make_agent(backend, cache, layout))
+        return made[-1]
+
+    yield make
+    for a in reversed(made):
+        a.close()
+
+
 @pytest.fixture(scope="session")
 def preset_path():
     from engine.presets import resolve_model

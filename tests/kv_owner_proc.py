@@ -53,6 +53,12 @@ def pull_concurrently(agent, handles: list, jobs: list[tuple[list[int], list[int
     return errors
 
 
+# The in-process agent tests' cache: 2 layers of 8 blocks of 4 tokens, quick to register.
+SMALL_LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
+                             kv_head_start=0, total_num_kv_heads=2, head_size=8,
+                             dtype="float32", tp_rank=0, tp_size=1)
+
+
 def seeded_cache(layout: KVCacheLayout, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(layout.shape, generator=g, dtype=torch.float32)

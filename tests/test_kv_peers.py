@@ -8,14 +8,12 @@ import time
 from dataclasses import replace
 
 import engine.kv_peers as kv_peers
-from engine.kv_layout import KVCacheLayout
 from kvtransfer import KVAgentHandle
 from protos import common_pb2
 from router.registry import Registry
+from tests.kv_owner_proc import SMALL_LAYOUT
 
-LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
-                       kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
-                       tp_rank=0, tp_size=1)
+LAYOUT = SMALL_LAYOUT
 FORGET_S = 0.4
 
 

@@ -4,36 +4,23 @@ what waits is bounded; close() leaves no sender behind. Real torch agents in thi
 a real TCP listener that accepts nothing (a stopped owner, as the kernel answers for it)."""
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
 from dataclasses import replace
 
 import pytest
-import torch
 
 from engine import kv_release_sender
-from engine.kv_layout import KVCacheLayout
 from engine.kv_release_sender import ReleaseSender
-from kvtransfer import make_agent
 from tests.proc_signals import wait_until
 
-LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
-                       kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
-                       tp_rank=0, tp_size=1)
 
 
 @pytest.fixture
-def agents():
-    made = []
-
-    def make():
-        made.append(make_agent("torch", torch.zeros(LAYOUT.shape), LAYOUT))
-        return made[-1]
-
-    yield make
-    for a in reversed(made):
-        a.close()
+def agents(kv_agents):
+    return functools.partial(kv_agents, "torch")
 
 
 @pytest.fixture

@@ -10,29 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kv_layout import KVCacheLayout
-from kvtransfer import KVAgentHandle, PeerGoneError, TransferTimeout, make_agent
-from tests.kv_owner_proc import seeded_cache
+from kvtransfer import KVAgentHandle, PeerGoneError, TransferTimeout
+from tests.kv_owner_proc import SMALL_LAYOUT
 
 pytest.importorskip("nixl")
 
-LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
-                       kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
-                       tp_rank=0, tp_size=1)
+LAYOUT = SMALL_LAYOUT
 
 
 @pytest.fixture
-def agents():
-    made = []
-
-    def make(seed: int | None = None):
-        cache = torch.zeros(LAYOUT.shape) if seed is None else seeded_cache(LAYOUT, seed)
-        made.append(make_agent("nixl", cache, LAYOUT))
-        return made[-1]
-
-    yield make
-    for a in reversed(made):
-        a.close()
+def agents(kv_agents):
+    return lambda seed=None: kv_agents("nixl", seed=seed)
 
 
 def _moved(h: KVAgentHandle, by: int) -> KVAgentHandle:

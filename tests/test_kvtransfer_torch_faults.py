@@ -7,6 +7,7 @@ readers that died or vanished. Real sockets, real gloo groups and TCPStores, in-
 from __future__ import annotations
 
 import array
+import functools
 import fcntl
 import logging
 import os
@@ -23,13 +24,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.kv_layout import KVCacheLayout
-from kvtransfer import TransferError, TransferTimeout, make_agent, torch_owner, torch_pair, wire
+from kvtransfer import TransferError, TransferTimeout, torch_owner, torch_pair, wire
+from tests.kv_owner_proc import SMALL_LAYOUT
 from tests.proc_signals import reap, wait_until
 
-LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2,
-                       kv_head_start=0, total_num_kv_heads=2, head_size=8, dtype="float32",
-                       tp_rank=0, tp_size=1)
+LAYOUT = SMALL_LAYOUT
 _TCP_REPAIR = 19  # linux/tcp.h; the socket module does not name it
 # 64 KiB blocks: a pull of all of them (8 MiB) is more than loopback's socket buffers hold, so
 # the owner's send waits for a reader that stopped before receiving it.
@@ -39,18 +38,9 @@ BOUND_S = 30.0
 
 
 @pytest.fixture
-def agents():
-    """make(seeded=False, layout=LAYOUT): an in-process torch agent, closed after the test."""
-    made = []
-
-    def make(seeded: bool = False, layout: KVCacheLayout = LAYOUT):
-        cache = torch.randn(layout.shape) if seeded else torch.zeros(layout.shape)
-        made.append(make_agent("torch", cache, layout))
-        return made[-1]
-
-    yield make
-    for a in reversed(made):
-        a.close()
+def agents(kv_agents):
+    """make(seed=None, layout=LAYOUT): an in-process torch agent (tests/conftest.py)."""
+    return functools.partial(kv_agents, "torch")
 
 
 def _started(fn) -> tuple[threading.Thread, dict]:
@@ -103,7 +93,7 @@ def _read_until_closed(sock: socket.socket) -> None:
 # --- a closed reader agent ---------------------------------------------------------------------
 
 def test_a_pair_made_while_the_agent_closes_is_not_kept(agents):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     connected, go = threading.Event(), threading.Event()
     connect = reader._connect
 
@@ -159,7 +149,7 @@ def test_close_ends_a_notification_whose_owner_never_answers_the_hello(agents):
 
 
 def test_close_ends_a_pull_waiting_on_a_stalled_owner(agents):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
     gathering, stall = threading.Event(), threading.Event()
 
@@ -217,7 +207,7 @@ def _in_frame(t: threading.Thread, name: str) -> bool:
 def test_close_ends_a_pull_waiting_in_the_groups_recv(agents):
     """gloo's wait cannot be woken (not by the group's abort() either): close() left such a
     pull waiting out its whole timeout."""
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)  # the pair exists
     replied, stall = _stall_before_sending(owner)
     try:
@@ -237,7 +227,7 @@ def _send_garbage(conn: socket.socket) -> None:
 
 
 def test_a_malformed_pull_reply_is_the_owners_failure(agents):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)
     owner._server._pull = lambda conn, pg, req: _send_garbage(conn)
     with pytest.raises(TransferError, match="malformed control frame") as e:
@@ -247,7 +237,7 @@ def test_a_malformed_pull_reply_is_the_owners_failure(agents):
 
 
 def test_a_malformed_hello_reply_is_the_owners_failure(agents):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     owner._server._hello = lambda conn, req: _send_garbage(conn)
     with pytest.raises(TransferError, match="malformed control frame") as e:
         reader.pull([owner.handle()], [1], [1], timeout_s=5.0)
@@ -279,7 +269,7 @@ class _StallingSocket:
 
 
 def test_no_pull_request_goes_out_after_its_deadline(agents):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     reader.pull([owner.handle()], [0], [0], timeout_s=BOUND_S)
     (pair,) = reader._pairs.values()
     stalling = pair.sock = _StallingSocket(pair.sock)
@@ -293,7 +283,7 @@ def test_no_pull_request_goes_out_after_its_deadline(agents):
 
 def test_an_owner_refuses_connections_past_its_cap(agents, monkeypatch, caplog):
     monkeypatch.setattr(torch_owner, "MAX_CONNECTIONS", 2)
-    owner = agents(seeded=True)
+    owner = agents(seed=1)
     held = [_raw_connection(owner) for _ in range(2)]
     try:
         assert wait_until(lambda: owner._server.num_readers == 2, BOUND_S)
@@ -345,7 +335,7 @@ def _serve_thread_sending(owner) -> bool:
 
 
 def test_an_owner_lets_go_of_a_reader_killed_mid_pull(agents):
-    owner = agents(seeded=True, layout=BIG)
+    owner = agents(seed=1, layout=BIG)
     proc = subprocess.Popen([sys.executable, "-c", _READER_STOPPED_MID_PULL,
                              owner.handle().to_bytes().hex()])
     try:
@@ -366,7 +356,7 @@ def test_an_owner_lets_go_of_a_reader_killed_mid_pull(agents):
 def test_an_owner_forgets_each_pairs_store_keys_once_its_connection_ends(agents):
     # A reader makes a new pair after every failed pull and every start: each pair's join
     # stayed in the owner's store for good.
-    owner = agents(seeded=True)
+    owner = agents(seed=1)
     store = owner._server._store
     for _ in range(2):
         reader = agents()
@@ -407,7 +397,7 @@ def test_an_owner_lets_go_of_a_reader_whose_host_vanished(agents, monkeypatch):
     # keepalive probes one whose reader vanished held its thread and a connection for good.
     monkeypatch.setattr(torch_owner, "KEEPALIVE_IDLE_S", 1)
     monkeypatch.setattr(torch_owner, "KEEPALIVE_INTERVAL_S", 1)
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     reader.pull([owner.handle()], [1], [1], timeout_s=BOUND_S)
     (conn,) = owner._server._conns
     # The owner's reply acknowledged: else its retransmission, not a probe, finds the reader
@@ -423,7 +413,7 @@ def test_an_owner_lets_go_of_a_reader_whose_host_vanished(agents, monkeypatch):
 
 def test_an_owner_drops_a_connection_that_says_no_hello(agents, monkeypatch):
     monkeypatch.setattr(torch_owner, "HELLO_TIMEOUT_S", 0.5)
-    owner = agents(seeded=True)
+    owner = agents(seed=1)
     with _raw_connection(owner) as silent, _raw_connection(owner) as halfway:
         halfway.sendall(struct.pack("!I", 100)[:2])  # half a header, then nothing
         _read_until_closed(silent)
@@ -433,7 +423,7 @@ def test_an_owner_drops_a_connection_that_says_no_hello(agents, monkeypatch):
 
 def test_an_owner_drops_a_hello_that_trickles_in(agents, monkeypatch):
     monkeypatch.setattr(torch_owner, "HELLO_TIMEOUT_S", 0.5)
-    owner = agents(seeded=True)
+    owner = agents(seed=1)
     with _raw_connection(owner) as s:
         s.sendall(struct.pack("!I", 10_000))
         assert wait_until(lambda: owner._server.num_readers == 1, BOUND_S)
@@ -450,7 +440,7 @@ def test_an_owner_drops_a_hello_that_trickles_in(agents, monkeypatch):
 
 
 def test_an_owner_takes_notifications_only_after_a_hello(agents):
-    owner = agents(seeded=True)
+    owner = agents(seed=1)
     with _raw_connection(owner) as s:
         wire.send_frame(s, {"op": "notify", "msg": "cmVsZWFzZTp4"})  # b"release:x"
         _read_until_closed(s)
@@ -458,7 +448,7 @@ def test_an_owner_takes_notifications_only_after_a_hello(agents):
 
 
 def test_an_owner_refuses_notifications_past_its_queue(agents, monkeypatch):
-    owner, reader = agents(seeded=True), agents()
+    owner, reader = agents(seed=1), agents()
     monkeypatch.setattr(torch_owner, "MAX_QUEUED_NOTIFICATIONS", 3)
     for i in range(5):
         reader.send_notification(owner.handle(), b"release:%d" % i)

@@ -82,18 +82,9 @@ def owners(standby):
 
 
 @pytest.fixture
-def agents():
-    """In-process torch agents, closed after the test."""
-    made = []
-
-    def make(layout: KVCacheLayout = BASE, seed: int | None = None):
-        cache = torch.zeros(layout.shape) if seed is None else seeded_cache(layout, seed)
-        made.append(make_agent("torch", cache, layout))
-        return made[-1]
-
-    yield make
-    for a in reversed(made):
-        a.close()
+def agents(kv_agents):
+    """In-process torch agents over BASE unless told (tests/conftest.py)."""
+    return lambda layout=BASE, seed=None: kv_agents("torch", layout, seed)
 
 
 def _in_thread(fn, bound_s: float) -> dict:
