@@ -486,8 +486,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not done:
                 # Cancel, deadline or failure before decode pulled the KV: free the lease now
                 # rather than when it expires. Idempotent on the worker.
-                reader = leg.reader if leg.may_be_reading else None
-                self._release_later(prefill, rid, reader=reader,
+                self._release_later(prefill, rid, reader=leg.reader,
                                     lease=(presp.kv_handle.lease_id or rid, lease_ends))
 
     async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
@@ -497,7 +496,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         that chunk). A refusal for want of room is tried again, elsewhere when it can be,
         while the prefill lease keeps the KV (router/decode_wait.py). ``lease_ends``: when the
         lease ends, on this host's monotonic clock. ``leg`` says, once this returns or raises,
-        whether a decode worker may still be reading the KV."""
+        which decode worker, if any, may still be reading the KV."""
         # What is left of the lease now: the first token's write to the client came between.
         wait = DecodeWait.after_prefill(self.config.decode_wait_timeout_s,
                                         max(lease_ends - time.monotonic(), 0.0),
@@ -517,7 +516,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             # bounds its pull by it, so that it never reads blocks the lease no longer holds.
             dreq.kv_handle.lease_timeout_s = max(lease_ends - time.monotonic(), 0.0)
             chunks = self._decode(dreq, decode, context, run)
-            leg.may_be_reading, leg.reader = True, decode
+            leg.reader = decode
             try:
                 # Until its first chunk the decode worker is pulling the KV from the prefill
                 # worker, which is health-checked meanwhile: a hung one fails the leg at once.
@@ -529,8 +528,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # ended (it commits nothing it failed to read); any other end (a cut, this
                 # router's for a hung source too, a lost call) leaves it unknown whether a
                 # read, and the commit after it, is to come.
-                leg.may_be_reading = isinstance(e, KVSourceCut) or not (
-                    was_refused(e) or kv_source_failed(e) or is_decode_full(e))
+                if not isinstance(e, KVSourceCut) and (
+                        was_refused(e) or kv_source_failed(e) or is_decode_full(e)):
+                    leg.reader = None
                 await wait.backoff(e)
                 run.workers.remove(decode)  # a refusal for room is no failure of the worker's
                 refused.add(decode.worker_id)
@@ -538,7 +538,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except BaseException:
                 await chunks.aclose()
                 raise
-            leg.may_be_reading = False  # a first chunk comes after the pull, never during it
+            leg.reader = None  # a first chunk comes after the pull, never during it
             if wait.retries:
                 self.stats.decode_waits += 1
                 if not timed and run.decode_timed:  # this leg's queue began at the refusal
@@ -627,8 +627,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 class _DecodeLeg:
     """A prefilled request's decode legs, as the release of its lease needs them."""
 
-    may_be_reading: bool = False  # a Decode call with the handle, not answered "not reading"
-    reader: WorkerHandle | None = None  # the worker of the last such call
+    # The decode worker of the last call given the lease's handle while that call may be
+    # reading it: not answered with a first chunk nor with "not reading". Only a refusal for
+    # room tries another worker, and a refused call reads nothing, so one worker is enough.
+    reader: WorkerHandle | None = None
 
 
 _DEADLINE_SLACK_S = 0.05
