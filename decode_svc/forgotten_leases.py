@@ -60,8 +60,16 @@ class Reading:
         self._leases, self.lease_id = leases, lease_id
         self._pull: asyncio.Future | None = None
         self._ended = False
-        # A pull was started: its end, failed or not, tells the owner the read is over.
-        self.pulled = False
+        # The handle was checked: only then is a word to its owner this worker's to send (the
+        # word frees whatever lease it names, and a caller must not free another's that way).
+        self.verified = False
+        # The owner has its word, or will: "will not read" was sent, or a pull started (its
+        # end, failed or not, tells the owner the read is over).
+        self.owner_told = False
+
+    def owes_word(self) -> bool:
+        """Whether the owner still waits for this Decode's word that it will not read."""
+        return self.verified and not self.owner_told
 
     def until(self, pull: asyncio.Future) -> None:
         """Holds on until ``pull`` (a read still writing after its Decode left) is done."""

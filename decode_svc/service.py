@@ -53,7 +53,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # Room for a chunk in a message, with its request's id around it in a DecodeMany
         # batch, and with what the router adds passing it on.
         self.max_chunk_bytes = max_message_bytes() - max(EVENT_ROOM_BYTES, ROUTER_ROOM_BYTES)
-        # Notifications that a lease will not be read here, on their way (_release_unread).
+        # "Will not read" notifications on their way (_tell_unread, release_unstarted).
         self._releases: set[asyncio.Future] = set()
         # The leases Decodes read here, and those the router forgot (ForgetLease).
         self.leases = ReadLeases()
@@ -104,7 +104,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # finds this call reading (its end tells the owner) or refuses it here. Past the pull
         # the owner has had its word, and nothing more is read.
         reading = self.leases.enter(lease_id)
-        verified = told = False
         try:
             try:
                 # Before NIXL parses any of it, and before a block is allocated.
@@ -112,7 +111,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except asyncio.CancelledError:
                 self.release_unstarted(request)  # as a cut during the allocation, once verified
                 raise
-            verified = True
+            reading.verified = True
             # On this host's clock: the handle says what was left of the lease when it was sent,
             # and when the lease ends.
             lease_left = self.kv_sources.lease_left(request.kv_handle)
@@ -124,13 +123,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 # Cut before any read was posted: the router's release of the lease waits for this
                 # worker's word that no read of it is in flight (the read a pull ends with says
                 # so itself), else the blocks stay held until the lease expires.
-                self._release_unread(remotes, lease_id)
-                told = True
+                self._tell_unread(remotes, reading)
                 raise
             except Exception as e:
                 if _left_to_reader(e):
-                    self._release_unread(remotes, lease_id)
-                    told = True
+                    self._tell_unread(remotes, reading)
                 raise
             self.rt.record_transfer(TransferPulling(request.kv_handle.worker_id, lease_id,
                                                     self.rt.worker_id, time.time(), lease_left))
@@ -140,8 +137,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finally:
             # Ended before any read was posted, and asked about (ForgetLease): the router left
             # the lease to this worker's word (forgotten_leases.py).
-            if reading.end() and verified and not (told or reading.pulled):
-                self._release_unread(remotes, lease_id)
+            if reading.end() and reading.owes_word():
+                self._tell_unread(remotes, reading)
         t1 = time.monotonic()
         timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
         first_chunk = True
@@ -241,7 +238,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         deadline = time.monotonic() + min(timeout, lease_left)
         pull = asyncio.ensure_future(asyncio.to_thread(
             self.rt.llm.pull_kv, alloc, remotes, remote_block_ids, None, deadline, lease_id))
-        reading.pulled = True
+        reading.owner_told = True
         try:
             stats = await asyncio.shield(pull)
         except asyncio.CancelledError:
@@ -276,9 +273,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         await asyncio.to_thread(self.rt.llm.release_unread_kv, remotes,
                                 request.kv_handle.lease_id or request.request_id)
 
-    def _release_unread(self, remotes: list[KVAgentHandle], lease_id: str) -> None:
+    def _tell_unread(self, remotes: list[KVAgentHandle], reading: Reading) -> None:
+        """Tells the owner of ``reading``'s lease that this worker will not read it."""
+        reading.owner_told = True
         self._track_release(asyncio.ensure_future(asyncio.to_thread(
-            self.rt.llm.release_unread_kv, remotes, lease_id)))
+            self.rt.llm.release_unread_kv, remotes, reading.lease_id)))
 
     def _track_release(self, task: asyncio.Future) -> None:
         self._releases.add(task)
