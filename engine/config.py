@@ -233,12 +233,13 @@ class EngineConfig:
         least = math.ceil(need / GIB * 1000) / 1000  # rounded up: the figure given must fit
         raise ValueError(
             f"max_model_len (--max-model-len) {self.max_model_len} does not fit {given}: one "
-            f"sequence takes {_size(need)} per rank ({blocks} blocks of {self.block_size} "
-            f"tokens, {_size(bytes_per_block)} each); set --kv-cache-memory-gib {least:.3f} or "
+            f"sequence takes {format_bytes(need)} per rank ({blocks} blocks of {self.block_size} "
+            f"tokens, {format_bytes(bytes_per_block)} each); set --kv-cache-memory-gib {least:.3f} or "
             "more, or lower --max-model-len")
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
+    """A size for a message: in GiB, MiB or KiB, whichever keeps it at 1 or more."""
     for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"

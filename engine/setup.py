@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_GIB, GIB, EngineConfig, format_bytes
 from engine.cpu_graph import preferred_linear_kernel
 from engine.cuda_graph import CUDAGraphConfig
 from engine.host_memory import available_memory
@@ -123,8 +123,8 @@ def _blocks_in(budget: float, bytes_per_block: int, device: torch.device) -> int
     if num_blocks < 1:
         hint = (" (lower what else uses the GPU, raise --gpu-memory-utilization, or set "
                 "--num-gpu-blocks / --kv-cache-memory-gib)" if device.type == "cuda" else "")
-        raise ValueError(f"the KV-cache budget ({budget / (1 << 20):.1f} MiB) holds no "
-                         f"{bytes_per_block / (1 << 20):.2f} MiB block{hint}")
+        raise ValueError(f"the KV-cache budget ({format_bytes(budget)}) holds no "
+                         f"{format_bytes(bytes_per_block)} block{hint}")
     return num_blocks
 
 
@@ -136,7 +136,7 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
     if device.type == "cuda":
         free_device_memory()  # what torch holds idle counts as used until handed back
         free = torch.cuda.mem_get_info(device)[0]
-        where = f"{device} has only {_size(free)} free"
+        where = f"{device} has only {format_bytes(free)} free"
     else:
         free, where = _host_memory()
         cache_bytes *= num_ranks_on_host
@@ -150,7 +150,7 @@ def check_kv_cache_fits(config: EngineConfig, cache_bytes: int, device: torch.de
         flag = f"the CPU default of {DEFAULT_CPU_KV_CACHE_GIB:g} GiB (--kv-cache-memory-gib)"
     ranks = f" ({num_ranks_on_host} TP ranks' caches)" if device.type == "cpu" \
         and num_ranks_on_host > 1 else ""
-    raise ValueError(f"{flag} asks for a KV cache of {_size(cache_bytes)}{ranks}, but "
+    raise ValueError(f"{flag} asks for a KV cache of {format_bytes(cache_bytes)}{ranks}, but "
                      f"{where}: lower --num-gpu-blocks or "
                      "--kv-cache-memory-gib")
 
@@ -162,13 +162,9 @@ def _host_memory() -> tuple[int | None, str]:
     if mem is None:
         return None, ""
     if mem.limit_file is None:
-        return mem.nbytes, f"this host has only {_size(mem.nbytes)} available"
+        return mem.nbytes, f"this host has only {format_bytes(mem.nbytes)} available"
     return mem.nbytes, (f"this process's cgroup memory limit ({mem.limit_file}: "
-                        f"{_size(mem.limit)}) leaves only {_size(mem.nbytes)} available")
-
-
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
+                        f"{format_bytes(mem.limit)}) leaves only {format_bytes(mem.nbytes)} available")
 
 
 def free_device_memory() -> None:

@@ -216,8 +216,8 @@ def test_an_explicit_cache_the_gpu_cannot_hold_is_refused_before_it_is_allocated
     dev.patch(monkeypatch)
     dev.used = 72 * GIB
     cuda = torch.device("cuda", 0)
-    with pytest.raises(ValueError, match=f"{flag} asks for a KV cache of 10.0 GiB, but cuda:0 "
-                                         "has only 8.0 GiB free"):
+    with pytest.raises(ValueError, match=f"{flag} asks for a KV cache of 10.00 GiB, but cuda:0 "
+                                         "has only 8.00 GiB free"):
         setup.kv_capacity_blocks(EngineConfig(model="micro-llama", **kwargs), 1 << 20, cuda)
     dev.used = 70 * GIB
     assert setup.kv_capacity_blocks(EngineConfig(model="micro-llama", **kwargs), 1 << 20,

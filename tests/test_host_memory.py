@@ -111,8 +111,8 @@ def test_a_kv_cache_over_the_cgroups_headroom_is_refused_naming_it(root, monkeyp
     write(root, "sys/fs/cgroup/a/memory.current", f"{GIB}\n")
     limit = root / "sys/fs/cgroup/a/memory.max"
     with pytest.raises(ValueError, match=(
-            r"--kv-cache-memory-gib 1.5 asks for a KV cache of 1.5 GiB, but this process's "
-            rf"cgroup memory limit \({re.escape(str(limit))}: 2.0 GiB\) leaves only 1.0 GiB "
+            r"--kv-cache-memory-gib 1.5 asks for a KV cache of 1.50 GiB, but this process's "
+            rf"cgroup memory limit \({re.escape(str(limit))}: 2.00 GiB\) leaves only 1.00 GiB "
             "available")):
         setup.kv_capacity_blocks(config, MIB, cpu)
 
@@ -128,6 +128,6 @@ def test_a_cgroup_whose_name_holds_braces_is_named_as_it_is(tmp_path, monkeypatc
                         lambda: host_memory.available_memory(str(tmp_path)))
     limit = tmp_path / "sys/fs/cgroup/job{1}/memory.max"
     with pytest.raises(ValueError, match=(
-            rf"limit \({re.escape(str(limit))}: 1.0 GiB\) leaves only 256.0 MiB available")):
+            rf"limit \({re.escape(str(limit))}: 1.00 GiB\) leaves only 256.00 MiB available")):
         setup.kv_capacity_blocks(EngineConfig(model="micro-llama", kv_cache_memory_gib=0.5),
                                  MIB, torch.device("cpu"))
