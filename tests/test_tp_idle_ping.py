@@ -37,6 +37,16 @@ _DEATH_WAIT_S = 60.0
 _GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+def _short_graces(monkeypatch) -> None:
+    """Shutdown waits out a grace on a stopped rank (5 s for its quit; 3 s for an engine thread
+    stuck on it) before it kills it: half a second here, where the point is what failed
+    the engine, not how long its shutdown waits."""
+    from engine import async_engine, tp_executor
+
+    monkeypatch.setattr(tp_executor, "_QUIT_GRACE_S", 0.5)
+    monkeypatch.setattr(async_engine, "_STEP_GRACE_S", 0.5)
+
+
 def _tp2(path: str, interval_s: float, timeout_s: float = 10.0) -> LLMEngine:
     return LLMEngine(EngineConfig(path, tensor_parallel_size=2, num_gpu_blocks=64,
                                   tp_idle_ping_interval_s=interval_s,
@@ -65,9 +75,10 @@ def _watched(engine, step_timeout_s: float):
     return AsyncEngine(engine, on_dead=deaths, step_timeout_s=step_timeout_s), deaths
 
 
-def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path):
+def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path, monkeypatch):
     """Without the pings nothing asks an idle rank anything: the engine stayed up, the
     worker SERVING, until a request's step waited out the step timeout (120 s) on it."""
+    _short_graces(monkeypatch)
     engine = _tp2(str(preset_path("tiny-llama")), interval_s=0.1, timeout_s=1.0)
     (rank1,) = engine.executor.workers
 
@@ -90,12 +101,14 @@ def test_a_rank_stopped_while_idle_fails_the_engine_before_any_step(preset_path)
     assert rank1.process.poll() is not None  # the shutdown ended it
 
 
-def test_a_ping_waiting_on_a_stopped_rank_is_bounded_by_the_step_timeout(preset_path):
+def test_a_ping_waiting_on_a_stopped_rank_is_bounded_by_the_step_timeout(preset_path,
+                                                                          monkeypatch):
     """The engine thread waits out a ping on the rank it pings, and a request that comes
     meanwhile waits with it: a ping timeout above the step timeout kept the engine up, its
     requests waiting, for the whole ping timeout (30 s against a step timeout of 3 s, measured),
     where without pings the request's step died at the step timeout. The watchdog bounds the
     check as it bounds a step."""
+    _short_graces(monkeypatch)
     engine = _tp2(str(preset_path("tiny-llama")), interval_s=0.1, timeout_s=3600.0)
     (rank1,) = engine.executor.workers
 
@@ -215,13 +228,16 @@ def test_a_prefill_worker_with_a_rank_stopped_while_idle_goes_not_serving_and_ex
         preset_path):
     """The serving path: `pdserve prefill -tp 2`, idle, rank 1 SIGSTOPped. The worker's health
     turns NOT_SERVING and it exits 1 for its supervisor, as on a dead rank or a step timeout."""
+    # Its shutdown kills the stopped rank after half a second, not 5 (tests/engine_faults).
+    env = dict(os.environ, PDSERVE_TEST_FAULT="quit_grace:0.5", PYTHONPATH=os.pathsep.join(
+        p for p in (str(REPO / "tests" / "engine_faults"), os.environ.get("PYTHONPATH")) if p))
     read_fd, write_fd = os.pipe()
     worker = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "prefill", "--model",
          str(preset_path("tiny-llama")), "-tp", "2", "--port", "0", "--num-gpu-blocks", "32",
          "--tp-idle-ping-interval-s", "0.2", "--tp-idle-ping-timeout-s", "1",
          "--ready-fd", str(write_fd)],
-        cwd=REPO, pass_fds=(write_fd,), stderr=subprocess.PIPE, text=True)
+        cwd=REPO, env=env, pass_fds=(write_fd,), stderr=subprocess.PIPE, text=True)
     os.close(write_fd)
     ranks = []
     try:

@@ -87,9 +87,18 @@ def load_until_stopped(marker: str) -> None:
     LLMEngine.__init__ = slow
 
 
+def quit_grace(seconds: str) -> None:
+    """No fault: rank 0's shutdown kills the ranks that have not quit after ``seconds``
+    instead of 5 s (engine/tp_executor.py), for a test whose rank is stopped and never quits,
+    and where how long the shutdown waits on it is not the point."""
+    from engine import tp_executor
+
+    tp_executor._QUIT_GRACE_S = float(seconds)
+
+
 FAULTS = {f.__name__: f for f in (slow_kv_cache_layouts, hold_gil_at_step,
                                   unpicklable_kv_peer_names, unloadable_kv_peer_names,
-                                  load_until_stopped)}
+                                  load_until_stopped, quit_grace)}
 
 
 def _apply(spec: str) -> None:
