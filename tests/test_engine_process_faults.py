@@ -55,6 +55,17 @@ def fault(monkeypatch):
 
 
 # --- a wedged engine process ------------------------------------------------------------------
+@pytest.fixture
+def short_silence_grace(monkeypatch):
+    """The worker takes a silent engine process for wedged this long past its step timeout:
+    2 s here instead of 5. The process ticks every second (engine_pipe.TICK_S) while it
+    runs, so a live one is never silent that long; what the tests check is that a silent one
+    is killed, not when."""
+    from engine import engine_client
+
+    monkeypatch.setattr(engine_client, "_SILENCE_GRACE_S", 2.0)
+
+
 class _LoopWatch:
     """From a thread: whether the loop runs callbacks. One that has not for ``stuck_s`` is
     blocked for good (a send on a full pipe): the watch kills ``pid`` to free it, so the test
@@ -82,7 +93,8 @@ class _LoopWatch:
         self._thread.join()
 
 
-def test_a_stopped_engine_process_is_taken_for_wedged_and_never_blocks_the_loop():
+def test_a_stopped_engine_process_is_taken_for_wedged_and_never_blocks_the_loop(
+        short_silence_grace):
     """SIGSTOPped, the process reads nothing and its own step watchdog cannot run. The worker
     goes on serving its loop while hundreds of requests are sent to it (more than the pipe
     holds), and once the process has been silent past the step timeout it is killed: every
@@ -117,7 +129,8 @@ def test_a_stopped_engine_process_is_taken_for_wedged_and_never_blocks_the_loop(
     assert all(isinstance(e, EngineDeadError) for e in failed)
 
 
-def test_an_engine_process_whose_gil_a_c_call_holds_is_killed_as_wedged(fault):
+def test_an_engine_process_whose_gil_a_c_call_holds_is_killed_as_wedged(fault,
+                                                                        short_silence_grace):
     """A hung C call holding the GIL stops the process's own step watchdog too: only the
     worker can tell, by its silence."""
     fault("hold_gil_at_step:3,120")
