@@ -207,7 +207,8 @@ def _disaggregate(prefill: PrefillProc, decode: LLMEngine, prompts, concurrent: 
     (2, 2, "nixl", True),
     (1, 1, "torch", False),
     pytest.param(2, 1, "torch", True, marks=pytest.mark.slow),
-    (1, 2, "torch", False),
+    # TP1 prefill into TP2 decode over torch, in order: every prompt, with the same checks, in
+    # test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank, on the same engines.
 ])
 def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill_tp, decode_tp,
                                                backend, concurrent):
@@ -231,7 +232,9 @@ def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill
 
 def test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank(model, prompts, expected):
     """A decode worker drops the connections to a prefill worker that left (engine/kv_peers.py):
-    both TP ranks here, rank 1 through the TP KV channel; a later pull connects again."""
+    both TP ranks here, rank 1 through the TP KV channel; a later pull connects again. And,
+    with the checks test_disaggregated_tokens_match_one_engine makes of the other pairs, TP1
+    prefill into TP2 decode over torch, in order (one start-up for both: each took ~4 s)."""
     prefill = PrefillProc(model, 1, "torch", wait=False)
     decode = _started_side_by_side(prefill, lambda: _decode_engine(model, 2, "torch"))
     try:
@@ -242,9 +245,16 @@ def test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank(model, prompt
         assert decode.forget_kv_peers(names) == []
         assert decode.kv_peer_names() == []
         assert prefill.wait_stats(lambda s: s["readers"] == 0)["readers"] == 0
-        got = _disaggregate(prefill, decode, prompts[1:3], concurrent=False)[0]
-        assert got == expected[1:3]
+        got, cached = _disaggregate(prefill, decode, prompts[1:], concurrent=False)
+        assert got == expected[1:]
         assert prefill.stats()["readers"] == 2
+        assert cached["r5"] >= 32  # prompts[6], after prompts[5]: the shared prefix is here
+        s = prefill.wait_stats(lambda s: s["leased"] == 0)
+        assert (s["free"], s["leased"], s["released"], s["expired"]) == (
+            s["total"], 0, len(prompts), 0)
+        assert _all_free(decode)
+        counters = decode.kv_transfer_counters()
+        assert counters.transfers == len(prompts) and counters.failures == 0
     finally:
         decode.shutdown()
         prefill.close()
