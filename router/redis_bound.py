@@ -9,10 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
+import os
 
 import redis.exceptions
 
-REDIS_TIMEOUT_S = 5.0
+# A test-only hook, not a setting: tests/test_ledger_recovery.py starts a router while Redis
+# hangs, and that router's start waits out four bounded calls in turn (20 s at the default).
+_TIMEOUT_ENV = "PDSERVE_TEST_REDIS_TIMEOUT_S"
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get(_TIMEOUT_ENV)
+    if raw is None:
+        return 5.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 3600:
+        raise ValueError(f"{_TIMEOUT_ENV}={raw!r}: a number of seconds above 0 and below 3600")
+    return value
+
+
+REDIS_TIMEOUT_S = _timeout_s()
 
 
 def bounded(method):

@@ -15,7 +15,6 @@ import redis
 
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from router.redis_bound import REDIS_TIMEOUT_S
 from router.redis_server import RedisServer
 from router.registry import Registry
 from tests.proc_signals import wait_until
@@ -27,6 +26,8 @@ GREEDY = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=Tru
 LEASE_S = 60
 ARGS = [*WORKER_ARGS[:-1], str(LEASE_S)]
 assert WORKER_ARGS[-2] == "--kv-lease-timeout-s"
+# The Redis bound of a router started while Redis hangs (REDIS_TIMEOUT_S is 5 s).
+HUNG_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +112,19 @@ def test_a_router_restarted_while_redis_hangs_releases_what_its_predecessor_left
     assert wait_until(lambda: _listed(cluster) == orphans, 10)
     router.popen.kill()
     router.popen.wait(timeout=10)
+    # The new router bounds its Redis calls by 1 s, not 5 (router/redis_bound.py's test hook):
+    # its start makes four in turn, each of which waits out the hang, and then its reclaim's
+    # first ledger read, which the hang fails too. The same calls fail, 16 s sooner.
+    env = router.env
+    router.env = {**(env or os.environ), "PDSERVE_TEST_REDIS_TIMEOUT_S": str(HUNG_TIMEOUT_S)}
     os.kill(cluster.redis.proc.pid, signal.SIGSTOP)
     try:
-        cluster.respawn(router)
+        new = cluster.respawn(router)
         # Past any Redis call the new router made at its start: each has failed by now.
-        time.sleep(REDIS_TIMEOUT_S + 1.0)
+        time.sleep(HUNG_TIMEOUT_S + 1.0)
     finally:
         os.kill(cluster.redis.proc.pid, signal.SIGCONT)
+    new.env = env  # its respawn in the next test bounds its calls as a router does
     assert wait_until(lambda: worker_info(prefill.address).num_leased == 0, LEASE_S)
     assert worker_info(prefill.address).num_expired_leases == expired
     assert wait_until(lambda: _listed(cluster) == set(), 10)
