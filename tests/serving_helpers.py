@@ -46,12 +46,20 @@ def decisive_prompts(reference, n: int, seed: int, max_tokens: int | list[int], 
     ``reference`` (an LLM) has a step decided by less than MIN_GREEDY_GAP: a parity test on
     these compares the serving path's tokens, not float rounding. ``max_tokens``: one count,
     or the i-th kept prompt's."""
+    return decisive_outputs(reference, n, seed, max_tokens, lo, hi)[0]
+
+
+def decisive_outputs(reference, n: int, seed: int, max_tokens: int | list[int], lo: int = 5,
+                     hi: int = 120) -> tuple[list[list[int]], list]:
+    """``decisive_prompts``, and the reference's greedy output (ignore_eos, logprobs=2) of
+    each, ``max(max_tokens)`` tokens long: a test that wants those need not generate them
+    again (a few seconds at hundreds of tokens)."""
     from engine import SamplingParams
 
     counts = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     if len(counts) != n:
         raise ValueError(f"{len(counts)} max_tokens for {n} prompts")
-    rng, kept = random.Random(seed), []
+    rng, kept, kept_outs = random.Random(seed), [], []
     while len(kept) < n:
         batch = [_draw(rng, lo, hi) for _ in range(n - len(kept) + 2)]
         outs = reference.generate(batch, SamplingParams(
@@ -59,9 +67,10 @@ def decisive_prompts(reference, n: int, seed: int, max_tokens: int | list[int], 
         for prompt, out in zip(batch, outs):
             if greedy_is_decisive(out, counts[len(kept)]):
                 kept.append(prompt)
+                kept_outs.append(out)
                 if len(kept) == n:
                     break
-    return kept
+    return kept, kept_outs
 
 
 def explain_greedy_mismatch(reference, prompt: list[int], got: list[int],

@@ -19,7 +19,7 @@ from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
-from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_prompts, random_prompts,
+from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_outputs, random_prompts,
                                    wait_all_blocks_free, worker_info)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -141,17 +141,25 @@ KILL_MAX_TOKENS = 320
 
 
 def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
-    prompts = decisive_prompts(reference, 10, seed=31, max_tokens=KILL_MAX_TOKENS, lo=20, hi=90)
+    # Six streams, one seeded (i = 4), and the n = 3 request below: streams on both workers,
+    # greedy and seeded ones among those that move. The greedy streams' reference outputs are
+    # those the prompts were chosen by; the seeded ones are generated in one batch.
+    prompts, greedy = decisive_outputs(reference, 6, seed=31, max_tokens=KILL_MAX_TOKENS,
+                                       lo=20, hi=90)
     params = [dict(max_tokens=KILL_MAX_TOKENS, **(SEEDED if i % 5 == 4 else GREEDY))
-              for i in range(10)]
-    want = reference.generate(prompts, [SamplingParams(**p) for p in params])
-    assert len({t for w in want for t in w.token_ids}) > 50  # diverse outputs
-    victim, survivor = _live(cluster, "decode")
+              for i in range(6)]
+    seeded = [i for i, p in enumerate(params) if p["temperature"]]
     # And one request of n = 3 seeded sequences: each migrates on its own.
     par_prompt = random_prompts(1, seed=33, lo=40, hi=40)[0]
-    par_want = reference.generate([par_prompt] * 3, [
-        SamplingParams(max_tokens=KILL_MAX_TOKENS, **{**SEEDED, "seed": SEEDED["seed"] + i})
-        for i in range(3)])
+    par_params = [dict(max_tokens=KILL_MAX_TOKENS, **{**SEEDED, "seed": SEEDED["seed"] + i})
+                  for i in range(3)]
+    sampled = reference.generate(
+        [prompts[i] for i in seeded] + [par_prompt] * 3,
+        [SamplingParams(**params[i]) for i in seeded] + [SamplingParams(**p) for p in par_params])
+    want = [sampled[seeded.index(i)] if i in seeded else g for i, g in enumerate(greedy)]
+    par_want = sampled[len(seeded):]
+    assert len({t for w in want for t in w.token_ids}) > 50  # diverse outputs
+    victim, survivor = _live(cluster, "decode")
     par_got: list[list[int]] = [[], [], []]
     par_moved = []
 
@@ -213,9 +221,8 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     # Long enough that the hung worker's streams are still running when the last stream has
     # its fourth token: at 40 tokens they had all ended by then once (CI, session 47: first
     # tokens 30-340 ms apart, a 40-token stream done in ~320 ms).
-    prompts = decisive_prompts(reference, 8, seed=35, max_tokens=160, lo=20, hi=60)
+    prompts, want = decisive_outputs(reference, 8, seed=35, max_tokens=160, lo=20, hi=60)
     params = dict(max_tokens=160, **GREEDY)
-    want = reference.generate(prompts, SamplingParams(**params))
 
     async def run():
         got = [[] for _ in prompts]
@@ -282,9 +289,8 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
                 if b"engine.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     # Enough long prompts that the router gives the TP worker several and it stays busy long
     # enough to be seen busy: with 9 shorter ones it once got one, done between two polls.
-    prompts = decisive_prompts(reference, 18, seed=37, max_tokens=6, lo=200, hi=400)
+    prompts, want = decisive_outputs(reference, 18, seed=37, max_tokens=6, lo=200, hi=400)
     params = dict(max_tokens=6, **GREEDY)
-    want = reference.generate(prompts, SamplingParams(**params))
     got, finals = _fault_when_busy(cluster, tp2.address, prompts, params,
                                    lambda: os.kill(rank1, signal.SIGKILL))
     assert got == [w.token_ids for w in want]
@@ -296,9 +302,8 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
 def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference):
     # Long prompts queue on both prefill workers; one dies with some of them queued there,
     # in its step, or leased to a decode worker that is pulling their KV.
-    prompts = decisive_prompts(reference, 12, seed=41, max_tokens=6, lo=300, hi=500)
+    prompts, want = decisive_outputs(reference, 12, seed=41, max_tokens=6, lo=300, hi=500)
     params = dict(max_tokens=6, **GREEDY)
-    want = reference.generate(prompts, SamplingParams(**params))
     victim, survivor = _live(cluster, "prefill")
 
     async def run():
@@ -358,7 +363,7 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
     # Whether the moved request still runs when the second kill comes is a race (its last 388
     # tokens took 2 s in a CI run, and it had finished): a run in which it finished first is
     # tried again, up to three in all, as the rolling stops are.
-    prompt = decisive_prompts(reference, 1, seed=51, max_tokens=400, lo=30, hi=30)[0]
+    (prompt,), (full,) = decisive_outputs(reference, 1, seed=51, max_tokens=400, lo=30, hi=30)
     for _ in range(3):
         while len(_live(cluster, "decode")) < 3:
             cluster.add_worker("decode")
@@ -372,6 +377,5 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
         pytest.fail("in 3 runs the moved request finished before its second worker was killed")
     assert len(_live(cluster, "decode")) == 1  # one was there to start it over on
     # Greedy: the first len(got) of the 400 tokens (decisive, all 400) are these.
-    want = reference.generate([prompt], SamplingParams(max_tokens=len(got), **GREEDY))[0].token_ids
-    assert len(got) >= 8 and got == want  # what did arrive was right, up to the failure
+    assert len(got) >= 8 and got == full.token_ids[:len(got)]  # what did arrive was right, up to the failure
     assert cluster_stats(cluster.router_address).migrations_exhausted == exhausted + 1
