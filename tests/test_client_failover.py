@@ -18,8 +18,8 @@ from client.failover import (MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY, Attempts,
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, greedy_is_decisive,
-                                   wait_all_blocks_free)
+from tests.serving_helpers import (WORKER_ARGS, decisive_outputs,
+                                   greedy_is_decisive, wait_all_blocks_free)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -378,8 +378,7 @@ def _generate_raw(cluster, prompt, resume, max_tokens, expect=None):
 
 
 def test_a_router_continues_from_resume_tokens(cluster, reference):
-    prompt = decisive_prompts(reference, 1, seed=71, max_tokens=10, lo=30, hi=30)[0]
-    want = reference.generate([prompt], SamplingParams(max_tokens=10, **GREEDY))[0]
+    (prompt,), (want,) = decisive_outputs(reference, 1, seed=71, max_tokens=10, lo=30, hi=30)
     ours = _identity(cluster.router_address)
     chunks = _generate_raw(cluster, prompt, want.token_ids[:4], 10, ours)
     assert [t for c in chunks for t in c.token_ids] == want.token_ids[4:]
@@ -408,9 +407,8 @@ def test_streams_survive_their_router_killed_under_them(cluster, reference):
     # Long enough that no stream on the router to be killed ends before the kill: at 40
     # tokens, on a loaded machine, one ended while the last was still waiting for its fourth.
     # Decisive: a continuation's logits are computed in another batch than the reference's.
-    prompts = decisive_prompts(reference, 6, seed=72, max_tokens=160, lo=20, hi=60)
+    prompts, want = decisive_outputs(reference, 6, seed=72, max_tokens=160, lo=20, hi=60)
     params = dict(max_tokens=160, **GREEDY)
-    want = reference.generate(prompts, SamplingParams(**params))
 
     async def stream(client, prompt, got):
         final, text = None, []
@@ -446,12 +444,11 @@ def test_streams_survive_their_router_hanging_under_them(cluster, reference):
     client's health checks (client/liveness.py); its streams go on on the other router."""
     hung = cluster.start_router()
     live = cluster.start_router()  # last: cluster.router_address, for the tests after
-    prompts = decisive_prompts(reference, 4, seed=74, max_tokens=160, lo=20, hi=60)
+    prompts, want = decisive_outputs(reference, 4, seed=74, max_tokens=160, lo=20, hi=60)
     # Long enough that none ends before the stop: at 40 tokens, a stream on the router to be
     # stopped ended (336 ms) while the last one still waited for its fourth token, on a loaded
     # CI machine, and only one stream was left there to move.
     params = dict(max_tokens=160, **GREEDY)
-    want = reference.generate(prompts, SamplingParams(**params))
     policy = FailoverPolicy(health_check_interval_s=1.0)
 
     async def run():
@@ -496,8 +493,7 @@ def test_the_blocking_client_skips_a_router_that_is_down(cluster, reference):
     from client import Client
     from router.redis_server import free_port
 
-    prompt = decisive_prompts(reference, 1, seed=73, max_tokens=6, lo=20, hi=20)[0]
-    want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
+    (prompt,), (want,) = decisive_outputs(reference, 1, seed=73, max_tokens=6, lo=20, hi=20)
     down = f"127.0.0.1:{free_port()}"  # nothing listens there
     with Client([down, cluster.router_address], timeout=60) as c:
         chunks = list(c.generate(prompt, max_tokens=6, **GREEDY))  # tried on `down` first
@@ -535,11 +531,19 @@ def _decisive_chats(reference, routers: dict[str, str], n: int, params: dict):
              "kelp", "lava", "dust", "pine", "glass"]
     chats = [[{"role": "user", "content": f"tell me about {w} and {i}"}]
              for i, w in enumerate(words)]
-    outs = {name: reference.generate([_chat_ids(address, chat) for chat in chats],
-                                     SamplingParams(**params, logprobs=2))
-            for name, address in routers.items()}
-    keep = [i for i in range(len(chats))
-            if all(greedy_is_decisive(o[i], params["max_tokens"]) for o in outs.values())]
+    # The first n decisive ones, in order: generated a few at a time, so the chats past them
+    # are not generated at all (each is, once per router, 160 tokens).
+    outs: dict[str, list] = {name: [] for name in routers}
+    keep: list[int] = []
+    for start in range(0, len(chats), n + 3):
+        if len(keep) >= n:
+            break
+        part = chats[start:start + n + 3]
+        for name, address in routers.items():
+            outs[name] += reference.generate([_chat_ids(address, chat) for chat in part],
+                                             SamplingParams(**params, logprobs=2))
+        keep += [i for i in range(start, start + len(part))
+                 if all(greedy_is_decisive(o[i], params["max_tokens"]) for o in outs.values())]
     assert len(keep) >= n, f"{len(keep)} decisive chats of {len(chats)}"
     keep = keep[:n]
     return ([chats[i] for i in keep],
