@@ -218,9 +218,17 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     survivors = {p.name for p in _live(cluster, "decode")}
     hung = cluster.add_worker("decode")
     cluster.wait_routable(2, len(survivors) + 1)
-    # Long enough that the hung worker's streams are still running when the last stream has
-    # its fourth token: at 40 tokens they had all ended by then once (CI, session 47: first
-    # tokens 30-340 ms apart, a 40-token stream done in ~320 ms).
+    # Every stream starts on the worker that hangs: left to the router's picks, a loaded
+    # machine once had the streams it sent there all ended before the last stream's fourth
+    # token, and nothing was left on it to move. The survivors take them back before the hang.
+    admin = router_pb2_grpc.RouterAdminStub(grpc.insecure_channel(cluster.router_address))
+
+    def drain_survivors(undrain: bool = False) -> None:
+        for name in survivors:
+            admin.DrainWorker(router_pb2.DrainWorkerRequest(worker_id=name, undrain=undrain),
+                              timeout=10)
+
+    drain_survivors()
     prompts, want = decisive_outputs(reference, 8, seed=35, max_tokens=160, lo=20, hi=60)
     params = dict(max_tokens=160, **GREEDY)
 
@@ -230,13 +238,17 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
             tasks = [asyncio.ensure_future(_stream(client, p, params, g))
                      for p, g in zip(prompts, got)]
             await _until(lambda: all(len(g) >= 4 for g in got))
+            drain_survivors(undrain=True)
             os.kill(hung.popen.pid, signal.SIGSTOP)
             try:
                 return got, await asyncio.gather(*tasks)
             finally:
                 os.kill(hung.popen.pid, signal.SIGCONT)
 
-    got, finals = asyncio.run(run())
+    try:
+        got, finals = asyncio.run(run())
+    finally:
+        drain_survivors(undrain=True)  # the module's next tests route to them
     assert got == [w.token_ids for w in want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved, "no stream was on the hung worker"
