@@ -219,15 +219,21 @@ def test_disaggregated_tokens_match_one_engine(model, prompts, expected, prefill
         assert got == expected
         if not concurrent:  # in order, the last two prompts find the shared prefix here
             assert cached["r6"] >= 32
-        s = prefill.wait_stats(lambda s: s["leased"] == 0)
-        assert (s["free"], s["leased"], s["released"], s["expired"]) == (
-            s["total"], 0, len(prompts), 0)
-        assert _all_free(decode)
-        counters = decode.kv_transfer_counters()
-        assert counters.transfers == len(prompts) and counters.failures == 0
+        _assert_every_lease_released(prefill, decode, len(prompts))
     finally:
         decode.shutdown()
         prefill.close()
+
+
+def _assert_every_lease_released(prefill, decode, num_prompts: int) -> None:
+    """Each prompt's lease released by its pull, none expired, every block free on both
+    sides, and one transfer a prompt without a failure."""
+    s = prefill.wait_stats(lambda s: s["leased"] == 0)
+    assert (s["free"], s["leased"], s["released"], s["expired"]) == (
+        s["total"], 0, num_prompts, 0)
+    assert _all_free(decode)
+    counters = decode.kv_transfer_counters()
+    assert counters.transfers == num_prompts and counters.failures == 0
 
 
 def test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank(model, prompts, expected):
@@ -249,12 +255,7 @@ def test_a_decode_engine_lets_go_of_a_prefill_engine_on_every_rank(model, prompt
         assert got == expected[1:]
         assert prefill.stats()["readers"] == 2
         assert cached["r5"] >= 32  # prompts[6], after prompts[5]: the shared prefix is here
-        s = prefill.wait_stats(lambda s: s["leased"] == 0)
-        assert (s["free"], s["leased"], s["released"], s["expired"]) == (
-            s["total"], 0, len(prompts), 0)
-        assert _all_free(decode)
-        counters = decode.kv_transfer_counters()
-        assert counters.transfers == len(prompts) and counters.failures == 0
+        _assert_every_lease_released(prefill, decode, len(prompts))
     finally:
         decode.shutdown()
         prefill.close()
