@@ -55,6 +55,7 @@ def spin():
     while True:
         sum(range(1000))
 threading.Thread(target=spin, name="spinner", daemon=True).start()
+print("spinning", flush=True)
 time.sleep(60)
 """
 
@@ -64,8 +65,11 @@ def test_a_real_recording(tmp_path, capsys):
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
     if spy is None:
         pytest.skip("py-spy is not installed (bench/gpu_carry.sh carries it to GPU machines)")
-    proc = subprocess.Popen([sys.executable, "-c", _BUSY])
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE, text=True)
     try:
+        # Recorded from its start, the main thread was caught once before its sleep (0.5% of
+        # the samples, on CI): the recording begins once only the spinner runs.
+        assert proc.stdout.readline() == "spinning\n"
         out = tmp_path / "p.spy"
         rec = subprocess.run([spy, "record", "-p", str(proc.pid), "-d", "2", "-r", "100", "-f",
                               "raw", "--threads", "-o", str(out), "--nonblocking"],
@@ -73,6 +77,7 @@ def test_a_real_recording(tmp_path, capsys):
     finally:
         proc.kill()
         proc.wait()
+        proc.stdout.close()
     if rec.returncode != 0 and "ermission denied" in rec.stderr + rec.stdout:
         pytest.skip("py-spy may not attach here (ptrace: run as root, or ptrace_scope 0)")
     assert rec.returncode == 0, rec.stderr
