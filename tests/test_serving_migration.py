@@ -176,9 +176,11 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
             tasks = [asyncio.ensure_future(_stream(client, p, kw, g))
                      for p, kw, g in zip(prompts, params, got)]
             par = asyncio.ensure_future(par_stream(client))
-            # Every stream is decoding (past its first tokens) when the worker dies.
+            # Every stream is decoding (past its first tokens) when the worker dies, or done: on
+            # a loaded machine (a busy loop beside the suite) a first stream's 320 tokens once
+            # ended before the last stream's fourth. A stream done before the kill is checked
+            # all the same, unmoved; the streams it moves are asserted below.
             await _until(lambda: all(len(g) >= 4 for g in got + par_got))
-            assert not any(t.done() for t in tasks) and not par.done()
             _kill(victim)
             await par
             return got, await asyncio.gather(*tasks)
