@@ -33,6 +33,7 @@ lease is not forgotten: the router then leaves it to the reader or the expiry, a
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 import time
 from collections.abc import Callable
@@ -47,6 +48,20 @@ MAX_FORGOTTEN = 100_000
 # a handle whose lease_timeout_s counts from when the router sent it, and a decode host's clock
 # behind the prefill host's lets a signed expiry pass late (decode_svc/kv_sources.py).
 FORGET_MARGIN_S = 30.0
+
+
+class ForgetAnswer(enum.Enum):
+    """A ForgetLease answer, counted apart in the worker's stats."""
+
+    FORGOTTEN = "forgotten"  # never met here, or done: refused from now on, freed at once
+    READING = "reading"  # a Decode with it is under way: its end tells the owner
+    # Never met here, but MAX_FORGOTTEN leases are forgotten already: a Decode with it is not
+    # refused, so the lease is left to its reader or its expiry as a read one is.
+    NO_ROOM = "no_room"
+
+    @property
+    def may_be_reading(self) -> bool:
+        return self is not ForgetAnswer.FORGOTTEN
 
 
 class LeaseForgotten(ValueError):
@@ -120,9 +135,9 @@ class ReadLeases:
         lease_timeout_s = self._asked.pop(lease_id, None)
         return lease_timeout_s is not None and not self._remember(lease_id, lease_timeout_s)
 
-    def forget(self, lease_id: str, lease_timeout_s: float) -> bool:
-        """Whether a read of ``lease_id`` may be under way here (the ForgetLease answer); if
-        not, a Decode with it is refused from now on. Raises ValueError for bad input."""
+    def forget(self, lease_id: str, lease_timeout_s: float) -> ForgetAnswer:
+        """The ForgetLease answer for ``lease_id``: unless a read of it may be under way here,
+        a Decode with it is refused from now on. Raises ValueError for bad input."""
         if not lease_id:
             raise ValueError("lease_id is empty")
         if len(lease_id) > convert.MAX_WORKER_REQUEST_ID_CHARS:
@@ -133,8 +148,10 @@ class ReadLeases:
                              f"{MAX_KV_LEASE_TIMEOUT_S:.0f}], got {lease_timeout_s}")
         if lease_id in self._reading:
             self._asked[lease_id] = max(lease_timeout_s, self._asked.get(lease_id, 0.0))
-            return True
-        return self._remember(lease_id, lease_timeout_s)
+            return ForgetAnswer.READING
+        if self._remember(lease_id, lease_timeout_s):
+            return ForgetAnswer.NO_ROOM
+        return ForgetAnswer.FORGOTTEN
 
     def _remember(self, lease_id: str, lease_timeout_s: float) -> bool:
         """Forgets ``lease_id``; True when there is no room to (nothing refused then)."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import grpc
 
-from decode_svc.forgotten_leases import Reading, ReadLeases
+from decode_svc.forgotten_leases import ForgetAnswer, Reading, ReadLeases
 from decode_svc.kv_sources import KVSources
 from decode_svc.local_prefill import check_local_prefill_request, stream_local_prefill
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
@@ -298,14 +298,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def ForgetLease(self, request: worker_pb2.ForgetLeaseRequest,
                           context: grpc.aio.ServicerContext) -> worker_pb2.ForgetLeaseResponse:
         try:
-            reading = self.leases.forget(request.lease_id, request.lease_timeout_s)
+            answer = self.leases.forget(request.lease_id, request.lease_timeout_s)
         except ValueError as e:
             await abort_for(context, e)
-        if reading:
+        if answer is ForgetAnswer.READING:
             self.rt.leases_forget_reading += 1
+        elif answer is ForgetAnswer.NO_ROOM:
+            self.rt.leases_forget_no_room += 1
         else:
             self.rt.leases_forgotten += 1
-        return worker_pb2.ForgetLeaseResponse(may_be_reading=reading)
+        return worker_pb2.ForgetLeaseResponse(may_be_reading=answer.may_be_reading)
 
     async def GetWorkerInfo(self, request, context) -> common_pb2.WorkerInfo:
         await self.rt.engine.fresh_stats()

@@ -35,6 +35,9 @@ _COUNTERS = (
      "Leases a router's ForgetLease found unread here (freed at once, refused from then on)."),
     ("kv_leases_forget_reading_total", "leases_forget_reading",
      "ForgetLease questions answered 'may be reading' (the read's end tells the owner)."),
+    ("kv_leases_forget_no_room_total", "leases_forget_no_room",
+     "ForgetLease questions for unread leases answered 'may be reading' because the worker "
+     "had as many forgotten leases as it keeps (left to a late reader or the expiry)."),
 )
 
 

@@ -262,6 +262,7 @@ class WorkerRuntime:
         # A decode worker's ForgetLease answers (decode_svc/service.py), by answer.
         self.leases_forgotten = 0
         self.leases_forget_reading = 0
+        self.leases_forget_no_room = 0
         # Static for the engine's life: serialized once, not on every heartbeat.
         self._layouts = [lay.to_json() for lay in engine.kv_cache_layouts()]
         # This engine's ranks' KV-agent handles, serialized once (the agents live as long as
@@ -391,6 +392,7 @@ class WorkerRuntime:
             kv_bytes_transferred=self.kv_bytes, kv_transfer_failures=self.kv_failures,
             leases_forgotten=self.leases_forgotten,
             leases_forget_reading=self.leases_forget_reading,
+            leases_forget_no_room=self.leases_forget_no_room,
             kv_peers_connected=self._peers.num_connected if self._peers is not None else 0)
 
     # --- lifecycle ------------------------------------------------------------------------

@@ -118,7 +118,7 @@ class KVHandle(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., worker_address: _Optional[str] = ..., backend: _Optional[str] = ..., rank_handles: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_timeout_s: _Optional[float] = ..., lease_id: _Optional[str] = ..., mac: _Optional[bytes] = ..., lease_expires_unix_s: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "block_size", "tensor_parallel_size", "kv_transfer_backend", "max_model_len", "kv_cache_layouts", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running", "num_leased", "prefix_cache_queries", "prefix_cache_hits", "num_expired_leases", "num_preemptions", "num_inflight", "draining", "kv_bytes_transferred", "kv_transfer_failures", "kv_peers_connected", "num_quarantined", "prefix_cache_partial_hits", "model_fingerprint", "prefix_cache_evictions", "leases_forgotten", "leases_forget_reading")
+    __slots__ = ("worker_id", "role", "address", "model", "block_size", "tensor_parallel_size", "kv_transfer_backend", "max_model_len", "kv_cache_layouts", "num_free_blocks", "num_total_blocks", "num_waiting", "num_running", "num_leased", "prefix_cache_queries", "prefix_cache_hits", "num_expired_leases", "num_preemptions", "num_inflight", "draining", "kv_bytes_transferred", "kv_transfer_failures", "kv_peers_connected", "num_quarantined", "prefix_cache_partial_hits", "model_fingerprint", "prefix_cache_evictions", "leases_forgotten", "leases_forget_reading", "leases_forget_no_room")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class WorkerInfo(_message.Message):
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     LEASES_FORGET_READING_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FORGET_NO_ROOM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -177,7 +178,8 @@ class WorkerInfo(_message.Message):
     prefix_cache_evictions: int
     leases_forgotten: int
     leases_forget_reading: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_layouts: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_leased: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_bytes_transferred: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_peers_connected: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., prefix_cache_partial_hits: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., prefix_cache_evictions: _Optional[int] = ..., leases_forgotten: _Optional[int] = ..., leases_forget_reading: _Optional[int] = ...) -> None: ...
+    leases_forget_no_room: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_transfer_backend: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_cache_layouts: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_leased: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_expired_leases: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_inflight: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_bytes_transferred: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_peers_connected: _Optional[int] = ..., num_quarantined: _Optional[int] = ..., prefix_cache_partial_hits: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., prefix_cache_evictions: _Optional[int] = ..., leases_forgotten: _Optional[int] = ..., leases_forget_reading: _Optional[int] = ..., leases_forget_no_room: _Optional[int] = ...) -> None: ...
 
 class WorkerInfoRequest(_message.Message):
     __slots__ = ()

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from decode_svc import forgotten_leases
-from decode_svc.forgotten_leases import LeaseForgotten, ReadLeases
+from decode_svc.forgotten_leases import ForgetAnswer, LeaseForgotten, ReadLeases
 from tests.test_release_while_read import _decode_servicer, _pulled_request
 
 
@@ -56,12 +56,12 @@ def test_a_decode_cut_mid_pull_is_reading_until_its_pull_ends_then_the_lease_is_
         call.cancel()  # the router's cut
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert svc.leases.forget("p1", 30.0)  # the read may still land
+        assert svc.leases.forget("p1", 30.0) is ForgetAnswer.READING  # the read may still land
         engine.go.set()
         async with asyncio.timeout(30):
             while engine.aborted != ["d1"]:  # the pull ended, and its blocks went back
                 await asyncio.sleep(0.01)
-        assert not svc.leases.forget("p1", 30.0)  # nothing more is read here
+        assert svc.leases.forget("p1", 30.0) is ForgetAnswer.FORGOTTEN  # nothing more read here
         with pytest.raises(LeaseForgotten):  # a Decode still to come reads nothing
             await anext(svc.decode(_pulled_request("d2"), lambda: None))
         assert engine.allocated == ["d1"]
@@ -72,7 +72,7 @@ def test_a_decode_cut_mid_pull_is_reading_until_its_pull_ends_then_the_lease_is_
 def test_forgotten_leases_last_as_long_as_the_lease_and_are_bounded(monkeypatch):
     now = [100.0]
     leases = ReadLeases(clock=lambda: now[0])
-    assert not leases.forget("a", 10.0)
+    assert leases.forget("a", 10.0) is ForgetAnswer.FORGOTTEN
     with pytest.raises(LeaseForgotten):
         leases.enter("a")
     now[0] += 10.0 + forgotten_leases.FORGET_MARGIN_S + 0.1  # past the lease, and its margin
@@ -80,11 +80,12 @@ def test_forgotten_leases_last_as_long_as_the_lease_and_are_bounded(monkeypatch)
     with pytest.raises(ValueError):
         leases.forget("b", float("nan"))
     monkeypatch.setattr(forgotten_leases, "MAX_FORGOTTEN", 2)
-    assert not leases.forget("b", 10.0) and not leases.forget("c", 20.0)
-    assert leases.forget("d", 10.0)  # no room: not refused, so left to the reader or expiry
+    assert leases.forget("b", 10.0) is leases.forget("c", 20.0) is ForgetAnswer.FORGOTTEN
+    # no room: not refused, so left to the reader or expiry
+    assert leases.forget("d", 10.0) is ForgetAnswer.NO_ROOM
     leases.enter("d").end()
     now[0] += 10.0 + forgotten_leases.FORGET_MARGIN_S + 0.1  # "b" ended: its room is free
-    assert not leases.forget("d", 10.0)
+    assert leases.forget("d", 10.0) is ForgetAnswer.FORGOTTEN
     with pytest.raises(LeaseForgotten):
         leases.enter("c")
 
@@ -124,7 +125,8 @@ def test_a_decode_asked_about_and_ended_before_its_pull_tells_the_owner(error):
     async def run():
         call = asyncio.ensure_future(anext(svc.decode(_pulled_request("d1"), lambda: None)))
         await engine.allocating.wait()
-        assert svc.leases.forget("p1", 30.0)  # the router's question, ahead of its cancel
+        # the router's question, ahead of its cancel
+        assert svc.leases.forget("p1", 30.0) is ForgetAnswer.READING
         engine.go.set()
         with pytest.raises(type(error)):
             await call
@@ -141,10 +143,36 @@ def test_a_decode_ending_before_its_pull_is_silent_while_another_holds_the_lease
     must not tell the owner while the other may still read, even after a ForgetLease."""
     leases = ReadLeases()
     first, second = leases.enter("a"), leases.enter("a")
-    assert leases.forget("a", 10.0)
+    assert leases.forget("a", 10.0) is ForgetAnswer.READING
     assert not second.end()  # "a" is still read by ``first``
     assert first.end()  # the last reader of a lease its caller asked about
     with pytest.raises(LeaseForgotten):
         leases.enter("a")
     unasked = leases.enter("b")
     assert not unasked.end()  # nobody asked: the lease is left to its router, as before
+
+
+def test_the_forget_lease_call_answers_and_counts_each_answer_apart(monkeypatch):
+    """A full table answers "may be reading" as a read does, yet no read is under way: the
+    worker's stats tell the two apart, or a table too small for the load hides as reads."""
+    from protos import worker_pb2
+
+    svc = _decode_servicer(_PullingEngine(), [])
+    counted = ("leases_forgotten", "leases_forget_reading", "leases_forget_no_room")
+    for name in counted:
+        setattr(svc.rt, name, 0)
+    monkeypatch.setattr(forgotten_leases, "MAX_FORGOTTEN", 1)
+
+    async def ask(lease_id: str) -> bool:
+        answer = await svc.ForgetLease(worker_pb2.ForgetLeaseRequest(
+            lease_id=lease_id, lease_timeout_s=10.0), None)
+        return answer.may_be_reading
+
+    async def run():
+        reading = svc.leases.enter("read")
+        answers = [await ask("a"), await ask("read"), await ask("b")]
+        reading.end()
+        return answers
+
+    assert asyncio.run(run()) == [False, True, True]
+    assert [getattr(svc.rt, name) for name in counted] == [1, 1, 1]

@@ -277,7 +277,7 @@ def test_worker_families_carry_its_labels_and_usage():
                                  num_free_blocks=96, num_total_blocks=128, num_running=3,
                                  prefix_cache_hits=7, prefix_cache_partial_hits=2,
                                  prefix_cache_evictions=5, leases_forgotten=4,
-                                 leases_forget_reading=1,
+                                 leases_forget_reading=1, leases_forget_no_room=6,
                                  kv_bytes_transferred=4096, draining=True)
     m = parse_metrics(render(worker_metrics(info)))
     labels = frozenset({("worker_id", "decode-1"), ("role", "decode"), ("model", "tiny")})
@@ -288,6 +288,7 @@ def test_worker_families_carry_its_labels_and_usage():
     assert m[("pdserve_worker_prefix_cache_evictions_total", labels)] == 5
     assert m[("pdserve_worker_kv_leases_forgotten_total", labels)] == 4
     assert m[("pdserve_worker_kv_leases_forget_reading_total", labels)] == 1
+    assert m[("pdserve_worker_kv_leases_forget_no_room_total", labels)] == 6
     assert m[("pdserve_worker_kv_transfer_bytes_total", labels)] == 4096
     assert m[("pdserve_worker_draining", labels)] == 1
 

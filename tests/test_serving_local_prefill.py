@@ -324,7 +324,8 @@ def test_a_decode_call_for_a_forgotten_lease_is_refused_and_reads_nothing(cluste
         assert not answer.may_be_reading  # it never met the lease
         after = worker_info(decode_address)  # counted by answer, for the worker's metrics
         assert (after.leases_forgotten - before.leases_forgotten,
-                after.leases_forget_reading - before.leases_forget_reading) == (1, 0)
+                after.leases_forget_reading - before.leases_forget_reading,
+                after.leases_forget_no_room - before.leases_forget_no_room) == (1, 0, 0)
         with pytest.raises(grpc.RpcError) as refused:
             list(decode.Decode(worker_pb2.DecodeRequest(
                 request_id="late-call", prompt_token_ids=prompt,
