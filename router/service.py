@@ -172,92 +172,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ``writes``: Generate's writes of the chunks (router/write_watch.py)."""
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         runs: list[RequestRun] = []
-        status, error, finish = "OK", "", ""
+        outcome = _Outcome()
         self.stats.requests_total += 1
         self._starting += 1
         starting = True
         try:
-            if self.draining:
-                raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
-                                        "the router is shutting down: try another router")
-            check_request_id(rid)
-            self._check_expected_model(request)
-            client_max_tokens = request.sampling.HasField("max_tokens")
-            # Filled in the request itself, so that the workers get the same values.
-            convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
-            params = convert.sampling_from_proto(request.sampling)
-            params.validate_vocab(self.model.vocab_size)
-            resumed = self._resume_ids(request, params)
-            n = check_n(request.sampling, bool(resumed))
-            prompt = self.model.truncated(await self.model.prompt_ids_async(request),
-                                          request.sampling, lambda: self.directory.max_model_len())
-            # resumed tokens count in max_tokens (router.proto).
-            wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
-            # Checked again per attempt, once the workers are known (0 until then).
-            self.directory.check_prompt_fits(len(prompt) + len(resumed), wanted)
-            if n == 1:
-                runs.append(RequestRun(rid, prompt, t0, resumed=resumed, requested_len=wanted))
-                chunks = self._sequence(runs[0], request, context)
-            else:  # router/parallel.py; each sequence has its own id on the workers
-                runs.extend(RequestRun(f"{rid}/{i}", prompt, t0, index=i, requested_len=wanted)
-                            for i in range(n))
-                chunks = fan_out(rid, [functools.partial(
-                    self._sequence, run, sequence_request(request, i), context)
-                    for i, run in enumerate(runs)])
+            runs = await self._runs(request, rid, t0)
+            chunks = self._chunks(rid, runs, request, context)
             # Admitted only once valid: a bad request is INVALID_ARGUMENT under any load, and
             # one the router is too full for is still logged.
-            first, timed = True, False
             with self.stats.admit(), self.inflight.track(rid, runs, writes) as entry:
                 self._starting -= 1
                 starting = False
-                try:
-                    async with contextlib.aclosing(chunks):
-                        async for chunk in chunks:
-                            if first:
-                                first = False
-                                chunk.model.CopyFrom(self.model.identity)
-                            if entry.cancelled:
-                                # CancelRequest's cancel of this task can be lost in a Redis
-                                # call (client/tasks.py); the flag it set ends the request.
-                                raise asyncio.CancelledError
-                            if chunk.finish_reason and chunk.index == 0:
-                                finish = chunk.finish_reason
-                            if not timed and chunk.index == 0:
-                                # Once per request, whatever its migrations: sequence 0's
-                                # first token set its ttft_s on arrival, before this chunk.
-                                timed = True
-                                self.stats.first_token(runs[0].timings.ttft_s)
-                            entry.writing = True  # router/inflight.py: CancelRequest waits
-                            yield chunk
-                            entry.writing = False
-                            if entry.cancelled:  # it came during the write
-                                raise asyncio.CancelledError
-                    if before_finish is not None:
-                        before_finish()
-                    self.stats.request_finished(
-                        finish, [SequenceEnd(r.usage, len(r.emitted)) for r in runs])
-                except asyncio.CancelledError:
-                    if not entry.cancelled:
-                        raise
-                    # RouterAdmin.CancelRequest: every leg is cancelled by now (the attempts
-                    # closed); the client learns why.
-                    if entry.task_cancelled:
-                        entry.task.uncancel()
-                    raise OperatorCancelled() from None
+                admitted = self._admitted(chunks, runs, entry, outcome)
+                async with contextlib.aclosing(admitted):
+                    async for chunk in admitted:
+                        yield chunk
+                if before_finish is not None:
+                    before_finish()
+                self.stats.request_finished(
+                    outcome.finish, [SequenceEnd(r.usage, len(r.emitted)) for r in runs])
         except BaseException as e:
-            code, error = status_of(e)
-            if writes is not None and writes.cut is not None:
-                # Closed as its write was given up: the client stopped reading, or an
-                # operator's cancel found the write stuck.
-                code, error = status_of(writes.cut)
-            elif code == grpc.StatusCode.CANCELLED and _past_deadline(context):
-                # gRPC cancels the handler at the client's deadline: that is what ended it
-                # (and what the client got), not a cancel.
-                code, error = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-            elif isinstance(e, asyncio.CancelledError) and is_stray_cancel(context, e):
-                # Nobody cancelled the call: engine/stray_cancels.py ends it INTERNAL.
-                code, error = grpc.StatusCode.INTERNAL, "the router cancelled its own handler"
-            status = code.name
+            code, outcome.error = _failure_status(e, context, writes)
+            outcome.status = code.name
             # Here, not where the status is sent: a client's deadline or cancel ends the
             # handler with a CancelledError no ``except Exception`` sees.
             self.stats.request_failed(code)
@@ -266,7 +203,78 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if starting:
                 self._starting -= 1
             if self.config.log_requests:  # router/access_log.py
-                log_request(rid, runs, status, error, finish)
+                log_request(rid, runs, outcome.status, outcome.error, outcome.finish)
+
+    async def _runs(self, request: router_pb2.GenerateRequest, rid: str,
+                    t0: float) -> list[RequestRun]:
+        """The request's sequences, once it is found valid (raises otherwise)."""
+        if self.draining:
+            raise RouterRejectError(grpc.StatusCode.UNAVAILABLE,
+                                    "the router is shutting down: try another router")
+        check_request_id(rid)
+        self._check_expected_model(request)
+        client_max_tokens = request.sampling.HasField("max_tokens")
+        # Filled in the request itself, so that the workers get the same values.
+        convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
+        params = convert.sampling_from_proto(request.sampling)
+        params.validate_vocab(self.model.vocab_size)
+        resumed = self._resume_ids(request, params)
+        n = check_n(request.sampling, bool(resumed))
+        prompt = self.model.truncated(await self.model.prompt_ids_async(request),
+                                      request.sampling, lambda: self.directory.max_model_len())
+        # resumed tokens count in max_tokens (router.proto).
+        wanted = len(prompt) + params.max_tokens if client_max_tokens else 0
+        # Checked again per attempt, once the workers are known (0 until then).
+        self.directory.check_prompt_fits(len(prompt) + len(resumed), wanted)
+        if n == 1:
+            return [RequestRun(rid, prompt, t0, resumed=resumed, requested_len=wanted)]
+        # router/parallel.py; each sequence has its own id on the workers
+        return [RequestRun(f"{rid}/{i}", prompt, t0, index=i, requested_len=wanted)
+                for i in range(n)]
+
+    def _chunks(self, rid: str, runs: list[RequestRun], request: router_pb2.GenerateRequest,
+                context):
+        """The chunks of every sequence of the request, merged."""
+        if len(runs) == 1:
+            return self._sequence(runs[0], request, context)
+        return fan_out(rid, [functools.partial(
+            self._sequence, run, sequence_request(request, i), context)
+            for i, run in enumerate(runs)])
+
+    async def _admitted(self, chunks, runs: list[RequestRun], entry, outcome: _Outcome):
+        """The chunks of an admitted request, as the client gets them: sequence 0's finish
+        reason goes in ``outcome``; an operator's cancel (RouterAdmin.CancelRequest, which set
+        ``entry.cancelled``) ends them with OperatorCancelled."""
+        first, timed = True, False
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if first:
+                        first = False
+                        chunk.model.CopyFrom(self.model.identity)
+                    if entry.cancelled:
+                        # CancelRequest's cancel of this task can be lost in a Redis call
+                        # (client/tasks.py); the flag it set ends the request.
+                        raise asyncio.CancelledError
+                    if chunk.finish_reason and chunk.index == 0:
+                        outcome.finish = chunk.finish_reason
+                    if not timed and chunk.index == 0:
+                        # Once per request, whatever its migrations: sequence 0's first
+                        # token set its ttft_s on arrival, before this chunk.
+                        timed = True
+                        self.stats.first_token(runs[0].timings.ttft_s)
+                    entry.writing = True  # router/inflight.py: CancelRequest waits
+                    yield chunk
+                    entry.writing = False
+                    if entry.cancelled:  # it came during the write
+                        raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            if not entry.cancelled:
+                raise
+            # Every leg is cancelled by now (the attempts closed); the client learns why.
+            if entry.task_cancelled:
+                entry.task.uncancel()
+            raise OperatorCancelled() from None
 
     def _sequence(self, run: RequestRun, request: router_pb2.GenerateRequest, context):
         """One sequence's chunks, over as many attempts as migrations allow, a chunk per
@@ -634,6 +642,33 @@ class _DecodeLeg:
 
 
 _DEADLINE_SLACK_S = 0.05
+
+
+@dataclass
+class _Outcome:
+    """How a request ended, for the access log."""
+
+    status: str = "OK"
+    error: str = ""
+    finish: str = ""  # sequence 0's finish reason
+
+
+def _failure_status(e: BaseException, context,
+                    writes: WriteWatch | None) -> tuple[grpc.StatusCode, str]:
+    """The status a request that failed with ``e`` ends with."""
+    if writes is not None and writes.cut is not None:
+        # Closed as its write was given up: the client stopped reading, or an operator's
+        # cancel found the write stuck.
+        return status_of(writes.cut)
+    code, error = status_of(e)
+    if code == grpc.StatusCode.CANCELLED and _past_deadline(context):
+        # gRPC cancels the handler at the client's deadline: that is what ended it (and what
+        # the client got), not a cancel.
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(e, asyncio.CancelledError) and is_stray_cancel(context, e):
+        # Nobody cancelled the call: engine/stray_cancels.py ends it INTERNAL.
+        return grpc.StatusCode.INTERNAL, "the router cancelled its own handler"
+    return code, error
 
 
 def _past_deadline(context) -> bool:
