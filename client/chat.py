@@ -1,6 +1,7 @@
 """A chat prompt as the SDK sends it: ``Chat`` and its ``ChatPrompt`` message."""
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -13,26 +14,33 @@ from protos import router_pb2
 # A Struct carries numbers as doubles: an int past this would reach the template changed.
 _EXACT_INT = 2 ** 53
 _MESSAGE_KEYS = {"role", "content"}
+_OPTIONAL_KEYS = {"name", "tool_calls", "tool_call_id"}
 
 
 @dataclass
 class Chat:
     """A conversation as the prompt: the router renders it with the model's chat template and
     the model answers as the assistant. A plain list of messages is the same as ``Chat(list)``.
-    Messages are ``{"role": ..., "content": ...}`` dicts, with a ``"name"`` optionally.
+    Messages are ``{"role": ..., "content": ...}`` dicts, with a ``"name"`` optionally, and
+    OpenAI's tool-use keys: an assistant's ``"tool_calls"`` (its content may be None then),
+    a "tool" message's ``"tool_call_id"``.
 
     The options are vLLM's: ``continue_final_message`` leaves the last message, an
     assistant's, open for the model to continue (a reply the caller has begun) instead of
     opening a new assistant turn; ``add_generation_prompt`` (None: True unless continuing)
     whether the template opens that turn; ``chat_template_kwargs`` extra template variables
     (JSON values, e.g. ``{"enable_thinking": False}``); ``chat_template_name`` one of the
-    model's named templates (``ModelInfo.chat_template_names``)."""
+    model's named templates (``ModelInfo.chat_template_names``); ``tools`` the functions
+    the model may call (OpenAI's ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``), for a template that renders them. The reply is text in the model's
+    own call syntax: the SDK does not parse it into calls."""
 
     messages: Sequence[Mapping[str, str]]  # [{"role": "user", "content": "Hi"}, ...]
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
     chat_template_kwargs: Mapping[str, Any] | None = None
     chat_template_name: str | None = None
+    tools: Sequence[Mapping[str, Any]] | None = None
 
 
 def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
@@ -53,23 +61,53 @@ def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
             raise TypeError("Chat.chat_template_kwargs must be a dict of names to JSON values")
         _fill_struct(out.chat_template_kwargs, chat.chat_template_kwargs,
                      "chat_template_kwargs", sendable_text)
+    if chat.tools is not None:
+        if isinstance(chat.tools, (str, bytes, Mapping)) or not isinstance(chat.tools, Sequence):
+            raise TypeError("Chat.tools must be a list of tool dicts")
+        out.tools.extend(_json_object(tool, f"tools[{i}]", sendable_text)
+                         for i, tool in enumerate(chat.tools))
     for i, m in enumerate(msgs):
-        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
-            raise TypeError(f"chat message {i} must be a dict with str 'role' and 'content', "
-                            f"got {m!r}")
-        # "tool_calls" and the like: the router renders none of them, none is sent.
-        if set(m) - _MESSAGE_KEYS - {"name"}:
-            raise TypeError(f"chat message {i} may have only the keys 'role', 'content' and "
-                            f"'name', got {sorted(map(str, m))}")
-        msg = out.messages.add(role=sendable_text(m["role"], f"chat message {i}'s role"),
-                               content=sendable_text(m["content"],
-                                                     f"chat message {i}'s content"))
-        if "name" in m:
-            if not isinstance(m["name"], str):
-                raise TypeError(f"chat message {i}'s name must be a str, got {m['name']!r}")
-            msg.name = sendable_text(m["name"], f"chat message {i}'s name")
+        _add_message(out, m, f"chat message {i}", sendable_text)
     return out
+
+
+def _add_message(out: router_pb2.ChatPrompt, m: Any, where: str, text) -> None:
+    if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m):
+        raise TypeError(f"{where} must be a dict with str 'role' and 'content', got {m!r}")
+    if set(m) - _MESSAGE_KEYS - _OPTIONAL_KEYS:
+        raise TypeError(f"{where} may have only the keys 'role', 'content', "
+                        f"{', '.join(map(repr, sorted(_OPTIONAL_KEYS)))}, "
+                        f"got {sorted(map(str, m))}")
+    calls, content = m.get("tool_calls"), m["content"]
+    if content is None and calls:
+        content = ""  # OpenAI's assistant message that only calls tools
+    if not isinstance(content, str):
+        raise TypeError(f"{where}'s content must be a str (None beside tool_calls), "
+                        f"got {content!r}")
+    msg = out.messages.add(role=text(m["role"], f"{where}'s role"),
+                           content=text(content, f"{where}'s content"))
+    for key in ("name", "tool_call_id"):
+        if key in m:
+            if not isinstance(m[key], str):
+                raise TypeError(f"{where}'s {key} must be a str, got {m[key]!r}")
+            setattr(msg, key, text(m[key], f"{where}'s {key}"))
+    if calls is not None:
+        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+            raise TypeError(f"{where}'s tool_calls must be a list of call dicts")
+        msg.tool_calls.extend(_json_object(call, f"{where}'s tool_calls[{j}]", text)
+                              for j, call in enumerate(calls))
+
+
+def _json_object(value: Any, where: str, text) -> str:
+    """``value``'s JSON text: a Struct would not keep its keys' order, which a template
+    writes back (``tojson``) into the prompt."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a dict, got {type(value).__name__}")
+    try:
+        encoded = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:  # a set, a NaN, a circular reference, ...
+        raise TypeError(f"{where} is not JSON: {e}") from None
+    return text(encoded, where)
 
 
 def _fill_struct(struct: struct_pb2.Struct, values: Mapping, where: str, text) -> None:

@@ -1,16 +1,19 @@
 """What a chat request asks of the template besides its messages, as vLLM's chat API names
 it: ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` (extra
-variables the template reads, e.g. Qwen3's ``enable_thinking``) and, for a model shipping
-several named templates, which one renders (``chat_template_name``). Checked here, once, for
+variables the template reads, e.g. Qwen3's ``enable_thinking``), ``tools`` (the functions the
+model may call, engine/chat_tools.py) and, for a model shipping several named templates,
+which one renders (``chat_template_name``). Checked here, once, for
 ``LLM.chat`` and the router alike; every refusal is a ValueError (INVALID_ARGUMENT).
 """
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.chat_tools import check_tools
+from engine.json_values import plain_json
 
 # chat_template_kwargs are rendered into every prompt of the request and travel in it: their
 # JSON may be this large at most, and nest this deep (a template reads flags and small
@@ -40,6 +43,8 @@ class ChatOptions:
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # One of the model's named templates; None: its "default" (or its only one).
     chat_template_name: str | None = None
+    # OpenAI's tool specs the template renders (engine/chat_tools.py); None: no tools.
+    tools: Sequence[Mapping[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if not (self.add_generation_prompt is None
@@ -59,6 +64,7 @@ class ChatOptions:
                              f"got {self.chat_template_name!r}")
         object.__setattr__(self, "chat_template_kwargs",
                            check_template_kwargs(self.chat_template_kwargs))
+        object.__setattr__(self, "tools", check_tools(self.tools))
 
     @property
     def generation_prompt(self) -> bool:
@@ -80,32 +86,10 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: "
                          "the server sets these itself (use the request's own fields)")
-    out = _plain(kwargs, "chat_template_kwargs", 0)
+    out = plain_json(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_DEPTH,
+                     "chat_template_kwargs")
     size = len(json.dumps(out, ensure_ascii=False).encode())
     if size > MAX_TEMPLATE_KWARGS_BYTES:
         raise ValueError(f"chat_template_kwargs are {size} bytes of JSON; at most "
                          f"{MAX_TEMPLATE_KWARGS_BYTES}")
     return out
-
-
-def _plain(value: Any, where: str, depth: int) -> Any:
-    if depth > MAX_TEMPLATE_KWARGS_DEPTH:
-        raise ValueError(f"chat_template_kwargs nest deeper than {MAX_TEMPLATE_KWARGS_DEPTH} "
-                         "levels")
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where} is {value}: JSON has no such number")
-        return value
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str) or not k:
-                raise ValueError(f"{where} has the key {k!r}: keys must be non-empty strings")
-            out[k] = _plain(v, f"{where}[{k!r}]", depth + 1)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    raise ValueError(f"{where} is a {type(value).__name__}: only JSON values (null, booleans, "
-                     "numbers, strings, lists and string-keyed objects) are accepted")

@@ -12,8 +12,10 @@ import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine.chat_options import ChatOptions
+from engine.chat_tools import check_tool_call_id, check_tool_calls
 from engine.tokenizer import Tokenizer, read_utf8
 
 # A conversation longer than this is refused before rendering; the prompt's token count is
@@ -41,11 +43,15 @@ class ChatTemplateBroken(ChatTemplateUnusable):
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system", "user", "assistant", or what the template accepts
+    role: str  # "system", "user", "assistant", "tool", or what the template accepts
     content: str
     # The speaker's name (OpenAI's "name"); the template sees it as the message's "name" key,
     # absent when None, as transformers passes a message without one.
     name: str | None = None
+    # An assistant's calls of the request's tools, and a "tool" message's answer to one of
+    # them (engine/chat_tools.py); absent from the message the template sees when None.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role.strip():
@@ -59,21 +65,28 @@ class ChatMessage:
         if self.name is not None and not isinstance(self.name, str):
             raise ValueError(f"a chat message's name must be a string, "
                              f"got {type(self.name).__name__}")
+        object.__setattr__(self, "tool_calls", check_tool_calls(self.tool_calls))
+        object.__setattr__(self, "tool_call_id", check_tool_call_id(self.tool_call_id))
 
-    def as_dict(self) -> dict[str, str]:
-        d = {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls is not None:
+            d["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
 
 
 _MESSAGE_KEYS = {"role", "content"}
-_OPTIONAL_KEYS = {"name"}
+_OPTIONAL_KEYS = {"name", "tool_calls", "tool_call_id"}
 
 
 def check_messages(messages: Sequence[ChatMessage | Mapping]) -> list[ChatMessage]:
-    """``ChatMessage``s from messages or ``{"role": ..., "content": ...}`` mappings (a
-    ``"name"`` too, optionally); ValueError naming the first bad one."""
+    """``ChatMessage``s from messages or ``{"role": ..., "content": ...}`` mappings (with
+    ``"name"``, ``"tool_calls"`` and ``"tool_call_id"`` optionally; the content of one with
+    tool calls may be None, as OpenAI's is); ValueError naming the first bad one."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("chat messages must be a list of {role, content} messages")
     if not messages:
@@ -88,9 +101,13 @@ def check_messages(messages: Sequence[ChatMessage | Mapping]) -> list[ChatMessag
         if not isinstance(m, Mapping) or not _MESSAGE_KEYS <= set(m) <= \
                 _MESSAGE_KEYS | _OPTIONAL_KEYS:
             raise ValueError(f"chat message {i} must have the keys role and content (and "
-                             f"optionally name), got {m!r}")
+                             f"optionally {', '.join(sorted(_OPTIONAL_KEYS))}), got {m!r}")
+        content = m["content"]
+        if content is None and m.get("tool_calls"):
+            content = ""  # the templates test it ({% if message.content %}) or print it
         try:
-            out.append(ChatMessage(m["role"], m["content"], m.get("name")))
+            out.append(ChatMessage(m["role"], content, m.get("name"), m.get("tool_calls"),
+                                   m.get("tool_call_id")))
         except ValueError as e:
             raise ValueError(f"chat message {i}: {e}") from None
     return out
@@ -223,6 +240,7 @@ def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
         # The request's kwargs were checked to set none of the names passed beside them.
         rendered, _ = render_jinja_template(
             conversations=[[m.as_dict() for m in msgs]], chat_template=template,
+            tools=options.tools,
             add_generation_prompt=options.generation_prompt,
             continue_final_message=options.continue_final_message,
             **tokenizer.special_tokens_map, **options.chat_template_kwargs)

@@ -87,23 +87,27 @@ class LLM:
              *, continue_final_message: bool = False, chat_template: str | None = None,
              add_generation_prompt: bool | None = None,
              chat_template_kwargs: Mapping[str, Any] | None = None,
-             chat_template_name: str | None = None) -> RequestOutput:
+             chat_template_name: str | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> RequestOutput:
         """One assistant reply to a conversation (``[{"role": ..., "content": ...}, ...]``,
-        a ``"name"`` optionally) rendered with the model's chat template, or
-        ``chat_template`` (its text). The options are vLLM's (engine/chat_options.py), but
-        ``add_generation_prompt`` None is True unless ``continue_final_message``."""
+        a ``"name"``, an assistant's ``"tool_calls"`` and a tool's ``"tool_call_id"``
+        optionally) rendered with the model's chat template, or ``chat_template`` (its
+        text). The options are vLLM's (engine/chat_options.py; ``tools``: OpenAI's function
+        specs, engine/chat_tools.py), but ``add_generation_prompt`` None is True unless
+        ``continue_final_message``."""
         return self.generate([self.chat_prompt(
             messages, continue_final_message, chat_template,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
-            chat_template_name=chat_template_name)], params)[0]
+            chat_template_name=chat_template_name, tools=tools)], params)[0]
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]],
                     continue_final_message: bool = False,
                     chat_template: str | None = None, *,
                     add_generation_prompt: bool | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None,
-                    chat_template_name: str | None = None) -> list[int]:
+                    chat_template_name: str | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The prompt token ids chat() sends (engine/chat_template.py)."""
         from engine.chat_options import ChatOptions
         from engine.chat_template import chat_prompt_ids
@@ -113,7 +117,7 @@ class LLM:
         options = ChatOptions(add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message,
                               chat_template_kwargs=chat_template_kwargs,
-                              chat_template_name=chat_template_name)
+                              chat_template_name=chat_template_name, tools=tools)
         return chat_prompt_ids(self.tokenizer, messages, chat_template=chat_template,
                                options=options)
 

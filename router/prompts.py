@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.chat_options import MAX_TEMPLATE_KWARGS_DEPTH, ChatOptions
+from engine.chat_tools import parse_json
 from engine.chat_template import (ChatMessage, ChatTemplateMissing, ChatTemplateUnusable,
                                   chat_prompt_ids, chat_renderer, check_chat_template)
 from engine.model_fingerprint import text_digest
@@ -112,9 +113,9 @@ class ServedModel:
                                    if chat.HasField("add_generation_prompt") else None),
             continue_final_message=chat.continue_final_message,
             chat_template_kwargs=template_kwargs(chat.chat_template_kwargs),
-            chat_template_name=chat.chat_template_name or None)
-        msgs = [ChatMessage(m.role, m.content, m.name if m.HasField("name") else None)
-                for m in chat.messages]
+            chat_template_name=chat.chat_template_name or None,
+            tools=[parse_json(t, f"tools[{i}]") for i, t in enumerate(chat.tools)] or None)
+        msgs = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
         try:
             return chat_prompt_ids(self.tokenizer, msgs, chat_template=self.chat_template,
                                    options=options)
@@ -204,6 +205,16 @@ def template_kwargs(struct) -> dict:
     return {k: _value(v, 1) for k, v in struct.fields.items()}
 
 
+def _chat_message(m: router_pb2.ChatMessage, i: int) -> ChatMessage:
+    try:
+        calls = [parse_json(c, f"tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        return ChatMessage(m.role, m.content, m.name if m.HasField("name") else None,
+                           calls or None,
+                           m.tool_call_id if m.HasField("tool_call_id") else None)
+    except ValueError as e:
+        raise ValueError(f"chat message {i}: {e}") from None
+
+
 def _value(v, depth: int):
     if depth > MAX_TEMPLATE_KWARGS_DEPTH:
         raise ValueError(f"chat_template_kwargs nest deeper than {MAX_TEMPLATE_KWARGS_DEPTH} "
@@ -232,10 +243,12 @@ def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) 
     if which == "chat":
         kwargs = msg.chat.chat_template_kwargs
         n = kwargs.ByteSize() if kwargs.fields else 0
+        n += sum(map(len, msg.chat.tools))
         if n > INLINE_PROMPT_CHARS:  # with few messages or none, the loop below says nothing
             return True
         for m in msg.chat.messages:  # a message counts 1 at least: a million empty ones too
-            n += 1 + len(m.role) + len(m.content) + len(m.name)
+            n += 1 + len(m.role) + len(m.content) + len(m.name) + len(m.tool_call_id)
+            n += sum(map(len, m.tool_calls))
             if n > INLINE_PROMPT_CHARS:
                 return True
     return False

@@ -24,3 +24,19 @@ NAMED_WITH_DEFAULT = [{"name": "default", "template": OPTIONS_TEMPLATE},
                       {"name": "qa", "template": QA_TEMPLATE}]
 NAMED_WITHOUT_DEFAULT = [{"name": "thinking", "template": OPTIONS_TEMPLATE},
                          {"name": "qa", "template": QA_TEMPLATE}]
+# Renders OpenAI's tools and tool-use messages as Hermes-style templates (Qwen2.5's) do: each
+# tool's JSON, an assistant's calls with their arguments as JSON and walked as an object, and
+# a tool's answer under the id of its call.
+TOOLS_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}{{- '<tools>' -}}{%- for t in tools -%}{{- t | tojson -}}{%- endfor -%}"
+    "{{- '</tools>\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}{{- '[tool ' + m.tool_call_id + '] ' + m.content -}}"
+    "{%- else -%}{{- '[' + m.role + '] ' + m.content -}}{%- endif -%}"
+    "{%- if m.tool_calls is defined -%}{%- for c in m.tool_calls -%}"
+    "{{- '<call ' + c.id + '>' + c.function.name + (c.function.arguments | tojson) -}}"
+    "{%- for k, v in c.function.arguments | dictsort -%}{{- ' ' + k + '=' ~ v -}}{%- endfor -%}"
+    "{{- '</call>' -}}{%- endfor -%}{%- endif -%}"
+    "{{- '\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '[assistant] ' -}}{%- endif -%}")

@@ -154,8 +154,8 @@ def test_sdk_sends_the_options_and_the_router_reads_them_back(folders):
             build_request(Chat(CHAT, chat_template_kwargs=bad), None, {})
     with pytest.raises(TypeError, match="name must be a str"):
         build_request([{"role": "user", "content": "x", "name": 1}], None, {})
-    with pytest.raises(TypeError, match="only the keys 'role', 'content' and 'name'"):
-        build_request([{"role": "user", "content": "x", "tool_calls": []}], None, {})
+    with pytest.raises(TypeError, match="may have only the keys 'role', 'content', 'name'"):
+        build_request([{"role": "user", "content": "x", "images": []}], None, {})
 
 
 @pytest.mark.parametrize("chat, match", [

@@ -233,3 +233,28 @@ def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, 
                                   return_dict=False, chat_template="thinking",
                                   add_generation_prompt=True, enable_thinking=False)
     assert f"{len(turn)} prompt tokens" in proc.stderr
+
+
+def test_tools_and_tool_calls_through_the_router_render_as_hugging_faces(cluster, reference,
+                                                                          preset_path, tmp_path):
+    """The SDK's tools and tool-use messages (OpenAI's form: arguments as JSON text, no
+    content beside the calls) reach the template as HF's apply_chat_template gets them, in
+    the order their keys were written; the reply is the in-process engine's on that prompt."""
+    from tests.chat_option_templates import TOOLS_TEMPLATE
+    from tests.test_chat_tools import CALLED, TOOLS, _as_openai_sends_it
+
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "tools", TOOLS_TEMPLATE)
+    router = _router_of(cluster, folder)
+    prompt = hf_tokenizer(folder).apply_chat_template(
+        CALLED, tools=TOOLS, tokenize=True, return_dict=False, add_generation_prompt=True)
+    chat = Chat(_as_openai_sends_it(CALLED), tools=TOOLS)
+    with Client(router.address, timeout=60) as c:
+        assert c.tokenize(chat).token_ids == prompt
+        res = c.complete(chat, max_tokens=6, **GREEDY)
+        bad = _as_openai_sends_it(CALLED)
+        bad[1]["tool_calls"][0]["function"]["arguments"] = "{city: Oslo}"
+        with pytest.raises(InvalidArgumentError, match=re.escape(
+                "chat message 1: tool_calls[0]'s arguments is not JSON")):
+            c.complete(Chat(bad, tools=TOOLS), max_tokens=2)
+    want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert res.token_ids == want.token_ids and res.usage.prompt_tokens == len(prompt)

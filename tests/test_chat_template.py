@@ -78,7 +78,7 @@ def test_continue_final_message_leaves_the_reply_open(tok, hf_tok):
     ([], "no messages"),
     ("hello", "list of"),
     ([{"role": "user"}], "must have the keys role and content"),
-    ([{"role": "user", "content": "x", "tool_calls": []}], "must have the keys role and"),
+    ([{"role": "user", "content": "x", "images": []}], "must have the keys role and"),
     ([{"role": "user", "content": "x", "name": 3}], "name must be a string"),
     ([{"role": "", "content": "x"}], "role must be a non-empty"),
     ([{"role": "user", "content": 5}], "content must be a string"),

@@ -96,9 +96,11 @@ def test_a_lone_string_is_one_entry_and_a_bad_request_id_is_named():
      "chat message 0's content cannot be sent"),
     ([1, 1 << 63], ValueError, f"prompt token id {1 << 63} cannot be sent"),
     # Keys the router would not render, dropped unsaid (the engine refuses them).
-    ([{"role": "user", "content": "hi", "tool_calls": []}], TypeError,
-     r"chat message 0 may have only the keys 'role', 'content' and 'name', "
-     r"got \['content', 'role', 'tool_calls'"),
+    ([{"role": "user", "content": "hi", "images": []}], TypeError,
+     r"chat message 0 may have only the keys 'role', 'content', 'name', 'tool_call_id', "
+     r"'tool_calls', got \['content', 'images', 'role'"),
+    ([{"role": "tool", "content": "hi", "tool_call_id": "c\ud800"}], ValueError,
+     "chat message 0's tool_call_id cannot be sent"),
     ([{"role": "user", "content": "hi", "name": "b\ud800"}], ValueError,
      "chat message 0's name cannot be sent"),
     ([1, True], TypeError, r"a list of token ids \(int, not bool\)"),
