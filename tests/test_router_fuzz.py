@@ -20,6 +20,12 @@ CLIENT_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PREC
                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS}
 
 ROLES = st.sampled_from(["system", "user", "assistant"])
+# Tools and tool calls travel as JSON text (router.proto): valid ones, and any text at all.
+VALID_TOOL = st.just('{"type": "function", "function": {"name": "f", "parameters": {}}}')
+VALID_CALL = st.just('{"id": "c1", "function": {"name": "f", "arguments": "{\\"a\\": 1}"}}')
+TOOL_JSON = st.one_of(VALID_TOOL, VALID_CALL, st.text(max_size=30),
+                      st.just('{"function": {"name": "f", "arguments": "[1]"}}'),
+                      st.just("[" * 5000), st.just('{"x": NaN}'))
 
 
 @st.composite
@@ -42,9 +48,13 @@ def requests(draw) -> router_pb2.GenerateRequest:
     elif kind == "chat":
         role = st.sampled_from(["system", "user", "assistant", "tool", "", "bot"])
         for _ in range(draw(st.integers(0 if wild == "prompt" else 1, 3))):
-            req.chat.messages.add(role=draw(role if wild == "prompt" else ROLES),
-                                  content=draw(st.text(max_size=20)))
+            msg = req.chat.messages.add(role=draw(role if wild == "prompt" else ROLES),
+                                        content=draw(st.text(max_size=20)))
+            msg.tool_calls.extend(draw(st.lists(TOOL_JSON if wild == "prompt" else VALID_CALL,
+                                                max_size=2)))
         req.chat.continue_final_message = draw(st.booleans()) and wild == "prompt"
+        req.chat.tools.extend(draw(st.lists(TOOL_JSON if wild == "prompt" else VALID_TOOL,
+                                            max_size=2)))
     if wild == "resume":
         req.resume_token_ids.extend(draw(st.lists(st.one_of(st.integers(-3, 8300), INT64),
                                                   max_size=5)))
