@@ -96,6 +96,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     yield chunk
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
+        timings = worker_pb2.DecodeTimings()
+        alloc = await self._pull_prefilled(request, rid, ids, resume, first, params, interval,
+                                           time_remaining, timings)
+        first_chunk = True
+        try:
+            chunks = self._committed(rid, alloc, timings, time.monotonic())
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    first_chunk = False
+                    yield chunk
+        except BaseException:
+            if first_chunk:  # a commit that failed leaves the allocation: its blocks go back
+                self.rt.engine.abort(rid)
+            raise
+
+    async def _pull_prefilled(self, request: worker_pb2.DecodeRequest, rid: str,
+                              ids: list[int], resume: list[int], first: int, params,
+                              interval: int, time_remaining: Callable[[], float | None],
+                              timings: worker_pb2.DecodeTimings):
+        """The request's allocation, its prompt's KV pulled from the prefill worker that holds
+        it (``timings.kv_transfer_s``: the pull's time); whatever ends it, the lease's owner
+        gets the word this worker owes it."""
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         # The pull's mark and its release name the lease; a handle from before lease_id
         # existed had it under this call's id.
@@ -134,23 +156,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             t0 = time.monotonic()
             await self._pull(alloc, remotes, list(request.kv_handle.block_ids), time_remaining(),
                              lease_ends, lease_id, reading)
+            timings.kv_transfer_s = time.monotonic() - t0
+            return alloc
         finally:
             # Ended before any read was posted, and asked about (ForgetLease): the router left
             # the lease to this worker's word (forgotten_leases.py).
             if reading.end() and reading.owes_word():
                 self._tell_unread(remotes, reading)
-        t1 = time.monotonic()
-        timings = worker_pb2.DecodeTimings(kv_transfer_s=t1 - t0)
-        first_chunk = True
-        try:
-            async with contextlib.aclosing(self._committed(rid, alloc, timings, t1)) as chunks:
-                async for chunk in chunks:
-                    first_chunk = False
-                    yield chunk
-        except BaseException:
-            if first_chunk:  # a commit that failed leaves the allocation: its blocks go back
-                self.rt.engine.abort(rid)
-            raise
 
     async def _committed(self, rid: str, alloc, timings: worker_pb2.DecodeTimings,
                          pulled_at: float):
