@@ -428,50 +428,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """``counted`` ends the prefill worker's in-flight count, which its pick took."""
         resume = run.output_so_far
         rid = run.attempt_id
-        run.calls(prefill)
-        with contextlib.ExitStack() as prefilling_call:
-            prefilling_call.callback(counted)
-            # Out of time before the call: nothing was sent, so nothing to release.
-            timeout = min(self._timeout(context, run), self.config.prefill_timeout_s)
-            try:
-                presp = await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
-                    worker_pb2.PrefillRequest(request_id=rid,
-                                              prompt_token_ids=run.prompt_token_ids,
-                                              resume_token_ids=resume, sampling=request.sampling,
-                                              router_id=self.router_id,
-                                              router_incarnation=self.incarnation),
-                    timeout=timeout))
-                lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
-            except BaseException as e:
-                if not _refused_by_worker(e):
-                    # A cancel, deadline or lost call leaves it unknown whether the worker
-                    # leased the prompt's KV (its answer may have been on the wire): without a
-                    # release the lease would hold the blocks until it expires.
-                    self._release_later(prefill, rid)
-                if _past_prefill_cap(e, self._time_left(context, run)):
-                    # --prefill-timeout-s ran out, not the request's deadline: the worker is
-                    # stuck, which another may not be (the request moves on, as documented).
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill worker {prefill.worker_id} did not answer within "
-                                    f"--prefill-timeout-s ({self.config.prefill_timeout_s:g} s)"
-                                    ) from None
-                raise
-        timings, usage = run.timings, run.usage
-        if not run.started:
-            timings.prefill_queue_s = presp.timings.queue_s
-            timings.prefill_compute_s = presp.timings.compute_s
-            timings.ttft_s = time.monotonic() - run.t0
-            usage.cached_tokens = prompt_cached_tokens(presp.num_cached_tokens, run)
-        usage.completion_tokens += 1
-        usage.prefill_worker_id = prefill.worker_id
-        first = router_pb2.GenerateChunk(request_id=run.request_id,
-                                         token_ids=[presp.first_token_id],
-                                         text_delta=presp.text_delta)
-        if presp.HasField("logprobs"):
-            first.logprobs.append(presp.logprobs)
-        first.prompt_logprobs.extend(presp.prompt_logprobs)
+        presp = await self._prefill(run, request, prefill, context, counted)
+        lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
+        first = self._prefilled_chunk(run, presp, prefill)
         if presp.finish_reason:
-            finish_chunk(first, presp, run)
             yield first
             return
         done = False
@@ -496,6 +456,59 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 # rather than when it expires. Idempotent on the worker.
                 self._release_later(prefill, rid, reader=leg.reader,
                                     lease=(presp.kv_handle.lease_id or rid, lease_ends))
+
+    async def _prefill(self, run: RequestRun, request, prefill: WorkerHandle, context,
+                       counted: Callable[[], None]) -> worker_pb2.PrefillResponse:
+        """The prefill worker's answer: the first token and the KV handle of its lease."""
+        run.calls(prefill)
+        with contextlib.ExitStack() as prefilling_call:
+            prefilling_call.callback(counted)
+            # Out of time before the call: nothing was sent, so nothing to release.
+            timeout = min(self._timeout(context, run), self.config.prefill_timeout_s)
+            try:
+                return await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
+                    worker_pb2.PrefillRequest(request_id=run.attempt_id,
+                                              prompt_token_ids=run.prompt_token_ids,
+                                              resume_token_ids=run.output_so_far,
+                                              sampling=request.sampling,
+                                              router_id=self.router_id,
+                                              router_incarnation=self.incarnation),
+                    timeout=timeout))
+            except BaseException as e:
+                if not _refused_by_worker(e):
+                    # A cancel, deadline or lost call leaves it unknown whether the worker
+                    # leased the prompt's KV (its answer may have been on the wire): without a
+                    # release the lease would hold the blocks until it expires.
+                    self._release_later(prefill, run.attempt_id)
+                if _past_prefill_cap(e, self._time_left(context, run)):
+                    # --prefill-timeout-s ran out, not the request's deadline: the worker is
+                    # stuck, which another may not be (the request moves on, as documented).
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill worker {prefill.worker_id} did not answer within "
+                                    f"--prefill-timeout-s ({self.config.prefill_timeout_s:g} s)"
+                                    ) from None
+                raise
+
+    def _prefilled_chunk(self, run: RequestRun, presp: worker_pb2.PrefillResponse,
+                         prefill: WorkerHandle) -> router_pb2.GenerateChunk:
+        """The chunk of the prefill's first token; the request's TTFT and usage count it."""
+        timings, usage = run.timings, run.usage
+        if not run.started:
+            timings.prefill_queue_s = presp.timings.queue_s
+            timings.prefill_compute_s = presp.timings.compute_s
+            timings.ttft_s = time.monotonic() - run.t0
+            usage.cached_tokens = prompt_cached_tokens(presp.num_cached_tokens, run)
+        usage.completion_tokens += 1
+        usage.prefill_worker_id = prefill.worker_id
+        first = router_pb2.GenerateChunk(request_id=run.request_id,
+                                         token_ids=[presp.first_token_id],
+                                         text_delta=presp.text_delta)
+        if presp.HasField("logprobs"):
+            first.logprobs.append(presp.logprobs)
+        first.prompt_logprobs.extend(presp.prompt_logprobs)
+        if presp.finish_reason:
+            finish_chunk(first, presp, run)
+        return first
 
     async def _start_decode(self, run: RequestRun, dreq: worker_pb2.DecodeRequest,
                             prefill: WorkerHandle, avoid: frozenset[str], context,
