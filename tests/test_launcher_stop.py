@@ -190,7 +190,7 @@ def test_a_killed_launcher_leaves_no_service_behind():
 def test_stopping_the_cluster_lets_requests_in_flight_finish():
     """``pdserve up``'s stop drains the router before any worker leaves: a request between its
     prefill and its decode leg still finds a decode worker."""
-    from tests.serving_helpers import WORKER_ARGS, random_prompts
+    from tests.serving_helpers import WORKER_ARGS, cluster_stats, random_prompts
 
     cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS,
                                   router_args=["--max-local-prefill-length", "0"])).start()
@@ -198,6 +198,13 @@ def test_stopping_the_cluster_lets_requests_in_flight_finish():
         threads, outcomes, first = _stream_in_background(
             cluster.router_address, random_prompts(8, seed=3, lo=200, hi=400))
         assert first.wait(120)
+        # Every request past the router's draining check (counted as it is taken): under
+        # load a thread's call could reach the router after the stop began, and a request
+        # not yet in flight is answered UNAVAILABLE, as it should be.
+        deadline = time.monotonic() + 120
+        while cluster_stats(cluster.router_address).requests_total < 8:
+            assert time.monotonic() < deadline, "the requests never reached the router"
+            time.sleep(0.05)
     finally:
         cluster.stop()  # with the requests in flight: every one at its own stage
     for t in threads:
