@@ -6,6 +6,7 @@ from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededE
                            UnauthenticatedError, UnavailableError, UnimplementedError)
 from client.failover import FailoverPolicy
 from client.sync_client import Client
+from client.tool_calls import ParsedReply, ToolCall, parse_hermes_tool_calls
 from client.types import (Chat, Choice, Completion, GenerationChunk, ModelIdentity, ModelInfo,
                           Timings, Tokenized, TokenLogprobs, Usage)
 
@@ -14,4 +15,5 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "Mode
            "Usage", "Timings", "TokenLogprobs", "PdserveError", "InvalidArgumentError",
            "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
            "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",
-           "FailedPreconditionError", "AlreadyExistsError", "UnimplementedError"]
+           "FailedPreconditionError", "AlreadyExistsError", "UnimplementedError",
+           "parse_hermes_tool_calls", "ParsedReply", "ToolCall"]

@@ -33,7 +33,7 @@ class Chat:
     model's named templates (``ModelInfo.chat_template_names``); ``tools`` the functions
     the model may call (OpenAI's ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), for a template that renders them. The reply is text in the model's
-    own call syntax: the SDK does not parse it into calls."""
+    own call syntax (``parse_hermes_tool_calls`` reads Hermes')."""
 
     messages: Sequence[Mapping[str, str]]  # [{"role": "user", "content": "Hi"}, ...]
     continue_final_message: bool = False

@@ -2,8 +2,8 @@
 OpenAI's chat API (and vLLM's) carries them. A template that supports tool use renders them
 into the prompt (Qwen's and Llama 3.1's read ``tools``, and an assistant message's
 ``tool_calls``, and a "tool" message's ``tool_call_id``); the model's reply is text, in the
-template's own call syntax (Hermes' ``<tool_call>``, say), which the caller parses: pdserve
-has no per-model tool-call parsers.
+template's own call syntax, which the caller parses (the SDK's client/tool_calls.py reads
+Hermes' ``<tool_call>``).
 
 A tool: ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``, the
 parameters a JSON schema. A tool call: ``{"id"?, "type"?: "function", "function": {"name",

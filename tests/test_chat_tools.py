@@ -178,3 +178,45 @@ def test_the_router_refuses_tools_and_calls_a_client_wrote_wrong(folder, tools, 
         ServedModel("m", tok, tok.vocab_size).prompt_ids(router_pb2.TokenizeRequest(chat=chat))
     code, message = status_of(err.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
+
+
+def test_hermes_tool_calls_parse_out_of_a_reply_and_go_back_as_the_next_turn(folder):
+    """The SDK's parser of Hermes' call syntax (Qwen2.5's, Qwen3's): calls in order, each
+    with its own id, the text before them as content; the parsed reply and the tools'
+    answers render as HF renders the same turn with the arguments as objects."""
+    from client import parse_hermes_tool_calls
+
+    reply = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo",'
+             ' "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": "{}"}\n'
+             '</tool_call>')
+    parsed = parse_hermes_tool_calls(reply)
+    assert parsed.content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == \
+        [("get_weather", {"city": "Oslo", "days": 2}), ("now", {})]
+    ids = [c.id for c in parsed.tool_calls]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
+    turn = [USER, parsed.as_message(),
+            {"role": "tool", "content": "rain", "tool_call_id": ids[0]},
+            {"role": "tool", "content": "10:00", "tool_call_id": ids[1]}]
+    as_hf = copy.deepcopy(turn)
+    for call in as_hf[1]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    tok = load_tokenizer(folder)
+    chat = Chat(turn, tools=TOOLS)
+    assert ServedModel("m", tok, tok.vocab_size).prompt_ids(tokenize_request(chat)) == \
+        _hf(folder, as_hf, tools=TOOLS)
+
+
+@pytest.mark.parametrize("reply", [
+    "No calls here.",
+    '<tool_call>\n{"name": "now", "arguments": {}',  # cut short by max_tokens
+    '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"nam</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "now", "arguments": [1]}</tool_call>',
+])
+def test_a_reply_whose_calls_do_not_all_parse_is_all_content(reply):
+    from client import parse_hermes_tool_calls
+
+    parsed = parse_hermes_tool_calls(reply)
+    assert parsed.content == reply and parsed.tool_calls == []
+    assert parsed.as_message() == {"role": "assistant", "content": reply}
