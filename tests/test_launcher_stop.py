@@ -190,7 +190,7 @@ def test_a_killed_launcher_leaves_no_service_behind():
 def test_stopping_the_cluster_lets_requests_in_flight_finish():
     """``pdserve up``'s stop drains the router before any worker leaves: a request between its
     prefill and its decode leg still finds a decode worker."""
-    from tests.serving_helpers import WORKER_ARGS, cluster_stats, random_prompts
+    from tests.serving_helpers import WORKER_ARGS, random_prompts
 
     cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS,
                                   router_args=["--max-local-prefill-length", "0"])).start()
@@ -198,13 +198,7 @@ def test_stopping_the_cluster_lets_requests_in_flight_finish():
         threads, outcomes, first = _stream_in_background(
             cluster.router_address, random_prompts(8, seed=3, lo=200, hi=400))
         assert first.wait(120)
-        # Every request past the router's draining check (counted as it is taken): under
-        # load a thread's call could reach the router after the stop began, and a request
-        # not yet in flight is answered UNAVAILABLE, as it should be.
-        deadline = time.monotonic() + 120
-        while cluster_stats(cluster.router_address).requests_total < 8:
-            assert time.monotonic() < deadline, "the requests never reached the router"
-            time.sleep(0.05)
+        _wait_all_taken(cluster.router_address, 8)
     finally:
         cluster.stop()  # with the requests in flight: every one at its own stage
     for t in threads:
@@ -307,6 +301,7 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
         threads, outcomes, first = _stream_in_background(
             address, random_prompts(4, seed=5, lo=100, hi=200))
         assert first.wait(120)
+        _wait_all_taken(address, 4)
         os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
         for t in threads:
             t.join(120)
@@ -319,6 +314,18 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def _wait_all_taken(address: str, n: int) -> None:
+    """Until the router at ``address`` has taken ``n`` requests, each counted before its
+    draining check: under load a background thread's call could reach the router after a
+    stop began, and a request not yet in flight is answered UNAVAILABLE, as it should be."""
+    from tests.serving_helpers import cluster_stats
+
+    deadline = time.monotonic() + 120
+    while cluster_stats(address).requests_total < n:
+        assert time.monotonic() < deadline, "the requests never reached the router"
+        time.sleep(0.05)
 
 
 def _stream_in_background(address: str, prompts: list[list[int]]):
