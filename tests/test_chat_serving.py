@@ -16,7 +16,7 @@ from engine import SamplingParams
 from engine.chat_template import load_chat_template
 from router.launcher import Cluster, ClusterSpec
 from tests.chat_models import model_with_template
-from tests.chat_option_templates import NAMED_WITHOUT_DEFAULT
+from tests.chat_option_templates import NAMED_WITHOUT_DEFAULT, TOOLS_TEMPLATE
 from tests.hf_oracle import hf_tokenizer
 from tests.serving_helpers import WORKER_ARGS
 
@@ -177,15 +177,22 @@ OPTIONS_CHAT = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Think?"}]
 
 
-def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, reference,
-                                                                      preset_path, tmp_path):
+@pytest.fixture(scope="module")
+def named(cluster, preset_path, tmp_path_factory):
+    """(A copy of the workers' model with named templates and no "default", a router on it):
+    one router for the tests of vLLM's options and of tool use."""
+    folder = model_with_template(preset_path("tiny-llama"), tmp_path_factory.mktemp("named") / "m",
+                                 NAMED_WITHOUT_DEFAULT + [{"name": "tools",
+                                                           "template": TOOLS_TEMPLATE}])
+    return folder, _router_of(cluster, folder)
+
+
+def test_vllms_chat_options_through_the_router_render_as_hugging_faces(named, reference):
     """A model with named templates and no "default" (it counted as having no template), a
     message's name, add_generation_prompt, continue_final_message and chat_template_kwargs:
     the router's prompt is HF's apply_chat_template's with the same arguments; bad options
     are the client's INVALID_ARGUMENT."""
-    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "named",
-                                 NAMED_WITHOUT_DEFAULT)
-    router = _router_of(cluster, folder)
+    folder, router = named
     hf = hf_tokenizer(folder)
     kwargs = {"enable_thinking": False, "budget": 3,
               "persona": {"style": "terse ", "tags": ["a", "b"]}}
@@ -201,7 +208,8 @@ def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, 
               dict(chat_template="qa", add_generation_prompt=True))]
     with Client(router.address, timeout=60) as c:
         info = c.model_info()
-        assert info.has_chat_template and info.chat_template_names == ["qa", "thinking"]
+        assert info.has_chat_template and \
+            info.chat_template_names == ["qa", "thinking", "tools"]
         for chat, hf_args in cases:
             want = hf.apply_chat_template(chat.messages, tokenize=True, return_dict=False,
                                           **hf_args)
@@ -209,7 +217,7 @@ def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, 
         res = c.complete(cases[0][0], max_tokens=6, **GREEDY)
         for bad, match in [
                 (Chat(OPTIONS_CHAT), "none named 'default': choose one with chat_template_name "
-                                     "('qa', 'thinking')"),
+                                     "('qa', 'thinking', 'tools')"),
                 (Chat(OPTIONS_CHAT, chat_template_name="rag"), "no chat template named 'rag'"),
                 (Chat(begun, chat_template_name="qa", continue_final_message=True,
                       add_generation_prompt=True), "cannot both be true"),
@@ -235,19 +243,17 @@ def test_vllms_chat_options_through_the_router_render_as_hugging_faces(cluster, 
     assert f"{len(turn)} prompt tokens" in proc.stderr
 
 
-def test_tools_and_tool_calls_through_the_router_render_as_hugging_faces(cluster, reference,
-                                                                          preset_path, tmp_path):
+def test_tools_and_tool_calls_through_the_router_render_as_hugging_faces(named, reference):
     """The SDK's tools and tool-use messages (OpenAI's form: arguments as JSON text, no
     content beside the calls) reach the template as HF's apply_chat_template gets them, in
     the order their keys were written; the reply is the in-process engine's on that prompt."""
-    from tests.chat_option_templates import TOOLS_TEMPLATE
     from tests.test_chat_tools import CALLED, TOOLS, _as_openai_sends_it
 
-    folder = model_with_template(preset_path("tiny-llama"), tmp_path / "tools", TOOLS_TEMPLATE)
-    router = _router_of(cluster, folder)
+    folder, router = named
     prompt = hf_tokenizer(folder).apply_chat_template(
-        CALLED, tools=TOOLS, tokenize=True, return_dict=False, add_generation_prompt=True)
-    chat = Chat(_as_openai_sends_it(CALLED), tools=TOOLS)
+        CALLED, tools=TOOLS, chat_template="tools", tokenize=True, return_dict=False,
+        add_generation_prompt=True)
+    chat = Chat(_as_openai_sends_it(CALLED), tools=TOOLS, chat_template_name="tools")
     with Client(router.address, timeout=60) as c:
         assert c.tokenize(chat).token_ids == prompt
         res = c.complete(chat, max_tokens=6, **GREEDY)
@@ -255,6 +261,6 @@ def test_tools_and_tool_calls_through_the_router_render_as_hugging_faces(cluster
         bad[1]["tool_calls"][0]["function"]["arguments"] = "{city: Oslo}"
         with pytest.raises(InvalidArgumentError, match=re.escape(
                 "chat message 1: tool_calls[0]'s arguments is not JSON")):
-            c.complete(Chat(bad, tools=TOOLS), max_tokens=2)
+            c.complete(Chat(bad, tools=TOOLS, chat_template_name="tools"), max_tokens=2)
     want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert res.token_ids == want.token_ids and res.usage.prompt_tokens == len(prompt)
