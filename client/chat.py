@@ -47,7 +47,7 @@ def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
     """``chat`` as the wire's message; TypeError for what it cannot carry. ``sendable_text``
     checks a text encodes (client/types.py's)."""
     msgs = chat.messages
-    if isinstance(msgs, (str, bytes, Mapping)) or not isinstance(msgs, Sequence):
+    if not _is_list(msgs):
         raise TypeError("Chat.messages must be a list of {'role': ..., 'content': ...} dicts")
     out = router_pb2.ChatPrompt(continue_final_message=bool(chat.continue_final_message))
     if chat.add_generation_prompt is not None:
@@ -62,7 +62,7 @@ def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
         _fill_struct(out.chat_template_kwargs, chat.chat_template_kwargs,
                      "chat_template_kwargs", sendable_text)
     if chat.tools is not None:
-        if isinstance(chat.tools, (str, bytes, Mapping)) or not isinstance(chat.tools, Sequence):
+        if not _is_list(chat.tools):
             raise TypeError("Chat.tools must be a list of tool dicts")
         out.tools.extend(_json_object(tool, f"tools[{i}]", sendable_text)
                          for i, tool in enumerate(chat.tools))
@@ -92,10 +92,15 @@ def _add_message(out: router_pb2.ChatPrompt, m: Any, where: str, text) -> None:
                 raise TypeError(f"{where}'s {key} must be a str, got {m[key]!r}")
             setattr(msg, key, text(m[key], f"{where}'s {key}"))
     if calls is not None:
-        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        if not _is_list(calls):
             raise TypeError(f"{where}'s tool_calls must be a list of call dicts")
         msg.tool_calls.extend(_json_object(call, f"{where}'s tool_calls[{j}]", text)
                               for j, call in enumerate(calls))
+
+
+def _is_list(value: Any) -> bool:
+    """A list or tuple of items: not a text, and not a dict (a Sequence of its keys)."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, Mapping))
 
 
 def _json_object(value: Any, where: str, text) -> str:

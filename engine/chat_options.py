@@ -7,13 +7,12 @@ which one renders (``chat_template_name``). Checked here, once, for
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.chat_tools import check_tools
-from engine.json_values import plain_json
+from engine.json_values import json_size, plain_json
 
 # chat_template_kwargs are rendered into every prompt of the request and travel in it: their
 # JSON may be this large at most, and nest this deep (a template reads flags and small
@@ -88,7 +87,7 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
                          "the server sets these itself (use the request's own fields)")
     out = plain_json(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_DEPTH,
                      "chat_template_kwargs")
-    size = len(json.dumps(out, ensure_ascii=False).encode())
+    size = json_size(out)
     if size > MAX_TEMPLATE_KWARGS_BYTES:
         raise ValueError(f"chat_template_kwargs are {size} bytes of JSON; at most "
                          f"{MAX_TEMPLATE_KWARGS_BYTES}")

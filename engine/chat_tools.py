@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.json_values import plain_json
+from engine.json_values import json_size, plain_json
 
 # A request's tools are rendered into its prompt (a template writes each one's schema): their
 # JSON may be this large at most, and nest this deep (schemas nest two levels per property).
@@ -32,20 +32,12 @@ MAX_TOOL_CALL_ID_CHARS = 256
 def check_tools(tools: Sequence[Mapping] | None) -> list[dict] | None:
     """Plain-dict copies of ``tools`` after checking; None for none (or an empty list: a
     template's ``{% if tools %}`` takes both as no tools)."""
-    if tools is None:
-        return None
-    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
-        raise ValueError("tools must be a list of {type: function, function: {name, ...}} "
-                         f"objects, got {type(tools).__name__}")
-    if len(tools) > MAX_TOOLS:
-        raise ValueError(f"{len(tools)} tools; at most {MAX_TOOLS}")
-    out = [plain_json(t, f"tools[{i}]", MAX_TOOL_JSON_DEPTH, "tools")
-           for i, t in enumerate(tools)]
+    out = _plain_list(tools, "tools", MAX_TOOLS)
     for i, tool in enumerate(out):
         function = _function(tool, f"tools[{i}]")
         _optional(function, "description", str, f"tools[{i}]")
         _optional(function, "parameters", dict, f"tools[{i}]")
-    size = len(json.dumps(out, ensure_ascii=False).encode())
+    size = json_size(out)
     if size > MAX_TOOLS_BYTES:
         raise ValueError(f"the tools are {size} bytes of JSON; at most {MAX_TOOLS_BYTES}")
     return out or None
@@ -54,23 +46,13 @@ def check_tools(tools: Sequence[Mapping] | None) -> list[dict] | None:
 def check_tool_calls(calls: Sequence[Mapping] | None) -> list[dict] | None:
     """Plain-dict copies of one message's ``tool_calls``, each call's arguments an object;
     None for none (or an empty list)."""
-    if calls is None:
-        return None
-    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
-        raise ValueError(f"tool_calls must be a list of calls, got {type(calls).__name__}")
-    if len(calls) > MAX_TOOL_CALLS:
-        raise ValueError(f"{len(calls)} tool_calls; at most {MAX_TOOL_CALLS}")
-    out = []
-    for j, call in enumerate(calls):
+    out = _plain_list(calls, "tool_calls", MAX_TOOL_CALLS)
+    for j, call in enumerate(out):
         at = f"tool_calls[{j}]"
-        call = plain_json(call, at, MAX_TOOL_JSON_DEPTH, "tool_calls")
         function = _function(call, at)
         function["arguments"] = _arguments(function.get("arguments"), at)
         _optional(call, "id", str, at)
-        if len(call.get("id", "")) > MAX_TOOL_CALL_ID_CHARS:
-            raise ValueError(f"{at}'s id is {len(call['id'])} characters; at most "
-                             f"{MAX_TOOL_CALL_ID_CHARS}")
-        out.append(call)
+        _check_id_length(call.get("id", ""), f"{at}'s id")
     return out or None
 
 
@@ -80,10 +62,25 @@ def check_tool_call_id(value: str | None) -> str | None:
         return None
     if not isinstance(value, str) or not value:
         raise ValueError(f"tool_call_id must be a non-empty string, got {value!r}")
-    if len(value) > MAX_TOOL_CALL_ID_CHARS:
-        raise ValueError(f"tool_call_id is {len(value)} characters; at most "
-                         f"{MAX_TOOL_CALL_ID_CHARS}")
+    _check_id_length(value, "tool_call_id")
     return value
+
+
+def _plain_list(values: Sequence | None, what: str, limit: int) -> list:
+    """Plain JSON copies of the items of ``values`` (None: none), at most ``limit``."""
+    if values is None:
+        return []
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+        raise ValueError(f"{what} must be a list of objects, got {type(values).__name__}")
+    if len(values) > limit:
+        raise ValueError(f"{len(values)} {what}; at most {limit}")
+    return [plain_json(v, f"{what}[{i}]", MAX_TOOL_JSON_DEPTH, what)
+            for i, v in enumerate(values)]
+
+
+def _check_id_length(value: str, what: str) -> None:
+    if len(value) > MAX_TOOL_CALL_ID_CHARS:
+        raise ValueError(f"{what} is {len(value)} characters; at most {MAX_TOOL_CALL_ID_CHARS}")
 
 
 def parse_json(text: str, where: str) -> Any:

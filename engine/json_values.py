@@ -2,6 +2,7 @@
 calls): checked to be plain JSON, within a nesting bound, before any template sees them."""
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -31,3 +32,8 @@ def plain_json(value: Any, where: str, max_depth: int, root: str, depth: int = 0
                 for i, v in enumerate(value)]
     raise ValueError(f"{where} is a {type(value).__name__}: only JSON values (null, booleans, "
                      "numbers, strings, lists and string-keyed objects) are accepted")
+
+
+def json_size(value: Any) -> int:
+    """The bytes of ``value``'s JSON (UTF-8), as the bounds on what a request sends count."""
+    return len(json.dumps(value, ensure_ascii=False).encode())
