@@ -428,7 +428,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """``counted`` ends the prefill worker's in-flight count, which its pick took."""
         resume = run.output_so_far
         rid = run.attempt_id
-        presp = await self._prefill(run, request, prefill, context, counted)
+        presp = await self._prefill(run, rid, resume, request, prefill, context, counted)
         lease_ends = time.monotonic() + presp.kv_handle.lease_timeout_s
         first = self._prefilled_chunk(run, presp, prefill)
         if presp.finish_reason:
@@ -457,9 +457,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 self._release_later(prefill, rid, reader=leg.reader,
                                     lease=(presp.kv_handle.lease_id or rid, lease_ends))
 
-    async def _prefill(self, run: RequestRun, request, prefill: WorkerHandle, context,
+    async def _prefill(self, run: RequestRun, rid: str, resume: list[int], request,
+                       prefill: WorkerHandle, context,
                        counted: Callable[[], None]) -> worker_pb2.PrefillResponse:
-        """The prefill worker's answer: the first token and the KV handle of its lease."""
+        """The prefill worker's answer for attempt ``rid`` (resuming after ``resume``): the
+        first token and the KV handle of its lease."""
         run.calls(prefill)
         with contextlib.ExitStack() as prefilling_call:
             prefilling_call.callback(counted)
@@ -467,9 +469,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             timeout = min(self._timeout(context, run), self.config.prefill_timeout_s)
             try:
                 return await watched_unary(prefill.calls, prefill.prefill_stub.Prefill(
-                    worker_pb2.PrefillRequest(request_id=run.attempt_id,
+                    worker_pb2.PrefillRequest(request_id=rid,
                                               prompt_token_ids=run.prompt_token_ids,
-                                              resume_token_ids=run.output_so_far,
+                                              resume_token_ids=resume,
                                               sampling=request.sampling,
                                               router_id=self.router_id,
                                               router_incarnation=self.incarnation),
@@ -479,7 +481,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     # A cancel, deadline or lost call leaves it unknown whether the worker
                     # leased the prompt's KV (its answer may have been on the wire): without a
                     # release the lease would hold the blocks until it expires.
-                    self._release_later(prefill, run.attempt_id)
+                    self._release_later(prefill, rid)
                 if _past_prefill_cap(e, self._time_left(context, run)):
                     # --prefill-timeout-s ran out, not the request's deadline: the worker is
                     # stuck, which another may not be (the request moves on, as documented).
