@@ -316,33 +316,38 @@ def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis
                                                                            monkeypatch):
     import router.router_presence
 
+    # Shorter waits before refusing and before taking a stale id: this test's whole time.
+    # The others below beat with the real TTL_S, so a claim's wait can be short.
+    ttl = 1.5
+    monkeypatch.setattr(router.router_presence, "TTL_S", 0.3)
+    monkeypatch.setattr(router.router_presence, "HEARTBEAT_S", 0.25)
+
     async def body():
         reg = Registry.from_url(redis_url, "l7")
         host, ns = socket.gethostname(), pid_namespace()
-        with monkeypatch.context() as m:
-            m.setattr(router.router_presence, "TTL_S", 1.0)  # a shorter wait before refusing
-            for other in (Incarnation("live", host + "-other", 1, "other-boot/1"),
-                          Incarnation("here", host, os.getppid(), ns),  # alive, our namespace
-                          Incarnation("ctr", host, os.getpid(), "other-boot/2")):
-                beats = asyncio.create_task(_beat_forever(reg, "taken", other.encode()))
-                await asyncio.sleep(0.1)
-                with pytest.raises(ValueError, match="in use by a live router"):
-                    await RouterPresence(reg.ledger, "taken").claim()
-                beats.cancel()
-                await reg.ledger.router_leave("taken", other.encode())
+        for other in (Incarnation("live", host + "-other", 1, "other-boot/1"),
+                      Incarnation("here", host, os.getppid(), ns),  # alive, our namespace
+                      Incarnation("ctr", host, os.getpid(), "other-boot/2")):
+            beats = asyncio.create_task(_beat_forever(reg, "taken", other.encode()))
+            await asyncio.sleep(0.1)
+            with pytest.raises(ValueError, match="in use by a live router"):
+                await RouterPresence(reg.ledger, "taken").claim()
+            beats.cancel()
+            await reg.ledger.router_leave("taken", other.encode())
         # The heartbeat is Redis's key, expiring a TTL after the last beat.
+        monkeypatch.setattr(router.router_presence, "TTL_S", ttl)
         other = Incarnation("gone", host + "-other", 1, "other-boot/1").encode()
-        assert await reg.ledger.router_claim("stale", other, TTL_S)
-        assert 0 < await reg.r.pttl("l7:router:stale") <= TTL_S * 1000
+        assert await reg.ledger.router_claim("stale", other, ttl)
+        assert 0 < await reg.r.pttl("l7:router:stale") <= ttl * 1000
         assert await reg.ledger.live_routers(["stale", "never"]) == {"stale"}
         # A predecessor that stopped beating is waited out, then its id is taken.
         t0 = time.monotonic()
         p = RouterPresence(reg.ledger, "stale")
         await p.claim()
-        assert time.monotonic() - t0 >= TTL_S - 0.5
+        assert time.monotonic() - t0 >= ttl - 0.5
         assert await reg.ledger.router_holder("stale") == p.incarnation
         # Its beats do not take the id back from the new holder.
-        assert not await reg.ledger.router_claim("stale", other, TTL_S)
+        assert not await reg.ledger.router_claim("stale", other, ttl)
         assert not await p.ledger.router_leave("stale", other)
         assert await reg.ledger.live_routers(["stale"]) == {"stale"}
         await p.stop()
@@ -351,13 +356,17 @@ def test_a_router_id_beating_elsewhere_is_refused_and_a_stale_one_is_taken(redis
     asyncio.run(body())
 
 
-def test_a_router_that_died_leaves_no_key_behind(redis_url):
+def test_a_router_that_died_leaves_no_key_behind(redis_url, monkeypatch):
+    import router.router_presence
+
+    monkeypatch.setattr(router.router_presence, "TTL_S", 1.5)  # the wait below
+
     async def body():
         reg = Registry.from_url(redis_url, "l8")
         p = RouterPresence(reg.ledger, "crashed")
         await p.claim()
         assert await reg.r.keys("l8:*") == [b"l8:router:crashed"]
-        await asyncio.sleep(TTL_S + 0.2)  # never left, never beat again
+        await asyncio.sleep(1.5 + 0.2)  # never left, never beat again
         assert await reg.r.keys("l8:*") == []
         await reg.r.aclose()
     asyncio.run(body())
