@@ -192,7 +192,7 @@ def test_the_captured_metadata_gives_the_eager_tokens_with_the_triton_kernels(pr
     # Batches of 3, 2 and 1: the interpreter runs every program of the grid in Python.
     some = prompts[:3]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 2, 4)]
-    with LLM("tiny-llama", attention_backend="triton", num_gpu_blocks=256) as llm:
+    with LLM("micro-llama", attention_backend="triton", num_gpu_blocks=256) as llm:
         runner = llm.engine.executor.runner
         # Short partitions: the frozen bound then spans partitions no real context reaches,
         # which the split-K reduce must leave out.
