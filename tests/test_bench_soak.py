@@ -70,9 +70,9 @@ def test_growth_is_measured_from_the_second_sample():
 
 
 def test_a_short_soak_through_a_cluster(capsys):
-    rc = soak.main(_args("--duration", "4", "--concurrency", "3", "--sample-every", "1",
+    rc = soak.main(_args("--duration", "2.5", "--concurrency", "3", "--sample-every", "0.5",
                          "--max-tokens", "8", "--pool-candidates", "16", "--cancel-fraction",
-                         "0.3", "--json"))
+                         "0.3", "--model", "micro-llama", "--json"))
     report = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert report["finished"] > 0 and report["cancelled"] > 0
