@@ -33,7 +33,9 @@ class Chat:
     model's named templates (``ModelInfo.chat_template_names``); ``tools`` the functions
     the model may call (OpenAI's ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), for a template that renders them. The reply is text in the model's
-    own call syntax (``parse_hermes_tool_calls`` reads Hermes')."""
+    own call syntax (``parse_hermes_tool_calls`` reads Hermes'). ``chat_template`` a Jinja
+    template of the caller's own to render with, on a router that accepts one
+    (``ModelInfo.accepts_request_chat_template``)."""
 
     messages: Sequence[Mapping[str, str]]  # [{"role": "user", "content": "Hi"}, ...]
     continue_final_message: bool = False
@@ -41,6 +43,7 @@ class Chat:
     chat_template_kwargs: Mapping[str, Any] | None = None
     chat_template_name: str | None = None
     tools: Sequence[Mapping[str, Any]] | None = None
+    chat_template: str | None = None
 
 
 def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
@@ -56,6 +59,10 @@ def chat_prompt(chat: Chat, sendable_text) -> router_pb2.ChatPrompt:
         if not isinstance(chat.chat_template_name, str) or not chat.chat_template_name:
             raise TypeError("Chat.chat_template_name must be a non-empty str")
         out.chat_template_name = sendable_text(chat.chat_template_name, "chat_template_name")
+    if chat.chat_template is not None:
+        if not isinstance(chat.chat_template, str) or not chat.chat_template:
+            raise TypeError("Chat.chat_template must be a non-empty str (a Jinja template)")
+        out.chat_template = sendable_text(chat.chat_template, "chat_template")
     if chat.chat_template_kwargs is not None:
         if not isinstance(chat.chat_template_kwargs, Mapping):
             raise TypeError("Chat.chat_template_kwargs must be a dict of names to JSON values")

@@ -165,6 +165,8 @@ class ModelInfo:
     identity: ModelIdentity | None = None
     # The model's named chat templates, where it ships several (Chat.chat_template_name).
     chat_template_names: list[str] = field(default_factory=list)
+    # Whether a chat may bring its own template (Chat.chat_template).
+    accepts_request_chat_template: bool = False
 
 
 def _set_chat(req, prompt: Chat | Sequence[Mapping[str, str]]) -> None:
@@ -285,7 +287,7 @@ def model_info_from_proto(m: router_pb2.ModelInfo) -> ModelInfo:
     defaults = {f.name: v for f, v in m.sampling_defaults.ListFields()}
     return ModelInfo(m.model, m.vocab_size, m.max_model_len, m.block_size, m.has_chat_template,
                      defaults, list(m.eos_token_ids), _identity(m, "identity"),
-                     list(m.chat_template_names))
+                     list(m.chat_template_names), m.accepts_request_chat_template)
 
 
 def _identity(m, name: str) -> ModelIdentity | None:

@@ -19,8 +19,9 @@ Replier = Callable[[list[dict]], Iterator[tuple[str, str | None]]]
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="a system message to open the conversation")
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
-                   help="in-process only: render with this Jinja template instead of the "
-                        "model's (a router uses its own --chat-template)")
+                   help="render with this Jinja template instead of the model's (with "
+                        "--router: sent with each turn, for a router started with "
+                        "--trust-request-chat-template)")
     p.add_argument("--chat-template-kwargs", default=None, type=_json_object, metavar="JSON",
                    help="extra variables for the template, as a JSON object (vLLM's "
                         "chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
@@ -64,9 +65,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.router is not None:
         from engine.cli import refuse_engine_flags
 
-        if args.chat_template:
-            raise ValueError("--chat-template applies to the in-process engine; a router "
-                             "renders with its own --chat-template")
         refuse_engine_flags(args, "a router's workers run with their own")
         if args.chat_template_kwargs:
             _check_kwargs_travel(args.chat_template_kwargs)
@@ -165,15 +163,21 @@ class _replier:
 
     def _remote(self) -> Replier:
         from client import Chat, Client
+        from engine.chat_template import load_chat_template
         from engine.cli import check_sampling_flags, sampling_kwargs
         from engine.cli_admin import connection_kwargs
 
         check_sampling_flags(self.args)
+        template = load_chat_template(self.args.chat_template)  # read once, sent each turn
         client = Client([a.strip() for a in self.args.router.split(",") if a.strip()],
                         **connection_kwargs(self.args))
         try:
             info = client.model_info()
-            if not info.has_chat_template:
+            if template is not None and not info.accepts_request_chat_template:
+                raise ValueError("the router renders chats with its own template only: start "
+                                 "it with --trust-request-chat-template to take --chat-template "
+                                 "from here")
+            if template is None and not info.has_chat_template:
                 # Refused now, not as each turn's FAILED_PRECONDITION after it was typed.
                 raise ValueError(f"the router's model {info.model!r} has no chat template: "
                                  "start the router with --chat-template FILE to chat with it")
@@ -188,7 +192,8 @@ class _replier:
             # Every turn with the model (and chat template) of the first, whichever router
             # each reaches: a conversation does not change models midway.
             chat = Chat(history, chat_template_kwargs=self.args.chat_template_kwargs,
-                        chat_template_name=self.args.chat_template_name)
+                        chat_template_name=self.args.chat_template_name,
+                        chat_template=template)
             for chunk in client.generate(chat, expect_model=info.identity, **sampling):
                 u = chunk.usage
                 yield chunk.text, None if u is None else (

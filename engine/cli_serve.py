@@ -176,6 +176,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="render chat prompts with this Jinja template (a file, or the template "
                         "itself) instead of the model's own; needed for models without one")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="a chat request may bring its own template (vLLM's chat_template "
+                        "field): the router runs its clients' Jinja, sandboxed but not "
+                        "bounded in time; for clients trusted with the router's CPU")
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    default=True, help="no access-log line per request (logger pdserve.access)")
     p.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
@@ -265,6 +269,7 @@ def _router_config(args: argparse.Namespace):
                       keepalive_time_s=args.keepalive_time_s,
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
+                      trust_request_chat_template=args.trust_request_chat_template,
                       generation_config=args.generation_config,
                       log_requests=args.log_requests, router_id=args.router_id,
                       served_model_name=args.served_model_name, tokenizer=args.tokenizer,

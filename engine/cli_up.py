@@ -87,6 +87,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="the router renders chat prompts with this template (router "
                         "--chat-template; default: the model's own)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="chat requests may bring their own template (router "
+                        "--trust-request-chat-template)")
     p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
                    help="the router's sampling defaults (router --generation-config; default: "
                         "auto, the model's generation_config.json)")
@@ -304,4 +307,6 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
+    if args.trust_request_chat_template:
+        out.append("--trust-request-chat-template")
     return out

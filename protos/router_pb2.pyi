@@ -29,20 +29,22 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[str]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatPrompt(_message.Message):
-    __slots__ = ("messages", "continue_final_message", "add_generation_prompt", "chat_template_kwargs", "chat_template_name", "tools")
+    __slots__ = ("messages", "continue_final_message", "add_generation_prompt", "chat_template_kwargs", "chat_template_name", "tools", "chat_template")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_NAME_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     continue_final_message: bool
     add_generation_prompt: bool
     chat_template_kwargs: _struct_pb2.Struct
     chat_template_name: str
     tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., chat_template_name: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., chat_template_name: _Optional[str] = ..., tools: _Optional[_Iterable[str]] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "resume_token_ids", "expect_model")
@@ -333,7 +335,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "has_chat_template", "chat_template_names", "sampling_defaults", "eos_token_ids", "identity")
+    __slots__ = ("model", "vocab_size", "max_model_len", "block_size", "has_chat_template", "chat_template_names", "sampling_defaults", "eos_token_ids", "identity", "accepts_request_chat_template")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +345,7 @@ class ModelInfo(_message.Message):
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_REQUEST_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -352,7 +355,8 @@ class ModelInfo(_message.Message):
     sampling_defaults: _common_pb2.SamplingParams
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     identity: ModelIdentity
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., chat_template_names: _Optional[_Iterable[str]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    accepts_request_chat_template: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., chat_template_names: _Optional[_Iterable[str]] = ..., sampling_defaults: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., identity: _Optional[_Union[ModelIdentity, _Mapping]] = ..., accepts_request_chat_template: _Optional[bool] = ...) -> None: ...
 
 class ListTransfersRequest(_message.Message):
     __slots__ = ("limit",)

@@ -77,6 +77,10 @@ class RouterConfig:
     # Chat prompts are rendered with this Jinja template (a file, or the template inline)
     # instead of the model's own; None: the model's (engine/chat_template.py).
     chat_template: str | None = None
+    # Whether a chat may bring its own template (ChatPrompt.chat_template, vLLM's
+    # --trust-request-chat-template): the router then runs its clients' Jinja, sandboxed but
+    # not bounded in time, so only for clients trusted with the router's CPU.
+    trust_request_chat_template: bool = False
     # Defaults for the sampling fields a request leaves unset: "auto", the model folder's
     # generation_config.json; "engine", none (the engine's own); or another folder's file.
     generation_config: str = "auto"
@@ -141,6 +145,9 @@ class RouterConfig:
         check_api_key(self.api_key)
         check_api_key(self.admin_api_key)
         self.chat_template_text = load_chat_template(self.chat_template)
+        if not isinstance(self.trust_request_chat_template, bool):
+            raise ValueError(f"trust_request_chat_template must be a bool, got "
+                             f"{self.trust_request_chat_template!r}")
         check_generation_config(self.generation_config)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "

@@ -25,6 +25,9 @@ from router.errors import RouterRejectError
 # health check on it, for seconds. Below it the work takes under a millisecond and the thread
 # hop (~60 us, measured with the tiny-llama tokenizer) would cost more than it saves.
 INLINE_PROMPT_CHARS = 2048
+# A request's own chat template: models' run to ~20 KB (tool-use ones); the bound keeps what
+# each one costs to compile, and the compiled templates transformers caches (128), small.
+MAX_REQUEST_CHAT_TEMPLATE_CHARS = 128 * 1024
 
 
 @dataclass
@@ -40,6 +43,9 @@ class ServedModel:
     # The folder's content (engine/model_fingerprint.py): workers serving another model get
     # no requests. "" checks none.
     fingerprint: str = ""
+    # Whether a chat may bring its own template (--trust-request-chat-template): a template
+    # is code the router runs, and the sandbox bounds what it reaches, not how long it runs.
+    trust_request_chat_template: bool = False
     # What a stream must not change midway (GenerateRequest.expect_model), set from the rest.
     identity: router_pb2.ModelIdentity = field(init=False, repr=False)
 
@@ -116,16 +122,47 @@ class ServedModel:
             chat_template_name=chat.chat_template_name or None,
             tools=[parse_json(t, f"tools[{i}]") for i, t in enumerate(chat.tools)] or None)
         msgs = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
+        theirs = self._request_template(chat)
         try:
-            return chat_prompt_ids(self.tokenizer, msgs, chat_template=self.chat_template,
-                                   options=options)
-        except ChatTemplateMissing:
-            raise RouterRejectError(
+            return chat_prompt_ids(self.tokenizer, msgs, options=options,
+                                   chat_template=theirs if theirs is not None
+                                   else self.chat_template)
+        except ChatTemplateUnusable as e:
+            if theirs is not None:  # the request's template: the client's to mend
+                raise ValueError(str(e)) from None
+            raise self._unusable(e) from None
+
+    def _unusable(self, e: ChatTemplateUnusable) -> RouterRejectError:
+        """The router's own template cannot render: FAILED_PRECONDITION, the operator's to
+        mend."""
+        if isinstance(e, ChatTemplateMissing):
+            return RouterRejectError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"model {self.name!r} has no chat template: start the router with "
-                "--chat-template, or send text or token ids") from None
+                "--chat-template, or send text or token ids")
+        return RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    def _request_template(self, chat: router_pb2.ChatPrompt) -> str | None:
+        """The chat's own template (ChatPrompt.chat_template), checked; None for none."""
+        text = chat.chat_template
+        if not text:
+            return None
+        if not self.trust_request_chat_template:
+            raise RouterRejectError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this router renders chats with its own template only: a request's "
+                "chat_template needs a router started with --trust-request-chat-template")
+        if chat.chat_template_name:
+            raise ValueError("give chat_template or chat_template_name, not both: the "
+                             "request's template replaces the model's named ones")
+        if len(text) > MAX_REQUEST_CHAT_TEMPLATE_CHARS:
+            raise ValueError(f"chat_template has {len(text)} characters, over "
+                             f"{MAX_REQUEST_CHAT_TEMPLATE_CHARS}")
+        try:
+            check_chat_template(text, "the request's chat_template")
         except ChatTemplateUnusable as e:
-            raise RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            raise ValueError(str(e)) from None
+        return text
 
     def check_vocab(self, ids: list[int], what: str) -> list[int]:
         bad = [t for t in ids if t >= self.vocab_size]
@@ -145,11 +182,13 @@ class ServedModel:
             block_size=block_size, has_chat_template=self.has_chat_template,
             chat_template_names=self.chat_template_names,
             sampling_defaults=common_pb2.SamplingParams(**self.sampling_defaults),
-            eos_token_ids=self.eos_token_ids, identity=self.identity)
+            eos_token_ids=self.eos_token_ids, identity=self.identity,
+            accepts_request_chat_template=self.trust_request_chat_template)
 
 
 def load_served_model(model: str, generation_config: str, chat_template: str | None,
-                      served_model_name: str = "", tokenizer: str | None = None) -> ServedModel:
+                      served_model_name: str = "", tokenizer: str | None = None,
+                      trust_request_chat_template: bool = False) -> ServedModel:
     """Reads the model folder (a preset is generated first); blocking. ``served_model_name``
     is the name clients see ("": ``model``); ``tokenizer``: the folder of the tokenizer when
     not the model's (--tokenizer; the workers must be given the same one)."""
@@ -179,9 +218,11 @@ def load_served_model(model: str, generation_config: str, chat_template: str | N
                          list(mc.eos_token_ids),
                          load_sampling_defaults(generation_config, path, mc.vocab_size),
                          chat_template,
-                         model_fingerprint(path, tokenizer_folder(path, tokenizer)))
-    if served.has_chat_template:
+                         model_fingerprint(path, tokenizer_folder(path, tokenizer)),
+                         trust_request_chat_template)
+    if served.has_chat_template or trust_request_chat_template:
         chat_renderer()
+    if served.has_chat_template:
         # Checked now: a template that does not parse would fail every chat, each blamed on
         # its request. The operator's was checked when read; the model's is checked here.
         if chat_template is None:
@@ -243,7 +284,7 @@ def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) 
     if which == "chat":
         kwargs = msg.chat.chat_template_kwargs
         n = kwargs.ByteSize() if kwargs.fields else 0
-        n += sum(map(len, msg.chat.tools))
+        n += sum(map(len, msg.chat.tools)) + len(msg.chat.chat_template)
         if n > INLINE_PROMPT_CHARS:  # with few messages or none, the loop below says nothing
             return True
         for m in msg.chat.messages:  # a message counts 1 at least: a million empty ones too

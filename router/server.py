@@ -32,7 +32,7 @@ async def serve_router(config: RouterConfig) -> None:
     await check_redis_database(config.redis_url)
     model = await asyncio.to_thread(load_served_model, config.model, config.generation_config,
                                     config.chat_template_text, config.served_model_name,
-                                    config.tokenizer)
+                                    config.tokenizer, config.trust_request_chat_template)
     if model.sampling_defaults:
         logger.info("sampling defaults from the model's generation config: %s",
                     model.sampling_defaults)

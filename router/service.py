@@ -141,8 +141,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Refuses a request that expects another model (a stream another router began)."""
         if not request.HasField("expect_model"):
             return
+        # A chat with its own template: that template, which the request carries, made the
+        # prompt, not the router's.
         why = expected_model_mismatch(self.model.identity, request.expect_model,
-                                      request.WhichOneof("prompt") == "chat")
+                                      request.WhichOneof("prompt") == "chat"
+                                      and not request.chat.chat_template)
         if why:
             raise ModelMismatch(why)
 

@@ -40,3 +40,10 @@ TOOLS_TEMPLATE = (
     "{{- '</call>' -}}{%- endfor -%}{%- endif -%}"
     "{{- '\\n' -}}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '[assistant] ' -}}{%- endif -%}")
+
+
+# Other turn markers than the tests' models' own templates, so a prompt shows which ran: the
+# operator's --chat-template in tests/test_chat_serving.py, a request's own elsewhere.
+TURNS_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}"
+                  "{{- '<' + m['role'] + '> ' + m['content'] + '\\n' -}}{%- endfor -%}"
+                  "{%- if add_generation_prompt -%}{{- '<assistant> ' -}}{%- endif -%}")

@@ -19,7 +19,7 @@ from router.errors import status_of
 from router.prompts import ServedModel, load_served_model
 from tests.chat_models import model_with_template
 from tests.chat_option_templates import (NAMED_WITH_DEFAULT, NAMED_WITHOUT_DEFAULT,
-                                         OPTIONS_TEMPLATE, QA_TEMPLATE)
+                                         OPTIONS_TEMPLATE, QA_TEMPLATE, TURNS_TEMPLATE)
 from tests.hf_oracle import hf_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."},
@@ -168,6 +168,45 @@ def test_the_router_refuses_bad_options_as_invalid_argument(folders, chat, match
     tok = load_tokenizer(folders["options"])
     with pytest.raises(Exception) as err:
         ServedModel("m", tok, tok.vocab_size).prompt_ids(build_request(chat, None, {}))
+    code, message = status_of(err.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
+
+
+def test_a_chats_own_template_renders_as_hugging_faces_only_where_trusted(folders):
+    tok = load_tokenizer(folders["named"])
+    trusting = ServedModel("m", tok, tok.vocab_size, trust_request_chat_template=True)
+    chat = Chat(CHAT, chat_template=TURNS_TEMPLATE)
+    want = _hf(folders["named"], CHAT, chat_template=TURNS_TEMPLATE, add_generation_prompt=True)
+    assert trusting.prompt_ids(tokenize_request(chat)) == want
+    assert want != _hf(folders["named"], CHAT, add_generation_prompt=True)  # not the model's
+    assert trusting.info(64, 16).accepts_request_chat_template
+    # Refused by a router that does not trust its clients' templates: the operator's choice,
+    # not a bad request.
+    plain = ServedModel("m", tok, tok.vocab_size)
+    assert not plain.info(64, 16).accepts_request_chat_template
+    with pytest.raises(Exception) as err:
+        plain.prompt_ids(tokenize_request(chat))
+    code, message = status_of(err.value)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--trust-request-chat-template" in message
+    with pytest.raises(TypeError, match="chat_template must be a non-empty str"):
+        build_request(Chat(CHAT, chat_template=""), None, {})
+
+
+@pytest.mark.parametrize("chat, match", [
+    (Chat(CHAT, chat_template=TURNS_TEMPLATE, chat_template_name="qa"), "not both"),
+    (Chat(CHAT, chat_template="{% for m in messages %}"), "does not parse"),
+    (Chat(CHAT, chat_template="{{ raise_exception('no system turns') }}"), "no system turns"),
+    (Chat(CHAT, chat_template="{{ messages[0]['content'] + 1 }}"), "failed on the conversation"),
+    (Chat(CHAT, chat_template="x" * (128 * 1024 + 1)), "characters, over 131072"),
+])
+def test_a_chats_own_bad_template_is_the_clients_invalid_argument(folders, chat, match):
+    """Where the router's own template failing is FAILED_PRECONDITION (the operator's to
+    mend), the request's is INVALID_ARGUMENT."""
+    tok = load_tokenizer(folders["named"])
+    served = ServedModel("m", tok, tok.vocab_size, trust_request_chat_template=True)
+    with pytest.raises(Exception) as err:
+        served.prompt_ids(build_request(chat, None, {}))
     code, message = status_of(err.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
 

@@ -16,14 +16,11 @@ from engine import SamplingParams
 from engine.chat_template import load_chat_template
 from router.launcher import Cluster, ClusterSpec
 from tests.chat_models import model_with_template
-from tests.chat_option_templates import NAMED_WITHOUT_DEFAULT, TOOLS_TEMPLATE
+from tests.chat_option_templates import NAMED_WITHOUT_DEFAULT, TOOLS_TEMPLATE, TURNS_TEMPLATE
 from tests.hf_oracle import hf_tokenizer
 from tests.serving_helpers import WORKER_ARGS
 
-# Different turn markers from the model's own template, so the tokens show which one ran.
-TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}"
-            "{{- '<' + m['role'] + '> ' + m['content'] + '\\n' -}}{%- endfor -%}"
-            "{%- if add_generation_prompt -%}{{- '<assistant> ' -}}{%- endif -%}")
+TEMPLATE = TURNS_TEMPLATE
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -104,11 +101,11 @@ def _chat(address: str, turns: str, *flags: str) -> subprocess.CompletedProcess:
                            *flags], input=turns, capture_output=True, text=True, timeout=120)
 
 
-def _router_of(cluster, folder: str):
+def _router_of(cluster, folder: str, *flags: str):
     """Another router, on ``folder``'s copy of the workers' model (another template)."""
     address = cluster.router_address
     try:
-        return cluster.start_router(extra=["--model", folder])
+        return cluster.start_router(extra=["--model", folder, *flags])
     finally:
         cluster.router_address = address  # the other tests' router
 
@@ -179,12 +176,13 @@ OPTIONS_CHAT = [{"role": "system", "content": "Be brief."},
 
 @pytest.fixture(scope="module")
 def named(cluster, preset_path, tmp_path_factory):
-    """(A copy of the workers' model with named templates and no "default", a router on it):
-    one router for the tests of vLLM's options and of tool use."""
+    """(A copy of the workers' model with named templates and no "default", a router on it
+    that takes a chat's own template): one router for the tests of vLLM's options, of tool
+    use and of a request's template."""
     folder = model_with_template(preset_path("tiny-llama"), tmp_path_factory.mktemp("named") / "m",
                                  NAMED_WITHOUT_DEFAULT + [{"name": "tools",
                                                            "template": TOOLS_TEMPLATE}])
-    return folder, _router_of(cluster, folder)
+    return folder, _router_of(cluster, folder, "--trust-request-chat-template")
 
 
 def test_vllms_chat_options_through_the_router_render_as_hugging_faces(named, reference):
@@ -264,3 +262,45 @@ def test_tools_and_tool_calls_through_the_router_render_as_hugging_faces(named, 
             c.complete(Chat(bad, tools=TOOLS, chat_template_name="tools"), max_tokens=2)
     want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert res.token_ids == want.token_ids and res.usage.prompt_tokens == len(prompt)
+
+
+def test_a_chats_own_template_renders_on_a_router_that_trusts_it(named, cluster, reference,
+                                                                 template_file):
+    """vLLM's chat_template request field, behind --trust-request-chat-template: the prompt
+    is HF's with that template; a stream's continuation expects the router's model, not its
+    template, which did not render the prompt; a router without the flag refuses, and
+    pdserve chat says so before any turn."""
+    import dataclasses
+
+    from client import FailedPreconditionError
+
+    folder, router = named
+    chat = Chat(OPTIONS_CHAT[:2], chat_template=TEMPLATE)
+    prompt = hf_tokenizer(folder).apply_chat_template(
+        OPTIONS_CHAT[:2], chat_template=TEMPLATE, tokenize=True, return_dict=False,
+        add_generation_prompt=True)
+    with Client(router.address, timeout=60) as c:
+        info = c.model_info()
+        assert info.accepts_request_chat_template
+        assert c.tokenize(chat).token_ids == prompt
+        # As the SDK's failover sends a continuation: another template digest than this
+        # router's counts for its own templates' chats, not for this one.
+        elsewhere = dataclasses.replace(info.identity, chat_template="another")
+        res = c.complete(chat, max_tokens=6, expect_model=elsewhere, **GREEDY)
+        with pytest.raises(FailedPreconditionError, match="chat templates differ"):
+            c.complete(Chat(OPTIONS_CHAT, chat_template_name="qa"), max_tokens=2,
+                       expect_model=elsewhere)
+    want = reference.generate([prompt], SamplingParams(max_tokens=6, **GREEDY))[0]
+    assert res.token_ids == want.token_ids and res.usage.prompt_tokens == len(prompt)
+    with Client(cluster.router_address, timeout=60) as c:
+        assert not c.model_info().accepts_request_chat_template
+        with pytest.raises(FailedPreconditionError, match="--trust-request-chat-template"):
+            c.complete(chat, max_tokens=2)
+    proc = _chat(router.address, "Hi\n", "--max-tokens", "4", "--chat-template", template_file)
+    assert proc.returncode == 0, proc.stderr
+    turn = hf_tokenizer(folder).apply_chat_template(
+        [{"role": "user", "content": "Hi"}], chat_template=TEMPLATE, tokenize=True,
+        return_dict=False, add_generation_prompt=True)
+    assert f"{len(turn)} prompt tokens" in proc.stderr
+    proc = _chat(cluster.router_address, "Hi\n", "--chat-template", template_file)
+    assert proc.returncode == 2 and "start it with --trust-request-chat-template" in proc.stderr

@@ -108,9 +108,14 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     spec = up_spec(build_parser().parse_args(
         ["up", "--chat-template", "turns.jinja", "--generation-config", "gen",
-         "--scheduling-policy", "priority", "--api-key", "k3y"]))
+         "--scheduling-policy", "priority", "--api-key", "k3y", "--trust-request-chat-template"]))
     args = spec.router_args
     assert args[args.index("--chat-template") + 1] == str(tmp_path / "turns.jinja")
+    from engine.cli_serve import _router_config
+
+    router = _router_config(build_parser().parse_args(["router", "--redis-url", "redis://x",
+                                                       *args]))
+    assert router.trust_request_chat_template and router.chat_template_text
     assert args[args.index("--generation-config") + 1] == str(tmp_path / "gen")
     # The key goes to the router through its environment, not on its command line.
     assert "--api-key" not in spec.router_flags() and "k3y" not in spec.router_flags()
@@ -148,6 +153,7 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
          "--served-model-name", "team/llama", "--client-write-timeout-s", "0",
          "--migration-limit", "0", "--migration-backoff-s", "0.5"]))
     args = spec.router_args
+    assert "--trust-request-chat-template" not in args  # off unless asked for
     assert args[args.index("--migration-limit") + 1] == "0"
     assert args[args.index("--migration-backoff-s") + 1] == "0.5"
     assert args[args.index("--stream-interval") + 1] == "8"

@@ -26,6 +26,14 @@ VALID_CALL = st.just('{"id": "c1", "function": {"name": "f", "arguments": "{\\"a
 TOOL_JSON = st.one_of(VALID_TOOL, VALID_CALL, st.text(max_size=30),
                       st.just('{"function": {"name": "f", "arguments": "[1]"}}'),
                       st.just("[" * 5000), st.just('{"x": NaN}'))
+# A chat's own template (the router trusts them here): ones that render, render nothing, do
+# not parse, fail on the chat, and any text.
+VALID_TEMPLATE = st.sampled_from(["{% for m in messages %}{{ m['content'] }} {% endfor %}",
+                                  "{{ messages | length }}"])
+TEMPLATE = st.one_of(VALID_TEMPLATE, st.just("{{ '' }}"),
+                     st.just("{% for m in messages %}"), st.just("{{ 1 // 0 }}"),
+                     st.just("{{ messages[9].content }}"), st.just("{{ x.y.z }}"),
+                     st.just("{{ raise_exception('no') }}"), st.text(max_size=30))
 
 
 @st.composite
@@ -55,6 +63,8 @@ def requests(draw) -> router_pb2.GenerateRequest:
         req.chat.continue_final_message = draw(st.booleans()) and wild == "prompt"
         req.chat.tools.extend(draw(st.lists(TOOL_JSON if wild == "prompt" else VALID_TOOL,
                                             max_size=2)))
+        if draw(st.booleans()):
+            req.chat.chat_template = draw(TEMPLATE if wild == "prompt" else VALID_TEMPLATE)
     if wild == "resume":
         req.resume_token_ids.extend(draw(st.lists(st.one_of(st.integers(-3, 8300), INT64),
                                                   max_size=5)))
@@ -65,7 +75,8 @@ def requests(draw) -> router_pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with Cluster(ClusterSpec(worker_args=SHORT_CONTEXT_WORKER_ARGS)) as c:
+    with Cluster(ClusterSpec(worker_args=SHORT_CONTEXT_WORKER_ARGS,
+                             router_args=["--trust-request-chat-template"])) as c:
         with grpc.insecure_channel(c.router_address) as channel:
             c.stub = router_pb2_grpc.RouterStub(channel)
             yield c
