@@ -7,6 +7,9 @@ from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededE
 from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.tool_calls import ParsedReply, ToolCall, parse_hermes_tool_calls
+from client.tool_parsers import (TOOL_CALL_SYNTAXES, parse_llama3_json_tool_calls,
+                                 parse_mistral_tool_calls, parse_pythonic_tool_calls,
+                                 parse_tool_calls)
 from client.types import (Chat, Choice, Completion, GenerationChunk, ModelIdentity, ModelInfo,
                           Timings, Tokenized, TokenLogprobs, Usage)
 
@@ -16,4 +19,6 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "Mode
            "ResourceExhaustedError", "UnavailableError", "DeadlineExceededError",
            "CancelledError", "NotFoundError", "InternalError", "UnauthenticatedError",
            "FailedPreconditionError", "AlreadyExistsError", "UnimplementedError",
-           "parse_hermes_tool_calls", "ParsedReply", "ToolCall"]
+           "parse_hermes_tool_calls", "parse_llama3_json_tool_calls",
+           "parse_mistral_tool_calls", "parse_pythonic_tool_calls", "parse_tool_calls",
+           "TOOL_CALL_SYNTAXES", "ParsedReply", "ToolCall"]

@@ -33,7 +33,7 @@ class Chat:
     model's named templates (``ModelInfo.chat_template_names``); ``tools`` the functions
     the model may call (OpenAI's ``{"type": "function", "function": {"name", "description",
     "parameters"}}``), for a template that renders them. The reply is text in the model's
-    own call syntax (``parse_hermes_tool_calls`` reads Hermes'). ``chat_template`` a Jinja
+    own call syntax (``parse_tool_calls`` reads Hermes' and others'). ``chat_template`` a Jinja
     template of the caller's own to render with, on a router that accepts one
     (``ModelInfo.accepts_request_chat_template``)."""
 

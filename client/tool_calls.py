@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 _OPEN = "<tool_call>"
 # A call, or the last one left open (the reply ended inside it).
@@ -66,15 +66,37 @@ def _call(body: str) -> ToolCall | None:
         obj = json.loads(body)
     except ValueError:
         return None
+    return call_from_object(obj, ("arguments",))
+
+
+def call_from_object(obj: Any, argument_keys: tuple[str, ...],
+                     new_id: Callable[[], str] | None = None) -> ToolCall | None:
+    """A call written as a JSON object ``{"name", <arguments>}``, its arguments under the
+    first of ``argument_keys`` it has (none: no arguments); None when it is no such call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the object's text
+    key = next((k for k in argument_keys if k in obj), None)
+    return new_call(obj["name"], {} if key is None else obj[key], new_id)
+
+
+def new_call(name: str, arguments: Any, new_id: Callable[[], str] | None = None
+             ) -> ToolCall | None:
+    """A call of ``name`` with ``arguments`` (a JSON object, or its text: some models write
+    that) and a fresh id (OpenAI's form unless ``new_id``); None when the arguments are no
+    JSON object."""
+    if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"],
-                    json.dumps(arguments, ensure_ascii=False))
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # NaN or an infinity: no JSON
+        return None
+    return ToolCall((new_id or openai_call_id)(), name, text)
+
+
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
