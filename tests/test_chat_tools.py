@@ -51,6 +51,19 @@ def _as_openai_sends_it(chat: list[dict]) -> list[dict]:
     return out
 
 
+def answered_turn(user: dict, parsed) -> tuple[list[dict], list[dict]]:
+    """``user``'s message, ``parsed``'s reply (two calls) and each call's answer: as the SDK
+    sends them, and as HF's templates read them (the arguments as objects)."""
+    ids = [c.id for c in parsed.tool_calls]
+    turn = [user, parsed.as_message(),
+            {"role": "tool", "content": "rain", "tool_call_id": ids[0]},
+            {"role": "tool", "content": "10:00", "tool_call_id": ids[1]}]
+    as_hf = copy.deepcopy(turn)
+    for call in as_hf[1]["tool_calls"]:
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return turn, as_hf
+
+
 @pytest.fixture(scope="module")
 def folder(preset_path, tmp_path_factory):
     return model_with_template(preset_path("tiny-llama"),
@@ -195,12 +208,7 @@ def test_hermes_tool_calls_parse_out_of_a_reply_and_go_back_as_the_next_turn(fol
         [("get_weather", {"city": "Oslo", "days": 2}), ("now", {})]
     ids = [c.id for c in parsed.tool_calls]
     assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids)
-    turn = [USER, parsed.as_message(),
-            {"role": "tool", "content": "rain", "tool_call_id": ids[0]},
-            {"role": "tool", "content": "10:00", "tool_call_id": ids[1]}]
-    as_hf = copy.deepcopy(turn)
-    for call in as_hf[1]["tool_calls"]:
-        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    turn, as_hf = answered_turn(USER, parsed)
     tok = load_tokenizer(folder)
     chat = Chat(turn, tools=TOOLS)
     assert ServedModel("m", tok, tok.vocab_size).prompt_ids(tokenize_request(chat)) == \

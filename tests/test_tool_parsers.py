@@ -5,7 +5,6 @@ parse is all content; a Mistral reply goes back as the next turn through a templ
 takes only Mistral's ids, as HF renders the same turn."""
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -20,6 +19,7 @@ from engine.tokenizer import load_tokenizer
 from router.errors import status_of
 from router.prompts import ServedModel
 from tests.chat_models import model_with_template
+from tests.test_chat_tools import answered_turn
 from tests.hf_oracle import hf_tokenizer
 
 WEATHER = ("get_weather", {"city": "Oslo", "days": 2})
@@ -132,12 +132,7 @@ def test_a_mistral_reply_goes_back_as_the_next_turn(preset_path, tmp_path):
     parsed = parse_mistral_tool_calls(
         '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}[TOOL_CALLS]now[ARGS]{}')
     ids = [c.id for c in parsed.tool_calls]
-    turn = [{"role": "user", "content": "Weather in Oslo?"}, parsed.as_message(),
-            {"role": "tool", "content": "rain", "tool_call_id": ids[0]},
-            {"role": "tool", "content": "10:00", "tool_call_id": ids[1]}]
-    as_hf = copy.deepcopy(turn)
-    for call in as_hf[1]["tool_calls"]:
-        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    turn, as_hf = answered_turn({"role": "user", "content": "Weather in Oslo?"}, parsed)
     tok = load_tokenizer(folder)
     served = ServedModel("m", tok, tok.vocab_size)
     want = hf_tokenizer(folder).apply_chat_template(as_hf, tokenize=True, return_dict=False)
