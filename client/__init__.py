@@ -10,6 +10,7 @@ from client.tool_calls import ParsedReply, ToolCall, parse_hermes_tool_calls
 from client.tool_parsers import (TOOL_CALL_SYNTAXES, parse_llama3_json_tool_calls,
                                  parse_mistral_tool_calls, parse_pythonic_tool_calls,
                                  parse_tool_calls)
+from client.tool_stream import StreamedReply, ToolCallStream
 from client.types import (Chat, Choice, Completion, GenerationChunk, ModelIdentity, ModelInfo,
                           Timings, Tokenized, TokenLogprobs, Usage)
 
@@ -21,4 +22,5 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "Mode
            "FailedPreconditionError", "AlreadyExistsError", "UnimplementedError",
            "parse_hermes_tool_calls", "parse_llama3_json_tool_calls",
            "parse_mistral_tool_calls", "parse_pythonic_tool_calls", "parse_tool_calls",
-           "TOOL_CALL_SYNTAXES", "ParsedReply", "ToolCall"]
+           "TOOL_CALL_SYNTAXES", "ParsedReply", "ToolCall", "ToolCallStream",
+           "StreamedReply"]

@@ -10,8 +10,10 @@ import re
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from client import (TOOL_CALL_SYNTAXES, Chat, parse_hermes_tool_calls,
+from client import (TOOL_CALL_SYNTAXES, Chat, ToolCallStream, parse_hermes_tool_calls,
                     parse_llama3_json_tool_calls, parse_mistral_tool_calls,
                     parse_pythonic_tool_calls, parse_tool_calls)
 from client.types import tokenize_request
@@ -143,3 +145,63 @@ def test_a_mistral_reply_goes_back_as_the_next_turn(preset_path, tmp_path):
         served.prompt_ids(tokenize_request(Chat(turn, add_generation_prompt=False)))
     code, message = status_of(err.value)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "length 9" in message, message
+
+
+# --- streaming: ToolCallStream -----------------------------------------------------------------
+
+_NAMES = {parse_hermes_tool_calls: "hermes", parse_llama3_json_tool_calls: "llama3_json",
+          parse_mistral_tool_calls: "mistral", parse_pythonic_tool_calls: "pythonic"}
+HERMES = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+          '</tool_call>')
+STREAMED = ([(_NAMES[parse], reply) for parse, reply, _, _ in VALID]
+            + [("hermes", HERMES), ("hermes", "No calls, but <tool and <tool_call"),
+               ("hermes", "<tool_call>{\"name\": \"now\"}</tool_call>"),
+               ("mistral", "Sure [TOOL_CALL"), ("llama3_json", "  Oslo: rain"),
+               ("llama3_json", "{not a call}"), ("llama3_json", "<|python"),
+               ("pythonic", "[1] is a footnote"), ("pythonic", " "), ("hermes", "")])
+
+
+def _stream(syntax: str, reply: str, cuts: list[int]):
+    stream, shown = ToolCallStream(syntax), []
+    for a, b in zip([0, *cuts], [*cuts, len(reply)]):
+        shown.append(stream.feed(reply[a:b]))
+    return shown, stream.finish()
+
+
+@pytest.mark.parametrize("syntax, reply", STREAMED)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_a_streamed_reply_shows_its_content_and_none_of_its_calls(syntax, reply, data):
+    """However the chunks cut the reply: what was shown, then the rest, is the text before
+    the calls' markup, all shown while streaming, when the calls parse; else the whole reply,
+    held back only from where it may have begun calls. The calls are the whole reply's."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(len(reply) - 1, 1)), max_size=8)))
+    shown, end = _stream(syntax, reply, [c for c in cuts if c < len(reply)])
+    want = parse_tool_calls(reply, syntax)  # the same but for the calls' fresh ids
+    assert end.reply.content == want.content
+    assert [(c.name, c.arguments) for c in end.reply.tool_calls] == \
+        [(c.name, c.arguments) for c in want.tool_calls]
+    if end.reply.tool_calls:
+        marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}.get(syntax)
+        assert "".join(shown) == (reply[:reply.index(marker)] if marker else "")
+        assert end.rest == ""
+    else:
+        assert "".join(shown) + end.rest == reply
+
+
+def test_a_streamed_marker_is_held_back_from_its_first_characters():
+    stream = ToolCallStream("hermes")
+    assert stream.feed("Let me look. <to") == "Let me look. "
+    assert stream.feed("ol_call>{\"name\": \"now\"") == ""
+    assert stream.feed("}</tool_call>") == ""
+    end = stream.finish()
+    assert end.rest == "" and [c.name for c in end.reply.tool_calls] == ["now"]
+    stream = ToolCallStream("hermes")
+    assert stream.feed("a <to") == "a "
+    assert stream.feed("day") == "<today"  # not the marker after all
+    stream = ToolCallStream("pythonic")
+    assert stream.feed("  ") == "" and stream.feed("It") == "  It" and stream.feed("!") == "!"
+    with pytest.raises(ValueError, match="one of hermes, llama3_json, mistral, pythonic"):
+        ToolCallStream("json")
+    with pytest.raises(TypeError, match="delta must be a str"):
+        ToolCallStream().feed(None)
