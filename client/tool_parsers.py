@@ -154,8 +154,11 @@ def parse_tool_calls(text: str, syntax: str) -> ParsedReply:
     """``text``'s calls in ``syntax`` (one of TOOL_CALL_SYNTAXES, vLLM's parser names)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    parse = TOOL_CALL_SYNTAXES.get(syntax)
-    if parse is None:
+    return TOOL_CALL_SYNTAXES[check_syntax(syntax)](text)
+
+
+def check_syntax(syntax: str) -> str:
+    if syntax not in TOOL_CALL_SYNTAXES:
         raise ValueError(f"no tool-call syntax {syntax!r}: one of "
                          f"{', '.join(sorted(TOOL_CALL_SYNTAXES))}")
-    return parse(text)
+    return syntax

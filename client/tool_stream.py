@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from client.tool_calls import ParsedReply
-from client.tool_parsers import TOOL_CALL_SYNTAXES, parse_tool_calls
+from client.tool_parsers import check_syntax, parse_tool_calls
 
 # Where calls begin: anywhere in the reply, or only at its start (after whitespace).
 _ANYWHERE = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
@@ -31,10 +31,7 @@ class ToolCallStream:
     """Feed it each chunk's text (``feed``), show what it returns; ``finish()`` at the end."""
 
     def __init__(self, syntax: str = "hermes") -> None:
-        if syntax not in TOOL_CALL_SYNTAXES:
-            raise ValueError(f"no tool-call syntax {syntax!r}: one of "
-                             f"{', '.join(sorted(TOOL_CALL_SYNTAXES))}")
-        self.syntax = syntax
+        self.syntax = check_syntax(syntax)
         self._text = ""
         self._shown = 0  # characters of _text given back as content
         self._calls_at: int | None = None  # where the calls' markup began
