@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -25,6 +26,7 @@ from decode_svc.local_prefill import check_local_prefill_request, stream_local_p
 from decode_svc.mux import EVENT_ROOM_BYTES, serve_decode_many
 from engine.config import MAX_KV_LEASE_TIMEOUT_S
 from engine.outputs import KVAllocation, RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.worker_runtime import WorkerRuntime, abort_for, failure_marks, status_for
 from kvtransfer import KVAgentHandle, TransferError
 from protos import common_pb2, convert, worker_pb2, worker_pb2_grpc
@@ -37,6 +39,26 @@ logger = logging.getLogger(__name__)
 # A pull must end this long before the prefill lease does: the handle's lease time was measured
 # on another host and crossed the network since.
 LEASE_READ_MARGIN_S = 0.5
+
+
+@dataclass(frozen=True)
+class _CheckedDecode:
+    """A Decode request's parts, each checked (INVALID_ARGUMENT otherwise)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    resume_ids: list[int]  # a migrated request's output so far
+    params: SamplingParams
+    stream_interval: int
+
+    @classmethod
+    def of(cls, request: worker_pb2.DecodeRequest) -> _CheckedDecode:
+        rid = convert.check_request_id(request.request_id)
+        params = convert.sampling_from_proto(request.sampling)
+        ids = convert.check_prompt_token_ids(request.prompt_token_ids)
+        resume = convert.check_token_ids(request.resume_token_ids, "resume")
+        # 0: unset, every token; the engine refuses one past its limit (INVALID_ARGUMENT).
+        return cls(rid, ids, resume, params, max(request.stream_interval, 1))
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -80,16 +102,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         the first: the engine makes its outputs that way, so this loop wakes once a chunk, not
         once a step. ``time_remaining``: seconds left to its deadline, or None for none. The
         caller holds ``rt.admit()``."""
-        rid = convert.check_request_id(request.request_id)
-        # 0: unset, every token; the engine refuses one past its limit (INVALID_ARGUMENT).
-        interval = max(request.stream_interval, 1)
-        params = convert.sampling_from_proto(request.sampling)
-        ids = convert.check_prompt_token_ids(request.prompt_token_ids)
-        resume = convert.check_token_ids(request.resume_token_ids, "resume")
+        req = _CheckedDecode.of(request)
+        rid = req.request_id
         if request.local_prefill:
             check_local_prefill_request(request)
-            chunks = stream_local_prefill(self.rt.engine, rid, ids, params, _chunk, resume,
-                                          interval)
+            chunks = stream_local_prefill(self.rt.engine, rid, req.prompt_ids, req.params,
+                                          _chunk, req.resume_ids, req.stream_interval)
             async with contextlib.aclosing(chunks) as chunks:
                 async for chunk in chunks:
                     self._check_size(chunk)
@@ -97,8 +115,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             return
         first = convert.check_token_ids([request.first_token_id], "first")[0]
         timings = worker_pb2.DecodeTimings()
-        alloc = await self._pull_prefilled(request, rid, ids, resume, first, params, interval,
-                                           time_remaining, timings)
+        alloc = await self._pull_prefilled(request, req, first, time_remaining, timings)
         first_chunk = True
         try:
             chunks = self._committed(rid, alloc, timings, time.monotonic())
@@ -111,17 +128,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self.rt.engine.abort(rid)
             raise
 
-    async def _pull_prefilled(self, request: worker_pb2.DecodeRequest, rid: str,
-                              ids: list[int], resume: list[int], first: int, params,
-                              interval: int, time_remaining: Callable[[], float | None],
+    async def _pull_prefilled(self, request: worker_pb2.DecodeRequest, req: _CheckedDecode,
+                              first: int, time_remaining: Callable[[], float | None],
                               timings: worker_pb2.DecodeTimings):
         """The request's allocation, its prompt's KV pulled from the prefill worker that holds
         it (``timings.kv_transfer_s``: the pull's time); whatever ends it, the lease's owner
         gets the word this worker owes it."""
+        ids, resume = req.prompt_ids, req.resume_ids
         remotes = self._check_handle(request.kv_handle, len(ids) + len(resume))
         # The pull's mark and its release name the lease; a handle from before lease_id
         # existed had it under this call's id.
-        lease_id = request.kv_handle.lease_id or rid
+        lease_id = request.kv_handle.lease_id or req.request_id
         # Before the first await: a ForgetLease for the lease, answered on this loop, either
         # finds this call reading (its end tells the owner) or refuses it here. Past the pull
         # the owner has had its word, and nothing more is read.
@@ -139,8 +156,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             lease_left = self.kv_sources.lease_left(request.kv_handle)
             lease_ends = time.monotonic() + lease_left
             try:
-                alloc = await self.rt.engine.allocate_prefilled(rid, ids, first, params, resume,
-                                                                 interval)
+                alloc = await self.rt.engine.allocate_prefilled(
+                    req.request_id, ids, first, req.params, resume, req.stream_interval)
             except asyncio.CancelledError:
                 # Cut before any read was posted: the router's release of the lease waits for this
                 # worker's word that no read of it is in flight (the read a pull ends with says
