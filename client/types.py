@@ -190,7 +190,7 @@ def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
         raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
     # A lone string is one entry, as SamplingParams takes it: protobuf would take each of
     # its characters as an entry (every "h", "e", ... banned for bad_words="hello").
-    for name in ("stop", "bad_words"):
+    for name in ("stop", "bad_words", "guided_choice"):
         if isinstance(sampling.get(name), str):
             sampling = {**sampling, name: [sampling[name]]}
     given = {k: v for k, v in sampling.items() if v is not None}

@@ -95,6 +95,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="no eos, stop token or stop string ends the output before this many")
     p.add_argument("--bad-words", nargs="+", default=None, metavar="WORD",
                    help="words the output must not contain")
+    p.add_argument("--guided-choice", nargs="+", default=None, metavar="TEXT",
+                   help="the output is one of these texts (ends at it, with the model's eos)")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
                    help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
 
@@ -110,7 +112,7 @@ def _logit_bias(text: str) -> dict[int, float]:
 
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                   "logit_bias", "priority", "bad_words")
+                   "logit_bias", "priority", "bad_words", "guided_choice")
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.bad_words import bad_word_bans
+from engine.guided_choice import allowed_by_choices
 from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
@@ -148,7 +149,13 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
     if any(r.bad_words_token_ids for r in reqs):
         bans = [bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
                 if r.bad_words_token_ids else [] for r in reqs]
-    return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths, bans)
+    choices = None
+    if any(r.choice_token_ids for r in reqs):
+        choices = [allowed_by_choices(r.choice_token_ids, r.output_token_ids,
+                                      sampler.eos_token_ids) if r.choice_token_ids else None
+                   for r in reqs]
+    return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths, bans,
+                   choices)
 
 
 def score_prompt_tokens(logits: torch.Tensor, rows: list[PromptLogprobRows],

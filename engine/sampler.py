@@ -60,12 +60,16 @@ class Sampler:
                  generators: list[torch.Generator | None],
                  penalty_states: list[PenaltyState | None] | None = None,
                  num_output_tokens: list[int] | None = None,
-                 bad_word_bans: list[list[int]] | None = None) -> SamplerOutput:
+                 bad_word_bans: list[list[int]] | None = None,
+                 choices: list[list[int] | None] | None = None) -> SamplerOutput:
         """Samples one token per row of ``logits`` [num_reqs, vocab]. Rows whose params have
         penalties need their request's ``PenaltyState``, and rows with ``min_tokens`` their
         output length so far (``num_output_tokens``); ``bad_word_bans`` are per row token ids
-        this step must not sample (engine/bad_words.py)."""
+        this step must not sample (engine/bad_words.py), ``choices`` per row the only ones it
+        may (engine/guided_choice.py; None: any)."""
         _check_inputs(logits, params, generators)
+        if choices is not None and len(choices) != len(params):
+            raise ValueError(f"{len(choices)} rows of choices for {len(params)} rows")
         num_reqs = logits.shape[0]
         if num_reqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
@@ -73,7 +77,7 @@ class Sampler:
         # vLLM's order: allowed ids, bans and bias, then penalties (a repetition penalty
         # divides a biased logit: (x + b) / r, not x / r + b). Bans stay -inf through them.
         logits = _biased_and_banned(logits, params, self._banned(params, num_output_tokens,
-                                                                  bad_word_bans))
+                                                                  bad_word_bans), choices)
         logits = _penalised(logits, params, penalty_states)
 
         random_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
@@ -109,21 +113,27 @@ class Sampler:
 
 
 def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
-                       banned: list[list[int]] | None, owned: bool = False) -> torch.Tensor:
-    """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids and
-    its banned ones at -inf (in place when ``owned``, else in a copy).
+                       banned: list[list[int]] | None,
+                       choices: list[list[int] | None] | None = None,
+                       owned: bool = False) -> torch.Tensor:
+    """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids (or
+    this step's ``choices``) and its banned ones at -inf (in place when ``owned``, else in a
+    copy).
 
     The bans (min_tokens, bad words) give way in a row where they would leave no token at all
     (allowed_token_ids all banned): the row samples from its allowed tokens as if unbanned,
     rather than from a row of -inf, whose argmax is token 0, allowed or not."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    # SamplingParams refuses allowed_token_ids beside guided_choice: a row has one or none.
+    keeps = [c if choices is not None and c is not None else p.allowed_token_ids
+             for p, c in zip(params, choices or [None] * len(params))]
+    allowed = [i for i, k in enumerate(keeps) if k]
     if not biased and not allowed and banned is None:
         return logits
     # A copy unless the penalties already made one ([num_rows, vocab] float32).
     out = logits if owned else logits.float().clone()
     for i in allowed:
-        keep = torch.tensor(params[i].allowed_token_ids, dtype=torch.long, device=out.device)
+        keep = torch.tensor(keeps[i], dtype=torch.long, device=out.device)
         kept = out[i, keep]
         out[i] = -math.inf
         out[i, keep] = kept

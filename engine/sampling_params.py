@@ -25,6 +25,10 @@ MAX_BAD_WORD_CHARS = 1024
 # unbounded ones let one request slow every other (OpenAI's API takes 4).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+# Choices are tokenized as the request is added, and their token sequences matched against
+# the output at every step: bounded as bad words are.
+MAX_GUIDED_CHOICES = 256
+MAX_GUIDED_CHOICE_CHARS = 1024
 
 
 @dataclass
@@ -61,13 +65,16 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)
     # Words the output must not contain (engine/bad_words.py); the engine tokenizes them.
     bad_words: list[str] = field(default_factory=list)
+    # The output is one of these texts (engine/guided_choice.py); the engine tokenizes them.
+    guided_choice: list[str] = field(default_factory=list)
     # Scheduling, not sampling: with an engine's scheduling_policy "priority", lower runs
     # first (vLLM's convention); engines on "fcfs" refuse anything but 0.
     priority: int = 0
 
     def __post_init__(self) -> None:
         # None, vLLM's default for these, is none of them.
-        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words",
+                     "guided_choice"):
             if getattr(self, name) is None:
                 setattr(self, name, [])
         if self.logit_bias is None:
@@ -84,7 +91,11 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words)
+        if isinstance(self.guided_choice, str):
+            self.guided_choice = [self.guided_choice]
+        self.guided_choice = list(self.guided_choice)
         self._validate()
+        self._validate_guided_choice()
         # The same set, each id once: its mask is built at every step.
         self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
@@ -161,6 +172,27 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    def _validate_guided_choice(self) -> None:
+        choices = self.guided_choice
+        if not choices:
+            return
+        if len(choices) > MAX_GUIDED_CHOICES:
+            raise ValueError(f"guided_choice has {len(choices)} choices, more than "
+                             f"{MAX_GUIDED_CHOICES}")
+        for c in choices:
+            if not isinstance(c, str) or not c:
+                raise ValueError(f"guided_choice must be non-empty strings, got {c!r}")
+            if len(c) > MAX_GUIDED_CHOICE_CHARS:
+                raise ValueError(f"a guided_choice has {len(c)} characters, more than "
+                                 f"{MAX_GUIDED_CHOICE_CHARS}")
+        # The output ends with eos once it is a choice; ignore_eos would sample past it.
+        if self.ignore_eos:
+            raise ValueError("guided_choice ends the output at the eos token after a choice: "
+                             "ignore_eos cannot be set with it")
+        if self.allowed_token_ids:
+            raise ValueError("guided_choice decides the allowed tokens at each step: "
+                             "allowed_token_ids cannot be set with it")
 
     @property
     def has_penalties(self) -> bool:

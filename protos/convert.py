@@ -24,6 +24,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw["logit_bias"] = dict(msg.logit_bias)
     kw["allowed_token_ids"] = list(msg.allowed_token_ids)
     kw["bad_words"] = list(msg.bad_words)
+    kw["guided_choice"] = list(msg.guided_choice)
     return SamplingParams(**kw)
 
 
@@ -43,7 +44,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-        priority=p.priority, bad_words=p.bad_words)
+        priority=p.priority, bad_words=p.bad_words, guided_choice=p.guided_choice)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -125,6 +125,17 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
         PROMPTS[:1], SamplingParams(**penalties[1], **GREEDY))[0].token_ids
     assert plain[0].token_ids[:6] != reference.generate(
         PROMPTS[:1], SamplingParams(**rules[-1], **GREEDY))[0].token_ids[:6]
+    # Choices of several tokens: the prefill worker samples the first under the mask, the
+    # decode worker the rest and the eos (no ignore_eos: it ends the output).
+    from tests.test_guided_choice import CHOICES
+
+    guided = dict(guided_choice=CHOICES, max_tokens=16, temperature=0.0)
+    want = reference.generate(PROMPTS, SamplingParams(**guided))
+    with Client(cluster.router_address, timeout=60) as c:
+        got = [c.complete(prompt, **guided) for prompt in PROMPTS]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert {g.text for g in got} <= set(CHOICES) and len({g.text for g in got}) >= 2
+    assert all(g.finish_reason == "stop" for g in got)
     wait_all_blocks_free(_workers(cluster))
 
 

@@ -1,0 +1,61 @@
+"""``SamplingParams.guided_choice`` (vLLM's guided_choice): the output is one of the given texts.
+
+Each choice becomes its token sequence (as the tokenizer spells the text on its own). At
+every step only the tokens that continue some choice the output so far begins may be
+sampled, and once the output is a whole choice the model's end-of-sequence token may be too
+(and only it, unless a longer choice goes on from there): the request ends with finish reason
+"stop" on one of the choices. Unlike vLLM's, which guides by the text through a grammar, one
+spelling per choice is followed, so the output is always that choice's tokens, never another
+tokenization of the same text. The mask depends on the output alone, so a request that moves
+to another engine (its first token sampled by a prefill worker, a migration) goes on there.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.tokenizer import Tokenizer
+
+
+def tokenize_choices(tokenizer: Tokenizer | None, choices: Sequence[str],
+                     eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """The token sequences of ``choices``, each once; ValueError when they cannot guide."""
+    if not choices:
+        return []
+    if tokenizer is None:
+        raise ValueError("guided_choice needs a model with a tokenizer")
+    if not eos_token_ids:
+        raise ValueError("guided_choice ends the output with the model's eos token, and this "
+                         "model has none")
+    seqs: list[list[int]] = []
+    for choice in choices:
+        ids = tokenizer.encode_plain(choice)
+        if not ids:
+            raise ValueError(f"guided_choice {choice!r} has no tokens")
+        if ids not in seqs:
+            seqs.append(ids)
+    return seqs
+
+
+def check_choice_prefix(seqs: list[list[int]], output_token_ids: Sequence[int]) -> None:
+    """ValueError when an output resumed or moved here begins none of the choices."""
+    if seqs and not allowed_by_choices(seqs, output_token_ids, [-1]):
+        raise ValueError("the output so far begins none of guided_choice's choices")
+
+
+def allowed_by_choices(seqs: list[list[int]], output_token_ids: Sequence[int],
+                       eos_token_ids: Sequence[int]) -> list[int]:
+    """The token ids the next sampled token may be, given the output so far."""
+    n = len(output_token_ids)
+    out = list(output_token_ids)
+    allowed: dict[int, None] = {}
+    finished = False
+    for seq in seqs:
+        if len(seq) < n or seq[:n] != out:
+            continue
+        if len(seq) == n:
+            finished = True
+        else:
+            allowed[seq[n]] = None
+    if finished:
+        allowed.update(dict.fromkeys(eos_token_ids))
+    return list(allowed)
