@@ -50,4 +50,6 @@ FIELDS = {
     "truncate_prompt_tokens": (st.integers(1, 64), WILD_INTS),
     "prompt_logprobs": (st.integers(0, 5), WILD_INTS),
     "bad_words": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=10), max_size=3)),
+    # Valid alone: beside ignore_eos or allowed_token_ids it is the client's INVALID_ARGUMENT.
+    "guided_choice": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=12), max_size=4)),
 }
