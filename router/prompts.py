@@ -282,9 +282,13 @@ def _large_prompt(msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) 
     if which == "token_ids":
         return len(msg.token_ids.ids) > INLINE_PROMPT_CHARS
     if which == "chat":
+        if msg.chat.chat_template:
+            # The request's own template is code: how long it runs is not its length's (two
+            # nested loops of a line each can hold a thread for minutes), so never the loop.
+            return True
         kwargs = msg.chat.chat_template_kwargs
         n = kwargs.ByteSize() if kwargs.fields else 0
-        n += sum(map(len, msg.chat.tools)) + len(msg.chat.chat_template)
+        n += sum(map(len, msg.chat.tools))
         if n > INLINE_PROMPT_CHARS:  # with few messages or none, the loop below says nothing
             return True
         for m in msg.chat.messages:  # a message counts 1 at least: a million empty ones too

@@ -16,7 +16,7 @@ from engine.chat_options import MAX_TEMPLATE_KWARGS_BYTES, ChatOptions
 from engine.chat_template import chat_prompt_ids
 from engine.tokenizer import load_tokenizer
 from router.errors import status_of
-from router.prompts import ServedModel, load_served_model
+from router.prompts import ServedModel, _large_prompt, load_served_model
 from tests.chat_models import model_with_template
 from tests.chat_option_templates import (NAMED_WITH_DEFAULT, NAMED_WITHOUT_DEFAULT,
                                          OPTIONS_TEMPLATE, QA_TEMPLATE, TURNS_TEMPLATE)
@@ -178,6 +178,8 @@ def test_a_chats_own_template_renders_as_hugging_faces_only_where_trusted(folder
     chat = Chat(CHAT, chat_template=TURNS_TEMPLATE)
     want = _hf(folders["named"], CHAT, chat_template=TURNS_TEMPLATE, add_generation_prompt=True)
     assert trusting.prompt_ids(tokenize_request(chat)) == want
+    assert _large_prompt(tokenize_request(chat))  # rendered off the router's event loop
+    assert not _large_prompt(tokenize_request(Chat(CHAT)))
     assert want != _hf(folders["named"], CHAT, add_generation_prompt=True)  # not the model's
     assert trusting.info(64, 16).accepts_request_chat_template
     # Refused by a router that does not trust its clients' templates: the operator's choice,
