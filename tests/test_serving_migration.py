@@ -371,6 +371,10 @@ def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):
     assert final.usage.migrations == 1 and final.usage.decode_worker_id == survivor.name
 
 
+# The slow tier: the limit itself (a migration spent per failure, MigrationsSpent, counted in
+# migrations_exhausted) is tests/test_router_accounting.py's, its UNAVAILABLE
+# tests/test_unhandled_calls.py's; this one kills real workers twice under a real stream.
+@pytest.mark.slow
 def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, reference):
     # A third decode worker stays up: only the limit can fail the request. The SDK, retrying
     # UNAVAILABLE by default, started the request over on it (a new request, a new budget).
