@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-_OPEN = "<tool_call>"
+HERMES_OPEN = "<tool_call>"
 # A call, or the last one left open (the reply ended inside it).
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
@@ -49,7 +49,7 @@ class ParsedReply:
 
 def parse_hermes_tool_calls(text: str) -> ParsedReply:
     """``text``'s calls, in order, each with a fresh id (``call_`` and 24 hex digits)."""
-    if _OPEN not in text:
+    if HERMES_OPEN not in text:
         return ParsedReply(text)
     calls = []
     for match in _CALL.finditer(text):
@@ -58,15 +58,19 @@ def parse_hermes_tool_calls(text: str) -> ParsedReply:
         if call is None:
             return ParsedReply(text)
         calls.append(call)
-    return ParsedReply(text[:text.index(_OPEN)].strip() or None, calls)
+    return ParsedReply(text[:text.index(HERMES_OPEN)].strip() or None, calls)
 
 
 def _call(body: str) -> ToolCall | None:
+    return call_from_object(json_or_none(body), ("arguments",))
+
+
+def json_or_none(text: str) -> Any:
+    """``text``'s JSON value; None when it is no JSON (callers check the value's type)."""
     try:
-        obj = json.loads(body)
+        return json.loads(text)
     except ValueError:
         return None
-    return call_from_object(obj, ("arguments",))
 
 
 def call_from_object(obj: Any, argument_keys: tuple[str, ...],
@@ -85,15 +89,12 @@ def new_call(name: str, arguments: Any, new_id: Callable[[], str] | None = None
     that) and a fresh id (OpenAI's form unless ``new_id``); None when the arguments are no
     JSON object."""
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = json_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
     try:
         text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # NaN or an infinity: no JSON
+    except (ValueError, TypeError):  # NaN or an infinity; a set, bytes: no JSON
         return None
     return ToolCall((new_id or openai_call_id)(), name, text)
 

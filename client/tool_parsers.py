@@ -24,21 +24,21 @@ import re
 import uuid
 from collections.abc import Callable
 
-from client.tool_calls import (ParsedReply, call_from_object, new_call,
+from client.tool_calls import (ParsedReply, call_from_object, json_or_none, new_call,
                                parse_hermes_tool_calls)
 
-_PYTHON_TAG = "<|python_tag|>"
-_MISTRAL = "[TOOL_CALLS]"
-_MISTRAL_ARGS = "[ARGS]"
-_LLAMA4_START, _LLAMA4_END = "<|python_start|>", "<|python_end|>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+LLAMA4_START, LLAMA4_END = "<|python_start|>", "<|python_end|>"
 # A function's name as the syntaxes without JSON around it write it.
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*\Z")
 
 
 def parse_llama3_json_tool_calls(text: str) -> ParsedReply:
     body = text.strip()
-    if body.startswith(_PYTHON_TAG):
-        body = body[len(_PYTHON_TAG):].lstrip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
     if not body.startswith("{"):
         return ParsedReply(text)
     calls, decoder, i = [], json.JSONDecoder(), 0
@@ -61,24 +61,21 @@ def parse_llama3_json_tool_calls(text: str) -> ParsedReply:
 
 
 def parse_mistral_tool_calls(text: str) -> ParsedReply:
-    if _MISTRAL not in text:
+    if MISTRAL_CALLS not in text:
         return ParsedReply(text)
-    head, _, rest = text.partition(_MISTRAL)
+    head, _, rest = text.partition(MISTRAL_CALLS)
     rest = rest.strip()
     if rest.startswith("["):
         calls = _mistral_list(rest)
     else:
-        calls = [_mistral_call(part.strip()) for part in rest.split(_MISTRAL)]
+        calls = [_mistral_call(part.strip()) for part in rest.split(MISTRAL_CALLS)]
     if not calls or None in calls:
         return ParsedReply(text)
     return ParsedReply(head.strip() or None, calls)
 
 
 def _mistral_list(body: str) -> list | None:
-    try:
-        objs = json.loads(body)
-    except ValueError:
-        return None
+    objs = json_or_none(body)
     if not isinstance(objs, list):
         return None
     return [call_from_object(o, ("arguments",), _mistral_id) for o in objs]
@@ -86,7 +83,7 @@ def _mistral_list(body: str) -> list | None:
 
 def _mistral_call(part: str):
     """``name[ARGS]{...}``, or ``name{...}``."""
-    name, sep, arguments = part.partition(_MISTRAL_ARGS)
+    name, sep, arguments = part.partition(MISTRAL_ARGS)
     if not sep:
         brace = part.find("{")
         if brace < 0:
@@ -104,8 +101,8 @@ def _mistral_id() -> str:
 
 def parse_pythonic_tool_calls(text: str) -> ParsedReply:
     body = text.strip()
-    if body.startswith(_LLAMA4_START) and body.endswith(_LLAMA4_END):
-        body = body[len(_LLAMA4_START):-len(_LLAMA4_END)].strip()
+    if body.startswith(LLAMA4_START) and body.endswith(LLAMA4_END):
+        body = body[len(LLAMA4_START):-len(LLAMA4_END)].strip()
     if not (body.startswith("[") and body.endswith("]")):
         return ParsedReply(text)
     try:
@@ -135,11 +132,7 @@ def _python_call(node: ast.expr):
             arguments[kw.arg] = ast.literal_eval(kw.value)
         except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
-    try:  # literals JSON has no form for (sets, bytes, complex numbers) refused here
-        json.dumps(arguments, allow_nan=False)
-    except (TypeError, ValueError):
-        return None
-    return new_call(name, arguments)
+    return new_call(name, arguments)  # None for literals JSON has no form for (sets, bytes)
 
 
 TOOL_CALL_SYNTAXES: dict[str, Callable[[str], ParsedReply]] = {

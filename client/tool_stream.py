@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.tool_calls import ParsedReply
-from client.tool_parsers import check_syntax, parse_tool_calls
+from client.tool_calls import HERMES_OPEN, ParsedReply
+from client.tool_parsers import (LLAMA4_START, MISTRAL_CALLS, PYTHON_TAG, check_syntax,
+                                 parse_tool_calls)
 
 # Where calls begin: anywhere in the reply, or only at its start (after whitespace).
-_ANYWHERE = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
-_AT_START = {"llama3_json": ("{", "<|python_tag|>"), "pythonic": ("[", "<|python_start|>")}
+_ANYWHERE = {"hermes": HERMES_OPEN, "mistral": MISTRAL_CALLS}
+_AT_START = {"llama3_json": ("{", PYTHON_TAG), "pythonic": ("[", LLAMA4_START)}
 
 
 @dataclass(frozen=True)

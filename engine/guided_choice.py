@@ -38,7 +38,8 @@ def tokenize_choices(tokenizer: Tokenizer | None, choices: Sequence[str],
 
 def check_choice_prefix(seqs: list[list[int]], output_token_ids: Sequence[int]) -> None:
     """ValueError when an output resumed or moved here begins none of the choices."""
-    if seqs and not allowed_by_choices(seqs, output_token_ids, [-1]):
+    out = list(output_token_ids)
+    if seqs and not any(seq[:len(out)] == out for seq in seqs):
         raise ValueError("the output so far begins none of guided_choice's choices")
 
 
