@@ -1,0 +1,565 @@
+"""JSON Schema to regular expression, for ``guided_json`` (vLLM's): the output is JSON that
+the request's schema accepts.
+
+``schema_to_regex(schema)`` gives a regex whose full matches are the JSON texts of the
+instances the schema accepts, spelled as ``json.dumps`` spells them: with its default
+separators (", ", ": ") or compact ones (",", ":"), each comma and colon on its own, and no
+whitespace anywhere else, so a model guided by it cannot ramble in whitespace. Another module
+compiles the regex into a character automaton, so only a small part of ``re``'s syntax is
+used: literals and escaped metacharacters, ``\\uHHHH``, classes, ``(?:...)`` groups,
+alternation and the quantifiers ``* + ? {n} {n,} {n,m}``, no count above ``MAX_REPEAT``.
+
+The regex is built bottom-up, one schema node at a time; the output of a node is one
+regex, and nothing about where it sits in the document changes it (so a ``$ref`` is
+compiled once). Schemas come from API clients: every keyword outside the supported set is
+refused with a ValueError naming it and where it is (a JSON pointer such as
+``#/properties/tags/items``), as are unsatisfiable schemas and regexes over
+``MAX_REGEX_CHARS``.
+
+What the regex accepts is a subset of what the schema does, by design (the generated text
+needs one spelling, not every one):
+
+- objects carry the ``properties`` in their declared order, every required one and any
+  of the others, and nothing else, whatever ``additionalProperties`` says, except that an
+  object schema without ``properties`` takes any members (values as ``additionalProperties``
+  says, any value when it is absent or true);
+- a schema without ``type`` is taken for the types its keywords constrain ("integer" for
+  the numeric bounds), and for any value when it has none;
+- a value of any type (``{}``, ``true``, items or members left open) nests at most
+  ``ANY_DEPTH`` arrays or objects deep;
+- integers are written without a fraction or exponent, and never as ``-0``; ``enum`` and
+  ``const`` values are written as ``json.dumps`` writes them (non-ASCII characters raw or
+  as ``\\u`` escapes, as with and without ``ensure_ascii``);
+- ``format`` date, time and date-time are RFC 3339 with upper-case ``T`` and ``Z``;
+- ``oneOf`` is taken as ``anyOf`` (the branches of a tagged union exclude each other anyway).
+
+Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
+``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
+``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), integer ``minimum``,
+``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers, as in draft 2020-12),
+``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
+``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
+description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly,
+OpenAPI's discriminator). String lengths count characters as JSON Schema does: an escape is
+one, a surrogate pair of escapes one (lone surrogate escapes are not generated).
+
+Refused: recursive ``$ref`` (not cut at some depth: a truncated tree is not the schema the
+client asked for), bounds on "number" (a regex cannot bound decimal text with exponents
+exactly; "integer" bounds are exact), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
+and beside ``enum``/``const`` other than ``type`` (their intersection), ``format`` beside
+lengths, lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty
+ranges) and every other keyword (``pattern``, ``not``, ``if``, ``uniqueItems`` ...).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import unquote
+
+MAX_REGEX_CHARS = 200_000
+MAX_REPEAT = 1000  # the largest count in a {n,m} the automaton compiler takes
+MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
+ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
+MAX_SCHEMA_DEPTH = 64  # schema (and enum value) nesting, against stack exhaustion
+
+_HEX = "[0-9a-fA-F]"
+# One character of a JSON string: a raw one (no quote, backslash, control or lone
+# surrogate), a short escape, a \u escape of a non-surrogate, or a surrogate pair.
+_CHAR = ('(?:[^"\\\\\\u0000-\\u001f\\ud800-\\udfff]|\\\\["\\\\/bfnrt]'
+         f"|\\\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
+         f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})")
+_STRING = f'"{_CHAR}*"'
+_INTEGER = "(?:0|-?[1-9][0-9]*)"
+_NUMBER = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_COMMA, _COLON = ", ?", ": ?"
+
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+              "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+# Divisible by 4 and not by 100, or by 400 (year 0000 included).
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+_DATE = f"(?:[0-9]{{4}}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_HOUR_MINUTE = "(?:[01][0-9]|2[0-3]):[0-5][0-9]"
+_TIME = f"{_HOUR_MINUTE}:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-]{_HOUR_MINUTE})"
+_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}T{_TIME}",
+    "uuid": "-".join(f"{_HEX}{{{n}}}" for n in (8, 4, 4, 4, 12)),
+}
+
+_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
+_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+            "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions"}
+# The keywords that constrain one type, and the type a schema without "type" is taken for.
+_TYPE_KEYWORDS = {
+    "minLength": "string", "maxLength": "string", "format": "string",
+    "minimum": "integer", "maximum": "integer",
+    "exclusiveMinimum": "integer", "exclusiveMaximum": "integer",
+    "properties": "object", "required": "object", "additionalProperties": "object",
+    "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
+}
+_NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+_COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
+_KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
+_META = set(".^$*+?{}[]\\|()")
+
+
+def schema_to_regex(schema: dict | bool | str) -> str:
+    """The regex of the JSON texts ``schema`` accepts (see the module docstring for how
+    they are spelled); a str is the schema's JSON text. ValueError for what is refused."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except RecursionError:
+            raise ValueError("the schema nests too deeply") from None
+        except ValueError as e:
+            raise ValueError(f"the schema is not valid JSON: {e}") from None
+    return _Compiler(schema).node(schema, "#", 0)
+
+
+class _Compiler:
+    def __init__(self, root: Any):
+        self.root = root
+        self.refs: dict[str, str] = {}  # each $ref compiled once
+        self.expanding: list[str] = []  # the $refs being compiled, to catch recursion
+
+    def node(self, s: Any, path: str, depth: int) -> str:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
+        if s is True:
+            return _ANY[ANY_DEPTH]
+        if s is False:
+            raise ValueError(f"the schema at {path} is false: no value is valid")
+        if not isinstance(s, dict):
+            raise ValueError(f"the schema at {path} is a {type(s).__name__}, "
+                             "not an object or a boolean")
+        for key in s:
+            if key not in _KNOWN:
+                raise ValueError(f"{key!r} at {path} is not supported")
+        combinators = [k for k in _COMBINATORS if k in s]
+        rx = self.combined(s, combinators, path, depth) if combinators else \
+            self.typed(s, path, depth)
+        nullable = s.get("nullable", False)
+        if not isinstance(nullable, bool):
+            raise ValueError(f"'nullable' at {path} must be true or false")
+        if nullable:
+            rx = _alt([rx, "null"])
+        if len(rx) > MAX_REGEX_CHARS:
+            raise ValueError(f"the schema at {path} needs a regex longer than "
+                             f"{MAX_REGEX_CHARS} characters")
+        return rx
+
+    def combined(self, s: dict, combinators: list[str], path: str, depth: int) -> str:
+        kw = combinators[0]
+        if len(combinators) > 1:
+            raise ValueError(f"{kw!r} and {combinators[1]!r} together at {path} "
+                             "are not supported")
+        # Their intersection with other constraints is out of reach; enum and const may
+        # still be narrowed by type.
+        allowed = ("type",) if kw in ("enum", "const") else ()
+        for key in s:
+            if (key in _TYPE_KEYWORDS or key == "type") and key not in allowed:
+                raise ValueError(f"{key!r} beside {kw!r} at {path} is not supported")
+        where = _at(path, kw)
+        if kw in ("enum", "const"):
+            values = [s["const"]] if kw == "const" else s["enum"]
+            if not isinstance(values, list):
+                raise ValueError(f"'enum' at {path} must be an array")
+            types = self.types(s, path) if "type" in s else _TYPES
+            kept = [v for v in values if _json_types(v, where) & set(types)]
+            if not kept:
+                raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
+            return _alt(_bounded((_literal(v, where, depth) for v in kept), path))
+        if kw == "$ref":
+            return self.ref(s["$ref"], path, depth)
+        branches = s[kw]
+        if not isinstance(branches, list) or not branches:
+            raise ValueError(f"{kw!r} at {path} must be a non-empty array of schemas")
+        if kw == "allOf" and len(branches) != 1:
+            raise ValueError(f"'allOf' at {path} has {len(branches)} schemas: "
+                             "only one is supported")
+        return _alt(_bounded((self.node(b, _at(where, i), depth + 1)
+                              for i, b in enumerate(branches)), path))
+
+    def ref(self, ref: Any, path: str, depth: int) -> str:
+        if not isinstance(ref, str):
+            raise ValueError(f"'$ref' at {path} must be a string")
+        if ref in self.refs:
+            return self.refs[ref]
+        if ref in self.expanding:
+            raise ValueError(f"'$ref' {ref!r} at {path} is recursive: recursive schemas are "
+                             "not supported")
+        parts = ref.split("/")
+        if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
+            raise ValueError(f"'$ref' {ref!r} at {path} is not supported: only "
+                             "'#/$defs/NAME' and '#/definitions/NAME' are")
+        name = unquote(parts[2]).replace("~1", "/").replace("~0", "~")
+        defs = self.root.get(parts[1]) if isinstance(self.root, dict) else None
+        if not isinstance(defs, dict) or name not in defs:
+            raise ValueError(f"'$ref' {ref!r} at {path} points to no schema")
+        self.expanding.append(ref)
+        self.refs[ref] = self.node(defs[name], ref, depth + 1)
+        self.expanding.pop()
+        return self.refs[ref]
+
+    def types(self, s: dict, path: str) -> list[str]:
+        t = s.get("type")
+        if t is None:  # taken from the keywords; none at all: any value
+            return list(dict.fromkeys(_TYPE_KEYWORDS[k] for k in s if k in _TYPE_KEYWORDS))
+        types = [t] if isinstance(t, str) else t
+        if not isinstance(types, list) or not types or \
+                any(not isinstance(x, str) or x not in _TYPES for x in types):
+            raise ValueError(f"'type' at {path} must be one of {', '.join(_TYPES)} "
+                             "or a non-empty array of them")
+        return list(dict.fromkeys(types))
+
+    def typed(self, s: dict, path: str, depth: int) -> str:
+        types = self.types(s, path)
+        if not types:
+            return _ANY[ANY_DEPTH]
+        return _alt([self.one_type(t, s, path, depth) for t in types])
+
+    def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
+        if t == "null":
+            return "null"
+        if t == "boolean":
+            return "(?:true|false)"
+        if t == "number":
+            for kw in _NUMBER_BOUNDS:
+                if kw in s:
+                    raise ValueError(f"{kw!r} at {path} bounds a number, which a regex "
+                                     "cannot do exactly: use \"type\": \"integer\" for "
+                                     "bounds, or no bound")
+            return _NUMBER
+        if t == "integer":
+            return _int_range(*_int_bounds(s, path))
+        if t == "string":
+            return self.string(s, path)
+        if t == "array":
+            return self.array(s, path, depth)
+        return self.object(s, path, depth)
+
+    def string(self, s: dict, path: str) -> str:
+        if "format" in s:
+            fmt = s["format"]
+            if fmt not in _FORMATS:
+                raise ValueError(f"'format' {fmt!r} at {path} is not supported: only "
+                                 f"{', '.join(_FORMATS)} are")
+            for kw in ("minLength", "maxLength"):
+                if kw in s:
+                    raise ValueError(f"{kw!r} beside 'format' at {path} is not supported")
+            return f'"{_FORMATS[fmt]}"'
+        lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
+        if hi is not None and lo > hi:
+            raise ValueError(f"'minLength' at {path} is above 'maxLength'")
+        return f'"{_repeat(_CHAR, lo, hi)}"'
+
+    def array(self, s: dict, path: str, depth: int) -> str:
+        prefix, items = s.get("prefixItems", []), s.get("items", True)
+        if not isinstance(prefix, list):
+            raise ValueError(f"'prefixItems' at {path} must be an array of schemas")
+        if isinstance(items, list):
+            raise ValueError(f"'items' at {path} is an array: use 'prefixItems' for tuples")
+        lo, hi = _count(s, "minItems", path, 0), _count(s, "maxItems", path, None)
+        if items is False:  # nothing after the prefix
+            hi = len(prefix) if hi is None else min(hi, len(prefix))
+        if hi is not None and lo > hi:
+            raise ValueError(f"'minItems' at {path} asks for more items than the schema allows")
+        firsts = _bounded((self.node(p, _at(_at(path, "prefixItems"), i), depth + 1)
+                           for i, p in enumerate(prefix)), path)
+        rest = None if items is False else self.node(items, _at(path, "items"), depth + 1)
+        return f"\\[{_sequence(firsts, rest, lo, hi)}\\]"
+
+    def object(self, s: dict, path: str, depth: int) -> str:
+        props, required = s.get("properties", {}), s.get("required", [])
+        extra = s.get("additionalProperties")
+        if not isinstance(props, dict):
+            raise ValueError(f"'properties' at {path} must be an object")
+        if extra is not None and not isinstance(extra, (bool, dict)):
+            raise ValueError(f"'additionalProperties' at {path} must be a schema")
+        if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
+            raise ValueError(f"'required' at {path} must be an array of strings")
+        for name in required:
+            if name not in props:
+                raise ValueError(f"'required' at {path} names {name!r}, which is not in "
+                                 "'properties': such a member is not generated")
+        if not props and extra is not False:  # a map: any members, values as extra says
+            value = _ANY[ANY_DEPTH] if extra in (None, True) else \
+                self.node(extra, _at(path, "additionalProperties"), depth + 1)
+            member = f"{_STRING}{_COLON}{value}"
+            return f"\\{{(?:{member}(?:{_COMMA}{member})*)?\\}}"
+        # Beside properties, additionalProperties changes nothing: none beyond them is
+        # generated (absent, the spec's default, already allows them).
+        members = _bounded((_literal(name, path, depth) + _COLON
+                            + self.node(sub, _at(_at(path, "properties"), name), depth + 1)
+                            for name, sub in props.items()), path)
+        flags = [name in required for name in props]
+        return f"\\{{{_members(list(zip(members, flags)))}\\}}"
+
+
+def _bounded(parts: Iterable[str], path: str) -> list[str]:
+    """``parts``, stopping as soon as they are too long together: a schema repeating a
+    big $ref a thousand times is refused before it takes memory."""
+    out, total = [], 0
+    for part in parts:
+        total += len(part)
+        if total > MAX_REGEX_CHARS:
+            raise ValueError(f"the schema at {path} needs a regex longer than "
+                             f"{MAX_REGEX_CHARS} characters")
+        out.append(part)
+    return out
+
+
+def _members(members: list[tuple[str, bool]]) -> str:
+    """The members in order, each required one present, commas between those present.
+
+    Built left to right as (seq, may_be_empty), seq matching the non-empty runs so far:
+    one copy of seq per step keeps the regex linear in the members (an alternation per
+    "first member present" would be quadratic)."""
+    seq, may_be_empty = None, True
+    for member, required in members:
+        if seq is None:
+            seq, may_be_empty = member, not required
+        elif required:
+            seq = f"(?:{seq}{_COMMA})?{member}" if may_be_empty else f"{seq}{_COMMA}{member}"
+            may_be_empty = False
+        else:
+            after = f"{seq}(?:{_COMMA}{member})?"
+            seq = f"(?:{after}|{member})" if may_be_empty else after
+    if seq is None:
+        return ""
+    return f"(?:{seq})?" if may_be_empty else seq
+
+
+def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None) -> str:
+    """Array items: firsts[0], firsts[1], ..., then rest repeated, lo..hi items in all.
+
+    Built from the back: an item past the first lo wraps, optional, everything after it,
+    so the items present are always a leading run."""
+    k = len(firsts)
+    if hi == 0:
+        return ""
+    if not k:
+        run = rest + _repeat(_COMMA + rest, max(lo - 1, 0), None if hi is None else hi - 1)
+        return run if lo else f"(?:{run})?"
+    tail = ""
+    if rest is not None and (hi is None or hi > k):
+        tail = _repeat(_COMMA + rest, max(lo - k, 0), None if hi is None else hi - k)
+    for i in range(min(k, hi if hi is not None else k) - 1, -1, -1):
+        item = ("" if i == 0 else _COMMA) + firsts[i] + tail
+        tail = item if i < lo else f"(?:{item})?"
+    return tail
+
+
+def _atom(x: str) -> str:
+    """``x`` ready for a quantifier."""
+    if len(x) == 1 or (len(x) == 2 and x[0] == "\\") or \
+            (x[0] == "[" and x[-1] == "]" and "]" not in x[1:-1]):
+        return x
+    return f"(?:{x})"
+
+
+def _repeat(x: str, lo: int, hi: int | None) -> str:
+    """``x`` repeated lo..hi times (hi None: no limit), no single count above MAX_REPEAT."""
+    a = _atom(x)
+    if hi is None:
+        if lo > MAX_REPEAT:
+            return _repeat(x, lo, lo) + a + "*"
+        return {0: a + "*", 1: a + "+"}.get(lo, f"{a}{{{lo},}}")
+    if hi <= MAX_REPEAT:
+        if hi == 0:
+            return ""
+        if lo == hi:
+            return a if lo == 1 else f"{a}{{{lo}}}"
+        return a + "?" if (lo, hi) == (0, 1) else f"{a}{{{lo},{hi}}}"
+    block = _repeat(x, MAX_REPEAT, MAX_REPEAT)
+    q, r = divmod(hi, MAX_REPEAT)
+    if lo == hi:
+        return _repeat(block, q, q) + _repeat(x, r, r)
+    if lo:
+        return _repeat(x, lo, lo) + _repeat(x, 0, hi - lo)
+    # 0..hi: up to q-1 blocks then 0..MAX_REPEAT (every count up to q blocks), or q blocks
+    # then 0..r.
+    parts = [_repeat(block, 0, q - 1) + _repeat(x, 0, MAX_REPEAT)]
+    if r:
+        parts.append(_repeat(block, q, q) + _repeat(x, 0, r))
+    return _alt(parts)
+
+
+def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
+    if kw not in s:
+        return default
+    v = s[kw]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
+            isinstance(v, float) and not v.is_integer():
+        raise ValueError(f"{kw!r} at {path} must be a non-negative integer")
+    if v > MAX_COUNT:
+        raise ValueError(f"{kw!r} at {path} is above {MAX_COUNT}, the most supported")
+    return int(v)
+
+
+def _int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
+    """The least and greatest integers the bound keywords allow (None: unbounded)."""
+    los, his = [], []
+    for kw in _NUMBER_BOUNDS:
+        if kw not in s:
+            continue
+        v = s[kw]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{kw!r} at {path} must be a number")
+        if kw == "minimum":
+            los.append(math.ceil(v))
+        elif kw == "exclusiveMinimum":
+            los.append(math.floor(v) + 1)
+        elif kw == "maximum":
+            his.append(math.floor(v))
+        else:
+            his.append(math.ceil(v) - 1)
+    lo, hi = max(los, default=None), min(his, default=None)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"the bounds at {path} leave no integer")
+    return lo, hi
+
+
+def _int_range(lo: int | None, hi: int | None) -> str:
+    """Integers in lo..hi (None: unbounded) as JSON writes them: no leading zeros, no -0."""
+    if lo is None and hi is None:
+        return _INTEGER
+    parts = []
+    if lo is None or lo < 0:  # the negatives, as "-" and their magnitude
+        parts.append("-" + _natural_range(1 if hi is None or hi >= 0 else -hi,
+                                          None if lo is None else -lo))
+    if hi is None or hi >= 0:
+        parts.append(_natural_range(0 if lo is None else max(lo, 0), hi))
+    return _alt(parts)
+
+
+def _natural_range(lo: int, hi: int | None) -> str:
+    """The naturals in lo..hi (None: unbounded), one digit count at a time."""
+    top = 10 ** len(str(lo)) - 1 if hi is None else hi
+    parts = []
+    for n in range(len(str(lo)), len(str(top)) + 1):
+        least = max(lo, 10 ** (n - 1) if n > 1 else 0)
+        parts.append(_digits_range(str(least), str(min(top, 10 ** n - 1))))
+    if hi is None:  # and every longer number
+        parts.append("[1-9]" + _repeat("[0-9]", len(str(lo)), None))
+    return _alt(parts)
+
+
+def _digits_range(lo: str, hi: str) -> str:
+    """Digit strings as long as lo and hi, from lo to hi."""
+    k = next((i for i, (a, b) in enumerate(zip(lo, hi)) if a != b), len(lo))
+    if k == len(lo):
+        return lo
+    a, b, rest = int(lo[k]), int(hi[k]), len(lo) - k - 1
+    # The middle digits take any tail; lo's and hi's own digit does when its tail is
+    # all 0s (resp. 9s), and otherwise needs a tail at least (at most) its own.
+    mid_lo = a if set(lo[k + 1:]) <= {"0"} else a + 1
+    mid_hi = b if set(hi[k + 1:]) <= {"9"} else b - 1
+    parts = []
+    if mid_lo > a:
+        parts.append(lo[k] + _tail_range(lo[k + 1:], above=True))
+    if mid_lo <= mid_hi:
+        parts.append(_digit_class(mid_lo, mid_hi) + _repeat("[0-9]", rest, rest))
+    if mid_hi < b:
+        parts.append(hi[k] + _tail_range(hi[k + 1:], above=False))
+    return lo[:k] + _alt(parts)
+
+
+def _tail_range(digits: str, above: bool) -> str:
+    """Digit strings as long as ``digits``, at least it (above) or at most it; built from
+    the last digit back, without recursion (bounds may have hundreds of digits)."""
+    edge = "0" if above else "9"
+    rx = ""
+    for i in range(len(digits) - 1, -1, -1):
+        d, rest = int(digits[i]), len(digits) - 1 - i
+        any_tail = _repeat("[0-9]", rest, rest)
+        if set(digits[i:]) <= {edge}:
+            rx = _repeat("[0-9]", rest + 1, rest + 1)
+        elif set(digits[i + 1:]) <= {edge}:  # this digit or beyond it, then any tail
+            rx = (_digit_class(d, 9) if above else _digit_class(0, d)) + any_tail
+        elif d == (9 if above else 0):  # no other digit beyond this one
+            rx = digits[i] + rx
+        else:
+            other = _digit_class(d + 1, 9) if above else _digit_class(0, d - 1)
+            rx = _alt([digits[i] + rx, other + any_tail])
+    return rx
+
+
+def _digit_class(a: int, b: int) -> str:
+    return str(a) if a == b else f"[{a}-{b}]"
+
+
+def _alt(parts: list[str]) -> str:
+    parts = list(dict.fromkeys(parts))
+    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+
+
+def _escape(text: str) -> str:
+    return "".join("\\" + c if c in _META else f"\\u{ord(c):04x}" if c < " " or c == "\x7f"
+                   else c for c in text)
+
+
+def _literal(value: Any, path: str, depth: int) -> str:
+    """The regex of ``value``'s JSON text, with the separators' optional spaces."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"a value at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
+    if value is None or isinstance(value, (bool, int)):
+        return json.dumps(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"the value {value} at {path} is not a JSON number")
+        return _escape(json.dumps(value))
+    if isinstance(value, str):
+        return '"' + "".join(_string_char(c) for c in value) + '"'
+    if isinstance(value, list):
+        return "\\[" + _COMMA.join(_literal(v, path, depth + 1) for v in value) + "\\]"
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return "\\{" + _COMMA.join(_literal(k, path, depth) + _COLON
+                                   + _literal(v, path, depth + 1)
+                                   for k, v in value.items()) + "\\}"
+    raise ValueError(f"the value at {path} is not JSON: {type(value).__name__}")
+
+
+def _string_char(c: str) -> str:
+    escaped = _escape(json.dumps(c)[1:-1])  # as ensure_ascii writes it
+    if c.isascii() or "\ud800" <= c <= "\udfff":
+        return escaped
+    return f"(?:{c}|{escaped})"  # without ensure_ascii: the character itself
+
+
+def _json_types(value: Any, path: str) -> set[str]:
+    """The schema types ``value`` has (an integral number is both integer and number)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    found = {str: "string", list: "array", dict: "object"}.get(type(value))
+    if found is None:
+        raise ValueError(f"the value at {path} is not JSON: {type(value).__name__}")
+    return {found}
+
+
+def _any_value(depth: int) -> str:
+    scalar = [_STRING, _NUMBER, "true", "false", "null"]
+    if not depth:
+        return _alt(scalar)
+    inner = _any_value(depth - 1)
+    member = f"{_STRING}{_COLON}{inner}"
+    return _alt(scalar + [f"\\[(?:{inner}(?:{_COMMA}{inner})*)?\\]",
+                          f"\\{{(?:{member}(?:{_COMMA}{member})*)?\\}}"])
+
+
+_ANY = [_any_value(d) for d in range(ANY_DEPTH + 1)]
+
+
+def _at(path: str, key: str | int) -> str:
+    """``path`` one step down, as a JSON pointer."""
+    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"

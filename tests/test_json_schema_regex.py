@@ -1,0 +1,681 @@
+"""guided_json's regex (engine/json_schema_regex.py): instances drawn from each schema match
+it as json.dumps writes them (default and compact separators, with and without
+ensure_ascii); what it matches parses and validates under the small validator below
+(strings drawn from the regex itself, and JSON values of every shape); mutated instances
+don't match; integer ranges are exact number by number; the regex keeps to the syntax the
+automaton compiler takes; and what is not supported is refused by name and place."""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import math
+import operator
+import random
+import re
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.json_schema_regex import ANY_DEPTH, MAX_REGEX_CHARS, MAX_REPEAT, schema_to_regex
+
+SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SPELLINGS = [dict(), dict(separators=(",", ":")), dict(ensure_ascii=False),
+             dict(separators=(",", ":"), ensure_ascii=False)]
+
+ADDRESS = {"title": "Address", "type": "object", "properties": {
+    "street": {"title": "Street", "type": "string", "maxLength": 12},
+    "zip": {"title": "Zip", "type": "string", "minLength": 5, "maxLength": 5},
+    "country": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}},
+    "required": ["street", "zip"]}
+# As pydantic's model_json_schema() writes a model with a nested model, an enum, Optional
+# fields and a tuple.
+USER = {
+    "$defs": {"Address": ADDRESS,
+              "Role": {"enum": ["admin", "user", "guest"], "title": "Role", "type": "string"}},
+    "title": "User", "type": "object", "description": "A user.",
+    "properties": {
+        "id": {"title": "Id", "type": "integer", "minimum": 1},
+        "name": {"title": "Name", "type": "string", "minLength": 1, "maxLength": 20},
+        "role": {"$ref": "#/$defs/Role", "default": "user"},
+        "age": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 150}, {"type": "null"}],
+                "default": None, "title": "Age"},
+        "addresses": {"items": {"$ref": "#/$defs/Address"}, "maxItems": 3, "title": "Addresses",
+                      "type": "array"},
+        "home": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}], "default": None},
+        "point": {"maxItems": 2, "minItems": 2, "prefixItems": [{"type": "number"},
+                                                                {"type": "number"}],
+                  "type": "array", "title": "Point"},
+        "tags": {"additionalProperties": {"type": "integer"}, "type": "object"},
+    },
+    "required": ["id", "name", "addresses"], "additionalProperties": False,
+}
+PET = {"oneOf": [{"$ref": "#/definitions/Cat"}, {"$ref": "#/definitions/Dog"}],
+       "discriminator": {"propertyName": "kind"},
+       "definitions": {
+           "Cat": {"type": "object", "properties": {"kind": {"const": "cat", "type": "string"},
+                                                    "lives": {"type": "integer", "minimum": 0,
+                                                              "maximum": 9}},
+                   "required": ["kind", "lives"]},
+           "Dog": {"type": "object", "properties": {"kind": {"const": "dog"},
+                                                    "good": {"type": "boolean"}},
+                   "required": ["kind"]}}}
+
+
+def _props(required: str) -> dict:
+    """Five properties a..e, the upper-case ones of ``required`` required."""
+    return {"type": "object", "additionalProperties": False,
+            "properties": {c: {"type": "integer"} if c in "ace" else {"type": "string",
+                                                                       "maxLength": 2}
+                           for c in "abcde"},
+            "required": [c.lower() for c in required if c.isupper()]}
+
+
+SCHEMAS = {
+    "user": USER,
+    "pet": PET,
+    "scalars": {"type": "object", "additionalProperties": False, "properties": {
+        "n": {"type": "null"}, "b": {"type": "boolean"}, "i": {"type": "integer"},
+        "x": {"type": "number"}, "s": {"type": "string"}}, "required": ["n", "b", "i", "x", "s"]},
+    "ranges": {"type": "array", "prefixItems": [
+        {"type": "integer", "minimum": -50, "maximum": 50},
+        {"type": "integer", "exclusiveMinimum": -7, "exclusiveMaximum": 3},
+        {"type": "integer", "minimum": 1000},
+        {"type": "integer", "maximum": -1000},
+        {"type": "integer", "minimum": 2.5, "maximum": 1e3},
+        {"type": "integer", "exclusiveMinimum": 0, "maximum": 12345678901234567890},
+        {"type": "integer", "minimum": -99999, "exclusiveMaximum": -98}],
+        "minItems": 7, "items": False},
+    "strings": {"type": "object", "properties": {
+        "short": {"type": "string", "maxLength": 3},
+        "long": {"type": "string", "minLength": 4, "maxLength": 8},
+        "date": {"type": "string", "format": "date"},
+        "time": {"type": "string", "format": "time"},
+        "stamp": {"type": "string", "format": "date-time"},
+        "id": {"type": "string", "format": "uuid"}}, "required": ["short", "date", "id"]},
+    "none_required": _props(""),
+    "first_required": _props("Abcde"),
+    "last_required": _props("abcdE"),
+    "middle_required": _props("abCde"),
+    "alternate": _props("aBcDe"),
+    "all_required": _props("ABCDE"),
+    "enum_mixed": {"enum": [1, "two", 3.5, None, True, [1, "x"], {"k": "v", "n": [None]},
+                            "\u00e9\u4e2d\U0001F600 \"q\"\\", -0.25, 1e100]},
+    "const": {"const": {"a": [1, {"b": None}], "c": "d"}},
+    "typed_enum": {"type": ["integer", "null"], "enum": [1, "1", None, False, 2.0]},
+    "arrays": {"type": "object", "properties": {
+        "tuple": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "boolean"}],
+                  "items": {"type": "integer"}, "minItems": 1, "maxItems": 4},
+        "open_tuple": {"type": "array", "prefixItems": [{"type": "null"}]},
+        "short_prefix": {"type": "array", "prefixItems": [{"type": "integer"}] * 3,
+                         "maxItems": 2},
+        "bounded": {"type": "array", "items": {"type": "boolean"}, "minItems": 2,
+                    "maxItems": 3},
+        "nested": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+        "none": {"type": "array", "items": False}}},
+    "any": {},
+    "true": True,
+    "any_array": {"type": "array"},
+    "any_object": {"type": "object"},
+    "map_of_any": {"type": "object", "additionalProperties": True},
+    "nullable": {"type": "object", "properties": {
+        "s": {"type": "string", "nullable": True, "maxLength": 1},
+        "e": {"enum": ["a"], "nullable": True}}, "required": ["s", "e"]},
+    "type_list": {"type": ["string", "integer", "null"], "maxLength": 2, "minimum": 0},
+    "all_of": {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "boolean"}}},
+    "no_type": {"properties": {"a": {"minLength": 1},
+                               "b": {"items": {"type": "boolean"}, "maxItems": 1}}},
+}
+
+
+# --- a validator for the supported subset, by the spec (draft 2020-12) ---
+
+def _same(a, b) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _is_type(x, t: str) -> bool:
+    number = isinstance(x, (int, float)) and not isinstance(x, bool)
+    return {"null": x is None, "boolean": isinstance(x, bool), "number": number,
+            "integer": number and float(x).is_integer(), "string": isinstance(x, str),
+            "array": isinstance(x, list), "object": isinstance(x, dict)}[t]
+
+
+def _format_ok(fmt: str, s: str) -> bool:
+    if fmt == "uuid":
+        try:
+            return len(s) == 36 and s[8] + s[13] + s[18] + s[23] == "----" and bool(uuid.UUID(s))
+        except ValueError:
+            return False
+    if fmt == "date-time":
+        return s.count("T") == 1 and all(_format_ok(f, p) for f, p in
+                                         zip(("date", "time"), s.split("T")))
+    if fmt == "date":
+        m = re.fullmatch(r"([0-9]{4})-([0-9]{2})-([0-9]{2})", s)
+        try:  # year 0 is a leap year, as 2000 is
+            return bool(m) and bool(datetime.date(int(m[1]) or 2000, int(m[2]), int(m[3])))
+        except ValueError:
+            return False
+    m = re.fullmatch(r"([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?(Z|[+-]([0-9]{2}):([0-9]{2}))",
+                     s)
+    return bool(m) and int(m[1]) < 24 and int(m[2]) < 60 and int(m[3]) <= 60 and \
+        (m[5] == "Z" or int(m[6]) < 24 and int(m[7]) < 60)
+
+
+def valid(x, s, root) -> bool:
+    if isinstance(s, bool):
+        return s
+    if "$ref" in s:
+        kind, name = s["$ref"].split("/")[1:]
+        if not valid(x, root[kind][name], root):
+            return False
+    if s.get("nullable") and x is None:
+        return True
+    if "allOf" in s and not all(valid(x, b, root) for b in s["allOf"]):
+        return False
+    if "anyOf" in s and not any(valid(x, b, root) for b in s["anyOf"]):
+        return False
+    if "oneOf" in s and sum(valid(x, b, root) for b in s["oneOf"]) != 1:
+        return False
+    if "enum" in s and not any(_same(x, v) for v in s["enum"]):
+        return False
+    if "const" in s and not _same(x, s["const"]):
+        return False
+    types = s.get("type", [])
+    if types and not any(_is_type(x, t) for t in ([types] if isinstance(types, str) else types)):
+        return False
+    if isinstance(x, str):
+        return s.get("minLength", 0) <= len(x) <= s.get("maxLength", math.inf) and \
+            ("format" not in s or _format_ok(s["format"], x))
+    if _is_type(x, "number"):
+        # Not a chain through infinities: 1E400 is a JSON number Python reads as inf.
+        return all(kw not in s or op(x, s[kw]) for kw, op in (
+            ("minimum", operator.ge), ("maximum", operator.le),
+            ("exclusiveMinimum", operator.gt), ("exclusiveMaximum", operator.lt)))
+    if isinstance(x, list):
+        prefix, items = s.get("prefixItems", []), s.get("items", True)
+        return s.get("minItems", 0) <= len(x) <= s.get("maxItems", math.inf) and \
+            all(valid(v, prefix[i] if i < len(prefix) else items, root) for i, v in enumerate(x))
+    if isinstance(x, dict):
+        props, extra = s.get("properties", {}), s.get("additionalProperties", True)
+        return all(k in x for k in s.get("required", [])) and \
+            all(valid(v, props[k] if k in props else extra, root) for k, v in x.items())
+    return True
+
+
+# --- instances drawn from a schema ---
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6))
+
+
+@functools.cache
+def json_values(depth: int = ANY_DEPTH):
+    if not depth:
+        return _SCALARS
+    inner = json_values(depth - 1)
+    return st.one_of(_SCALARS, st.lists(inner, max_size=3),
+                     st.dictionaries(st.text(max_size=4), inner, max_size=3))
+
+
+def _int_limits(s):
+    lo, hi = s.get("minimum"), s.get("maximum")
+    lo = None if lo is None else math.ceil(lo)
+    hi = None if hi is None else math.floor(hi)
+    if "exclusiveMinimum" in s:
+        lo = math.floor(s["exclusiveMinimum"]) + 1
+    if "exclusiveMaximum" in s:
+        hi = math.ceil(s["exclusiveMaximum"]) - 1
+    return lo, hi
+
+
+_TIMES = st.tuples(st.times(), st.sampled_from(["Z", "+05:30", "-00:00", "+23:59"])).map(
+    lambda t: t[0].isoformat() + t[1])
+_FORMATS = {"date": st.dates().map(str), "time": _TIMES,
+            "date-time": st.tuples(st.dates(), _TIMES).map(lambda t: f"{t[0]}T{t[1]}"),
+            "uuid": st.uuids().flatmap(lambda u: st.sampled_from([str(u), str(u).upper()]))}
+
+
+def instances(s, root):
+    if s is True or not s.keys() - {"title", "description", "default"}:
+        return json_values()
+    if "$ref" in s:
+        kind, name = s["$ref"].split("/")[1:]
+        return instances(root[kind][name], root)
+    for kw in ("anyOf", "oneOf", "allOf"):
+        if kw in s:
+            return st.one_of([instances(b, root) for b in s[kw]])
+    if "enum" in s or "const" in s:
+        values = s["enum"] if "enum" in s else [s["const"]]
+        values = [v for v in values if valid(v, {"type": s["type"]} if "type" in s else {}, root)]
+        base = st.sampled_from(values)
+    else:
+        inferred = {"minLength": "string", "properties": "object", "maxItems": "array"}
+        types = s.get("type") or [t for kw, t in inferred.items() if kw in s]
+        types = [types] if isinstance(types, str) else types
+        base = st.one_of([_typed(t, s, root) for t in types])
+    return st.one_of(st.none(), base) if s.get("nullable") else base
+
+
+def _typed(t, s, root):
+    if t == "null":
+        return st.none()
+    if t == "boolean":
+        return st.booleans()
+    if t == "integer":
+        return st.integers(*_int_limits(s))
+    if t == "number":
+        return st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    if t == "string":
+        if "format" in s:
+            return _FORMATS[s["format"]]
+        return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength"))
+    if t == "array":
+        prefix, items = s.get("prefixItems", []), s.get("items", True)
+        lo = s.get("minItems", 0)
+        hi = min(s.get("maxItems", lo + 4), lo + 4, len(prefix) if items is False else math.inf)
+        return st.integers(lo, hi).flatmap(lambda n: st.tuples(*[
+            instances(prefix[i] if i < len(prefix) else items, root) for i in range(n)
+        ]).map(list))
+    props = s.get("properties", {})
+    if not props:
+        extra = s.get("additionalProperties", True)
+        return st.dictionaries(st.text(max_size=4), instances(extra, root), max_size=3)
+    required = s.get("required", [])
+    return st.tuples(*[st.tuples(st.just(k), st.booleans() if k not in required else st.just(True),
+                                 instances(sub, root)) for k, sub in props.items()]).map(
+        lambda members: {k: v for k, keep, v in members if keep})
+
+
+@functools.cache
+def regex(name: str) -> re.Pattern:
+    return re.compile(schema_to_regex(SCHEMAS[name]))
+
+
+@functools.cache
+def regex_texts(name: str):
+    """The texts the regex matches (a strategy: built once, as building one takes a while)."""
+    return st.from_regex(regex(name), fullmatch=True)
+
+
+def _matches(rx: re.Pattern, value) -> list[bool]:
+    return [bool(rx.fullmatch(json.dumps(value, **kw))) for kw in SPELLINGS]
+
+
+# --- instances match ---
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@SETTINGS
+@given(data=st.data())
+def test_every_drawn_instance_matches_in_every_spelling(name, data):
+    schema = SCHEMAS[name]
+    value = data.draw(instances(schema, schema))
+    assert valid(value, schema, schema)  # the strategies draw what the validator accepts
+    assert _matches(regex(name), value) == [True] * 4, json.dumps(value)
+
+
+# --- what matches is valid ---
+
+# Regexes with values of any type are slow to draw from: those whose every text is valid
+# once it is JSON of the right shape are left to "any" ("true" has the same regex).
+@pytest.mark.parametrize("name", [n for n in SCHEMAS if n not in {"true", "any_array",
+                                                                  "any_object", "map_of_any"}])
+@settings(SETTINGS, max_examples=15)
+@given(data=st.data())
+def test_every_text_the_regex_matches_is_a_valid_instance(name, data):
+    schema = SCHEMAS[name]
+    text = data.draw(regex_texts(name))
+    assert valid(json.loads(text), schema, schema), text
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(value=json_values())
+def test_a_json_value_of_any_shape_matches_only_where_it_is_valid(value):
+    for name, schema in SCHEMAS.items():
+        if any(_matches(regex(name), value)):
+            assert valid(value, schema, schema), (name, value)
+
+
+# --- what is invalid does not match ---
+
+ORDER = {"type": "object", "additionalProperties": False, "properties": {
+    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+    "code": {"type": "string", "minLength": 2, "maxLength": 4},
+    "status": {"enum": ["new", "paid", 3]},
+    "note": {"type": "string"},
+    "lines": {"type": "array", "items": {"type": "integer", "exclusiveMinimum": -3,
+                                         "exclusiveMaximum": 3}, "maxItems": 3},
+    "when": {"type": "string", "format": "date"}}, "required": ["id", "code", "status", "lines"]}
+
+
+def _mutations(order: dict) -> list[tuple[str, object]]:
+    def change(**kw):
+        return {**order, **kw}
+
+    without = [{k: v for k, v in order.items() if k != r} for r in ORDER["required"]]
+    return [
+        ("wrong type", list(order.values())), ("wrong type", json.dumps(order)),
+        ("wrong type", None), ("wrong type", change(id=str(order["id"]))),
+        ("wrong type", change(id=order["id"] + 0.5)), ("wrong type", change(note=5)),
+        ("wrong type", change(lines="[]")), ("wrong type", change(lines=[*order["lines"], "1"])),
+        *[("missing required", m) for m in without],
+        ("extra property", change(extra=1)), ("extra property", {"x": None, **order}),
+        ("out of range", change(id=0)), ("out of range", change(id=1000)),
+        ("out of range", change(id=-order["id"])), ("out of range", change(lines=[3])),
+        ("out of range", change(lines=[0, -3])), ("too many", change(lines=[0, 1, 2, -1])),
+        ("too long", change(code="abcde")), ("too short", change(code="a")),
+        ("wrong enum", change(status="old")), ("wrong enum", change(status=4)),
+        ("wrong enum", change(status=None)), ("wrong enum", change(status="NEW")),
+        ("bad date", change(when="2023-02-29")), ("bad date", change(when="2024-13-01")),
+    ]
+
+
+@SETTINGS
+@given(order=instances(ORDER, ORDER))
+def test_mutated_instances_do_not_match(order):
+    rx = re.compile(schema_to_regex(ORDER))
+    assert _matches(rx, order) == [True] * 4
+    for what, bad in _mutations(order):
+        assert not valid(bad, ORDER, ORDER), what
+        assert _matches(rx, bad) == [False] * 4, (what, bad)
+
+
+def test_the_whitespace_is_one_optional_space_after_each_comma_and_colon():
+    rx = re.compile(schema_to_regex({"type": "object", "properties": {
+        "a": {"type": "array"}, "b": {"type": "object"}}}))
+    for text in ['{"a": [1, 2], "b": {"c": {}}}', '{"a":[1,2],"b":{"c":{}}}',
+                 '{"a": [1,2], "b":{"c": []}}', "{}", '{"b": {}}']:
+        assert rx.fullmatch(text), text
+    for text in ['{"a" : []}', '{ "a": []}', '{"a": [] }', '{"a":  []}', '{"a": [ ]}',
+                 '{"a": []} ', ' {"a": []}', '{"a":\n[]}', '{"a":\t[]}', '{"a": [1 ,2]}',
+                 '{"b": { }}', '{"b": [], "a": []}', '{"a": [1,  2]}']:
+        assert not rx.fullmatch(text), text
+
+
+def test_only_the_declared_properties_are_generated_in_order():
+    rx = re.compile(schema_to_regex({"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}, "additionalProperties": True}))
+    assert rx.fullmatch('{"a": 1, "b": 2}') and rx.fullmatch('{"b": 2}')
+    assert not rx.fullmatch('{"b": 2, "a": 1}')  # valid, but not in the declared order
+    assert not rx.fullmatch('{"a": 1, "c": 2}')  # valid, but c is not declared
+
+
+def test_an_unconstrained_value_nests_any_depth_levels():
+    rx = re.compile(schema_to_regex({}))
+    for inner in [0, None, "x"]:
+        nested, deeper = inner, [inner]
+        for level in range(ANY_DEPTH):
+            nested, deeper = ([nested], [deeper]) if level % 2 else ({"k": nested}, {"k": deeper})
+        assert rx.fullmatch(json.dumps(nested)) and not rx.fullmatch(json.dumps(deeper))
+
+
+def test_literal_strings_take_either_spelling_of_a_non_ascii_character():
+    rx = re.compile(schema_to_regex({"const": "\u00e9\U0001F600"}))
+    for text in ['"\u00e9\U0001F600"', '"\\u00e9\\ud83d\\ude00"', '"\u00e9\\ud83d\\ude00"']:
+        assert rx.fullmatch(text), text
+    assert not rx.fullmatch('"e\U0001F600"')
+
+
+def test_string_lengths_count_characters_not_escape_text():
+    rx = re.compile(schema_to_regex({"type": "string", "minLength": 2, "maxLength": 2}))
+    for text in ['"ab"', '"\\n\\u00e9"', '"\\ud83d\\ude00x"', '"\U0001F600x"']:
+        assert rx.fullmatch(text), text
+    # A surrogate pair is one character; lone surrogate escapes are not generated.
+    for text in ['"\\ud83d\\ude00"', '"\\ud83dx"', '"\\ude00x"', '"a"', '"abc"', '"\nb"']:
+        assert not rx.fullmatch(text), text
+
+
+def test_dates_know_month_lengths_and_leap_years():
+    rx = re.compile(schema_to_regex({"type": "string", "format": "date"}))
+    for day in ["2024-02-29", "2000-02-29", "0000-02-29", "1996-02-29", "2023-01-31",
+                "2023-04-30", "2023-12-31", "2023-02-28"]:
+        assert rx.fullmatch(f'"{day}"'), day
+    for day in ["2023-02-29", "1900-02-29", "2100-02-29", "2023-04-31", "2023-00-10",
+                "2023-13-01", "2023-01-00", "2023-1-01", "20230101"]:
+        assert not rx.fullmatch(f'"{day}"'), day
+
+
+def test_integers_are_written_one_way():
+    rx = re.compile(schema_to_regex({"type": "integer"}))
+    assert all(rx.fullmatch(t) for t in ["0", "7", "-7", "1234567890123456789012"])
+    assert not any(rx.fullmatch(t) for t in ["-0", "07", "+7", "1.0", "1e3", " 7", "7 "])
+
+
+def _window_check(lo, hi, numbers, **bounds):
+    rx = re.compile(schema_to_regex({"type": "integer", **bounds}))
+    for n in numbers:
+        inside = (lo is None or lo <= n) and (hi is None or n <= hi)
+        assert bool(rx.fullmatch(str(n))) == inside, (bounds, n)
+
+
+def test_integer_ranges_are_exact_number_by_number():
+    rng = random.Random(7)
+    for _ in range(150):
+        scale = rng.choice([10, 100, 1000, 5000])
+        a, b = sorted(rng.randint(-scale, scale) for _ in range(2))
+        lo, hi = rng.choice([a, None]), rng.choice([b, None])
+        bounds = {}
+        if lo is not None:
+            bounds.update(rng.choice([{"minimum": lo}, {"exclusiveMinimum": lo - 1},
+                                      {"minimum": lo - 0.5}, {"exclusiveMinimum": lo - 0.5}]))
+        if hi is not None:
+            bounds.update(rng.choice([{"maximum": hi}, {"exclusiveMaximum": hi + 1},
+                                      {"maximum": hi + 0.5}, {"exclusiveMaximum": hi + 0.5}]))
+        edges = [v for v in (a, b, 0, 10, 100, 1000) for v in (v, -v)]
+        numbers = set(range(min(a, -scale // 10) - 40, max(b, scale // 10) + 40))
+        numbers |= {e + d for e in edges for d in range(-12, 13)}
+        _window_check(lo, hi, sorted(numbers), **bounds)
+
+
+def test_huge_integer_bounds_are_exact_at_their_edges():
+    lo, hi = -(10 ** 20) + 7, 10 ** 25 - 3
+    edges = [lo, hi, 0, -(10 ** 20), 10 ** 25, 10 ** 24, -(10 ** 19), 9 * 10 ** 24]
+    numbers = {e + d for e in edges for d in range(-15, 16)}
+    _window_check(lo, hi, sorted(numbers), minimum=lo, maximum=hi)
+    _window_check(lo, None, sorted(numbers), minimum=lo)
+    big = 10 ** 1200  # more digits than one counted repeat may take
+    _window_check(big, None, [big - 1, big, big + 1, 10 * big], minimum=big)
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 2500), (1001, 1001), (999, 3001), (2000, None),
+                                   (0, 1000), (1500, 2000), (0, 2000), (3000, 3000)])
+def test_long_strings_and_arrays_count_past_one_repeat(lo, hi):
+    bounds = {"minLength": lo} | ({} if hi is None else {"maxLength": hi})
+    rx = re.compile(schema_to_regex({"type": "string", **bounds}))
+    items = {"minItems": lo} | ({} if hi is None else {"maxItems": hi})
+    rx_items = re.compile(schema_to_regex({"type": "array", "items": {"const": 0}, **items}))
+    edges = {0, 1, 999, 1000, 1001, 1999, 2000, 2001, 2999, 3000, 3001, 3002, lo - 1, lo,
+             lo + 1} | (set() if hi is None else {hi - 1, hi, hi + 1})
+    for n in sorted(e for e in edges if e >= 0):
+        expected = lo <= n and (hi is None or n <= hi)
+        assert bool(rx.fullmatch('"' + "a" * n + '"')) == expected, n
+        assert bool(rx_items.fullmatch(json.dumps([0] * n))) == expected, n
+
+
+# --- the regex keeps to the automaton compiler's syntax ---
+
+_ESCAPES = set(".^$*+?{}[]\\|()\"/-ntrdws")
+
+
+def _check_syntax(rx: str) -> None:
+    """Only literals, the escapes above and \\uHHHH, classes, (...) and (?:...) groups, |,
+    and * + ? {n} {n,} {n,m} quantifiers with no count above MAX_REPEAT."""
+    i, open_groups = 0, 0
+    while i < len(rx):
+        c = rx[i]
+        if c == "\\":
+            if rx[i + 1] == "u":
+                assert re.fullmatch("[0-9a-fA-F]{4}", rx[i + 2:i + 6]), rx[i:i + 6]
+                i += 6
+                continue
+            assert rx[i + 1] in _ESCAPES, rx[i:i + 2]
+            i += 2
+        elif c == "[":
+            j = i + 1 + (rx[i + 1] == "^")
+            while rx[j] != "]":
+                if rx[j] == "\\":
+                    assert rx[j + 1] in _ESCAPES | {"u"}, rx[j:j + 2]
+                    j += 6 if rx[j + 1] == "u" else 2
+                else:
+                    j += 1
+            i = j + 1
+        elif c == "(":
+            assert rx[i + 1] != "?" or rx[i + 2] == ":", rx[i:i + 3]
+            open_groups += 1
+            i += 3 if rx[i + 1] == "?" else 1
+        elif c == ")":
+            open_groups -= 1
+            assert open_groups >= 0
+            i += 1
+        elif c == "{":
+            m = re.compile(r"\{([0-9]+)(,([0-9]*))?\}").match(rx, i)
+            assert m, rx[i:i + 10]
+            assert int(m[1]) <= MAX_REPEAT and (not m[3] or int(m[1]) <= int(m[3]) <= MAX_REPEAT)
+            i = m.end()
+        else:
+            assert c not in "^$}]", (c, rx[max(0, i - 20):i + 5])
+            i += 1
+    assert open_groups == 0
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_the_regex_keeps_to_the_supported_syntax(name):
+    _check_syntax(regex(name).pattern)
+    assert len(regex(name).pattern) <= MAX_REGEX_CHARS
+
+
+def test_the_syntax_check_catches_what_is_outside_the_subset():
+    for rx in ["^a", "(?=a)", "\\x41", "\\b", "a{1001}", "(a)\\1", "(?i)a"]:
+        with pytest.raises(AssertionError):
+            _check_syntax(rx)
+    for big in [{"type": "string", "maxLength": 9999}, {"type": "integer", "minimum": 10 ** 1200}]:
+        _check_syntax(schema_to_regex(big))
+
+
+# --- pydantic, if installed ---
+
+def test_a_pydantic_models_schema_and_its_validation_agree_with_the_regex():
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal, Optional
+
+    class Item(pydantic.BaseModel):
+        sku: str = pydantic.Field(min_length=2, max_length=6)
+        qty: int = pydantic.Field(gt=0, le=500)
+        kind: Literal["a", "b"] = "a"
+
+    class Cart(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        owner: Optional[str] = None
+        items: list[Item] = pydantic.Field(max_length=3)
+        pair: tuple[int, bool]
+        notes: dict[str, int] = {}
+        total: float
+
+    schema = Cart.model_json_schema()
+    rx = re.compile(schema_to_regex(schema))
+    _check_syntax(rx.pattern)
+
+    @settings(max_examples=25, deadline=None, derandomize=True)
+    @given(text=st.from_regex(rx, fullmatch=True), value=instances(schema, schema))
+    def check(text, value):
+        Cart.model_validate_json(text)
+        assert _matches(rx, Cart.model_validate(value).model_dump(mode="json")) == [True] * 4
+
+    check()
+
+
+# --- refusals ---
+
+REFUSED = [
+    ({"type": "string", "pattern": "a+"}, "'pattern' at #"),
+    ({"patternProperties": {"a": {}}}, "'patternProperties' at #"),
+    ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' at #"),
+    ({"if": {}, "then": {}}, "'if' at #"),
+    ({"not": {"type": "null"}}, "'not' at #"),
+    ({"type": "array", "contains": {}}, "'contains' at #"),
+    ({"type": "object", "minProperties": 1}, "'minProperties' at #"),
+    ({"properties": {"a": {"items": {"pattern": "x"}}}}, "'pattern' at #/properties/a/items"),
+    ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
+     "'not' at #/$defs/A/properties/x~1y"),
+    ({"anyOf": [{"type": "null"}, {"format": "email"}]}, "'format' 'email' at #/anyOf/1"),
+    ({"type": "number", "minimum": 0}, "'minimum' at # bounds a number"),
+    ({"type": ["integer", "number"], "exclusiveMaximum": 1}, "'exclusiveMaximum'"),
+    ({"type": "integer", "exclusiveMinimum": True}, "'exclusiveMinimum' at # must be a number"),
+    ({"type": "integer", "maximum": "9"}, "'maximum'"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "bounds at # leave no integer"),
+    ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "leave no integer"),
+    (False, "is false"),
+    ({"items": False, "type": "array", "minItems": 1}, "'minItems'"),
+    ({"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}},
+      "$ref": "#/$defs/Node"}, "'$ref' '#/$defs/Node' at #/$defs/Node/properties/next is "
+                               "recursive"),
+    ({"$ref": "#"}, "'$ref' '#' at # is not supported"),
+    ({"$ref": "http://example.com/s.json"}, "'$ref'"),
+    ({"$ref": "#/$defs/A/properties/b", "$defs": {"A": {}}}, "'$ref'"),
+    ({"$ref": "#/$defs/Missing"}, "'$ref' '#/$defs/Missing' at # points to no schema"),
+    ({"$ref": 3}, "'$ref' at # must be a string"),
+    ({"allOf": [{}, {}]}, "'allOf' at # has 2 schemas"),
+    ({"anyOf": []}, "'anyOf' at #"),
+    ({"oneOf": {"type": "null"}}, "'oneOf' at #"),
+    ({"type": "strnig"}, "'type' at #"),
+    ({"type": []}, "'type' at #"),
+    ({"type": "string", "format": "email"}, "'format' 'email'"),
+    ({"type": "string", "format": "date", "maxLength": 20}, "'maxLength' beside 'format'"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' at # is above"),
+    ({"type": "string", "maxLength": 10 ** 6}, "'maxLength' at # is above"),
+    ({"type": "string", "maxLength": -1}, "'maxLength' at # must be"),
+    ({"type": "string", "minLength": 1.5}, "'minLength' at # must be"),
+    ({"type": "string", "minLength": None}, "'minLength' at # must be"),
+    ({"type": "array", "maxItems": "3"}, "'maxItems' at # must be"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'required' at # names 'b'"),
+    ({"type": "object", "required": "a"}, "'required' at #"),
+    ({"type": "object", "properties": []}, "'properties' at #"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": 1},
+     "'additionalProperties' at #"),
+    ({"type": "array", "items": [{}]}, "'items' at # is an array"),
+    ({"type": "array", "prefixItems": {}}, "'prefixItems' at #"),
+    ({"enum": []}, "'enum' at #"),
+    ({"enum": "a"}, "'enum' at # must be an array"),
+    ({"type": "string", "enum": [1, 2]}, "'enum' at # leaves no value"),
+    ({"enum": [1], "const": 1}, "'enum' and 'const' together"),
+    ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {}}}, "'type' beside '$ref'"),
+    ({"anyOf": [{"type": "integer"}], "minimum": 1}, "'minimum' beside 'anyOf'"),
+    ({"enum": ["a", "bb"], "maxLength": 1}, "'maxLength' beside 'enum'"),
+    ({"nullable": "yes"}, "'nullable' at #"),
+    ({"const": float("inf")}, "not a JSON number"),
+    ({"const": {1: 2}}, "not JSON"),
+    ([{"type": "null"}], "a list, not an object"),
+    ({"properties": {"a": 3}}, "schema at #/properties/a is a int"),
+    ("{not json", "not valid JSON"),
+    ("[" * 100_000, "nests too deeply"),
+    (functools.reduce(lambda s, _: {"items": s}, range(100), {}), "nests deeper than"),
+    ({"enum": ["x" * 1000] * 300}, "longer than"),
+    ({"$defs": {f"A{i + 1}": {"type": "array", "prefixItems": [{"$ref": f"#/$defs/A{i}"}] * 8}
+                for i in range(20)} | {"A0": {"type": "null"}}, "$ref": "#/$defs/A20"},
+     "longer than"),
+]
+
+
+@pytest.mark.parametrize("schema,message", REFUSED, ids=[m for _, m in REFUSED])
+def test_what_is_not_supported_is_refused_by_name_and_place(schema, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        schema_to_regex(schema)
+
+
+def test_a_schema_may_come_as_json_text():
+    rx = schema_to_regex(json.dumps({"type": "array", "items": {"type": "integer", "minimum": 3},
+                                     "maxItems": 2}))
+    assert re.fullmatch(rx, "[3, 40]") and not re.fullmatch(rx, "[2]")
+    assert not re.fullmatch(rx, "[3, 4, 5]")
