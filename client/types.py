@@ -1,6 +1,7 @@
 """What the SDK hands back: plain dataclasses, no protobuf in user code."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -193,6 +194,9 @@ def build_request(prompt: Prompt, request_id: str | None, sampling: dict,
     for name in ("stop", "bad_words", "guided_choice"):
         if isinstance(sampling.get(name), str):
             sampling = {**sampling, name: [sampling[name]]}
+    # A schema goes as JSON text: a dict (a pydantic model's model_json_schema()) is sent so.
+    if isinstance(sampling.get("guided_json"), (dict, bool)):
+        sampling = {**sampling, "guided_json": json.dumps(sampling["guided_json"])}
     given = {k: v for k, v in sampling.items() if v is not None}
     try:
         params = common_pb2.SamplingParams(**given)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import faulthandler
+import functools
 import logging
 import threading
 import time
@@ -199,8 +200,14 @@ class AsyncEngine(EngineFront):
     async def _add_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, resume_token_ids: list[int],
                            stream_interval: int) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, resume_token_ids,
-                                stream_interval)
+        add = functools.partial(self.engine.add_request, request_id, prompt_token_ids, params,
+                                resume_token_ids, stream_interval)
+        if params.guided_regex or params.guided_json:
+            # Its guide is compiled, and the vocabulary's trie built at the engine's first
+            # one: a second for a large vocabulary, off the loop (the thread waits for no step).
+            await asyncio.to_thread(add)
+        else:
+            add()
         self._wake.set()
 
     def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,

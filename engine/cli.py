@@ -97,6 +97,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
                    help="words the output must not contain")
     p.add_argument("--guided-choice", nargs="+", default=None, metavar="TEXT",
                    help="the output is one of these texts (ends at it, with the model's eos)")
+    p.add_argument("--guided-regex", default=None, metavar="PATTERN",
+                   help="the output text fully matches this regular expression")
+    p.add_argument("--guided-json", type=_json_schema, default=None, metavar="SCHEMA",
+                   help="the output is JSON valid under this JSON schema (its JSON text, or a "
+                        "file holding it)")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
                    help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
 
@@ -110,17 +115,32 @@ def _logit_bias(text: str) -> dict[int, float]:
             'a JSON object of token id to bias, e.g. {"42": 5.0}') from None
 
 
+def _json_schema(text: str) -> str:
+    """A JSON schema's text, given as such or as a file's path."""
+    try:
+        if not text.lstrip().startswith("{") and os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        json.loads(text)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"not a JSON schema (or a file holding one): {e}") \
+            from None
+    return text
+
+
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                   "logit_bias", "priority", "bad_words", "guided_choice")
+                   "logit_bias", "priority", "bad_words", "guided_choice", "guided_regex",
+                   "guided_json")
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
     """A bad sampling flag fails (ValueError) before any model loads or router is called:
     a router's answer to it came after connecting, or as UNAVAILABLE when there was none."""
+    from engine.guides import check_guide
     from engine.sampling_params import SamplingParams
 
-    SamplingParams(**sampling_kwargs(args, {}))
+    check_guide(SamplingParams(**sampling_kwargs(args, {})))
 
 
 def sampling_kwargs(args: argparse.Namespace, model_defaults: dict) -> dict:

@@ -12,20 +12,16 @@ to another engine (its first token sampled by a prefill worker, a migration) goe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.tokenizer import Tokenizer
 
 
-def tokenize_choices(tokenizer: Tokenizer | None, choices: Sequence[str],
-                     eos_token_ids: Sequence[int]) -> list[list[int]]:
-    """The token sequences of ``choices``, each once; ValueError when they cannot guide."""
+def tokenize_choices(tokenizer: Tokenizer, choices: Sequence[str]) -> list[list[int]]:
+    """The token sequences of ``choices``, each once; ValueError when they cannot guide (the
+    model's tokenizer and eos are checked by engine/guides.py)."""
     if not choices:
         return []
-    if tokenizer is None:
-        raise ValueError("guided_choice needs a model with a tokenizer")
-    if not eos_token_ids:
-        raise ValueError("guided_choice ends the output with the model's eos token, and this "
-                         "model has none")
     seqs: list[list[int]] = []
     for choice in choices:
         ids = tokenizer.encode_plain(choice)
@@ -60,3 +56,17 @@ def allowed_by_choices(seqs: list[list[int]], output_token_ids: Sequence[int],
     if finished:
         allowed.update(dict.fromkeys(eos_token_ids))
     return list(allowed)
+
+
+@dataclass
+class ChoiceCursor:
+    """A request's guided_choice: the allowed tokens follow from its output alone."""
+    seqs: list[list[int]]
+    eos_token_ids: list[int]
+
+    def allowed(self, output_token_ids: Sequence[int]) -> list[int]:
+        if output_token_ids and output_token_ids[-1] in self.eos_token_ids:
+            # Sampled once the output was a whole choice, yet it went on (min_tokens held the
+            # end back): it adds no text, so the choice stays whole, and only eos follows.
+            return self.eos_token_ids
+        return allowed_by_choices(self.seqs, output_token_ids, self.eos_token_ids)

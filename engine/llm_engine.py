@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.bad_words import tokenize_bad_words
-from engine.guided_choice import check_choice_prefix, tokenize_choices
+from engine.guides import Guides
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, NoFreeBlocksError  # noqa: F401 (re-export)
 from engine.engine_kv_transfer import EngineKVTransfer
@@ -61,6 +61,7 @@ class LLMEngine(EngineKVTransfer):
         self.kv_manager.pool.record_events = False
         self.scheduler = Scheduler(config, self.kv_manager)
         self.sampler = Sampler(parts.model_config.eos_token_ids)
+        self.guides = Guides(parts.tokenizer, parts.model_config.eos_token_ids)
         self.outputs = OutputProcessor(parts.tokenizer, parts.model_config.eos_token_ids,
                                        self.max_model_len, config.detokenize)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -151,7 +152,7 @@ class LLMEngine(EngineKVTransfer):
         replay = self.validate_resume(token_ids, resume_token_ids, params)
         req = Request(request_id, token_ids, params, output_token_ids=replay.output_token_ids,
                       bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
-                      choice_token_ids=self._choices(params, replay.output_token_ids),
+                      guide=self.guides.cursor(params, replay.output_token_ids),
                       stream_interval=stream_interval, detokenizer=replay.detokenizer)
         self._claim_id(request_id)
         self._inbox.put(("add", req))
@@ -169,13 +170,6 @@ class LLMEngine(EngineKVTransfer):
         if replay.ended is not None:
             raise ValueError(f"the resumed output has ended already: {replay.ended}")
         return replay
-
-    def _choices(self, params: SamplingParams, output_token_ids: list[int]) -> list[list[int]]:
-        """guided_choice's token sequences; ValueError when the output so far (a resumed or
-        prefilled request's) begins none of them."""
-        seqs = tokenize_choices(self.tokenizer, params.guided_choice, self.sampler.eos_token_ids)
-        check_choice_prefix(seqs, output_token_ids)
-        return seqs
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now when the engine is idle, else at the next step."""
@@ -231,7 +225,7 @@ class LLMEngine(EngineKVTransfer):
         req = Request(request_id, list(prompt_token_ids), params,
                       output_token_ids=replay.output_token_ids,
                       bad_words_token_ids=tokenize_bad_words(self.tokenizer, params.bad_words),
-                      choice_token_ids=self._choices(params, replay.output_token_ids),
+                      guide=self.guides.cursor(params, replay.output_token_ids),
                       stream_interval=stream_interval, detokenizer=replay.detokenizer)
         req.prompt_logprobs = None  # the prompt was computed, and scored, where it ran
         self._claim_id(request_id)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.bad_words import bad_word_bans
-from engine.guided_choice import allowed_by_choices
 from engine.cpu_graph import CPUModelGraph
 from engine.cuda_graph import CUDAGraphConfig, DecodeGraphRunner
 from engine.kv_layout import KVCacheLayout
@@ -150,9 +149,8 @@ def sample_tokens(sampler: Sampler, logits: torch.Tensor, sched: SchedulerOutput
         bans = [bad_word_bans(r.bad_words_token_ids, r.output_token_ids)
                 if r.bad_words_token_ids else [] for r in reqs]
     choices = None
-    if any(r.choice_token_ids for r in reqs):
-        choices = [allowed_by_choices(r.choice_token_ids, r.output_token_ids,
-                                      sampler.eos_token_ids) if r.choice_token_ids else None
+    if any(r.guide is not None for r in reqs):
+        choices = [r.guide.allowed(r.output_token_ids) if r.guide is not None else None
                    for r in reqs]
     return sampler(logits, [r.sampling_params for r in reqs], gens, states, lengths, bans,
                    choices)

@@ -57,8 +57,9 @@ class Request:
     # sampling_params.bad_words as token sequences (engine/bad_words.py), set at intake.
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False,
                                                  compare=False)
-    # sampling_params.guided_choice as token sequences (engine/guided_choice.py), likewise.
-    choice_token_ids: list[list[int]] = field(default_factory=list, repr=False, compare=False)
+    # Its guide's cursor (engine/guides.py: guided_choice, guided_regex, guided_json), set at
+    # intake; None without one.
+    guide: object | None = field(default=None, repr=False, compare=False)
     # Outputs are made once per this many new tokens after the first (and on finishing): a
     # stream that sends N tokens a chunk need not wake its reader every step.
     stream_interval: int = 1

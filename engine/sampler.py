@@ -61,12 +61,12 @@ class Sampler:
                  penalty_states: list[PenaltyState | None] | None = None,
                  num_output_tokens: list[int] | None = None,
                  bad_word_bans: list[list[int]] | None = None,
-                 choices: list[list[int] | None] | None = None) -> SamplerOutput:
+                 choices: list[list[int] | torch.Tensor | None] | None = None) -> SamplerOutput:
         """Samples one token per row of ``logits`` [num_reqs, vocab]. Rows whose params have
         penalties need their request's ``PenaltyState``, and rows with ``min_tokens`` their
         output length so far (``num_output_tokens``); ``bad_word_bans`` are per row token ids
         this step must not sample (engine/bad_words.py), ``choices`` per row the only ones it
-        may (engine/guided_choice.py; None: any)."""
+        may (a list or an int64 tensor, its guide's: engine/guides.py; None: any)."""
         _check_inputs(logits, params, generators)
         if choices is not None and len(choices) != len(params):
             raise ValueError(f"{len(choices)} rows of choices for {len(params)} rows")
@@ -114,7 +114,7 @@ class Sampler:
 
 def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
                        banned: list[list[int]] | None,
-                       choices: list[list[int] | None] | None = None,
+                       choices: list[list[int] | torch.Tensor | None] | None = None,
                        owned: bool = False) -> torch.Tensor:
     """logits plus each row's logit_bias, with the tokens outside its allowed_token_ids (or
     this step's ``choices``) and its banned ones at -inf (in place when ``owned``, else in a
@@ -127,13 +127,13 @@ def _biased_and_banned(logits: torch.Tensor, params: list[SamplingParams],
     # SamplingParams refuses allowed_token_ids beside guided_choice: a row has one or none.
     keeps = [c if choices is not None and c is not None else p.allowed_token_ids
              for p, c in zip(params, choices or [None] * len(params))]
-    allowed = [i for i, k in enumerate(keeps) if k]
+    allowed = [i for i, k in enumerate(keeps) if len(k)]
     if not biased and not allowed and banned is None:
         return logits
     # A copy unless the penalties already made one ([num_rows, vocab] float32).
     out = logits if owned else logits.float().clone()
     for i in allowed:
-        keep = torch.tensor(keeps[i], dtype=torch.long, device=out.device)
+        keep = torch.as_tensor(keeps[i], dtype=torch.long, device=out.device)
         kept = out[i, keep]
         out[i] = -math.inf
         out[i, keep] = kept

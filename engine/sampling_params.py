@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated when built."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -29,6 +30,11 @@ MAX_STOP_CHARS = 1024
 # the output at every step: bounded as bad words are.
 MAX_GUIDED_CHOICES = 256
 MAX_GUIDED_CHOICE_CHARS = 1024
+# Compiled into an automaton (engine/regex_dfa.py, which bounds its size too) where the
+# request is checked, then walked per token: bounded so that a check stays in milliseconds.
+MAX_GUIDED_REGEX_CHARS = 16384
+MAX_GUIDED_JSON_CHARS = 65536
+_GUIDES = ("guided_choice", "guided_regex", "guided_json")
 
 
 @dataclass
@@ -67,6 +73,11 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     # The output is one of these texts (engine/guided_choice.py); the engine tokenizes them.
     guided_choice: list[str] = field(default_factory=list)
+    # The output text fully matches this regular expression (engine/guided_regex.py).
+    guided_regex: str | None = None
+    # The output is JSON valid under this JSON schema (JSON text, or a dict made into it;
+    # engine/json_schema_regex.py says which keywords are followed).
+    guided_json: str | None = None
     # Scheduling, not sampling: with an engine's scheduling_policy "priority", lower runs
     # first (vLLM's convention); engines on "fcfs" refuse anything but 0.
     priority: int = 0
@@ -94,8 +105,10 @@ class SamplingParams:
         if isinstance(self.guided_choice, str):
             self.guided_choice = [self.guided_choice]
         self.guided_choice = list(self.guided_choice)
+        if isinstance(self.guided_json, (dict, bool)):
+            self.guided_json = json.dumps(self.guided_json)
         self._validate()
-        self._validate_guided_choice()
+        self._validate_guides()
         # The same set, each id once: its mask is built at every step.
         self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
@@ -173,6 +186,36 @@ class SamplingParams:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
 
+    @property
+    def guide(self) -> str | None:
+        """The name of the guide the output follows (guided_choice, ...); None: none."""
+        given = [name for name in _GUIDES if getattr(self, name)]
+        return given[0] if given else None
+
+    def _validate_guides(self) -> None:
+        for name, bound in (("guided_regex", MAX_GUIDED_REGEX_CHARS),
+                            ("guided_json", MAX_GUIDED_JSON_CHARS)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+            if len(value) > bound:
+                raise ValueError(f"{name} has {len(value)} characters, more than {bound}")
+        given = [name for name in _GUIDES if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"one guide at a time: {' and '.join(given)} were both set")
+        self._validate_guided_choice()
+        if not given:
+            return
+        # The output ends with eos once it is whole; ignore_eos would sample past it.
+        if self.ignore_eos:
+            raise ValueError(f"{given[0]} ends the output at the eos token once it is whole: "
+                             "ignore_eos cannot be set with it")
+        if self.allowed_token_ids:
+            raise ValueError(f"{given[0]} decides the allowed tokens at each step: "
+                             "allowed_token_ids cannot be set with it")
+
     def _validate_guided_choice(self) -> None:
         choices = self.guided_choice
         if not choices:
@@ -186,13 +229,6 @@ class SamplingParams:
             if len(c) > MAX_GUIDED_CHOICE_CHARS:
                 raise ValueError(f"a guided_choice has {len(c)} characters, more than "
                                  f"{MAX_GUIDED_CHOICE_CHARS}")
-        # The output ends with eos once it is a choice; ignore_eos would sample past it.
-        if self.ignore_eos:
-            raise ValueError("guided_choice ends the output at the eos token after a choice: "
-                             "ignore_eos cannot be set with it")
-        if self.allowed_token_ids:
-            raise ValueError("guided_choice decides the allowed tokens at each step: "
-                             "allowed_token_ids cannot be set with it")
 
     @property
     def has_penalties(self) -> bool:

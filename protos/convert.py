@@ -25,6 +25,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw["allowed_token_ids"] = list(msg.allowed_token_ids)
     kw["bad_words"] = list(msg.bad_words)
     kw["guided_choice"] = list(msg.guided_choice)
+    for name in ("guided_regex", "guided_json"):
+        if msg.HasField(name):
+            kw[name] = getattr(msg, name)
     return SamplingParams(**kw)
 
 
@@ -44,7 +47,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-        priority=p.priority, bad_words=p.bad_words, guided_choice=p.guided_choice)
+        priority=p.priority, bad_words=p.bad_words, guided_choice=p.guided_choice,
+        guided_regex=p.guided_regex, guided_json=p.guided_json)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

@@ -28,6 +28,7 @@ import grpc
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused
+from engine.guides import check_guide
 from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from protos.limits import max_message_bytes
@@ -221,6 +222,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.model.vocab_size)
+        if params.guided_regex or params.guided_json:
+            # Refused here, before any worker is picked; compiling a pattern takes up to a
+            # fraction of a second (bounded by its size): off the event loop.
+            await asyncio.to_thread(check_guide, params)
         resumed = self._resume_ids(request, params)
         n = check_n(request.sampling, bool(resumed))
         prompt = self.model.truncated(await self.model.prompt_ids_async(request),

@@ -3,6 +3,7 @@ server must accept and anything the wire can carry (tests/test_router_fuzz.py,
 tests/test_worker_fuzz.py)."""
 from __future__ import annotations
 
+import json
 import math
 
 from hypothesis import strategies as st
@@ -17,6 +18,15 @@ WILD_FLOATS = st.one_of(st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 2.5, 100.0, 
 WILD_IDS = st.lists(st.one_of(st.integers(0, 8300), INT64), max_size=8)
 IDS = st.integers(0, 8191)  # tiny-llama's vocabulary
 WORDS = st.text(min_size=1, max_size=10).filter(str.strip)
+
+
+_SCHEMAS = [{"type": "integer", "minimum": -5, "maximum": 500}, {"enum": ["a", 1, None]},
+            {"type": "object", "properties": {"a": {"type": "boolean"},
+                                              "b": {"type": "string", "maxLength": 3}},
+             "required": ["a"]},
+            {"type": "array", "items": {"type": "number"}, "maxItems": 2}]
+_BAD_SCHEMAS = ['{"type": "string", "pattern": "a"}', '{"$ref": "#/$defs/x"}', "false",
+                '{"type": "integer", "minimum": 3, "maximum": 1}', "[]", "{" * 200]
 
 
 def _floats(lo: float, hi: float):
@@ -52,4 +62,11 @@ FIELDS = {
     "bad_words": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=10), max_size=3)),
     # Valid alone: beside ignore_eos or allowed_token_ids it is the client's INVALID_ARGUMENT.
     "guided_choice": (st.lists(WORDS, max_size=3), st.lists(st.text(max_size=12), max_size=4)),
+    # Any text is a pattern, most not valid (INVALID_ARGUMENT), some matching nothing tokens
+    # can spell.
+    "guided_regex": (st.sampled_from([r"[a-z]{1,6}", r"\d{1,3}(\.\d)?", "yes|no", "(ab)*c?",
+                                      "日本|🚀+", r'"[^"]{0,4}"']),
+                     st.text(max_size=16)),
+    "guided_json": (st.sampled_from([json.dumps(s) for s in _SCHEMAS]),
+                    st.one_of(st.text(max_size=16), st.sampled_from(_BAD_SCHEMAS))),
 }

@@ -1,5 +1,6 @@
 """The pdserve console script: make-model, demo, generate and the offline benchmark."""
 import json
+import re
 import subprocess
 import sys
 
@@ -71,6 +72,26 @@ def test_generate_sampling_rule_flags_reach_the_engine(capsys):
     assert kw["bad_words"] == ["hello", "the world"] and kw["min_tokens"] == 2
     with pytest.raises(SystemExit):
         main(argv + ["--logit-bias", "[1]"])
+
+
+def test_generate_follows_a_pattern_or_a_schema_file(capsys, tmp_path):
+    from engine.cli import build_parser, sampling_kwargs
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "required": ["n"], '
+                      '"properties": {"n": {"type": "integer", "maximum": 99}}}')
+    argv = ["generate", "--prompt", "hi there", "--max-tokens", "24"]
+    assert main(argv + ["--guided-json", str(schema)]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out)["n"], int)
+    assert main(argv + ["--guided-regex", r"\d{2}-[a-z]{3}"]) == 0
+    assert re.fullmatch(r"\d{2}-[a-z]{3}\n", capsys.readouterr().out)
+    kw = sampling_kwargs(build_parser().parse_args(argv + ["--guided-json", '{"enum": [1]}']), {})
+    assert kw["guided_json"] == '{"enum": [1]}'
+    with pytest.raises(SystemExit):  # neither JSON nor a file
+        main(argv + ["--guided-json", str(tmp_path / "missing.json")])
+    capsys.readouterr()
+    assert main(argv + ["--guided-regex", "a(?=b)"]) != 0
+    assert "lookaheads (?=...) are not supported" in capsys.readouterr().err
 
 
 def test_generate_tensor_parallel_matches_tp1(capsys):

@@ -1,6 +1,7 @@
 """End to end through real processes: redis-server, router, a prefill and a decode worker."""
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -136,6 +137,19 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert {g.text for g in got} <= set(CHOICES) and len({g.text for g in got}) >= 2
     assert all(g.finish_reason == "stop" for g in got)
+    # A pattern and a schema likewise: a multi-byte character may span the two workers'
+    # tokens; the schema goes as a dict and arrives as its JSON text.
+    from tests.test_guided_regex import PATTERNS, SCHEMA
+
+    for guide in [dict(guided_regex=PATTERNS[0]), dict(guided_regex=PATTERNS[2]),
+                  dict(guided_json=SCHEMA)]:
+        guided = dict(guide, max_tokens=96, temperature=0.0)
+        want = reference.generate(PROMPTS, SamplingParams(**guided))
+        with Client(cluster.router_address, timeout=60) as c:
+            got = [c.complete(prompt, **guided) for prompt in PROMPTS]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], guide
+        assert all(g.finish_reason == "stop" for g in got)
+    assert all(isinstance(json.loads(g.text)["age"], int) for g in got)
     wait_all_blocks_free(_workers(cluster))
 
 
@@ -361,6 +375,9 @@ def test_bad_request_ids_get_invalid_argument(cluster, request_id, match):
     ("hello", {"repetition_penalty": 0.0}, "repetition_penalty"),
     ("hello", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("hello", {"priority": 1}, "scheduling policy priority"),  # these workers run fcfs
+    ("hello", {"guided_regex": "a(?=b)"}, "lookahead"),
+    ("hello", {"guided_json": {"type": "string", "format": "email"}}, "format"),
+    ("hello", {"guided_regex": "a", "guided_choice": ["a"]}, "one guide at a time"),
 ])
 def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
     with Client(cluster.router_address, timeout=30) as c:

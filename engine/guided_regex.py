@@ -1,0 +1,215 @@
+"""Token-level guidance by a regular expression (vLLM's guided_regex; guided_json through it).
+
+The output text must fully match the pattern. ``TokenGuide`` joins the pattern's character
+automaton (engine/regex_dfa.py) with the vocabulary's token bytes (engine/token_bytes.py):
+at each step the tokens allowed are those whose bytes keep the text on a path to a match,
+and eos once the text is a whole match.
+
+A guide state is the automaton's state plus the bytes of a character begun but not finished
+(a byte-level token may end halfway through a multi-byte character). Finding the allowed
+tokens walks a trie of the vocabulary's byte strings once per guide state, pruning a branch
+as soon as its text leaves the pattern, so tokens sharing a beginning are walked together;
+the answer is cached per state, and a request's cursor advances by its new tokens only.
+
+Every state the automaton reports is live (some text from it matches), and a branch ending
+inside a character is kept only when some character with those first bytes goes on, so an
+allowed token never leads to a state with nothing allowed: the text can always go on to a
+match or end there. The mask depends on the output alone, so a request moved to another
+engine (its first token sampled by a prefill worker, a migration) goes on there.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from engine.regex_dfa import DEAD, RegexDfa
+
+logger = logging.getLogger(__name__)
+
+# Allowed-token sets kept per guide: one per automaton state the requests reach.
+_ALLOWED_CACHE_STATES = 1024
+
+
+@dataclass(frozen=True)
+class GuideState:
+    dfa_state: int
+    # The first bytes of a character whose last bytes the next tokens must bring.
+    pending: bytes = b""
+
+
+@dataclass
+class _TrieNode:
+    children: dict[int, "_TrieNode"] = field(default_factory=dict)
+    # Tokens whose bytes end here.
+    token_ids: list[int] = field(default_factory=list)
+
+
+class TokenTrie:
+    """The vocabulary's byte strings as a trie; built once per tokenizer."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
+        self.token_bytes = list(token_bytes)
+        self.root = _TrieNode()
+        for token_id, data in enumerate(self.token_bytes):
+            if not data:
+                continue
+            node = self.root
+            for b in data:
+                node = node.children.setdefault(b, _TrieNode())
+            node.token_ids.append(token_id)
+
+
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+def _utf8_length(lead: int) -> int:
+    """Bytes in a character that starts with byte ``lead``; 0 when none starts so."""
+    if lead < 0x80:
+        return 1
+    if 0xC2 <= lead <= 0xDF:
+        return 2
+    if 0xE0 <= lead <= 0xEF:
+        return 3
+    if 0xF0 <= lead <= 0xF4:
+        return 4
+    return 0
+
+
+def _code_point_span(pending: bytes) -> tuple[int, int] | None:
+    """The code points whose UTF-8 begins with ``pending`` (a character begun, not finished),
+    as [lo, hi]; None when no character begins so."""
+    need = _utf8_length(pending[0])
+    if not 1 < need > len(pending):
+        return None
+    # Lead bytes E0, ED, F0 and F4 narrow their second byte's range (no overlong forms, no
+    # surrogates, nothing past U+10FFFF); the rest take any continuation byte.
+    second = _SECOND_BYTE.get(pending[0], (0x80, 0xBF))
+    if len(pending) >= 2 and not second[0] <= pending[1] <= second[1]:
+        return None
+    lo, hi = bytearray(pending), bytearray(pending)
+    if len(pending) == 1:
+        lo.append(second[0])
+        hi.append(second[1])
+    lo += b"\x80" * (need - len(lo))
+    hi += b"\xbf" * (need - len(hi))
+    return ord(bytes(lo).decode("utf-8")), ord(bytes(hi).decode("utf-8"))
+
+
+class TokenGuide:
+    """One pattern's guidance over one vocabulary; shared by every request with the pattern."""
+
+    def __init__(self, dfa: RegexDfa, trie: TokenTrie, eos_token_ids: Sequence[int]) -> None:
+        self.dfa = dfa
+        self.trie = trie
+        self.eos_token_ids = list(eos_token_ids)
+        self.start = GuideState(dfa.start)
+        self._allowed: OrderedDict[GuideState, torch.Tensor] = OrderedDict()
+
+    def feed_byte(self, state: GuideState, b: int) -> GuideState | None:
+        """The state after one more byte; None when the text leaves the pattern."""
+        data = state.pending + bytes([b])
+        need = _utf8_length(data[0])
+        if need == 0 or (len(data) > 1 and not 0x80 <= b <= 0xBF):
+            return None
+        if len(data) < need:
+            span = _code_point_span(data)
+            if span is None or not self.dfa.accepts_some(state.dfa_state, *span):
+                return None
+            return GuideState(state.dfa_state, data)
+        try:
+            ch = data.decode("utf-8")
+        except UnicodeDecodeError:  # an overlong form or a surrogate
+            return None
+        nxt = self.dfa.step(state.dfa_state, ch)
+        return None if nxt == DEAD else GuideState(nxt)
+
+    def advance(self, state: GuideState, token_id: int) -> GuideState | None:
+        """The state after a token; None when the token leaves the pattern (or has no text)."""
+        if token_id in self.eos_token_ids and self.can_end(state):
+            # Sampled where the text may end, yet the output went on: min_tokens held the
+            # end back. It adds no text: the text may still end here, and only here.
+            return state
+        data = self.trie.token_bytes[token_id] if 0 <= token_id < len(self.trie.token_bytes) \
+            else None
+        if not data:
+            return None
+        for b in data:
+            state = self.feed_byte(state, b)
+            if state is None:
+                return None
+        return state
+
+    def can_end(self, state: GuideState) -> bool:
+        return not state.pending and self.dfa.is_accepting(state.dfa_state)
+
+    def allowed(self, state: GuideState) -> torch.Tensor:
+        """The token ids that may come next ([n] int64; never empty for a reachable state)."""
+        ids = self._allowed.get(state)
+        if ids is not None:
+            self._allowed.move_to_end(state)
+            return ids
+        found = self._walk(state)
+        if self.can_end(state) or not found:
+            # Nothing goes on where the vocabulary cannot spell any character the pattern
+            # takes next (a SentencePiece vocabulary without byte fallback): the output
+            # ends there rather than be sampled unguided, as an empty mask would be.
+            found += self.eos_token_ids
+        ids = torch.tensor(sorted(set(found)), dtype=torch.long)
+        self._allowed[state] = ids
+        if len(self._allowed) > _ALLOWED_CACHE_STATES:
+            self._allowed.popitem(last=False)
+        return ids
+
+    def _walk(self, state: GuideState) -> list[int]:
+        found: list[int] = []
+        stack = [(self.trie.root, state)]
+        while stack:
+            node, at = stack.pop()
+            for b, child in node.children.items():
+                nxt = self.feed_byte(at, b)
+                if nxt is None:
+                    continue
+                found += child.token_ids
+                if child.children:
+                    stack.append((child, nxt))
+        return found
+
+
+@dataclass
+class GuideCursor:
+    """A request's place in its guide: the state after its first ``consumed`` output tokens."""
+    guide: TokenGuide
+    state: GuideState
+    consumed: int = 0
+
+    @classmethod
+    def after(cls, guide: TokenGuide, output_token_ids: Sequence[int], what: str) -> "GuideCursor":
+        """The cursor past an output so far (a resumed or prefilled request's); ValueError
+        when that output already left the pattern."""
+        cursor = cls(guide, guide.start)
+        cursor.catch_up(output_token_ids, what)
+        return cursor
+
+    def catch_up(self, output_token_ids: Sequence[int], what: str = "the pattern") -> None:
+        for token_id in output_token_ids[self.consumed:]:
+            nxt = self.guide.advance(self.state, token_id)
+            if nxt is None:
+                raise ValueError(f"the output so far does not match {what} at its token "
+                                 f"{self.consumed} (id {token_id})")
+            self.state = nxt
+            self.consumed += 1
+
+    def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor:
+        """The next token's allowed ids after ``output_token_ids`` (this request's output)."""
+        try:
+            self.catch_up(output_token_ids)
+        except ValueError as e:
+            # Only a sampled token outside the mask gets here (a bug): the output ends,
+            # rather than the engine's step failing every request with it.
+            logger.error("guided output left its pattern (%s): ending it", e)
+            return torch.tensor(self.guide.eos_token_ids, dtype=torch.long)
+        return self.guide.allowed(self.state)

@@ -1,0 +1,99 @@
+"""Which texts a request's output may become, and the cursor that guides it there.
+
+A request follows at most one guide (SamplingParams.guide): ``guided_choice`` (one of some
+texts, engine/guided_choice.py), ``guided_regex`` (text matching a pattern) or
+``guided_json`` (JSON valid under a schema, turned into a pattern by
+engine/json_schema_regex.py); the two patterns guide through engine/guided_regex.py.
+
+The router checks that a pattern compiles (``check_guide``: no tokenizer needed) so that a
+bad one is refused before any worker is picked; an engine builds the request's cursor
+(``Guides.cursor``), whose allowed tokens the sampler keeps at each step.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+from typing import Sequence
+
+from engine.guided_choice import ChoiceCursor, check_choice_prefix, tokenize_choices
+from engine.json_schema_regex import schema_to_regex
+from engine.regex_dfa import compile_regex
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+# Compiled guides an engine keeps, by pattern: requests of a kind repeat theirs.
+_GUIDES_KEPT = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_pattern(schema_text: str) -> str:
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"guided_json is not JSON: {e}") from None
+    return schema_to_regex(schema)
+
+
+def guide_pattern(params: SamplingParams) -> str | None:
+    """The regular expression the output must match (guided_regex, or guided_json's)."""
+    if params.guided_regex:
+        return params.guided_regex
+    if params.guided_json:
+        return _schema_pattern(params.guided_json)
+    return None
+
+
+def check_guide(params: SamplingParams) -> None:
+    """ValueError when the request's pattern or schema cannot guide (the router's check)."""
+    pattern = guide_pattern(params)
+    if pattern is not None:
+        compile_regex(pattern)
+
+
+class Guides:
+    """An engine's guided decoding: the cursor each guided request samples through."""
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self._guides: OrderedDict[str, object] = OrderedDict()
+
+    @functools.cached_property
+    def _trie(self):
+        from engine.guided_regex import TokenTrie
+        from engine.token_bytes import token_byte_strings
+
+        return TokenTrie(token_byte_strings(self.tokenizer))
+
+    def cursor(self, params: SamplingParams, output_token_ids: list[int]):
+        """The request's cursor past ``output_token_ids`` (what it resumes from); None when it
+        has no guide. ValueError when the guide cannot be followed, or the output so far
+        already left it."""
+        if params.guide is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{params.guide} needs a model with a tokenizer")
+        if not self.eos_token_ids:
+            raise ValueError(f"{params.guide} ends the output with the model's eos token, and "
+                             "this model has none")
+        if params.guided_choice:
+            seqs = tokenize_choices(self.tokenizer, params.guided_choice)
+            check_choice_prefix(seqs, output_token_ids)
+            return ChoiceCursor(seqs, self.eos_token_ids)
+        from engine.guided_regex import GuideCursor
+
+        return GuideCursor.after(self._guide(guide_pattern(params)), output_token_ids,
+                                 params.guide)
+
+    def _guide(self, pattern: str):
+        from engine.guided_regex import TokenGuide
+
+        guide = self._guides.get(pattern)
+        if guide is None:
+            guide = TokenGuide(compile_regex(pattern), self._trie, self.eos_token_ids)
+            self._guides[pattern] = guide
+            if len(self._guides) > _GUIDES_KEPT:
+                self._guides.popitem(last=False)
+        self._guides.move_to_end(pattern)
+        return guide

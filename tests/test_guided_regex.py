@@ -1,0 +1,274 @@
+"""guided_regex and guided_json (engine/guided_regex.py, engine/guides.py): the output text
+fully matches a pattern, or is JSON valid under a schema.
+
+The vocabulary's bytes against its decoder; the trie's mask against each token walked on its
+own; engine outputs against Python's re and json, the greedy one against the same model
+stepped one token at a time with that step's allowed tokens given as allowed_token_ids;
+seeded samples landing on several matches; a resumed request going on from its output; what
+is refused. Through a router: tests/test_serving.py."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from engine import SamplingParams
+from engine.guided_regex import GuideCursor, TokenGuide, TokenTrie, _code_point_span
+from engine.guides import Guides, guide_pattern
+from engine.regex_dfa import DEAD, compile_regex
+from engine.token_bytes import token_byte_strings
+from tests.serving_helpers import random_prompts
+
+PROMPTS = random_prompts(4, seed=5)
+# Bounded, so that a greedy output ends "stop" within max_tokens whatever the model prefers.
+PATTERNS = [r"(yes|no), [a-z]{2,8}( [a-z]{1,6}){0,3}\.",
+            r"\d{3}-\d{2,4}",
+            r"(café|naïve|日本語|🚀)+ ?[A-Z]{1,3}",
+            r'"([^"\\\n]|\\.){0,12}"']
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 3, None]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def vocab(reference):
+    return token_byte_strings(reference.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def trie(vocab):
+    return TokenTrie(vocab)
+
+
+def _eos(reference) -> list[int]:
+    return reference.engine.sampler.eos_token_ids
+
+
+def test_each_tokens_bytes_are_what_the_tokenizer_decodes(reference, vocab):
+    tok = reference.tokenizer
+    assert all(vocab[i] is None for i in tok.all_special_ids)
+    for text in ["plain words, and 42.", "café naïve Straße", "日本語 🚀 👩‍💻", "\t\n  x"]:
+        ids = tok.encode_plain(text)
+        assert b"".join(vocab[i] for i in ids) == text.encode("utf-8")
+    # Some tokens hold part of a character: decoded alone they would be U+FFFD.
+    partial = [b for b in vocab if b is not None and _not_utf8(b)]
+    assert len(partial) > 50
+
+
+def _not_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_sentencepiece_tokens_map_their_space_and_byte_pieces():
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁hello": 3, "world": 4, "<0x0A>": 5,
+             "<0xE6>": 6, "▁": 7}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>",
+                                   byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    tok = SimpleNamespace(_backend=backend, vocab_size=8, all_special_ids=[0, 1, 2])
+    assert token_byte_strings(tok) == [None, None, None, b" hello", b"world", b"\n", b"\xe6",
+                                       b" "]
+
+
+def test_code_point_spans_are_the_characters_that_begin_so():
+    by_prefix: dict[bytes, list[int]] = {}
+    for cp in [*range(0x80, 0x10000), *range(0x10000, 0x110000, 97), 0x10FFFF]:
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        data = chr(cp).encode()
+        for k in range(1, len(data)):
+            by_prefix.setdefault(data[:k], []).append(cp)
+    for prefix, cps in by_prefix.items():
+        lo, hi = _code_point_span(prefix)
+        assert lo <= min(cps) and max(cps) <= hi, prefix
+        assert chr(lo).encode().startswith(prefix) and chr(hi).encode().startswith(prefix)
+    for bad in [b"\x80", b"\xc0", b"\xe0\x80", b"\xed\xa0", b"\xf4\x90", b"\xf5", b"a"]:
+        assert _code_point_span(bad) is None, bad
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_trie_allows_exactly_the_tokens_that_keep_the_text_matchable(pattern, trie,
+                                                                          reference):
+    guide = TokenGuide(compile_regex(pattern), trie, _eos(reference))
+    rng = random.Random(7)
+    state, seen = guide.start, 0
+    for _ in range(12):  # a walk through the pattern, a random allowed token at a time
+        allowed = set(guide.allowed(state).tolist())
+        # Each token on its own, its bytes fed one by one: the same set.
+        walked = {t for t, data in enumerate(trie.token_bytes)
+                  if data and guide.advance(state, t) is not None}
+        assert allowed - set(_eos(reference)) == walked
+        assert (set(_eos(reference)) <= allowed) == guide.can_end(state)
+        assert allowed  # never a dead end
+        for t in walked:  # and each leads where something is allowed again
+            nxt = guide.advance(state, t)
+            assert guide.can_end(nxt) or nxt.pending or guide.allowed(nxt).numel()
+        choices = sorted(walked)
+        if not choices:
+            break
+        state = guide.advance(state, rng.choice(choices))
+        seen += 1
+    assert seen >= 2
+
+
+def _stepped(llm, prompt: list[int], pattern: str) -> list[int]:
+    """The greedy output with each step's allowed tokens given as allowed_token_ids."""
+    guide = TokenGuide(compile_regex(pattern), TokenTrie(token_byte_strings(llm.tokenizer)),
+                       _eos(llm))
+    out: list[int] = []
+    state = guide.start
+    while not out or out[-1] not in _eos(llm):
+        allowed = guide.allowed(state).tolist()
+        out += llm.generate([prompt + out], SamplingParams(
+            max_tokens=1, temperature=0.0, allowed_token_ids=allowed))[0].token_ids
+        if out[-1] not in _eos(llm):
+            state = guide.advance(state, out[-1])
+    return out
+
+
+def test_greedy_outputs_match_and_pick_each_token_as_the_model_ranks_them(reference):
+    texts = []
+    for pattern in PATTERNS:
+        outs = reference.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0.0,
+                                                          guided_regex=pattern))
+        for prompt, out in zip(PROMPTS, outs):
+            assert re.fullmatch(pattern, out.text), (pattern, out.text)
+            assert out.finish_reason == "stop"
+            texts.append(out.text)
+        assert outs[0].token_ids == _stepped(reference, PROMPTS[0], pattern)
+    assert len(set(texts)) >= len(texts) - 2  # the prompts lead to different matches
+
+
+def test_seeded_samples_match_and_differ(reference):
+    pattern = PATTERNS[0]
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=i, guided_regex=pattern)
+              for i in range(8)]
+    outs = reference.generate([PROMPTS[1]] * 8, params)
+    assert all(re.fullmatch(pattern, o.text) for o in outs)
+    assert len({o.text for o in outs}) >= 6
+    again = reference.generate([PROMPTS[1]] * 8, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def _valid(obj) -> bool:
+    """SCHEMA's rules, written out."""
+    props = SCHEMA["properties"]
+    return (isinstance(obj, dict) and set(obj) <= set(props) and {"name", "age"} <= set(obj)
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 8
+            and type(obj["age"]) is int and 0 <= obj["age"] <= 120
+            and all(v in ("a", "b", 3, None) for v in obj.get("tags", []))
+            and len(obj.get("tags", [])) <= 3
+            and type(obj.get("ok", True)) is bool)
+
+
+def test_guided_json_outputs_are_valid_under_the_schema(reference):
+    params = [SamplingParams(max_tokens=96, temperature=t, seed=i, guided_json=SCHEMA)
+              for i, t in enumerate([0.0, 0.0, 1.0, 1.0, 1.0, 1.0])]
+    outs = reference.generate([PROMPTS[i % 4] for i in range(6)], params)
+    objs = [json.loads(o.text) for o in outs]
+    assert all(_valid(obj) for obj in objs), [o.text for o in outs]
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert len({o.text for o in outs}) >= 4
+    # The schema as text guides the same.
+    again = reference.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=96, temperature=0.0, guided_json=json.dumps(SCHEMA)))
+    assert again[0].token_ids == outs[0].token_ids
+
+
+def test_a_resumed_request_goes_on_from_its_output(reference):
+    tok = reference.tokenizer
+    pattern = PATTERNS[0]
+    params = SamplingParams(max_tokens=64, temperature=0.0, guided_regex=pattern)
+    begun = tok.encode_plain("no, ab")
+    engine = reference.engine
+    engine.add_request("resumed", PROMPTS[0], params, resume_token_ids=begun)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "resumed" and out.finished:
+                final = out
+    assert final.text.startswith("no, ab") and re.fullmatch(pattern, final.text)
+    with pytest.raises(ValueError, match="does not match guided_regex at its token 0"):
+        engine.add_request("astray", PROMPTS[0], params, resume_token_ids=tok.encode_plain("maybe"))
+
+
+def test_a_cursor_catches_up_by_the_new_tokens_only(reference, trie):
+    guide = TokenGuide(compile_regex(PATTERNS[1]), trie, _eos(reference))
+    ids = reference.tokenizer.encode_plain("123-45")
+    cursor = GuideCursor.after(guide, ids[:1], "p")
+    assert cursor.consumed == 1
+    assert set(cursor.allowed(ids).tolist()) == set(guide.allowed(cursor.state).tolist())
+    assert cursor.consumed == len(ids) and cursor.state.dfa_state != DEAD
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(guided_regex=""), "non-empty string"),
+    (dict(guided_regex=5), "non-empty string"),
+    (dict(guided_regex="a" * 16385), "16385 characters, more than 16384"),
+    (dict(guided_json="{" * 65537), "65537 characters"),
+    (dict(guided_regex="a", guided_choice=["a"]), "one guide at a time"),
+    (dict(guided_regex="a", guided_json={"type": "string"}), "one guide at a time"),
+    (dict(guided_regex="a", ignore_eos=True), "ignore_eos cannot be set"),
+    (dict(guided_json={"type": "string"}, allowed_token_ids=[5]),
+     "allowed_token_ids cannot be set"),
+])
+def test_bad_guides_are_refused_when_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(guided_regex="(a"), "never closed"),
+    (dict(guided_regex=r"(a)\1"), "backreference"),
+    (dict(guided_json="{not json"), "guided_json is not JSON"),
+    (dict(guided_json={"type": "string", "pattern": "a+"}), "pattern"),
+])
+def test_guides_that_cannot_be_followed_are_refused_at_intake(reference, kw, match):
+    params = SamplingParams(max_tokens=4, **kw)
+    with pytest.raises(ValueError, match=match):
+        reference.engine.add_request("bad-guide", PROMPTS[0], params)
+    assert not reference.engine.has_unfinished_requests()
+
+
+def test_a_guide_needs_a_tokenizer_and_an_eos():
+    params = SamplingParams(guided_regex="a")
+    with pytest.raises(ValueError, match="guided_regex needs a model with a tokenizer"):
+        Guides(None, [2]).cursor(params, [])
+    with pytest.raises(ValueError, match="this model has none"):
+        Guides(object(), []).cursor(params, [])
+    assert guide_pattern(SamplingParams()) is None
+
+
+@pytest.mark.parametrize("guide", [dict(guided_regex=r"\d{3}-\d{2,4}"),
+                                   dict(guided_choice=["yes", "no"])])
+def test_min_tokens_past_a_whole_match_holds_it_whole(reference, guide, caplog):
+    """eos is all a whole match allows; min_tokens bans it until the output is long enough,
+    and the ban gives way (the only token left): the output goes on past an eos, which adds
+    no text, and the guide still allows only eos. Found by the router fuzzer: the decode
+    engine died on the eos (the cursor took it for a token leaving the pattern)."""
+    eos = set(_eos(reference))
+    outs = reference.generate(PROMPTS[:2], SamplingParams(max_tokens=40, min_tokens=12,
+                                                          temperature=0.0, **guide))
+    for out in outs:
+        assert out.finish_reason == "stop" and len(out.token_ids) == 13  # 12, then its end
+        assert eos & set(out.token_ids[:-1])  # eos sampled before the end, and gone on past
+        text = reference.tokenizer.decode(out.token_ids)
+        assert re.fullmatch(guide.get("guided_regex", "yes|no"), text), text
+    assert "left its pattern" not in caplog.text  # followed, not ended as a stray token
