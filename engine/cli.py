@@ -288,6 +288,8 @@ BENCHMARKS = [
             "bandwidth vs copy"),
     ("startup", "a cluster's start, scale-out and stop with the tokenizer snapshot cached vs "
                 "not: seconds and CPU"),
+    ("guided", "guided_json / guided_regex decoding vs the same tokens unguided, cold and "
+               "with the guide's states cached"),
     ("soak", "minutes of mixed traffic with cancels through a cluster: wrong tokens against "
              "the in-process engine, failed requests, each service's memory over time"),
 ]

@@ -272,3 +272,17 @@ def test_min_tokens_past_a_whole_match_holds_it_whole(reference, guide, caplog):
         text = reference.tokenizer.decode(out.token_ids)
         assert re.fullmatch(guide.get("guided_regex", "yes|no"), text), text
     assert "left its pattern" not in caplog.text  # followed, not ended as a stray token
+
+
+def test_the_guided_bench_runs_both_sides_on_the_same_tokens():
+    from argparse import Namespace
+
+    from bench.guided import run
+
+    cold, warm = run(Namespace(model="micro-llama", num_requests=3, regex=PATTERNS[1],
+                               json=False))
+    assert (cold.run, warm.run) == ("cold", "warm")
+    # Seeded: the warm run makes the cold run's outputs again, 3 matches of 7-9 characters.
+    assert cold.num_output_tokens == warm.num_output_tokens >= 3 * 3
+    for p in (cold, warm):
+        assert p.ratio == pytest.approx(p.guided_tok_s / p.unguided_tok_s)
