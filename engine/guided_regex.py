@@ -43,24 +43,54 @@ class GuideState:
 
 @dataclass
 class _TrieNode:
-    children: dict[int, "_TrieNode"] = field(default_factory=dict)
-    # Tokens whose bytes end here.
+    children: dict[str, "_TrieNode"] = field(default_factory=dict)
+    # Tokens whose text ends here.
     token_ids: list[int] = field(default_factory=list)
+    # Tokens whose text ends here and then begin one more character: (the code points that
+    # character may be, lo and hi; token id).
+    tails: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class TokenTrie:
-    """The vocabulary's byte strings as a trie; built once per tokenizer."""
+    """The vocabulary's texts as a trie of characters; built once per tokenizer.
+
+    A text guide state (no character begun) steps the automaton once per character, a
+    dictionary lookup, rather than per byte. The tokens that begin by finishing a character
+    (their first byte a continuation byte) are kept apart: they can follow only a token that
+    began that character, and are then fed byte by byte."""
 
     def __init__(self, token_bytes: Sequence[bytes | None]) -> None:
         self.token_bytes = list(token_bytes)
         self.root = _TrieNode()
+        self.continuations: list[int] = []
         for token_id, data in enumerate(self.token_bytes):
-            if not data:
-                continue
-            node = self.root
-            for b in data:
-                node = node.children.setdefault(b, _TrieNode())
+            if data:
+                self._add(token_id, data)
+
+    def _add(self, token_id: int, data: bytes) -> None:
+        text, tail = _split_utf8(data)
+        span = _code_point_span(tail) if tail else None
+        if text is None or (tail and span is None):
+            self.continuations.append(token_id)
+            return
+        node = self.root
+        for ch in text:
+            node = node.children.setdefault(ch, _TrieNode())
+        if tail:
+            node.tails.append((*span, token_id))
+        else:
             node.token_ids.append(token_id)
+
+
+def _split_utf8(data: bytes) -> tuple[str | None, bytes]:
+    """``data`` as whole characters and the first bytes of one more (at most 3); None for the
+    text when it does not start on a character."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8"), data[cut:]
+        except UnicodeDecodeError:
+            continue
+    return None, data
 
 
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
@@ -165,18 +195,26 @@ class TokenGuide:
         return ids
 
     def _walk(self, state: GuideState) -> list[int]:
-        found: list[int] = []
-        stack = [(self.trie.root, state)]
+        if state.pending:  # only a token finishing the character goes on
+            return [t for t in self.trie.continuations if self.advance(state, t) is not None]
+        dfa = self.dfa
+        found = self._tails(self.trie.root, state.dfa_state)
+        stack = [(self.trie.root, state.dfa_state)]
         while stack:
             node, at = stack.pop()
-            for b, child in node.children.items():
-                nxt = self.feed_byte(at, b)
-                if nxt is None:
+            for ch, child in node.children.items():
+                nxt = dfa.step(at, ch)
+                if nxt == DEAD:
                     continue
                 found += child.token_ids
+                if child.tails:
+                    found += self._tails(child, nxt)
                 if child.children:
                     stack.append((child, nxt))
         return found
+
+    def _tails(self, node: _TrieNode, dfa_state: int) -> list[int]:
+        return [t for lo, hi, t in node.tails if self.dfa.accepts_some(dfa_state, lo, hi)]
 
 
 @dataclass
