@@ -7,9 +7,11 @@ and eos once the text is a whole match.
 
 A guide state is the automaton's state plus the bytes of a character begun but not finished
 (a byte-level token may end halfway through a multi-byte character). Finding the allowed
-tokens walks a trie of the vocabulary's byte strings once per guide state, pruning a branch
-as soon as its text leaves the pattern, so tokens sharing a beginning are walked together;
-the answer is cached per state, and a request's cursor advances by its new tokens only.
+tokens walks a trie of the vocabulary's texts (``TokenTrie``) once per guide state, pruning a
+branch as soon as its text leaves the pattern, so tokens sharing a beginning are walked
+together; the answer is cached per state, and a request's cursor advances by its new tokens
+only. The first walk of each state is the cost of guidance (``pdserve bench guided``: cold
+vs warm): a pattern that counts (``{0,40}``, a string's ``maxLength``) has a state per count.
 
 Every state the automaton reports is live (some text from it matches), and a branch ending
 inside a character is kept only when some character with those first bytes goes on, so an
