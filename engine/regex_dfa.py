@@ -14,12 +14,23 @@ deterministic, incremental and cheap to step:
   so a DFA state is either DEAD (its trimmed subset is empty) or LIVE, some continuation of
   the text reaches acceptance. The engine relies on this: a token that does not step to DEAD
   never leads the output into a dead end;
-* the DFA is built lazily: a state is an interned frozenset of live NFA states (character
-  states, and the accepting state), numbered as first reached, and each (state, character)
-  transition is computed once and cached (a dict per state, keyed by the character). Only
-  the states and characters that generation actually touches are ever built, so a pattern
-  whose full DFA would be exponential costs only what is walked (and nothing is freed: a
-  compiled pattern keeps every state and transition it has made).
+* the DFA is built whole when the pattern is compiled, breadth first from the start state: a
+  state is a sorted tuple of live NFA states (character states, and the accepting state),
+  numbered as first reached. Its row comes from a sweep over the range boundaries of its
+  character states' classes: between two boundaries every code point moves the same NFA
+  states, so one epsilon closure serves the whole run (the alphabet is partitioned per state,
+  into only the classes that state tells apart), and neighbouring runs that reach the same
+  state merge. A row is kept as its runs (the code points where they start, the states they
+  step to: two small arrays), so ``step`` is a bisect in the state's runs and a lookup;
+* the build is bounded, and refused while it is being paid: a DFA can be exponentially larger
+  than its NFA (``(a|b)*a(a|b){500}``, ``.*a.{300}``), and the pattern comes from a client.
+  ``compile_regex`` raises ValueError as soon as the DFA passes MAX_DFA_STATES states or its
+  build passes MAX_BUILD_STEPS steps (an NFA state visited by a closure; a range, a boundary
+  or a class open at a boundary, handled by a sweep), which bounds the compile time, the NFA
+  states the subsets hold together (each was visited) and the size of the table (a boundary
+  swept makes a run at most). It has to be then: the router compiles a pattern off the event
+  loop to refuse it before a request is placed, and an error in the engine's step could not
+  be reported cleanly.
 
 Supported syntax (a subset of Python ``re``; where both accept a pattern, same language):
 literals; escaped punctuation (``\\.``, ``\\*``, ``\\\\``, ...: any escaped character but an
@@ -42,26 +53,35 @@ possessive quantifiers, conditionals, comments, anchors anywhere else, ``\\N{...
 escapes, a repeat of nothing or of a repeat, unbalanced parentheses or brackets, backward
 ranges, and a pattern that matches no text at all (the engine could generate nothing). Limits
 (also ValueError): MAX_PATTERN_LENGTH characters, MAX_REPEAT for a count, MAX_NESTING group
-depth, MAX_NFA_STATES states with counted repeats expanded, checked before the NFA is built.
+depth, MAX_NFA_STATES states with counted repeats expanded, checked before the NFA is built;
+MAX_DFA_STATES and MAX_BUILD_STEPS, checked as the DFA is built.
 
-A compiled DFA is shared by every request with the same pattern (``compile_regex`` caches
-them) and may be stepped from several threads: lookups of cached transitions take no lock;
-making a new state does.
+A compiled DFA never changes: every request with the same pattern shares it (``compile_regex``
+caches them by text), and any thread may step it without a lock.
 """
 from __future__ import annotations
 
 import functools
 import threading
+from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from engine.regex_parse import (MAX_NESTING, MAX_NFA_STATES, MAX_PATTERN_LENGTH, MAX_REPEAT,
-                                Alt, Chars, Concat, Node, Repeat, parse)
+from engine.regex_parse import (MAX_CODE_POINT, MAX_NESTING, MAX_NFA_STATES, MAX_PATTERN_LENGTH,
+                                MAX_REPEAT, Alt, Chars, Concat, Node, Repeat, parse)
 
-__all__ = ["DEAD", "MAX_NESTING", "MAX_NFA_STATES", "MAX_PATTERN_LENGTH", "MAX_REPEAT",
-           "RegexDfa", "compile_regex"]
+__all__ = ["DEAD", "MAX_BUILD_STEPS", "MAX_DFA_STATES", "MAX_NESTING", "MAX_NFA_STATES",
+           "MAX_PATTERN_LENGTH", "MAX_REPEAT", "RegexDfa", "compile_regex"]
 
 DEAD = -1
+# A pattern without choices needs a state per character state and one after the last: every
+# such pattern the parser takes compiles (a JSON string of up to 1000 characters needs 17,003
+# states, an object holding one and a few more fields ~24,000). Reaching this count to refuse
+# (a|b)*a(a|b){500} takes about half a second on a slow core.
+MAX_DFA_STATES = MAX_NFA_STATES + 1
+# guided_json's regexes take up to ~430,000 steps (that object), its any-value regex ~18,000;
+# a pattern refused at this count has cost a quarter to three quarters of a second.
+MAX_BUILD_STEPS = 2_000_000
 
 
 @dataclass
@@ -79,19 +99,34 @@ class Nfa:
 class _Builder:
     def __init__(self):
         self.nfa = Nfa(eps=[()], los=[()], his=[()], target=[-1], accept=0)
+        # One pair of range tuples per distinct class, found by node and then by value: the
+        # copies of a counted repeat share it (a big class repeated costs its ranges once),
+        # and the determinizer sweeps each distinct class once per state.
+        self._by_node: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._by_ranges: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
-    def new_state(self, eps=(), ranges=(), target=-1) -> int:
+    def new_state(self, eps=(), edge=((), ()), target=-1) -> int:
         nfa = self.nfa
         nfa.eps.append(eps)
-        nfa.los.append(tuple(lo for lo, _ in ranges))
-        nfa.his.append(tuple(hi for _, hi in ranges))
+        nfa.los.append(edge[0])
+        nfa.his.append(edge[1])
         nfa.target.append(target)
         return len(nfa.target) - 1
+
+    def edge(self, node: Chars) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        edge = self._by_node.get(id(node))  # ids are stable: the tree outlives the build
+        if edge is None:
+            edge = self._by_ranges.get(node.ranges)
+            if edge is None:
+                edge = (tuple(lo for lo, _ in node.ranges), tuple(hi for _, hi in node.ranges))
+                self._by_ranges[node.ranges] = edge
+            self._by_node[id(node)] = edge
+        return edge
 
     def build(self, node: Node, out: int) -> int:
         """The entry state of an automaton for ``node`` that continues to state ``out``."""
         if isinstance(node, Chars):
-            return self.new_state(ranges=node.ranges, target=out)
+            return self.new_state(edge=self.edge(node), target=out)
         if isinstance(node, Concat):
             for item in reversed(node.items):
                 out = self.build(item, out)
@@ -146,108 +181,151 @@ def live_states(nfa: Nfa) -> list[bool]:
     return live
 
 
-class RegexDfa:
-    """The lazily determinized automaton of one pattern; see the module docstring."""
+class _Determinizer:
+    """The subset construction, eager and breadth first, refused as soon as it passes a budget
+    (see the module docstring). It is thrown away once the rows are made: the subsets are
+    only needed to find the states."""
 
     def __init__(self, nfa: Nfa):
-        self._nfa = nfa
-        self._live = live_states(nfa)
-        self._subsets: list[tuple[int, ...]] = []  # per state: its live character states
-        self._accepting: list[bool] = []
-        self._trans: list[dict[str, int]] = []  # per state: character -> next state
-        self._ids: dict[frozenset[int], int] = {}
-        self._lock = threading.Lock()
-        self.start = self._intern(self._closure([nfa.start]))
+        self.nfa = nfa
+        live = live_states(nfa)
+        # Closures only walk live states, and keep the character states and the accepting one.
+        self.succ = [tuple(t for t in eps if live[t]) for eps in nfa.eps]
+        self.keep = [t >= 0 for t in nfa.target]
+        self.keep[nfa.accept] = True
+        self.subsets: list[tuple[int, ...]] = []  # per state: its NFA states, sorted
+        self.ids: dict[tuple[int, ...], int] = {}
+        self.steps = 0
+        self.cuts: list[array] = []  # per state: the code points where its runs start
+        self.nexts: list[array] = []  # per state: the state each run steps to
+        self.start = self.intern(self.closure([nfa.start] if live[nfa.start] else []))
+        while len(self.cuts) < len(self.subsets):
+            self.add_row(self.subsets[len(self.cuts)])
+
+    def add_row(self, subset: tuple[int, ...]) -> None:
+        nfa = self.nfa
+        # The character states grouped by class (equal classes share their range tuples), so
+        # that a class is swept once however many states carry it.
+        groups: dict[int, tuple[tuple[int, ...], tuple[int, ...], list[int]]] = {}
+        for s in subset:
+            los = nfa.los[s]
+            if los:  # the accepting state has no edge
+                groups.setdefault(id(los), (los, nfa.his[s], []))[2].append(nfa.target[s])
+        opens: dict[int, list[int]] = {}
+        closes: dict[int, list[int]] = {}
+        for key, (los, his, _) in groups.items():
+            self.spend(len(los))
+            for lo, hi in zip(los, his):
+                opens.setdefault(lo, []).append(key)
+                closes.setdefault(hi + 1, []).append(key)
+        cuts, nexts = array("i"), array("i")
+        active: set[int] = set()  # the classes holding the code points from p on
+        memo: dict[frozenset[int], int] = {}  # the classes around a nested one come back
+        for p in sorted(opens.keys() | closes.keys() | {0}):
+            if p > MAX_CODE_POINT:
+                break
+            active.difference_update(closes.get(p, ()))
+            active.update(opens.get(p, ()))
+            self.spend(1 + len(active))  # the key costs its size: overlapping classes pay it
+            key = frozenset(active)
+            nxt = memo.get(key)
+            if nxt is None:
+                seeds = [t for g in key for t in groups[g][2]]
+                nxt = memo[key] = self.intern(self.closure(seeds))
+            if not nexts or nexts[-1] != nxt:
+                cuts.append(p)
+                nexts.append(nxt)
+        self.cuts.append(cuts)
+        self.nexts.append(nexts)
+
+    def closure(self, seeds: list[int]) -> tuple[int, ...]:
+        """The character states (and the accepting state) reached by live epsilon edges."""
+        succ, keep = self.succ, self.keep
+        seen = set(seeds)  # live: the targets of live character states are live
+        stack = list(seen)
+        kept = []
+        while stack:
+            s = stack.pop()
+            if keep[s]:
+                kept.append(s)
+                continue
+            for t in succ[s]:
+                if t not in seen:
+                    seen.add(t)
+                    stack.append(t)
+        self.spend(len(seen))
+        kept.sort()
+        return tuple(kept)
+
+    def spend(self, steps: int) -> None:
+        self.steps += steps
+        if self.steps > MAX_BUILD_STEPS:
+            raise ValueError(f"the regex's automaton is too large: building it takes more than "
+                             f"{MAX_BUILD_STEPS} steps; simplify it (nested or overlapping "
+                             f"repeats multiply its states and their size)")
+
+    def intern(self, subset: tuple[int, ...]) -> int:
+        if not subset:
+            return DEAD
+        sid = self.ids.get(subset)
+        if sid is not None:
+            return sid
+        if len(self.subsets) == MAX_DFA_STATES:
+            raise ValueError(f"the regex's automaton needs more than {MAX_DFA_STATES} states; "
+                             f"simplify it (nested or overlapping repeats multiply states)")
+        sid = self.ids[subset] = len(self.subsets)
+        self.subsets.append(subset)
+        return sid
+
+
+class RegexDfa:
+    """The whole automaton of one pattern, built at once and immutable after; see the module
+    docstring. ValueError when it would pass a budget."""
+
+    def __init__(self, nfa: Nfa):
+        built = _Determinizer(nfa)
+        self.start = built.start
+        # State s steps the code points from _cuts[s][i] up to the next cut to _nexts[s][i]:
+        # a run per change of next state (arrays: 4 bytes a number, no object each).
+        self._cuts, self._nexts = built.cuts, built.nexts
+        self._accepting = bytes(nfa.accept in subset for subset in built.subsets)
 
     @property
     def num_states(self) -> int:
-        """States made so far (DEAD not counted)."""
-        return len(self._subsets)
+        """Live states (DEAD not counted)."""
+        return len(self._accepting)
 
     def step(self, state: int, ch: str) -> int:
         """The state after one character (any code point) from ``state``; DEAD stays DEAD."""
         if state < 0:
             return DEAD
-        nxt = self._trans[state].get(ch)
-        return self._advance(state, ch) if nxt is None else nxt
+        return self._nexts[state][bisect_right(self._cuts[state], ord(ch)) - 1]
 
     def walk(self, state: int, text: str) -> int:
         """The state after ``text`` from ``state``: DEAD at the first character leading nowhere."""
-        trans = self._trans
+        cuts, nexts = self._cuts, self._nexts
         for ch in text:
             if state < 0:
                 return DEAD
-            nxt = trans[state].get(ch)
-            state = self._advance(state, ch) if nxt is None else nxt
+            state = nexts[state][bisect_right(cuts[state], ord(ch)) - 1]
         return state
 
     def accepts_some(self, state: int, lo: int, hi: int) -> bool:
         """Whether some character in code points [lo, hi] steps ``state`` to a live state: a
         guide asks it of a character whose first UTF-8 bytes are all a token holds."""
-        if state < 0:
+        if state < 0 or lo > hi:
             return False
-        nfa = self._nfa
-        for s in self._subsets[state]:
-            los = nfa.los[s]
-            # Ranges are sorted and apart: the last one starting at or below hi reaches
-            # furthest, so it alone can overlap [lo, hi].
-            i = bisect_right(los, hi) - 1
-            if i >= 0 and nfa.his[s][i] >= lo:
-                return True
-        return False
+        cuts = self._cuts[state]
+        first = bisect_right(cuts, lo) - 1
+        # Neighbouring runs step to different states, so of two runs one is live.
+        return bisect_right(cuts, hi, first) - 1 > first or self._nexts[state][first] != DEAD
 
     def is_accepting(self, state: int) -> bool:
         """Whether the text that led to ``state`` matches the whole pattern."""
-        return state >= 0 and self._accepting[state]
+        return state >= 0 and self._accepting[state] == 1
 
     def fullmatch(self, text: str) -> bool:
         return self.is_accepting(self.walk(self.start, text))
-
-    def _advance(self, state: int, ch: str) -> int:
-        """Make (or find) the transition not cached yet, and cache it."""
-        cp, nfa = ord(ch), self._nfa
-        seeds = []
-        for s in self._subsets[state]:
-            los = nfa.los[s]
-            i = bisect_right(los, cp) - 1
-            if i >= 0 and cp <= nfa.his[s][i]:
-                seeds.append(nfa.target[s])
-        nxt = self._intern(self._closure(seeds))
-        self._trans[state][ch] = nxt
-        return nxt
-
-    def _closure(self, seeds: list[int]) -> frozenset[int]:
-        """The live character states (and the accepting state) reached by epsilon edges."""
-        nfa, live = self._nfa, self._live
-        seen: set[int] = set()
-        kept = []
-        stack = [s for s in seeds if live[s]]
-        while stack:
-            s = stack.pop()
-            if s in seen:
-                continue
-            seen.add(s)
-            if nfa.target[s] >= 0 or s == nfa.accept:
-                kept.append(s)
-            # A live branch state may lead to dead ones; a dead one leads to no live one.
-            stack.extend(t for t in nfa.eps[s] if live[t] and t not in seen)
-        return frozenset(kept)
-
-    def _intern(self, subset: frozenset[int]) -> int:
-        if not subset:
-            return DEAD
-        sid = self._ids.get(subset)
-        if sid is not None:
-            return sid
-        with self._lock:  # two threads must not give one subset two numbers, or one number two
-            sid = self._ids.get(subset)
-            if sid is None:
-                sid = len(self._subsets)
-                self._subsets.append(tuple(subset))
-                self._accepting.append(self._nfa.accept in subset)
-                self._trans.append({})
-                self._ids[subset] = sid  # published last: a number seen is a state complete
-        return sid
 
 
 def compile_regex(pattern: str) -> RegexDfa:
@@ -255,10 +333,30 @@ def compile_regex(pattern: str) -> RegexDfa:
     too large, or matches no text at all."""
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")
-    return _compile(pattern)
+    refused = _REFUSED.get(pattern)
+    if refused is not None:
+        raise ValueError(refused)
+    try:
+        return _compile(pattern)
+    except ValueError as e:
+        # A refusal can cost most of a second of building: a client sending the same pattern
+        # again gets it from here. lru_cache keeps results only.
+        with _REFUSED_LOCK:
+            _REFUSED[pattern] = str(e)
+            while len(_REFUSED) > _KEPT_REFUSALS:
+                _REFUSED.pop(next(iter(_REFUSED)))
+        raise
 
 
-@functools.lru_cache(maxsize=64)
+# A compiled automaton holds ~200 bytes a state, ~10 MB at the budgets: 16 kept is ~160 MB at
+# worst, and requests of one kind share their pattern.
+_KEPT_AUTOMATA = 16
+_KEPT_REFUSALS = 256
+_REFUSED: dict[str, str] = {}
+_REFUSED_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=_KEPT_AUTOMATA)
 def _compile(pattern: str) -> RegexDfa:
     dfa = RegexDfa(build_nfa(parse(pattern)))
     if dfa.start == DEAD:
