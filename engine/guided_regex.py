@@ -32,8 +32,10 @@ from engine.regex_dfa import DEAD, RegexDfa
 
 logger = logging.getLogger(__name__)
 
-# Allowed-token sets kept per guide: one per automaton state the requests reach.
-_ALLOWED_CACHE_STATES = 1024
+# Token ids of the allowed sets a guide keeps (one set per guide state the requests reach,
+# up to the vocabulary's size each): 4M int32 ids is 16 MB, ~30 states of a 128k vocabulary
+# allowing most of it, thousands of a JSON schema's narrow ones.
+_ALLOWED_CACHE_IDS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class TokenGuide:
         self.eos_token_ids = list(eos_token_ids)
         self.start = GuideState(dfa.start)
         self._allowed: OrderedDict[GuideState, torch.Tensor] = OrderedDict()
+        self._num_cached_ids = 0
 
     def feed_byte(self, state: GuideState, b: int) -> GuideState | None:
         """The state after one more byte; None when the text leaves the pattern."""
@@ -179,7 +182,7 @@ class TokenGuide:
         return not state.pending and self.dfa.is_accepting(state.dfa_state)
 
     def allowed(self, state: GuideState) -> torch.Tensor:
-        """The token ids that may come next ([n] int64; never empty for a reachable state)."""
+        """The token ids that may come next ([n] int32; never empty)."""
         ids = self._allowed.get(state)
         if ids is not None:
             self._allowed.move_to_end(state)
@@ -190,10 +193,11 @@ class TokenGuide:
             # takes next (a SentencePiece vocabulary without byte fallback): the output
             # ends there rather than be sampled unguided, as an empty mask would be.
             found += self.eos_token_ids
-        ids = torch.tensor(sorted(set(found)), dtype=torch.long)
+        ids = torch.tensor(sorted(set(found)), dtype=torch.int32)
         self._allowed[state] = ids
-        if len(self._allowed) > _ALLOWED_CACHE_STATES:
-            self._allowed.popitem(last=False)
+        self._num_cached_ids += ids.numel()
+        while self._num_cached_ids > _ALLOWED_CACHE_IDS and len(self._allowed) > 1:
+            self._num_cached_ids -= self._allowed.popitem(last=False)[1].numel()
         return ids
 
     def _walk(self, state: GuideState) -> list[int]:
@@ -251,5 +255,5 @@ class GuideCursor:
             # Only a sampled token outside the mask gets here (a bug): the output ends,
             # rather than the engine's step failing every request with it.
             logger.error("guided output left its pattern (%s): ending it", e)
-            return torch.tensor(self.guide.eos_token_ids, dtype=torch.long)
+            return torch.tensor(self.guide.eos_token_ids, dtype=torch.int32)
         return self.guide.allowed(self.state)

@@ -66,7 +66,7 @@ class Sampler:
         penalties need their request's ``PenaltyState``, and rows with ``min_tokens`` their
         output length so far (``num_output_tokens``); ``bad_word_bans`` are per row token ids
         this step must not sample (engine/bad_words.py), ``choices`` per row the only ones it
-        may (a list or an int64 tensor, its guide's: engine/guides.py; None: any)."""
+        may (a list or an integer tensor, its guide's: engine/guides.py; None: any)."""
         _check_inputs(logits, params, generators)
         if choices is not None and len(choices) != len(params):
             raise ValueError(f"{len(choices)} rows of choices for {len(params)} rows")

@@ -286,3 +286,17 @@ def test_the_guided_bench_runs_both_sides_on_the_same_tokens():
     assert cold.num_output_tokens == warm.num_output_tokens >= 3 * 3
     for p in (cold, warm):
         assert p.ratio == pytest.approx(p.guided_tok_s / p.unguided_tok_s)
+
+
+def test_a_guide_keeps_allowed_sets_within_its_budget(reference, trie, monkeypatch):
+    from engine import guided_regex
+
+    monkeypatch.setattr(guided_regex, "_ALLOWED_CACHE_IDS", 20_000)
+    guide = TokenGuide(compile_regex(r".{0,30}"), trie, _eos(reference))
+    state = guide.start
+    for _ in range(6):  # each count a state allowing most of the vocabulary
+        allowed = guide.allowed(state)
+        assert allowed.numel() > 7000
+        state = guide.advance(state, reference.tokenizer.encode_plain("a")[0])
+    assert guide._num_cached_ids <= 20_000 and len(guide._allowed) == 2
+    assert guide._num_cached_ids == sum(ids.numel() for ids in guide._allowed.values())
