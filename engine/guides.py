@@ -22,8 +22,9 @@ from engine.regex_dfa import compile_regex
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
-# Compiled guides an engine keeps, by pattern: requests of a kind repeat theirs.
-_GUIDES_KEPT = 64
+# Compiled guides an engine keeps, by pattern: requests of a kind repeat theirs. Each holds
+# up to 16 MB of allowed sets (engine/guided_regex.py) besides its automaton.
+_GUIDES_KEPT = 16
 
 
 @functools.lru_cache(maxsize=64)
