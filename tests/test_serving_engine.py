@@ -420,3 +420,31 @@ def test_the_blocks_a_schedule_evicts_are_published_before_its_forward(preset_pa
     evicted = {h for ev in published if isinstance(ev, BlockRemoved) for h in ev.block_hashes}
     assert len(removed_at_forward) == 2 and len(evicted) >= 5
     assert removed_at_forward[-1] == evicted
+
+
+def test_a_guided_request_is_added_off_the_event_loop():
+    """Adding one compiles its pattern, and the engine's first builds the vocabulary's trie
+    (a second for a large vocabulary): in a thread, the loop serving other calls meanwhile."""
+    from engine import SamplingParams
+
+    class _Adding(_Engine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adders: list[threading.Thread] = []
+
+        def add_request(self, *args) -> None:
+            self.adders.append(threading.current_thread())
+
+    engine = _Adding()
+
+    async def body(ae):
+        for i, params in enumerate([SamplingParams(), SamplingParams(guided_regex="a+"),
+                                    SamplingParams(guided_json={"type": "integer"})]):
+            first = asyncio.ensure_future(anext(ae.generate(f"r{i}", [1, 2, 3], params)))
+            while len(engine.adders) <= i:
+                await asyncio.sleep(0.01)
+            first.cancel()
+
+    _serve(engine, body, within_s=30)
+    main = threading.main_thread()
+    assert engine.adders[0] is main and main not in engine.adders[1:]
