@@ -69,6 +69,9 @@ def test_growth_is_measured_from_the_second_sample():
     assert SoakReport(1.0, 1, samples=r.samples[:2]).growth_mb() == {}
 
 
+# The slow tier (9 s): a benchmark's run; what it checks, the tokens against the engine under
+# cancels, the serving tests and fuzzers check on every run.
+@pytest.mark.slow
 def test_a_short_soak_through_a_cluster(capsys):
     rc = soak.main(_args("--duration", "2.5", "--concurrency", "3", "--sample-every", "0.5",
                          "--max-tokens", "8", "--pool-candidates", "16", "--cancel-fraction",

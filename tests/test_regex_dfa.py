@@ -166,7 +166,7 @@ def near_misses(text: str, data) -> list[str]:
     return [text[:i] + ch + text[i:], text[:i] + text[i + 1:], text + ch]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.data())
 def test_agrees_with_python_re(data):
     pattern, matching = data.draw(patterns(1))
@@ -218,7 +218,7 @@ def reaches_acceptance(dfa: RegexDfa, state: int, alphabet: list[str]) -> bool:
     return False
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(patterns(2))
 def test_every_reached_state_is_live(drawn):
     pattern = drawn[0]

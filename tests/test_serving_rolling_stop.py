@@ -44,7 +44,7 @@ def test_a_burst_of_requests_is_spread_over_the_workers(cluster):
                                           for p in prompts))
 
     totals = {"prefill": Counter(), "decode": Counter()}
-    for seed in (91, 92, 93):
+    for seed in (91, 92):
         # Past 64 uncached tokens, so the router also looks for a decode worker holding the
         # prompt: an await between the prefill pick and the Prefill call.
         finals = asyncio.run(burst(random_prompts(16, seed=seed, lo=80, hi=120)))
@@ -52,11 +52,11 @@ def test_a_burst_of_requests_is_spread_over_the_workers(cluster):
             placed = Counter(getattr(f.usage, f"{role}_worker_id") for f in finals)
             # A worker the machine starves (5 processes on 2 cores under a full test run)
             # ends its calls later and rightly takes fewer (11/5 seen once): the burst's
-            # spread is bounded loosely, the three bursts' together tightly.
+            # spread is bounded loosely, the bursts' together tightly.
             assert len(placed) == 2 and min(placed.values()) >= 4, (seed, role, placed)
             totals[role].update(placed)
     for role, placed in totals.items():
-        assert min(placed.values()) >= 18, (role, placed)
+        assert min(placed.values()) >= 12, (role, placed)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
