@@ -227,3 +227,13 @@ def assert_same_logprobs(got, want, abs_tol: float = 1e-4) -> None:
     # other. Such a slip is rare and by one or two places; a wrong rank rule shows everywhere.
     assert len(rank_slips) <= max(1, len(want) // 16) and all(d <= 2 for d in rank_slips), \
         rank_slips
+
+
+def final_output(engine, request_id: str):
+    """Steps an LLMEngine until it has nothing left; ``request_id``'s finished output."""
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                final = out
+    return final

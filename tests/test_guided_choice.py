@@ -10,7 +10,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.guided_choice import allowed_by_choices, check_choice_prefix
-from tests.serving_helpers import random_prompts
+from tests.serving_helpers import final_output, random_prompts
 
 CHOICES = ["positive", "negative", "neutral", "yes", "yes indeed", "no way"]
 PROMPTS = random_prompts(6, seed=3)
@@ -66,11 +66,7 @@ def test_a_resumed_request_finishes_the_choice_it_began(reference):
     params = SamplingParams(max_tokens=16, temperature=0.0, guided_choice=CHOICES)
     engine = reference.engine
     engine.add_request("resumed", PROMPTS[0], params, resume_token_ids=begun)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == "resumed" and out.finished:
-                final = out
+    final = final_output(engine, "resumed")
     assert final.text == "yes indeed" and final.finish_reason == "stop"
     with pytest.raises(ValueError, match="begins none of guided_choice's choices"):
         engine.add_request("astray", PROMPTS[0], params,

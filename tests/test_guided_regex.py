@@ -20,7 +20,7 @@ from engine.guided_regex import GuideCursor, TokenGuide, TokenTrie, _code_point_
 from engine.guides import Guides, guide_pattern
 from engine.regex_dfa import DEAD, compile_regex
 from engine.token_bytes import token_byte_strings
-from tests.serving_helpers import random_prompts
+from tests.serving_helpers import final_output, random_prompts
 
 PROMPTS = random_prompts(4, seed=5)
 # Bounded, so that a greedy output ends "stop" within max_tokens whatever the model prefers.
@@ -199,11 +199,7 @@ def test_a_resumed_request_goes_on_from_its_output(reference):
     begun = tok.encode_plain("no, ab")
     engine = reference.engine
     engine.add_request("resumed", PROMPTS[0], params, resume_token_ids=begun)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == "resumed" and out.finished:
-                final = out
+    final = final_output(engine, "resumed")
     assert final.text.startswith("no, ab") and re.fullmatch(pattern, final.text)
     with pytest.raises(ValueError, match="does not match guided_regex at its token 0"):
         engine.add_request("astray", PROMPTS[0], params, resume_token_ids=tok.encode_plain("maybe"))
