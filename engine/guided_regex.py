@@ -16,7 +16,9 @@ vs warm): a pattern that counts (``{0,40}``, a string's ``maxLength``) has a sta
 Every state the automaton reports is live (some text from it matches), and a branch ending
 inside a character is kept only when some character with those first bytes goes on, so an
 allowed token never leads to a state with nothing allowed: the text can always go on to a
-match or end there. The mask depends on the output alone, so a request moved to another
+match or end there. That needs a vocabulary that can spell any character (byte-level ones
+have all 256 bytes); where one cannot spell what the pattern takes next (a SentencePiece
+vocabulary without byte fallback), eos is allowed there and the output ends unmatched. The mask depends on the output alone, so a request moved to another
 engine (its first token sampled by a prefill worker, a migration) goes on there.
 """
 from __future__ import annotations

@@ -296,3 +296,17 @@ def test_a_guide_keeps_allowed_sets_within_its_budget(reference, trie, monkeypat
         state = guide.advance(state, reference.tokenizer.encode_plain("a")[0])
     assert guide._num_cached_ids <= 20_000 and len(guide._allowed) == 2
     assert guide._num_cached_ids == sum(ids.numel() for ids in guide._allowed.values())
+
+
+def test_a_vocabulary_that_cannot_spell_what_comes_next_ends_the_output():
+    """A SentencePiece vocabulary without byte fallback may lack a character the pattern needs
+    next: eos, not an empty mask (which the sampler would read as no mask at all)."""
+    vocab = [b"a", b"b", None, b"ab", "é".encode()[:1]]
+    guide = TokenGuide(compile_regex("a(c|é)"), TokenTrie(vocab), [2])
+    assert guide.allowed(guide.start).tolist() == [0]  # not "ab": b leaves the pattern
+    after_a = guide.advance(guide.start, 0)
+    # c is no token; é's first byte is, and some character that begins so goes on...
+    assert guide.allowed(after_a).tolist() == [4]
+    stuck = guide.advance(after_a, 4)
+    # ...but no token brings its second byte.
+    assert stuck.pending == b"\xc3" and guide.allowed(stuck).tolist() == [2]
