@@ -7,6 +7,7 @@ from client.errors import (AlreadyExistsError, CancelledError, DeadlineExceededE
 from client.failover import FailoverPolicy
 from client.sync_client import Client
 from client.tool_calls import ParsedReply, ToolCall, parse_hermes_tool_calls
+from client.response_format import response_format_schema
 from client.tool_choice import forced_tool_calls, tool_choice_schema
 from client.tool_parsers import (TOOL_CALL_SYNTAXES, parse_llama3_json_tool_calls,
                                  parse_mistral_tool_calls, parse_pythonic_tool_calls,
@@ -24,4 +25,5 @@ __all__ = ["AsyncClient", "Client", "FailoverPolicy", "Chat", "Tokenized", "Mode
            "parse_hermes_tool_calls", "parse_llama3_json_tool_calls",
            "parse_mistral_tool_calls", "parse_pythonic_tool_calls", "parse_tool_calls",
            "TOOL_CALL_SYNTAXES", "ParsedReply", "ToolCall", "ToolCallStream",
-           "StreamedReply", "tool_choice_schema", "forced_tool_calls"]
+           "StreamedReply", "tool_choice_schema", "forced_tool_calls",
+           "response_format_schema"]

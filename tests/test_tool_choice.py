@@ -1,6 +1,7 @@
-"""tool_choice by guided decoding (client/tool_choice.py): the schemas for "required" and a
-named function, the engine's replies under them read back as calls whose arguments are valid,
-and what is refused."""
+"""tool_choice and response_format by guided decoding (client/tool_choice.py,
+client/response_format.py): the schemas for "required" and a named function, the engine's
+replies under them read back as calls whose arguments are valid, the response formats'
+schemas, and what is refused."""
 from __future__ import annotations
 
 import json
@@ -97,3 +98,27 @@ def test_guided_replies_are_calls_with_valid_arguments(reference, choice):
             names.append(call.name)
     assert len(names) >= 4
     assert set(names) == ({"add"} if choice == NAMED else {"add", "get_weather"})
+
+
+def test_response_formats_are_schemas_the_replies_parse_under(reference):
+    from client.response_format import response_format_schema
+
+    assert response_format_schema(None) is None
+    assert response_format_schema({"type": "text"}) is None
+    person = {"type": "object", "required": ["age"],
+              "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    assert response_format_schema({"type": "json_schema",
+                                   "json_schema": {"name": "p", "schema": person}}) == person
+    for bad in ({"type": "json_schema"}, {"type": "xml"}, "json", {"type": "json_schema",
+                                                                    "json_schema": {"schema": 1}}):
+        with pytest.raises(ValueError, match="response_format must be"):
+            response_format_schema(bad)
+    # JSON mode: any object. A random model's open strings rarely close: a bounded schema is
+    # what generates here; JSON mode's schema is checked to guide.
+    from engine.guides import check_guide
+
+    assert response_format_schema({"type": "json_object"}) == {"type": "object"}
+    check_guide(SamplingParams(guided_json=response_format_schema({"type": "json_object"})))
+    outs = reference.generate(PROMPTS, [SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                                       guided_json=person) for i in range(3)])
+    assert all(0 <= json.loads(o.text)["age"] <= 120 for o in outs)
