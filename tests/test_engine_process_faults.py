@@ -4,6 +4,7 @@ processes; faults inside them come from tests/engine_faults (applied as the chil
 from __future__ import annotations
 
 import asyncio
+import re
 import gc
 import os
 import pickle
@@ -402,9 +403,12 @@ def test_prompt_logprobs_cross_once_and_every_output_still_carries_them():
     assert want[-1].prompt_logprobs is not None and remembered == {}
 
 
-def test_a_text_prompt_crosses_as_text():
-    params = _greedy(4)
-
+@pytest.mark.parametrize("params", [
+    _greedy(4),
+    # A guide crosses as its text and is compiled where the engine runs.
+    SamplingParams(max_tokens=16, temperature=0.0, guided_regex=r"\d{2}-[a-z]{2,4}")],
+    ids=["plain", "guided"])
+def test_a_text_prompt_crosses_as_text(params):
     async def run():
         proc = await _start()
         try:
@@ -416,6 +420,8 @@ def test_a_text_prompt_crosses_as_text():
     want = _in_process_outputs("hello world", params)
     assert [t for o in got for t in o.new_token_ids] == [t for o in want
                                                          for t in o.new_token_ids]
+    if params.guided_regex:
+        assert re.fullmatch(params.guided_regex, got[-1].text) and got[-1].finished
 
 
 def test_an_engine_failing_after_it_is_built_fails_the_start_with_its_error():
