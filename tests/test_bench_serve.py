@@ -208,6 +208,9 @@ def test_bad_arguments_are_value_errors(flag, value):
         serve.config_from_args(p.parse_args([flag, value]))
 
 
+# The slow tier (11 s): a benchmark's whole run; its parts (metrics, percentiles, failures,
+# ratios, the report) are unit-tested above and below.
+@pytest.mark.slow
 def test_tiny_run_end_to_end(capsys):
     rc = cli_main(["bench", "serve", "--json", "--concurrency", "2", "--request-rates", "50",
                    "--rounds", "2",

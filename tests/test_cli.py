@@ -18,7 +18,8 @@ def test_make_model_writes_a_loadable_folder(tmp_path):
     assert len(outs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("command", ["chat", "generate"])
+# chat's in the slow tier (4 s): the same connection path as generate's.
+@pytest.mark.parametrize("command", [pytest.param("chat", marks=pytest.mark.slow), "generate"])
 def test_client_commands_without_a_router_end_with_a_clean_error(command):
     import socket
 
@@ -69,6 +70,10 @@ def test_generate_sampling_rule_flags_reach_the_engine(capsys):
     from engine.cli import build_parser, sampling_kwargs
     kw = sampling_kwargs(build_parser().parse_args(argv + rules), {})
     assert kw["bad_words"] == ["hello", "the world"] and kw["min_tokens"] == 2
+    from engine.cli import engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(argv + ["-tp", "2"]))[
+        "tensor_parallel_size"] == 2
     with pytest.raises(SystemExit):
         main(argv + ["--logit-bias", "[1]"])
 
@@ -92,6 +97,9 @@ def test_generate_follows_a_pattern_or_a_schema_file(capsys, tmp_path):
     assert "lookaheads (?=...) are not supported" in capsys.readouterr().err
 
 
+# The slow tier (7 s): TP parity is tests/test_tensor_parallel.py's and the serving tests'; the
+# flag's way to the engine is checked in test_generate_sampling_rule_flags_reach_the_engine.
+@pytest.mark.slow
 def test_generate_tensor_parallel_matches_tp1(capsys):
     argv = ["generate", "--prompt", "hi there", "--max-tokens", "6"]
     assert main(argv) == 0

@@ -550,6 +550,10 @@ def _decisive_chats(reference, routers: dict[str, str], n: int, params: dict):
             {name: [o[i].token_ids for i in keep] for name, o in outs.items()})
 
 
+# The slow tier (8 s): the SDK's side (a router of another model skipped, a stream ended once
+# every router refused) is unit-tested above, and a router's refusal of an expect_model
+# through a real cluster is tests/test_chat_serving.py's.
+@pytest.mark.slow
 def test_a_stream_goes_on_only_on_a_router_of_its_model(cluster, reference):
     """Routers a and c render chats with one template, b with another. The streams a began
     go on on c when a dies, past b, where the continuation of another prompt would read as

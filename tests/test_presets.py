@@ -132,6 +132,9 @@ _RESOLVE = ("import os, sys; from engine.presets import resolve_model; "
             "print(p, os.stat(p / 'model.safetensors').st_ino)")
 
 
+# The slow tier (7 s): two processes racing to make one preset in a cold cache (its fcntl
+# lock); every cluster start has several processes resolve a preset at once, in a warm one.
+@pytest.mark.slow
 def test_concurrent_resolve_from_two_processes(tmp_path, built):
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path), "TOKENIZERS_PARALLELISM": "false"}
     procs = [subprocess.Popen([sys.executable, "-c", _RESOLVE], cwd=REPO, env=env, text=True,

@@ -476,6 +476,9 @@ def _serving(proc: subprocess.Popen) -> None:
     raise AssertionError(f"exited with {proc.wait()} before serving")
 
 
+# The slow tier (8 s): a Redis that comes up refusing the database; a Redis that is down,
+# hangs or comes back is tests/test_serving_redis_outage.py's and test_supervisor's.
+@pytest.mark.slow
 def test_a_service_started_before_redis_stops_once_redis_refuses_its_database(tmp_path):
     """Redis down as the services start: their start-up check cannot ask, and they serve.
     Once Redis answers, it refuses the database on every connection, which they took for an

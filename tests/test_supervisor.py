@@ -105,6 +105,9 @@ def _then(cluster, monkeypatch, after) -> None:
     monkeypatch.setattr(cluster, "respawn", respawn_then)
 
 
+# The slow tier (9 s): the crash budget itself is test_crashed_services_are_started_again_
+# within_the_budget's; this is the count's edge, a crash before the worker is listed.
+@pytest.mark.slow
 def test_a_worker_that_crashes_again_before_it_is_listed_counts_one_more_crash(
         cluster, monkeypatch):
     """It was waited on for 30 s, then the cluster stopped, as for a worker the router does
