@@ -30,8 +30,8 @@ MAX_STOP_CHARS = 1024
 # the output at every step: bounded as bad words are.
 MAX_GUIDED_CHOICES = 256
 MAX_GUIDED_CHOICE_CHARS = 1024
-# Compiled into an automaton (engine/regex_dfa.py, which bounds its size too) where the
-# request is checked, then walked per token: bounded so that a check stays in milliseconds.
+# Compiled into an automaton where the request is checked (engine/regex_dfa.py, whose build
+# budgets keep a check under a second), then walked per token.
 MAX_GUIDED_REGEX_CHARS = 16384
 MAX_GUIDED_JSON_CHARS = 65536
 _GUIDES = ("guided_choice", "guided_regex", "guided_json")
