@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-_ANY_OBJECT = {"type": "object"}
+from client.tool_choice import ANY_OBJECT
 
 
 def response_format_schema(fmt: Mapping[str, Any] | None) -> dict | None:
@@ -22,7 +22,7 @@ def response_format_schema(fmt: Mapping[str, Any] | None) -> dict | None:
     if fmt is None or kind == "text":
         return None
     if kind == "json_object":
-        return dict(_ANY_OBJECT)
+        return dict(ANY_OBJECT)
     spec = fmt.get("json_schema") if kind == "json_schema" else None
     schema = spec.get("schema") if isinstance(spec, Mapping) else None
     if not isinstance(schema, Mapping):

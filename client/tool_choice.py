@@ -24,7 +24,7 @@ from typing import Any
 
 from client.tool_calls import ParsedReply, json_or_none, new_call
 
-_ANY_OBJECT = {"type": "object"}
+ANY_OBJECT = {"type": "object"}  # a JSON schema: any object
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -36,7 +36,7 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any
         if not isinstance(name, str) or not name or tool.get("type", "function") != "function":
             raise ValueError(f"tools[{i}] is not a function tool with a name: "
                              f"{json.dumps(tool)[:200]}")
-        params = fn.get("parameters", _ANY_OBJECT)
+        params = fn.get("parameters", ANY_OBJECT)
         if not isinstance(params, Mapping):
             raise ValueError(f"tool {name!r}'s parameters are not a JSON schema object")
         out[name] = params

@@ -202,7 +202,7 @@ class AsyncEngine(EngineFront):
                            stream_interval: int) -> None:
         add = functools.partial(self.engine.add_request, request_id, prompt_token_ids, params,
                                 resume_token_ids, stream_interval)
-        if params is not None and (params.guided_regex or params.guided_json):
+        if params is not None and params.has_pattern_guide:
             # Its guide is compiled, and the vocabulary's trie built at the engine's first
             # one: a second for a large vocabulary, off the loop (the thread waits for no step).
             await asyncio.to_thread(add)

@@ -42,6 +42,10 @@ def check_choice_prefix(seqs: list[list[int]], output_token_ids: Sequence[int]) 
 def allowed_by_choices(seqs: list[list[int]], output_token_ids: Sequence[int],
                        eos_token_ids: Sequence[int]) -> list[int]:
     """The token ids the next sampled token may be, given the output so far."""
+    if output_token_ids and output_token_ids[-1] in eos_token_ids:
+        # Sampled once the output was a whole choice, yet it went on (min_tokens held the end
+        # back): it adds no text, so the choice stays whole, and only eos follows.
+        return list(eos_token_ids)
     n = len(output_token_ids)
     out = list(output_token_ids)
     allowed: dict[int, None] = {}
@@ -65,8 +69,4 @@ class ChoiceCursor:
     eos_token_ids: list[int]
 
     def allowed(self, output_token_ids: Sequence[int]) -> list[int]:
-        if output_token_ids and output_token_ids[-1] in self.eos_token_ids:
-            # Sampled once the output was a whole choice, yet it went on (min_tokens held the
-            # end back): it adds no text, so the choice stays whole, and only eos follows.
-            return self.eos_token_ids
         return allowed_by_choices(self.seqs, output_token_ids, self.eos_token_ids)

@@ -18,8 +18,9 @@ inside a character is kept only when some character with those first bytes goes 
 allowed token never leads to a state with nothing allowed: the text can always go on to a
 match or end there. That needs a vocabulary that can spell any character (byte-level ones
 have all 256 bytes); where one cannot spell what the pattern takes next (a SentencePiece
-vocabulary without byte fallback), eos is allowed there and the output ends unmatched. The mask depends on the output alone, so a request moved to another
-engine (its first token sampled by a prefill worker, a migration) goes on there.
+vocabulary without byte fallback), eos is allowed there and the output ends unmatched. The
+mask depends on the output alone, so a request moved to another engine (its first token
+sampled by a prefill worker, a migration) goes on there.
 """
 from __future__ import annotations
 

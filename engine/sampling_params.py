@@ -192,6 +192,11 @@ class SamplingParams:
         given = [name for name in _GUIDES if getattr(self, name)]
         return given[0] if given else None
 
+    @property
+    def has_pattern_guide(self) -> bool:
+        """Whether it follows a pattern (guided_regex, or guided_json's), compiled to check."""
+        return bool(self.guided_regex or self.guided_json)
+
     def _validate_guides(self) -> None:
         for name, bound in (("guided_regex", MAX_GUIDED_REGEX_CHARS),
                             ("guided_json", MAX_GUIDED_JSON_CHARS)):

@@ -72,7 +72,7 @@ def _sentencepiece(token: str) -> bytes:
 def token_byte_strings(tokenizer: Tokenizer) -> list[bytes | None]:
     """Per token id in ``[0, tokenizer.vocab_size)``, the bytes it adds to the text; None for
     special tokens and ids the tokenizer does not spell."""
-    backend = tokenizer._backend
+    backend = tokenizer.backend
     kinds = _decoder_kinds(json.loads(backend.to_str()).get("decoder"))
     if "ByteLevel" in kinds:
         spell = _byte_level

@@ -66,6 +66,11 @@ class Tokenizer:
         # Variables every chat template sees (bos_token, eos_token, ...), as transformers passes.
         self.special_tokens_map: dict = dict(snapshot.special_tokens_map)
 
+    @property
+    def backend(self):
+        """The ``tokenizers`` tokenizer underneath (its vocabulary, its decoder's JSON)."""
+        return self._backend
+
     def encode(self, text: str) -> list[int]:
         """Token ids of text, with bos prepended when the tokenizer's config asks for it."""
         return self._encode(text, True)

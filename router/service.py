@@ -222,7 +222,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         convert.fill_sampling_defaults(request.sampling, self.model.sampling_defaults)
         params = convert.sampling_from_proto(request.sampling)
         params.validate_vocab(self.model.vocab_size)
-        if params.guided_regex or params.guided_json:
+        if params.has_pattern_guide:
             # Refused here, before any worker is picked; compiling a pattern takes up to a
             # fraction of a second (bounded by its size): off the event loop.
             await asyncio.to_thread(check_guide, params)

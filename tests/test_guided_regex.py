@@ -82,7 +82,7 @@ def test_sentencepiece_tokens_map_their_space_and_byte_pieces():
                                    byte_fallback=True))
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
-    tok = SimpleNamespace(_backend=backend, vocab_size=8, all_special_ids=[0, 1, 2])
+    tok = SimpleNamespace(backend=backend, vocab_size=8, all_special_ids=[0, 1, 2])
     assert token_byte_strings(tok) == [None, None, None, b" hello", b"world", b"\n", b"\xe6",
                                        b" "]
 
