@@ -187,25 +187,6 @@ def test_a_killed_launcher_leaves_no_service_behind():
             log_dirs.remove(pids["log_dir"])
 
 
-def test_stopping_the_cluster_lets_requests_in_flight_finish():
-    """``pdserve up``'s stop drains the router before any worker leaves: a request between its
-    prefill and its decode leg still finds a decode worker."""
-    from tests.serving_helpers import WORKER_ARGS, random_prompts
-
-    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS,
-                                  router_args=["--max-local-prefill-length", "0"])).start()
-    try:
-        threads, outcomes, first = _stream_in_background(
-            cluster.router_address, random_prompts(8, seed=3, lo=200, hi=400))
-        assert first.wait(120)
-        _wait_all_taken(cluster.router_address, 8)
-    finally:
-        cluster.stop()  # with the requests in flight: every one at its own stage
-    for t in threads:
-        t.join(120)
-    assert outcomes == [(24, "length")] * 8
-
-
 @pytest.mark.timeout(180)
 def test_a_stopping_router_sends_new_requests_elsewhere_and_finishes_its_own():
     """From SIGTERM on, a router reports NOT_SERVING and answers new requests UNAVAILABLE (the
@@ -285,11 +266,14 @@ def test_pdserve_up_stops_at_once_when_told_to_while_starting():
 @pytest.mark.timeout(300)
 def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
     """``pdserve up`` serves until told to stop; Ctrl-C in its terminal reaches its whole
-    process group, yet only the launcher takes it: requests in flight finish, as the routers
-    drain before any worker leaves, and everything exits."""
+    process group, yet only the launcher takes it: requests in flight finish, each at its own
+    stage (every prompt is prefilled on the prefill worker: one between its prefill and its
+    decode leg still finds a decode worker), as the routers drain before any worker leaves,
+    and everything exits."""
     from tests.serving_helpers import random_prompts
 
-    up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "tiny-llama"],
+    up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", "tiny-llama",
+                           "--max-local-prefill-length", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)  # its group: the terminal's stand-in
     outcomes: list = []
@@ -299,16 +283,16 @@ def test_pdserve_up_serves_and_a_terminals_ctrl_c_drains_it_in_order():
         address = line.split("router on ")[1].split()[0]
         services = _children(up.pid)
         threads, outcomes, first = _stream_in_background(
-            address, random_prompts(4, seed=5, lo=100, hi=200))
+            address, random_prompts(8, seed=3, lo=200, hi=400))
         assert first.wait(120)
-        _wait_all_taken(address, 4)
+        _wait_all_taken(address, 8)
         os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
         for t in threads:
             t.join(120)
         out, err = up.communicate(timeout=120)
         assert up.returncode == 0, err[-3000:]
         assert "pdserve up: stopping" in out
-        assert outcomes == [(24, "length")] * 4
+        assert outcomes == [(24, "length")] * 8
         assert len(services) >= 4 and all(_wait_gone(pid, 30) for pid in services)
     finally:
         if up.poll() is None:
