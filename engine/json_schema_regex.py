@@ -6,8 +6,9 @@ instances the schema accepts, spelled as ``json.dumps`` spells them: with its de
 separators (", ", ": ") or compact ones (",", ":"), each comma and colon on its own, and no
 whitespace anywhere else, so a model guided by it cannot ramble in whitespace. Another module
 compiles the regex into a character automaton, so only a small part of ``re``'s syntax is
-used: literals and escaped metacharacters, ``\\uHHHH``, classes, ``(?:...)`` groups,
-alternation and the quantifiers ``* + ? {n} {n,} {n,m}``, no count above ``MAX_REPEAT``.
+used: literals and escaped metacharacters, ``\\uHHHH`` (and ``\\UHHHHHHHH``), classes,
+``(?:...)`` groups, alternation and the quantifiers ``* + ? {n} {n,} {n,m}``, no count above
+``MAX_REPEAT``.
 
 The regex is built bottom-up, one schema node at a time; the output of a node is one
 regex, and nothing about where it sits in the document changes it (so a ``$ref`` is
@@ -35,7 +36,9 @@ needs one spelling, not every one):
 
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
-``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), integer ``minimum``,
+``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), ``pattern`` (see
+engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
+anchored, never beside lengths or a format), integer ``minimum``,
 ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers, as in draft 2020-12),
 ``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
 ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
@@ -48,7 +51,7 @@ client asked for), bounds on "number" (a regex cannot bound decimal text with ex
 exactly; "integer" bounds are exact), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
 and beside ``enum``/``const`` other than ``type`` (their intersection), ``format`` beside
 lengths, lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty
-ranges) and every other keyword (``pattern``, ``not``, ``if``, ``uniqueItems`` ...).
+ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
+
+from engine.json_string_pattern import pattern_string_regex
 
 MAX_REGEX_CHARS = 200_000
 MAX_REPEAT = 1000  # the largest count in a {n,m} the automaton compiler takes
@@ -94,7 +99,7 @@ _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$c
             "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions"}
 # The keywords that constrain one type, and the type a schema without "type" is taken for.
 _TYPE_KEYWORDS = {
-    "minLength": "string", "maxLength": "string", "format": "string",
+    "minLength": "string", "maxLength": "string", "format": "string", "pattern": "string",
     "minimum": "integer", "maximum": "integer",
     "exclusiveMinimum": "integer", "exclusiveMaximum": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
@@ -242,6 +247,12 @@ class _Compiler:
         return self.object(s, path, depth)
 
     def string(self, s: dict, path: str) -> str:
+        if "pattern" in s:
+            for kw in ("minLength", "maxLength", "format"):
+                if kw in s:
+                    raise ValueError(f"{kw!r} beside 'pattern' at {path} is not supported "
+                                     "(write the bound into the pattern)")
+            return pattern_string_regex(s["pattern"], _CHAR, path)
         if "format" in s:
             fmt = s["format"]
             if fmt not in _FORMATS:

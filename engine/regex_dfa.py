@@ -43,8 +43,9 @@ or a leading or trailing ``-`` is literal; ``\\b`` in a class is backspace); gro
 ``(?:...)``, ``(?P<name>...)`` (all only group); ``|`` (empty branches allowed); the empty
 pattern; ``* + ? {n} {n,} {,m} {n,m}``, greedy or lazy (``*?`` and so on: the same language
 under fullmatch). As in ``re``, a ``{`` that does not open a well-formed count is a literal
-``{`` (``a{x``, ``a{}``, ``a{1,2``). ``^`` or ``\\A`` as the pattern's first token and ``$`` or
-``\\Z`` as its last are accepted and change nothing: the text is matched whole anyway (``re``'s
+``{`` (``a{x``, ``a{}``, ``a{1,2``). ``^`` or ``\\A`` as the first token and ``$`` or ``\\Z``
+as the last of the pattern or of an alternative outside groups (``^a|b$``) are accepted and
+change nothing: the text is matched whole anyway (``re``'s
 ``$`` may also match before a final newline, but fullmatch would still have to match that
 newline, so it never changes the outcome).
 

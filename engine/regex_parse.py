@@ -123,6 +123,7 @@ class _Parser:
         self.text = text
         self.pos = 0
         self.depth = 0
+        self.branch_start = 0  # where the top-level alternative being read began
         self.names: set[str] = set()
 
     def error(self, what: str, pos: int | None = None) -> ValueError:
@@ -147,6 +148,8 @@ class _Parser:
         branches = [self.sequence()]
         while self.peek() == "|":
             self.pos += 1
+            if self.depth == 0:
+                self.branch_start = self.pos
             branches.append(self.sequence())
         return branches[0] if len(branches) == 1 else self.sized(Alt(tuple(branches)))
 
@@ -216,17 +219,18 @@ class _Parser:
         return Chars(((ord(ch), ord(ch)),))
 
     def anchor(self, name: str, start: int) -> None:
-        # Under fullmatch, an anchor at the very start or end of the whole pattern is a no-op
-        # (a trailing $ may match before a final newline, but fullmatch must still reach the
-        # end, so the newline would need matching too). Anywhere else it would need real
-        # zero-width assertions.
-        if name in ("^", "\\A") and start == 0:
+        # Under fullmatch, an anchor at the very start or end of a top-level alternative is a
+        # no-op (each alternative spans the whole text; a trailing $ may match before a final
+        # newline, but fullmatch must still reach the end, so the newline would need matching
+        # too). Anywhere else it would need real zero-width assertions.
+        if name in ("^", "\\A") and start == self.branch_start:
             return None
-        if name in ("$", "\\Z") and self.pos == len(self.text):
+        if name in ("$", "\\Z") and (self.pos == len(self.text)
+                                      or (self.depth == 0 and self.peek() == "|")):
             return None
         where = "start" if name in ("^", "\\A") else "end"
-        raise self.error(f"anchor {name} is only supported at the very {where} of the pattern",
-                         start)
+        raise self.error(f"anchor {name} is only supported at the very {where} of the pattern "
+                         "or of an alternative outside groups", start)
 
     def escape(self, start: int) -> Node | None:
         if self.pos >= len(self.text):

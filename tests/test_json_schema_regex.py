@@ -509,15 +509,16 @@ _ESCAPES = set(".^$*+?{}[]\\|()\"/-ntrdws")
 
 
 def _check_syntax(rx: str) -> None:
-    """Only literals, the escapes above and \\uHHHH, classes, (...) and (?:...) groups, |,
-    and * + ? {n} {n,} {n,m} quantifiers with no count above MAX_REPEAT."""
+    """Only literals, the escapes above, \\uHHHH and \\UHHHHHHHH, classes, (...) and (?:...)
+    groups, |, and * + ? {n} {n,} {n,m} quantifiers with no count above MAX_REPEAT."""
     i, open_groups = 0, 0
     while i < len(rx):
         c = rx[i]
         if c == "\\":
-            if rx[i + 1] == "u":
-                assert re.fullmatch("[0-9a-fA-F]{4}", rx[i + 2:i + 6]), rx[i:i + 6]
-                i += 6
+            if rx[i + 1] in "uU":
+                n = 4 if rx[i + 1] == "u" else 8
+                assert re.fullmatch(f"[0-9a-fA-F]{{{n}}}", rx[i + 2:i + 2 + n]), rx[i:i + 2 + n]
+                i += 2 + n
                 continue
             assert rx[i + 1] in _ESCAPES, rx[i:i + 2]
             i += 2
@@ -525,8 +526,8 @@ def _check_syntax(rx: str) -> None:
             j = i + 1 + (rx[i + 1] == "^")
             while rx[j] != "]":
                 if rx[j] == "\\":
-                    assert rx[j + 1] in _ESCAPES | {"u"}, rx[j:j + 2]
-                    j += 6 if rx[j + 1] == "u" else 2
+                    assert rx[j + 1] in _ESCAPES | {"u", "U"}, rx[j:j + 2]
+                    j += {"u": 6, "U": 10}.get(rx[j + 1], 2)
                 else:
                     j += 1
             i = j + 1
@@ -595,10 +596,61 @@ def test_a_pydantic_models_schema_and_its_validation_agree_with_the_regex():
     check()
 
 
+# --- pattern ---
+
+# (pattern, what re.search finds in the decoded string: JSON Schema's $ is the end of the
+# string, re's is before a final newline too, so the oracle writes \Z)
+PATTERNS = [("ab", "ab"), ("^a[0-9]{2}$", "^a[0-9]{2}\\Z"), ("^a|b$", "^a|b\\Z"),
+            ('"\\\\', '"\\\\'), ("^[^a]*$", "^[^a]*\\Z"), ("\\n\\t", "\\n\\t"),
+            ("^(?:x|\\d+)?é$", "^(?:x|\\d+)?é\\Z"), ("[]a]b", "[]a]b"), ("^$", "^\\Z"),
+            ("a\\|b|^x", "a\\|b|^x"), ("[|(]|\\)$", "[|(]|\\)\\Z"), ("^\\x01.$", "^\\x01.\\Z")]
+ALPHABET = ["a", "b", "x", "0", "1", '"', "\\", "\n", "\t", "é", " ", "\x01", "|", "(", ")",
+            "\U0001f600"]
+
+
+@pytest.mark.parametrize("pattern, search", PATTERNS, ids=[p for p, _ in PATTERNS])
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(value=st.lists(st.sampled_from(ALPHABET), max_size=6).map("".join))
+def test_a_pattern_matches_the_strings_it_finds_a_match_in(pattern, search, value):
+    """Spelled as json.dumps spells it without ensure_ascii, a string matches the regex
+    exactly when the pattern matches somewhere in it (anchors tying it to the ends)."""
+    rx = schema_to_regex({"type": "string", "pattern": pattern})
+    assert bool(re.fullmatch(rx, json.dumps(value, ensure_ascii=False))) == \
+        bool(re.search(search, value))
+
+
+@pytest.mark.parametrize("pattern, search", PATTERNS, ids=[p for p, _ in PATTERNS])
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_every_text_a_pattern_regex_matches_is_a_string_the_pattern_finds(pattern, search,
+                                                                          data):
+    """Its other spellings too (escapes where the pattern leaves the ends open): each is a
+    JSON string, and the pattern matches its value."""
+    rx = schema_to_regex({"type": "string", "pattern": pattern})
+    _check_syntax(rx)
+    text = data.draw(st.from_regex(rx, fullmatch=True))
+    assert re.search(search, json.loads(text))
+
+
+def test_a_pattern_in_a_schema_constrains_only_its_string():
+    rx = schema_to_regex({"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+        "n": {"type": "integer"}}, "required": ["code", "n"]})
+    assert re.fullmatch(rx, '{"code": "AB-123", "n": 4}')
+    assert not re.fullmatch(rx, '{"code": "AB-1234", "n": 4}')
+    assert not re.fullmatch(rx, '{"code": "ab-123", "n": 4}')
+    # Without "type", the pattern makes it a string.
+    assert re.fullmatch(schema_to_regex({"pattern": "^x$"}), '"x"')
+
+
 # --- refusals ---
 
 REFUSED = [
-    ({"type": "string", "pattern": "a+"}, "'pattern' at #"),
+    ({"type": "string", "pattern": "(a"}, "'pattern' at #: bad regex at position 0"),
+    ({"type": "string", "pattern": 3}, "'pattern' at # must be a string"),
+    ({"type": "string", "pattern": "^a", "maxLength": 3}, "'maxLength' beside 'pattern'"),
+    ({"type": "string", "pattern": "\\ud800"}, "a surrogate code point"),
     ({"patternProperties": {"a": {}}}, "'patternProperties' at #"),
     ({"type": "number", "multipleOf": 2}, "'multipleOf' at #"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems' at #"),
@@ -606,7 +658,8 @@ REFUSED = [
     ({"not": {"type": "null"}}, "'not' at #"),
     ({"type": "array", "contains": {}}, "'contains' at #"),
     ({"type": "object", "minProperties": 1}, "'minProperties' at #"),
-    ({"properties": {"a": {"items": {"pattern": "x"}}}}, "'pattern' at #/properties/a/items"),
+    ({"properties": {"a": {"items": {"pattern": "(?=x)"}}}},
+     "'pattern' at #/properties/a/items: bad regex"),
     ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
      "'not' at #/$defs/A/properties/x~1y"),
     ({"anyOf": [{"type": "null"}, {"format": "email"}]}, "'format' 'email' at #/anyOf/1"),

@@ -269,6 +269,7 @@ REALISTIC = [
     ("", [""], ["a"]),
     ("a|", ["a", ""], ["b"]),
     (r"[]a-]+[^]]", ["]-ab", "a-é"], ["]]", "a]"]),
+    (r"^ab|c$|\Ad\Z|e", ["ab", "c", "d", "e"], ["abc", "", "cd", "ab\n"]),
     (r"\x41\u00e9\0\01\t[\b]", ["Aé\0\1\t\b"], ["Aé\0\1\t"]),
 ]
 
@@ -325,7 +326,7 @@ REFUSED = [
     ("a(?s)", "inline flags"), (r"\bfoo", "word boundary"), (r"a\B", "word boundary"),
     ("(?>a)", "atomic"), ("a*+", "possessive"), ("a++", "possessive"), ("a?+", "possessive"),
     ("a{2}+", "possessive"), ("(a)(?(1)b|c)", "conditional"), ("(?#note)a", "comment"),
-    ("a^", "anchor ^"), ("(^a)", "anchor ^"), ("a$b", "anchor $"), ("(a$)", "anchor $"),
+    ("a^", "anchor ^"), ("(^a)", "anchor ^"), ("(?:a|^b)", "anchor ^"), ("a|b$c", "anchor $"), ("a$b", "anchor $"), ("(a$)", "anchor $"),
     (r"a\Ab", r"anchor \A"), (r"\Za", r"anchor \Z"), ("*a", "nothing to repeat"),
     ("a|*b", "nothing to repeat"), ("(+a)", "nothing to repeat"), ("^*", "nothing to repeat"),
     ("{2}", "nothing to repeat"), ("a**", "after another"), ("a{2}{3}", "after another"),
