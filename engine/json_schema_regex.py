@@ -61,10 +61,11 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
+from engine.json_numbers import NUMBER, NUMBER_BOUNDS, int_bounds, int_range
 from engine.json_string_pattern import pattern_string_regex
+from engine.regex_text import alt, repeat
 
 MAX_REGEX_CHARS = 200_000
-MAX_REPEAT = 1000  # the largest count in a {n,m} the automaton compiler takes
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
 MAX_SCHEMA_DEPTH = 64  # schema (and enum value) nesting, against stack exhaustion
@@ -76,8 +77,6 @@ _CHAR = ('(?:[^"\\\\\\u0000-\\u001f\\ud800-\\udfff]|\\\\["\\\\/bfnrt]'
          f"|\\\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
          f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})")
 _STRING = f'"{_CHAR}*"'
-_INTEGER = "(?:0|-?[1-9][0-9]*)"
-_NUMBER = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _COMMA, _COLON = ", ?", ": ?"
 
 _MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
@@ -105,7 +104,6 @@ _TYPE_KEYWORDS = {
     "properties": "object", "required": "object", "additionalProperties": "object",
     "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
 }
-_NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
 _META = set(".^$*+?{}[]\\|()")
@@ -150,7 +148,7 @@ class _Compiler:
         if not isinstance(nullable, bool):
             raise ValueError(f"'nullable' at {path} must be true or false")
         if nullable:
-            rx = _alt([rx, "null"])
+            rx = alt([rx, "null"])
         if len(rx) > MAX_REGEX_CHARS:
             raise ValueError(f"the schema at {path} needs a regex longer than "
                              f"{MAX_REGEX_CHARS} characters")
@@ -176,7 +174,7 @@ class _Compiler:
             kept = [v for v in values if _json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
-            return _alt(_bounded((_literal(v, where, depth) for v in kept), path))
+            return alt(_bounded((_literal(v, where, depth) for v in kept), path))
         if kw == "$ref":
             return self.ref(s["$ref"], path, depth)
         branches = s[kw]
@@ -185,7 +183,7 @@ class _Compiler:
         if kw == "allOf" and len(branches) != 1:
             raise ValueError(f"'allOf' at {path} has {len(branches)} schemas: "
                              "only one is supported")
-        return _alt(_bounded((self.node(b, _at(where, i), depth + 1)
+        return alt(_bounded((self.node(b, _at(where, i), depth + 1)
                               for i, b in enumerate(branches)), path))
 
     def ref(self, ref: Any, path: str, depth: int) -> str:
@@ -224,7 +222,7 @@ class _Compiler:
         types = self.types(s, path)
         if not types:
             return _ANY[ANY_DEPTH]
-        return _alt([self.one_type(t, s, path, depth) for t in types])
+        return alt([self.one_type(t, s, path, depth) for t in types])
 
     def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
         if t == "null":
@@ -232,14 +230,14 @@ class _Compiler:
         if t == "boolean":
             return "(?:true|false)"
         if t == "number":
-            for kw in _NUMBER_BOUNDS:
+            for kw in NUMBER_BOUNDS:
                 if kw in s:
                     raise ValueError(f"{kw!r} at {path} bounds a number, which a regex "
                                      "cannot do exactly: use \"type\": \"integer\" for "
                                      "bounds, or no bound")
-            return _NUMBER
+            return NUMBER
         if t == "integer":
-            return _int_range(*_int_bounds(s, path))
+            return int_range(*int_bounds(s, path))
         if t == "string":
             return self.string(s, path)
         if t == "array":
@@ -265,7 +263,7 @@ class _Compiler:
         lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
         if hi is not None and lo > hi:
             raise ValueError(f"'minLength' at {path} is above 'maxLength'")
-        return f'"{_repeat(_CHAR, lo, hi)}"'
+        return f'"{repeat(_CHAR, lo, hi)}"'
 
     def array(self, s: dict, path: str, depth: int) -> str:
         prefix, items = s.get("prefixItems", []), s.get("items", True)
@@ -353,50 +351,15 @@ def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None) -> s
     if hi == 0:
         return ""
     if not k:
-        run = rest + _repeat(_COMMA + rest, max(lo - 1, 0), None if hi is None else hi - 1)
+        run = rest + repeat(_COMMA + rest, max(lo - 1, 0), None if hi is None else hi - 1)
         return run if lo else f"(?:{run})?"
     tail = ""
     if rest is not None and (hi is None or hi > k):
-        tail = _repeat(_COMMA + rest, max(lo - k, 0), None if hi is None else hi - k)
+        tail = repeat(_COMMA + rest, max(lo - k, 0), None if hi is None else hi - k)
     for i in range(min(k, hi if hi is not None else k) - 1, -1, -1):
         item = ("" if i == 0 else _COMMA) + firsts[i] + tail
         tail = item if i < lo else f"(?:{item})?"
     return tail
-
-
-def _atom(x: str) -> str:
-    """``x`` ready for a quantifier."""
-    if len(x) == 1 or (len(x) == 2 and x[0] == "\\") or \
-            (x[0] == "[" and x[-1] == "]" and "]" not in x[1:-1]):
-        return x
-    return f"(?:{x})"
-
-
-def _repeat(x: str, lo: int, hi: int | None) -> str:
-    """``x`` repeated lo..hi times (hi None: no limit), no single count above MAX_REPEAT."""
-    a = _atom(x)
-    if hi is None:
-        if lo > MAX_REPEAT:
-            return _repeat(x, lo, lo) + a + "*"
-        return {0: a + "*", 1: a + "+"}.get(lo, f"{a}{{{lo},}}")
-    if hi <= MAX_REPEAT:
-        if hi == 0:
-            return ""
-        if lo == hi:
-            return a if lo == 1 else f"{a}{{{lo}}}"
-        return a + "?" if (lo, hi) == (0, 1) else f"{a}{{{lo},{hi}}}"
-    block = _repeat(x, MAX_REPEAT, MAX_REPEAT)
-    q, r = divmod(hi, MAX_REPEAT)
-    if lo == hi:
-        return _repeat(block, q, q) + _repeat(x, r, r)
-    if lo:
-        return _repeat(x, lo, lo) + _repeat(x, 0, hi - lo)
-    # 0..hi: up to q-1 blocks then 0..MAX_REPEAT (every count up to q blocks), or q blocks
-    # then 0..r.
-    parts = [_repeat(block, 0, q - 1) + _repeat(x, 0, MAX_REPEAT)]
-    if r:
-        parts.append(_repeat(block, q, q) + _repeat(x, 0, r))
-    return _alt(parts)
 
 
 def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
@@ -409,104 +372,6 @@ def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
     if v > MAX_COUNT:
         raise ValueError(f"{kw!r} at {path} is above {MAX_COUNT}, the most supported")
     return int(v)
-
-
-def _int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
-    """The least and greatest integers the bound keywords allow (None: unbounded)."""
-    los, his = [], []
-    for kw in _NUMBER_BOUNDS:
-        if kw not in s:
-            continue
-        v = s[kw]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"{kw!r} at {path} must be a number")
-        if kw == "minimum":
-            los.append(math.ceil(v))
-        elif kw == "exclusiveMinimum":
-            los.append(math.floor(v) + 1)
-        elif kw == "maximum":
-            his.append(math.floor(v))
-        else:
-            his.append(math.ceil(v) - 1)
-    lo, hi = max(los, default=None), min(his, default=None)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"the bounds at {path} leave no integer")
-    return lo, hi
-
-
-def _int_range(lo: int | None, hi: int | None) -> str:
-    """Integers in lo..hi (None: unbounded) as JSON writes them: no leading zeros, no -0."""
-    if lo is None and hi is None:
-        return _INTEGER
-    parts = []
-    if lo is None or lo < 0:  # the negatives, as "-" and their magnitude
-        parts.append("-" + _natural_range(1 if hi is None or hi >= 0 else -hi,
-                                          None if lo is None else -lo))
-    if hi is None or hi >= 0:
-        parts.append(_natural_range(0 if lo is None else max(lo, 0), hi))
-    return _alt(parts)
-
-
-def _natural_range(lo: int, hi: int | None) -> str:
-    """The naturals in lo..hi (None: unbounded), one digit count at a time."""
-    top = 10 ** len(str(lo)) - 1 if hi is None else hi
-    parts = []
-    for n in range(len(str(lo)), len(str(top)) + 1):
-        least = max(lo, 10 ** (n - 1) if n > 1 else 0)
-        parts.append(_digits_range(str(least), str(min(top, 10 ** n - 1))))
-    if hi is None:  # and every longer number
-        parts.append("[1-9]" + _repeat("[0-9]", len(str(lo)), None))
-    return _alt(parts)
-
-
-def _digits_range(lo: str, hi: str) -> str:
-    """Digit strings as long as lo and hi, from lo to hi."""
-    k = next((i for i, (a, b) in enumerate(zip(lo, hi)) if a != b), len(lo))
-    if k == len(lo):
-        return lo
-    a, b, rest = int(lo[k]), int(hi[k]), len(lo) - k - 1
-    # The middle digits take any tail; lo's and hi's own digit does when its tail is
-    # all 0s (resp. 9s), and otherwise needs a tail at least (at most) its own.
-    mid_lo = a if set(lo[k + 1:]) <= {"0"} else a + 1
-    mid_hi = b if set(hi[k + 1:]) <= {"9"} else b - 1
-    parts = []
-    if mid_lo > a:
-        parts.append(lo[k] + _tail_range(lo[k + 1:], above=True))
-    if mid_lo <= mid_hi:
-        parts.append(_digit_class(mid_lo, mid_hi) + _repeat("[0-9]", rest, rest))
-    if mid_hi < b:
-        parts.append(hi[k] + _tail_range(hi[k + 1:], above=False))
-    return lo[:k] + _alt(parts)
-
-
-def _tail_range(digits: str, above: bool) -> str:
-    """Digit strings as long as ``digits``, at least it (above) or at most it; built from
-    the last digit back, without recursion (bounds may have hundreds of digits)."""
-    edge = "0" if above else "9"
-    rx = ""
-    for i in range(len(digits) - 1, -1, -1):
-        d, rest = int(digits[i]), len(digits) - 1 - i
-        any_tail = _repeat("[0-9]", rest, rest)
-        if set(digits[i:]) <= {edge}:
-            rx = _repeat("[0-9]", rest + 1, rest + 1)
-        elif set(digits[i + 1:]) <= {edge}:  # this digit or beyond it, then any tail
-            rx = (_digit_class(d, 9) if above else _digit_class(0, d)) + any_tail
-        elif d == (9 if above else 0):  # no other digit beyond this one
-            rx = digits[i] + rx
-        else:
-            other = _digit_class(d + 1, 9) if above else _digit_class(0, d - 1)
-            rx = _alt([digits[i] + rx, other + any_tail])
-    return rx
-
-
-def _digit_class(a: int, b: int) -> str:
-    return str(a) if a == b else f"[{a}-{b}]"
-
-
-def _alt(parts: list[str]) -> str:
-    parts = list(dict.fromkeys(parts))
-    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
 
 
 def _escape(text: str) -> str:
@@ -559,12 +424,12 @@ def _json_types(value: Any, path: str) -> set[str]:
 
 
 def _any_value(depth: int) -> str:
-    scalar = [_STRING, _NUMBER, "true", "false", "null"]
+    scalar = [_STRING, NUMBER, "true", "false", "null"]
     if not depth:
-        return _alt(scalar)
+        return alt(scalar)
     inner = _any_value(depth - 1)
     member = f"{_STRING}{_COLON}{inner}"
-    return _alt(scalar + [f"\\[(?:{inner}(?:{_COMMA}{inner})*)?\\]",
+    return alt(scalar + [f"\\[(?:{inner}(?:{_COMMA}{inner})*)?\\]",
                           f"\\{{(?:{member}(?:{_COMMA}{member})*)?\\}}"])
 
 

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.json_schema_regex import ANY_DEPTH, MAX_REGEX_CHARS, MAX_REPEAT, schema_to_regex
+from engine.json_schema_regex import ANY_DEPTH, MAX_REGEX_CHARS, schema_to_regex
+from engine.regex_text import MAX_REPEAT
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
