@@ -11,9 +11,9 @@ INTEGER = "(?:0|-?[1-9][0-9]*)"
 NUMBER = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 
 
-def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
-    """The least and greatest integers the bound keywords allow (None: unbounded)."""
-    los, his = [], []
+def _bounds(s: dict, path: str) -> list[tuple[str, int | float]]:
+    """The bound keywords of ``s`` with their values, each checked to be a finite number."""
+    out = []
     for kw in NUMBER_BOUNDS:
         if kw not in s:
             continue
@@ -21,6 +21,14 @@ def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or \
                 isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{kw!r} at {path} must be a number")
+        out.append((kw, v))
+    return out
+
+
+def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
+    """The least and greatest integers the bound keywords allow (None: unbounded)."""
+    los, his = [], []
+    for kw, v in _bounds(s, path):
         if kw == "minimum":
             los.append(math.ceil(v))
         elif kw == "exclusiveMinimum":
@@ -102,3 +110,64 @@ def _tail_range(digits: str, above: bool) -> str:
 
 def _digit_class(a: int, b: int) -> str:
     return str(a) if a == b else f"[{a}-{b}]"
+
+
+# A bounded number is written without an exponent: an integer part, then any fraction.
+_FRACTION = "(?:\\.[0-9]+)?"
+_NONZERO_FRACTION = "\\.[0-9]*[1-9][0-9]*"
+_ZERO_FRACTION = "(?:\\.0+)?"
+
+
+def number_range(s: dict, path: str) -> str:
+    """Numbers within the bound keywords of ``s`` (NUMBER when it has none). The bounds must
+    be whole numbers: a decimal bound's edge would be compared digit by digit in the
+    fraction, which is not done. ``-0`` is never written."""
+    lo, lo_open, hi, hi_open = _number_bounds(s, path)
+    if lo is None and hi is None:
+        return NUMBER
+    parts = []
+    if hi is None or hi > 0 or (hi == 0 and not hi_open):
+        a, a_open = (0, False) if lo is None or lo < 0 else (lo, lo_open)
+        parts += _magnitudes(a, a_open, hi, hi_open)
+    if lo is None or lo < 0:  # the negatives, as "-" and their magnitude (never 0)
+        a, a_open = (-hi, hi_open) if hi is not None and hi < 0 else (0, True)
+        negatives = _magnitudes(a, a_open, None if lo is None else -lo, lo_open)
+        if negatives:
+            parts.append("-" + alt(negatives))
+    if not parts:
+        raise ValueError(f"the bounds at {path} leave no number")
+    return alt(parts)
+
+
+def _number_bounds(s: dict, path: str) -> tuple[int | None, bool, int | None, bool]:
+    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded."""
+    lo = hi = None
+    lo_open = hi_open = False
+    for kw, v in _bounds(s, path):
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(f"{kw!r} {v} at {path} bounds a number with a fraction: only "
+                             "whole-number bounds are supported on \"number\" (\"integer\" "
+                             "takes any)")
+        v, is_open = int(v), kw.startswith("exclusive")
+        if kw.endswith("inimum"):
+            if lo is None or v > lo or (v == lo and is_open):
+                lo, lo_open = v, is_open
+        elif hi is None or v < hi or (v == hi and is_open):
+            hi, hi_open = v, is_open
+    return lo, lo_open, hi, hi_open
+
+
+def _magnitudes(a: int, a_open: bool, b: int | None, b_open: bool) -> list[str]:
+    """Unsigned decimal texts of the values from a to b (b None: no end), each end excluded
+    or not: the integer part a with a fraction (a nonzero one where a is excluded), the
+    integer parts between with any, and b itself (with zeros only as its fraction)."""
+    if b is not None and (a > b or (a == b and (a_open or b_open))):
+        return []
+    if a == b:
+        return [f"{a}{_ZERO_FRACTION}"]
+    parts = [f"{a}{_NONZERO_FRACTION if a_open else _FRACTION}"]
+    if b is None or b - 1 >= a + 1:
+        parts.append(_natural_range(a + 1, None if b is None else b - 1) + _FRACTION)
+    if b is not None and not b_open:
+        parts.append(f"{b}{_ZERO_FRACTION}")
+    return parts

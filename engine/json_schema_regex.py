@@ -28,7 +28,8 @@ needs one spelling, not every one):
   the numeric bounds), and for any value when it has none;
 - a value of any type (``{}``, ``true``, items or members left open) nests at most
   ``ANY_DEPTH`` arrays or objects deep;
-- integers are written without a fraction or exponent, and never as ``-0``; ``enum`` and
+- integers are written without a fraction or exponent, and never as ``-0``; a bounded
+  "number" without an exponent, and never as ``-0``; ``enum`` and
   ``const`` values are written as ``json.dumps`` writes them (non-ASCII characters raw or
   as ``\\u`` escapes, as with and without ``ensure_ascii``);
 - ``format`` date, time and date-time are RFC 3339 with upper-case ``T`` and ``Z``;
@@ -38,8 +39,9 @@ Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``requ
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), ``pattern`` (see
 engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
-anchored, never beside lengths or a format), integer ``minimum``,
-``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum`` (numbers, as in draft 2020-12),
+anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
+``exclusiveMaximum`` (numbers, as in draft 2020-12; any on "integer", whole numbers on
+"number": engine/json_numbers.py),
 ``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
 ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
 description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly,
@@ -47,8 +49,8 @@ OpenAPI's discriminator). String lengths count characters as JSON Schema does: a
 one, a surrogate pair of escapes one (lone surrogate escapes are not generated).
 
 Refused: recursive ``$ref`` (not cut at some depth: a truncated tree is not the schema the
-client asked for), bounds on "number" (a regex cannot bound decimal text with exponents
-exactly; "integer" bounds are exact), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
+client asked for), bounds with a fraction on "number" (its fraction's edge digits are not
+compared), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
 and beside ``enum``/``const`` other than ``type`` (their intersection), ``format`` beside
 lengths, lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty
 ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
@@ -61,7 +63,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from engine.json_numbers import NUMBER, NUMBER_BOUNDS, int_bounds, int_range
+from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
 from engine.regex_text import alt, repeat
 
@@ -230,12 +232,7 @@ class _Compiler:
         if t == "boolean":
             return "(?:true|false)"
         if t == "number":
-            for kw in NUMBER_BOUNDS:
-                if kw in s:
-                    raise ValueError(f"{kw!r} at {path} bounds a number, which a regex "
-                                     "cannot do exactly: use \"type\": \"integer\" for "
-                                     "bounds, or no bound")
-            return NUMBER
+            return number_range(s, path)
         if t == "integer":
             return int_range(*int_bounds(s, path))
         if t == "string":

@@ -198,7 +198,8 @@ def valid(x, s, root) -> bool:
         return False
     if isinstance(x, str):
         return s.get("minLength", 0) <= len(x) <= s.get("maxLength", math.inf) and \
-            ("format" not in s or _format_ok(s["format"], x))
+            ("format" not in s or _format_ok(s["format"], x)) and \
+            ("pattern" not in s or re.search(_python_pattern(s["pattern"]), x) is not None)
     if _is_type(x, "number"):
         # Not a chain through infinities: 1E400 is a JSON number Python reads as inf.
         return all(kw not in s or op(x, s[kw]) for kw, op in (
@@ -228,6 +229,12 @@ def json_values(depth: int = ANY_DEPTH):
     inner = json_values(depth - 1)
     return st.one_of(_SCALARS, st.lists(inner, max_size=3),
                      st.dictionaries(st.text(max_size=4), inner, max_size=3))
+
+
+def _python_pattern(pattern: str) -> str:
+    """A schema's pattern for re.search: JSON Schema's trailing $ is the end of the string
+    (re's also matches before a final newline)."""
+    return re.sub(r"(?<!\\)\$$", r"\\Z", pattern)
 
 
 def _int_limits(s):
@@ -277,10 +284,18 @@ def _typed(t, s, root):
     if t == "integer":
         return st.integers(*_int_limits(s))
     if t == "number":
+        if any(kw in s for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            # Hundredths within the bounds: json.dumps writes them without an exponent, the
+            # only spelling a bounded number's regex has.
+            lo, hi = _int_limits({k: v * 100 for k, v in s.items() if "imum" in k})
+            lo = -10 ** 6 if lo is None else lo
+            return st.integers(lo, lo + 10 ** 6 if hi is None else hi).map(lambda n: n / 100)
         return st.integers() | st.floats(allow_nan=False, allow_infinity=False)
     if t == "string":
         if "format" in s:
             return _FORMATS[s["format"]]
+        if "pattern" in s:
+            return st.from_regex(_python_pattern(s["pattern"]))
         return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength"))
     if t == "array":
         prefix, items = s.get("prefixItems", []), s.get("items", True)
@@ -583,6 +598,8 @@ def test_a_pydantic_models_schema_and_its_validation_agree_with_the_regex():
         pair: tuple[int, bool]
         notes: dict[str, int] = {}
         total: float
+        score: float = pydantic.Field(ge=0, lt=1)
+        code: str = pydantic.Field(pattern="^[a-f0-9]{2}(?:-[a-f0-9]{2})?$")
 
     schema = Cart.model_json_schema()
     rx = re.compile(schema_to_regex(schema))
@@ -593,6 +610,82 @@ def test_a_pydantic_models_schema_and_its_validation_agree_with_the_regex():
     def check(text, value):
         Cart.model_validate_json(text)
         assert _matches(rx, Cart.model_validate(value).model_dump(mode="json")) == [True] * 4
+
+    check()
+
+
+# --- number bounds ---
+
+_BOUND = st.one_of(st.none(), st.integers(-25, 25))
+
+
+@st.composite
+def number_texts(draw):
+    """Decimal texts near small bounds: JSON's form and a few that are not (-0, leading
+    zeros, exponents)."""
+    sign = draw(st.sampled_from(["", "-"]))
+    whole = draw(st.sampled_from(["0", "00", "01"]) | st.integers(0, 30).map(str))
+    frac = draw(st.sampled_from(["", ".0", ".00", ".5", ".05", ".999", "."]))
+    exp = draw(st.sampled_from([""] * 6 + ["e1", "E-1"]))
+    return sign + whole + frac + exp
+
+
+def _number_allowed(text: str, lo, lo_open, hi, hi_open) -> bool:
+    """What a bounded number's regex must match: JSON's form without an exponent, not a
+    negative zero, within the bounds (exactly, as fractions)."""
+    from fractions import Fraction
+
+    if not re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?", text):
+        return False
+    v = Fraction(text)
+    if text.startswith("-") and v == 0:
+        return False
+    return ((lo is None or (v > lo if lo_open else v >= lo))
+            and (hi is None or (v < hi if hi_open else v <= hi)))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(lo=_BOUND, hi=_BOUND, lo_open=st.booleans(), hi_open=st.booleans(),
+       texts=st.lists(number_texts(), min_size=10, max_size=10))
+def test_number_bounds_are_exact(lo, hi, lo_open, hi_open, texts):
+    schema = {"type": "number"}
+    if lo is not None:
+        schema["exclusiveMinimum" if lo_open else "minimum"] = lo
+    if hi is not None:
+        schema["exclusiveMaximum" if hi_open else "maximum"] = float(hi)  # 3.0 as well as 3
+    if lo is None and hi is None:
+        return  # unbounded: NUMBER, exponents included (the schemas above)
+    empty = lo is not None and hi is not None and (lo > hi or lo == hi and (lo_open or hi_open))
+    if empty:
+        with pytest.raises(ValueError, match="leave no number"):
+            schema_to_regex(schema)
+        return
+    rx = re.compile(schema_to_regex(schema))
+    _check_syntax(rx.pattern)
+    edges = [str(b) + f for b in (lo, hi) if b is not None for f in ("", ".0", ".01")]
+    for text in texts + edges + ["-" + e for e in edges]:
+        assert bool(rx.fullmatch(text)) == _number_allowed(text, lo, lo_open, hi, hi_open), \
+            (schema, text)
+
+
+def test_the_tighter_of_two_bounds_on_one_side_holds():
+    rx = schema_to_regex({"type": "number", "minimum": 2, "exclusiveMinimum": 2,
+                          "maximum": 5, "exclusiveMaximum": 5.0})
+    assert [bool(re.fullmatch(rx, t)) for t in ["2", "2.0", "2.01", "4.99", "5", "5.0"]] == \
+        [False, False, True, True, False, False]
+    rx = schema_to_regex({"type": "number", "minimum": 3, "exclusiveMinimum": 1})
+    assert not re.fullmatch(rx, "2.5") and re.fullmatch(rx, "3")
+
+
+def test_a_bounded_number_drawn_from_its_regex_is_within_its_bounds():
+    schema = {"type": "number", "exclusiveMinimum": -3, "maximum": 120}
+    rx = re.compile(schema_to_regex(schema))
+
+    @settings(max_examples=80, deadline=None, derandomize=True)
+    @given(text=st.from_regex(rx, fullmatch=True))
+    def check(text):
+        v = json.loads(text)
+        assert -3 < v <= 120 and not (text.startswith("-") and v == 0), text
 
     check()
 
@@ -664,8 +757,12 @@ REFUSED = [
     ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
      "'not' at #/$defs/A/properties/x~1y"),
     ({"anyOf": [{"type": "null"}, {"format": "email"}]}, "'format' 'email' at #/anyOf/1"),
-    ({"type": "number", "minimum": 0}, "'minimum' at # bounds a number"),
-    ({"type": ["integer", "number"], "exclusiveMaximum": 1}, "'exclusiveMaximum'"),
+    ({"type": "number", "minimum": 0.5}, "'minimum' 0.5 at # bounds a number with a fraction"),
+    ({"type": ["integer", "number"], "exclusiveMaximum": 1.5}, "'exclusiveMaximum'"),
+    ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "bounds at # leave no number"),
+    ({"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": -1},
+     "bounds at # leave no number"),
+    ({"type": "number", "maximum": "1"}, "'maximum' at # must be a number"),
     ({"type": "integer", "exclusiveMinimum": True}, "'exclusiveMinimum' at # must be a number"),
     ({"type": "integer", "maximum": "9"}, "'maximum'"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "bounds at # leave no integer"),
