@@ -24,7 +24,11 @@ _SCHEMAS = [{"type": "integer", "minimum": -5, "maximum": 500}, {"enum": ["a", 1
             {"type": "object", "properties": {"a": {"type": "boolean"},
                                               "b": {"type": "string", "maxLength": 3}},
              "required": ["a"]},
-            {"type": "array", "items": {"type": "number"}, "maxItems": 2}]
+            {"type": "array", "items": {"type": "number"}, "maxItems": 2},
+            {"type": "object", "properties": {"p": {"type": "number", "minimum": 0,
+                                                    "exclusiveMaximum": 1},
+                                              "s": {"type": "string", "pattern": "^[a-c]{1,3}$"}},
+             "required": ["p", "s"]}]
 _BAD_SCHEMAS = ['{"type": "string", "pattern": "(a"}', '{"$ref": "#/$defs/x"}', "false",
                 '{"type": "integer", "minimum": 3, "maximum": 1}', "[]", "{" * 200]
 
