@@ -9,9 +9,11 @@ A guide state is the automaton's state plus the bytes of a character begun but n
 (a byte-level token may end halfway through a multi-byte character). Finding the allowed
 tokens walks a trie of the vocabulary's texts (``TokenTrie``) once per guide state, pruning a
 branch as soon as its text leaves the pattern, so tokens sharing a beginning are walked
-together; the answer is cached per state, and a request's cursor advances by its new tokens
-only. The first walk of each state is the cost of guidance (``pdserve bench guided``: cold
-vs warm): a pattern that counts (``{0,40}``, a string's ``maxLength``) has a state per count.
+together; the answer is cached, and a request's cursor advances by its new tokens only. The
+first walk of each state is the cost of guidance (``pdserve bench guided``: cold vs warm): a
+pattern that counts (``{0,400}``, a string's ``maxLength``) has a state per count, but the
+states of a count far from its end look alike as far as any token reaches, and share one
+walk (``TokenGuide._key``): a count costs about as many walks as the longest token has bytes.
 
 Every state the automaton reports is live (some text from it matches), and a branch ending
 inside a character is kept only when some character with those first bytes goes on, so an
@@ -39,6 +41,13 @@ logger = logging.getLogger(__name__)
 # up to the vocabulary's size each): 4M int32 ids is 16 MB, ~30 states of a 128k vocabulary
 # allowing most of it, thousands of a JSON schema's narrow ones.
 _ALLOWED_CACHE_IDS = 1 << 22
+# States whose automata agree as far as any token reaches share one allowed set (see
+# TokenGuide._key): signatures kept per (state, depth), at most this many before they (and the
+# sets keyed by them) are dropped and built again.
+_MAX_SIGNATURES = 1 << 20
+# Past this many bytes in a token, states are not compared (the comparison recurses that deep).
+_MAX_SHARED_DEPTH = 256
+_DEAD_SIGNATURE = -1
 
 
 @dataclass(frozen=True)
@@ -144,8 +153,13 @@ class TokenGuide:
         self.trie = trie
         self.eos_token_ids = list(eos_token_ids)
         self.start = GuideState(dfa.start)
-        self._allowed: OrderedDict[GuideState, torch.Tensor] = OrderedDict()
+        self._allowed: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._num_cached_ids = 0
+        # A walk reads at most a token's bytes of characters ahead (and one more's runs, for a
+        # character a token ends inside).
+        self._depth = max((len(b) for b in trie.token_bytes if b), default=0) + 1
+        self._signatures: dict[tuple[int, int], int] = {}
+        self._signature_ids: dict[tuple, int] = {}
 
     def feed_byte(self, state: GuideState, b: int) -> GuideState | None:
         """The state after one more byte; None when the text leaves the pattern."""
@@ -186,9 +200,10 @@ class TokenGuide:
 
     def allowed(self, state: GuideState) -> torch.Tensor:
         """The token ids that may come next ([n] int32; never empty)."""
-        ids = self._allowed.get(state)
+        key = self._key(state)
+        ids = self._allowed.get(key)
         if ids is not None:
-            self._allowed.move_to_end(state)
+            self._allowed.move_to_end(key)
             return ids
         found = self._walk(state)
         if self.can_end(state) or not found:
@@ -197,11 +212,42 @@ class TokenGuide:
             # ends there rather than be sampled unguided, as an empty mask would be.
             found += self.eos_token_ids
         ids = torch.tensor(sorted(set(found)), dtype=torch.int32)
-        self._allowed[state] = ids
+        self._allowed[key] = ids
         self._num_cached_ids += ids.numel()
         while self._num_cached_ids > _ALLOWED_CACHE_IDS and len(self._allowed) > 1:
             self._num_cached_ids -= self._allowed.popitem(last=False)[1].numel()
         return ids
+
+    def _key(self, state: GuideState) -> tuple:
+        """What a state's allowed set depends on. A walk from a state reads the automaton no
+        further than the longest token reaches, so two states whose runs and next states
+        agree to that depth allow the same tokens: the states of a count (``{4,40}``, a
+        string's ``maxLength``) far from its end share one walk instead of one each."""
+        if self._depth > _MAX_SHARED_DEPTH:
+            return (state,)
+        if len(self._signatures) > _MAX_SIGNATURES:
+            self._signatures.clear()
+            self._signature_ids.clear()
+            self._allowed.clear()
+            self._num_cached_ids = 0
+        return (self.can_end(state), self._signature(state.dfa_state, self._depth),
+                state.pending)
+
+    def _signature(self, dfa_state: int, depth: int) -> int:
+        """An id equal for two states exactly when their runs, and their next states' to
+        ``depth`` - 1, are equal."""
+        got = self._signatures.get((dfa_state, depth))
+        if got is not None:
+            return got
+        cuts, nexts = self.dfa.runs(dfa_state)
+        if depth == 0:
+            shape = (tuple(cuts), tuple(n == DEAD for n in nexts))
+        else:
+            shape = (tuple(cuts), tuple(_DEAD_SIGNATURE if n == DEAD
+                                        else self._signature(n, depth - 1) for n in nexts))
+        sig = self._signature_ids.setdefault((depth, shape), len(self._signature_ids))
+        self._signatures[(dfa_state, depth)] = sig
+        return sig
 
     def _walk(self, state: GuideState) -> list[int]:
         if state.pending:  # only a token finishing the character goes on

@@ -66,6 +66,7 @@ import functools
 import threading
 from array import array
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.regex_parse import (MAX_CODE_POINT, MAX_NESTING, MAX_NFA_STATES, MAX_PATTERN_LENGTH,
@@ -320,6 +321,11 @@ class RegexDfa:
         first = bisect_right(cuts, lo) - 1
         # Neighbouring runs step to different states, so of two runs one is live.
         return bisect_right(cuts, hi, first) - 1 > first or self._nexts[state][first] != DEAD
+
+    def runs(self, state: int) -> tuple[Sequence[int], Sequence[int]]:
+        """``state``'s transitions: the code points where each run starts, and each run's
+        next state (DEAD for none); ``state`` must be live."""
+        return self._cuts[state], self._nexts[state]
 
     def is_accepting(self, state: int) -> bool:
         """Whether the text that led to ``state`` matches the whole pattern."""

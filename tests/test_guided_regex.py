@@ -304,7 +304,8 @@ def test_a_guide_keeps_allowed_sets_within_its_budget(reference, trie, monkeypat
     from engine import guided_regex
 
     monkeypatch.setattr(guided_regex, "_ALLOWED_CACHE_IDS", 20_000)
-    guide = TokenGuide(compile_regex(r".{0,30}"), trie, _eos(reference))
+    monkeypatch.setattr(guided_regex, "_MAX_SHARED_DEPTH", 0)  # a set per state, as at a
+    guide = TokenGuide(compile_regex(r".{0,30}"), trie, _eos(reference))  # count's end
     state = guide.start
     for _ in range(6):  # each count a state allowing most of the vocabulary
         allowed = guide.allowed(state)
@@ -312,6 +313,29 @@ def test_a_guide_keeps_allowed_sets_within_its_budget(reference, trie, monkeypat
         state = guide.advance(state, reference.tokenizer.encode_plain("a")[0])
     assert guide._num_cached_ids <= 20_000 and len(guide._allowed) == 2
     assert guide._num_cached_ids == sum(ids.numel() for ids in guide._allowed.values())
+
+
+def test_states_alike_as_far_as_a_token_reaches_share_one_walk(reference, trie, monkeypatch):
+    """From each state of a count far from its end the automaton looks the same to the depth
+    a walk reads (the longest token): one walk serves them all, and each state's set is the
+    one its own walk finds."""
+    import torch
+
+    from engine import guided_regex
+
+    pattern, a = r".{0,300}", reference.tokenizer.encode_plain("a")[0]
+    shared = TokenGuide(compile_regex(pattern), trie, _eos(reference))
+    states = [shared.start]
+    for _ in range(300):
+        states.append(shared.advance(states[-1], a))
+    sets = [shared.allowed(s) for s in states]
+    assert shared._depth < 100 and len(shared._allowed) <= shared._depth + 2
+    monkeypatch.setattr(guided_regex, "_MAX_SHARED_DEPTH", 0)
+    alone = TokenGuide(compile_regex(pattern), trie, _eos(reference))
+    picked = [0, 1, 150, *range(300 - shared._depth - 1, 301, 2)]
+    for i in picked:
+        assert torch.equal(sets[i], alone.allowed(states[i])), i
+    assert len({tuple(alone.allowed(states[i]).tolist()) for i in picked}) >= 4
 
 
 def test_a_vocabulary_that_cannot_spell_what_comes_next_ends_the_output():
