@@ -7,9 +7,9 @@ and eos once the text is a whole match.
 
 A guide state is the automaton's state plus the bytes of a character begun but not finished
 (a byte-level token may end halfway through a multi-byte character). Finding the allowed
-tokens walks a trie of the vocabulary's texts (``TokenTrie``) once per guide state, pruning a
-branch as soon as its text leaves the pattern, so tokens sharing a beginning are walked
-together; the answer is cached, and a request's cursor advances by its new tokens only. The
+tokens walks a trie of the vocabulary's texts (``TokenTrie``) once per guide state, a depth at
+a time over arrays (engine/trie_walk.py), pruning a branch as soon as its text leaves the
+pattern, so tokens sharing a beginning are walked together; the answer is cached, and a request's cursor advances by its new tokens only. The
 first walk of each state is the cost of guidance (``pdserve bench guided``: cold vs warm): a
 pattern that counts (``{0,400}``, a string's ``maxLength``) has a state per count, but the
 states of a count far from its end look alike as far as any token reaches, and share one
@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from engine.regex_dfa import DEAD, RegexDfa
+from engine.trie_walk import TrieWalker, flatten
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class TokenTrie:
         for token_id, data in enumerate(self.token_bytes):
             if data:
                 self._add(token_id, data)
+        self.levels = flatten(self.root)  # walked a depth at a time (engine/trie_walk.py)
 
     def _add(self, token_id: int, data: bytes) -> None:
         text, tail = _split_utf8(data)
@@ -153,6 +155,7 @@ class TokenGuide:
         self.trie = trie
         self.eos_token_ids = list(eos_token_ids)
         self.start = GuideState(dfa.start)
+        self._walker = TrieWalker(dfa, trie.levels)
         self._allowed: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._num_cached_ids = 0
         # A walk reads at most a token's bytes of characters ahead (and one more's runs, for a
@@ -252,24 +255,7 @@ class TokenGuide:
     def _walk(self, state: GuideState) -> list[int]:
         if state.pending:  # only a token finishing the character goes on
             return [t for t in self.trie.continuations if self.advance(state, t) is not None]
-        dfa = self.dfa
-        found = self._tails(self.trie.root, state.dfa_state)
-        stack = [(self.trie.root, state.dfa_state)]
-        while stack:
-            node, at = stack.pop()
-            for ch, child in node.children.items():
-                nxt = dfa.step(at, ch)
-                if nxt == DEAD:
-                    continue
-                found += child.token_ids
-                if child.tails:
-                    found += self._tails(child, nxt)
-                if child.children:
-                    stack.append((child, nxt))
-        return found
-
-    def _tails(self, node: _TrieNode, dfa_state: int) -> list[int]:
-        return [t for lo, hi, t in node.tails if self.dfa.accepts_some(dfa_state, lo, hi)]
+        return self._walker.walk(state.dfa_state).tolist()
 
 
 @dataclass

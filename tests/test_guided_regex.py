@@ -128,6 +128,30 @@ def test_the_trie_allows_exactly_the_tokens_that_keep_the_text_matchable(pattern
     assert seen >= 2
 
 
+TOY_VOCAB = [b"a", b"a", b"ab", b"ab", b"b", b"\xc3", b"\xc3", b"\xa9", b"\xc3\xa9", b"a\xc3",
+             b"ba", b"aaa", b"\xe2\x82", b"\xac", b"", None, b"c", b"cc"]
+
+
+@pytest.mark.parametrize("pattern", [r"a*b?", r"(?:ab|é)+", r"[^b]{1,3}", r"€|c+", r"b(?:a|é)"])
+def test_a_walk_of_the_arrays_allows_what_feeding_each_token_allows(pattern):
+    """A vocabulary with tokens of the same text (several on one trie node), tokens ending
+    inside a character and tokens finishing one: at each state reached, the walk's set is
+    the tokens whose bytes, fed one by one, keep the text matchable."""
+    eos = len(TOY_VOCAB)
+    guide = TokenGuide(compile_regex(pattern), TokenTrie(TOY_VOCAB), [eos])
+    frontier, seen = [guide.start], set()
+    while frontier:
+        state = frontier.pop()
+        if state in seen:
+            continue
+        seen.add(state)
+        walked = {t for t, data in enumerate(TOY_VOCAB)
+                  if data and guide.advance(state, t) is not None}
+        assert set(guide.allowed(state).tolist()) - {eos} == walked, (pattern, state)
+        frontier += [guide.advance(state, t) for t in walked]
+    assert len(seen) >= 2
+
+
 def _stepped(llm, prompt: list[int], pattern: str) -> list[int]:
     """The greedy output with each step's allowed tokens given as allowed_token_ids."""
     guide = TokenGuide(compile_regex(pattern), TokenTrie(token_byte_strings(llm.tokenizer)),
