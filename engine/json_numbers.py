@@ -1,10 +1,12 @@
-"""JSON numbers within bounds, as regexes (for engine/json_schema_regex.py): integers exactly
-as JSON writes them, digit by digit, for bounds of any size."""
+"""JSON numbers within bounds, as regexes (for engine/json_schema_regex.py), digit by digit
+for bounds of any size: integers exactly as JSON writes them; numbers without an exponent,
+their fraction compared with a decimal bound's digit by digit."""
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
-from engine.regex_text import alt, repeat
+from engine.regex_text import alt, atom, repeat
 
 NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 INTEGER = "(?:0|-?[1-9][0-9]*)"
@@ -113,24 +115,23 @@ def _digit_class(a: int, b: int) -> str:
 
 
 # A bounded number is written without an exponent: an integer part, then any fraction.
-_FRACTION = "(?:\\.[0-9]+)?"
-_NONZERO_FRACTION = "\\.[0-9]*[1-9][0-9]*"
-_ZERO_FRACTION = "(?:\\.0+)?"
+_DIGITS = "[0-9]*"
+# Digits after a bound's decimal point, at most (a bound's fraction is compared digit by digit).
+MAX_BOUND_DIGITS = 40
 
 
 def number_range(s: dict, path: str) -> str:
-    """Numbers within the bound keywords of ``s`` (NUMBER when it has none). The bounds must
-    be whole numbers: a decimal bound's edge would be compared digit by digit in the
-    fraction, which is not done. ``-0`` is never written."""
+    """Numbers within the bound keywords of ``s`` (NUMBER when it has none), compared exactly
+    with the bounds as JSON wrote them (0.1 is one tenth). ``-0`` is never written."""
     lo, lo_open, hi, hi_open = _number_bounds(s, path)
     if lo is None and hi is None:
         return NUMBER
     parts = []
     if hi is None or hi > 0 or (hi == 0 and not hi_open):
-        a, a_open = (0, False) if lo is None or lo < 0 else (lo, lo_open)
+        a, a_open = (Decimal(0), False) if lo is None or lo < 0 else (lo, lo_open)
         parts += _magnitudes(a, a_open, hi, hi_open)
     if lo is None or lo < 0:  # the negatives, as "-" and their magnitude (never 0)
-        a, a_open = (-hi, hi_open) if hi is not None and hi < 0 else (0, True)
+        a, a_open = (-hi, hi_open) if hi is not None and hi < 0 else (Decimal(0), True)
         negatives = _magnitudes(a, a_open, None if lo is None else -lo, lo_open)
         if negatives:
             parts.append("-" + alt(negatives))
@@ -139,16 +140,17 @@ def number_range(s: dict, path: str) -> str:
     return alt(parts)
 
 
-def _number_bounds(s: dict, path: str) -> tuple[int | None, bool, int | None, bool]:
-    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded."""
+def _number_bounds(s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded.
+    A float bound is the decimal its shortest repr spells (0.1, not 0.1000000000000000055)."""
     lo = hi = None
     lo_open = hi_open = False
     for kw, v in _bounds(s, path):
-        if isinstance(v, float) and not v.is_integer():
-            raise ValueError(f"{kw!r} {v} at {path} bounds a number with a fraction: only "
-                             "whole-number bounds are supported on \"number\" (\"integer\" "
-                             "takes any)")
-        v, is_open = int(v), kw.startswith("exclusive")
+        v, is_open = Decimal(repr(v)) if isinstance(v, float) else Decimal(v), \
+            kw.startswith("exclusive")
+        if -v.as_tuple().exponent > MAX_BOUND_DIGITS:
+            raise ValueError(f"{kw!r} at {path} has more than {MAX_BOUND_DIGITS} digits after "
+                             "its decimal point")
         if kw.endswith("inimum"):
             if lo is None or v > lo or (v == lo and is_open):
                 lo, lo_open = v, is_open
@@ -157,17 +159,87 @@ def _number_bounds(s: dict, path: str) -> tuple[int | None, bool, int | None, bo
     return lo, lo_open, hi, hi_open
 
 
-def _magnitudes(a: int, a_open: bool, b: int | None, b_open: bool) -> list[str]:
+def _split(d: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's integer part and its fraction's digits, trailing zeros cut."""
+    whole = int(d)
+    text = format(d - whole, "f")
+    return whole, text.partition(".")[2].rstrip("0")
+
+
+def _magnitudes(a: Decimal, a_open: bool, b: Decimal | None, b_open: bool) -> list[str]:
     """Unsigned decimal texts of the values from a to b (b None: no end), each end excluded
-    or not: the integer part a with a fraction (a nonzero one where a is excluded), the
-    integer parts between with any, and b itself (with zeros only as its fraction)."""
+    or not: the integer part of a with a fraction at least a's, the integer parts between
+    with any, and b's with a fraction at most b's."""
     if b is not None and (a > b or (a == b and (a_open or b_open))):
         return []
-    if a == b:
-        return [f"{a}{_ZERO_FRACTION}"]
-    parts = [f"{a}{_NONZERO_FRACTION if a_open else _FRACTION}"]
-    if b is None or b - 1 >= a + 1:
-        parts.append(_natural_range(a + 1, None if b is None else b - 1) + _FRACTION)
-    if b is not None and not b_open:
-        parts.append(f"{b}{_ZERO_FRACTION}")
+    (ka, fa), (kb, fb) = _split(a), (None, "") if b is None else _split(b)
+    if ka == kb:
+        return _with_fraction(str(ka), _between(fa, a_open, fb, b_open))
+    parts = _with_fraction(str(ka), _at_least(fa, a_open))
+    if kb is None or kb - 1 >= ka + 1:
+        parts.append(_natural_range(ka + 1, None if kb is None else kb - 1) + "(?:\\.[0-9]+)?")
+    if kb is not None:
+        parts += _with_fraction(str(kb), _at_most(fb, b_open))
     return parts
+
+
+# A fraction's possible digit strings, as (whether it may be absent, the regex of the
+# non-empty ones or None); the value of digits f is 0.f.
+
+def _with_fraction(whole: str, fraction: tuple[bool, str | None]) -> list[str]:
+    empty_ok, digits = fraction
+    if digits is None:
+        return [whole] if empty_ok else []
+    return [f"{whole}(?:\\.{atom(digits)})?" if empty_ok else f"{whole}\\.{atom(digits)}"]
+
+
+def _at_least(f: str, strict: bool) -> tuple[bool, str]:
+    """Fractions of value at least 0.f (above it, ``strict``)."""
+    if not f:
+        return (not strict, "[0-9]*[1-9][0-9]*" if strict else "[0-9]+")
+    return False, alt(_above(f) + [f + ("[0-9]*[1-9][0-9]*" if strict else _DIGITS)])
+
+
+def _at_most(f: str, strict: bool) -> tuple[bool, str | None]:
+    """Fractions of value at most 0.f (below it, ``strict``)."""
+    if not f:
+        return (not strict, None if strict else "0+")
+    parts = _below(f) + [f[:j] for j in range(1, len(f))]
+    if not strict:
+        parts.append(f + "0*")
+    return True, alt(parts)
+
+
+def _between(fa: str, a_strict: bool, fb: str, b_strict: bool) -> tuple[bool, str | None]:
+    """Fractions from 0.fa to 0.fb (0.fa <= 0.fb; an end excluded where strict)."""
+    n = max(len(fa), len(fb))
+    pa, pb = fa.ljust(n, "0"), fb.ljust(n, "0")
+    if pa == pb:  # one value: both ends included (the caller saw to that)
+        return (not fa, (fa + "0*") if fa else "0+")
+    d = next(i for i in range(n) if pa[i] != pb[i])
+    prefix, x, y = pa[:d], int(pa[d]), int(pb[d])
+    parts = []
+    rest_a, rest_b = fa[d + 1:], fb[d + 1:]
+    tail_a = _DIGITS if not rest_a and not a_strict else _at_least(rest_a, a_strict)[1]
+    parts.append(prefix + str(x) + atom(tail_a))
+    if x + 1 <= y - 1:
+        parts.append(prefix + _digit_class(x + 1, y - 1) + _DIGITS)
+    empty_b, below_b = _at_most(rest_b, b_strict)
+    if below_b is not None:
+        parts.append(prefix + str(y) + (f"(?:{below_b})?" if empty_b else atom(below_b)))
+    elif empty_b:
+        parts.append(prefix + str(y))
+    if not a_strict:  # fa itself, followed by zeros, however short
+        parts.append(fa + "0*" if fa else "0+")
+    return (not fa and not a_strict), alt(parts)
+
+
+def _above(f: str) -> list[str]:
+    """Digit strings that leave f's digits with a greater one (and go on anyhow)."""
+    return [f[:i] + _digit_class(int(f[i]) + 1, 9) + _DIGITS
+            for i in range(len(f)) if f[i] != "9"]
+
+
+def _below(f: str) -> list[str]:
+    return [f[:i] + _digit_class(0, int(f[i]) - 1) + _DIGITS
+            for i in range(len(f)) if f[i] != "0"]

@@ -40,8 +40,8 @@ Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``requ
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), ``pattern`` (see
 engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
-``exclusiveMaximum`` (numbers, as in draft 2020-12; any on "integer", whole numbers on
-"number": engine/json_numbers.py),
+``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
+40 digits after the point: engine/json_numbers.py),
 ``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
 ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
 description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly,
@@ -49,8 +49,7 @@ OpenAPI's discriminator). String lengths count characters as JSON Schema does: a
 one, a surrogate pair of escapes one (lone surrogate escapes are not generated).
 
 Refused: recursive ``$ref`` (not cut at some depth: a truncated tree is not the schema the
-client asked for), bounds with a fraction on "number" (its fraction's edge digits are not
-compared), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
+client asked for), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
 and beside ``enum``/``const`` other than ``type`` (their intersection), ``format`` beside
 lengths, lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty
 ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
