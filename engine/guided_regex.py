@@ -9,11 +9,12 @@ A guide state is the automaton's state plus the bytes of a character begun but n
 (a byte-level token may end halfway through a multi-byte character). Finding the allowed
 tokens walks a trie of the vocabulary's texts (``TokenTrie``) once per guide state, a depth at
 a time over arrays (engine/trie_walk.py), pruning a branch as soon as its text leaves the
-pattern, so tokens sharing a beginning are walked together; the answer is cached, and a request's cursor advances by its new tokens only. The
-first walk of each state is the cost of guidance (``pdserve bench guided``: cold vs warm): a
-pattern that counts (``{0,400}``, a string's ``maxLength``) has a state per count, but the
-states of a count far from its end look alike as far as any token reaches, and share one
-walk (``TokenGuide._key``): a count costs about as many walks as the longest token has bytes.
+pattern, so tokens sharing a beginning are walked together; the answer is cached, and a
+request's cursor advances by its new tokens only. The first walk of each state is the cost of
+guidance (``pdserve bench guided``: cold vs warm): a pattern that counts (``{0,400}``, a
+string's ``maxLength``) has a state per count, but the states of a count far from its end look
+alike as far as any token reaches, and share one walk (``TokenGuide._key``): a count costs
+about as many walks as the longest token has bytes.
 
 Every state the automaton reports is live (some text from it matches), and a branch ending
 inside a character is kept only when some character with those first bytes goes on, so an
