@@ -748,8 +748,13 @@ def test_a_pattern_matches_the_strings_it_finds_a_match_in(pattern, search, valu
         bool(re.search(search, value))
 
 
-@pytest.mark.parametrize("pattern, search", PATTERNS, ids=[p for p, _ in PATTERNS])
-@settings(max_examples=40, deadline=None, derandomize=True,
+# Not the two whose classes span every code point (. and [^a]): hypothesis takes ~7 s apiece
+# to draw from their regexes; the test above checks them both ways on its strings.
+_DRAWN = [(p, q) for p, q in PATTERNS if p not in ("^[^a]*$", "^\\x01.$")]
+
+
+@pytest.mark.parametrize("pattern, search", _DRAWN, ids=[p for p, _ in _DRAWN])
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_every_text_a_pattern_regex_matches_is_a_string_the_pattern_finds(pattern, search,
