@@ -85,6 +85,7 @@ class TokenTrie:
             if data:
                 self._add(token_id, data)
         self.levels = flatten(self.root)  # walked a depth at a time (engine/trie_walk.py)
+        self.max_token_bytes = max((len(b) for b in self.token_bytes if b), default=0)
 
     def _add(self, token_id: int, data: bytes) -> None:
         text, tail = _split_utf8(data)
@@ -161,7 +162,7 @@ class TokenGuide:
         self._num_cached_ids = 0
         # A walk reads at most a token's bytes of characters ahead (and one more's runs, for a
         # character a token ends inside).
-        self._depth = max((len(b) for b in trie.token_bytes if b), default=0) + 1
+        self._depth = trie.max_token_bytes + 1
         self._signatures: dict[tuple[int, int], int] = {}
         self._signature_ids: dict[tuple, int] = {}
 
