@@ -9,6 +9,7 @@ posting thread, so two agents posting halves of a pull from two threads copy in 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
 import threading
 import time
@@ -34,6 +35,18 @@ _SETTLE_S = 0.5
 # How long close() waits for the reads in flight to end (they notice the close at their next
 # poll, then settle for at most _SETTLE_S) before it deregisters the cache under them.
 _CLOSE_WAIT_S = 5.0
+
+
+def _keep_forever(agent) -> None:
+    """Never destroys ``agent``: a READ that failed (its owner died, or its deadline ran out)
+    can leave its request queued inside UCX for good, and destroying the worker then aborts the
+    process (UCX's assertion ``ucs_arbiter_group_is_empty``, signal 6) or leaks the request:
+    seen in about 1 of 25 closes of a reader that pulled from a killed owner, at whatever
+    garbage collection or interpreter exit dropped the agent. Progressing the worker before the
+    close did not end the request. The reference taken here is never given back, not even by
+    the interpreter's teardown, which clears module globals; the memory is a UCX context, a
+    few MB, once per reader that saw a failed read."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
 
 def _region(h: KVAgentHandle) -> tuple:
@@ -78,6 +91,9 @@ class NixlReader:
         self.lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # by agent name
         self._closing = False  # set by close(): reads in flight end, new ones are refused
+        # Set when a posted READ failed: its request may stay in UCX, so close() must not
+        # destroy the agent (_keep_forever).
+        self.read_failed = False
 
     def connect(self, remote: KVAgentHandle, trusted: bool = False) -> str:
         """NIXL's name for ``remote``, loading its metadata on first use (``lock`` held).
@@ -167,6 +183,8 @@ class NixlReader:
             # A READ from a live owner cut by the request's deadline lands within milliseconds,
             # so it gets a moment to end before its blocks are given up to the quarantine.
             e.writes_may_land = e.writes_may_land or not self._settle(handles, _SETTLE_S)
+            if handles:
+                self.read_failed = True
             raise
         finally:
             self._release(handles, peers)
@@ -278,12 +296,15 @@ class NixlReader:
             if any(p.reads_in_flight for p in self._peers.values()):
                 logger.warning("NIXL agent %r closes with reads still in flight after %.0f s",
                                self.name, _CLOSE_WAIT_S)
+                self.read_failed = True  # as good as failed: they are given up
             for peer in self._peers.values():
                 try:
                     self.agent.remove_remote_agent(peer.nixl_name)
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
             self.agent.deregister_memory(self._reg)
+            if self.read_failed:
+                _keep_forever(self.agent)
             self.agent = None
 
     def _reads_in_flight(self) -> bool:

@@ -3,8 +3,10 @@ handle is released, and the cache stays registered until no read uses it."""
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
+import weakref
 
 import pytest
 import torch
@@ -110,3 +112,24 @@ def test_a_read_whose_post_fails_releases_its_handle(owner):
 def _in_flight(reader) -> int:
     with reader.lock:
         return sum(p.reads_in_flight for p in reader._peers.values())
+
+
+def test_a_reader_whose_read_failed_is_never_destroyed(owner):
+    """A READ from a dead owner can stay queued inside UCX; destroying its agent then aborted
+    the process (``ucs_arbiter_group_is_empty``, signal 6) at whatever garbage collection
+    dropped it. Such an agent is kept for good; a reader whose reads all landed is not."""
+    clean, failed = (make_agent("nixl", torch.zeros(BASE.shape), BASE) for _ in range(2))
+    try:
+        clean.pull([owner.handle], [0, 1], [0, 1], timeout_s=30.0)
+        failed.pull([owner.handle], [0, 1], [0, 1], timeout_s=30.0)
+        owner.kill()
+        with pytest.raises(TransferError):
+            failed.pull([owner.handle], [2, 3], [2, 3], timeout_s=5.0)
+        assert (clean._main.read_failed, failed._main.read_failed) == (False, True)
+        refs = [weakref.ref(a._main.agent) for a in (clean, failed)]
+    finally:
+        clean.close()
+        failed.close()
+    del clean, failed
+    gc.collect()
+    assert [r() is None for r in refs] == [True, False]
