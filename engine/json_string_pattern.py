@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 
-from engine.regex_parse import (MAX_CODE_POINT, Alt, Chars, Concat, Node, Ranges, Repeat,
-                                negate, normalize, parse)
+from engine.regex_parse import (MAX_CODE_POINT, Alt, Alternative, Chars, Concat, Node, Ranges,
+                                Repeat, negate, normalize, parse_alternatives)
 
 # Code points that may stand raw in a JSON string: not a control character, a quote, a
 # backslash or a surrogate.
@@ -37,59 +37,16 @@ def pattern_string_regex(pattern: object, any_char: str, path: str) -> str:
     if not isinstance(pattern, str):
         raise ValueError(f"'pattern' at {path} must be a string")
     try:
-        parse(pattern)  # the whole pattern first: its errors' positions are the client's
-        branches = [_branch(text, any_char) for text in _top_level_branches(pattern)]
+        branches = [_branch(alt, any_char) for alt in parse_alternatives(pattern)]
     except ValueError as e:
         raise ValueError(f"'pattern' at {path}: {e}") from None
     inner = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
     return f'"{inner}"'
 
 
-def _branch(text: str, any_char: str) -> str:
-    starts, ends = _anchored(text)
-    body = _regex(parse(text))
+def _branch(alt: Alternative, any_char: str) -> str:
     free = f"(?:{any_char})*"
-    return ("" if starts else free) + body + ("" if ends else free)
-
-
-def _anchored(text: str) -> tuple[bool, bool]:
-    """Whether the alternative ``text`` is tied to the start and to the end of the string."""
-    starts = text.startswith(("^", "\\A"))
-    backslashes = 0
-    for c in reversed(text[:-1]):
-        if c != "\\":
-            break
-        backslashes += 1
-    ends = (text.endswith("$") and backslashes % 2 == 0) or \
-        (text.endswith("\\Z") and backslashes % 2 == 1)
-    return starts, ends
-
-
-def _top_level_branches(pattern: str) -> list[str]:
-    """``pattern`` split at each ``|`` outside groups and classes (it has parsed already)."""
-    branches, start, depth, i, in_class = [], 0, 0, 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            # As in re, a ] right after [ or [^ is a member, not the end.
-            j = i + 1 + (pattern[i + 1:i + 2] == "^")
-            if pattern[j:j + 1] == "]":
-                i = j
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-        elif c == "|" and depth == 0:
-            branches.append(pattern[start:i])
-            start = i + 1
-        i += 1
-    return branches + [pattern[start:]]
+    return ("" if alt.starts else free) + _regex(alt.node) + ("" if alt.ends else free)
 
 
 def _regex(node: Node) -> str:

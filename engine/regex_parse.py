@@ -108,14 +108,36 @@ class Repeat:
 Node = Chars | Concat | Alt | Repeat
 
 
+@dataclass(frozen=True)
+class Alternative:
+    """One top-level alternative of a pattern, and whether an anchor (``^``/``\\A``,
+    ``$``/``\\Z``) tied it to the start and to the end of the text."""
+    node: Node
+    starts: bool
+    ends: bool
+
+
 def parse(pattern: str) -> Node:
     """The syntax tree of ``pattern``; ValueError when it is invalid, unsupported or too large."""
+    return _parser(pattern).parse()
+
+
+def parse_alternatives(pattern: str) -> list[Alternative]:
+    """``pattern``'s top-level alternatives, each with its anchors: under fullmatch anchors
+    change nothing, but a search (JSON Schema's ``pattern``) leaves an unanchored end open."""
+    parser = _parser(pattern)
+    parser.parse()
+    return [Alternative(node, *anchors) for node, anchors in zip(parser.top_branches,
+                                                                parser.top_anchors)]
+
+
+def _parser(pattern: str) -> _Parser:
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_LENGTH:
         raise ValueError(f"the regex is {len(pattern)} characters long; at most "
                          f"{MAX_PATTERN_LENGTH} are allowed")
-    return _Parser(pattern).parse()
+    return _Parser(pattern)
 
 
 class _Parser:
@@ -124,6 +146,8 @@ class _Parser:
         self.pos = 0
         self.depth = 0
         self.branch_start = 0  # where the top-level alternative being read began
+        self.top_branches: list[Node] = []
+        self.top_anchors: list[list[bool]] = [[False, False]]  # (starts, ends) per alternative
         self.names: set[str] = set()
 
     def error(self, what: str, pos: int | None = None) -> ValueError:
@@ -150,7 +174,10 @@ class _Parser:
             self.pos += 1
             if self.depth == 0:
                 self.branch_start = self.pos
+                self.top_anchors.append([False, False])
             branches.append(self.sequence())
+        if self.depth == 0:
+            self.top_branches = branches
         return branches[0] if len(branches) == 1 else self.sized(Alt(tuple(branches)))
 
     def sequence(self) -> Node:
@@ -224,9 +251,11 @@ class _Parser:
         # newline, but fullmatch must still reach the end, so the newline would need matching
         # too). Anywhere else it would need real zero-width assertions.
         if name in ("^", "\\A") and start == self.branch_start:
+            self.top_anchors[-1][0] = True
             return None
         if name in ("$", "\\Z") and (self.pos == len(self.text)
                                       or (self.depth == 0 and self.peek() == "|")):
+            self.top_anchors[-1][1] = True
             return None
         where = "start" if name in ("^", "\\A") else "end"
         raise self.error(f"anchor {name} is only supported at the very {where} of the pattern "

@@ -27,7 +27,7 @@ from engine import regex_dfa
 from engine.json_schema_regex import schema_to_regex
 from engine.regex_dfa import (DEAD, MAX_BUILD_STEPS, MAX_DFA_STATES, MAX_NESTING, MAX_NFA_STATES,
                               MAX_PATTERN_LENGTH, MAX_REPEAT, RegexDfa, build_nfa, compile_regex)
-from engine.regex_parse import MAX_CODE_POINT, parse
+from engine.regex_parse import MAX_CODE_POINT, Alternative, parse, parse_alternatives
 from tests.test_json_schema_regex import SCHEMAS
 
 # (pattern, the character it matches); raw { and } may combine into counts, as in re.
@@ -480,3 +480,12 @@ def test_a_refused_pattern_is_refused_again_from_memory(monkeypatch):
     with pytest.raises(ValueError) as again:
         compile_regex(pattern)
     assert str(again.value) == str(first.value)
+
+
+def test_top_level_alternatives_carry_their_own_anchors():
+    alts = parse_alternatives("^a|(b|c)|d$|\\Ae\\Z|f\\$|g\\\\$")
+    assert [(a.starts, a.ends) for a in alts] == [(True, False), (False, False), (False, True),
+                                                  (True, True), (False, False), (False, True)]
+    assert [a.node for a in alts[:2]] == [parse("a"), parse("b|c")]
+    assert [a.node for a in alts[4:]] == [parse("f\\$"), parse("g\\\\")]
+    assert parse_alternatives("") == [Alternative(parse(""), False, False)]
