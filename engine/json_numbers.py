@@ -29,20 +29,12 @@ def _bounds(s: dict, path: str) -> list[tuple[str, int | float]]:
 
 def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
     """The least and greatest integers the bound keywords allow (None: unbounded)."""
-    los, his = [], []
-    for kw, v in _bounds(s, path):
-        if kw == "minimum":
-            los.append(math.ceil(v))
-        elif kw == "exclusiveMinimum":
-            los.append(math.floor(v) + 1)
-        elif kw == "maximum":
-            his.append(math.floor(v))
-        else:
-            his.append(math.ceil(v) - 1)
-    lo, hi = max(los, default=None), min(his, default=None)
-    if lo is not None and hi is not None and lo > hi:
+    lo, lo_open, hi, hi_open = _decimal_bounds(s, path)
+    least = None if lo is None else math.floor(lo) + 1 if lo_open else math.ceil(lo)
+    most = None if hi is None else math.ceil(hi) - 1 if hi_open else math.floor(hi)
+    if least is not None and most is not None and least > most:
         raise ValueError(f"the bounds at {path} leave no integer")
-    return lo, hi
+    return least, most
 
 
 def int_range(lo: int | None, hi: int | None) -> str:
@@ -141,22 +133,35 @@ def number_range(s: dict, path: str) -> str:
 
 
 def _number_bounds(s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded.
-    A float bound is the decimal its shortest repr spells (0.1, not 0.1000000000000000055)."""
+    """``_decimal_bounds``, each with at most MAX_BOUND_DIGITS digits after its point (its
+    fraction is compared digit by digit)."""
+    bounds = _decimal_bounds(s, path)
+    for kw in NUMBER_BOUNDS:
+        if kw in s and -_decimal(s[kw]).as_tuple().exponent > MAX_BOUND_DIGITS:
+            raise ValueError(f"{kw!r} at {path} has more than {MAX_BOUND_DIGITS} digits after "
+                             "its decimal point")
+    return bounds
+
+
+def _decimal_bounds(s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded;
+    the tighter of two bounds on one side."""
     lo = hi = None
     lo_open = hi_open = False
     for kw, v in _bounds(s, path):
-        v, is_open = Decimal(repr(v)) if isinstance(v, float) else Decimal(v), \
-            kw.startswith("exclusive")
-        if -v.as_tuple().exponent > MAX_BOUND_DIGITS:
-            raise ValueError(f"{kw!r} at {path} has more than {MAX_BOUND_DIGITS} digits after "
-                             "its decimal point")
+        v, is_open = _decimal(v), kw.startswith("exclusive")
         if kw.endswith("inimum"):
             if lo is None or v > lo or (v == lo and is_open):
                 lo, lo_open = v, is_open
         elif hi is None or v < hi or (v == hi and is_open):
             hi, hi_open = v, is_open
     return lo, lo_open, hi, hi_open
+
+
+def _decimal(v: int | float) -> Decimal:
+    """A bound as the decimal JSON spelled: a float by its shortest repr (0.1, not
+    0.1000000000000000055)."""
+    return Decimal(repr(v)) if isinstance(v, float) else Decimal(v)
 
 
 def _split(d: Decimal) -> tuple[int, str]:
