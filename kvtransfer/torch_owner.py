@@ -315,6 +315,7 @@ class TorchOwnerServer:
     def close(self) -> None:
         self._closed.set()
         try:
+            wire.wake(self._listener)  # close() alone leaves accept() asleep to its tick
             self._listener.close()
         except OSError:
             pass
