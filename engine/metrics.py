@@ -32,6 +32,8 @@ COLLECT_TIMEOUT_S = 5.0
 # reply) before it is closed: each connection holds a thread, so one left idle or half-sent
 # would otherwise hold it for ever (a few hundred of them, a process's threads).
 REQUEST_TIMEOUT_S = 10.0
+# How often the HTTP server's loop looks for a stop (serve_forever's poll_interval).
+_POLL_INTERVAL_S = 0.1
 # Seconds; request latencies from a few ms (a cached prompt on a GPU) to minutes (a long
 # generation on a CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -153,7 +155,11 @@ class MetricsServer:
             raise ValueError(f"cannot serve metrics on {host}:{port}: {e}") from None
         self.host = host
         self.port = self.httpd.server_address[1]
-        self._thread = named_thread(self.httpd.serve_forever, "pdserve-metrics")
+        # shutdown() waits for the serving loop's next poll: at the default 0.5 s that held a
+        # service's stop (on its event loop) for up to half a second; 10 polls a second idle
+        # cost nothing measurable.
+        self._thread = named_thread(self.httpd.serve_forever, "pdserve-metrics",
+                                    (_POLL_INTERVAL_S,))
 
     @property
     def url(self) -> str:
