@@ -221,6 +221,11 @@ def on_cpu(args: list[str]) -> bool:
     return cuda_device_count() == 0
 
 
+# The device nodes through which torch.cuda reaches a GPU: NVIDIA's driver, ROCm's (torch's
+# HIP build answers torch.cuda), and WSL's paravirtual GPU.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
 @functools.cache
 def cuda_device_count() -> int:
     """The GPUs torch sees on this host, asked of a short-lived process: the launcher runs as
@@ -229,6 +234,10 @@ def cuda_device_count() -> int:
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.cuda.device_count()
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        # No driver's device here: torch would find none. The probe's import of torch took
+        # ~2.7 s of CPU from the services starting beside it on a 2-core host.
+        return 0
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
         capture_output=True, text=True, timeout=120)

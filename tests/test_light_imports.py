@@ -56,6 +56,25 @@ print("PLAN", cuda_device_count(), spec.gpu_plan(), "torch" in sys.modules)
     assert out.strip().splitlines()[-1] == "PLAN 0 None False"
 
 
+def test_the_launcher_asks_torch_for_gpus_only_where_a_gpu_device_node_exists(tmp_path):
+    """No device node: no GPU, and no probe importing torch beside the starting services. A
+    node: the probe's answer, whatever it is."""
+    node = tmp_path / "nvidiactl"
+    node.write_text("")
+    out = _run(f"""
+import subprocess, sys
+from router import cluster_spec
+probes = []
+subprocess.run = lambda *a, **k: probes.append(a) or subprocess.CompletedProcess(a, 0, "3\\n", "")
+cluster_spec.GPU_DEVICE_NODES = ("/nonexistent/nvidiactl",)
+print("NONE", cluster_spec.cuda_device_count(), len(probes))
+cluster_spec.cuda_device_count.cache_clear()
+cluster_spec.GPU_DEVICE_NODES = ("/nonexistent/kfd", {str(node)!r})
+print("NODE", cluster_spec.cuda_device_count(), len(probes), "torch" in sys.modules)
+""")
+    assert out.split("\n")[-3:-1] == ["NONE 0 0", "NODE 3 1 False"]
+
+
 def test_the_engine_packages_names_load_when_first_used():
     out = _run("""
 import sys
