@@ -102,6 +102,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--guided-json", type=_json_schema, default=None, metavar="SCHEMA",
                    help="the output is JSON valid under this JSON schema (its JSON text, or a "
                         "file holding it)")
+    p.add_argument("--guided-whitespace-pattern", default=None, metavar="PATTERN",
+                   help="with --guided-json: a regular expression of the whitespace allowed "
+                        "around JSON's commas, colons and brackets, e.g. '[ \\n]*'")
     p.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="JSON",
                    help='added to token ids\' logits, e.g. \'{"42": 5.0, "7": -100}\'')
 
@@ -131,7 +134,7 @@ def _json_schema(text: str) -> str:
 _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
                    "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
                    "logit_bias", "priority", "bad_words", "guided_choice", "guided_regex",
-                   "guided_json")
+                   "guided_json", "guided_whitespace_pattern")
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:

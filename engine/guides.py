@@ -28,12 +28,12 @@ _GUIDES_KEPT = 16
 
 
 @functools.lru_cache(maxsize=64)
-def _schema_pattern(schema_text: str) -> str:
+def _schema_pattern(schema_text: str, whitespace: str | None) -> str:
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:
         raise ValueError(f"guided_json is not JSON: {e}") from None
-    return schema_to_regex(schema)
+    return schema_to_regex(schema, whitespace)
 
 
 def guide_pattern(params: SamplingParams) -> str | None:
@@ -41,7 +41,7 @@ def guide_pattern(params: SamplingParams) -> str | None:
     if params.guided_regex:
         return params.guided_regex
     if params.guided_json:
-        return _schema_pattern(params.guided_json)
+        return _schema_pattern(params.guided_json, params.guided_whitespace_pattern)
     return None
 
 

@@ -4,7 +4,8 @@ the request's schema accepts.
 ``schema_to_regex(schema)`` gives a regex whose full matches are the JSON texts of the
 instances the schema accepts, spelled as ``json.dumps`` spells them: with its default
 separators (", ", ": ") or compact ones (",", ":"), each comma and colon on its own, and no
-whitespace anywhere else, so a model guided by it cannot ramble in whitespace. Another module
+whitespace anywhere else, so a model guided by it cannot ramble in whitespace (unless a
+whitespace pattern says what may stand around the punctuation). Another module
 compiles the regex into a character automaton, so only a small part of ``re``'s syntax is
 used: literals and escaped metacharacters, ``\\uHHHH`` (and ``\\UHHHHHHHH``), classes,
 ``(?:...)`` groups, alternation and the quantifiers ``* + ? {n} {n,} {n,m}``, no count above
@@ -56,14 +57,17 @@ ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
+from engine.regex_parse import Chars, Node, Repeat, parse_alternatives
 from engine.regex_text import alt, repeat
 
 MAX_REGEX_CHARS = 200_000
@@ -78,7 +82,27 @@ _CHAR = ('(?:[^"\\\\\\u0000-\\u001f\\ud800-\\udfff]|\\\\["\\\\/bfnrt]'
          f"|\\\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
          f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})")
 _STRING = f'"{_CHAR}*"'
-_COMMA, _COLON = ", ?", ": ?"
+
+
+@dataclass(frozen=True)
+class _Punctuation:
+    """The regexes of JSON's punctuation with the whitespace allowed around it."""
+    comma: str
+    colon: str
+    open_array: str
+    close_array: str
+    open_object: str
+    close_object: str
+
+    @staticmethod
+    def around(whitespace: str | None) -> _Punctuation:
+        """json.dumps's separators (", " or ",", ": " or ":") when ``whitespace`` is None;
+        else ``whitespace`` on both sides of every comma, colon and bracket inside."""
+        if whitespace is None:
+            return _Punctuation(", ?", ": ?", "\\[", "\\]", "\\{", "\\}")
+        w = f"(?:{whitespace})"
+        return _Punctuation(f"{w},{w}", f"{w}:{w}", f"\\[{w}", f"{w}\\]", f"\\{{{w}",
+                            f"{w}\\}}")
 
 _MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
               "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
@@ -110,9 +134,46 @@ _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable
 _META = set(".^$*+?{}[]\\|()")
 
 
-def schema_to_regex(schema: dict | bool | str) -> str:
+# JSON's whitespace (RFC 8259): tab, line feed, carriage return and space.
+_JSON_WHITESPACE = ((9, 10), (13, 13), (32, 32))
+MAX_WHITESPACE_PATTERN_CHARS = 256
+
+
+def check_whitespace_pattern(pattern: object) -> None:
+    """ValueError unless ``pattern`` is a regex (engine/regex_parse.py's syntax) whose
+    matches are JSON whitespace only: anything else between JSON's tokens is not JSON."""
+    name = "guided_whitespace_pattern"
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"{name} must be a non-empty string, got {pattern!r}")
+    if len(pattern) > MAX_WHITESPACE_PATTERN_CHARS:
+        raise ValueError(f"{name} has {len(pattern)} characters, more than "
+                         f"{MAX_WHITESPACE_PATTERN_CHARS}")
+    try:
+        alternatives = parse_alternatives(pattern)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if any(a.starts or a.ends for a in alternatives):
+        raise ValueError(f"{name} takes no anchors: it matches between JSON's tokens")
+    stack: list[Node] = [a.node for a in alternatives]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Chars):
+            if any(not any(a <= lo and hi <= b for a, b in _JSON_WHITESPACE)
+                   for lo, hi in node.ranges):
+                raise ValueError(f"{name} matches characters other than JSON's whitespace "
+                                 "(space, tab, line feed and carriage return)")
+        elif isinstance(node, Repeat):
+            stack.append(node.item)
+        else:
+            stack.extend(node.items)
+
+
+def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) -> str:
     """The regex of the JSON texts ``schema`` accepts (see the module docstring for how
-    they are spelled); a str is the schema's JSON text. ValueError for what is refused."""
+    they are spelled); a str is the schema's JSON text. ``whitespace``: a regex of the
+    whitespace allowed around each comma, colon and bracket (vLLM's
+    guided_whitespace_pattern, checked by ``check_whitespace_pattern``) instead of
+    json.dumps's separators. ValueError for what is refused."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -120,12 +181,13 @@ def schema_to_regex(schema: dict | bool | str) -> str:
             raise ValueError("the schema nests too deeply") from None
         except ValueError as e:
             raise ValueError(f"the schema is not valid JSON: {e}") from None
-    return _Compiler(schema).node(schema, "#", 0)
+    return _Compiler(schema, _Punctuation.around(whitespace)).node(schema, "#", 0)
 
 
 class _Compiler:
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, punct: _Punctuation):
         self.root = root
+        self.p = punct
         self.refs: dict[str, str] = {}  # each $ref compiled once
         self.expanding: list[str] = []  # the $refs being compiled, to catch recursion
 
@@ -133,7 +195,7 @@ class _Compiler:
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
         if s is True:
-            return _ANY[ANY_DEPTH]
+            return _any_value(ANY_DEPTH, self.p)
         if s is False:
             raise ValueError(f"the schema at {path} is false: no value is valid")
         if not isinstance(s, dict):
@@ -175,7 +237,7 @@ class _Compiler:
             kept = [v for v in values if _json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
-            return alt(_bounded((_literal(v, where, depth) for v in kept), path))
+            return alt(_bounded((_literal(v, where, depth, self.p) for v in kept), path))
         if kw == "$ref":
             return self.ref(s["$ref"], path, depth)
         branches = s[kw]
@@ -222,7 +284,7 @@ class _Compiler:
     def typed(self, s: dict, path: str, depth: int) -> str:
         types = self.types(s, path)
         if not types:
-            return _ANY[ANY_DEPTH]
+            return _any_value(ANY_DEPTH, self.p)
         return alt([self.one_type(t, s, path, depth) for t in types])
 
     def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
@@ -275,7 +337,8 @@ class _Compiler:
         firsts = _bounded((self.node(p, _at(_at(path, "prefixItems"), i), depth + 1)
                            for i, p in enumerate(prefix)), path)
         rest = None if items is False else self.node(items, _at(path, "items"), depth + 1)
-        return f"\\[{_sequence(firsts, rest, lo, hi)}\\]"
+        return f"{self.p.open_array}{_sequence(firsts, rest, lo, hi, self.p.comma)}" \
+            f"{self.p.close_array}"
 
     def object(self, s: dict, path: str, depth: int) -> str:
         props, required = s.get("properties", {}), s.get("required", [])
@@ -291,17 +354,17 @@ class _Compiler:
                 raise ValueError(f"'required' at {path} names {name!r}, which is not in "
                                  "'properties': such a member is not generated")
         if not props and extra is not False:  # a map: any members, values as extra says
-            value = _ANY[ANY_DEPTH] if extra in (None, True) else \
+            value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
                 self.node(extra, _at(path, "additionalProperties"), depth + 1)
-            member = f"{_STRING}{_COLON}{value}"
-            return f"\\{{(?:{member}(?:{_COMMA}{member})*)?\\}}"
+            return _map(value, self.p)
         # Beside properties, additionalProperties changes nothing: none beyond them is
         # generated (absent, the spec's default, already allows them).
-        members = _bounded((_literal(name, path, depth) + _COLON
+        members = _bounded((_literal(name, path, depth, self.p) + self.p.colon
                             + self.node(sub, _at(_at(path, "properties"), name), depth + 1)
                             for name, sub in props.items()), path)
         flags = [name in required for name in props]
-        return f"\\{{{_members(list(zip(members, flags)))}\\}}"
+        return self.p.open_object + _members(list(zip(members, flags)), self.p.comma) \
+            + self.p.close_object
 
 
 def _bounded(parts: Iterable[str], path: str) -> list[str]:
@@ -317,7 +380,7 @@ def _bounded(parts: Iterable[str], path: str) -> list[str]:
     return out
 
 
-def _members(members: list[tuple[str, bool]]) -> str:
+def _members(members: list[tuple[str, bool]], comma: str) -> str:
     """The members in order, each required one present, commas between those present.
 
     Built left to right as (seq, may_be_empty), seq matching the non-empty runs so far:
@@ -328,17 +391,18 @@ def _members(members: list[tuple[str, bool]]) -> str:
         if seq is None:
             seq, may_be_empty = member, not required
         elif required:
-            seq = f"(?:{seq}{_COMMA})?{member}" if may_be_empty else f"{seq}{_COMMA}{member}"
+            seq = f"(?:{seq}{comma})?{member}" if may_be_empty else f"{seq}{comma}{member}"
             may_be_empty = False
         else:
-            after = f"{seq}(?:{_COMMA}{member})?"
+            after = f"{seq}(?:{comma}{member})?"
             seq = f"(?:{after}|{member})" if may_be_empty else after
     if seq is None:
         return ""
     return f"(?:{seq})?" if may_be_empty else seq
 
 
-def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None) -> str:
+def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None,
+              comma: str) -> str:
     """Array items: firsts[0], firsts[1], ..., then rest repeated, lo..hi items in all.
 
     Built from the back: an item past the first lo wraps, optional, everything after it,
@@ -347,13 +411,13 @@ def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None) -> s
     if hi == 0:
         return ""
     if not k:
-        run = rest + repeat(_COMMA + rest, max(lo - 1, 0), None if hi is None else hi - 1)
+        run = rest + repeat(comma + rest, max(lo - 1, 0), None if hi is None else hi - 1)
         return run if lo else f"(?:{run})?"
     tail = ""
     if rest is not None and (hi is None or hi > k):
-        tail = repeat(_COMMA + rest, max(lo - k, 0), None if hi is None else hi - k)
+        tail = repeat(comma + rest, max(lo - k, 0), None if hi is None else hi - k)
     for i in range(min(k, hi if hi is not None else k) - 1, -1, -1):
-        item = ("" if i == 0 else _COMMA) + firsts[i] + tail
+        item = ("" if i == 0 else comma) + firsts[i] + tail
         tail = item if i < lo else f"(?:{item})?"
     return tail
 
@@ -375,8 +439,8 @@ def _escape(text: str) -> str:
                    else c for c in text)
 
 
-def _literal(value: Any, path: str, depth: int) -> str:
-    """The regex of ``value``'s JSON text, with the separators' optional spaces."""
+def _literal(value: Any, path: str, depth: int, p: _Punctuation) -> str:
+    """The regex of ``value``'s JSON text, with the whitespace ``p`` allows."""
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"a value at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
     if value is None or isinstance(value, (bool, int)):
@@ -388,11 +452,12 @@ def _literal(value: Any, path: str, depth: int) -> str:
     if isinstance(value, str):
         return '"' + "".join(_string_char(c) for c in value) + '"'
     if isinstance(value, list):
-        return "\\[" + _COMMA.join(_literal(v, path, depth + 1) for v in value) + "\\]"
+        return p.open_array + p.comma.join(_literal(v, path, depth + 1, p)
+                                           for v in value) + p.close_array
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return "\\{" + _COMMA.join(_literal(k, path, depth) + _COLON
-                                   + _literal(v, path, depth + 1)
-                                   for k, v in value.items()) + "\\}"
+        return p.open_object + p.comma.join(_literal(k, path, depth, p) + p.colon
+                                            + _literal(v, path, depth + 1, p)
+                                            for k, v in value.items()) + p.close_object
     raise ValueError(f"the value at {path} is not JSON: {type(value).__name__}")
 
 
@@ -419,17 +484,20 @@ def _json_types(value: Any, path: str) -> set[str]:
     return {found}
 
 
-def _any_value(depth: int) -> str:
+@functools.lru_cache(maxsize=16)
+def _any_value(depth: int, p: _Punctuation) -> str:
     scalar = [_STRING, NUMBER, "true", "false", "null"]
     if not depth:
         return alt(scalar)
-    inner = _any_value(depth - 1)
-    member = f"{_STRING}{_COLON}{inner}"
-    return alt(scalar + [f"\\[(?:{inner}(?:{_COMMA}{inner})*)?\\]",
-                          f"\\{{(?:{member}(?:{_COMMA}{member})*)?\\}}"])
+    inner = _any_value(depth - 1, p)
+    return alt(scalar + [f"{p.open_array}(?:{inner}(?:{p.comma}{inner})*)?{p.close_array}",
+                          _map(inner, p)])
 
 
-_ANY = [_any_value(d) for d in range(ANY_DEPTH + 1)]
+def _map(value: str, p: _Punctuation) -> str:
+    """An object of any members whose values match ``value``."""
+    member = f"{_STRING}{p.colon}{value}"
+    return f"{p.open_object}(?:{member}(?:{p.comma}{member})*)?{p.close_object}"
 
 
 def _at(path: str, key: str | int) -> str:

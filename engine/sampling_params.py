@@ -78,6 +78,10 @@ class SamplingParams:
     # The output is JSON valid under this JSON schema (JSON text, or a dict made into it;
     # engine/json_schema_regex.py says which keywords are followed).
     guided_json: str | None = None
+    # With guided_json: a regex of the whitespace allowed around every comma, colon and
+    # bracket (vLLM's guided_whitespace_pattern; JSON whitespace only); None: json.dumps's
+    # separators and no other whitespace.
+    guided_whitespace_pattern: str | None = None
     # Scheduling, not sampling: with an engine's scheduling_policy "priority", lower runs
     # first (vLLM's convention); engines on "fcfs" refuse anything but 0.
     priority: int = 0
@@ -210,6 +214,13 @@ class SamplingParams:
         given = [name for name in _GUIDES if getattr(self, name)]
         if len(given) > 1:
             raise ValueError(f"one guide at a time: {' and '.join(given)} were both set")
+        if self.guided_whitespace_pattern is not None:
+            if not self.guided_json:
+                raise ValueError("guided_whitespace_pattern applies to guided_json, which is "
+                                 "not set")
+            from engine.json_schema_regex import check_whitespace_pattern
+
+            check_whitespace_pattern(self.guided_whitespace_pattern)
         self._validate_guided_choice()
         if not given:
             return

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "n", "allowed_token_ids", "priority", "prompt_logprobs", "bad_words", "guided_choice", "guided_regex", "guided_json", "truncate_prompt_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "n", "allowed_token_ids", "priority", "prompt_logprobs", "bad_words", "guided_choice", "guided_regex", "guided_json", "guided_whitespace_pattern", "truncate_prompt_tokens")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class SamplingParams(_message.Message):
     GUIDED_CHOICE_FIELD_NUMBER: _ClassVar[int]
     GUIDED_REGEX_FIELD_NUMBER: _ClassVar[int]
     GUIDED_JSON_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_WHITESPACE_PATTERN_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
@@ -66,8 +67,9 @@ class SamplingParams(_message.Message):
     guided_choice: _containers.RepeatedScalarFieldContainer[str]
     guided_regex: str
     guided_json: str
+    guided_whitespace_pattern: str
     truncate_prompt_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., guided_choice: _Optional[_Iterable[str]] = ..., guided_regex: _Optional[str] = ..., guided_json: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ..., guided_choice: _Optional[_Iterable[str]] = ..., guided_regex: _Optional[str] = ..., guided_json: _Optional[str] = ..., guided_whitespace_pattern: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "token")

@@ -25,7 +25,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kw["allowed_token_ids"] = list(msg.allowed_token_ids)
     kw["bad_words"] = list(msg.bad_words)
     kw["guided_choice"] = list(msg.guided_choice)
-    for name in ("guided_regex", "guided_json"):
+    for name in ("guided_regex", "guided_json", "guided_whitespace_pattern"):
         if msg.HasField(name):
             kw[name] = getattr(msg, name)
     return SamplingParams(**kw)
@@ -48,7 +48,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         min_tokens=p.min_tokens, logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
         priority=p.priority, bad_words=p.bad_words, guided_choice=p.guided_choice,
-        guided_regex=p.guided_regex, guided_json=p.guided_json)
+        guided_regex=p.guided_regex, guided_json=p.guided_json,
+        guided_whitespace_pattern=p.guided_whitespace_pattern)
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

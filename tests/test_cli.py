@@ -87,6 +87,10 @@ def test_generate_follows_a_pattern_or_a_schema_file(capsys, tmp_path):
     argv = ["generate", "--prompt", "hi there", "--max-tokens", "24"]
     assert main(argv + ["--guided-json", str(schema)]) == 0
     assert isinstance(json.loads(capsys.readouterr().out)["n"], int)
+    assert main(argv + ["--guided-json", str(schema), "--guided-whitespace-pattern", "\n"]) == 0
+    assert capsys.readouterr().out.startswith('{\n"n"\n:\n')
+    assert main(argv + ["--guided-whitespace-pattern", " *"]) != 0  # without --guided-json
+    assert "applies to guided_json" in capsys.readouterr().err
     kw = sampling_kwargs(build_parser().parse_args(argv + ["--guided-json", '{"enum": [1]}',
                                                            "--guided-regex", "a+"]), {})
     assert kw["guided_json"] == '{"enum": [1]}' and kw["guided_regex"] == "a+"

@@ -216,6 +216,26 @@ def test_guided_json_outputs_are_valid_under_the_schema(reference):
     assert again[0].token_ids == outs[0].token_ids
 
 
+def test_guided_json_spaces_as_its_whitespace_pattern_says(reference):
+    """guided_whitespace_pattern "\\n": a newline on both sides of every comma, colon and
+    bracket inside, in every output; and the pattern crosses the wire (client to proto to
+    the engine's params) intact."""
+    from client.types import build_request
+    from protos.convert import sampling_from_proto
+
+    sampling = dict(guided_json=SCHEMA, guided_whitespace_pattern="\n")
+    req = build_request("x", None, sampling)
+    assert sampling_from_proto(req.sampling).guided_whitespace_pattern == "\n"
+    params = [SamplingParams(max_tokens=96, temperature=1.0, seed=i, **sampling)
+              for i in range(4)]
+    outs = reference.generate([PROMPTS[i % 4] for i in range(4)], params)
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert all(_valid(json.loads(o.text)) for o in outs), [o.text for o in outs]
+    for o in outs:
+        assert o.text.startswith('{\n"name"\n:\n'), o.text
+        assert o.text.endswith("\n}"), o.text
+
+
 def test_guided_json_follows_a_strings_pattern(reference):
     """JSON Schema's pattern (engine/json_string_pattern.py): each string's value matches
     its pattern, a quote and a backslash in it escaped as JSON needs."""
@@ -264,6 +284,10 @@ def test_a_cursor_catches_up_by_the_new_tokens_only(reference, trie):
     (dict(guided_regex="a", ignore_eos=True), "ignore_eos cannot be set"),
     (dict(guided_json={"type": "string"}, allowed_token_ids=[5]),
      "allowed_token_ids cannot be set"),
+    (dict(guided_whitespace_pattern="[ ]*"), "applies to guided_json, which is not set"),
+    (dict(guided_regex="a", guided_whitespace_pattern="[ ]*"), "applies to guided_json"),
+    (dict(guided_json={"type": "object"}, guided_whitespace_pattern="\\s*"),
+     "other than JSON's whitespace"),
 ])
 def test_bad_guides_are_refused_when_built(kw, match):
     with pytest.raises(ValueError, match=match):

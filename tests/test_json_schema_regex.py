@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.json_schema_regex import ANY_DEPTH, MAX_REGEX_CHARS, schema_to_regex
+from engine.json_schema_regex import (ANY_DEPTH, MAX_REGEX_CHARS, check_whitespace_pattern,
+                                       schema_to_regex)
 from engine.regex_text import MAX_REPEAT
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
@@ -870,3 +871,57 @@ def test_a_schema_may_come_as_json_text():
                                      "maxItems": 2}))
     assert re.fullmatch(rx, "[3, 40]") and not re.fullmatch(rx, "[2]")
     assert not re.fullmatch(rx, "[3, 4, 5]")
+
+
+# --- guided_whitespace_pattern ---
+
+@functools.cache
+def spaced_regex(name: str, whitespace: str) -> re.Pattern:
+    return re.compile(schema_to_regex(SCHEMAS[name], whitespace))
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(SETTINGS, max_examples=15)
+@given(data=st.data())
+def test_a_whitespace_pattern_admits_the_spacing_it_allows_and_no_other(name, data):
+    schema = SCHEMAS[name]
+    value = data.draw(instances(schema, schema))
+    rx = spaced_regex(name, "[ \\n]*")
+    for kw in [*SPELLINGS, dict(indent=2), dict(indent=0, ensure_ascii=False),
+               dict(separators=(" , ", " : "))]:
+        assert rx.fullmatch(json.dumps(value, **kw)), (kw, json.dumps(value, **kw))
+    tabbed = json.dumps(value, indent="\t")  # a raw tab is only ever indentation
+    assert bool(rx.fullmatch(tabbed)) == ("\t" not in tabbed), tabbed
+    # One newline exactly on both sides of each punctuation: json.dumps's own spellings
+    # match only where there is none.
+    forced = spaced_regex(name, "\\n")
+    assert bool(forced.fullmatch(json.dumps(value))) == (_punctuated(value) == 0)
+
+
+def _punctuated(value) -> int:
+    """Brackets, commas and colons in ``value``'s JSON text, outside its strings."""
+    if isinstance(value, list):
+        return 2 + max(len(value) - 1, 0) + sum(_punctuated(v) for v in value)
+    if isinstance(value, dict):
+        return 2 + max(len(value) - 1, 0) + len(value) + sum(_punctuated(v)
+                                                             for v in value.values())
+    return 0
+
+
+@pytest.mark.parametrize("name", ["user", "pet", "enum_mixed"])
+@settings(SETTINGS, max_examples=15)
+@given(data=st.data())
+def test_every_text_a_spaced_regex_matches_is_a_valid_instance(name, data):
+    text = data.draw(st.from_regex(spaced_regex(name, "[ \\t\\n\\r]{0,3}"), fullmatch=True))
+    assert valid(json.loads(text), SCHEMAS[name], SCHEMAS[name]), text
+
+
+@pytest.mark.parametrize("whitespace, match", [
+    ("\\s*", "other than JSON's whitespace"), ("[ x]*", "other than JSON's whitespace"),
+    (".", "other than JSON's whitespace"), ("^ *", "no anchors"), (" *$", "no anchors"),
+    ("(", "bad regex"), ("", "non-empty string"), (3, "non-empty string"),
+    (" " * 257, "more than 256"),
+])
+def test_bad_whitespace_patterns_are_refused(whitespace, match):
+    with pytest.raises(ValueError, match=match):
+        check_whitespace_pattern(whitespace)

@@ -142,6 +142,7 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
     from tests.test_guided_regex import PATTERNS, SCHEMA
 
     for guide in [dict(guided_regex=PATTERNS[0]), dict(guided_regex=PATTERNS[2]),
+                  dict(guided_json=SCHEMA, guided_whitespace_pattern="[ \n]?"),
                   dict(guided_json=SCHEMA)]:
         guided = dict(guide, max_tokens=96, temperature=0.0)
         want = reference.generate(PROMPTS, SamplingParams(**guided))
@@ -378,6 +379,8 @@ def test_bad_request_ids_get_invalid_argument(cluster, request_id, match):
     ("hello", {"guided_regex": "a(?=b)"}, "lookahead"),
     ("hello", {"guided_json": {"type": "string", "format": "email"}}, "format"),
     ("hello", {"guided_regex": "a", "guided_choice": ["a"]}, "one guide at a time"),
+    ("hello", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "\\s*"},
+     "other than JSON's whitespace"),
 ])
 def test_bad_requests_get_invalid_argument(cluster, prompt, sampling, match):
     with Client(cluster.router_address, timeout=30) as c:
