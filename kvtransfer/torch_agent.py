@@ -108,16 +108,12 @@ class TorchKVAgent(KVTransferAgent):
         store_port = torch_store_port(remote)  # a handle made in code was never validated
         left = check_deadline(deadline, what)
         try:
-            sock = socket.create_connection((host, int(port)), timeout=left)
+            sock = self._dial(host, int(port), left)
         except OSError as e:
+            if self._closed:  # close() shut the connect down: no peer failed
+                raise TransferError(f"{what}: KV agent {self.name!r} was closed during it") \
+                    from None
             raise PeerGoneError(f"{what}: {e}") from None
-        with self._pairs_lock:
-            closed = self._closed
-            if not closed:
-                self._handshakes.add(sock)
-        if closed:
-            sock.close()
-            raise TransferError(f"KV agent {self.name!r} is closed")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             prefix = f"kvpair/{self.name}/{uuid.uuid4().hex}"
@@ -137,6 +133,33 @@ class TorchKVAgent(KVTransferAgent):
             with self._pairs_lock:
                 self._handshakes.discard(sock)
         return _Pair(sock, pg, store)
+
+    def _dial(self, host: str, port: int, timeout: float) -> socket.socket:
+        """A socket connected to ``host:port``, in ``_handshakes`` from before its connect, so
+        that close() shuts a connect still in progress down: to an owner whose host stopped
+        answering, it waited out the pull's whole deadline. OSError as socket.create_connection
+        raises it; TransferError once closed."""
+        error: OSError = OSError(f"no address found for {host!r}")
+        for family, kind, proto, _, addr in socket.getaddrinfo(host, port, 0,
+                                                               socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            with self._pairs_lock:
+                closed = self._closed
+                if not closed:
+                    self._handshakes.add(sock)
+            if closed:
+                sock.close()
+                raise TransferError(f"KV agent {self.name!r} is closed")
+            try:
+                sock.settimeout(timeout)
+                sock.connect(addr)
+                return sock
+            except OSError as e:
+                with self._pairs_lock:
+                    self._handshakes.discard(sock)
+                sock.close()
+                error = e
+        raise error
 
     def _join(self, sock: socket.socket, host: str, store_port: int, prefix: str,
               deadline: float, what: str) -> tuple:

@@ -4,6 +4,7 @@ for a peer's failure) within its timeout, never a hang, a crash or wrong bytes. 
 processes and threads, real gloo groups and TCPStores."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -143,6 +144,38 @@ def test_a_first_pull_from_a_store_port_that_never_answers_times_out(agents):
     finally:
         for s in (silent, *accepted):
             s.close()
+
+
+def test_a_close_ends_a_connect_the_owners_host_never_answers(agents):
+    """A pull's connect to an owner whose host takes no connection (here its listener's queue
+    is full, so the SYN goes unanswered) ends at the agent's close, not at the pull's
+    deadline: the socket was out of close()'s reach until its connect completed."""
+    owner, reader = agents(seed=3), agents()
+    full = socket.create_server(("127.0.0.1", 0), backlog=0)
+    queued = socket.create_connection(full.getsockname())  # the queue's one place
+    handle = replace(owner.handle(), address=f"127.0.0.1:{full.getsockname()[1]}")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            # A deadline past the wait below: only the close ends this pull in time.
+            pull = ex.submit(reader.pull, [handle], [1], [1], timeout_s=300.0)
+            assert wait_until(lambda: _connecting(reader), 30)
+            reader.close()
+            with pytest.raises(TransferError, match="was closed during it"):
+                pull.result(timeout=120)
+    finally:
+        queued.close()
+        full.close()
+
+
+_TCP_SYN_SENT = 2
+
+
+def _connecting(agent) -> bool:
+    """Whether one of ``agent``'s handshakes is in its connect (TCP_INFO's state)."""
+    with agent._pairs_lock:
+        socks = list(agent._handshakes)
+    return any(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] == _TCP_SYN_SENT
+               for s in socks)
 
 
 # --- 2. a handle that does not describe the owner's cache --------------------------------------
