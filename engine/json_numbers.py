@@ -115,7 +115,7 @@ MAX_BOUND_DIGITS = 40
 def number_range(s: dict, path: str) -> str:
     """Numbers within the bound keywords of ``s`` (NUMBER when it has none), compared exactly
     with the bounds as JSON wrote them (0.1 is one tenth). ``-0`` is never written."""
-    lo, lo_open, hi, hi_open = _number_bounds(s, path)
+    lo, lo_open, hi, hi_open = _decimal_bounds(s, path, MAX_BOUND_DIGITS)
     if lo is None and hi is None:
         return NUMBER
     parts = []
@@ -132,24 +132,21 @@ def number_range(s: dict, path: str) -> str:
     return alt(parts)
 
 
-def _number_bounds(s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-    """``_decimal_bounds``, each with at most MAX_BOUND_DIGITS digits after its point (its
-    fraction is compared digit by digit)."""
-    bounds = _decimal_bounds(s, path)
-    for kw in NUMBER_BOUNDS:
-        if kw in s and -_decimal(s[kw]).as_tuple().exponent > MAX_BOUND_DIGITS:
-            raise ValueError(f"{kw!r} at {path} has more than {MAX_BOUND_DIGITS} digits after "
-                             "its decimal point")
-    return bounds
+# (least, whether it is excluded, greatest, whether it is excluded); None: unbounded.
+_Bounds = tuple[Decimal | None, bool, Decimal | None, bool]
 
 
-def _decimal_bounds(s: dict, path: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-    """(least, whether it is excluded, greatest, whether it is excluded); None: unbounded;
-    the tighter of two bounds on one side."""
+def _decimal_bounds(s: dict, path: str, max_digits: int | None = None) -> _Bounds:
+    """The bound keywords of ``s`` as _Bounds, the tighter of two on one side.
+    ``max_digits``: the most digits a bound may have after its point (a number's fraction
+    is compared with it digit by digit)."""
     lo = hi = None
     lo_open = hi_open = False
     for kw, v in _bounds(s, path):
         v, is_open = _decimal(v), kw.startswith("exclusive")
+        if max_digits is not None and -v.as_tuple().exponent > max_digits:
+            raise ValueError(f"{kw!r} at {path} has more than {max_digits} digits after "
+                             "its decimal point")
         if kw.endswith("inimum"):
             if lo is None or v > lo or (v == lo and is_open):
                 lo, lo_open = v, is_open
