@@ -33,13 +33,14 @@ needs one spelling, not every one):
   "number" without an exponent, and never as ``-0``; ``enum`` and
   ``const`` values are written as ``json.dumps`` writes them (non-ASCII characters raw or
   as ``\\u`` escapes, as with and without ``ensure_ascii``);
-- ``format`` date, time and date-time are RFC 3339 with upper-case ``T`` and ``Z``;
+- a ``format`` is one spelling of its RFC's texts (engine/json_formats.py);
 - ``oneOf`` is taken as ``anyOf`` (the branches of a tagged union exclude each other anyway).
 
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
-``minLength``, ``maxLength``, ``format`` (date, time, date-time, uuid), ``pattern`` (see
-engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
+``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
+ipv6, hostname, email, uri; lengths beside one only where its every text meets them),
+``pattern`` (see engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 ``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py),
@@ -51,9 +52,9 @@ one, a surrogate pair of escapes one (lone surrogate escapes are not generated).
 
 Refused: recursive ``$ref`` (not cut at some depth: a truncated tree is not the schema the
 client asked for), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
-and beside ``enum``/``const`` other than ``type`` (their intersection), ``format`` beside
-lengths, lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty
-ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
+and beside ``enum``/``const`` other than ``type`` (their intersection), lengths beside a
+``format`` that some of its texts do not meet, lengths and counts above ``MAX_COUNT``,
+unsatisfiable schemas (``false``, empty ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
 """
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from engine.json_formats import format_regex
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
 from engine.regex_parse import Chars, Node, Repeat, parse_alternatives
@@ -103,20 +105,6 @@ class _Punctuation:
         w = f"(?:{whitespace})"
         return _Punctuation(f"{w},{w}", f"{w}:{w}", f"\\[{w}", f"{w}\\]", f"\\{{{w}",
                             f"{w}\\}}")
-
-_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
-              "|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
-# Divisible by 4 and not by 100, or by 400 (year 0000 included).
-_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
-_DATE = f"(?:[0-9]{{4}}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
-_HOUR_MINUTE = "(?:[01][0-9]|2[0-3]):[0-5][0-9]"
-_TIME = f"{_HOUR_MINUTE}:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-]{_HOUR_MINUTE})"
-_FORMATS = {
-    "date": _DATE,
-    "time": _TIME,
-    "date-time": f"{_DATE}T{_TIME}",
-    "uuid": "-".join(f"{_HEX}{{{n}}}" for n in (8, 4, 4, 4, 12)),
-}
 
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -309,18 +297,11 @@ class _Compiler:
                     raise ValueError(f"{kw!r} beside 'pattern' at {path} is not supported "
                                      "(write the bound into the pattern)")
             return pattern_string_regex(s["pattern"], _CHAR, path)
-        if "format" in s:
-            fmt = s["format"]
-            if fmt not in _FORMATS:
-                raise ValueError(f"'format' {fmt!r} at {path} is not supported: only "
-                                 f"{', '.join(_FORMATS)} are")
-            for kw in ("minLength", "maxLength"):
-                if kw in s:
-                    raise ValueError(f"{kw!r} beside 'format' at {path} is not supported")
-            return f'"{_FORMATS[fmt]}"'
         lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
         if hi is not None and lo > hi:
             raise ValueError(f"'minLength' at {path} is above 'maxLength'")
+        if "format" in s:
+            return f'"{format_regex(s["format"], lo, hi, path)}"'
         return f'"{repeat(_CHAR, lo, hi)}"'
 
     def array(self, s: dict, path: str, depth: int) -> str:

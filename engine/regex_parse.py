@@ -131,6 +131,21 @@ def parse_alternatives(pattern: str) -> list[Alternative]:
                                                                 parser.top_anchors)]
 
 
+def text_lengths(node: Node) -> tuple[int, int | None]:
+    """The shortest and longest text ``node`` matches, in characters (None: no longest)."""
+    if isinstance(node, Chars):
+        return 1, 1
+    if isinstance(node, Repeat):
+        lo, hi = text_lengths(node.item)
+        top = None if hi is None or node.hi is None else hi * node.hi
+        return lo * node.lo, (0 if node.hi == 0 else top)
+    spans = [text_lengths(item) for item in node.items]
+    his = [hi for _, hi in spans]
+    if isinstance(node, Alt):
+        return min(lo for lo, _ in spans), None if None in his else max(his)
+    return sum(lo for lo, _ in spans), None if None in his else sum(his)
+
+
 def _parser(pattern: str) -> _Parser:
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")

@@ -6,14 +6,12 @@ don't match; integer ranges are exact number by number; the regex keeps to the s
 automaton compiler takes; and what is not supported is refused by name and place."""
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import math
 import operator
 import random
 import re
-import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +20,7 @@ from hypothesis import strategies as st
 from engine.json_schema_regex import (ANY_DEPTH, MAX_REGEX_CHARS, check_whitespace_pattern,
                                        schema_to_regex)
 from engine.regex_text import MAX_REPEAT
+from tests.json_format_oracles import FORMAT_TEXTS, format_ok
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -98,6 +97,15 @@ SCHEMAS = {
         "time": {"type": "string", "format": "time"},
         "stamp": {"type": "string", "format": "date-time"},
         "id": {"type": "string", "format": "uuid"}}, "required": ["short", "date", "id"]},
+    "formats": {"type": "object", "properties": {
+        "v4": {"type": "string", "format": "ipv4"},
+        "v6": {"type": "string", "format": "ipv6"},
+        "host": {"type": "string", "format": "hostname"},
+        "mail": {"type": "string", "format": "email"},
+        "url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+        "took": {"type": "string", "format": "duration"},
+        "day": {"type": "string", "format": "date", "maxLength": 10}},
+        "required": ["v4", "v6", "host", "mail", "url", "took"]},
     "none_required": _props(""),
     "first_required": _props("Abcde"),
     "last_required": _props("abcdE"),
@@ -154,27 +162,6 @@ def _is_type(x, t: str) -> bool:
             "array": isinstance(x, list), "object": isinstance(x, dict)}[t]
 
 
-def _format_ok(fmt: str, s: str) -> bool:
-    if fmt == "uuid":
-        try:
-            return len(s) == 36 and s[8] + s[13] + s[18] + s[23] == "----" and bool(uuid.UUID(s))
-        except ValueError:
-            return False
-    if fmt == "date-time":
-        return s.count("T") == 1 and all(_format_ok(f, p) for f, p in
-                                         zip(("date", "time"), s.split("T")))
-    if fmt == "date":
-        m = re.fullmatch(r"([0-9]{4})-([0-9]{2})-([0-9]{2})", s)
-        try:  # year 0 is a leap year, as 2000 is
-            return bool(m) and bool(datetime.date(int(m[1]) or 2000, int(m[2]), int(m[3])))
-        except ValueError:
-            return False
-    m = re.fullmatch(r"([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?(Z|[+-]([0-9]{2}):([0-9]{2}))",
-                     s)
-    return bool(m) and int(m[1]) < 24 and int(m[2]) < 60 and int(m[3]) <= 60 and \
-        (m[5] == "Z" or int(m[6]) < 24 and int(m[7]) < 60)
-
-
 def valid(x, s, root) -> bool:
     if isinstance(s, bool):
         return s
@@ -199,7 +186,7 @@ def valid(x, s, root) -> bool:
         return False
     if isinstance(x, str):
         return s.get("minLength", 0) <= len(x) <= s.get("maxLength", math.inf) and \
-            ("format" not in s or _format_ok(s["format"], x)) and \
+            ("format" not in s or format_ok(s["format"], x)) and \
             ("pattern" not in s or re.search(_python_pattern(s["pattern"]), x) is not None)
     if _is_type(x, "number"):
         # Not a chain through infinities: 1E400 is a JSON number Python reads as inf.
@@ -249,13 +236,6 @@ def _int_limits(s):
     return lo, hi
 
 
-_TIMES = st.tuples(st.times(), st.sampled_from(["Z", "+05:30", "-00:00", "+23:59"])).map(
-    lambda t: t[0].isoformat() + t[1])
-_FORMATS = {"date": st.dates().map(str), "time": _TIMES,
-            "date-time": st.tuples(st.dates(), _TIMES).map(lambda t: f"{t[0]}T{t[1]}"),
-            "uuid": st.uuids().flatmap(lambda u: st.sampled_from([str(u), str(u).upper()]))}
-
-
 def instances(s, root):
     if s is True or not s.keys() - {"title", "description", "default"}:
         return json_values()
@@ -294,7 +274,7 @@ def _typed(t, s, root):
         return st.integers() | st.floats(allow_nan=False, allow_infinity=False)
     if t == "string":
         if "format" in s:
-            return _FORMATS[s["format"]]
+            return FORMAT_TEXTS[s["format"]]
         if "pattern" in s:
             return st.from_regex(_python_pattern(s["pattern"]))
         return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength"))
@@ -455,11 +435,12 @@ def test_string_lengths_count_characters_not_escape_text():
 
 def test_dates_know_month_lengths_and_leap_years():
     rx = re.compile(schema_to_regex({"type": "string", "format": "date"}))
-    for day in ["2024-02-29", "2000-02-29", "0000-02-29", "1996-02-29", "2023-01-31",
+    for day in ["2024-02-29", "2000-02-29", "0400-02-29", "1996-02-29", "2023-01-31",
                 "2023-04-30", "2023-12-31", "2023-02-28"]:
         assert rx.fullmatch(f'"{day}"'), day
     for day in ["2023-02-29", "1900-02-29", "2100-02-29", "2023-04-31", "2023-00-10",
-                "2023-13-01", "2023-01-00", "2023-1-01", "20230101"]:
+                "2023-13-01", "2023-01-00", "2023-1-01", "20230101", "0000-01-01",
+                "0000-02-29"]:
         assert not rx.fullmatch(f'"{day}"'), day
 
 
@@ -798,7 +779,7 @@ REFUSED = [
      "'pattern' at #/properties/a/items: bad regex"),
     ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
      "'not' at #/$defs/A/properties/x~1y"),
-    ({"anyOf": [{"type": "null"}, {"format": "email"}]}, "'format' 'email' at #/anyOf/1"),
+    ({"anyOf": [{"type": "null"}, {"format": "iri"}]}, "'format' 'iri' at #/anyOf/1"),
     ({"type": "number", "minimum": 1e-50}, "'minimum' at # has more than 40 digits after"),
     ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "bounds at # leave no number"),
     ({"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": -1},
@@ -823,8 +804,15 @@ REFUSED = [
     ({"oneOf": {"type": "null"}}, "'oneOf' at #"),
     ({"type": "strnig"}, "'type' at #"),
     ({"type": []}, "'type' at #"),
-    ({"type": "string", "format": "email"}, "'format' 'email'"),
-    ({"type": "string", "format": "date", "maxLength": 20}, "'maxLength' beside 'format'"),
+    ({"type": "string", "format": "regex"}, "'format' 'regex'"),
+    ({"type": "string", "format": 3}, "'format' 3 at # is not supported"),
+    ({"type": "string", "format": "date", "maxLength": 9},
+     "'maxLength' beside 'format' at # is not supported: date texts may be up to 10"),
+    ({"type": "string", "format": "date-time", "maxLength": 9999},
+     "date-time texts may be of any length"),
+    ({"type": "string", "format": "uri", "maxLength": 2000}, "uri texts may be up to 2066"),
+    ({"type": "string", "format": "ipv4", "minLength": 8},
+     "'minLength' beside 'format' at # is not supported: ipv4 texts may be 7 characters"),
     ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' at # is above"),
     ({"type": "string", "maxLength": 10 ** 6}, "'maxLength' at # is above"),
     ({"type": "string", "maxLength": -1}, "'maxLength' at # must be"),

@@ -377,7 +377,7 @@ def test_bad_request_ids_get_invalid_argument(cluster, request_id, match):
     ("hello", {"frequency_penalty": 2.5}, "frequency_penalty"),
     ("hello", {"priority": 1}, "scheduling policy priority"),  # these workers run fcfs
     ("hello", {"guided_regex": "a(?=b)"}, "lookahead"),
-    ("hello", {"guided_json": {"type": "string", "format": "email"}}, "format"),
+    ("hello", {"guided_json": {"type": "string", "format": "iri"}}, "format"),
     ("hello", {"guided_regex": "a", "guided_choice": ["a"]}, "one guide at a time"),
     ("hello", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": "\\s*"},
      "other than JSON's whitespace"),
