@@ -28,6 +28,12 @@ a backslash, so a text's length in the regex is its length as JSON Schema counts
 
 Lengths beside a format are accepted when every text of the format's regex meets them (as
 pydantic's ``minLength: 1`` and ``maxLength: 2083`` beside ``uri`` do); otherwise refused.
+
+OpenAPI's numeric formats: ``int32`` and ``int64`` bound an integer (beside its own bounds),
+``float`` and ``double`` leave a number as it is; its ``password`` and ``binary`` leave a
+string as it is (lengths apply as without a format). A format of another type than the value's
+is left alone (``{"type": ["string", "integer"], "format": "date"}``: any integer), as JSON
+Schema's validators leave it; a format of no type here is refused.
 """
 from __future__ import annotations
 
@@ -137,18 +143,54 @@ FORMATS = {
 }
 
 
+# OpenAPI's numeric formats. An integer's bounds its values (two's complement, of so many
+# bits); a number's (IEEE binary32 or binary64) says only how it is read, which any JSON
+# number can be.
+INT_FORMATS = {"int32": 32, "int64": 64}
+NUMBER_FORMATS = ("float", "double")
+# OpenAPI's string formats that say nothing about the text: "password" (a hint to hide it,
+# pydantic's SecretStr) and "binary" (any octets; pydantic's bytes, read from any JSON string).
+FREE_STRING_FORMATS = ("password", "binary")
+
+
+def format_type(fmt: object, path: str) -> str:
+    """The type ``fmt`` is a format of ("string", "integer" or "number"); ValueError naming
+    ``path`` for a format not supported. A format of another type than the value's is left
+    alone, as JSON Schema's validators leave it."""
+    if isinstance(fmt, str):
+        if fmt in FORMATS or fmt in FREE_STRING_FORMATS:
+            return "string"
+        if fmt in INT_FORMATS:
+            return "integer"
+        if fmt in NUMBER_FORMATS:
+            return "number"
+    known = ", ".join([*FORMATS, *FREE_STRING_FORMATS, *INT_FORMATS, *NUMBER_FORMATS])
+    raise ValueError(f"'format' {fmt!r} at {path} is not supported: only {known} are")
+
+
+def int_format_bounds(fmt: str | None, lo: int | None, hi: int | None,
+                      path: str) -> tuple[int | None, int | None]:
+    """lo..hi (None: unbounded) within ``fmt``'s range when it is an integer format."""
+    if fmt not in INT_FORMATS:
+        return lo, hi
+    half = 2 ** (INT_FORMATS[fmt] - 1)
+    lo = -half if lo is None else max(lo, -half)
+    hi = half - 1 if hi is None else min(hi, half - 1)
+    if lo > hi:
+        raise ValueError(f"the bounds at {path} leave no {fmt} integer")
+    return lo, hi
+
+
 @functools.cache
 def format_lengths(fmt: str) -> tuple[int, int | None]:
     """The shortest and longest text of ``fmt``'s regex (None: no longest)."""
     return text_lengths(parse(FORMATS[fmt]))
 
 
-def format_regex(fmt: object, min_length: int, max_length: int | None, path: str) -> str:
-    """The regex of ``fmt``'s text when its every text is min_length..max_length characters
-    long (max_length None: unbounded); ValueError naming ``path`` otherwise."""
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise ValueError(f"'format' {fmt!r} at {path} is not supported: only "
-                         f"{', '.join(FORMATS)} are")
+def format_regex(fmt: str, min_length: int, max_length: int | None, path: str) -> str:
+    """The regex of the string format ``fmt``'s text when its every text is
+    min_length..max_length characters long (max_length None: unbounded); ValueError naming
+    ``path`` otherwise."""
     lo, hi = format_lengths(fmt)
     if lo < min_length:
         raise ValueError(f"'minLength' beside 'format' at {path} is not supported: "

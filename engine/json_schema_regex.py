@@ -39,7 +39,8 @@ needs one spelling, not every one):
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
-ipv6, hostname, email, uri; lengths beside one only where its every text meets them),
+ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
+OpenAPI's int32, int64, float, double, password, binary),
 ``pattern`` (see engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 ``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
@@ -66,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from engine.json_formats import format_regex
+from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
 from engine.regex_parse import Chars, Node, Repeat, parse_alternatives
@@ -261,7 +262,8 @@ class _Compiler:
     def types(self, s: dict, path: str) -> list[str]:
         t = s.get("type")
         if t is None:  # taken from the keywords; none at all: any value
-            return list(dict.fromkeys(_TYPE_KEYWORDS[k] for k in s if k in _TYPE_KEYWORDS))
+            return list(dict.fromkeys(format_type(s[k], path) if k == "format" else
+                                      _TYPE_KEYWORDS[k] for k in s if k in _TYPE_KEYWORDS))
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or \
                 any(not isinstance(x, str) or x not in _TYPES for x in types):
@@ -270,6 +272,8 @@ class _Compiler:
         return list(dict.fromkeys(types))
 
     def typed(self, s: dict, path: str, depth: int) -> str:
+        if "format" in s:
+            format_type(s["format"], path)
         types = self.types(s, path)
         if not types:
             return _any_value(ANY_DEPTH, self.p)
@@ -283,7 +287,7 @@ class _Compiler:
         if t == "number":
             return number_range(s, path)
         if t == "integer":
-            return int_range(*int_bounds(s, path))
+            return int_range(*int_format_bounds(s.get("format"), *int_bounds(s, path), path))
         if t == "string":
             return self.string(s, path)
         if t == "array":
@@ -300,7 +304,7 @@ class _Compiler:
         lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
         if hi is not None and lo > hi:
             raise ValueError(f"'minLength' at {path} is above 'maxLength'")
-        if "format" in s:
+        if "format" in s and s["format"] in FORMATS:
             return f'"{format_regex(s["format"], lo, hi, path)}"'
         return f'"{repeat(_CHAR, lo, hi)}"'
 

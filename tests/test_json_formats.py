@@ -132,6 +132,42 @@ def test_lengths_beside_a_format_are_taken_when_every_text_meets_them():
             schema_to_regex({"type": "string", **bad})
 
 
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "integer", "format": "int32"}, ["2147483647", "-2147483648", "0"],
+     ["2147483648", "-2147483649", "99999999999"]),
+    ({"type": "integer", "format": "int64"}, [str(2 ** 63 - 1), str(-2 ** 63)],
+     [str(2 ** 63), str(-2 ** 63 - 1)]),
+    ({"format": "int32", "minimum": -5}, ["-5", "2147483647"], ["-6", "2147483648", '"1"']),
+    ({"type": "integer", "format": "int32", "exclusiveMaximum": 1e12}, ["2147483647"],
+     ["2147483648"]),
+    # A format of another type is left alone: any integer, and only dates for strings.
+    ({"type": ["string", "integer"], "format": "date"}, ["123456789012345678901", '"2024-02-29"'],
+     ['"x"', '"2023-02-29"']),
+    ({"type": "string", "format": "int64", "maxLength": 2}, ['"ab"', '""'], ['"abc"', "1"]),
+    ({"type": "number", "format": "float"}, ["1e400", "-0.5", "3"], ['"1"']),
+    ({"type": "number", "format": "double"}, ["1.5E-7"], ["NaN"]),
+    ({"type": "string", "format": "password", "minLength": 2}, [r'"h\u00e9"', '"ab"'], ['"a"']),
+    ({"type": "string", "format": "binary"}, ['""', r'"\u0000"'], ["0", '"\x00"']),
+])
+def test_openapis_formats_bound_integers_and_leave_the_others(schema, good, bad):
+    rx = re.compile(schema_to_regex(schema))
+    for text in good:
+        assert rx.fullmatch(text), text
+    for text in bad:
+        assert not rx.fullmatch(text), text
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "integer", "format": "uint8"}, "'format' 'uint8' at # is not supported"),
+    ({"type": "boolean", "format": ["date"]}, "'format' ['date'] at #"),
+    ({"properties": {"a": {"format": "iri"}}}, "'format' 'iri' at #/properties/a"),
+    ({"type": "integer", "format": "int32", "minimum": 2 ** 31}, "leave no int32 integer"),
+])
+def test_formats_of_no_type_here_are_refused(schema, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        schema_to_regex(schema)
+
+
 def test_pydantics_types_accept_what_the_regex_of_their_schema_generates():
     pydantic = pytest.importorskip("pydantic")
 
@@ -143,6 +179,8 @@ def test_pydantics_types_accept_what_the_regex_of_their_schema_generates():
         took: datetime.timedelta
         day: datetime.date
         at: datetime.datetime
+        secret: pydantic.SecretStr
+        raw: bytes
 
     schema = Host.model_json_schema()
     assert schema["properties"]["url"]["maxLength"] == 2083  # taken beside the format
