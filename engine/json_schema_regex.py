@@ -63,14 +63,13 @@ import functools
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
-from engine.regex_parse import Chars, Node, Repeat, parse_alternatives
+from engine.json_whitespace import Punctuation
 from engine.regex_text import alt, repeat
 
 MAX_REGEX_CHARS = 200_000
@@ -86,26 +85,6 @@ _CHAR = ('(?:[^"\\\\\\u0000-\\u001f\\ud800-\\udfff]|\\\\["\\\\/bfnrt]'
          f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})")
 _STRING = f'"{_CHAR}*"'
 
-
-@dataclass(frozen=True)
-class _Punctuation:
-    """The regexes of JSON's punctuation with the whitespace allowed around it."""
-    comma: str
-    colon: str
-    open_array: str
-    close_array: str
-    open_object: str
-    close_object: str
-
-    @staticmethod
-    def around(whitespace: str | None) -> _Punctuation:
-        """json.dumps's separators (", " or ",", ": " or ":") when ``whitespace`` is None;
-        else ``whitespace`` on both sides of every comma, colon and bracket inside."""
-        if whitespace is None:
-            return _Punctuation(", ?", ": ?", "\\[", "\\]", "\\{", "\\}")
-        w = f"(?:{whitespace})"
-        return _Punctuation(f"{w},{w}", f"{w}:{w}", f"\\[{w}", f"{w}\\]", f"\\{{{w}",
-                            f"{w}\\}}")
 
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -123,45 +102,11 @@ _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable
 _META = set(".^$*+?{}[]\\|()")
 
 
-# JSON's whitespace (RFC 8259): tab, line feed, carriage return and space.
-_JSON_WHITESPACE = ((9, 10), (13, 13), (32, 32))
-MAX_WHITESPACE_PATTERN_CHARS = 256
-
-
-def check_whitespace_pattern(pattern: object) -> None:
-    """ValueError unless ``pattern`` is a regex (engine/regex_parse.py's syntax) whose
-    matches are JSON whitespace only: anything else between JSON's tokens is not JSON."""
-    name = "guided_whitespace_pattern"
-    if not isinstance(pattern, str) or not pattern:
-        raise ValueError(f"{name} must be a non-empty string, got {pattern!r}")
-    if len(pattern) > MAX_WHITESPACE_PATTERN_CHARS:
-        raise ValueError(f"{name} has {len(pattern)} characters, more than "
-                         f"{MAX_WHITESPACE_PATTERN_CHARS}")
-    try:
-        alternatives = parse_alternatives(pattern)
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
-    if any(a.starts or a.ends for a in alternatives):
-        raise ValueError(f"{name} takes no anchors: it matches between JSON's tokens")
-    stack: list[Node] = [a.node for a in alternatives]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, Chars):
-            if any(not any(a <= lo and hi <= b for a, b in _JSON_WHITESPACE)
-                   for lo, hi in node.ranges):
-                raise ValueError(f"{name} matches characters other than JSON's whitespace "
-                                 "(space, tab, line feed and carriage return)")
-        elif isinstance(node, Repeat):
-            stack.append(node.item)
-        else:
-            stack.extend(node.items)
-
-
 def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) -> str:
     """The regex of the JSON texts ``schema`` accepts (see the module docstring for how
     they are spelled); a str is the schema's JSON text. ``whitespace``: a regex of the
     whitespace allowed around each comma, colon and bracket (vLLM's
-    guided_whitespace_pattern, checked by ``check_whitespace_pattern``) instead of
+    guided_whitespace_pattern, checked in engine/json_whitespace.py) instead of
     json.dumps's separators. ValueError for what is refused."""
     if isinstance(schema, str):
         try:
@@ -170,11 +115,11 @@ def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) ->
             raise ValueError("the schema nests too deeply") from None
         except ValueError as e:
             raise ValueError(f"the schema is not valid JSON: {e}") from None
-    return _Compiler(schema, _Punctuation.around(whitespace)).node(schema, "#", 0)
+    return _Compiler(schema, Punctuation.around(whitespace)).node(schema, "#", 0)
 
 
 class _Compiler:
-    def __init__(self, root: Any, punct: _Punctuation):
+    def __init__(self, root: Any, punct: Punctuation):
         self.root = root
         self.p = punct
         self.refs: dict[str, str] = {}  # each $ref compiled once
@@ -424,7 +369,7 @@ def _escape(text: str) -> str:
                    else c for c in text)
 
 
-def _literal(value: Any, path: str, depth: int, p: _Punctuation) -> str:
+def _literal(value: Any, path: str, depth: int, p: Punctuation) -> str:
     """The regex of ``value``'s JSON text, with the whitespace ``p`` allows."""
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"a value at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
@@ -470,7 +415,7 @@ def _json_types(value: Any, path: str) -> set[str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _any_value(depth: int, p: _Punctuation) -> str:
+def _any_value(depth: int, p: Punctuation) -> str:
     scalar = [_STRING, NUMBER, "true", "false", "null"]
     if not depth:
         return alt(scalar)
@@ -479,7 +424,7 @@ def _any_value(depth: int, p: _Punctuation) -> str:
                           _map(inner, p)])
 
 
-def _map(value: str, p: _Punctuation) -> str:
+def _map(value: str, p: Punctuation) -> str:
     """An object of any members whose values match ``value``."""
     member = f"{_STRING}{p.colon}{value}"
     return f"{p.open_object}(?:{member}(?:{p.comma}{member})*)?{p.close_object}"

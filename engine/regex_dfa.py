@@ -319,8 +319,8 @@ class RegexDfa:
             return False
         cuts = self._cuts[state]
         first = bisect_right(cuts, lo) - 1
-        # Neighbouring runs step to different states, so of two runs one is live.
-        return bisect_right(cuts, hi, first) - 1 > first or self._nexts[state][first] != DEAD
+        return bool(span_is_live(first, bisect_right(cuts, hi, first) - 1,
+                                 self._nexts[state][first]))
 
     def runs(self, state: int) -> tuple[Sequence[int], Sequence[int]]:
         """``state``'s transitions: the code points where each run starts, and each run's
@@ -333,6 +333,13 @@ class RegexDfa:
 
     def fullmatch(self, text: str) -> bool:
         return self.is_accepting(self.walk(self.start, text))
+
+
+def span_is_live(first, last, first_next):
+    """Whether runs ``first``..``last`` of a state's row (``first_next``: where the first one
+    steps) hold a live one; on ints, or elementwise on numpy arrays."""
+    # Neighbouring runs step to different states, so of two runs one is live.
+    return (last > first) | (first_next != DEAD)
 
 
 def compile_regex(pattern: str) -> RegexDfa:

@@ -218,7 +218,7 @@ class SamplingParams:
             if not self.guided_json:
                 raise ValueError("guided_whitespace_pattern applies to guided_json, which is "
                                  "not set")
-            from engine.json_schema_regex import check_whitespace_pattern
+            from engine.json_whitespace import check_whitespace_pattern
 
             check_whitespace_pattern(self.guided_whitespace_pattern)
         self._validate_guided_choice()

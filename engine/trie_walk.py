@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.regex_dfa import DEAD, RegexDfa
+from engine.regex_dfa import DEAD, RegexDfa, span_is_live
 
 
 @dataclass
@@ -98,8 +98,7 @@ class TrieWalker:
             cuts, nexts = self._arrays(state)
             first = np.searchsorted(cuts, level.tail_lo[members], side="right") - 1
             last = np.searchsorted(cuts, level.tail_hi[members], side="right") - 1
-            # Neighbouring runs step to different states, so of two runs one is live.
-            keep[members] = (last > first) | (nexts[first] != DEAD)
+            keep[members] = span_is_live(first, last, nexts[first])
         return level.tail_ids[keep]
 
     def _arrays(self, state: int) -> tuple[np.ndarray, np.ndarray]:

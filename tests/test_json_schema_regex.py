@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.json_schema_regex import (ANY_DEPTH, MAX_REGEX_CHARS, check_whitespace_pattern,
-                                       schema_to_regex)
+from engine.json_schema_regex import ANY_DEPTH, MAX_REGEX_CHARS, schema_to_regex
+from engine.json_whitespace import check_whitespace_pattern
 from engine.regex_text import MAX_REPEAT
 from tests.json_format_oracles import FORMAT_TEXTS, format_ok
 
