@@ -11,7 +11,7 @@ a backslash, so a text's length in the regex is its length as JSON Schema counts
   leap second (Python's datetime has none; RFC 3339 allows one at 23:59:60 UTC only);
 - ``uuid``: RFC 4122's hex-and-hyphens form, either case;
 - ``ipv4``: dotted quads without leading zeros;
-- ``ipv6``: RFC 4291's forms, ``::`` compression and a trailing dotted quad included;
+- ``ipv6``: RFC 4291's hex forms, ``::`` compression included (no trailing dotted quad);
 - ``hostname``: RFC 1123 names of at most seven labels, the last one starting with a letter
   (so a URL parser never reads the name as a number) and at most 24 characters long, the
   others at most 37: never over the 253 characters a name may have. No label carries ``--``
@@ -20,9 +20,10 @@ a backslash, so a text's length in the regex is its length as JSON Schema counts
   at a hostname of two to five labels: within the 254 characters an address may have;
 - ``uri``: ``http`` and ``https`` URLs (pydantic's HttpUrl takes no other scheme, and its
   schema says only ``uri``) of a hostname or an IPv4 host, an optional port (0..65535), then a path, a query and a fragment of RFC 3986's
-  characters (percent escapes included) of at most 389, 150 and 60 characters or escapes
-  (each after its ``/``, ``?`` or ``#``): never over 2083 characters, the ``maxLength``
-  pydantic's HttpUrl writes;
+  characters (percent escapes included) of at most 256, 128 and 32 characters or escapes
+  (each with its leading ``/``, ``?`` or ``#``): never over 2083 characters, the
+  ``maxLength`` pydantic's HttpUrl writes. The bounds keep the regex small (each bounded
+  character is automaton states): a schema with a dozen URLs still compiles;
 - ``duration``: RFC 3339's (ISO 8601) ``P1Y2M3D``, ``PT4H5M6S``, ``P7W`` and their like,
   each count of at most six digits (so pydantic's timedelta holds the sum).
 
@@ -83,9 +84,10 @@ _IPV4 = f"{_DEC_OCTET}(?:\\.{_DEC_OCTET}){{3}}"
 
 
 def _ipv6() -> str:
-    """RFC 3986's IPv6address: eight 16-bit groups, one run of zero groups written ``::``,
-    the last two groups as a dotted quad or not."""
-    h16, ls32 = f"{_HEX}{{1,4}}", f"(?:{_HEX}{{1,4}}:{_HEX}{{1,4}}|{_IPV4})"
+    """RFC 3986's IPv6address without its dotted quad forms (``::ffff:1.2.3.4``; they would
+    double the regex): eight 16-bit groups, one run of zero groups written ``::``."""
+    h16 = f"{_HEX}{{1,4}}"
+    ls32 = f"{h16}:{h16}"
 
     def groups(n: int) -> str:  # n groups, each followed by a colon
         return repeat(f"{h16}:", n, n)
@@ -112,8 +114,8 @@ _PATH_OR_QUERY = f"(?:{_PCHAR}|[/?])"
 def _uri() -> str:
     host = alt([_hostname(1, 7), _IPV4])
     port = f"(?::{int_range(0, 65535)})?"
-    return (f"https?://{host}{port}(?:/(?:{_PCHAR}|/){{0,389}})?"
-            f"(?:\\?{_PATH_OR_QUERY}{{0,150}})?(?:#{_PATH_OR_QUERY}{{0,60}})?")
+    return (f"https?://{host}{port}(?:/(?:{_PCHAR}|/){{0,255}})?"
+            f"(?:\\?{_PATH_OR_QUERY}{{0,127}})?(?:#{_PATH_OR_QUERY}{{0,31}})?")
 
 
 # --- duration (RFC 3339 appendix A) ---

@@ -136,8 +136,9 @@ FORMAT_TEXTS = {"date": st.dates().map(str), "time": _TIMES,
             "date-time": st.tuples(st.dates(), _TIMES).map(lambda t: f"{t[0]}T{t[1]}"),
             "uuid": st.uuids().flatmap(lambda u: st.sampled_from([str(u), str(u).upper()])),
             "ipv4": st.ip_addresses(v=4).map(str),
-            "ipv6": st.ip_addresses(v=6).flatmap(
-                lambda a: st.sampled_from([str(a), a.exploded, str(a).upper()])),
+            "ipv6": st.ip_addresses(v=6).flatmap(  # the hex forms: no dotted quad
+                lambda a: st.sampled_from([str(a), a.exploded, str(a).upper()])).filter(
+                lambda text: "." not in text),
             "hostname": _hostnames(1, 7),
             "email": st.builds("{}@{}".format, st.lists(st.text(sorted(_ATEXT), min_size=1,
                                                                 max_size=20),
