@@ -8,6 +8,8 @@ seeded samples landing on several matches; a resumed request going on from its o
 is refused. Through a router: tests/test_serving.py."""
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import random
 import re
@@ -250,6 +252,28 @@ def test_guided_json_follows_a_strings_pattern(reference):
     assert all(re.fullmatch(r'(?:[a-c]|\\|")x', o["mark"]) for o in objs), objs
     assert all(o.finish_reason == "stop" for o in outs)
     assert len({o.text for o in outs}) >= 4
+
+
+def test_guided_json_writes_each_format_as_its_rfc_says(reference):
+    """String formats (engine/json_formats.py) and OpenAPI's int32, sampled: every value
+    passes the format's check (tests/json_format_oracles.py) and Python's own parser."""
+    from tests.json_format_oracles import format_ok
+
+    formats = ("ipv4", "ipv6", "date", "duration")
+    schema = {"type": "object", "required": [*formats, "n"], "properties": {
+        **{f: {"type": "string", "format": f} for f in formats},
+        "n": {"type": "integer", "format": "int32"}}}
+    params = [SamplingParams(max_tokens=256, temperature=1.0, seed=i, guided_json=schema)
+              for i in range(4)]
+    outs = reference.generate([PROMPTS[i % 4] for i in range(4)], params)
+    assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    objs = [json.loads(o.text) for o in outs]
+    for obj in objs:
+        assert all(format_ok(f, obj[f]) for f in formats), obj
+        ipaddress.IPv4Address(obj["ipv4"]), ipaddress.IPv6Address(obj["ipv6"])
+        datetime.date.fromisoformat(obj["date"])
+        assert -2 ** 31 <= obj["n"] < 2 ** 31
+    assert len({o.text for o in outs}) == 4
 
 
 def test_a_resumed_request_goes_on_from_its_output(reference):
