@@ -29,7 +29,7 @@ def _bounds(s: dict, path: str) -> list[tuple[str, int | float]]:
 
 def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
     """The least and greatest integers the bound keywords allow (None: unbounded)."""
-    lo, lo_open, hi, hi_open = _decimal_bounds(s, path)
+    lo, lo_open, hi, hi_open = decimal_bounds(s, path)
     least = None if lo is None else math.floor(lo) + 1 if lo_open else math.ceil(lo)
     most = None if hi is None else math.ceil(hi) - 1 if hi_open else math.floor(hi)
     if least is not None and most is not None and least > most:
@@ -43,26 +43,26 @@ def int_range(lo: int | None, hi: int | None) -> str:
         return INTEGER
     parts = []
     if lo is None or lo < 0:  # the negatives, as "-" and their magnitude
-        parts.append("-" + _natural_range(1 if hi is None or hi >= 0 else -hi,
+        parts.append("-" + natural_range(1 if hi is None or hi >= 0 else -hi,
                                           None if lo is None else -lo))
     if hi is None or hi >= 0:
-        parts.append(_natural_range(0 if lo is None else max(lo, 0), hi))
+        parts.append(natural_range(0 if lo is None else max(lo, 0), hi))
     return alt(parts)
 
 
-def _natural_range(lo: int, hi: int | None) -> str:
+def natural_range(lo: int, hi: int | None) -> str:
     """The naturals in lo..hi (None: unbounded), one digit count at a time."""
     top = 10 ** len(str(lo)) - 1 if hi is None else hi
     parts = []
     for n in range(len(str(lo)), len(str(top)) + 1):
         least = max(lo, 10 ** (n - 1) if n > 1 else 0)
-        parts.append(_digits_range(str(least), str(min(top, 10 ** n - 1))))
+        parts.append(digits_range(str(least), str(min(top, 10 ** n - 1))))
     if hi is None:  # and every longer number
         parts.append("[1-9]" + repeat("[0-9]", len(str(lo)), None))
     return alt(parts)
 
 
-def _digits_range(lo: str, hi: str) -> str:
+def digits_range(lo: str, hi: str) -> str:
     """Digit strings as long as lo and hi, from lo to hi."""
     k = next((i for i, (a, b) in enumerate(zip(lo, hi)) if a != b), len(lo))
     if k == len(lo):
@@ -115,7 +115,7 @@ MAX_BOUND_DIGITS = 40
 def number_range(s: dict, path: str) -> str:
     """Numbers within the bound keywords of ``s`` (NUMBER when it has none), compared exactly
     with the bounds as JSON wrote them (0.1 is one tenth). ``-0`` is never written."""
-    lo, lo_open, hi, hi_open = _decimal_bounds(s, path, MAX_BOUND_DIGITS)
+    lo, lo_open, hi, hi_open = decimal_bounds(s, path, MAX_BOUND_DIGITS)
     if lo is None and hi is None:
         return NUMBER
     parts = []
@@ -136,7 +136,7 @@ def number_range(s: dict, path: str) -> str:
 _Bounds = tuple[Decimal | None, bool, Decimal | None, bool]
 
 
-def _decimal_bounds(s: dict, path: str, max_digits: int | None = None) -> _Bounds:
+def decimal_bounds(s: dict, path: str, max_digits: int | None = None) -> _Bounds:
     """The bound keywords of ``s`` as _Bounds, the tighter of two on one side.
     ``max_digits``: the most digits a bound may have after its point (a number's fraction
     is compared with it digit by digit)."""
@@ -179,7 +179,7 @@ def _magnitudes(a: Decimal, a_open: bool, b: Decimal | None, b_open: bool) -> li
         return _with_fraction(str(ka), _between(fa, a_open, fb, b_open))
     parts = _with_fraction(str(ka), _at_least(fa, a_open))
     if kb is None or kb - 1 >= ka + 1:
-        parts.append(_natural_range(ka + 1, None if kb is None else kb - 1) + "(?:\\.[0-9]+)?")
+        parts.append(natural_range(ka + 1, None if kb is None else kb - 1) + "(?:\\.[0-9]+)?")
     if kb is not None:
         parts += _with_fraction(str(kb), _at_most(fb, b_open))
     return parts

@@ -30,7 +30,8 @@ needs one spelling, not every one):
 - a value of any type (``{}``, ``true``, items or members left open) nests at most
   ``ANY_DEPTH`` arrays or objects deep;
 - integers are written without a fraction or exponent, and never as ``-0``; a bounded
-  "number" without an exponent, and never as ``-0``; ``enum`` and
+  "number" without an exponent, and never as ``-0``; one with ``multipleOf`` with as many
+  digits after the point as the ``multipleOf`` has (0.01: "12.50"); ``enum`` and
   ``const`` values are written as ``json.dumps`` writes them (non-ASCII characters raw or
   as ``\\u`` escapes, as with and without ``ensure_ascii``);
 - a ``format`` is one spelling of its RFC's texts (engine/json_formats.py);
@@ -44,7 +45,8 @@ OpenAPI's int32, int64, float, double, password, binary),
 ``pattern`` (see engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 ``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
-40 digits after the point: engine/json_numbers.py),
+40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
+their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
 ``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
 ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
 description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly,
@@ -67,6 +69,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
+from engine.json_multiples import integer_multiples, multiple_of, number_multiples
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_whitespace import Punctuation
@@ -93,7 +96,7 @@ _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$c
 _TYPE_KEYWORDS = {
     "minLength": "string", "maxLength": "string", "format": "string", "pattern": "string",
     "minimum": "integer", "maximum": "integer",
-    "exclusiveMinimum": "integer", "exclusiveMaximum": "integer",
+    "exclusiveMinimum": "integer", "exclusiveMaximum": "integer", "multipleOf": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
     "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
 }
@@ -230,9 +233,14 @@ class _Compiler:
         if t == "boolean":
             return "(?:true|false)"
         if t == "number":
+            if "multipleOf" in s:
+                return number_multiples(s, multiple_of(s, path), path)
             return number_range(s, path)
         if t == "integer":
-            return int_range(*int_format_bounds(s.get("format"), *int_bounds(s, path), path))
+            lo, hi = int_format_bounds(s.get("format"), *int_bounds(s, path), path)
+            if "multipleOf" in s:
+                return integer_multiples(lo, hi, multiple_of(s, path), path)
+            return int_range(lo, hi)
         if t == "string":
             return self.string(s, path)
         if t == "array":
