@@ -19,11 +19,12 @@ a backslash, so a text's length in the regex is its length as JSON Schema counts
 - ``email``: RFC 5321's dot-atom local part (at most three atoms of at most 20 characters)
   at a hostname of two to five labels: within the 254 characters an address may have;
 - ``uri``: ``http`` and ``https`` URLs (pydantic's HttpUrl takes no other scheme, and its
-  schema says only ``uri``) of a hostname or an IPv4 host, an optional port (0..65535), then a path, a query and a fragment of RFC 3986's
-  characters (percent escapes included) of at most 256, 128 and 32 characters or escapes
-  (each with its leading ``/``, ``?`` or ``#``): never over 2083 characters, the
-  ``maxLength`` pydantic's HttpUrl writes. The bounds keep the regex small (each bounded
-  character is automaton states): a schema with a dozen URLs still compiles;
+  schema says only ``uri``) of a hostname or an IPv4 host, an optional port (0..65535),
+  then a path, a query and a fragment of RFC 3986's characters (percent escapes included)
+  of at most 256, 128 and 32 characters or escapes (each with its leading ``/``, ``?`` or
+  ``#``): never over 2083 characters, the ``maxLength`` pydantic's HttpUrl writes. The
+  bounds keep the regex small (each bounded character is automaton states): a schema with
+  a dozen URLs still compiles;
 - ``duration``: RFC 3339's (ISO 8601) ``P1Y2M3D``, ``PT4H5M6S``, ``P7W`` and their like,
   each count of at most six digits (so pydantic's timedelta holds the sum).
 

@@ -29,6 +29,10 @@ needs one spelling, not every one):
   the numeric bounds), and for any value when it has none;
 - a value of any type (``{}``, ``true``, items or members left open) nests at most
   ``ANY_DEPTH`` arrays or objects deep;
+- a recursive ``$ref`` (a tree, a linked list, an expression) is followed at most
+  ``RECURSION_DEPTH`` times inside itself; below that, its optional members, the items
+  past ``minItems``, its ``anyOf`` branches and nullable values that lead back to it are
+  left out;
 - integers are written without a fraction or exponent, and never as ``-0``; a bounded
   "number" without an exponent, and never as ``-0``; one with ``multipleOf`` with as many
   digits after the point as the ``multipleOf`` has (0.01: "12.50"); ``enum`` and
@@ -41,23 +45,25 @@ Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``requ
 ``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
-OpenAPI's int32, int64, float, double, password, binary),
-``pattern`` (see engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
+OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
+engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 ``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
-``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#/$defs/NAME`` or
-``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are ignored (title,
-description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly,
-OpenAPI's discriminator). String lengths count characters as JSON Schema does: an escape is
-one, a surrogate pair of escapes one (lone surrogate escapes are not generated).
+``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#`` (the root),
+``#/$defs/NAME`` or ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are
+ignored (title, description, default, examples, $schema, $id, $comment, deprecated,
+readOnly, writeOnly, OpenAPI's discriminator). String lengths count characters as JSON
+Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate escapes are
+not generated).
 
-Refused: recursive ``$ref`` (not cut at some depth: a truncated tree is not the schema the
-client asked for), keywords beside ``$ref``/``allOf``/``anyOf``/``oneOf``
-and beside ``enum``/``const`` other than ``type`` (their intersection), lengths beside a
-``format`` that some of its texts do not meet, lengths and counts above ``MAX_COUNT``,
-unsatisfiable schemas (``false``, empty ranges) and every other keyword (``not``, ``if``, ``uniqueItems`` ...).
+Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
+(a required member leading back to it), keywords beside ``$ref``/``allOf``/``anyOf``/
+``oneOf`` and beside ``enum``/``const`` other than ``type`` (their intersection), lengths
+beside a ``format`` that some of its texts do not meet, lengths and counts above
+``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges) and every other keyword
+(``not``, ``if``, ``uniqueItems`` ...).
 """
 from __future__ import annotations
 
@@ -78,6 +84,7 @@ from engine.regex_text import alt, repeat
 MAX_REGEX_CHARS = 200_000
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
+RECURSION_DEPTH = 3  # times a recursive $ref is followed inside itself
 MAX_SCHEMA_DEPTH = 64  # schema (and enum value) nesting, against stack exhaustion
 
 _HEX = "[0-9a-fA-F]"
@@ -121,12 +128,20 @@ def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) ->
     return _Compiler(schema, Punctuation.around(whitespace)).node(schema, "#", 0)
 
 
+class _Cut(ValueError):
+    """A recursive $ref met past RECURSION_DEPTH: no value there. Whatever holds it gives
+    it up where the schema lets it (an optional member, an item past minItems, an anyOf
+    branch, null for a nullable) and raises it on otherwise; past the root, the schema has
+    no instance within the depth."""
+
+
 class _Compiler:
     def __init__(self, root: Any, punct: Punctuation):
         self.root = root
         self.p = punct
-        self.refs: dict[str, str] = {}  # each $ref compiled once
-        self.expanding: list[str] = []  # the $refs being compiled, to catch recursion
+        self.refs: dict[str, str] = {}  # each $ref compiled once, unless it recursed
+        self.expanding: list[str] = ["#"]  # the $refs being compiled ("#": the root)
+        self.reentries = 0  # $refs met inside their own expansion so far
 
     def node(self, s: Any, path: str, depth: int) -> str:
         if depth > MAX_SCHEMA_DEPTH:
@@ -141,12 +156,17 @@ class _Compiler:
         for key in s:
             if key not in _KNOWN:
                 raise ValueError(f"{key!r} at {path} is not supported")
-        combinators = [k for k in _COMBINATORS if k in s]
-        rx = self.combined(s, combinators, path, depth) if combinators else \
-            self.typed(s, path, depth)
         nullable = s.get("nullable", False)
         if not isinstance(nullable, bool):
             raise ValueError(f"'nullable' at {path} must be true or false")
+        combinators = [k for k in _COMBINATORS if k in s]
+        try:
+            rx = self.combined(s, combinators, path, depth) if combinators else \
+                self.typed(s, path, depth)
+        except _Cut:
+            if not nullable:
+                raise
+            return "null"
         if nullable:
             rx = alt([rx, "null"])
         if len(rx) > MAX_REGEX_CHARS:
@@ -183,29 +203,45 @@ class _Compiler:
         if kw == "allOf" and len(branches) != 1:
             raise ValueError(f"'allOf' at {path} has {len(branches)} schemas: "
                              "only one is supported")
-        return alt(_bounded((self.node(b, _at(where, i), depth + 1)
-                              for i, b in enumerate(branches)), path))
+        return alt(_bounded(_uncut(lambda i: self.node(branches[i], _at(where, i), depth + 1),
+                                   len(branches)), path))
 
     def ref(self, ref: Any, path: str, depth: int) -> str:
         if not isinstance(ref, str):
             raise ValueError(f"'$ref' at {path} must be a string")
         if ref in self.refs:
             return self.refs[ref]
-        if ref in self.expanding:
-            raise ValueError(f"'$ref' {ref!r} at {path} is recursive: recursive schemas are "
-                             "not supported")
+        target = self.target(ref, path)
+        inside = self.expanding.count(ref)
+        if inside:
+            self.reentries += 1
+            if inside > RECURSION_DEPTH:
+                raise _Cut(f"'$ref' {ref!r} at {path} is recursive, and no instance of it "
+                           f"ends within {RECURSION_DEPTH} levels of itself (a required "
+                           "member or item leads back to it at every level)")
+        before = self.reentries
+        self.expanding.append(ref)
+        try:
+            rx = self.node(target, ref, depth + 1)
+        finally:
+            self.expanding.pop()
+        if self.reentries == before:  # no recursion below: the same wherever it is met
+            self.refs[ref] = rx
+        return rx
+
+    def target(self, ref: str, path: str) -> Any:
+        """The schema ``ref`` points to: the root ("#"), or one under $defs/definitions."""
+        if ref == "#":
+            return self.root
         parts = ref.split("/")
         if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
-            raise ValueError(f"'$ref' {ref!r} at {path} is not supported: only "
+            raise ValueError(f"'$ref' {ref!r} at {path} is not supported: only '#', "
                              "'#/$defs/NAME' and '#/definitions/NAME' are")
         name = unquote(parts[2]).replace("~1", "/").replace("~0", "~")
         defs = self.root.get(parts[1]) if isinstance(self.root, dict) else None
         if not isinstance(defs, dict) or name not in defs:
             raise ValueError(f"'$ref' {ref!r} at {path} points to no schema")
-        self.expanding.append(ref)
-        self.refs[ref] = self.node(defs[name], ref, depth + 1)
-        self.expanding.pop()
-        return self.refs[ref]
+        return defs[name]
 
     def types(self, s: dict, path: str) -> list[str]:
         t = s.get("type")
@@ -225,7 +261,7 @@ class _Compiler:
         types = self.types(s, path)
         if not types:
             return _any_value(ANY_DEPTH, self.p)
-        return alt([self.one_type(t, s, path, depth) for t in types])
+        return alt(_uncut(lambda i: self.one_type(types[i], s, path, depth), len(types)))
 
     def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
         if t == "null":
@@ -272,9 +308,17 @@ class _Compiler:
             hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and lo > hi:
             raise ValueError(f"'minItems' at {path} asks for more items than the schema allows")
-        firsts = _bounded((self.node(p, _at(_at(path, "prefixItems"), i), depth + 1)
-                           for i, p in enumerate(prefix)), path)
-        rest = None if items is False else self.node(items, _at(path, "items"), depth + 1)
+        firsts, rest, total = [], None, 0
+        try:  # a recursion cut at an item: the array ends before it, if it may
+            for i, p in enumerate(prefix if hi is None else prefix[:hi]):
+                firsts.append(self.node(p, _at(_at(path, "prefixItems"), i), depth + 1))
+                total = _within(total + len(firsts[-1]), path)
+            if items is not False and (hi is None or hi > len(prefix)):
+                rest = self.node(items, _at(path, "items"), depth + 1)
+        except _Cut:
+            if lo > len(firsts):
+                raise
+            hi = len(firsts)
         return f"{self.p.open_array}{_sequence(firsts, rest, lo, hi, self.p.comma)}" \
             f"{self.p.close_array}"
 
@@ -292,17 +336,42 @@ class _Compiler:
                 raise ValueError(f"'required' at {path} names {name!r}, which is not in "
                                  "'properties': such a member is not generated")
         if not props and extra is not False:  # a map: any members, values as extra says
-            value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
-                self.node(extra, _at(path, "additionalProperties"), depth + 1)
+            try:
+                value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
+                    self.node(extra, _at(path, "additionalProperties"), depth + 1)
+            except _Cut:  # a recursion cut at the values: no members
+                return self.p.open_object + self.p.close_object
             return _map(value, self.p)
         # Beside properties, additionalProperties changes nothing: none beyond them is
         # generated (absent, the spec's default, already allows them).
-        members = _bounded((_literal(name, path, depth, self.p) + self.p.colon
-                            + self.node(sub, _at(_at(path, "properties"), name), depth + 1)
-                            for name, sub in props.items()), path)
-        flags = [name in required for name in props]
-        return self.p.open_object + _members(list(zip(members, flags)), self.p.comma) \
-            + self.p.close_object
+        members, total = [], 0
+        for name, sub in props.items():
+            try:
+                value = self.node(sub, _at(_at(path, "properties"), name), depth + 1)
+            except _Cut:  # a recursion cut at an optional member: it is left out
+                if name in required:
+                    raise
+                continue
+            member = _literal(name, path, depth, self.p) + self.p.colon + value
+            total = _within(total + len(member), path)
+            members.append((member, name in required))
+        return self.p.open_object + _members(members, self.p.comma) + self.p.close_object
+
+
+def _uncut(compile_one, n: int) -> Iterable[str]:
+    """``compile_one(i)`` for i in 0..n-1, leaving out those a recursion cut (alternatives:
+    one left is enough); the first cut again when every one was."""
+    first_cut, kept = None, 0
+    for i in range(n):
+        try:
+            rx = compile_one(i)
+        except _Cut as e:
+            first_cut = first_cut or e
+            continue
+        kept += 1
+        yield rx
+    if not kept:
+        raise first_cut
 
 
 def _bounded(parts: Iterable[str], path: str) -> list[str]:
@@ -310,12 +379,17 @@ def _bounded(parts: Iterable[str], path: str) -> list[str]:
     big $ref a thousand times is refused before it takes memory."""
     out, total = [], 0
     for part in parts:
-        total += len(part)
-        if total > MAX_REGEX_CHARS:
-            raise ValueError(f"the schema at {path} needs a regex longer than "
-                             f"{MAX_REGEX_CHARS} characters")
+        total = _within(total + len(part), path)
         out.append(part)
     return out
+
+
+def _within(total: int, path: str) -> int:
+    """``total`` characters of regex so far, refused past MAX_REGEX_CHARS."""
+    if total > MAX_REGEX_CHARS:
+        raise ValueError(f"the schema at {path} needs a regex longer than "
+                         f"{MAX_REGEX_CHARS} characters")
+    return total
 
 
 def _members(members: list[tuple[str, bool]], comma: str) -> str:

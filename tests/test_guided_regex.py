@@ -276,6 +276,29 @@ def test_guided_json_writes_each_format_as_its_rfc_says(reference):
     assert len({o.text for o in outs}) == 4
 
 
+def test_guided_json_follows_a_recursive_schema(reference):
+    """A self-referencing schema (engine/json_schema_regex.py's RECURSION_DEPTH): sampled
+    outputs are valid trees, nested no deeper than the depth."""
+    from engine.json_schema_regex import RECURSION_DEPTH
+
+    schema = {"$defs": {"Node": {"type": "object", "required": ["id"], "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}, "maxItems": 2}}}},
+        "$ref": "#/$defs/Node"}
+
+    def depth(node) -> int:
+        kids = node.get("kids", [])
+        assert set(node) <= {"id", "kids"} and 0 <= node["id"] <= 99 and len(kids) <= 2
+        return 1 + max((depth(k) for k in kids), default=0)
+
+    params = [SamplingParams(max_tokens=768, temperature=1.0, seed=i, guided_json=schema)
+              for i in range(4)]
+    outs = reference.generate([PROMPTS[i % 4] for i in range(4)], params)
+    assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    depths = [depth(json.loads(o.text)) for o in outs]
+    assert all(d <= RECURSION_DEPTH + 1 for d in depths) and max(depths) > 1, depths
+
+
 def test_a_resumed_request_goes_on_from_its_output(reference):
     tok = reference.tokenizer
     pattern = PATTERNS[0]

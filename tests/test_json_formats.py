@@ -54,7 +54,8 @@ def test_texts_of_the_subset_match_in_re_and_in_the_automaton(fmt, data):
 
 
 GOOD = {
-    "date-time": ["0001-01-01T00:00:00Z", "9999-12-31T23:59:59.999+23:59", "2024-02-29T12:00:00-05:30"],
+    "date-time": ["0001-01-01T00:00:00Z", "9999-12-31T23:59:59.999+23:59",
+                  "2024-02-29T12:00:00-05:30"],
     "ipv4": ["0.0.0.0", "255.255.255.255", "192.168.1.10", "10.0.0.1"],
     "ipv6": ["::", "::1", "1::", "fe80::1:2", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::",
              "::2:3:4:5:6:7:8", "2001:DB8::A", "1:0:0:0:0:0:0:1", "ffff:ffff::ffff:ffff"],
@@ -139,7 +140,8 @@ def test_lengths_beside_a_format_are_taken_when_every_text_meets_them():
     uri = {"type": "string", "format": "uri"}
     assert schema_to_regex({**uri, "minLength": 1, "maxLength": 2083}) == schema_to_regex(uri)
     for bad in [{"format": "date", "maxLength": 9}, {"format": "date", "minLength": 11},
-                {"format": "duration", "maxLength": 40}, {"format": "time", "maxLength": 99}, {"format": "email", "minLength": 6}]:
+                {"format": "duration", "maxLength": 40}, {"format": "time", "maxLength": 99},
+                {"format": "email", "minLength": 6}]:
         with pytest.raises(ValueError, match="beside 'format'"):
             schema_to_regex({"type": "string", **bad})
 

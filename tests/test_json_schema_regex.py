@@ -162,13 +162,18 @@ def _is_type(x, t: str) -> bool:
             "array": isinstance(x, list), "object": isinstance(x, dict)}[t]
 
 
+def _target(ref: str, root):
+    if ref == "#":
+        return root
+    kind, name = ref.split("/")[1:]
+    return root[kind][name]
+
+
 def valid(x, s, root) -> bool:
     if isinstance(s, bool):
         return s
-    if "$ref" in s:
-        kind, name = s["$ref"].split("/")[1:]
-        if not valid(x, root[kind][name], root):
-            return False
+    if "$ref" in s and not valid(x, _target(s["$ref"], root), root):
+        return False
     if s.get("nullable") and x is None:
         return True
     if "allOf" in s and not all(valid(x, b, root) for b in s["allOf"]):
@@ -240,8 +245,7 @@ def instances(s, root):
     if s is True or not s.keys() - {"title", "description", "default"}:
         return json_values()
     if "$ref" in s:
-        kind, name = s["$ref"].split("/")[1:]
-        return instances(root[kind][name], root)
+        return instances(_target(s["$ref"], root), root)
     for kw in ("anyOf", "oneOf", "allOf"):
         if kw in s:
             return st.one_of([instances(b, root) for b in s[kw]])
@@ -791,10 +795,12 @@ REFUSED = [
     ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "leave no integer"),
     (False, "is false"),
     ({"items": False, "type": "array", "minItems": 1}, "'minItems'"),
-    ({"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}},
+    ({"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}},
+                         "required": ["next"]}},
       "$ref": "#/$defs/Node"}, "'$ref' '#/$defs/Node' at #/$defs/Node/properties/next is "
-                               "recursive"),
-    ({"$ref": "#"}, "'$ref' '#' at # is not supported"),
+                               "recursive, and no instance of it ends within 3 levels"),
+    ({"$ref": "#"}, "'$ref' '#' at # is recursive"),
+    ({"$ref": "#/properties/a"}, "'$ref' '#/properties/a' at # is not supported: only '#'"),
     ({"$ref": "http://example.com/s.json"}, "'$ref'"),
     ({"$ref": "#/$defs/A/properties/b", "$defs": {"A": {}}}, "'$ref'"),
     ({"$ref": "#/$defs/Missing"}, "'$ref' '#/$defs/Missing' at # points to no schema"),
