@@ -10,6 +10,7 @@ import string
 import urllib.parse
 import uuid
 
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 _LDH = set(string.ascii_letters + string.digits + "-")
@@ -145,3 +146,21 @@ FORMAT_TEXTS = {"date": st.dates().map(str), "time": _TIMES,
                                                         min_size=1, max_size=3).map(".".join),
                                _hostnames(2, 5)),
             "uri": _URIS, "duration": _DURATIONS}
+
+
+def model_takes_what_its_regex_generates(model, examples: int) -> re.Pattern:
+    """Draws ``examples`` texts from the guided_json regex of a pydantic model's schema and
+    validates each with the model (its own parsers: URLs, dates, constrained numbers);
+    returns the compiled regex."""
+    from engine.json_schema_regex import schema_to_regex
+
+    rx = re.compile(schema_to_regex(model.model_json_schema()))
+
+    @settings(max_examples=examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(text=st.from_regex(rx, fullmatch=True))
+    def check(text):
+        model.model_validate_json(text)
+
+    check()
+    return rx

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from engine.json_multiples import MAX_LISTED
 from engine.json_schema_regex import schema_to_regex
 from engine.regex_dfa import compile_regex
+from tests.json_format_oracles import model_takes_what_its_regex_generates
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -133,11 +134,4 @@ def test_pydantics_constrained_numbers_accept_what_the_regex_generates():
         price: float = pydantic.Field(multiple_of=0.01, gt=0, le=10_000)
         step: float = pydantic.Field(multiple_of=0.25)
 
-    rx = re.compile(schema_to_regex(Order.model_json_schema()))
-
-    @settings(SETTINGS, max_examples=40)
-    @given(text=st.from_regex(rx, fullmatch=True))
-    def check(text):
-        Order.model_validate_json(text)
-
-    check()
+    model_takes_what_its_regex_generates(Order, 40)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from engine.json_schema_regex import RECURSION_DEPTH, schema_to_regex
 from engine.regex_dfa import compile_regex
+from tests.json_format_oracles import model_takes_what_its_regex_generates
 from tests.test_json_schema_regex import SPELLINGS, valid
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
@@ -149,14 +150,6 @@ def test_pydantics_self_referencing_models_accept_what_the_regex_generates():
         replies: list["Comment"] = pydantic.Field(default_factory=list, max_length=2)
         parent: Optional["Comment"] = None
 
-    schema = Comment.model_json_schema()
-    rx = re.compile(schema_to_regex(schema))
-
-    @settings(SETTINGS, max_examples=30)
-    @given(text=st.from_regex(rx, fullmatch=True))
-    def check(text):
-        Comment.model_validate_json(text)
-
-    check()
+    rx = model_takes_what_its_regex_generates(Comment, 30)
     thread = Comment(author="a", replies=[Comment(author="b", replies=[Comment(author="c")])])
     assert rx.fullmatch(thread.model_dump_json())
