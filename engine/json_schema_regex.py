@@ -79,9 +79,10 @@ from engine.json_multiples import integer_multiples, multiple_of, number_multipl
 from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_whitespace import Punctuation
+from engine.regex_parse import MAX_PATTERN_LENGTH
 from engine.regex_text import alt, repeat
 
-MAX_REGEX_CHARS = 200_000
+MAX_REGEX_CHARS = MAX_PATTERN_LENGTH  # the automaton compiler's limit
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
 RECURSION_DEPTH = 3  # times a recursive $ref is followed inside itself

@@ -63,6 +63,7 @@ caches them by text), and any thread may step it without a lock.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from array import array
 from bisect import bisect_right
@@ -347,7 +348,8 @@ def compile_regex(pattern: str) -> RegexDfa:
     too large, or matches no text at all."""
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")
-    refused = _REFUSED.get(pattern)
+    key = hashlib.blake2b(pattern.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    refused = _REFUSED.get(key)
     if refused is not None:
         raise ValueError(refused)
     try:
@@ -356,7 +358,7 @@ def compile_regex(pattern: str) -> RegexDfa:
         # A refusal can cost most of a second of building: a client sending the same pattern
         # again gets it from here. lru_cache keeps results only.
         with _REFUSED_LOCK:
-            _REFUSED[pattern] = str(e)
+            _REFUSED[key] = str(e)
             while len(_REFUSED) > _KEPT_REFUSALS:
                 _REFUSED.pop(next(iter(_REFUSED)))
         raise
@@ -366,7 +368,8 @@ def compile_regex(pattern: str) -> RegexDfa:
 # worst, and requests of one kind share their pattern.
 _KEPT_AUTOMATA = 16
 _KEPT_REFUSALS = 256
-_REFUSED: dict[str, str] = {}
+# By the pattern's digest: a schema's pattern may be 200000 characters long.
+_REFUSED: dict[bytes, str] = {}
 _REFUSED_LOCK = threading.Lock()
 
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_PATTERN_LENGTH = 16384
+# A client's guided_regex is bounded at 16384 characters where sampling params are built; a
+# schema's regex is long in text and small in states (one JSON string character is a class
+# of ~150 characters), so for it the NFA and DFA budgets are what bind.
+MAX_PATTERN_LENGTH = 200_000
 MAX_REPEAT = 1000
 MAX_NFA_STATES = 50_000
 MAX_NESTING = 100  # group depth; the parser and the NFA builder recurse once per level

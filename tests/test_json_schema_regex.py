@@ -437,6 +437,19 @@ def test_string_lengths_count_characters_not_escape_text():
         assert not rx.fullmatch(text), text
 
 
+def test_a_wide_model_compiles_past_the_length_a_clients_regex_may_have():
+    # Two hundred members: a regex longer than a guided_regex may be, small in states.
+    from engine.regex_dfa import compile_regex
+    from engine.sampling_params import MAX_GUIDED_REGEX_CHARS
+
+    props = {f"field_{i}": {"type": "string"} if i % 3 else {"type": "integer", "minimum": 0}
+             for i in range(200)}
+    rx = schema_to_regex({"type": "object", "properties": props, "required": list(props)})
+    assert len(rx) > MAX_GUIDED_REGEX_CHARS
+    value = {k: (i if i % 3 == 0 else f"v{i}") for i, k in enumerate(props)}
+    assert compile_regex(rx).fullmatch(json.dumps(value))
+
+
 def test_dates_know_month_lengths_and_leap_years():
     rx = re.compile(schema_to_regex({"type": "string", "format": "date"}))
     for day in ["2024-02-29", "2000-02-29", "0400-02-29", "1996-02-29", "2023-01-31",

@@ -16,6 +16,7 @@ import functools
 import json
 import random
 import re
+import string
 import threading
 import warnings
 
@@ -349,9 +350,13 @@ def test_unsupported_or_invalid_patterns_are_refused(pattern, message):
 
 
 def test_limits():
-    assert compile_regex("a" * MAX_PATTERN_LENGTH).fullmatch("a" * MAX_PATTERN_LENGTH)
+    # Long in text, few in states: as a schema's regex is.
+    wide = "[" + string.ascii_letters + string.digits + "]"
+    longest = wide * (MAX_PATTERN_LENGTH // len(wide)) + "b" * (MAX_PATTERN_LENGTH % len(wide))
+    assert len(longest) == MAX_PATTERN_LENGTH and compile_regex(longest).fullmatch(
+        "x" * (MAX_PATTERN_LENGTH // len(wide)) + "b" * (MAX_PATTERN_LENGTH % len(wide)))
     with pytest.raises(ValueError, match="characters long"):
-        compile_regex("a" * (MAX_PATTERN_LENGTH + 1))
+        compile_regex(longest + "b")
     assert compile_regex(f"a{{{MAX_REPEAT}}}").fullmatch("a" * MAX_REPEAT)
     over = MAX_REPEAT + 1
     for pattern in (f"a{{{over}}}", f"a{{0,{over}}}", f"a{{{over},}}"):
