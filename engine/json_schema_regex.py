@@ -47,7 +47,8 @@ Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``requ
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
 engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
-anchored, never beside lengths or a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
+anchored; beside lengths, some of its matches of those lengths: engine/pattern_lengths.py;
+never beside a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 ``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
@@ -285,15 +286,13 @@ class _Compiler:
         return self.object(s, path, depth)
 
     def string(self, s: dict, path: str) -> str:
-        if "pattern" in s:
-            for kw in ("minLength", "maxLength", "format"):
-                if kw in s:
-                    raise ValueError(f"{kw!r} beside 'pattern' at {path} is not supported "
-                                     "(write the bound into the pattern)")
-            return pattern_string_regex(s["pattern"], _CHAR, path)
         lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
         if hi is not None and lo > hi:
             raise ValueError(f"'minLength' at {path} is above 'maxLength'")
+        if "pattern" in s:
+            if "format" in s:
+                raise ValueError(f"'format' beside 'pattern' at {path} is not supported")
+            return pattern_string_regex(s["pattern"], _CHAR, path, lo, hi)
         if "format" in s and s["format"] in FORMATS:
             return f'"{format_regex(s["format"], lo, hi, path)}"'
         return f'"{repeat(_CHAR, lo, hi)}"'

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 
+from engine.pattern_lengths import fit_lengths
 from engine.regex_parse import (MAX_CODE_POINT, Alt, Alternative, Chars, Concat, Node, Ranges,
                                 Repeat, negate, normalize, parse_alternatives)
+from engine.regex_text import repeat
 
 # Code points that may stand raw in a JSON string: not a control character, a quote, a
 # backslash or a surrogate.
@@ -29,15 +31,24 @@ _RAW: Ranges = ((0x20, 0x21), (0x23, 0x5B), (0x5D, 0xD7FF), (0xE000, MAX_CODE_PO
 _ESCAPED = [c for c in range(0x20)] + [0x22, 0x5C]
 
 
-def pattern_string_regex(pattern: object, any_char: str, path: str) -> str:
+def pattern_string_regex(pattern: object, any_char: str, path: str, min_length: int = 0,
+                         max_length: int | None = None) -> str:
     """The regex of the JSON string literals (quotes included) whose value ``pattern``
     matches somewhere; ``any_char`` is the regex of one JSON string character, for the ends
-    the pattern leaves open. ValueError, naming ``path``, for a pattern that is not a
-    string, not supported, or needs a character no JSON text holds."""
+    the pattern leaves open. With lengths, some of those values min_length..max_length
+    characters long (engine/pattern_lengths.py). ValueError, naming ``path``, for a pattern
+    that is not a string, not supported, or needs a character no JSON text holds, and for
+    lengths this finds no value within."""
     if not isinstance(pattern, str):
         raise ValueError(f"'pattern' at {path} must be a string")
     try:
-        branches = [_branch(alt, any_char) for alt in parse_alternatives(pattern)]
+        alternatives = parse_alternatives(pattern)
+        if min_length or max_length is not None:
+            branches = _fitted(alternatives, min_length, max_length, path)
+        else:
+            branches = [_branch(alt, any_char) for alt in alternatives]
+    except _NoFit as e:
+        raise ValueError(str(e)) from None
     except ValueError as e:
         raise ValueError(f"'pattern' at {path}: {e}") from None
     inner = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
@@ -47,6 +58,30 @@ def pattern_string_regex(pattern: object, any_char: str, path: str) -> str:
 def _branch(alt: Alternative, any_char: str) -> str:
     free = f"(?:{any_char})*"
     return ("" if alt.starts else free) + _regex(alt.node) + ("" if alt.ends else free)
+
+
+class _NoFit(ValueError):
+    pass
+
+
+# Any character a JSON string holds, for an open end under lengths: one spelling each.
+_ANY = Chars(((0, 0xD7FF), (0xE000, MAX_CODE_POINT)))
+
+
+def _fitted(alternatives: list[Alternative], lo: int, hi: int | None, path: str) -> list[str]:
+    """Each alternative, its open ends as any characters, cut down to values lo..hi long."""
+    branches = []
+    for alt in alternatives:
+        free = [] if alt.starts else [Repeat(_ANY, 0, None)]
+        tree = Concat(tuple(free + [alt.node] + ([] if alt.ends else [Repeat(_ANY, 0, None)])))
+        fitted = fit_lengths(tree, lo, hi)
+        if fitted is not None:
+            branches.append(_regex(fitted))
+    if not branches:
+        span = f"{lo}..{'' if hi is None else hi}"
+        raise _NoFit(f"'pattern' at {path} has no match {span} characters long that this finds "
+                     "(write the bound into the pattern)")
+    return branches
 
 
 def _regex(node: Node) -> str:
@@ -60,16 +95,8 @@ def _regex(node: Node) -> str:
     inner = _regex(node.item)
     if not inner:
         return ""
-    return f"(?:{inner}){_quantifier(node)}"
-
-
-def _quantifier(node: Repeat) -> str:
-    lo, hi = node.lo, node.hi
-    if hi is None:
-        return {0: "*", 1: "+"}.get(lo, f"{{{lo},}}")
-    if (lo, hi) == (0, 1):
-        return "?"
-    return f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+    # Counts over MAX_REPEAT (a fitted maxLength) split as the automaton compiler needs.
+    return repeat(inner, node.lo, node.hi)
 
 
 def _chars(ranges: Ranges) -> str:

@@ -783,7 +783,11 @@ def test_a_pattern_in_a_schema_constrains_only_its_string():
 REFUSED = [
     ({"type": "string", "pattern": "(a"}, "'pattern' at #: bad regex at position 0"),
     ({"type": "string", "pattern": 3}, "'pattern' at # must be a string"),
-    ({"type": "string", "pattern": "^a", "maxLength": 3}, "'maxLength' beside 'pattern'"),
+    ({"type": "string", "pattern": "^a", "format": "date"}, "'format' beside 'pattern'"),
+    ({"type": "string", "pattern": "^a{5}$", "maxLength": 4},
+     "'pattern' at # has no match 0..4 characters long"),
+    ({"type": "string", "pattern": "^(?:abc)+$", "minLength": 4, "maxLength": 5},
+     "'pattern' at # has no match 4..5 characters long"),
     ({"type": "string", "pattern": "\\ud800"}, "a surrogate code point"),
     ({"patternProperties": {"a": {}}}, "'patternProperties' at #"),
     ({"type": "number", "multipleOf": 3}, "'multipleOf' at # is not supported"),
