@@ -42,7 +42,10 @@ needs one spelling, not every one):
 - ``oneOf`` is taken as ``anyOf`` (the branches of a tagged union exclude each other anyway).
 
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
-``additionalProperties``, ``items``, ``prefixItems``, ``minItems``, ``maxItems``,
+``additionalProperties``, ``minProperties`` and ``maxProperties`` (for an object of any
+members: at most a minimum of 1, as a generated name may repeat; beside ``properties``:
+bounds the required and declared members meet, or a minimum of 1), ``items``,
+``prefixItems``, ``minItems``, ``maxItems``,
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
@@ -108,6 +111,7 @@ _TYPE_KEYWORDS = {
     "exclusiveMinimum": "integer", "exclusiveMaximum": "integer", "multipleOf": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
     "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
+    "minProperties": "object", "maxProperties": "object",
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
@@ -335,27 +339,65 @@ class _Compiler:
             if name not in props:
                 raise ValueError(f"'required' at {path} names {name!r}, which is not in "
                                  "'properties': such a member is not generated")
+        least = _count(s, "minProperties", path, 0)
+        most = _count(s, "maxProperties", path, None)
+        if most is not None and least > most:
+            raise ValueError(f"'minProperties' at {path} is above 'maxProperties'")
         if not props and extra is not False:  # a map: any members, values as extra says
-            try:
-                value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
-                    self.node(extra, _at(path, "additionalProperties"), depth + 1)
-            except _Cut:  # a recursion cut at the values: no members
-                return self.p.open_object + self.p.close_object
-            return _map(value, self.p)
+            return self.map_object(extra, least, most, path, depth)
         # Beside properties, additionalProperties changes nothing: none beyond them is
         # generated (absent, the spec's default, already allows them).
-        members, total = [], 0
+        return self.declared_object(props, set(required), least, most, path, depth)
+
+    def map_object(self, extra: Any, least: int, most: int | None, path: str,
+                   depth: int) -> str:
+        """An object of any members, least..most of them, values as ``extra`` says."""
+        if least > 1:
+            raise ValueError(f"'minProperties' {least} at {path} is not supported for an "
+                             "object of any members: a generated name may repeat, and a "
+                             "repeated name counts once")
+        empty = self.p.open_object + self.p.close_object
+        if most == 0:
+            return empty
+        try:
+            value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
+                self.node(extra, _at(path, "additionalProperties"), depth + 1)
+        except _Cut:  # a recursion cut at the values: no members
+            if least:
+                raise
+            return empty
+        return _map(value, self.p, least, most)
+
+    def declared_object(self, props: dict, required: set[str], least: int, most: int | None,
+                        path: str, depth: int) -> str:
+        """The declared members in order, each required one present, least..most in all
+        (bounds the required and declared members' counts already meet, or a minimum of 1
+        where none is required)."""
+        members, total, cut = [], 0, None
         for name, sub in props.items():
             try:
                 value = self.node(sub, _at(_at(path, "properties"), name), depth + 1)
-            except _Cut:  # a recursion cut at an optional member: it is left out
+            except _Cut as e:  # a recursion cut at an optional member: it is left out
                 if name in required:
                     raise
+                cut = e
                 continue
             member = _literal(name, path, depth, self.p) + self.p.colon + value
             total = _within(total + len(member), path)
             members.append((member, name in required))
-        return self.p.open_object + _members(members, self.p.comma) + self.p.close_object
+        if least > len(members):
+            if cut is not None:
+                raise cut
+            raise ValueError(f"'minProperties' at {path} asks for more members than the "
+                             "schema allows")
+        if least > max(len(required), 1):
+            raise ValueError(f"'minProperties' {least} at {path} is not supported beside "
+                             f"{len(required)} required members (require as many)")
+        if most is not None and most < len(members):
+            raise ValueError(f"'maxProperties' {most} at {path} is not supported beside "
+                             f"{len(members)} properties (declare at most as many)")
+        return self.p.open_object + _members(members, self.p.comma, nonempty=least > 0) \
+            + self.p.close_object
 
 
 def _uncut(compile_one, n: int) -> Iterable[str]:
@@ -392,7 +434,7 @@ def _within(total: int, path: str) -> int:
     return total
 
 
-def _members(members: list[tuple[str, bool]], comma: str) -> str:
+def _members(members: list[tuple[str, bool]], comma: str, nonempty: bool = False) -> str:
     """The members in order, each required one present, commas between those present.
 
     Built left to right as (seq, may_be_empty), seq matching the non-empty runs so far:
@@ -410,7 +452,7 @@ def _members(members: list[tuple[str, bool]], comma: str) -> str:
             seq = f"(?:{after}|{member})" if may_be_empty else after
     if seq is None:
         return ""
-    return f"(?:{seq})?" if may_be_empty else seq
+    return f"(?:{seq})?" if may_be_empty and not nonempty else seq
 
 
 def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None,
@@ -506,10 +548,11 @@ def _any_value(depth: int, p: Punctuation) -> str:
                           _map(inner, p)])
 
 
-def _map(value: str, p: Punctuation) -> str:
-    """An object of any members whose values match ``value``."""
+def _map(value: str, p: Punctuation, least: int = 0, most: int | None = None) -> str:
+    """An object of least..most members (most >= 1) whose values match ``value``."""
     member = f"{_STRING}{p.colon}{value}"
-    return f"{p.open_object}(?:{member}(?:{p.comma}{member})*)?{p.close_object}"
+    run = member + repeat(p.comma + member, max(least - 1, 0), None if most is None else most - 1)
+    return f"{p.open_object}{run if least else f'(?:{run})?'}{p.close_object}"
 
 
 def _at(path: str, key: str | int) -> str:

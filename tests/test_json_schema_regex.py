@@ -131,6 +131,8 @@ SCHEMAS = {
     "any_array": {"type": "array"},
     "any_object": {"type": "object"},
     "map_of_any": {"type": "object", "additionalProperties": True},
+    "counted_map": {"type": "object", "additionalProperties": {"type": "boolean"},
+                    "minProperties": 1, "maxProperties": 2},
     "nullable": {"type": "object", "properties": {
         "s": {"type": "string", "nullable": True, "maxLength": 1},
         "e": {"enum": ["a"], "nullable": True}}, "required": ["s", "e"]},
@@ -204,6 +206,8 @@ def valid(x, s, root) -> bool:
             all(valid(v, prefix[i] if i < len(prefix) else items, root) for i, v in enumerate(x))
     if isinstance(x, dict):
         props, extra = s.get("properties", {}), s.get("additionalProperties", True)
+        if not s.get("minProperties", 0) <= len(x) <= s.get("maxProperties", math.inf):
+            return False
         return all(k in x for k in s.get("required", [])) and \
             all(valid(v, props[k] if k in props else extra, root) for k, v in x.items())
     return True
@@ -292,7 +296,9 @@ def _typed(t, s, root):
     props = s.get("properties", {})
     if not props:
         extra = s.get("additionalProperties", True)
-        return st.dictionaries(st.text(max_size=4), instances(extra, root), max_size=3)
+        return st.dictionaries(st.text(max_size=4), instances(extra, root),
+                               min_size=s.get("minProperties", 0),
+                               max_size=min(3, s.get("maxProperties", 3)))
     required = s.get("required", [])
     return st.tuples(*[st.tuples(st.just(k), st.booleans() if k not in required else st.just(True),
                                  instances(sub, root)) for k, sub in props.items()]).map(
@@ -401,6 +407,29 @@ def test_the_whitespace_is_one_optional_space_after_each_comma_and_colon():
     for text in ['{"a" : []}', '{ "a": []}', '{"a": [] }', '{"a":  []}', '{"a": [ ]}',
                  '{"a": []} ', ' {"a": []}', '{"a":\n[]}', '{"a":\t[]}', '{"a": [1 ,2]}',
                  '{"b": { }}', '{"b": [], "a": []}', '{"a": [1,  2]}']:
+        assert not rx.fullmatch(text), text
+
+
+@pytest.mark.parametrize("schema,good,bad", [
+    ({"type": "object", "minProperties": 1, "additionalProperties": {"type": "integer"}},
+     ['{"a": 1}', '{"a": 1, "b": 2}'], ["{}", '{"a": "x"}']),
+    ({"type": "object", "maxProperties": 2}, ["{}", '{"a": 1, "b": [2]}'],
+     ['{"a": 1, "b": 2, "c": 3}']),
+    ({"type": "object", "minProperties": 1, "maxProperties": 1}, ['{"x": null}'],
+     ["{}", '{"a": 1, "b": 2}']),
+    ({"type": "object", "maxProperties": 0}, ["{}"], ['{"a": 1}']),
+    # Declared members: bounds the required ones meet, or at least one where none is.
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "null"}},
+      "minProperties": 1, "maxProperties": 2}, ['{"a": 1}', '{"b": null}', '{"a": 1, "b": null}'],
+     ["{}"]),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "minProperties": 1}, ['{"a": 1}'], ["{}"]),
+])
+def test_property_counts_bound_the_members(schema, good, bad):
+    rx = re.compile(schema_to_regex(schema))
+    for text in good:
+        assert rx.fullmatch(text) and valid(json.loads(text), schema, schema), text
+    for text in bad:
         assert not rx.fullmatch(text), text
 
 
@@ -795,7 +824,17 @@ REFUSED = [
     ({"if": {}, "then": {}}, "'if' at #"),
     ({"not": {"type": "null"}}, "'not' at #"),
     ({"type": "array", "contains": {}}, "'contains' at #"),
-    ({"type": "object", "minProperties": 1}, "'minProperties' at #"),
+    ({"type": "object", "minProperties": 2}, "'minProperties' 2 at # is not supported for an "
+                                             "object of any members"),
+    ({"type": "object", "minProperties": 3, "maxProperties": 2}, "'minProperties' at # is "
+                                                                 "above 'maxProperties'"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 2},
+     "'minProperties' 2 at # is not supported beside 0 required members"),
+    ({"type": "object", "properties": {"a": {}}, "minProperties": 2},
+     "'minProperties' at # asks for more members"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "maxProperties": 1},
+     "'maxProperties' 1 at # is not supported beside 2 properties"),
+    ({"type": "object", "maxProperties": -1}, "'maxProperties' at # must be"),
     ({"properties": {"a": {"items": {"pattern": "(?=x)"}}}},
      "'pattern' at #/properties/a/items: bad regex"),
     ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
