@@ -71,17 +71,17 @@ beside a ``format`` that some of its texts do not meet, lengths and counts above
 """
 from __future__ import annotations
 
-import functools
 import json
-import math
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
-from engine.json_numbers import NUMBER, int_bounds, int_range, number_range
+from engine.json_numbers import int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
+from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items,
+                                     json_types, literal, map_object, object_members)
 from engine.json_whitespace import Punctuation
 from engine.regex_parse import MAX_PATTERN_LENGTH
 from engine.regex_text import alt, repeat
@@ -90,16 +90,6 @@ MAX_REGEX_CHARS = MAX_PATTERN_LENGTH  # the automaton compiler's limit
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
 RECURSION_DEPTH = 3  # times a recursive $ref is followed inside itself
-MAX_SCHEMA_DEPTH = 64  # schema (and enum value) nesting, against stack exhaustion
-
-_HEX = "[0-9a-fA-F]"
-# One character of a JSON string: a raw one (no quote, backslash, control or lone
-# surrogate), a short escape, a \u escape of a non-surrogate, or a surrogate pair.
-_CHAR = ('(?:[^"\\\\\\u0000-\\u001f\\ud800-\\udfff]|\\\\["\\\\/bfnrt]'
-         f"|\\\\u(?:[0-9a-cA-Ce-fE-F]{_HEX}{{3}}|[dD][0-7]{_HEX}{{2}})"
-         f"|\\\\u[dD][89abAB]{_HEX}{{2}}\\\\u[dD][c-fC-F]{_HEX}{{2}})")
-_STRING = f'"{_CHAR}*"'
-
 
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 _IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -115,7 +105,6 @@ _TYPE_KEYWORDS = {
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
-_META = set(".^$*+?{}[]\\|()")
 
 
 def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) -> str:
@@ -153,7 +142,7 @@ class _Compiler:
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
         if s is True:
-            return _any_value(ANY_DEPTH, self.p)
+            return any_value(ANY_DEPTH, self.p)
         if s is False:
             raise ValueError(f"the schema at {path} is false: no value is valid")
         if not isinstance(s, dict):
@@ -197,10 +186,10 @@ class _Compiler:
             if not isinstance(values, list):
                 raise ValueError(f"'enum' at {path} must be an array")
             types = self.types(s, path) if "type" in s else _TYPES
-            kept = [v for v in values if _json_types(v, where) & set(types)]
+            kept = [v for v in values if json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
-            return alt(_bounded((_literal(v, where, depth, self.p) for v in kept), path))
+            return alt(_bounded((literal(v, where, depth, self.p) for v in kept), path))
         if kw == "$ref":
             return self.ref(s["$ref"], path, depth)
         branches = s[kw]
@@ -266,7 +255,7 @@ class _Compiler:
             format_type(s["format"], path)
         types = self.types(s, path)
         if not types:
-            return _any_value(ANY_DEPTH, self.p)
+            return any_value(ANY_DEPTH, self.p)
         return alt(_uncut(lambda i: self.one_type(types[i], s, path, depth), len(types)))
 
     def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
@@ -296,10 +285,10 @@ class _Compiler:
         if "pattern" in s:
             if "format" in s:
                 raise ValueError(f"'format' beside 'pattern' at {path} is not supported")
-            return pattern_string_regex(s["pattern"], _CHAR, path, lo, hi)
+            return pattern_string_regex(s["pattern"], CHAR, path, lo, hi)
         if "format" in s and s["format"] in FORMATS:
             return f'"{format_regex(s["format"], lo, hi, path)}"'
-        return f'"{repeat(_CHAR, lo, hi)}"'
+        return f'"{repeat(CHAR, lo, hi)}"'
 
     def array(self, s: dict, path: str, depth: int) -> str:
         prefix, items = s.get("prefixItems", []), s.get("items", True)
@@ -323,7 +312,7 @@ class _Compiler:
             if lo > len(firsts):
                 raise
             hi = len(firsts)
-        return f"{self.p.open_array}{_sequence(firsts, rest, lo, hi, self.p.comma)}" \
+        return f"{self.p.open_array}{array_items(firsts, rest, lo, hi, self.p.comma)}" \
             f"{self.p.close_array}"
 
     def object(self, s: dict, path: str, depth: int) -> str:
@@ -360,13 +349,13 @@ class _Compiler:
         if most == 0:
             return empty
         try:
-            value = _any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
+            value = any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
                 self.node(extra, _at(path, "additionalProperties"), depth + 1)
         except _Cut:  # a recursion cut at the values: no members
             if least:
                 raise
             return empty
-        return _map(value, self.p, least, most)
+        return map_object(value, self.p, least, most)
 
     def declared_object(self, props: dict, required: set[str], least: int, most: int | None,
                         path: str, depth: int) -> str:
@@ -382,7 +371,7 @@ class _Compiler:
                     raise
                 cut = e
                 continue
-            member = _literal(name, path, depth, self.p) + self.p.colon + value
+            member = literal(name, path, depth, self.p) + self.p.colon + value
             total = _within(total + len(member), path)
             members.append((member, name in required))
         if least > len(members):
@@ -396,7 +385,7 @@ class _Compiler:
         if most is not None and most < len(members):
             raise ValueError(f"'maxProperties' {most} at {path} is not supported beside "
                              f"{len(members)} properties (declare at most as many)")
-        return self.p.open_object + _members(members, self.p.comma, nonempty=least > 0) \
+        return self.p.open_object + object_members(members, self.p.comma, nonempty=least > 0) \
             + self.p.close_object
 
 
@@ -434,48 +423,6 @@ def _within(total: int, path: str) -> int:
     return total
 
 
-def _members(members: list[tuple[str, bool]], comma: str, nonempty: bool = False) -> str:
-    """The members in order, each required one present, commas between those present.
-
-    Built left to right as (seq, may_be_empty), seq matching the non-empty runs so far:
-    one copy of seq per step keeps the regex linear in the members (an alternation per
-    "first member present" would be quadratic)."""
-    seq, may_be_empty = None, True
-    for member, required in members:
-        if seq is None:
-            seq, may_be_empty = member, not required
-        elif required:
-            seq = f"(?:{seq}{comma})?{member}" if may_be_empty else f"{seq}{comma}{member}"
-            may_be_empty = False
-        else:
-            after = f"{seq}(?:{comma}{member})?"
-            seq = f"(?:{after}|{member})" if may_be_empty else after
-    if seq is None:
-        return ""
-    return f"(?:{seq})?" if may_be_empty and not nonempty else seq
-
-
-def _sequence(firsts: list[str], rest: str | None, lo: int, hi: int | None,
-              comma: str) -> str:
-    """Array items: firsts[0], firsts[1], ..., then rest repeated, lo..hi items in all.
-
-    Built from the back: an item past the first lo wraps, optional, everything after it,
-    so the items present are always a leading run."""
-    k = len(firsts)
-    if hi == 0:
-        return ""
-    if not k:
-        run = rest + repeat(comma + rest, max(lo - 1, 0), None if hi is None else hi - 1)
-        return run if lo else f"(?:{run})?"
-    tail = ""
-    if rest is not None and (hi is None or hi > k):
-        tail = repeat(comma + rest, max(lo - k, 0), None if hi is None else hi - k)
-    for i in range(min(k, hi if hi is not None else k) - 1, -1, -1):
-        item = ("" if i == 0 else comma) + firsts[i] + tail
-        tail = item if i < lo else f"(?:{item})?"
-    return tail
-
-
 def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
     if kw not in s:
         return default
@@ -486,73 +433,6 @@ def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
     if v > MAX_COUNT:
         raise ValueError(f"{kw!r} at {path} is above {MAX_COUNT}, the most supported")
     return int(v)
-
-
-def _escape(text: str) -> str:
-    return "".join("\\" + c if c in _META else f"\\u{ord(c):04x}" if c < " " or c == "\x7f"
-                   else c for c in text)
-
-
-def _literal(value: Any, path: str, depth: int, p: Punctuation) -> str:
-    """The regex of ``value``'s JSON text, with the whitespace ``p`` allows."""
-    if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"a value at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
-    if value is None or isinstance(value, (bool, int)):
-        return json.dumps(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"the value {value} at {path} is not a JSON number")
-        return _escape(json.dumps(value))
-    if isinstance(value, str):
-        return '"' + "".join(_string_char(c) for c in value) + '"'
-    if isinstance(value, list):
-        return p.open_array + p.comma.join(_literal(v, path, depth + 1, p)
-                                           for v in value) + p.close_array
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return p.open_object + p.comma.join(_literal(k, path, depth, p) + p.colon
-                                            + _literal(v, path, depth + 1, p)
-                                            for k, v in value.items()) + p.close_object
-    raise ValueError(f"the value at {path} is not JSON: {type(value).__name__}")
-
-
-def _string_char(c: str) -> str:
-    escaped = _escape(json.dumps(c)[1:-1])  # as ensure_ascii writes it
-    if c.isascii() or "\ud800" <= c <= "\udfff":
-        return escaped
-    return f"(?:{c}|{escaped})"  # without ensure_ascii: the character itself
-
-
-def _json_types(value: Any, path: str) -> set[str]:
-    """The schema types ``value`` has (an integral number is both integer and number)."""
-    if value is None:
-        return {"null"}
-    if isinstance(value, bool):
-        return {"boolean"}
-    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
-        return {"integer", "number"}
-    if isinstance(value, float):
-        return {"number"}
-    found = {str: "string", list: "array", dict: "object"}.get(type(value))
-    if found is None:
-        raise ValueError(f"the value at {path} is not JSON: {type(value).__name__}")
-    return {found}
-
-
-@functools.lru_cache(maxsize=16)
-def _any_value(depth: int, p: Punctuation) -> str:
-    scalar = [_STRING, NUMBER, "true", "false", "null"]
-    if not depth:
-        return alt(scalar)
-    inner = _any_value(depth - 1, p)
-    return alt(scalar + [f"{p.open_array}(?:{inner}(?:{p.comma}{inner})*)?{p.close_array}",
-                          _map(inner, p)])
-
-
-def _map(value: str, p: Punctuation, least: int = 0, most: int | None = None) -> str:
-    """An object of least..most members (most >= 1) whose values match ``value``."""
-    member = f"{_STRING}{p.colon}{value}"
-    run = member + repeat(p.comma + member, max(least - 1, 0), None if most is None else most - 1)
-    return f"{p.open_object}{run if least else f'(?:{run})?'}{p.close_object}"
 
 
 def _at(path: str, key: str | int) -> str:
