@@ -174,10 +174,10 @@ def _target(ref: str, root):
 def valid(x, s, root) -> bool:
     if isinstance(s, bool):
         return s
+    if s.get("nullable") and x is None:  # OpenAPI's: null besides, wherever it stands
+        return True
     if "$ref" in s and not valid(x, _target(s["$ref"], root), root):
         return False
-    if s.get("nullable") and x is None:
-        return True
     if "allOf" in s and not all(valid(x, b, root) for b in s["allOf"]):
         return False
     if "anyOf" in s and not any(valid(x, b, root) for b in s["anyOf"]):
