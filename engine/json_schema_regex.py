@@ -45,7 +45,8 @@ Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``requ
 ``additionalProperties``, ``minProperties`` and ``maxProperties`` (for an object of any
 members: at most a minimum of 1, as a generated name may repeat; beside ``properties``:
 bounds the required and declared members meet, or a minimum of 1), ``items``,
-``prefixItems``, ``minItems``, ``maxItems``,
+``prefixItems``, ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const,
+booleans or null: each at most once, in the set's order),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
@@ -67,7 +68,7 @@ Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION
 ``oneOf`` and beside ``enum``/``const`` other than ``type`` (their intersection), lengths
 beside a ``format`` that some of its texts do not meet, lengths and counts above
 ``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges) and every other keyword
-(``not``, ``if``, ``uniqueItems`` ...).
+(``not``, ``if``, ``patternProperties`` ...).
 """
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ _TYPE_KEYWORDS = {
     "exclusiveMinimum": "integer", "exclusiveMaximum": "integer", "multipleOf": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
     "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
-    "minProperties": "object", "maxProperties": "object",
+    "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
@@ -301,6 +302,11 @@ class _Compiler:
             hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and lo > hi:
             raise ValueError(f"'minItems' at {path} asks for more items than the schema allows")
+        unique = s.get("uniqueItems", False)
+        if not isinstance(unique, bool):
+            raise ValueError(f"'uniqueItems' at {path} must be true or false")
+        if unique:
+            return self.unique_items(prefix, items, lo, hi, path, depth)
         firsts, rest, total = [], None, 0
         try:  # a recursion cut at an item: the array ends before it, if it may
             for i, p in enumerate(prefix if hi is None else prefix[:hi]):
@@ -314,6 +320,48 @@ class _Compiler:
             hi = len(firsts)
         return f"{self.p.open_array}{array_items(firsts, rest, lo, hi, self.p.comma)}" \
             f"{self.p.close_array}"
+
+    def unique_items(self, prefix: list, items: Any, lo: int, hi: int | None, path: str,
+                     depth: int) -> str:
+        """Distinct items from a finite set of values (an enum, a const, booleans, null: as
+        pydantic's set of an Enum or a Literal), each at most once, in the set's order."""
+        values = None if prefix or items in (True, False) else \
+            self.finite_values(items, _at(path, "items"), depth + 1)
+        if values is None:
+            raise ValueError(f"'uniqueItems' at {path} is supported only for items from an "
+                             "enum, a const, booleans or null, and no prefixItems")
+        if lo > 1 or (hi is not None and hi < len(values)):
+            raise ValueError(f"'minItems' above 1 or 'maxItems' below {len(values)} beside "
+                             f"'uniqueItems' at {path} is not supported")
+        found = [(literal(v, path, depth, self.p), False) for v in values]
+        return self.p.open_array + object_members(found, self.p.comma, nonempty=lo > 0) \
+            + self.p.close_array
+
+    def finite_values(self, s: Any, path: str, depth: int) -> list | None:
+        """The distinct JSON values ``s`` allows when they are few (an enum or a const with at
+        most ``type`` beside, boolean, null, or a $ref to one of those); None otherwise."""
+        for _ in range(MAX_SCHEMA_DEPTH):  # a chain of $refs (a cycle of them ends here)
+            if not isinstance(s, dict) or set(s) - _IGNORED != {"$ref"}:
+                break
+            s = self.target(s["$ref"], path)
+        if not isinstance(s, dict) or not isinstance(s.get("type", ""), (str, list)):
+            return None
+        keys = set(s) - _IGNORED
+        if keys <= {"enum", "type"} and "enum" in s or keys <= {"const", "type"} and "const" in s:
+            values = s["enum"] if "enum" in s else [s["const"]]
+            if not isinstance(values, list):
+                return None
+            types = self.types(s, path) if "type" in s else _TYPES
+            values = [v for v in values if json_types(v, path) & set(types)]
+        elif keys == {"type"} and s["type"] in ("boolean", "null"):
+            values = [True, False] if s["type"] == "boolean" else [None]
+        else:
+            return None
+        distinct = []
+        for v in values:  # JSON Schema's equality: 1 and 1.0 are one value, true and 1 two
+            if not any(_same(v, w) for w in distinct):
+                distinct.append(v)
+        return distinct or None
 
     def object(self, s: dict, path: str, depth: int) -> str:
         props, required = s.get("properties", {}), s.get("required", [])
@@ -387,6 +435,19 @@ class _Compiler:
                              f"{len(members)} properties (declare at most as many)")
         return self.p.open_object + object_members(members, self.p.comma, nonempty=least > 0) \
             + self.p.close_object
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON Schema's equality of two JSON values."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def _uncut(compile_one, n: int) -> Iterable[str]:

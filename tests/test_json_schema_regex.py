@@ -131,6 +131,8 @@ SCHEMAS = {
     "any_array": {"type": "array"},
     "any_object": {"type": "object"},
     "map_of_any": {"type": "object", "additionalProperties": True},
+    "unique": {"type": "array", "items": {"enum": ["a", 2, None, [1], {"k": True}]},
+               "uniqueItems": True, "minItems": 1},
     "counted_map": {"type": "object", "additionalProperties": {"type": "boolean"},
                     "minProperties": 1, "maxProperties": 2},
     "nullable": {"type": "object", "properties": {
@@ -202,6 +204,8 @@ def valid(x, s, root) -> bool:
             ("exclusiveMinimum", operator.gt), ("exclusiveMaximum", operator.lt)))
     if isinstance(x, list):
         prefix, items = s.get("prefixItems", []), s.get("items", True)
+        if s.get("uniqueItems") and any(_same(a, b) for i, a in enumerate(x) for b in x[:i]):
+            return False
         return s.get("minItems", 0) <= len(x) <= s.get("maxItems", math.inf) and \
             all(valid(v, prefix[i] if i < len(prefix) else items, root) for i, v in enumerate(x))
     if isinstance(x, dict):
@@ -288,6 +292,11 @@ def _typed(t, s, root):
         return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength"))
     if t == "array":
         prefix, items = s.get("prefixItems", []), s.get("items", True)
+        if s.get("uniqueItems"):  # the enum's values, some of them, in the enum's order
+            values = items["enum"]
+            return st.lists(st.booleans(), min_size=len(values), max_size=len(values)).map(
+                lambda keep: [v for v, k in zip(values, keep) if k]).filter(
+                lambda x: len(x) >= s.get("minItems", 0))
         lo = s.get("minItems", 0)
         hi = min(s.get("maxItems", lo + 4), lo + 4, len(prefix) if items is False else math.inf)
         return st.integers(lo, hi).flatmap(lambda n: st.tuples(*[
@@ -431,6 +440,35 @@ def test_property_counts_bound_the_members(schema, good, bad):
         assert rx.fullmatch(text) and valid(json.loads(text), schema, schema), text
     for text in bad:
         assert not rx.fullmatch(text), text
+
+
+def test_unique_items_are_distinct_values_of_the_set_in_its_order():
+    rx = re.compile(schema_to_regex({"type": "array", "uniqueItems": True, "items": {
+        "enum": [1, 1.0, True, "1", None]}}))
+    for text in ["[]", "[1]", '[1, true, "1", null]', '[true, "1"]', "[null]"]:
+        assert rx.fullmatch(text), text
+    for text in ["[1, 1]", "[1, 1.0]", "[true, 1]", '["1", true]', "[null, null]", "[2]"]:
+        assert not rx.fullmatch(text), text
+
+
+def test_pydantics_sets_of_an_enum_or_a_literal_take_what_the_regex_generates():
+    pydantic = pytest.importorskip("pydantic")
+    import enum
+    from typing import Literal
+
+    from tests.json_format_oracles import model_takes_what_its_regex_generates
+
+    class Color(enum.Enum):
+        RED = "red"
+        GREEN = "green"
+        BLUE = "blue"
+
+    class Palette(pydantic.BaseModel):
+        colors: set[Color] = pydantic.Field(min_length=1)
+        flags: frozenset[Literal["a", "b"]] = frozenset()
+
+    assert Palette.model_json_schema()["properties"]["colors"]["uniqueItems"] is True
+    model_takes_what_its_regex_generates(Palette, 25)
 
 
 def test_only_the_declared_properties_are_generated_in_order():
@@ -820,7 +858,14 @@ REFUSED = [
     ({"type": "string", "pattern": "\\ud800"}, "a surrogate code point"),
     ({"patternProperties": {"a": {}}}, "'patternProperties' at #"),
     ({"type": "number", "multipleOf": 3}, "'multipleOf' at # is not supported"),
-    ({"type": "array", "uniqueItems": True}, "'uniqueItems' at #"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' at # is supported only for items "
+                                             "from an enum"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems' at #"),
+    ({"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "minItems": 2},
+     "'minItems' above 1 or 'maxItems' below 2 beside 'uniqueItems' at #"),
+    ({"type": "array", "items": {"enum": [1]}, "uniqueItems": "yes"}, "'uniqueItems' at # must"),
+    ({"type": "array", "items": {"$ref": "#/$defs/A"}, "uniqueItems": True,
+      "$defs": {"A": {"$ref": "#/$defs/A"}}}, "'uniqueItems' at # is supported only"),
     ({"if": {}, "then": {}}, "'if' at #"),
     ({"not": {"type": "null"}}, "'not' at #"),
     ({"type": "array", "contains": {}}, "'contains' at #"),
