@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote
 
@@ -357,9 +358,12 @@ class _Compiler:
             values = [True, False] if s["type"] == "boolean" else [None]
         else:
             return None
-        distinct = []
-        for v in values:  # JSON Schema's equality: 1 and 1.0 are one value, true and 1 two
-            if not any(_same(v, w) for w in distinct):
+        distinct, seen = [], set()
+        for v in values:
+            literal(v, path, depth, self.p)  # what is not JSON (NaN, Infinity) refused first
+            key = _equality_key(v)
+            if key not in seen:
+                seen.add(key)
                 distinct.append(v)
         return distinct or None
 
@@ -437,17 +441,18 @@ class _Compiler:
             + self.p.close_object
 
 
-def _same(a: Any, b: Any) -> bool:
-    """JSON Schema's equality of two JSON values."""
-    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
-        return type(a) is type(b) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
+def _equality_key(value: Any) -> Any:
+    """A key equal for JSON values JSON Schema takes for equal: 1 and 1.0 one number, true
+    and 1 two values, objects whatever their members' order."""
+    if isinstance(value, bool) or value is None:
+        return ("literal", value)
+    if isinstance(value, (int, float)):
+        return ("number", Fraction(value))
+    if isinstance(value, list):
+        return ("array", tuple(_equality_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, _equality_key(v)) for k, v in value.items()))
+    return ("string", value)
 
 
 def _uncut(compile_one, n: int) -> Iterable[str]:
