@@ -21,7 +21,8 @@ import math
 from decimal import Decimal
 from fractions import Fraction
 
-from engine.json_numbers import MAX_BOUND_DIGITS, decimal_bounds, digits_range, natural_range
+from engine.json_numbers import (MAX_BOUND_DIGITS, decimal_bounds, digits_range, json_decimal,
+                                 natural_range)
 from engine.regex_text import alt
 
 MAX_LISTED = 200  # values, or last-digit residues, written out one by one
@@ -34,11 +35,7 @@ def multiple_of(s: dict, path: str) -> Decimal:
     if isinstance(k, bool) or not isinstance(k, (int, float)) or \
             isinstance(k, float) and not math.isfinite(k) or k <= 0:
         raise ValueError(f"'multipleOf' at {path} must be a number above 0")
-    d = Decimal(repr(k)) if isinstance(k, float) else Decimal(k)
-    if -d.as_tuple().exponent > MAX_BOUND_DIGITS:
-        raise ValueError(f"'multipleOf' at {path} has more than {MAX_BOUND_DIGITS} digits "
-                         "after its decimal point")
-    return d
+    return json_decimal(k, "multipleOf", path, MAX_BOUND_DIGITS)
 
 
 def integer_multiples(lo: int | None, hi: int | None, k: Decimal, path: str) -> str:

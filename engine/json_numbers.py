@@ -143,10 +143,7 @@ def decimal_bounds(s: dict, path: str, max_digits: int | None = None) -> _Bounds
     lo = hi = None
     lo_open = hi_open = False
     for kw, v in _bounds(s, path):
-        v, is_open = _decimal(v), kw.startswith("exclusive")
-        if max_digits is not None and -v.as_tuple().exponent > max_digits:
-            raise ValueError(f"{kw!r} at {path} has more than {max_digits} digits after "
-                             "its decimal point")
+        v, is_open = json_decimal(v, kw, path, max_digits), kw.startswith("exclusive")
         if kw.endswith("inimum"):
             if lo is None or v > lo or (v == lo and is_open):
                 lo, lo_open = v, is_open
@@ -155,10 +152,14 @@ def decimal_bounds(s: dict, path: str, max_digits: int | None = None) -> _Bounds
     return lo, lo_open, hi, hi_open
 
 
-def _decimal(v: int | float) -> Decimal:
-    """A bound as the decimal JSON spelled: a float by its shortest repr (0.1, not
-    0.1000000000000000055)."""
-    return Decimal(repr(v)) if isinstance(v, float) else Decimal(v)
+def json_decimal(v: int | float, kw: str, path: str, max_digits: int | None = None) -> Decimal:
+    """A keyword's number as the decimal JSON spelled: a float by its shortest repr (0.1, not
+    0.1000000000000000055); ValueError past ``max_digits`` digits after its point."""
+    d = Decimal(repr(v)) if isinstance(v, float) else Decimal(v)
+    if max_digits is not None and -d.as_tuple().exponent > max_digits:
+        raise ValueError(f"{kw!r} at {path} has more than {max_digits} digits after its "
+                         "decimal point")
+    return d
 
 
 def _split(d: Decimal) -> tuple[int, str]:
