@@ -24,7 +24,9 @@ needs one spelling, not every one):
 - objects carry the ``properties`` in their declared order, every required one and any
   of the others, and nothing else, whatever ``additionalProperties`` says, except that an
   object schema without ``properties`` takes any members (values as ``additionalProperties``
-  says, any value when it is absent or true);
+  says, any value when it is absent or true) of the names ``propertyNames`` or
+  ``patternProperties`` allow (engine/json_objects.py: an enum's names at most once each, in
+  its order);
 - a schema without ``type`` is taken for the types its keywords constrain ("integer" for
   the numeric bounds), and for any value when it has none;
 - a value of any type (``{}``, ``true``, items or members left open) nests at most
@@ -44,7 +46,10 @@ needs one spelling, not every one):
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``minProperties`` and ``maxProperties`` (for an object of any
 members: at most a minimum of 1, as a generated name may repeat; beside ``properties``:
-bounds the required and declared members meet, or a minimum of 1), ``items``,
+bounds the required and declared members meet, or a minimum of 1), ``propertyNames`` (an
+enum, a const, or a string's lengths, pattern and format), ``patternProperties`` of one
+pattern (beside ``properties``, a declared name it matches only where the two schemas are
+one), ``items``,
 ``prefixItems``, ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const,
 booleans or null: each at most once, in the set's order),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
@@ -68,12 +73,11 @@ Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION
 ``oneOf`` and beside ``enum``/``const`` other than ``type`` (their intersection), lengths
 beside a ``format`` that some of its texts do not meet, lengths and counts above
 ``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges) and every other keyword
-(``not``, ``if``, ``patternProperties`` ...).
+(``not``, ``if``, ``contains`` ...).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote
@@ -82,20 +86,18 @@ from engine.json_formats import FORMATS, format_regex, format_type, int_format_b
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
 from engine.json_numbers import int_bounds, int_range, number_range
 from engine.json_string_pattern import pattern_string_regex
-from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items,
-                                     json_types, literal, map_object, object_members)
+from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
+                                     literal, object_members)
 from engine.json_whitespace import Punctuation
-from engine.regex_parse import MAX_PATTERN_LENGTH
+from engine.json_objects import ObjectRules
+from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count, uncut,
+                                       within)
 from engine.regex_text import alt, repeat
 
-MAX_REGEX_CHARS = MAX_PATTERN_LENGTH  # the automaton compiler's limit
-MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
 RECURSION_DEPTH = 3  # times a recursive $ref is followed inside itself
 
 _TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
-_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-            "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions"}
 # The keywords that constrain one type, and the type a schema without "type" is taken for.
 _TYPE_KEYWORDS = {
     "minLength": "string", "maxLength": "string", "format": "string", "pattern": "string",
@@ -104,9 +106,10 @@ _TYPE_KEYWORDS = {
     "properties": "object", "required": "object", "additionalProperties": "object",
     "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
     "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
+    "propertyNames": "object", "patternProperties": "object",
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
-_KNOWN = _IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
+_KNOWN = IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
 
 
 def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) -> str:
@@ -125,14 +128,9 @@ def schema_to_regex(schema: dict | bool | str, whitespace: str | None = None) ->
     return _Compiler(schema, Punctuation.around(whitespace)).node(schema, "#", 0)
 
 
-class _Cut(ValueError):
-    """A recursive $ref met past RECURSION_DEPTH: no value there. Whatever holds it gives
-    it up where the schema lets it (an optional member, an item past minItems, an anyOf
-    branch, null for a nullable) and raises it on otherwise; past the root, the schema has
-    no instance within the depth."""
+class _Compiler(ObjectRules):
+    any_depth = ANY_DEPTH
 
-
-class _Compiler:
     def __init__(self, root: Any, punct: Punctuation):
         self.root = root
         self.p = punct
@@ -160,7 +158,7 @@ class _Compiler:
         try:
             rx = self.combined(s, combinators, path, depth) if combinators else \
                 self.typed(s, path, depth)
-        except _Cut:
+        except Cut:
             if not nullable:
                 raise
             return "null"
@@ -182,7 +180,7 @@ class _Compiler:
         for key in s:
             if (key in _TYPE_KEYWORDS or key == "type") and key not in allowed:
                 raise ValueError(f"{key!r} beside {kw!r} at {path} is not supported")
-        where = _at(path, kw)
+        where = at(path, kw)
         if kw in ("enum", "const"):
             values = [s["const"]] if kw == "const" else s["enum"]
             if not isinstance(values, list):
@@ -191,7 +189,7 @@ class _Compiler:
             kept = [v for v in values if json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
-            return alt(_bounded((literal(v, where, depth, self.p) for v in kept), path))
+            return alt(bounded((literal(v, where, depth, self.p) for v in kept), path))
         if kw == "$ref":
             return self.ref(s["$ref"], path, depth)
         branches = s[kw]
@@ -200,7 +198,7 @@ class _Compiler:
         if kw == "allOf" and len(branches) != 1:
             raise ValueError(f"'allOf' at {path} has {len(branches)} schemas: "
                              "only one is supported")
-        return alt(_bounded(_uncut(lambda i: self.node(branches[i], _at(where, i), depth + 1),
+        return alt(bounded(uncut(lambda i: self.node(branches[i], at(where, i), depth + 1),
                                    len(branches)), path))
 
     def ref(self, ref: Any, path: str, depth: int) -> str:
@@ -213,7 +211,7 @@ class _Compiler:
         if inside:
             self.reentries += 1
             if inside > RECURSION_DEPTH:
-                raise _Cut(f"'$ref' {ref!r} at {path} is recursive, and no instance of it "
+                raise Cut(f"'$ref' {ref!r} at {path} is recursive, and no instance of it "
                            f"ends within {RECURSION_DEPTH} levels of itself (a required "
                            "member or item leads back to it at every level)")
         before = self.reentries
@@ -240,6 +238,15 @@ class _Compiler:
             raise ValueError(f"'$ref' {ref!r} at {path} points to no schema")
         return defs[name]
 
+    def resolved(self, s: Any, path: str) -> Any:
+        """``s``, or the schema its chain of bare $refs ends at (a cycle of them ends at the
+        depth limit)."""
+        for _ in range(MAX_SCHEMA_DEPTH):
+            if not isinstance(s, dict) or set(s) - IGNORED != {"$ref"}:
+                break
+            s = self.target(s["$ref"], path)
+        return s
+
     def types(self, s: dict, path: str) -> list[str]:
         t = s.get("type")
         if t is None:  # taken from the keywords; none at all: any value
@@ -258,7 +265,7 @@ class _Compiler:
         types = self.types(s, path)
         if not types:
             return any_value(ANY_DEPTH, self.p)
-        return alt(_uncut(lambda i: self.one_type(types[i], s, path, depth), len(types)))
+        return alt(uncut(lambda i: self.one_type(types[i], s, path, depth), len(types)))
 
     def one_type(self, t: str, s: dict, path: str, depth: int) -> str:
         if t == "null":
@@ -281,7 +288,7 @@ class _Compiler:
         return self.object(s, path, depth)
 
     def string(self, s: dict, path: str) -> str:
-        lo, hi = _count(s, "minLength", path, 0), _count(s, "maxLength", path, None)
+        lo, hi = count(s, "minLength", path, 0), count(s, "maxLength", path, None)
         if hi is not None and lo > hi:
             raise ValueError(f"'minLength' at {path} is above 'maxLength'")
         if "pattern" in s:
@@ -298,7 +305,7 @@ class _Compiler:
             raise ValueError(f"'prefixItems' at {path} must be an array of schemas")
         if isinstance(items, list):
             raise ValueError(f"'items' at {path} is an array: use 'prefixItems' for tuples")
-        lo, hi = _count(s, "minItems", path, 0), _count(s, "maxItems", path, None)
+        lo, hi = count(s, "minItems", path, 0), count(s, "maxItems", path, None)
         if items is False:  # nothing after the prefix
             hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and lo > hi:
@@ -311,11 +318,11 @@ class _Compiler:
         firsts, rest, total = [], None, 0
         try:  # a recursion cut at an item: the array ends before it, if it may
             for i, p in enumerate(prefix if hi is None else prefix[:hi]):
-                firsts.append(self.node(p, _at(_at(path, "prefixItems"), i), depth + 1))
-                total = _within(total + len(firsts[-1]), path)
+                firsts.append(self.node(p, at(at(path, "prefixItems"), i), depth + 1))
+                total = within(total + len(firsts[-1]), path)
             if items is not False and (hi is None or hi > len(prefix)):
-                rest = self.node(items, _at(path, "items"), depth + 1)
-        except _Cut:
+                rest = self.node(items, at(path, "items"), depth + 1)
+        except Cut:
             if lo > len(firsts):
                 raise
             hi = len(firsts)
@@ -327,7 +334,7 @@ class _Compiler:
         """Distinct items from a finite set of values (an enum, a const, booleans, null: as
         pydantic's set of an Enum or a Literal), each at most once, in the set's order."""
         values = None if prefix or items in (True, False) else \
-            self.finite_values(items, _at(path, "items"), depth + 1)
+            self.finite_values(items, at(path, "items"), depth + 1)
         if values is None:
             raise ValueError(f"'uniqueItems' at {path} is supported only for items from an "
                              "enum, a const, booleans or null, and no prefixItems")
@@ -341,13 +348,10 @@ class _Compiler:
     def finite_values(self, s: Any, path: str, depth: int) -> list | None:
         """The distinct JSON values ``s`` allows when they are few (an enum or a const with at
         most ``type`` beside, boolean, null, or a $ref to one of those); None otherwise."""
-        for _ in range(MAX_SCHEMA_DEPTH):  # a chain of $refs (a cycle of them ends here)
-            if not isinstance(s, dict) or set(s) - _IGNORED != {"$ref"}:
-                break
-            s = self.target(s["$ref"], path)
+        s = self.resolved(s, path)
         if not isinstance(s, dict) or not isinstance(s.get("type", ""), (str, list)):
             return None
-        keys = set(s) - _IGNORED
+        keys = set(s) - IGNORED
         if keys <= {"enum", "type"} and "enum" in s or keys <= {"const", "type"} and "const" in s:
             values = s["enum"] if "enum" in s else [s["const"]]
             if not isinstance(values, list):
@@ -367,79 +371,6 @@ class _Compiler:
                 distinct.append(v)
         return distinct or None
 
-    def object(self, s: dict, path: str, depth: int) -> str:
-        props, required = s.get("properties", {}), s.get("required", [])
-        extra = s.get("additionalProperties")
-        if not isinstance(props, dict):
-            raise ValueError(f"'properties' at {path} must be an object")
-        if extra is not None and not isinstance(extra, (bool, dict)):
-            raise ValueError(f"'additionalProperties' at {path} must be a schema")
-        if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
-            raise ValueError(f"'required' at {path} must be an array of strings")
-        for name in required:
-            if name not in props:
-                raise ValueError(f"'required' at {path} names {name!r}, which is not in "
-                                 "'properties': such a member is not generated")
-        least = _count(s, "minProperties", path, 0)
-        most = _count(s, "maxProperties", path, None)
-        if most is not None and least > most:
-            raise ValueError(f"'minProperties' at {path} is above 'maxProperties'")
-        if not props and extra is not False:  # a map: any members, values as extra says
-            return self.map_object(extra, least, most, path, depth)
-        # Beside properties, additionalProperties changes nothing: none beyond them is
-        # generated (absent, the spec's default, already allows them).
-        return self.declared_object(props, set(required), least, most, path, depth)
-
-    def map_object(self, extra: Any, least: int, most: int | None, path: str,
-                   depth: int) -> str:
-        """An object of any members, least..most of them, values as ``extra`` says."""
-        if least > 1:
-            raise ValueError(f"'minProperties' {least} at {path} is not supported for an "
-                             "object of any members: a generated name may repeat, and a "
-                             "repeated name counts once")
-        empty = self.p.open_object + self.p.close_object
-        if most == 0:
-            return empty
-        try:
-            value = any_value(ANY_DEPTH, self.p) if extra in (None, True) else \
-                self.node(extra, _at(path, "additionalProperties"), depth + 1)
-        except _Cut:  # a recursion cut at the values: no members
-            if least:
-                raise
-            return empty
-        return map_object(value, self.p, least, most)
-
-    def declared_object(self, props: dict, required: set[str], least: int, most: int | None,
-                        path: str, depth: int) -> str:
-        """The declared members in order, each required one present, least..most in all
-        (bounds the required and declared members' counts already meet, or a minimum of 1
-        where none is required)."""
-        members, total, cut = [], 0, None
-        for name, sub in props.items():
-            try:
-                value = self.node(sub, _at(_at(path, "properties"), name), depth + 1)
-            except _Cut as e:  # a recursion cut at an optional member: it is left out
-                if name in required:
-                    raise
-                cut = e
-                continue
-            member = literal(name, path, depth, self.p) + self.p.colon + value
-            total = _within(total + len(member), path)
-            members.append((member, name in required))
-        if least > len(members):
-            if cut is not None:
-                raise cut
-            raise ValueError(f"'minProperties' at {path} asks for more members than the "
-                             "schema allows")
-        if least > max(len(required), 1):
-            raise ValueError(f"'minProperties' {least} at {path} is not supported beside "
-                             f"{len(required)} required members (require as many)")
-        if most is not None and most < len(members):
-            raise ValueError(f"'maxProperties' {most} at {path} is not supported beside "
-                             f"{len(members)} properties (declare at most as many)")
-        return self.p.open_object + object_members(members, self.p.comma, nonempty=least > 0) \
-            + self.p.close_object
-
 
 def _equality_key(value: Any) -> Any:
     """A key equal for JSON values JSON Schema takes for equal: 1 and 1.0 one number, true
@@ -453,54 +384,3 @@ def _equality_key(value: Any) -> Any:
     if isinstance(value, dict):
         return ("object", frozenset((k, _equality_key(v)) for k, v in value.items()))
     return ("string", value)
-
-
-def _uncut(compile_one, n: int) -> Iterable[str]:
-    """``compile_one(i)`` for i in 0..n-1, leaving out those a recursion cut (alternatives:
-    one left is enough); the first cut again when every one was."""
-    first_cut, kept = None, 0
-    for i in range(n):
-        try:
-            rx = compile_one(i)
-        except _Cut as e:
-            first_cut = first_cut or e
-            continue
-        kept += 1
-        yield rx
-    if not kept:
-        raise first_cut
-
-
-def _bounded(parts: Iterable[str], path: str) -> list[str]:
-    """``parts``, stopping as soon as they are too long together: a schema repeating a
-    big $ref a thousand times is refused before it takes memory."""
-    out, total = [], 0
-    for part in parts:
-        total = _within(total + len(part), path)
-        out.append(part)
-    return out
-
-
-def _within(total: int, path: str) -> int:
-    """``total`` characters of regex so far, refused past MAX_REGEX_CHARS."""
-    if total > MAX_REGEX_CHARS:
-        raise ValueError(f"the schema at {path} needs a regex longer than "
-                         f"{MAX_REGEX_CHARS} characters")
-    return total
-
-
-def _count(s: dict, kw: str, path: str, default: int | None) -> int | None:
-    if kw not in s:
-        return default
-    v = s[kw]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
-            isinstance(v, float) and not v.is_integer():
-        raise ValueError(f"{kw!r} at {path} must be a non-negative integer")
-    if v > MAX_COUNT:
-        raise ValueError(f"{kw!r} at {path} is above {MAX_COUNT}, the most supported")
-    return int(v)
-
-
-def _at(path: str, key: str | int) -> str:
-    """``path`` one step down, as a JSON pointer."""
-    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"

@@ -126,8 +126,10 @@ def any_value(depth: int, p: Punctuation) -> str:
                           map_object(inner, p)])
 
 
-def map_object(value: str, p: Punctuation, least: int = 0, most: int | None = None) -> str:
-    """An object of least..most members (most >= 1) whose values match ``value``."""
-    member = f"{STRING}{p.colon}{value}"
+def map_object(value: str, p: Punctuation, least: int = 0, most: int | None = None,
+               key: str = STRING) -> str:
+    """An object of least..most members (most >= 1) whose names match ``key`` and values
+    ``value``."""
+    member = f"{key}{p.colon}{value}"
     run = member + repeat(p.comma + member, max(least - 1, 0), None if most is None else most - 1)
     return f"{p.open_object}{run if least else f'(?:{run})?'}{p.close_object}"

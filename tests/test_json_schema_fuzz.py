@@ -1,5 +1,5 @@
 """Random schemas from a grammar of every keyword guided_json follows (formats, multipleOf,
-patterns beside lengths, property counts, recursion to the root, nullable): the regex
+patterns beside lengths, property counts, member names, recursion to the root, nullable): the regex
 compiles or the schema is refused with a ValueError, never another error; every text drawn
 from a compiled regex is valid under the schema. Slow (300 schemas, ~90 s): ``-m slow``;
 PDSERVE_FUZZ_EXAMPLES sets how many."""
@@ -24,6 +24,13 @@ _NUMBERS = st.integers(-50, 50) | st.sampled_from([0.5, 0.25, 2.5, 0.01, 1e3, -7
 _FORMATS = ["date", "time", "date-time", "uuid", "ipv4", "ipv6", "hostname", "email", "uri",
             "duration", "password"]
 _PATTERNS = ["^[a-z]+$", "[0-9]{2}", "^a|b$", "^(?:ab|c)+$", "x*", "^[A-Z][a-z]*$"]
+# Member names: an enum of them, a string's rules, or one pattern with its values' schema.
+_NAME_RULES = {
+    "propertyNames": st.sampled_from([{"enum": ["a", "x-a", 3]}, {"maxLength": 1},
+                                      {"pattern": "^x-"}, {"const": "b"}, {"format": "date"}]),
+    "patternProperties": st.sampled_from([{"^x-": {"type": "integer"}}, {"b$": {}},
+                                          {"^[ab]+$": {"enum": [1, "a"]}}]),
+}
 _SCALAR_KINDS = ["integer", "number", "string", "format", "pattern", "enum", "null"]
 
 
@@ -68,14 +75,17 @@ def schemas(draw, depth: int = 3) -> dict:
             "minItems": st.integers(0, 2), "maxItems": counts,
             "prefixItems": st.lists(schemas(depth - 1), max_size=1)})
     elif kind == "object":
-        names = draw(st.lists(st.sampled_from("abcd"), unique=True, max_size=3))
+        names = draw(st.lists(st.sampled_from(["a", "b", "ab", "x-a", "x-bc"]), unique=True,
+                              max_size=3))
         s = _some(draw, {"type": "object",
                          "properties": {n: draw(schemas(depth - 1)) for n in names},
                          "required": [n for n in names if draw(st.booleans())]},
-                  {"minProperties": st.integers(0, 2), "maxProperties": counts})
+                  {"minProperties": st.integers(0, 2), "maxProperties": counts,
+                   **_NAME_RULES})
     elif kind == "map":
         s = _some(draw, {"type": "object", "additionalProperties": draw(schemas(depth - 1))},
-                  {"minProperties": st.integers(0, 2), "maxProperties": st.integers(0, 2)})
+                  {"minProperties": st.integers(0, 2), "maxProperties": st.integers(0, 2),
+                   **_NAME_RULES})
     elif kind == "root":
         s = {"$ref": "#"}
     elif kind == "anyOf":

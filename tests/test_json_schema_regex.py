@@ -135,6 +135,23 @@ SCHEMAS = {
                "uniqueItems": True, "minItems": 1},
     "counted_map": {"type": "object", "additionalProperties": {"type": "boolean"},
                     "minProperties": 1, "maxProperties": 2},
+    "enum_keys": {"type": "object", "additionalProperties": {"type": "integer"},
+                  "propertyNames": {"$ref": "#/$defs/Color"},
+                  "$defs": {"Color": {"enum": ["red", "green", "blue\u00e9"], "type": "string"}}},
+    "literal_keys": {"type": "object", "additionalProperties": {"type": "boolean"},
+                     "propertyNames": {"enum": ["a", 1, "b", "a"]}, "minProperties": 1},
+    "short_keys": {"type": "object", "additionalProperties": {"type": "null"},
+                   "propertyNames": {"maxLength": 2}, "maxProperties": 3},
+    "date_keys": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0},
+                  "propertyNames": {"type": "string", "format": "date"}},
+    "pattern_keys": {"type": "object", "patternProperties": {"^x-[a-z]{1,3}$": {
+        "type": "string", "maxLength": 2}}, "additionalProperties": False},
+    "declared_names": {"type": "object", "properties": {
+        "ab": {"type": "integer"}, "b": {"type": "boolean"}, "abc": {"type": "null"}},
+        "required": ["ab"], "propertyNames": {"pattern": "^a"}},
+    "declared_patterns": {"type": "object", "properties": {
+        "x-a": {"type": "string"}, "y": {"type": "integer"}}, "required": ["x-a", "y"],
+        "patternProperties": {"^x-": {"type": "string"}}},
     "nullable": {"type": "object", "properties": {
         "s": {"type": "string", "nullable": True, "maxLength": 1},
         "e": {"enum": ["a"], "nullable": True}}, "required": ["s", "e"]},
@@ -212,8 +229,16 @@ def valid(x, s, root) -> bool:
         props, extra = s.get("properties", {}), s.get("additionalProperties", True)
         if not s.get("minProperties", 0) <= len(x) <= s.get("maxProperties", math.inf):
             return False
-        return all(k in x for k in s.get("required", [])) and \
-            all(valid(v, props[k] if k in props else extra, root) for k, v in x.items())
+        if not all(valid(k, s.get("propertyNames", True), root) for k in x):
+            return False
+        for k, v in x.items():
+            named = [sub for pattern, sub in s.get("patternProperties", {}).items()
+                     if re.search(_python_pattern(pattern), k)]
+            if not all(valid(v, sub, root) for sub in named):
+                return False
+            if not valid(v, props[k] if k in props else True if named else extra, root):
+                return False
+        return all(k in x for k in s.get("required", []))
     return True
 
 
@@ -302,16 +327,28 @@ def _typed(t, s, root):
         return st.integers(lo, hi).flatmap(lambda n: st.tuples(*[
             instances(prefix[i] if i < len(prefix) else items, root) for i in range(n)
         ]).map(list))
-    props = s.get("properties", {})
+    props, names = s.get("properties", {}), s.get("propertyNames", {})
     if not props:
-        extra = s.get("additionalProperties", True)
-        return st.dictionaries(st.text(max_size=4), instances(extra, root),
-                               min_size=s.get("minProperties", 0),
+        keys, extra = st.text(max_size=4), s.get("additionalProperties", True)
+        if "patternProperties" in s:  # the one pattern's names, valued by its schema
+            (pattern, extra), = s["patternProperties"].items()
+            keys = st.from_regex(_python_pattern(pattern))
+        elif "$ref" in names or "enum" in names:  # an enum's names, some, in its order
+            listed = _target(names["$ref"], root)["enum"] if "$ref" in names else names["enum"]
+            listed = list(dict.fromkeys(k for k in listed if isinstance(k, str)))
+            return st.tuples(*[st.tuples(st.booleans(), instances(extra, root))
+                               for _ in listed]).map(
+                lambda kept: {k: v for k, (keep, v) in zip(listed, kept) if keep}).filter(
+                lambda x: len(x) >= s.get("minProperties", 0))
+        elif names:
+            keys = _typed("string", names, root)
+        return st.dictionaries(keys, instances(extra, root), min_size=s.get("minProperties", 0),
                                max_size=min(3, s.get("maxProperties", 3)))
     required = s.get("required", [])
     return st.tuples(*[st.tuples(st.just(k), st.booleans() if k not in required else st.just(True),
                                  instances(sub, root)) for k, sub in props.items()]).map(
-        lambda members: {k: v for k, keep, v in members if keep})
+        lambda members: {k: v for k, keep, v in members if keep}).filter(
+        lambda x: valid(x, s, root))  # propertyNames may leave declared names out
 
 
 @functools.cache
@@ -856,7 +893,31 @@ REFUSED = [
     ({"type": "string", "pattern": "^(?:abc)+$", "minLength": 4, "maxLength": 5},
      "'pattern' at # has no match 4..5 characters long"),
     ({"type": "string", "pattern": "\\ud800"}, "a surrogate code point"),
-    ({"patternProperties": {"a": {}}}, "'patternProperties' at #"),
+    ({"patternProperties": {"a": {}, "b": {}}}, "'patternProperties' at # has 2 patterns"),
+    ({"patternProperties": []}, "'patternProperties' at # must be an object"),
+    ({"patternProperties": {"(": {}}}, "'pattern' at #/patternProperties: bad regex"),
+    ({"patternProperties": {"a": {}}, "propertyNames": {}}, "'patternProperties' beside "
+                                                            "'propertyNames' at #"),
+    ({"properties": {"xa": {"type": "integer"}}, "patternProperties": {"a$": {"maxLength": 1}}},
+     "the member 'xa' at # is also named by the pattern at #/patternProperties/a$"),
+    ({"patternProperties": {"a": {"not": {}}}}, "'not' at #/patternProperties/a"),
+    ({"propertyNames": False}, "'propertyNames' at #/propertyNames is false"),
+    ({"propertyNames": {"$ref": "#/$defs/E"}, "$defs": {"E": {"enum": [1], "type": "integer"}}},
+     "'propertyNames' at #/propertyNames allows no string"),
+    ({"propertyNames": {"type": "integer"}}, "'propertyNames' at #/propertyNames allows no"),
+    ({"propertyNames": {"anyOf": [{"maxLength": 1}]}}, "'propertyNames' at #/propertyNames is "
+                                                       "supported as an enum"),
+    ({"propertyNames": {"maxLength": 2, "minimum": 1}}, "is supported as an enum, a const"),
+    ({"propertyNames": {"pattern": "^(a"}}, "'pattern' at #/propertyNames: bad regex"),
+    ({"propertyNames": {"enum": ["a", "b"]}, "maxProperties": 1},
+     "'minProperties' above 1 or 'maxProperties' below 2 beside the names"),
+    ({"propertyNames": {"enum": ["a", "b"]}, "minProperties": 2}, "'minProperties' above 1"),
+    ({"propertyNames": {"maxLength": 2}, "minProperties": 2}, "'minProperties' 2 at # is not "
+                                                              "supported for an object of any"),
+    ({"properties": {"abc": {}}, "required": ["abc"], "propertyNames": {"maxLength": 2}},
+     "'required' at # names 'abc', which 'propertyNames' does not allow"),
+    ({"properties": {"a": {}}, "propertyNames": {"const": "b"}, "minProperties": 1},
+     "'minProperties' at # asks for more members"),
     ({"type": "number", "multipleOf": 3}, "'multipleOf' at # is not supported"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems' at # is supported only for items "
                                              "from an enum"),
