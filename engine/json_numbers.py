@@ -13,17 +13,28 @@ INTEGER = "(?:0|-?[1-9][0-9]*)"
 NUMBER = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 
 
+# Draft 4's (and OpenAPI 3.0's) form: a boolean exclusiveMinimum makes the minimum exclusive.
+_DRAFT4_FLAGS = {"minimum": "exclusiveMinimum", "maximum": "exclusiveMaximum"}
+
+
 def _bounds(s: dict, path: str) -> list[tuple[str, int | float]]:
-    """The bound keywords of ``s`` with their values, each checked to be a finite number."""
+    """The bound keywords of ``s`` with their values, each checked to be a finite number; a
+    minimum or maximum that draft 4's boolean flag makes exclusive as its exclusive keyword."""
     out = []
     for kw in NUMBER_BOUNDS:
         if kw not in s:
             continue
         v = s[kw]
+        if kw in _DRAFT4_FLAGS.values() and isinstance(v, bool):
+            bound = "minimum" if kw == "exclusiveMinimum" else "maximum"
+            if v and bound not in s:
+                raise ValueError(f"{kw!r} true at {path} needs {bound!r} beside it "
+                                 "(draft 4's form)")
+            continue  # read with its bound
         if isinstance(v, bool) or not isinstance(v, (int, float)) or \
                 isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{kw!r} at {path} must be a number")
-        out.append((kw, v))
+        out.append((_DRAFT4_FLAGS[kw] if s.get(_DRAFT4_FLAGS.get(kw)) is True else kw, v))
     return out
 
 

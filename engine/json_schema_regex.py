@@ -50,7 +50,7 @@ bounds the required and declared members meet, or a minimum of 1), ``propertyNam
 enum, a const, or a string's lengths, pattern and format), ``patternProperties`` of one
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
 one), ``items``,
-``prefixItems``, ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const,
+``prefixItems`` (or draft 7's array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const,
 booleans or null: each at most once, in the set's order),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
@@ -58,7 +58,8 @@ OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
 engine/json_string_pattern.py: Python ``re`` syntax, matched anywhere in the string unless
 anchored; beside lengths, some of its matches of those lengths: engine/pattern_lengths.py;
 never beside a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
-``exclusiveMaximum`` (numbers, as in draft 2020-12, compared exactly as decimals, at most
+``exclusiveMaximum`` (numbers, as in draft 2020-12, or draft 4's and OpenAPI 3.0's booleans
+beside ``minimum`` and ``maximum``; compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
 ``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#`` (the root),
@@ -104,7 +105,7 @@ _TYPE_KEYWORDS = {
     "minimum": "integer", "maximum": "integer",
     "exclusiveMinimum": "integer", "exclusiveMaximum": "integer", "multipleOf": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
-    "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
+    "items": "array", "prefixItems": "array", "additionalItems": "array", "minItems": "array", "maxItems": "array",
     "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
     "propertyNames": "object", "patternProperties": "object",
 }
@@ -301,10 +302,14 @@ class _Compiler(ObjectRules):
 
     def array(self, s: dict, path: str, depth: int) -> str:
         prefix, items = s.get("prefixItems", []), s.get("items", True)
+        prefix_kw, items_kw = "prefixItems", "items"
         if not isinstance(prefix, list):
             raise ValueError(f"'prefixItems' at {path} must be an array of schemas")
-        if isinstance(items, list):
-            raise ValueError(f"'items' at {path} is an array: use 'prefixItems' for tuples")
+        if isinstance(items, list):  # draft 7's tuple: the items after it are additionalItems
+            if "prefixItems" in s:
+                raise ValueError(f"'items' at {path} is an array beside 'prefixItems'")
+            prefix, items = items, s.get("additionalItems", True)
+            prefix_kw, items_kw = "items", "additionalItems"
         lo, hi = count(s, "minItems", path, 0), count(s, "maxItems", path, None)
         if items is False:  # nothing after the prefix
             hi = len(prefix) if hi is None else min(hi, len(prefix))
@@ -318,10 +323,10 @@ class _Compiler(ObjectRules):
         firsts, rest, total = [], None, 0
         try:  # a recursion cut at an item: the array ends before it, if it may
             for i, p in enumerate(prefix if hi is None else prefix[:hi]):
-                firsts.append(self.node(p, at(at(path, "prefixItems"), i), depth + 1))
+                firsts.append(self.node(p, at(at(path, prefix_kw), i), depth + 1))
                 total = within(total + len(firsts[-1]), path)
             if items is not False and (hi is None or hi > len(prefix)):
-                rest = self.node(items, at(path, "items"), depth + 1)
+                rest = self.node(items, at(path, items_kw), depth + 1)
         except Cut:
             if lo > len(firsts):
                 raise

@@ -52,7 +52,8 @@ def schemas(draw, depth: int = 3) -> dict:
         s = _some(draw, {"type": "integer"}, {
             "minimum": _NUMBERS, "maximum": _NUMBERS,
             "multipleOf": st.sampled_from([1, 2, 5, 10, 0.5, 3, 25, 8]),
-            "format": st.sampled_from(["int32", "int64"])})
+            "format": st.sampled_from(["int32", "int64"]),
+            "exclusiveMaximum": st.booleans()})  # draft 4's flag
     elif kind == "number":
         s = _some(draw, {"type": "number"}, {
             "exclusiveMinimum": _NUMBERS, "maximum": _NUMBERS,

@@ -152,6 +152,17 @@ SCHEMAS = {
     "declared_patterns": {"type": "object", "properties": {
         "x-a": {"type": "string"}, "y": {"type": "integer"}}, "required": ["x-a", "y"],
         "patternProperties": {"^x-": {"type": "string"}}},
+    "draft4_bounds": {"type": "object", "properties": {
+        "i": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
+              "exclusiveMaximum": False},
+        "x": {"type": "number", "minimum": -1, "maximum": 2.5, "exclusiveMaximum": True},
+        "j": {"type": "integer", "exclusiveMinimum": False, "maximum": -3,
+              "exclusiveMaximum": True}}, "required": ["i", "x", "j"]},
+    "draft7_tuples": {"type": "object", "properties": {
+        "open": {"type": "array", "items": [{"type": "string"}, {"type": "integer"}],
+                 "additionalItems": {"type": "boolean"}, "maxItems": 4},
+        "closed": {"type": "array", "items": [{"type": "null"}, {"type": "boolean"}],
+                   "additionalItems": False, "minItems": 1}}, "required": ["open", "closed"]},
     "nullable": {"type": "object", "properties": {
         "s": {"type": "string", "nullable": True, "maxLength": 1},
         "e": {"enum": ["a"], "nullable": True}}, "required": ["s", "e"]},
@@ -215,12 +226,15 @@ def valid(x, s, root) -> bool:
             ("format" not in s or format_ok(s["format"], x)) and \
             ("pattern" not in s or re.search(_python_pattern(s["pattern"]), x) is not None)
     if _is_type(x, "number"):
+        s = _draft4_bounds(s)
         # Not a chain through infinities: 1E400 is a JSON number Python reads as inf.
         return all(kw not in s or op(x, s[kw]) for kw, op in (
             ("minimum", operator.ge), ("maximum", operator.le),
             ("exclusiveMinimum", operator.gt), ("exclusiveMaximum", operator.lt)))
     if isinstance(x, list):
         prefix, items = s.get("prefixItems", []), s.get("items", True)
+        if isinstance(items, list):  # draft 7's tuple
+            prefix, items = items, s.get("additionalItems", True)
         if s.get("uniqueItems") and any(_same(a, b) for i, a in enumerate(x) for b in x[:i]):
             return False
         return s.get("minItems", 0) <= len(x) <= s.get("maxItems", math.inf) and \
@@ -263,7 +277,18 @@ def _python_pattern(pattern: str) -> str:
     return re.sub(r"(?<!\\)\$$", r"\\Z", pattern)
 
 
+def _draft4_bounds(s: dict) -> dict:
+    """``s`` with draft 4's boolean exclusiveMinimum/Maximum as draft 2020-12's numbers."""
+    s = dict(s)
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(s.get(flag), bool):
+            if s.pop(flag) and bound in s:
+                s[flag] = s.pop(bound)
+    return s
+
+
 def _int_limits(s):
+    s = _draft4_bounds(s)
     lo, hi = s.get("minimum"), s.get("maximum")
     lo = None if lo is None else math.ceil(lo)
     hi = None if hi is None else math.floor(hi)
@@ -317,6 +342,8 @@ def _typed(t, s, root):
         return st.text(min_size=s.get("minLength", 0), max_size=s.get("maxLength"))
     if t == "array":
         prefix, items = s.get("prefixItems", []), s.get("items", True)
+        if isinstance(items, list):
+            prefix, items = items, s.get("additionalItems", True)
         if s.get("uniqueItems"):  # the enum's values, some of them, in the enum's order
             values = items["enum"]
             return st.lists(st.booleans(), min_size=len(values), max_size=len(values)).map(
@@ -954,7 +981,11 @@ REFUSED = [
     ({"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": -1},
      "bounds at # leave no number"),
     ({"type": "number", "maximum": "1"}, "'maximum' at # must be a number"),
-    ({"type": "integer", "exclusiveMinimum": True}, "'exclusiveMinimum' at # must be a number"),
+    ({"type": "integer", "exclusiveMinimum": True}, "'exclusiveMinimum' true at # needs "
+                                                    "'minimum' beside it"),
+    ({"type": "integer", "exclusiveMinimum": "yes"}, "'exclusiveMinimum' at # must be a number"),
+    ({"type": "number", "minimum": 1, "maximum": 1, "exclusiveMaximum": True},
+     "bounds at # leave no number"),
     ({"type": "integer", "maximum": "9"}, "'maximum'"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "bounds at # leave no integer"),
     ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "leave no integer"),
@@ -995,7 +1026,9 @@ REFUSED = [
     ({"type": "object", "properties": []}, "'properties' at #"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": 1},
      "'additionalProperties' at #"),
-    ({"type": "array", "items": [{}]}, "'items' at # is an array"),
+    ({"type": "array", "items": [{}], "prefixItems": [{}]}, "'items' at # is an array beside "
+                                                             "'prefixItems'"),
+    ({"type": "array", "items": [{}], "additionalItems": 3}, "schema at #/additionalItems is a int"),
     ({"type": "array", "prefixItems": {}}, "'prefixItems' at #"),
     ({"enum": []}, "'enum' at #"),
     ({"enum": "a"}, "'enum' at # must be an array"),
