@@ -3,7 +3,10 @@ pointer), a count keyword's value, the regex size budget, and the cut a recursio
 depth raises."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from fractions import Fraction
+from typing import Any
 
 from engine.regex_parse import MAX_PATTERN_LENGTH
 
@@ -73,3 +76,19 @@ def count(s: dict, kw: str, path: str, default: int | None) -> int | None:
 def at(path: str, key: str | int) -> str:
     """``path`` one step down, as a JSON pointer."""
     return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def equality_key(value: Any) -> Any:
+    """A key equal for JSON values JSON Schema takes for equal: 1 and 1.0 one number, true
+    and 1 two values, objects whatever their members' order."""
+    if isinstance(value, bool) or value is None:
+        return ("literal", value)
+    if isinstance(value, float) and not math.isfinite(value):  # not JSON: refused elsewhere
+        return ("not a number", repr(value))
+    if isinstance(value, (int, float)):
+        return ("number", Fraction(value))
+    if isinstance(value, list):
+        return ("array", tuple(equality_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, equality_key(v)) for k, v in value.items()))
+    return ("string", value)

@@ -41,7 +41,9 @@ needs one spelling, not every one):
   ``const`` values are written as ``json.dumps`` writes them (non-ASCII characters raw or
   as ``\\u`` escapes, as with and without ``ensure_ascii``);
 - a ``format`` is one spelling of its RFC's texts (engine/json_formats.py);
-- ``oneOf`` is taken as ``anyOf`` (the branches of a tagged union exclude each other anyway).
+- ``oneOf`` is compiled as ``anyOf`` where its schemas are shown to exclude each other
+  (engine/json_one_of.py: by type, by values, by a tag member, by required names), and
+  refused otherwise.
 
 Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
 ``additionalProperties``, ``minProperties`` and ``maxProperties`` (for an object of any
@@ -49,9 +51,9 @@ members: at most a minimum of 1, as a generated name may repeat; beside ``proper
 bounds the required and declared members meet, or a minimum of 1), ``propertyNames`` (an
 enum, a const, or a string's lengths, pattern and format), ``patternProperties`` of one
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
-one), ``items``,
-``prefixItems`` (or draft 7's array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const,
-booleans or null: each at most once, in the set's order),
+one), ``items``, ``prefixItems`` (or draft 7's array ``items`` with ``additionalItems``),
+``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const, booleans or null:
+each at most once, in the set's order),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
@@ -62,7 +64,8 @@ never beside a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 beside ``minimum`` and ``maximum``; compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
-``anyOf``, ``oneOf``, ``allOf`` of one schema, ``$ref`` to ``#`` (the root),
+``anyOf``, ``oneOf``, ``allOf`` (its schemas merged: engine/json_all_of.py, which also
+reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` to ``#`` (the root),
 ``#/$defs/NAME`` or ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are
 ignored (title, description, default, examples, $schema, $id, $comment, deprecated,
 readOnly, writeOnly, OpenAPI's discriminator). String lengths count characters as JSON
@@ -70,8 +73,9 @@ Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate e
 not generated).
 
 Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
-(a required member leading back to it), keywords beside ``$ref``/``allOf``/``anyOf``/
-``oneOf`` and beside ``enum``/``const`` other than ``type`` (their intersection), lengths
+(a required member leading back to it), schemas joined that cannot be merged exactly, a
+``oneOf`` whose schemas may overlap, keywords beside ``enum``/``const`` other than ``type``
+(their intersection), lengths
 beside a ``format`` that some of its texts do not meet, lengths and counts above
 ``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges) and every other keyword
 (``not``, ``if``, ``contains`` ...).
@@ -79,10 +83,10 @@ beside a ``format`` that some of its texts do not meet, lengths and counts above
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote
 
+from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
 from engine.json_numbers import int_bounds, int_range, number_range
@@ -91,8 +95,9 @@ from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_ite
                                      literal, object_members)
 from engine.json_whitespace import Punctuation
 from engine.json_objects import ObjectRules
-from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count, uncut,
-                                       within)
+from engine.json_one_of import check_exclusive
+from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count,
+                                       equality_key, uncut, within)
 from engine.regex_text import alt, repeat
 
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
@@ -105,7 +110,8 @@ _TYPE_KEYWORDS = {
     "minimum": "integer", "maximum": "integer",
     "exclusiveMinimum": "integer", "exclusiveMaximum": "integer", "multipleOf": "integer",
     "properties": "object", "required": "object", "additionalProperties": "object",
-    "items": "array", "prefixItems": "array", "additionalItems": "array", "minItems": "array", "maxItems": "array",
+    "items": "array", "prefixItems": "array", "additionalItems": "array", "minItems": "array",
+    "maxItems": "array",
     "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
     "propertyNames": "object", "patternProperties": "object",
 }
@@ -172,6 +178,17 @@ class _Compiler(ObjectRules):
 
     def combined(self, s: dict, combinators: list[str], path: str, depth: int) -> str:
         kw = combinators[0]
+        constrained = any(k in _TYPE_KEYWORDS or k == "type" for k in s)
+        joins = kw in ("$ref", "allOf", "anyOf", "oneOf") and (
+            len(combinators) > 1 or constrained
+            or isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1)
+        if joins:  # several schemas at once: merged into one (nullable stays the caller's)
+            merged = merge_all_of([{k: v for k, v in s.items() if k != "nullable"}], path,
+                                  self.target)
+            if merged is False:
+                raise ValueError(f"the schemas joined at {path} exclude each other: no "
+                                 "value is valid")
+            return self.node(merged, path, depth + 1)
         if len(combinators) > 1:
             raise ValueError(f"{kw!r} and {combinators[1]!r} together at {path} "
                              "are not supported")
@@ -196,9 +213,8 @@ class _Compiler(ObjectRules):
         branches = s[kw]
         if not isinstance(branches, list) or not branches:
             raise ValueError(f"{kw!r} at {path} must be a non-empty array of schemas")
-        if kw == "allOf" and len(branches) != 1:
-            raise ValueError(f"'allOf' at {path} has {len(branches)} schemas: "
-                             "only one is supported")
+        if kw == "oneOf":
+            check_exclusive(branches, path, self)
         return alt(bounded(uncut(lambda i: self.node(branches[i], at(where, i), depth + 1),
                                    len(branches)), path))
 
@@ -370,22 +386,8 @@ class _Compiler(ObjectRules):
         distinct, seen = [], set()
         for v in values:
             literal(v, path, depth, self.p)  # what is not JSON (NaN, Infinity) refused first
-            key = _equality_key(v)
+            key = equality_key(v)
             if key not in seen:
                 seen.add(key)
                 distinct.append(v)
         return distinct or None
-
-
-def _equality_key(value: Any) -> Any:
-    """A key equal for JSON values JSON Schema takes for equal: 1 and 1.0 one number, true
-    and 1 two values, objects whatever their members' order."""
-    if isinstance(value, bool) or value is None:
-        return ("literal", value)
-    if isinstance(value, (int, float)):
-        return ("number", Fraction(value))
-    if isinstance(value, list):
-        return ("array", tuple(_equality_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("object", frozenset((k, _equality_key(v)) for k, v in value.items()))
-    return ("string", value)

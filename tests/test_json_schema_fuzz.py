@@ -1,5 +1,6 @@
 """Random schemas from a grammar of every keyword guided_json follows (formats, multipleOf,
-patterns beside lengths, property counts, member names, recursion to the root, nullable): the regex
+patterns beside lengths, property counts, member names, allOf and oneOf, keywords beside anyOf,
+recursion to the root, nullable): the regex
 compiles or the schema is refused with a ValueError, never another error; every text drawn
 from a compiled regex is valid under the schema. Slow (300 schemas, ~90 s): ``-m slow``;
 PDSERVE_FUZZ_EXAMPLES sets how many."""
@@ -44,7 +45,7 @@ def _some(draw, s: dict, options: dict) -> dict:
 
 @st.composite
 def schemas(draw, depth: int = 3) -> dict:
-    nested = ["array", "object", "map", "any", "root", "anyOf"]
+    nested = ["array", "object", "map", "any", "root", "anyOf", "allOf", "oneOf"]
     kinds = _SCALAR_KINDS + (nested if depth else [])
     kind = draw(st.sampled_from(kinds))
     counts = st.integers(0, 3)
@@ -91,6 +92,10 @@ def schemas(draw, depth: int = 3) -> dict:
         s = {"$ref": "#"}
     elif kind == "anyOf":
         s = {"anyOf": draw(st.lists(schemas(depth - 1), min_size=1, max_size=3))}
+        if draw(st.booleans()):  # keywords beside: joined with each schema
+            s.update(draw(schemas(depth - 1)))
+    elif kind in ("allOf", "oneOf"):
+        s = {kind: draw(st.lists(schemas(depth - 1), min_size=1, max_size=3))}
     else:
         s = {}
     if draw(st.integers(0, 5)) == 0:

@@ -256,6 +256,21 @@ def valid(x, s, root) -> bool:
     return True
 
 
+def generates_only_valid_texts(schema, examples: int = 40) -> re.Pattern:
+    """Draws ``examples`` texts from ``schema``'s regex and checks each is a valid instance
+    under the validator above; returns the compiled regex."""
+    rx = re.compile(schema_to_regex(schema))
+
+    @settings(max_examples=examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(text=st.from_regex(rx, fullmatch=True))
+    def check(text):
+        assert valid(json.loads(text), schema, schema), text
+
+    check()
+    return rx
+
+
 # --- instances drawn from a schema ---
 
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(),
@@ -1001,7 +1016,8 @@ REFUSED = [
     ({"$ref": "#/$defs/A/properties/b", "$defs": {"A": {}}}, "'$ref'"),
     ({"$ref": "#/$defs/Missing"}, "'$ref' '#/$defs/Missing' at # points to no schema"),
     ({"$ref": 3}, "'$ref' at # must be a string"),
-    ({"allOf": [{}, {}]}, "'allOf' at # has 2 schemas"),
+    ({"allOf": [{"maxLength": 1}, {"maxLength": 2, "pattern": "a"}, {"pattern": "b"}]},
+     "'pattern' has different values in the schemas 'allOf' joins at #"),
     ({"anyOf": []}, "'anyOf' at #"),
     ({"oneOf": {"type": "null"}}, "'oneOf' at #"),
     ({"type": "strnig"}, "'type' at #"),
@@ -1034,8 +1050,9 @@ REFUSED = [
     ({"enum": "a"}, "'enum' at # must be an array"),
     ({"type": "string", "enum": [1, 2]}, "'enum' at # leaves no value"),
     ({"enum": [1], "const": 1}, "'enum' and 'const' together"),
-    ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {}}}, "'type' beside '$ref'"),
-    ({"anyOf": [{"type": "integer"}], "minimum": 1}, "'minimum' beside 'anyOf'"),
+    ({"$ref": "#/$defs/A", "type": "object", "$defs": {"A": {"type": "array"}}},
+     "the schemas joined at # exclude each other"),
+    ({"anyOf": [{"type": "integer", "maximum": 0}], "minimum": 1}, "bounds at # leave no"),
     ({"enum": ["a", "bb"], "maxLength": 1}, "'maxLength' beside 'enum'"),
     ({"nullable": "yes"}, "'nullable' at #"),
     ({"const": float("inf")}, "not a JSON number"),
