@@ -219,6 +219,48 @@ def test_vllms_kv_cache_bytes_are_not_taken_for_gib(command, capsys):
     assert "pdserve takes --kv-cache-memory-gib, in GiB\n" in capsys.readouterr().err
 
 
+# What a vLLM command line carries that already holds here.
+VLLM_TAKEN = ["--trust-remote-code", "--kv-cache-dtype", "auto", "--load-format", "safetensors",
+              "-pp", "1", "--distributed-executor-backend", "mp", "--tokenizer-mode", "auto",
+              "--disable-log-stats"]
+
+
+@pytest.mark.parametrize("role, module", [("prefill", "prefill_svc.server"),
+                                          ("decode", "decode_svc.server")])
+def test_vllm_flags_whose_values_hold_here_are_taken_and_change_nothing(role, module,
+                                                                        monkeypatch):
+    started = []
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(main=started.append))
+    base = [role, "--port", "0", "--kv-transfer-backend", "torch"]
+    assert main(base) == 0 and main([*base, *VLLM_TAKEN]) == 0
+    assert started[0] == started[1]
+    parser = build_parser()
+    for command in (["up"], ["generate", "--prompt", "x"]):
+        assert vars(parser.parse_args([*command, *VLLM_TAKEN])) == \
+            vars(parser.parse_args(command))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: the KV cache is kept in --dtype's type"
+                                  " (no fp8 KV cache) (pdserve takes auto)"),
+    (["--load-format", "pt"], "--load-format pt: weights load from the folder's safetensors"),
+    (["--quantization", "awq"], "--quantization awq: weights are used unquantized"),
+    (["-pp", "2"], "-pp 2: a model is split by --tensor-parallel-size only (pdserve takes 1)"),
+    (["--distributed-executor-backend", "ray"], "(no Ray) (pdserve takes mp)"),
+    (["--revision", "main"], "--revision main: pdserve loads a model from a local folder"),
+    (["--tokenizer-revision", "v2"], "give the folder of that revision's snapshot as --model"),
+    (["--swap-space", "4"], "a preempted request is recomputed, never swapped out"),
+    (["--cpu-offload-gb", "8"], "weights stay whole on their device"),
+    (["--tokenizer-mode", "mistral"], "(pdserve takes auto, hf)"),
+])
+def test_vllm_flags_asking_for_what_pdserve_does_not_do_are_refused_with_what_it_does(
+        flags, says, capsys):
+    for command in (["prefill"], ["up"]):
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args([*command, *flags])
+        assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("role, module", [("prefill", "prefill_svc.server"),
                                           ("decode", "decode_svc.server")])
 def test_vllms_enable_spellings_of_the_engine_switches_are_taken(role, module, monkeypatch):
