@@ -65,8 +65,9 @@ beside ``minimum`` and ``maximum``; compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
 ``anyOf``, ``oneOf``, ``allOf`` (its schemas merged: engine/json_all_of.py, which also
-reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` to ``#`` (the root),
-``#/$defs/NAME`` or ``#/definitions/NAME``, and OpenAPI's ``nullable``. Annotations are
+reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
+pointer into the schema (``#``, ``#/$defs/NAME``, ``#/properties/a/items``), and OpenAPI's
+``nullable``. Annotations are
 ignored (title, description, default, examples, $schema, $id, $comment, deprecated,
 readOnly, writeOnly, OpenAPI's discriminator). String lengths count characters as JSON
 Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate escapes are
@@ -242,18 +243,24 @@ class _Compiler(ObjectRules):
         return rx
 
     def target(self, ref: str, path: str) -> Any:
-        """The schema ``ref`` points to: the root ("#"), or one under $defs/definitions."""
+        """The schema ``ref`` points to: a JSON pointer into this schema ("#" the root,
+        "#/$defs/NAME", or any path, as zod-to-json-schema writes for a schema used twice)."""
         if ref == "#":
             return self.root
-        parts = ref.split("/")
-        if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
-            raise ValueError(f"'$ref' {ref!r} at {path} is not supported: only '#', "
-                             "'#/$defs/NAME' and '#/definitions/NAME' are")
-        name = unquote(parts[2]).replace("~1", "/").replace("~0", "~")
-        defs = self.root.get(parts[1]) if isinstance(self.root, dict) else None
-        if not isinstance(defs, dict) or name not in defs:
-            raise ValueError(f"'$ref' {ref!r} at {path} points to no schema")
-        return defs[name]
+        if not ref.startswith("#/"):
+            raise ValueError(f"'$ref' {ref!r} at {path} is not supported: only references "
+                             "into the schema itself ('#', '#/$defs/NAME', '#/...') are")
+        found = self.root
+        for part in ref[2:].split("/"):
+            key = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(found, dict) and key in found:
+                found = found[key]
+            elif isinstance(found, list) and key.isdecimal() and key == str(int(key)) and \
+                    int(key) < len(found):
+                found = found[int(key)]
+            else:
+                raise ValueError(f"'$ref' {ref!r} at {path} points to no schema")
+        return found
 
     def resolved(self, s: Any, path: str) -> Any:
         """``s``, or the schema its chain of bare $refs ends at (a cycle of them ends at the

@@ -152,6 +152,16 @@ SCHEMAS = {
     "declared_patterns": {"type": "object", "properties": {
         "x-a": {"type": "string"}, "y": {"type": "integer"}}, "required": ["x-a", "y"],
         "patternProperties": {"^x-": {"type": "string"}}},
+    # zod-to-json-schema's references to a schema's first use, by its path.
+    "pointer_refs": {"type": "object", "properties": {
+        "home": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}},
+                 "required": ["city"], "additionalProperties": False},
+        "work": {"$ref": "#/properties/home"},
+        "pair": {"type": "array", "items": [{"type": "integer", "minimum": 0},
+                                            {"$ref": "#/properties/pair/items/0"}],
+                 "minItems": 2, "additionalItems": False},
+        "a~/b": {"type": "boolean"}, "c": {"$ref": "#/properties/a~0~1b"}},
+        "required": ["home", "work", "pair", "c"], "additionalProperties": False},
     "draft4_bounds": {"type": "object", "properties": {
         "i": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
               "exclusiveMaximum": False},
@@ -195,10 +205,11 @@ def _is_type(x, t: str) -> bool:
 
 
 def _target(ref: str, root):
-    if ref == "#":
-        return root
-    kind, name = ref.split("/")[1:]
-    return root[kind][name]
+    found = root
+    for key in ref.split("/")[1:]:
+        key = key.replace("~1", "/").replace("~0", "~")
+        found = found[int(key)] if isinstance(found, list) else found[key]
+    return found
 
 
 def valid(x, s, root) -> bool:
@@ -1011,7 +1022,9 @@ REFUSED = [
       "$ref": "#/$defs/Node"}, "'$ref' '#/$defs/Node' at #/$defs/Node/properties/next is "
                                "recursive, and no instance of it ends within 3 levels"),
     ({"$ref": "#"}, "'$ref' '#' at # is recursive"),
-    ({"$ref": "#/properties/a"}, "'$ref' '#/properties/a' at # is not supported: only '#'"),
+    ({"$ref": "#/properties/a"}, "'$ref' '#/properties/a' at # points to no schema"),
+    ({"$ref": "#/items/01", "items": [{}]}, "'$ref' '#/items/01' at # points to no schema"),
+    ({"$ref": "s.json#/a"}, "only references into the schema itself"),
     ({"$ref": "http://example.com/s.json"}, "'$ref'"),
     ({"$ref": "#/$defs/A/properties/b", "$defs": {"A": {}}}, "'$ref'"),
     ({"$ref": "#/$defs/Missing"}, "'$ref' '#/$defs/Missing' at # points to no schema"),
