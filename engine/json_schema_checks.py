@@ -12,10 +12,13 @@ from engine.regex_parse import MAX_PATTERN_LENGTH
 
 MAX_REGEX_CHARS = MAX_PATTERN_LENGTH  # the automaton compiler's limit
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
-# The keywords that constrain nothing (annotations, and where definitions are kept).
+# The keywords that constrain nothing (annotations, and where definitions are kept): the
+# content* keywords are annotations since draft 2019-09 (zod writes contentEncoding for
+# base64); example, externalDocs and xml are OpenAPI's.
 IGNORED = frozenset({"title", "description", "default", "examples", "$schema", "$id",
                      "$comment", "deprecated", "readOnly", "writeOnly", "discriminator",
-                     "$defs", "definitions"})
+                     "$defs", "definitions", "$anchor", "contentEncoding", "contentMediaType",
+                     "contentSchema", "example", "externalDocs", "xml"})
 
 
 class Cut(ValueError):

@@ -68,8 +68,9 @@ their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_
 reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
 pointer into the schema (``#``, ``#/$defs/NAME``, ``#/properties/a/items``), and OpenAPI's
 ``nullable``. Annotations are
-ignored (title, description, default, examples, $schema, $id, $comment, deprecated,
-readOnly, writeOnly, OpenAPI's discriminator). String lengths count characters as JSON
+ignored (title, description, default, examples, $schema, $id, $anchor, $comment,
+deprecated, readOnly, writeOnly, contentEncoding, contentMediaType, contentSchema, OpenAPI's
+discriminator, example, externalDocs and xml). String lengths count characters as JSON
 Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate escapes are
 not generated).
 

@@ -162,6 +162,11 @@ SCHEMAS = {
                  "minItems": 2, "additionalItems": False},
         "a~/b": {"type": "boolean"}, "c": {"$ref": "#/properties/a~0~1b"}},
         "required": ["home", "work", "pair", "c"], "additionalProperties": False},
+    "annotated": {"type": "object", "description": "x", "example": {"b": "QQ=="},
+                  "externalDocs": {"url": "https://example.com"}, "xml": {"name": "a"},
+                  "properties": {"b": {"type": "string", "contentEncoding": "base64",
+                                       "contentMediaType": "image/png", "maxLength": 4,
+                                       "$anchor": "b", "contentSchema": {"type": "null"}}}},
     "draft4_bounds": {"type": "object", "properties": {
         "i": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
               "exclusiveMaximum": False},
