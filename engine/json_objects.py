@@ -12,6 +12,7 @@ have to meet both schemas.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +41,14 @@ class MemberNames:
     def allows(self, name: str) -> bool:
         if self.listed is not None:
             return name in self.listed
+        return self._automaton.fullmatch(json.dumps(name, ensure_ascii=False))
+
+    @functools.cached_property
+    def _automaton(self) -> RegexDfa:
         # The engine's own automaton, not re: the pattern is the client's, and an automaton
-        # walks a name in linear time whatever the pattern.
-        return RegexDfa(build_nfa(parse(self.key))).fullmatch(
-            json.dumps(name, ensure_ascii=False))
+        # walks a name in linear time whatever the pattern. Built once for every declared
+        # name, and not kept in compile_regex's cache, which holds the guides.
+        return RegexDfa(build_nfa(parse(self.key)))
 
 
 def is_open(s: Any) -> bool:

@@ -28,9 +28,14 @@ def check_exclusive(schemas: list, path: str, c) -> None:
     if len(schemas) > MAX_ONE_OF:
         raise ValueError(f"'oneOf' at {path} has {len(schemas)} schemas: at most {MAX_ONE_OF}"
                          " are supported (anyOf has no limit)")
+    schemas = [c.resolved(s, path) for s in schemas]
+    # Each schema's kinds once: a pair then costs little unless their kinds meet.
+    made = [_generated(c, s, path, 0) for s in schemas]
+    taken = [_accepted(c, s, path, 0) for s in schemas]
     for i, a in enumerate(schemas):
         for j, b in enumerate(schemas):
-            if i != j and not _excludes(c, a, b, path):
+            common = made[i] & taken[j]
+            if i != j and common and not _apart(c, a, b, common, path):
                 raise ValueError(f"'oneOf' at {path}: a value valid under its schema {i} may "
                                  f"be valid under its schema {j} too, and then under more "
                                  "than one (use anyOf if either may hold, or tell them apart "
@@ -41,8 +46,12 @@ def _excludes(c, a: Any, b: Any, path: str) -> bool:
     """Whether no text generated for ``a`` is valid under ``b``."""
     a, b = c.resolved(a, path), c.resolved(b, path)
     common = _generated(c, a, path, 0) & _accepted(c, b, path, 0)
-    if not common:
-        return True
+    return not common or _apart(c, a, b, common, path)
+
+
+def _apart(c, a: Any, b: Any, common: set[str], path: str) -> bool:
+    """Whether no text generated for ``a`` is valid under ``b``, where the kinds ``common``
+    of theirs meet: by their values, or for objects by their members."""
     va, vb = _values(c, a, path), _values(c, b, path)
     if va is not None and vb is not None and not va & vb:
         return True
