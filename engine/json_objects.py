@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.json_schema_checks import IGNORED, Cut, at, count, within
+from engine.json_schema_checks import IGNORED, Cut, at, count, never, within
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import CHAR, STRING, any_value, literal, map_object, object_members
 from engine.regex_dfa import RegexDfa, build_nfa
@@ -63,6 +63,7 @@ class ObjectRules:
     def object(self, s: dict, path: str, depth: int) -> str:
         props, required = s.get("properties", {}), s.get("required", [])
         extra = s.get("additionalProperties")
+        extra = False if never(extra) else extra
         if not isinstance(props, dict):
             raise ValueError(f"'properties' at {path} must be an object")
         if extra is not None and not isinstance(extra, (bool, dict)):
@@ -189,6 +190,11 @@ class ObjectRules:
         refused when required."""
         members, total, cut = [], 0, None
         for name, sub in props.items():
+            if never(self.resolved(sub, path)):  # a member that may not be there
+                if name in required:
+                    raise ValueError(f"'required' at {path} names {name!r}, whose schema is "
+                                     "false: no value is valid")
+                continue
             if names is not None and not self.name_fits(names, name, sub, name in required, path):
                 continue
             try:

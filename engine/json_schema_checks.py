@@ -28,6 +28,13 @@ class Cut(ValueError):
     no instance within the depth."""
 
 
+def never(s: Any) -> bool:
+    """Whether the schema ``s`` accepts no value: false, or ``{"not": {}}`` (zod's never
+    and undefined)."""
+    return s is False or isinstance(s, dict) and set(s) - IGNORED == {"not"} and \
+        (s["not"] is True or isinstance(s["not"], dict) and not set(s["not"]) - IGNORED)
+
+
 def uncut(compile_one, n: int) -> Iterable[str]:
     """``compile_one(i)`` for i in 0..n-1, leaving out those a recursion cut (alternatives:
     one left is enough); the first cut again when every one was."""

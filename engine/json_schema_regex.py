@@ -74,6 +74,9 @@ discriminator, example, externalDocs and xml). String lengths count characters a
 Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate escapes are
 not generated).
 
+A schema that accepts nothing (``false``, or ``{"not": {}}`` as zod writes for never and
+undefined) leaves out an optional member it values; any other ``not`` is refused.
+
 Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
 (a required member leading back to it), schemas joined that cannot be merged exactly, a
 ``oneOf`` whose schemas may overlap, keywords beside ``enum``/``const`` other than ``type``
@@ -99,7 +102,7 @@ from engine.json_whitespace import Punctuation
 from engine.json_objects import ObjectRules
 from engine.json_one_of import check_exclusive
 from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count,
-                                       equality_key, uncut, within)
+                                       equality_key, never, uncut, within)
 from engine.regex_text import alt, repeat
 
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
@@ -152,7 +155,7 @@ class _Compiler(ObjectRules):
             raise ValueError(f"the schema at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
         if s is True:
             return any_value(ANY_DEPTH, self.p)
-        if s is False:
+        if never(s):
             raise ValueError(f"the schema at {path} is false: no value is valid")
         if not isinstance(s, dict):
             raise ValueError(f"the schema at {path} is a {type(s).__name__}, "

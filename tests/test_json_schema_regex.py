@@ -167,6 +167,11 @@ SCHEMAS = {
                   "properties": {"b": {"type": "string", "contentEncoding": "base64",
                                        "contentMediaType": "image/png", "maxLength": 4,
                                        "$anchor": "b", "contentSchema": {"type": "null"}}}},
+    # Members that may not be there: false, or zod's never (not {}).
+    "never_members": {"type": "object", "properties": {
+        "a": {"not": {}}, "b": False, "c": {"type": "integer"}, "d": {"not": True}},
+        "additionalProperties": {"not": {"description": "none"}}},
+    "never_map": {"type": "object", "additionalProperties": {"not": {}}},
     "draft4_bounds": {"type": "object", "properties": {
         "i": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 10,
               "exclusiveMaximum": False},
@@ -223,6 +228,8 @@ def valid(x, s, root) -> bool:
     if s.get("nullable") and x is None:  # OpenAPI's: null besides, wherever it stands
         return True
     if "$ref" in s and not valid(x, _target(s["$ref"], root), root):
+        return False
+    if "not" in s and valid(x, s["not"], root):
         return False
     if "allOf" in s and not all(valid(x, b, root) for b in s["allOf"]):
         return False
@@ -386,8 +393,11 @@ def _typed(t, s, root):
             instances(prefix[i] if i < len(prefix) else items, root) for i in range(n)
         ]).map(list))
     props, names = s.get("properties", {}), s.get("propertyNames", {})
+    props = {k: v for k, v in props.items() if v is not False and "not" not in v}
     if not props:
         keys, extra = st.text(max_size=4), s.get("additionalProperties", True)
+        if isinstance(extra, dict) and "not" in extra:  # no member may be there
+            return st.just({})
         if "patternProperties" in s:  # the one pattern's names, valued by its schema
             (pattern, extra), = s["patternProperties"].items()
             keys = st.from_regex(_python_pattern(pattern))
@@ -958,7 +968,7 @@ REFUSED = [
                                                             "'propertyNames' at #"),
     ({"properties": {"xa": {"type": "integer"}}, "patternProperties": {"a$": {"maxLength": 1}}},
      "the member 'xa' at # is also named by the pattern at #/patternProperties/a$"),
-    ({"patternProperties": {"a": {"not": {}}}}, "'not' at #/patternProperties/a"),
+    ({"patternProperties": {"a": {"not": {"const": 1}}}}, "'not' at #/patternProperties/a"),
     ({"propertyNames": False}, "'propertyNames' at #/propertyNames is false"),
     ({"propertyNames": {"$ref": "#/$defs/E"}, "$defs": {"E": {"enum": [1], "type": "integer"}}},
      "'propertyNames' at #/propertyNames allows no string"),
@@ -1004,7 +1014,8 @@ REFUSED = [
     ({"type": "object", "maxProperties": -1}, "'maxProperties' at # must be"),
     ({"properties": {"a": {"items": {"pattern": "(?=x)"}}}},
      "'pattern' at #/properties/a/items: bad regex"),
-    ({"$defs": {"A": {"properties": {"x/y": {"not": {}}}}}, "$ref": "#/$defs/A"},
+    ({"$defs": {"A": {"properties": {"x/y": {"not": {"type": "null"}}}}},
+      "$ref": "#/$defs/A"},
      "'not' at #/$defs/A/properties/x~1y"),
     ({"anyOf": [{"type": "null"}, {"format": "iri"}]}, "'format' 'iri' at #/anyOf/1"),
     ({"type": "number", "minimum": 1e-50}, "'minimum' at # has more than 40 digits after"),
@@ -1021,6 +1032,10 @@ REFUSED = [
     ({"type": "integer", "minimum": 5, "maximum": 4}, "bounds at # leave no integer"),
     ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "leave no integer"),
     (False, "is false"),
+    ({"not": {}}, "the schema at # is false"),
+    ({"not": {"type": "null"}}, "'not' at # is not supported"),
+    ({"properties": {"a": {"not": {}}}, "required": ["a"]},
+     "'required' at # names 'a', whose schema is false"),
     ({"items": False, "type": "array", "minItems": 1}, "'minItems'"),
     ({"$defs": {"Node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}},
                          "required": ["next"]}},
@@ -1062,7 +1077,8 @@ REFUSED = [
      "'additionalProperties' at #"),
     ({"type": "array", "items": [{}], "prefixItems": [{}]}, "'items' at # is an array beside "
                                                              "'prefixItems'"),
-    ({"type": "array", "items": [{}], "additionalItems": 3}, "schema at #/additionalItems is a int"),
+    ({"type": "array", "items": [{}], "additionalItems": 3},
+     "schema at #/additionalItems is a int"),
     ({"type": "array", "prefixItems": {}}, "'prefixItems' at #"),
     ({"enum": []}, "'enum' at #"),
     ({"enum": "a"}, "'enum' at # must be an array"),
