@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-from engine.json_schema_checks import IGNORED, at, equality_key
+from engine.json_schema_checks import IGNORED, at, equality_key, never
 from engine.json_text_regex import MAX_SCHEMA_DEPTH
 
 MAX_ALTERNATIVES = 64  # anyOf/oneOf alternatives an allOf may distribute into
@@ -227,7 +227,7 @@ def _merge_members(schemas: list[dict], merged: dict, path: str) -> Any:
         rules = [s["properties"][name] if name in s.get("properties", {}) else
                  s["additionalProperties"] for s in holders
                  if name in s.get("properties", {}) or "additionalProperties" in s]
-        if any(r is False for r in rules):
+        if any(never(r) for r in rules):
             if name in merged.get("required", []):
                 return False
             continue
@@ -235,7 +235,8 @@ def _merge_members(schemas: list[dict], merged: dict, path: str) -> Any:
     merged["properties"] = props
     extras = [s["additionalProperties"] for s in holders if "additionalProperties" in s]
     if extras:
-        merged["additionalProperties"] = False if False in extras else _all(extras)
+        merged["additionalProperties"] = False if any(never(e) for e in extras) else \
+            _all(extras)
     return merged
 
 
