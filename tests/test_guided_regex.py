@@ -299,6 +299,36 @@ def test_guided_json_follows_a_recursive_schema(reference):
     assert all(d <= RECURSION_DEPTH + 1 for d in depths) and max(depths) > 1, depths
 
 
+def test_guided_json_follows_joined_tagged_and_keyed_schemas(reference):
+    """allOf (engine/json_all_of.py), a tagged oneOf (engine/json_one_of.py) and a map keyed
+    by an enum (engine/json_objects.py), sampled: every output valid under the whole schema
+    (the test validator counts oneOf's matches)."""
+    from tests.test_json_schema_regex import valid
+
+    schema = {"$defs": {"Base": {"type": "object", "required": ["id"], "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99}}}}, "type": "object",
+        "required": ["shape", "item"], "additionalProperties": False, "properties": {
+            "shape": {"oneOf": [
+                {"type": "object", "properties": {"kind": {"const": "circle"},
+                                                  "r": {"type": "integer", "maximum": 9}},
+                 "required": ["kind", "r"]},
+                {"type": "object", "properties": {"kind": {"const": "square"},
+                                                  "side": {"type": "boolean"}},
+                 "required": ["kind"]}]},
+            "counts": {"type": "object", "propertyNames": {"enum": ["red", "green"]},
+                       "additionalProperties": {"type": "integer", "minimum": 0,
+                                                "maximum": 9}},
+            "item": {"allOf": [{"$ref": "#/$defs/Base"},
+                               {"properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}]}}}
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=i, guided_json=schema)
+              for i in range(4)]
+    outs = reference.generate([PROMPTS[i % 4] for i in range(4)], params)
+    assert all(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    objs = [json.loads(o.text) for o in outs]
+    assert all(valid(obj, schema, schema) for obj in objs), [o.text for o in outs]
+    assert len({o.text for o in outs}) >= 3
+
+
 def test_a_resumed_request_goes_on_from_its_output(reference):
     tok = reference.tokenizer
     pattern = PATTERNS[0]
