@@ -85,8 +85,8 @@ def _generated(c, s: Any, path: str, depth: int) -> set[str]:
     s = c.resolved(s, path)
     if s is False:
         return set()
-    if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH:
-        return set(_KINDS)
+    if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH or "not" in s:
+        return set(_KINDS)  # (a "not" may widen the types its keywords imply)
     if "enum" in s or "const" in s:
         values = s["enum"] if "enum" in s and isinstance(s["enum"], list) else [s.get("const")]
         kinds = {"number" if t == "integer" else t

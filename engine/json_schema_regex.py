@@ -75,7 +75,8 @@ Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate e
 not generated).
 
 A schema that accepts nothing (``false``, or ``{"not": {}}`` as zod writes for never and
-undefined) leaves out an optional member it values; any other ``not`` is refused.
+undefined) leaves out an optional member it values. ``not`` of types, or of values where
+the schema's are few, is folded into them (engine/json_not.py); any other is refused.
 
 Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
 (a required member leading back to it), schemas joined that cannot be merged exactly, a
@@ -99,6 +100,7 @@ from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
                                      literal, object_members)
 from engine.json_whitespace import Punctuation
+from engine.json_not import without_not
 from engine.json_objects import ObjectRules
 from engine.json_one_of import check_exclusive
 from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count,
@@ -160,6 +162,11 @@ class _Compiler(ObjectRules):
         if not isinstance(s, dict):
             raise ValueError(f"the schema at {path} is a {type(s).__name__}, "
                              "not an object or a boolean")
+        if "not" in s:
+            s = without_not(self, s, path)
+            if s is False:
+                raise ValueError(f"the schema at {path} leaves no value once its 'not' "
+                                 "leaves its values out")
         for key in s:
             if key not in _KNOWN:
                 raise ValueError(f"{key!r} at {path} is not supported")

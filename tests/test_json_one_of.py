@@ -106,6 +106,7 @@ PAIRS = [  # (a, b, whether no text generated for a is valid under b): each way 
     ({"type": "null"}, {"type": "string", "nullable": True}, False),
     ({"enum": ["a", 1]}, {"type": "string"}, False),
     ({"enum": [1, 2]}, {"type": "string"}, True),
+    ({"maxLength": 2, "not": {"type": "string"}}, {"type": "null"}, False),  # all but strings
     (MAP, CLOSED, False),  # a map may write {"a": "x"}
     (CLOSED, MAP, False),
     ({"type": "object", "properties": {"b": {}}}, CLOSED, True),  # never writes "a"

@@ -1,9 +1,9 @@
 """Random schemas from a grammar of every keyword guided_json follows (formats, multipleOf,
-patterns beside lengths, property counts, member names, allOf and oneOf, keywords beside anyOf,
-recursion to the root, nullable): the regex
-compiles or the schema is refused with a ValueError, never another error; every text drawn
-from a compiled regex is valid under the schema. Slow (300 schemas, ~90 s): ``-m slow``;
-PDSERVE_FUZZ_EXAMPLES sets how many."""
+patterns beside lengths, property counts, member names, allOf, oneOf and not, keywords
+beside anyOf, recursion to the root, nullable): the regex compiles or the schema is refused
+with a ValueError, never another error; every text drawn from a compiled regex is valid
+under the schema. Slow (300 schemas, ~90 s): ``-m slow``; PDSERVE_FUZZ_EXAMPLES sets how
+many."""
 from __future__ import annotations
 
 import json
@@ -100,6 +100,10 @@ def schemas(draw, depth: int = 3) -> dict:
         s = {}
     if draw(st.integers(0, 5)) == 0:
         s["nullable"] = True
+    if draw(st.integers(0, 7)) == 0:  # types or values left out
+        s["not"] = draw(st.sampled_from([{"type": "null"}, {"type": ["string", "array"]},
+                                         {"type": "number"}, {"enum": [1, "a", None]},
+                                         {"const": True}, {}]))
     return s
 
 
