@@ -67,12 +67,11 @@ their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_
 ``anyOf``, ``oneOf``, ``allOf`` (its schemas merged: engine/json_all_of.py, which also
 reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
 pointer into the schema (``#``, ``#/$defs/NAME``, ``#/properties/a/items``), and OpenAPI's
-``nullable``. Annotations are
-ignored (title, description, default, examples, $schema, $id, $anchor, $comment,
-deprecated, readOnly, writeOnly, contentEncoding, contentMediaType, contentSchema, OpenAPI's
-discriminator, example, externalDocs and xml). String lengths count characters as JSON
-Schema does: an escape is one, a surrogate pair of escapes one (lone surrogate escapes are
-not generated).
+``nullable``. Annotations are ignored (title, description, default, examples, $schema,
+$id, $anchor, $comment, deprecated, readOnly, writeOnly, contentEncoding, contentMediaType,
+contentSchema, OpenAPI's discriminator, example, externalDocs and xml). String lengths
+count characters as JSON Schema does: an escape is one, a surrogate pair of escapes one
+(lone surrogate escapes are not generated).
 
 A schema that accepts nothing (``false``, or ``{"not": {}}`` as zod writes for never and
 undefined) leaves out an optional member it values. ``not`` of types, or of values where
@@ -81,10 +80,9 @@ the schema's are few, is folded into them (engine/json_not.py); any other is ref
 Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
 (a required member leading back to it), schemas joined that cannot be merged exactly, a
 ``oneOf`` whose schemas may overlap, keywords beside ``enum``/``const`` other than ``type``
-(their intersection), lengths
-beside a ``format`` that some of its texts do not meet, lengths and counts above
-``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges) and every other keyword
-(``not``, ``if``, ``contains`` ...).
+(their intersection), lengths beside a ``format`` that some of its texts do not meet,
+lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges)
+and every other keyword (``if``, ``contains``, ``unevaluatedProperties`` ...).
 """
 from __future__ import annotations
 
@@ -95,16 +93,16 @@ from urllib.parse import unquote
 from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
-from engine.json_numbers import int_bounds, int_range, number_range
-from engine.json_string_pattern import pattern_string_regex
-from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
-                                     literal, object_members)
-from engine.json_whitespace import Punctuation
 from engine.json_not import without_not
+from engine.json_numbers import int_bounds, int_range, number_range
 from engine.json_objects import ObjectRules
 from engine.json_one_of import check_exclusive
 from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count,
                                        equality_key, never, uncut, within)
+from engine.json_string_pattern import pattern_string_regex
+from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
+                                     literal, object_members)
+from engine.json_whitespace import Punctuation
 from engine.regex_text import alt, repeat
 
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
@@ -241,8 +239,8 @@ class _Compiler(ObjectRules):
             self.reentries += 1
             if inside > RECURSION_DEPTH:
                 raise Cut(f"'$ref' {ref!r} at {path} is recursive, and no instance of it "
-                           f"ends within {RECURSION_DEPTH} levels of itself (a required "
-                           "member or item leads back to it at every level)")
+                          f"ends within {RECURSION_DEPTH} levels of itself (a required "
+                          "member or item leads back to it at every level)")
         before = self.reentries
         self.expanding.append(ref)
         try:

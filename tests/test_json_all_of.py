@@ -116,7 +116,7 @@ REFUSED = [
     ({"allOf": [{"anyOf": []}, {}]}, "'anyOf' at #/allOf/0 must be a "
                                                      "non-empty array"),
     ({"allOf": [{"$ref": 3}, {}]}, "'$ref' at #/allOf/0 must be a string"),
-    ({"allOf": [{"not": {}}, {"type": "null"}]}, "'not' at # is not supported"),
+    ({"allOf": [{"not": {"maxLength": 1}}, {"type": "null"}]}, "'not' at # is supported for"),
     ({"allOf": [{"minLength": 2, "maxLength": 5}, {"maxLength": 1}]}, "'minLength' at # is "
                                                                       "above 'maxLength'"),
 ]
