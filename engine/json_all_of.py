@@ -10,7 +10,8 @@ stays a oneOf, which engine/json_one_of.py checks), at most ``MAX_ALTERNATIVES``
 alternatives; combinations whose schemas exclude each other are left out.
 
 Keyword by keyword: ``type`` lists intersect (an integer is a number); ``required`` lists
-join; lower bounds take the greatest, upper bounds the least; ``enum`` and ``const`` values
+join; lower bounds take the greatest, upper bounds the least; ``multipleOf`` the least
+common multiple; ``enum`` and ``const`` values
 intersect; ``uniqueItems`` holds if one says so; ``nullable`` holds if every schema says so
 (a subset where a schema takes null by its type: the compiler generates subsets anyway).
 Members: each name any schema declares is declared, valued by every schema that constrains
@@ -22,6 +23,8 @@ two schemas must have one value in both.
 from __future__ import annotations
 
 import itertools
+import math
+from fractions import Fraction
 from typing import Any, Callable
 
 from engine.json_schema_checks import IGNORED, at, equality_key, never
@@ -137,6 +140,10 @@ def _merge_plain(schemas: list[dict], path: str) -> Any:
         elif kw in _LOWER + _UPPER and len(values) > 1 and \
                 all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             merged[kw] = max(values) if kw in _LOWER else min(values)
+        elif kw == "multipleOf" and len(values) > 1 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                and math.isfinite(v) for v in values):
+            merged[kw] = _least_common_multiple(values)
         elif kw == "uniqueItems" and all(isinstance(v, bool) for v in values):
             merged[kw] = any(values)
         elif kw == "nullable":
@@ -147,6 +154,17 @@ def _merge_plain(schemas: list[dict], path: str) -> Any:
         return False
     _merge_items(schemas, merged, path)
     return _merge_members(schemas, merged, path)
+
+
+def _least_common_multiple(values: list) -> int | float:
+    """The least number every one of ``values`` divides: a multiple of each is a multiple of
+    it. Exact: each value as the decimal it is written as (0.1 is 1/10)."""
+    fractions = [Fraction(repr(v)) for v in values]
+    lcm = fractions[0]
+    for f in fractions[1:]:
+        lcm = Fraction(math.lcm(lcm.numerator, f.numerator), math.gcd(lcm.denominator,
+                                                                       f.denominator))
+    return int(lcm) if lcm.denominator == 1 else float(lcm)
 
 
 def _types(values: list, path: str) -> list[str]:

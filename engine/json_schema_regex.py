@@ -53,7 +53,7 @@ enum, a const, or a string's lengths, pattern and format), ``patternProperties``
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
 one), ``items``, ``prefixItems`` (or draft 7's array ``items`` with ``additionalItems``),
 ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const, booleans or null:
-each at most once, in the set's order),
+each at most once, in the set's order; any items where ``maxItems`` is at most 1),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see
@@ -350,7 +350,7 @@ class _Compiler(ObjectRules):
         unique = s.get("uniqueItems", False)
         if not isinstance(unique, bool):
             raise ValueError(f"'uniqueItems' at {path} must be true or false")
-        if unique:
+        if unique and (hi is None or hi > 1):  # (one item at most is always unique)
             return self.unique_items(prefix, items, lo, hi, path, depth)
         firsts, rest, total = [], None, 0
         try:  # a recursion cut at an item: the array ends before it, if it may

@@ -576,6 +576,14 @@ def test_pydantics_sets_of_an_enum_or_a_literal_take_what_the_regex_generates():
     model_takes_what_its_regex_generates(Palette, 25)
 
 
+def test_unique_items_of_any_kind_hold_in_an_array_of_one_item_at_most():
+    schema = {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "maxItems": 1}
+    rx = generates_only_valid_texts(schema)
+    assert rx.fullmatch('["a"]') and rx.fullmatch("[]") and not rx.fullmatch('["a", "b"]')
+    with pytest.raises(ValueError, match="'uniqueItems' at # is supported only"):
+        schema_to_regex({**schema, "maxItems": 2})
+
+
 def test_only_the_declared_properties_are_generated_in_order():
     rx = re.compile(schema_to_regex({"type": "object", "properties": {
         "a": {"type": "integer"}, "b": {"type": "integer"}}, "additionalProperties": True}))
