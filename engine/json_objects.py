@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from engine.json_dependencies import dependency_variants
 from engine.json_schema_checks import IGNORED, Cut, at, count, never, within
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import CHAR, STRING, any_value, literal, map_object, object_members
@@ -61,6 +62,10 @@ class ObjectRules:
     ``p``, ``node``, ``string``, ``types``, ``resolved`` and ``finite_values``."""
 
     def object(self, s: dict, path: str, depth: int) -> str:
+        variants = dependency_variants(s, path)
+        if variants is not None:  # the anyOf of variants without dependencies
+            return self.node(variants[0] if len(variants) == 1 else {"anyOf": variants}, path,
+                             depth + 1)
         props, required = s.get("properties", {}), s.get("required", [])
         extra = s.get("additionalProperties")
         extra = False if never(extra) else extra

@@ -51,8 +51,9 @@ members: at most a minimum of 1, as a generated name may repeat; beside ``proper
 bounds the required and declared members meet, or a minimum of 1), ``propertyNames`` (an
 enum, a const, or a string's lengths, pattern and format), ``patternProperties`` of one
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
-one), ``items``, ``prefixItems`` (or draft 7's array ``items`` with ``additionalItems``),
-``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const, booleans or null:
+one), ``dependentRequired``, ``dependentSchemas`` and draft 7's ``dependencies`` beside
+``properties`` (engine/json_dependencies.py), ``items``, ``prefixItems`` (or draft 7's
+array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const, booleans or null:
 each at most once, in the set's order; any items where ``maxItems`` is at most 1),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
@@ -118,7 +119,8 @@ _TYPE_KEYWORDS = {
     "items": "array", "prefixItems": "array", "additionalItems": "array", "minItems": "array",
     "maxItems": "array",
     "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
-    "propertyNames": "object", "patternProperties": "object",
+    "propertyNames": "object", "patternProperties": "object", "dependentRequired": "object",
+    "dependentSchemas": "object", "dependencies": "object",
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}

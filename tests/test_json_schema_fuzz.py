@@ -1,9 +1,9 @@
 """Random schemas from a grammar of every keyword guided_json follows (formats, multipleOf,
-patterns beside lengths, property counts, member names, allOf, oneOf and not, keywords
-beside anyOf, recursion to the root, nullable): the regex compiles or the schema is refused
-with a ValueError, never another error; every text drawn from a compiled regex is valid
-under the schema. Slow (300 schemas, ~90 s): ``-m slow``; PDSERVE_FUZZ_EXAMPLES sets how
-many."""
+patterns beside lengths, property counts, member names, dependencies, allOf, oneOf and not,
+keywords beside anyOf, recursion to the root, nullable): the regex compiles or the schema is
+refused with a ValueError, never another error; every text drawn from a compiled regex is
+valid under the schema. Slow (300 schemas, ~90 s): ``-m slow``; PDSERVE_FUZZ_EXAMPLES sets
+how many."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,11 @@ _NAME_RULES = {
                                       {"pattern": "^x-"}, {"const": "b"}, {"format": "date"}]),
     "patternProperties": st.sampled_from([{"^x-": {"type": "integer"}}, {"b$": {}},
                                           {"^[ab]+$": {"enum": [1, "a"]}}]),
+}
+_DEPENDENCIES = {
+    "dependentRequired": st.sampled_from([{"a": ["b"]}, {"ab": ["x-a", "a"]}, {"x-bc": []}]),
+    "dependentSchemas": st.sampled_from([{"a": {"required": ["b"]}}, {"b": False},
+                                         {"ab": {"properties": {"a": {"type": "null"}}}}]),
 }
 _SCALAR_KINDS = ["integer", "number", "string", "format", "pattern", "enum", "null"]
 
@@ -83,7 +88,7 @@ def schemas(draw, depth: int = 3) -> dict:
                          "properties": {n: draw(schemas(depth - 1)) for n in names},
                          "required": [n for n in names if draw(st.booleans())]},
                   {"minProperties": st.integers(0, 2), "maxProperties": counts,
-                   **_NAME_RULES})
+                   **_NAME_RULES, **_DEPENDENCIES})
     elif kind == "map":
         s = _some(draw, {"type": "object", "additionalProperties": draw(schemas(depth - 1))},
                   {"minProperties": st.integers(0, 2), "maxProperties": st.integers(0, 2),

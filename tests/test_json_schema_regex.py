@@ -268,6 +268,11 @@ def valid(x, s, root) -> bool:
             return False
         if not all(valid(k, s.get("propertyNames", True), root) for k in x):
             return False
+        for kw in ("dependentRequired", "dependentSchemas", "dependencies"):
+            for name, needs in s.get(kw, {}).items():
+                if name in x and not (all(n in x for n in needs) if isinstance(needs, list)
+                                      else valid(x, needs, root)):
+                    return False
         for k, v in x.items():
             named = [sub for pattern, sub in s.get("patternProperties", {}).items()
                      if re.search(_python_pattern(pattern), k)]
