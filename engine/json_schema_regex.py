@@ -53,8 +53,9 @@ enum, a const, or a string's lengths, pattern and format), ``patternProperties``
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
 one), ``dependentRequired``, ``dependentSchemas`` and draft 7's ``dependencies`` beside
 ``properties`` (engine/json_dependencies.py), ``items``, ``prefixItems`` (or draft 7's
-array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems`` (items from an enum, a const, booleans or null:
-each at most once, in the set's order; any items where ``maxItems`` is at most 1),
+array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems``
+(items from an enum, a const, booleans or null: each at most once, in the set's order; any
+items where ``maxItems`` is at most 1),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
 ipv6, hostname, email, uri; lengths beside one only where its every text meets them;
 OpenAPI's int32, int64, float, double, password, binary), ``pattern`` (see

@@ -299,6 +299,19 @@ def generates_only_valid_texts(schema, examples: int = 40) -> re.Pattern:
     return rx
 
 
+def matches_exactly(schema, good: list, bad: list, valid_bad=lambda value: False) -> None:
+    """The ``good`` values are valid and ``schema``'s regex takes them in every spelling;
+    the ``bad`` ones are invalid (unless ``valid_bad``) and it takes them in none; and what
+    it generates is valid."""
+    rx = generates_only_valid_texts(schema)
+    for value in good:
+        assert valid(value, schema, schema), value
+        assert all(rx.fullmatch(json.dumps(value, **kw)) for kw in SPELLINGS), value
+    for value in bad:
+        assert valid_bad(value) or not valid(value, schema, schema), value
+        assert not any(rx.fullmatch(json.dumps(value, **kw)) for kw in SPELLINGS), value
+
+
 # --- instances drawn from a schema ---
 
 _SCALARS = st.one_of(st.none(), st.booleans(), st.integers(),
