@@ -1,10 +1,10 @@
 """``dependentRequired``, ``dependentSchemas`` and draft 7's ``dependencies`` for
 engine/json_schema_regex.py: an object schema with them is the anyOf of variants without
 them, exactly. For a dependency of the member ``a``: one variant where ``a`` is present
-(required, with what it needs: the members it names required, or its schema joined by allOf),
-one where it is absent (left out of ``properties``); where ``a`` is already required, only
-the first; where ``a`` is not declared, it is never generated, and nothing changes. At most
-``MAX_VARIANTS`` variants.
+(required, with what it needs: the members it names required, or its schema joined by
+allOf), unless it needs a member never generated or a false schema; one where it is absent
+(left out of ``properties``), unless it is required. Where ``a`` is not declared, it is never
+generated, and nothing changes. At most ``MAX_VARIANTS`` variants.
 """
 from __future__ import annotations
 
@@ -55,15 +55,18 @@ def dependency_variants(s: dict, path: str) -> list[dict] | None:
     for name, needed, schema in rules:
         if name not in props:
             continue  # never generated: its dependency never applies
+        # A member needing one never generated, or a false schema, is never present.
+        possible = not never(schema) and all(n in props for n in needed)
         grown = []
         for v in variants:
-            if not never(schema):  # (a member whose dependent schema is false is absent)
+            if possible:
                 grown.append(v.present(name, needed, schema))
             if name not in v.schema.get("required", []):
                 grown.append(v.absent(name))
         if not grown:
-            raise ValueError(f"the member {name!r} at {path} is required, and its dependent "
-                             "schema is false: no value is valid")
+            raise ValueError(f"the member {name!r} at {path} is required, and what it "
+                             "depends on is false or names members not in 'properties': no "
+                             "value is valid")
         if len(grown) > MAX_VARIANTS:
             raise ValueError(f"dependencies at {path} make more than {MAX_VARIANTS} variants "
                              "of the object")

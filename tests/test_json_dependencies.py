@@ -34,6 +34,10 @@ CASES = {  # schema: (instances, objects that break a dependency)
                     "dependentRequired": {"b": ["c"]}}, [{}, {"a": None}], []),
     "forbidden": ({"type": "object", "properties": {"a": {"type": "null"}},
                    "dependentSchemas": {"a": False}}, [{}], [{"a": None}]),
+    "needs_undeclared": ({"type": "object", "properties": {"a": {"type": "null"},
+                                                          "b": {"type": "boolean"}},
+                          "dependentRequired": {"a": ["z"]}}, [{}, {"b": True}],
+                         [{"a": None}, {"a": None, "b": True}]),
 }
 
 
@@ -52,7 +56,9 @@ def test_a_member_present_brings_what_it_needs(name):
     ({"properties": {"a": {}}, "dependentRequired": []}, "'dependentRequired' at # must be an "
                                                          "object"),
     ({"properties": {"a": {}}, "required": ["a"], "dependentSchemas": {"a": False}},
-     "the member 'a' at # is required, and its dependent schema is false"),
+     "the member 'a' at # is required, and what it depends on is false"),
+    ({"properties": {"a": {}}, "required": ["a"], "dependentRequired": {"a": ["z"]}},
+     "or names members not in 'properties'"),
     ({"properties": {c: {} for c in "abcdefgh"},
       "dependentRequired": {c: ["a"] for c in "bcdefgh"}}, f"more than {MAX_VARIANTS} variants"),
 ])
