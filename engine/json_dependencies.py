@@ -53,13 +53,14 @@ def dependency_variants(s: dict, path: str) -> list[dict] | None:
                          "object of any members cannot leave a name out)")
     variants = [_Variant(base)]
     for name, needed, schema in rules:
-        if name not in props:
-            continue  # never generated: its dependency never applies
-        # A member needing one never generated, or a false schema, is never present.
-        possible = not never(schema) and all(n in props for n in needed)
         grown = []
         for v in variants:
-            if possible:
+            declared = v.schema["properties"]
+            if name not in declared:  # never generated here: its dependency never applies
+                grown.append(v)
+                continue
+            # Present unless it needs a member never generated here, or a false schema.
+            if not never(schema) and all(n in declared for n in needed):
                 grown.append(v.present(name, needed, schema))
             if name not in v.schema.get("required", []):
                 grown.append(v.absent(name))

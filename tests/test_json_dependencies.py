@@ -34,6 +34,12 @@ CASES = {  # schema: (instances, objects that break a dependency)
                     "dependentRequired": {"b": ["c"]}}, [{}, {"a": None}], []),
     "forbidden": ({"type": "object", "properties": {"a": {"type": "null"}},
                    "dependentSchemas": {"a": False}}, [{}], [{"a": None}]),
+    # y needs x, and x's own dependency leaves it out of one variant: y is absent there.
+    "chained": ({"type": "object", "properties": {"x": {"type": "null"}, "y": {"type": "null"},
+                                                 "z": {"type": "boolean"}},
+                 "dependentRequired": {"x": ["z"], "y": ["x"]}},
+                [{}, {"z": True}, {"x": None, "z": False}, {"x": None, "y": None, "z": True}],
+                [{"x": None}, {"y": None}, {"y": None, "z": True}]),
     "needs_undeclared": ({"type": "object", "properties": {"a": {"type": "null"},
                                                           "b": {"type": "boolean"}},
                           "dependentRequired": {"a": ["z"]}}, [{}, {"b": True}],
