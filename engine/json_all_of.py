@@ -27,6 +27,7 @@ import math
 from fractions import Fraction
 from typing import Any, Callable
 
+from engine.json_numbers import draft4_bounds
 from engine.json_schema_checks import IGNORED, at, equality_key, never
 from engine.json_text_regex import MAX_SCHEMA_DEPTH
 
@@ -89,7 +90,7 @@ def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int)
                          "not an object or a boolean")
     own = {k: v for k, v in s.items() if k not in IGNORED and k not in _JOINED}
     if own:
-        plain.append(_draft4_bounds(own))
+        plain.append(draft4_bounds(own))  # so that bounds of several schemas compare
     if "$ref" in s:
         if not isinstance(s["$ref"], str):
             raise ValueError(f"'$ref' at {path} must be a string")
@@ -108,17 +109,6 @@ def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int)
             if not _flatten(sub, at(at(path, kw), i), resolve, plain, choices, depth + 1):
                 return False
     return True
-
-
-def _draft4_bounds(s: dict) -> dict:
-    """``s`` with draft 4's boolean exclusive bounds as draft 2020-12's numbers, so that
-    bounds from several schemas compare."""
-    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if isinstance(s.get(flag), bool) and (not s[flag] or bound in s):
-            s = dict(s)
-            if s.pop(flag):
-                s[flag] = s.pop(bound)
-    return s
 
 
 def _merge_plain(schemas: list[dict], path: str) -> Any:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.json_schema_checks import IGNORED, at, equality_key
-
-_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
+from engine.json_schema_checks import IGNORED, TYPES, at, equality_key, is_open
 
 
 def without_not(c, s: dict, path: str) -> Any:
@@ -18,7 +16,7 @@ def without_not(c, s: dict, path: str) -> Any:
     where = at(path, "not")
     inner = c.resolved(s["not"], where)
     rest = {k: v for k, v in s.items() if k != "not"}
-    if inner is False or isinstance(inner, dict) and not set(inner) - IGNORED:
+    if inner is False or is_open(inner):
         return rest if inner is False else False  # not false: no constraint; not {}: none
     if isinstance(inner, dict) and set(inner) - IGNORED == {"type"}:
         return _without_types(c, rest, set(c.types(inner, where)), path)
@@ -40,9 +38,9 @@ def _without_types(c, rest: dict, excluded: set[str], path: str) -> Any:
         excluded.add("integer")  # an integer is a number
     # Without "type", the types the keywords constrain, as the compiler takes them; where
     # "not" leaves none of those, the others (keywords constrain only their own types).
-    types = c.types(rest, path) or list(_TYPES)
+    types = c.types(rest, path) or list(TYPES)
     if "type" not in rest and not set(types) - excluded:
-        types = list(_TYPES)
+        types = list(TYPES)
     if "integer" in excluded and "number" in types and "number" not in excluded:
         raise ValueError(f"'not' at {path} leaves out integers but not numbers: a number "
                          "without the integers is not supported")

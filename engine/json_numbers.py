@@ -13,28 +13,34 @@ INTEGER = "(?:0|-?[1-9][0-9]*)"
 NUMBER = "-?(?:0|[1-9][0-9]*)(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 
 
-# Draft 4's (and OpenAPI 3.0's) form: a boolean exclusiveMinimum makes the minimum exclusive.
-_DRAFT4_FLAGS = {"minimum": "exclusiveMinimum", "maximum": "exclusiveMaximum"}
+def draft4_bounds(s: dict) -> dict:
+    """``s`` with draft 4's (and OpenAPI 3.0's) boolean exclusiveMinimum/Maximum as draft
+    2020-12's numbers: a true flag makes its bound exclusive, a false one says nothing. A
+    true flag without its bound stays, for _bounds to refuse."""
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(s.get(flag), bool) and (not s[flag] or bound in s):
+            s = dict(s)
+            if s.pop(flag):
+                s[flag] = s.pop(bound)
+    return s
 
 
 def _bounds(s: dict, path: str) -> list[tuple[str, int | float]]:
-    """The bound keywords of ``s`` with their values, each checked to be a finite number; a
-    minimum or maximum that draft 4's boolean flag makes exclusive as its exclusive keyword."""
-    out = []
+    """The bound keywords of ``s`` with their values (draft 4's flags read as
+    draft4_bounds reads them), each checked to be a finite number."""
+    s, out = draft4_bounds(s), []
     for kw in NUMBER_BOUNDS:
         if kw not in s:
             continue
         v = s[kw]
-        if kw in _DRAFT4_FLAGS.values() and isinstance(v, bool):
+        if v is True:  # draft 4's flag without its bound
             bound = "minimum" if kw == "exclusiveMinimum" else "maximum"
-            if v and bound not in s:
-                raise ValueError(f"{kw!r} true at {path} needs {bound!r} beside it "
-                                 "(draft 4's form)")
-            continue  # read with its bound
+            raise ValueError(f"{kw!r} true at {path} needs {bound!r} beside it "
+                             "(draft 4's form)")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or \
                 isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"{kw!r} at {path} must be a number")
-        out.append((_DRAFT4_FLAGS[kw] if s.get(_DRAFT4_FLAGS.get(kw)) is True else kw, v))
+        out.append((kw, v))
     return out
 
 

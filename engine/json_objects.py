@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.json_dependencies import dependency_variants
-from engine.json_schema_checks import IGNORED, Cut, at, count, never, within
+from engine.json_schema_checks import IGNORED, Cut, at, count, is_open, never, within
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import CHAR, STRING, any_value, literal, map_object, object_members
 from engine.regex_dfa import RegexDfa, build_nfa
@@ -50,11 +50,6 @@ class MemberNames:
         # walks a name in linear time whatever the pattern. Built once for every declared
         # name, and not kept in compile_regex's cache, which holds the guides.
         return RegexDfa(build_nfa(parse(self.key)))
-
-
-def is_open(s: Any) -> bool:
-    """Whether the schema ``s`` constrains nothing (true, or only annotations)."""
-    return s is True or isinstance(s, dict) and not set(s) - IGNORED
 
 
 class ObjectRules:

@@ -32,10 +32,11 @@ def check_exclusive(schemas: list, path: str, c) -> None:
     # Each schema's kinds once: a pair then costs little unless their kinds meet.
     made = [_generated(c, s, path, 0) for s in schemas]
     taken = [_accepted(c, s, path, 0) for s in schemas]
+    values = [_values(c, s, path) for s in schemas]
     for i, a in enumerate(schemas):
         for j, b in enumerate(schemas):
             common = made[i] & taken[j]
-            if i != j and common and not _apart(c, a, b, common, path):
+            if i != j and common and not _apart(c, a, b, common, values[i], values[j], path):
                 raise ValueError(f"'oneOf' at {path}: a value valid under its schema {i} may "
                                  f"be valid under its schema {j} too, and then under more "
                                  "than one (use anyOf if either may hold, or tell them apart "
@@ -46,13 +47,15 @@ def _excludes(c, a: Any, b: Any, path: str) -> bool:
     """Whether no text generated for ``a`` is valid under ``b``."""
     a, b = c.resolved(a, path), c.resolved(b, path)
     common = _generated(c, a, path, 0) & _accepted(c, b, path, 0)
-    return not common or _apart(c, a, b, common, path)
+    return not common or _apart(c, a, b, common, _values(c, a, path), _values(c, b, path),
+                                path)
 
 
-def _apart(c, a: Any, b: Any, common: set[str], path: str) -> bool:
+def _apart(c, a: Any, b: Any, common: set[str], va: set | None, vb: set | None,
+           path: str) -> bool:
     """Whether no text generated for ``a`` is valid under ``b``, where the kinds ``common``
-    of theirs meet: by their values, or for objects by their members."""
-    va, vb = _values(c, a, path), _values(c, b, path)
+    of theirs meet: by their values (``va``, ``vb``: _values'), or for objects by their
+    members."""
     if va is not None and vb is not None and not va & vb:
         return True
     return common == {"object"} and isinstance(a, dict) and isinstance(b, dict) and \
@@ -72,12 +75,22 @@ def _values(c, s: Any, path: str, depth: int = 0) -> set | None:
     return None if values is None else {equality_key(v) for v in values}
 
 
+def _kinds(types) -> set[str]:
+    """Schema types as kinds of value: an integer is a number."""
+    return {"number" if t == "integer" else t for t in types}
+
+
+def _value_kinds(s: dict, path: str) -> set[str]:
+    """The kinds of ``s``'s enum or const values."""
+    values = s["enum"] if "enum" in s and isinstance(s["enum"], list) else [s.get("const")]
+    return _kinds(t for v in values for t in json_types(v, path))
+
+
 def _own_kinds(c, s: dict, path: str) -> set[str] | None:
-    """The kinds ``type`` names (integer a number), with null if nullable; None without."""
+    """The kinds ``type`` names, with null if nullable; None without."""
     if "type" not in s:
         return None
-    kinds = {"number" if t == "integer" else t for t in c.types(s, path)}
-    return kinds | ({"null"} if s.get("nullable") is True else set())
+    return _kinds(c.types(s, path)) | ({"null"} if s.get("nullable") is True else set())
 
 
 def _generated(c, s: Any, path: str, depth: int) -> set[str]:
@@ -88,13 +101,11 @@ def _generated(c, s: Any, path: str, depth: int) -> set[str]:
     if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH or "not" in s:
         return set(_KINDS)  # (a "not" may widen the types its keywords imply)
     if "enum" in s or "const" in s:
-        values = s["enum"] if "enum" in s and isinstance(s["enum"], list) else [s.get("const")]
-        kinds = {"number" if t == "integer" else t
-                 for v in values for t in json_types(v, path)}
+        kinds = _value_kinds(s, path)
     elif any(k in s for k in (*_JOINS, "$ref")):
         kinds = _combined(c, s, path, depth, _generated)
     else:
-        kinds = {"number" if t == "integer" else t for t in c.types(s, path)} or set(_KINDS)
+        kinds = _kinds(c.types(s, path)) or set(_KINDS)
     own = _own_kinds(c, s, path)
     kinds = kinds if own is None else kinds & own
     return kinds | ({"null"} if s.get("nullable") is True else set())
@@ -110,8 +121,7 @@ def _accepted(c, s: Any, path: str, depth: int) -> set[str]:
         return set(_KINDS)
     kinds = set(_KINDS)
     if "enum" in s or "const" in s:
-        values = s["enum"] if "enum" in s and isinstance(s["enum"], list) else [s.get("const")]
-        kinds = {"number" if t == "integer" else t for v in values for t in json_types(v, path)}
+        kinds = _value_kinds(s, path)
     if any(k in s for k in (*_JOINS, "$ref")):
         kinds &= _combined(c, s, path, depth, _accepted)
     own = _own_kinds(c, s, path)

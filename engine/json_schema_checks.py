@@ -12,6 +12,7 @@ from engine.regex_parse import MAX_PATTERN_LENGTH
 
 MAX_REGEX_CHARS = MAX_PATTERN_LENGTH  # the automaton compiler's limit
 MAX_COUNT = 10_000  # minLength/maxLength/minItems/maxItems above this are refused
+TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 # The keywords that constrain nothing (annotations, and where definitions are kept): the
 # content* keywords are annotations since draft 2019-09 (zod writes contentEncoding for
 # base64); example, externalDocs and xml are OpenAPI's.
@@ -28,11 +29,16 @@ class Cut(ValueError):
     no instance within the depth."""
 
 
+def is_open(s: Any) -> bool:
+    """Whether the schema ``s`` constrains nothing (true, or only annotations)."""
+    return s is True or isinstance(s, dict) and not set(s) - IGNORED
+
+
 def never(s: Any) -> bool:
     """Whether the schema ``s`` accepts no value: false, or ``{"not": {}}`` (zod's never
     and undefined)."""
     return s is False or isinstance(s, dict) and set(s) - IGNORED == {"not"} and \
-        (s["not"] is True or isinstance(s["not"], dict) and not set(s["not"]) - IGNORED)
+        is_open(s["not"])
 
 
 def uncut(compile_one, n: int) -> Iterable[str]:

@@ -99,8 +99,8 @@ from engine.json_not import without_not
 from engine.json_numbers import int_bounds, int_range, number_range
 from engine.json_objects import ObjectRules
 from engine.json_one_of import check_exclusive
-from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, Cut, at, bounded, count,
-                                       equality_key, never, uncut, within)
+from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, TYPES, Cut, at, bounded,
+                                       count, equality_key, never, uncut, within)
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
                                      literal, object_members)
@@ -110,7 +110,6 @@ from engine.regex_text import alt, repeat
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
 RECURSION_DEPTH = 3  # times a recursive $ref is followed inside itself
 
-_TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 # The keywords that constrain one type, and the type a schema without "type" is taken for.
 _TYPE_KEYWORDS = {
     "minLength": "string", "maxLength": "string", "format": "string", "pattern": "string",
@@ -216,7 +215,7 @@ class _Compiler(ObjectRules):
             values = [s["const"]] if kw == "const" else s["enum"]
             if not isinstance(values, list):
                 raise ValueError(f"'enum' at {path} must be an array")
-            types = self.types(s, path) if "type" in s else _TYPES
+            types = self.types(s, path) if "type" in s else TYPES
             kept = [v for v in values if json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
@@ -290,8 +289,8 @@ class _Compiler(ObjectRules):
                                       _TYPE_KEYWORDS[k] for k in s if k in _TYPE_KEYWORDS))
         types = [t] if isinstance(t, str) else t
         if not isinstance(types, list) or not types or \
-                any(not isinstance(x, str) or x not in _TYPES for x in types):
-            raise ValueError(f"'type' at {path} must be one of {', '.join(_TYPES)} "
+                any(not isinstance(x, str) or x not in TYPES for x in types):
+            raise ValueError(f"'type' at {path} must be one of {', '.join(TYPES)} "
                              "or a non-empty array of them")
         return list(dict.fromkeys(types))
 
@@ -396,7 +395,7 @@ class _Compiler(ObjectRules):
             values = s["enum"] if "enum" in s else [s["const"]]
             if not isinstance(values, list):
                 return None
-            types = self.types(s, path) if "type" in s else _TYPES
+            types = self.types(s, path) if "type" in s else TYPES
             values = [v for v in values if json_types(v, path) & set(types)]
         elif keys == {"type"} and s["type"] in ("boolean", "null"):
             values = [True, False] if s["type"] == "boolean" else [None]
