@@ -185,14 +185,28 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mappi
         options = ChatOptions(continue_final_message=continue_final_message)
     elif continue_final_message:
         raise ValueError("give continue_final_message in options, not beside them")
+    chat = prepared_chat(tokenizer, messages, chat_template, options)
+    return tokenizer.encode_plain(render_chat(tokenizer, chat.messages, chat.template, options))
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A conversation checked and its template chosen: what rendering takes."""
+    messages: list[ChatMessage]
+    template: str
+
+
+def prepared_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mapping],
+                  chat_template: str | None, options: ChatOptions) -> PreparedChat:
+    """The checks a conversation passes before it renders (ValueError naming the first
+    failure), and the template it renders with (select_template)."""
     msgs = check_messages(messages)
     clash = sorted(set(options.chat_template_kwargs) & set(tokenizer.special_tokens_map))
     if clash:  # a special token this tokenizer names beyond the reserved ones
         raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, clash))}: "
                          "the template reads the tokenizer's special tokens under these names")
-    template = select_template(tokenizer, chat_template, options.chat_template_name)
-    text = render_chat(tokenizer, msgs, template, options)
-    return tokenizer.encode_plain(text)
+    return PreparedChat(msgs, select_template(tokenizer, chat_template,
+                                              options.chat_template_name))
 
 
 def select_template(tokenizer: Tokenizer, chat_template: str | None,
@@ -233,17 +247,27 @@ def render_chat(tokenizer: Tokenizer, msgs: list[ChatMessage], template: str,
     transformers' sandboxed Jinja environment, with the special tokens' strings as variables.
     ValueError when the template refuses the conversation (its raise_exception) or fails on
     it; ChatTemplateBroken when it does not parse, whatever the conversation."""
+    return render_template(template, [m.as_dict() for m in msgs], tokenizer.special_tokens_map,
+                           tools=options.tools,
+                           add_generation_prompt=options.generation_prompt,
+                           continue_final_message=options.continue_final_message,
+                           kwargs=options.chat_template_kwargs)
+
+
+def render_template(template: str, conversation: list[dict], special_tokens: Mapping[str, str],
+                    *, tools: list[dict] | None, add_generation_prompt: bool,
+                    continue_final_message: bool, kwargs: Mapping[str, Any]) -> str:
+    """render_chat on plain values (what router/template_child.py receives): ``conversation``
+    the messages' dicts, ``kwargs`` the chat_template_kwargs, checked to set none of the
+    other names the template sees."""
     from jinja2 import TemplateError, TemplateSyntaxError
 
     render_jinja_template = chat_renderer()
     try:
-        # The request's kwargs were checked to set none of the names passed beside them.
         rendered, _ = render_jinja_template(
-            conversations=[[m.as_dict() for m in msgs]], chat_template=template,
-            tools=options.tools,
-            add_generation_prompt=options.generation_prompt,
-            continue_final_message=options.continue_final_message,
-            **tokenizer.special_tokens_map, **options.chat_template_kwargs)
+            conversations=[conversation], chat_template=template, tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **special_tokens, **kwargs)
     except (TemplateSyntaxError, SyntaxError) as e:
         # Python's SyntaxError: what Jinja's parser lets through into the code it compiles
         # ({% break %} outside a loop). Either way no conversation renders.

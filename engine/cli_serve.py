@@ -178,8 +178,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "itself) instead of the model's own; needed for models without one")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="a chat request may bring its own template (vLLM's chat_template "
-                        "field): the router runs its clients' Jinja, sandboxed but not "
-                        "bounded in time; for clients trusted with the router's CPU")
+                        "field): the router runs its clients' Jinja, sandboxed, in processes "
+                        "of its own bounded by the three flags below")
+    p.add_argument("--request-chat-template-workers", type=int, default=2,
+                   help="processes rendering requests' own templates at once")
+    p.add_argument("--request-chat-template-timeout-s", type=float, default=5.0,
+                   help="a request's template rendering longer is stopped (INVALID_ARGUMENT)")
+    p.add_argument("--request-chat-template-memory-mb", type=int, default=1024,
+                   help="memory a request's template may allocate (INVALID_ARGUMENT past it)")
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    default=True, help="no access-log line per request (logger pdserve.access)")
     p.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
@@ -246,6 +252,7 @@ def _router_config(args: argparse.Namespace):
     from router.config import RouterConfig
     from router.liveness import LivenessConfig
     from router.local_prefill import LocalPrefillConfig
+    from router.template_sandbox import TemplateSandboxConfig
 
     return (RouterConfig(model=args.model, redis_url=args.redis_url,
                       server=ServerConfig(args.host, args.port, args.drain_timeout_s,
@@ -270,6 +277,10 @@ def _router_config(args: argparse.Namespace):
                       keepalive_timeout_s=args.keepalive_timeout_s,
                       stream_interval=args.stream_interval, chat_template=args.chat_template,
                       trust_request_chat_template=args.trust_request_chat_template,
+                      request_chat_template=TemplateSandboxConfig(
+                          args.request_chat_template_workers,
+                          args.request_chat_template_timeout_s,
+                          args.request_chat_template_memory_mb),
                       generation_config=args.generation_config,
                       log_requests=args.log_requests, router_id=args.router_id,
                       served_model_name=args.served_model_name, tokenizer=args.tokenizer,

@@ -90,6 +90,12 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="chat requests may bring their own template (router "
                         "--trust-request-chat-template)")
+    p.add_argument("--request-chat-template-workers", type=int, default=None,
+                   help="processes rendering requests' own templates (router's flag)")
+    p.add_argument("--request-chat-template-timeout-s", type=float, default=None,
+                   help="how long a request's own template may render (router's flag)")
+    p.add_argument("--request-chat-template-memory-mb", type=int, default=None,
+                   help="memory a request's own template may allocate (router's flag)")
     p.add_argument("--generation-config", default=None, metavar="auto|engine|FOLDER",
                    help="the router's sampling defaults (router --generation-config; default: "
                         "auto, the model's generation_config.json)")
@@ -303,7 +309,9 @@ def _up_router_args(args: argparse.Namespace) -> list[str]:
     for flag in ("--metrics-port", "--tls-cert-file", "--tls-key-file", "--chat-template",
                  "--generation-config", "--stream-interval", "--max-local-prefill-length",
                  "--served-model-name", "--default-timeout-s", "--client-write-timeout-s",
-                 "--block-size", "--tokenizer", "--migration-limit", "--migration-backoff-s"):
+                 "--block-size", "--tokenizer", "--migration-limit", "--migration-backoff-s",
+                 "--request-chat-template-workers", "--request-chat-template-timeout-s",
+                 "--request-chat-template-memory-mb"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]

@@ -14,6 +14,7 @@ from router.liveness import LivenessConfig
 from router.local_prefill import LocalPrefillConfig
 from router.registry import check_namespace, check_redis_url
 from router.router_presence import check_router_id, check_served_model_name
+from router.template_sandbox import TemplateSandboxConfig
 
 DECODE_STREAMS = ("multiplexed", "per-request")
 
@@ -78,9 +79,10 @@ class RouterConfig:
     # instead of the model's own; None: the model's (engine/chat_template.py).
     chat_template: str | None = None
     # Whether a chat may bring its own template (ChatPrompt.chat_template, vLLM's
-    # --trust-request-chat-template): the router then runs its clients' Jinja, sandboxed but
-    # not bounded in time, so only for clients trusted with the router's CPU.
+    # --trust-request-chat-template): the router then runs its clients' Jinja, in Jinja's
+    # sandbox, in processes bounded in time and memory by ``request_chat_template``.
     trust_request_chat_template: bool = False
+    request_chat_template: TemplateSandboxConfig = field(default_factory=TemplateSandboxConfig)
     # Defaults for the sampling fields a request leaves unset: "auto", the model folder's
     # generation_config.json; "engine", none (the engine's own); or another folder's file.
     generation_config: str = "auto"
@@ -148,6 +150,9 @@ class RouterConfig:
         if not isinstance(self.trust_request_chat_template, bool):
             raise ValueError(f"trust_request_chat_template must be a bool, got "
                              f"{self.trust_request_chat_template!r}")
+        if not isinstance(self.request_chat_template, TemplateSandboxConfig):
+            raise ValueError("request_chat_template must be a TemplateSandboxConfig, "
+                             f"got {type(self.request_chat_template).__name__}")
         check_generation_config(self.generation_config)
         if self.decode_stream not in DECODE_STREAMS:
             raise ValueError(f"decode_stream must be one of {', '.join(DECODE_STREAMS)}, "

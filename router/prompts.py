@@ -13,11 +13,13 @@ import grpc
 from engine.chat_options import MAX_TEMPLATE_KWARGS_DEPTH, ChatOptions
 from engine.chat_tools import parse_json
 from engine.chat_template import (ChatMessage, ChatTemplateMissing, ChatTemplateUnusable,
-                                  chat_prompt_ids, chat_renderer, check_chat_template)
+                                  chat_prompt_ids, chat_renderer, check_chat_template,
+                                  prepared_chat)
 from engine.model_fingerprint import text_digest
 from engine.tokenizer import Tokenizer
 from protos import common_pb2, convert, router_pb2
 from router.errors import RouterRejectError
+from router.template_sandbox import RenderJob, TemplateSandbox
 
 # Prompts of more characters (or token ids) than this are rendered and tokenized in a worker
 # thread rather than on the router's event loop: tokenizing takes ~0.35 us a character (a
@@ -44,10 +46,15 @@ class ServedModel:
     # no requests. "" checks none.
     fingerprint: str = ""
     # Whether a chat may bring its own template (--trust-request-chat-template): a template
-    # is code the router runs, and the sandbox bounds what it reaches, not how long it runs.
+    # is code the router runs; Jinja's sandbox bounds what it reaches, ``sandbox`` what it
+    # costs.
     trust_request_chat_template: bool = False
     # What a stream must not change midway (GenerateRequest.expect_model), set from the rest.
     identity: router_pb2.ModelIdentity = field(init=False, repr=False)
+    # The processes a request's own template renders in (router/template_sandbox.py), which
+    # the router starts with --trust-request-chat-template; None: rendered here, in the
+    # caller's thread, as for callers that build a ServedModel themselves.
+    sandbox: TemplateSandbox | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         template = (self.chat_template if self.chat_template is not None
@@ -72,11 +79,37 @@ class ServedModel:
 
     async def prompt_ids_async(self, msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest
                                ) -> list[int]:
-        """prompt_ids, in a worker thread for a large prompt (INLINE_PROMPT_CHARS); the same
-        errors either way."""
+        """prompt_ids, in a worker thread for a large prompt (INLINE_PROMPT_CHARS), and a
+        chat's own template in the sandbox's processes; the same errors either way."""
+        if self.sandbox is not None and msg.WhichOneof("prompt") == "chat" \
+                and msg.chat.chat_template:
+            return await self._sandboxed_chat_ids(msg.chat)
         if not _large_prompt(msg):
             return self.prompt_ids(msg)
         return await asyncio.to_thread(self.prompt_ids, msg)
+
+    async def _sandboxed_chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
+        payload = await asyncio.to_thread(lambda: self._render_job(chat).encode())
+        text = await self.sandbox.render_encoded(payload)
+        if len(text) > INLINE_PROMPT_CHARS:
+            ids = await asyncio.to_thread(self.tokenizer.encode_plain, text)
+        else:
+            ids = self.tokenizer.encode_plain(text)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return self.check_vocab(ids, "prompt")
+
+    def _render_job(self, chat: router_pb2.ChatPrompt) -> RenderJob:
+        """What the sandbox renders a chat with its own template from: the same checks as
+        chat_ids, save compiling the template, which the child does (a template may be
+        costly to compile too)."""
+        msgs, options = self._chat_parts(chat)
+        template = self._request_template(chat, compile_here=False)
+        prepared = prepared_chat(self.tokenizer, msgs, template, options)
+        return RenderJob(prepared.template, [m.as_dict() for m in prepared.messages],
+                         dict(self.tokenizer.special_tokens_map), options.tools,
+                         options.generation_prompt, options.continue_final_message,
+                         dict(options.chat_template_kwargs))
 
     def prompt_ids(self, msg: router_pb2.GenerateRequest | router_pb2.TokenizeRequest) -> list[int]:
         """The prompt's token ids; ValueError (INVALID_ARGUMENT) when empty or outside the
@@ -114,14 +147,7 @@ class ServedModel:
         return ids[-keep:]
 
     def chat_ids(self, chat: router_pb2.ChatPrompt) -> list[int]:
-        options = ChatOptions(
-            add_generation_prompt=(chat.add_generation_prompt
-                                   if chat.HasField("add_generation_prompt") else None),
-            continue_final_message=chat.continue_final_message,
-            chat_template_kwargs=template_kwargs(chat.chat_template_kwargs),
-            chat_template_name=chat.chat_template_name or None,
-            tools=[parse_json(t, f"tools[{i}]") for i, t in enumerate(chat.tools)] or None)
-        msgs = [_chat_message(m, i) for i, m in enumerate(chat.messages)]
+        msgs, options = self._chat_parts(chat)
         theirs = self._request_template(chat)
         try:
             return chat_prompt_ids(self.tokenizer, msgs, options=options,
@@ -131,6 +157,16 @@ class ServedModel:
             if theirs is not None:  # the request's template: the client's to mend
                 raise ValueError(str(e)) from None
             raise self._unusable(e) from None
+
+    def _chat_parts(self, chat: router_pb2.ChatPrompt) -> tuple[list[ChatMessage], ChatOptions]:
+        options = ChatOptions(
+            add_generation_prompt=(chat.add_generation_prompt
+                                   if chat.HasField("add_generation_prompt") else None),
+            continue_final_message=chat.continue_final_message,
+            chat_template_kwargs=template_kwargs(chat.chat_template_kwargs),
+            chat_template_name=chat.chat_template_name or None,
+            tools=[parse_json(t, f"tools[{i}]") for i, t in enumerate(chat.tools)] or None)
+        return [_chat_message(m, i) for i, m in enumerate(chat.messages)], options
 
     def _unusable(self, e: ChatTemplateUnusable) -> RouterRejectError:
         """The router's own template cannot render: FAILED_PRECONDITION, the operator's to
@@ -142,8 +178,10 @@ class ServedModel:
                 "--chat-template, or send text or token ids")
         return RouterRejectError(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
-    def _request_template(self, chat: router_pb2.ChatPrompt) -> str | None:
-        """The chat's own template (ChatPrompt.chat_template), checked; None for none."""
+    def _request_template(self, chat: router_pb2.ChatPrompt, compile_here: bool = True
+                          ) -> str | None:
+        """The chat's own template (ChatPrompt.chat_template), checked (and compiled, unless
+        ``compile_here`` is False); None for none."""
         text = chat.chat_template
         if not text:
             return None
@@ -158,10 +196,11 @@ class ServedModel:
         if len(text) > MAX_REQUEST_CHAT_TEMPLATE_CHARS:
             raise ValueError(f"chat_template has {len(text)} characters, over "
                              f"{MAX_REQUEST_CHAT_TEMPLATE_CHARS}")
-        try:
-            check_chat_template(text, "the request's chat_template")
-        except ChatTemplateUnusable as e:
-            raise ValueError(str(e)) from None
+        if compile_here:
+            try:
+                check_chat_template(text, "the request's chat_template")
+            except ChatTemplateUnusable as e:
+                raise ValueError(str(e)) from None
         return text
 
     def check_vocab(self, ids: list[int], what: str) -> list[int]:

@@ -21,6 +21,7 @@ from router.router_peers import RouterPeers
 from router.router_presence import TTL_S, RouterPresence, default_router_id
 from router.service import RouterServicer
 from router.stats import RouterStats
+from router.template_sandbox import TemplateSandbox
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ async def serve_router(config: RouterConfig) -> None:
     stats = RouterStats(config.max_inflight_requests)
     reclaim = None
     try:
+        if config.trust_request_chat_template:
+            model.sandbox = TemplateSandbox(config.request_chat_template)
+            await model.sandbox.start()
         keyed = config.api_key is not None or config.admin_api_key is not None
         interceptors = [ApiKeyInterceptor(config.api_key, config.admin_api_key)] if keyed \
             else None
@@ -79,6 +83,8 @@ async def serve_router(config: RouterConfig) -> None:
         await serve(server, router.num_inflight, on_started=started,
                     on_stopping=stopping, metrics=lambda: router_metrics(stats, directory))
     finally:
+        if model.sandbox is not None:
+            await model.sandbox.close()
         if reclaim is not None:
             await stop_task(reclaim, 1.0)
         await presence.stop()

@@ -8,6 +8,7 @@ import pty
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -182,7 +183,8 @@ def named(cluster, preset_path, tmp_path_factory):
     folder = model_with_template(preset_path("tiny-llama"), tmp_path_factory.mktemp("named") / "m",
                                  NAMED_WITHOUT_DEFAULT + [{"name": "tools",
                                                            "template": TOOLS_TEMPLATE}])
-    return folder, _router_of(cluster, folder, "--trust-request-chat-template")
+    return folder, _router_of(cluster, folder, "--trust-request-chat-template",
+                              "--request-chat-template-timeout-s", "3")
 
 
 def test_vllms_chat_options_through_the_router_render_as_hugging_faces(named, reference):
@@ -304,3 +306,32 @@ def test_a_chats_own_template_renders_on_a_router_that_trusts_it(named, cluster,
     assert f"{len(turn)} prompt tokens" in proc.stderr
     proc = _chat(cluster.router_address, "Hi\n", "--chat-template", template_file)
     assert proc.returncode == 2 and "start it with --trust-request-chat-template" in proc.stderr
+
+
+def _template_processes(router) -> set[int]:
+    """The router's children rendering requests' templates (router/template_sandbox.py)."""
+    found = subprocess.run(["pgrep", "-P", str(router.popen.pid), "-f", "template_child"],
+                           capture_output=True, text=True)
+    return {int(p) for p in found.stdout.split()}
+
+
+def test_a_chats_own_template_that_runs_too_long_is_stopped(named):
+    """Two loops of 100000: hours of a router thread once. Now INVALID_ARGUMENT at the
+    router's --request-chat-template-timeout-s, the process running it killed and replaced,
+    and the next chat with its own template rendered."""
+    folder, router = named
+    before = _template_processes(router)
+    assert len(before) == 2  # --request-chat-template-workers' default
+    looping = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+               "{% endfor %}")
+    with Client(router.address, timeout=60) as c:
+        with pytest.raises(InvalidArgumentError, match=r"ran past 3 s"):
+            c.complete(Chat(OPTIONS_CHAT[:2], chat_template=looping), max_tokens=2)
+        chat = Chat(OPTIONS_CHAT[:2], chat_template=TEMPLATE)
+        assert c.tokenize(chat).token_ids == hf_tokenizer(folder).apply_chat_template(
+            OPTIONS_CHAT[:2], chat_template=TEMPLATE, tokenize=True, return_dict=False,
+            add_generation_prompt=True)
+    end = time.monotonic() + 60
+    while len(after := _template_processes(router)) != 2 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert len(after) == 2 and len(after & before) == 1, (before, after)

@@ -131,6 +131,7 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     from engine.cli import build_parser
     from engine.cli_serve import _worker_config
     from engine.cli_up import up_spec
+    from router.template_sandbox import TemplateSandboxConfig
 
     (tmp_path / "turns.jinja").write_text("{{ messages[0]['content'] }}")
     (tmp_path / "gen").mkdir()
@@ -146,6 +147,17 @@ def test_up_passes_its_flags_to_the_router_and_workers(tmp_path, monkeypatch):
     router = _router_config(build_parser().parse_args(["router", "--redis-url", "redis://x",
                                                        *args]))
     assert router.trust_request_chat_template and router.chat_template_text
+    assert router.request_chat_template == TemplateSandboxConfig()  # the defaults
+    sandboxed = up_spec(build_parser().parse_args(
+        ["up", "--trust-request-chat-template", "--request-chat-template-workers", "3",
+         "--request-chat-template-timeout-s", "0.5", "--request-chat-template-memory-mb",
+         "256"])).router_args
+    router = _router_config(build_parser().parse_args(["router", "--redis-url", "redis://x",
+                                                       *sandboxed]))
+    assert router.request_chat_template == TemplateSandboxConfig(3, 0.5, 256)
+    with pytest.raises(ValueError, match="request_chat_template_workers"):
+        _router_config(build_parser().parse_args(["router", "--redis-url", "redis://x",
+                                                  "--request-chat-template-workers", "0"]))
     assert args[args.index("--generation-config") + 1] == str(tmp_path / "gen")
     # The key goes to the router through its environment, not on its command line.
     assert "--api-key" not in spec.router_flags() and "k3y" not in spec.router_flags()
