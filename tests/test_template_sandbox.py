@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -60,6 +61,25 @@ def _run(coro_fn, config: TemplateSandboxConfig):
     return asyncio.run(main())
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """A run(coro_fn) on one sandbox (one process) for the module's plain renders: a loop in
+    its own thread, which started the sandbox's processes and outlives them."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sandbox = TemplateSandbox(TemplateSandboxConfig(workers=1))
+    asyncio.run_coroutine_threadsafe(sandbox.start(), loop).result(120)
+
+    def run(coro_fn):
+        return asyncio.run_coroutine_threadsafe(coro_fn(sandbox), loop).result(120)
+    yield run
+    asyncio.run_coroutine_threadsafe(sandbox.close(), loop).result(60)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
 def _gone(pid: int, within_s: float = 10.0) -> bool:
     end = time.monotonic() + within_s
     while time.monotonic() < end:
@@ -80,7 +100,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
          continue_final_message=True, add_generation_prompt=False),
     Chat(CALLED, chat_template=TOOLS_TEMPLATE, tools=TOOLS),
 ])
-def test_a_sandboxed_chat_is_the_prompt_rendered_in_the_router(folder, chat):
+def test_a_sandboxed_chat_is_the_prompt_rendered_in_the_router(folder, shared, chat):
     """Token for token what the router renders in its own thread, which the chat template
     tests hold to Hugging Face's apply_chat_template."""
     tok = load_tokenizer(folder)
@@ -90,11 +110,11 @@ def test_a_sandboxed_chat_is_the_prompt_rendered_in_the_router(folder, chat):
     async def sandboxed(sandbox):
         served.sandbox = sandbox
         return await served.prompt_ids_async(tokenize_request(chat))
-    assert _run(sandboxed, TemplateSandboxConfig(workers=1)) == want
+    assert shared(sandboxed) == want
     assert len(set(want)) > 5
 
 
-def test_the_turns_template_in_the_sandbox_is_hugging_faces(folder):
+def test_the_turns_template_in_the_sandbox_is_hugging_faces(folder, shared):
     tok = load_tokenizer(folder)
     served = ServedModel("m", tok, tok.vocab_size, trust_request_chat_template=True)
 
@@ -102,7 +122,7 @@ def test_the_turns_template_in_the_sandbox_is_hugging_faces(folder):
         served.sandbox = sandbox
         return await served.prompt_ids_async(tokenize_request(Chat(CHAT,
                                                                    chat_template=TURNS_TEMPLATE)))
-    assert _run(sandboxed, TemplateSandboxConfig(workers=1)) == \
+    assert shared(sandboxed) == \
         hf_tokenizer(folder).apply_chat_template(CHAT, chat_template=TURNS_TEMPLATE,
                                                  tokenize=True, return_dict=False,
                                                  add_generation_prompt=True)
@@ -118,7 +138,8 @@ def test_the_turns_template_in_the_sandbox_is_hugging_faces(folder):
     (ALLOCATING, "more than 1024 MB"),
     ("{{ 'x' * 67108865 }}", "rendered 67108865 characters, over 67108864"),
 ])
-def test_a_bad_template_in_the_sandbox_is_the_clients_invalid_argument(folder, template, match):
+def test_a_bad_template_in_the_sandbox_is_the_clients_invalid_argument(folder, shared, template,
+                                                                       match):
     tok = load_tokenizer(folder)
     served = ServedModel("m", tok, tok.vocab_size, trust_request_chat_template=True)
     req = tokenize_request(Chat(CHAT, chat_template=template))
@@ -128,7 +149,7 @@ def test_a_bad_template_in_the_sandbox_is_the_clients_invalid_argument(folder, t
         with pytest.raises(Exception) as err:
             await served.prompt_ids_async(req)
         return err.value, await sandbox.render(_job(OK))  # and the next one renders
-    err, after = _run(sandboxed, TemplateSandboxConfig(workers=1))
+    err, after = shared(sandboxed)
     code, message = status_of(err)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
     assert after == "<s>user: hi\n"
