@@ -113,8 +113,8 @@ class ObjectRules:
         s = self.resolved(s, path)
         if is_open(s):
             return None
-        if s is False:
-            raise ValueError(f"'propertyNames' at {path} is false: only an empty object is "
+        if never(s):
+            raise ValueError(f"'propertyNames' at {path} accepts no name: only an empty object is "
                              "valid (drop the members instead)")
         values = self.finite_values(s, path, 0)
         if values is not None:
