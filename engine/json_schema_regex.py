@@ -45,7 +45,8 @@ needs one spelling, not every one):
   (engine/json_one_of.py: by type, by values, by a tag member, by required names), and
   refused otherwise.
 
-Supported: ``type`` (one or a list), ``enum``, ``const``, ``properties``, ``required``,
+Supported: ``type`` (one or a list), ``enum`` and ``const`` (beside other keywords, their
+scalar values those keywords allow: engine/json_enum.py), ``properties``, ``required``,
 ``additionalProperties``, ``minProperties`` and ``maxProperties`` (for an object of any
 members: at most a minimum of 1, as a generated name may repeat; beside ``properties``:
 bounds the required and declared members meet, or a minimum of 1), ``propertyNames`` (an
@@ -94,6 +95,7 @@ from urllib.parse import unquote
 
 from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
+from engine.json_enum import values_meeting
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
 from engine.json_not import without_not
 from engine.json_numbers import int_bounds, int_range, number_range
@@ -204,14 +206,8 @@ class _Compiler(ObjectRules):
         if len(combinators) > 1:
             raise ValueError(f"{kw!r} and {combinators[1]!r} together at {path} "
                              "are not supported")
-        # Their intersection with other constraints is out of reach; enum and const may
-        # still be narrowed by type.
-        allowed = ("type",) if kw in ("enum", "const") else ()
-        for key in s:
-            if (key in _TYPE_KEYWORDS or key == "type") and key not in allowed:
-                raise ValueError(f"{key!r} beside {kw!r} at {path} is not supported")
         where = at(path, kw)
-        if kw in ("enum", "const"):
+        if kw in ("enum", "const"):  # narrowed by the keywords beside it (engine/json_enum.py)
             values = [s["const"]] if kw == "const" else s["enum"]
             if not isinstance(values, list):
                 raise ValueError(f"'enum' at {path} must be an array")
@@ -219,6 +215,10 @@ class _Compiler(ObjectRules):
             kept = [v for v in values if json_types(v, where) & set(types)]
             if not kept:
                 raise ValueError(f"{kw!r} at {path} leaves no value of the schema's type")
+            keywords = {k: v for k, v in s.items() if k in _TYPE_KEYWORDS or k == "type"}
+            kept = values_meeting(self, kw, kept, keywords, path, depth)
+            if not kept:
+                raise ValueError(f"no value of {kw!r} at {path} meets the keywords beside it")
             return alt(bounded((literal(v, where, depth, self.p) for v in kept), path))
         if kw == "$ref":
             return self.ref(s["$ref"], path, depth)

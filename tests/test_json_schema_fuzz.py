@@ -73,8 +73,12 @@ def schemas(draw, depth: int = 3) -> dict:
         s = _some(draw, {"type": "string", "pattern": draw(st.sampled_from(_PATTERNS))},
                   {"minLength": st.integers(0, 5), "maxLength": st.integers(0, 9)})
     elif kind == "enum":
-        s = {"enum": draw(st.lists(st.none() | st.booleans() | st.integers(-3, 3)
-                                   | st.text(max_size=2), min_size=1, max_size=3))}
+        s = _some(draw, {"enum": draw(st.lists(st.none() | st.booleans() | st.integers(-3, 3)
+                                               | st.sampled_from([0.5, 1.0, 2.25])
+                                               | st.text(max_size=2), min_size=1, max_size=3))},
+                  {"maxLength": st.integers(0, 2), "minimum": st.integers(-2, 2),
+                   "multipleOf": st.sampled_from([0.5, 2]), "pattern": st.sampled_from(_PATTERNS),
+                   "type": st.sampled_from(["string", "integer", ["number", "null"]])})
     elif kind == "null":
         s = {"type": "null"}
     elif kind == "array":
