@@ -54,7 +54,8 @@ enum, a const, or a string's lengths, pattern and format), ``patternProperties``
 pattern (beside ``properties``, a declared name it matches only where the two schemas are
 one), ``dependentRequired``, ``dependentSchemas`` and draft 7's ``dependencies`` beside
 ``properties`` (engine/json_dependencies.py), ``items``, ``prefixItems`` (or draft 7's
-array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``uniqueItems``
+array ``items`` with ``additionalItems``), ``minItems``, ``maxItems``, ``contains`` and
+``minContains`` (engine/json_contains.py), ``uniqueItems``
 (items from an enum, a const, booleans or null: each at most once, in the set's order; any
 items where ``maxItems`` is at most 1),
 ``minLength``, ``maxLength``, ``format`` (date, time, date-time, duration, uuid, ipv4,
@@ -95,6 +96,7 @@ from urllib.parse import unquote
 
 from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
+from engine.json_contains import contains_items
 from engine.json_enum import values_meeting
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
 from engine.json_not import without_not
@@ -122,7 +124,8 @@ _TYPE_KEYWORDS = {
     "maxItems": "array",
     "minProperties": "object", "maxProperties": "object", "uniqueItems": "array",
     "propertyNames": "object", "patternProperties": "object", "dependentRequired": "object",
-    "dependentSchemas": "object", "dependencies": "object",
+    "dependentSchemas": "object", "dependencies": "object", "contains": "array",
+    "minContains": "array", "maxContains": "array",
 }
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf", "enum", "const")
 _KNOWN = IGNORED | set(_TYPE_KEYWORDS) | set(_COMBINATORS) | {"type", "nullable"}
@@ -349,6 +352,10 @@ class _Compiler(ObjectRules):
             hi = len(prefix) if hi is None else min(hi, len(prefix))
         if hi is not None and lo > hi:
             raise ValueError(f"'minItems' at {path} asks for more items than the schema allows")
+        if "contains" in s:  # engine/json_contains.py
+            run = contains_items(self, s, prefix, items, lo, hi, path, depth)
+            if run is not None:
+                return f"{self.p.open_array}{run}{self.p.close_array}"
         unique = s.get("uniqueItems", False)
         if not isinstance(unique, bool):
             raise ValueError(f"'uniqueItems' at {path} must be true or false")

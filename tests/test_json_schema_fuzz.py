@@ -84,7 +84,8 @@ def schemas(draw, depth: int = 3) -> dict:
     elif kind == "array":
         s = _some(draw, {"type": "array", "items": draw(schemas(depth - 1))}, {
             "minItems": st.integers(0, 2), "maxItems": counts,
-            "prefixItems": st.lists(schemas(depth - 1), max_size=1)})
+            "prefixItems": st.lists(schemas(depth - 1), max_size=1),
+            "contains": schemas(depth - 1), "minContains": st.integers(0, 2)})
     elif kind == "object":
         names = draw(st.lists(st.sampled_from(["a", "b", "ab", "x-a", "x-bc"]), unique=True,
                               max_size=3))

@@ -270,6 +270,10 @@ def valid(x, s, root) -> bool:
             prefix, items = items, s.get("additionalItems", True)
         if s.get("uniqueItems") and any(_same(a, b) for i, a in enumerate(x) for b in x[:i]):
             return False
+        if "contains" in s:
+            found = sum(valid(v, s["contains"], root) for v in x)
+            if not s.get("minContains", 1) <= found <= s.get("maxContains", math.inf):
+                return False
         return s.get("minItems", 0) <= len(x) <= s.get("maxItems", math.inf) and \
             all(valid(v, prefix[i] if i < len(prefix) else items, root) for i, v in enumerate(x))
     if isinstance(x, dict):
@@ -1037,7 +1041,7 @@ REFUSED = [
       "$defs": {"A": {"$ref": "#/$defs/A"}}}, "'uniqueItems' at # is supported only"),
     ({"if": {}, "then": {}}, "'if' at #"),
     ({"not": {"minimum": 1}}, "'not' at # is supported for types"),
-    ({"type": "array", "contains": {}}, "'contains' at #"),
+    ({"type": "array", "contains": {}, "maxContains": 1}, "'maxContains' at #"),
     ({"type": "object", "minProperties": 2}, "'minProperties' 2 at # is not supported for an "
                                              "object of any members"),
     ({"type": "object", "minProperties": 3, "maxProperties": 2}, "'minProperties' at # is "
