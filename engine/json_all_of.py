@@ -50,8 +50,9 @@ def merge_all_of(schemas: list, path: str, resolve: Callable[[str, str], Any]) -
 def _merge(schemas: list, path: str, resolve, budget: list[int]) -> Any:
     plain: list[dict] = []
     choices: list[tuple[str, list]] = []  # ("anyOf" or "oneOf", its schemas)
+    refs: dict[str, bool] = {}  # the $refs flattened: True once done, False while open
     for s in schemas:
-        if not _flatten(s, path, resolve, plain, choices, 0):
+        if not _flatten(s, path, resolve, plain, choices, 0, refs):
             return False
     if not choices:
         return _merge_plain(plain, path)
@@ -76,9 +77,12 @@ def _merge(schemas: list, path: str, resolve, budget: list[int]) -> Any:
     return merged[0] if len(merged) == 1 else {"oneOf" if one_of else "anyOf": merged}
 
 
-def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int) -> bool:
+def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int,
+             refs: dict[str, bool]) -> bool:
     """Adds ``s``'s plain keywords to ``plain`` and its alternatives to ``choices``,
-    following its $ref and allOf; False when ``s`` is false."""
+    following its $ref and allOf; False when ``s`` is false. A $ref already flattened adds
+    nothing again (A and A is A): without that, allOf chains of two $refs to one schema
+    flattened 2^depth schemas, a small schema holding a thread for minutes."""
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"'allOf' at {path} leads back to itself through $ref or allOf")
     if s is True:
@@ -92,11 +96,17 @@ def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int)
     if own:
         plain.append(draft4_bounds(own))  # so that bounds of several schemas compare
     if "$ref" in s:
-        if not isinstance(s["$ref"], str):
+        ref = s["$ref"]
+        if not isinstance(ref, str):
             raise ValueError(f"'$ref' at {path} must be a string")
-        if not _flatten(resolve(s["$ref"], path), s["$ref"], resolve, plain, choices,
-                        depth + 1):
-            return False
+        if refs.get(ref) is False:
+            raise ValueError(f"'allOf' at {path} leads back to itself through $ref")
+        if ref not in refs:
+            refs[ref] = False
+            if not _flatten(resolve(ref, path), ref, resolve, plain, choices, depth + 1,
+                            refs):
+                return False
+            refs[ref] = True
     for kw in _JOINED[:3]:
         if kw not in s:
             continue
@@ -106,7 +116,8 @@ def _flatten(s: Any, path: str, resolve, plain: list, choices: list, depth: int)
             choices.append((kw, s[kw]))
             continue
         for i, sub in enumerate(s[kw]):
-            if not _flatten(sub, at(at(path, kw), i), resolve, plain, choices, depth + 1):
+            if not _flatten(sub, at(at(path, kw), i), resolve, plain, choices, depth + 1,
+                            refs):
                 return False
     return True
 

@@ -93,9 +93,35 @@ def _own_kinds(c, s: dict, path: str) -> set[str] | None:
     return _kinds(c.types(s, path)) | ({"null"} if s.get("nullable") is True else set())
 
 
+def _via_ref(c, ref: str, path: str, depth: int, kinds_of) -> set[str]:
+    """``kinds_of`` the schema ``ref`` names, once per compile: a $ref met again while its
+    own kinds are being found stands for every kind (both functions find supersets, so any
+    answer that widens is sound). Without it two branches of ``{"$ref": "#"}`` beside each
+    other walked 2^depth schemas: a 100-byte schema held a thread for minutes."""
+    key = (ref, kinds_of)
+    if key in c.kinds_memo:
+        found = c.kinds_memo[key]
+        return set(_KINDS) if found is None else found
+    c.kinds_memo[key] = None
+    try:
+        found = kinds_of(c, c.target(ref, path), path, depth + 1)
+    except BaseException:
+        del c.kinds_memo[key]
+        raise
+    c.kinds_memo[key] = found
+    return found
+
+
+def _bare_ref(s: Any) -> str | None:
+    if isinstance(s, dict) and set(s) - IGNORED == {"$ref"} and isinstance(s["$ref"], str):
+        return s["$ref"]
+    return None
+
+
 def _generated(c, s: Any, path: str, depth: int) -> set[str]:
     """The kinds of value the compiler may generate for ``s`` (a superset)."""
-    s = c.resolved(s, path)
+    if (ref := _bare_ref(s)) is not None:
+        return _via_ref(c, ref, path, depth, _generated)
     if s is False:
         return set()
     if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH or "not" in s:
@@ -114,7 +140,8 @@ def _generated(c, s: Any, path: str, depth: int) -> set[str]:
 def _accepted(c, s: Any, path: str, depth: int) -> set[str]:
     """The kinds of value ``s`` accepts some of (a superset: by its type, values and
     combinators; other keywords leave the other kinds alone)."""
-    s = c.resolved(s, path)
+    if (ref := _bare_ref(s)) is not None:
+        return _via_ref(c, ref, path, depth, _accepted)
     if s is False:
         return set()
     if not isinstance(s, dict) or depth > MAX_SCHEMA_DEPTH:
@@ -132,7 +159,7 @@ def _combined(c, s: dict, path: str, depth: int, kinds_of) -> set[str]:
     """The kinds ``s``'s $ref and combinators allow, by ``kinds_of`` each schema."""
     kinds = set(_KINDS)
     if "$ref" in s and isinstance(s["$ref"], str):
-        kinds &= kinds_of(c, c.target(s["$ref"], path), path, depth + 1)
+        kinds &= _via_ref(c, s["$ref"], path, depth, kinds_of)
     for kw in _JOINS:
         subs = s.get(kw)
         if not isinstance(subs, list) or not subs:

@@ -29,6 +29,12 @@ class Cut(ValueError):
     no instance within the depth."""
 
 
+class Unsatisfiable(ValueError):
+    """A schema no value meets (its joined schemas exclude each other, its ``not`` leaves
+    nothing): an if/then/else variant that raises it is left out (engine/json_conditional.py),
+    and anything else refuses the schema with it."""
+
+
 def is_open(s: Any) -> bool:
     """Whether the schema ``s`` constrains nothing (true, or only annotations)."""
     return s is True or isinstance(s, dict) and not set(s) - IGNORED

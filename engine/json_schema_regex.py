@@ -68,8 +68,9 @@ never beside a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 beside ``minimum`` and ``maximum``; compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
-``anyOf``, ``oneOf``, ``allOf`` (its schemas merged: engine/json_all_of.py, which also
-reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
+``if``, ``then`` and ``else`` (a condition of types, values, or an object's members:
+engine/json_conditional.py), ``anyOf``, ``oneOf``, ``allOf`` (its schemas merged:
+engine/json_all_of.py, which also reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
 pointer into the schema (``#``, ``#/$defs/NAME``, ``#/properties/a/items``), and OpenAPI's
 ``nullable``. Annotations are ignored (title, description, default, examples, $schema,
 $id, $anchor, $comment, deprecated, readOnly, writeOnly, contentEncoding, contentMediaType,
@@ -96,6 +97,7 @@ from urllib.parse import unquote
 
 from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
+from engine.json_conditional import conditional
 from engine.json_contains import contains_items
 from engine.json_enum import values_meeting
 from engine.json_multiples import integer_multiples, multiple_of, number_multiples
@@ -103,8 +105,8 @@ from engine.json_not import without_not
 from engine.json_numbers import int_bounds, int_range, number_range
 from engine.json_objects import ObjectRules
 from engine.json_one_of import check_exclusive
-from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, TYPES, Cut, at, bounded,
-                                       count, equality_key, never, uncut, within)
+from engine.json_schema_checks import (IGNORED, MAX_REGEX_CHARS, TYPES, Cut, Unsatisfiable, at,
+                                       bounded, count, equality_key, never, uncut, within)
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
                                      literal, object_members)
@@ -156,6 +158,9 @@ class _Compiler(ObjectRules):
         self.refs: dict[str, str] = {}  # each $ref compiled once, unless it recursed
         self.expanding: list[str] = ["#"]  # the $refs being compiled ("#": the root)
         self.reentries = 0  # $refs met inside their own expansion so far
+        # The kinds of value each $ref's schema generates and accepts (engine/json_one_of.py).
+        self.kinds_memo: dict = {}
+        self.conditions = 0  # if/then/else compiled so far (engine/json_conditional.py)
 
     def node(self, s: Any, path: str, depth: int) -> str:
         if depth > MAX_SCHEMA_DEPTH:
@@ -167,11 +172,13 @@ class _Compiler(ObjectRules):
         if not isinstance(s, dict):
             raise ValueError(f"the schema at {path} is a {type(s).__name__}, "
                              "not an object or a boolean")
+        if "if" in s or "then" in s or "else" in s:  # engine/json_conditional.py
+            return conditional(self, s, path, depth)
         if "not" in s:
             s = without_not(self, s, path)
             if s is False:
-                raise ValueError(f"the schema at {path} leaves no value once its 'not' "
-                                 "leaves its values out")
+                raise Unsatisfiable(f"the schema at {path} leaves no value once its 'not' "
+                                    "leaves its values out")
         for key in s:
             if key not in _KNOWN:
                 raise ValueError(f"{key!r} at {path} is not supported")
@@ -203,8 +210,8 @@ class _Compiler(ObjectRules):
             merged = merge_all_of([{k: v for k, v in s.items() if k != "nullable"}], path,
                                   self.target)
             if merged is False:
-                raise ValueError(f"the schemas joined at {path} exclude each other: no "
-                                 "value is valid")
+                raise Unsatisfiable(f"the schemas joined at {path} exclude each other: no "
+                                    "value is valid")
             return self.node(merged, path, depth + 1)
         if len(combinators) > 1:
             raise ValueError(f"{kw!r} and {combinators[1]!r} together at {path} "

@@ -172,3 +172,27 @@ def test_a_pydantic_model_inheriting_by_allof_takes_what_the_regex_generates():
         Kitten.model_validate_json(text)
 
     check()
+
+
+def test_a_ref_joined_twice_is_flattened_once(monkeypatch):
+    """allOf of two $refs to one schema, 25 links deep: flattening walked 2^25 schemas
+    (a thread held for good); a $ref already flattened adds nothing again (A and A is A),
+    and one that leads back to itself is still refused."""
+    import engine.json_all_of as all_of
+
+    calls = []
+    real = all_of._flatten
+
+    def counted(*args):
+        calls.append(1)
+        assert len(calls) < 500, "one schema was flattened again and again"
+        return real(*args)
+    monkeypatch.setattr(all_of, "_flatten", counted)
+    chain = {"$defs": {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"},
+                                           {"$ref": f"#/$defs/d{i + 1}", "minimum": i}]}
+                       for i in range(25)}, "$ref": "#/$defs/d0"}
+    chain["$defs"]["d25"] = {"type": "integer", "maximum": 100}
+    assert schema_to_regex(chain) == schema_to_regex({"type": "integer", "minimum": 24,
+                                                      "maximum": 100})
+    with pytest.raises(ValueError, match="leads back to itself"):
+        schema_to_regex({"allOf": [{"$ref": "#"}, {"type": "integer"}]})

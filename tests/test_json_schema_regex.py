@@ -242,6 +242,9 @@ def valid(x, s, root) -> bool:
         return False
     if "allOf" in s and not all(valid(x, b, root) for b in s["allOf"]):
         return False
+    if "if" in s and not valid(x, s.get("then", True) if valid(x, s["if"], root)
+                               else s.get("else", True), root):
+        return False
     if "anyOf" in s and not any(valid(x, b, root) for b in s["anyOf"]):
         return False
     if "oneOf" in s and sum(valid(x, b, root) for b in s["oneOf"]) != 1:
@@ -1039,7 +1042,7 @@ REFUSED = [
     ('{"type": "array", "items": {"enum": [[NaN]]}, "uniqueItems": true}', "nan at #/items"),
     ({"type": "array", "items": {"$ref": "#/$defs/A"}, "uniqueItems": True,
       "$defs": {"A": {"$ref": "#/$defs/A"}}}, "'uniqueItems' at # is supported only"),
-    ({"if": {}, "then": {}}, "'if' at #"),
+    ({"if": {"minimum": 1}, "then": {}}, "'if' at #"),
     ({"not": {"minimum": 1}}, "'not' at # is supported for types"),
     ({"type": "array", "contains": {}, "maxContains": 1}, "'maxContains' at #"),
     ({"type": "object", "minProperties": 2}, "'minProperties' 2 at # is not supported for an "
