@@ -12,7 +12,7 @@ import pytest
 
 from engine.json_one_of import MAX_ONE_OF
 from engine.json_schema_regex import schema_to_regex
-from tests.test_json_schema_regex import generates_only_valid_texts
+from tests.test_json_schema_regex import bounded_calls, generates_only_valid_texts
 
 CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
        "required": ["kind"]}
@@ -132,14 +132,7 @@ def test_the_kinds_of_a_ref_are_found_once_however_often_it_is_met(monkeypatch):
     schemas (minutes for this 100-byte schema); now each $ref's kinds once per compile."""
     import engine.json_one_of as one_of
 
-    calls = []
-    real = one_of._generated
-
-    def counted(*args):
-        calls.append(1)
-        assert len(calls) < 500, "the kinds of one schema were found again and again"
-        return real(*args)
-    monkeypatch.setattr(one_of, "_generated", counted)
+    calls = bounded_calls(monkeypatch, one_of, "_generated")
     chain = {"$defs": {f"d{i}": {"oneOf": [{"$ref": f"#/$defs/d{i + 1}"},
                                            {"$ref": f"#/$defs/d{i + 1}", "nullable": True}]}
                        for i in range(40)}, "$ref": "#/$defs/d0"}

@@ -316,6 +316,20 @@ def generates_only_valid_texts(schema, examples: int = 40) -> re.Pattern:
     return rx
 
 
+def bounded_calls(monkeypatch, module, name: str, limit: int = 500) -> list:
+    """Counts the calls of ``module.name`` into the returned list, failing the limit-th: a
+    compile that walks a schema again and again fails at once instead of running for hours."""
+    calls: list = []
+    real = getattr(module, name)
+
+    def counted(*args):
+        calls.append(1)
+        assert len(calls) < limit, f"{name} called {limit} times: a walk repeats itself"
+        return real(*args)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def matches_exactly(schema, good: list, bad: list, valid_bad=lambda value: False) -> None:
     """The ``good`` values are valid and ``schema``'s regex takes them in every spelling;
     the ``bad`` ones are invalid (unless ``valid_bad``) and it takes them in none; and what
