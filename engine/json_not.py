@@ -1,12 +1,14 @@
 """``not`` for engine/json_schema_regex.py, where it says what to leave out in terms the
 rest of the schema can carry: types (``{"not": {"type": "null"}}``, anything but null), or
-values of a schema whose values are few (``{"type": "boolean", "not": {"const": false}}``).
+values of a schema whose values are few (``{"type": "boolean", "not": {"const": false}}``),
+or strings of a string schema with no rule but its lengths (engine/json_not_strings.py).
 The schema is rewritten without it; any other ``not`` is refused.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from engine.json_not_strings import free_string, without_strings
 from engine.json_schema_checks import IGNORED, TYPES, at, equality_key, is_open
 
 
@@ -21,6 +23,8 @@ def without_not(c, s: dict, path: str) -> Any:
     if isinstance(inner, dict) and set(inner) - IGNORED == {"type"}:
         return _without_types(c, rest, set(c.types(inner, where)), path)
     left_out = c.finite_values(inner, where, 0)
+    if left_out is not None and free_string(rest):  # engine/json_not_strings.py
+        return without_strings(rest, left_out, path)
     kept = c.finite_values(rest, path, 0) if left_out is not None else None
     if kept is None:
         raise ValueError(f"'not' at {path} is supported for types to leave out, or values "
