@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.json_schema_checks import IGNORED, Unsatisfiable, at, is_open
+from engine.json_schema_checks import IGNORED, Cut, Unsatisfiable, at, is_open
 from engine.regex_text import alt
 
 _KEYWORDS = ("if", "then", "else")
@@ -30,13 +30,12 @@ _OBJECT_CONDITION = {"properties", "required", "type"}
 
 def conditional(compiler, s: dict, path: str, depth: int) -> str:
     """The regex of ``s``, which has if, then or else."""
-    rest = {k: v for k, v in s.items() if k not in _KEYWORDS and k != "nullable"}
-    nullable = s.get("nullable", False)
-    if nullable:
-        rest["nullable"] = nullable  # checked there; null is added once, below
+    rest = {k: v for k, v in s.items() if k not in _KEYWORDS}
     if "if" not in s:
         return compiler.node(rest, path, depth + 1)
-    rest.pop("nullable", None)
+    nullable = rest.pop("nullable", False)  # null is added once, below
+    if not isinstance(nullable, bool):
+        raise ValueError(f"'nullable' at {path} must be true or false")
     compiler.conditions += 1
     if compiler.conditions > MAX_CONDITIONS:
         raise ValueError(f"the schema compiles more than {MAX_CONDITIONS} if/then/else "
@@ -44,17 +43,21 @@ def conditional(compiler, s: dict, path: str, depth: int) -> str:
     cond, then, other = s["if"], s.get("then", True), s.get("else", True)
     variants = [{"allOf": [rest, cond, then]}]
     variants += [{"allOf": [rest, miss, other]} for miss in _misses(cond, rest, path)]
-    found, refusal = [], None
+    found, refusal, cut = [], None, None
     for v in variants:
         try:
             found.append(compiler.node(v, path, depth + 1))
         except Unsatisfiable as e:  # no value takes this way through the condition
             refusal = refusal or e
+        except Cut as e:  # a recursion cut in this way: the others may end (as anyOf's)
+            cut = cut or e
         except ValueError as e:
             if str(e).startswith("'if' at") or "if/then/else" in str(e):
                 raise
             raise ValueError(f"'if' at {path}: {e}") from None
     if not found:
+        if cut is not None:
+            raise cut
         raise Unsatisfiable(f"no value meets the schema at {path} whether or not it meets "
                             f"'if' ({refusal})")
     rx = alt(found)

@@ -37,6 +37,16 @@ CASES = {  # schema: (instances, non-instances)
                       "if": {"properties": {"kind": {"const": "a"}}, "required": ["kind"]},
                       "then": {"required": ["x"]}},
                      [{"kind": "a", "x": 1}, {"kind": "b"}], [{"kind": "a"}, {}]),
+    # A recursive tree whose nodes hold a condition: a way through it cut by the recursion
+    # depth is left out as anyOf leaves out a cut branch, not refused.
+    "recursive": ({"$defs": {"T": {"type": "object", "properties": {
+        "k": {"enum": ["a", "b"]}, "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}},
+        "required": ["k"], "if": {"properties": {"k": {"const": "a"}}},
+        "then": {"required": ["kids"], "properties": {"kids": {"minItems": 1}}}}},
+                   "$ref": "#/$defs/T"},
+                  [{"k": "b"}, {"k": "a", "kids": [{"k": "b"}]},
+                   {"k": "a", "kids": [{"k": "a", "kids": [{"k": "b"}]}]}],
+                  [{"k": "a"}, {"k": "a", "kids": []}, {"k": "a", "kids": [{"k": "a"}]}]),
     "absent_meets_it": ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}},
                          "if": {"properties": {"kind": {"const": "a"}}},
                          "then": {"minProperties": 1}, "else": False},
@@ -96,6 +106,7 @@ def test_a_free_strings_tag_takes_the_other_way_for_any_other_string():
       "if": {"properties": {"c": {"const": "US"}}}, "then": False},
      "no value meets the schema at # whether or not it meets 'if'"),
     ({"type": "object", "if": 3}, "the schema at #/if is a int"),
+    ({"type": "integer", "nullable": 0, "if": {"type": "integer"}}, "'nullable' at # must be"),
 ])
 def test_a_condition_the_compiler_cannot_negate_is_refused(schema, match):
     with pytest.raises(ValueError, match=re.escape(match)):
