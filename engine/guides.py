@@ -18,6 +18,7 @@ from typing import Sequence
 
 from engine.guided_choice import ChoiceCursor, check_choice_prefix, tokenize_choices
 from engine.json_schema_regex import schema_to_regex
+from engine.refusals import Refusals
 from engine.regex_dfa import compile_regex
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -27,8 +28,17 @@ from engine.tokenizer import Tokenizer
 _GUIDES_KEPT = 16
 
 
-@functools.lru_cache(maxsize=64)
+# A schema refused can have cost its whole compile budget (engine/compile_budget.py).
+_REFUSED_SCHEMAS = Refusals(kept=256)
+
+
 def _schema_pattern(schema_text: str, whitespace: str | None) -> str:
+    key = json.dumps([schema_text, whitespace])
+    return _REFUSED_SCHEMAS.call(key, lambda: _compiled_schema(schema_text, whitespace))
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_schema(schema_text: str, whitespace: str | None) -> str:
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:

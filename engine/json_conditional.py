@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.compile_budget import TooMuchWork
 from engine.json_schema_checks import IGNORED, Cut, Unsatisfiable, at, is_open
 from engine.regex_text import alt
 
@@ -51,6 +52,8 @@ def conditional(compiler, s: dict, path: str, depth: int) -> str:
             refusal = refusal or e
         except Cut as e:  # a recursion cut in this way: the others may end (as anyOf's)
             cut = cut or e
+        except TooMuchWork:
+            raise
         except ValueError as e:
             if str(e).startswith("'if' at") or "if/then/else" in str(e):
                 raise

@@ -17,8 +17,7 @@ import json
 from typing import Any
 
 from engine.json_text_regex import json_types
-from engine.regex_dfa import RegexDfa, build_nfa
-from engine.regex_parse import parse
+from engine.regex_dfa import RegexDfa
 
 
 def values_meeting(compiler, kw: str, values: list, keywords: dict, path: str,
@@ -43,7 +42,7 @@ def values_meeting(compiler, kw: str, values: list, keywords: dict, path: str,
             else next(iter(mine))
         if kind not in automata:
             rest = keywords if kind == "typed" else {**keywords, "type": kind}
-            automata[kind] = RegexDfa(build_nfa(parse(compiler.node(rest, path, depth + 1))))
+            automata[kind] = compiler.automaton(compiler.node(rest, path, depth + 1), path)
         if any(automata[kind].fullmatch(text) for text in _spellings(v)):
             kept.append(v)
     return kept

@@ -12,7 +12,6 @@ have to meet both schemas.
 """
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,6 @@ from engine.json_dependencies import dependency_variants
 from engine.json_schema_checks import IGNORED, Cut, at, count, is_open, never, within
 from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import CHAR, STRING, any_value, literal, map_object, object_members
-from engine.regex_dfa import RegexDfa, build_nfa
-from engine.regex_parse import parse
 from engine.regex_text import alt
 
 # The keywords a propertyNames schema may have beside annotations, when it is not an enum or
@@ -39,22 +36,11 @@ class MemberNames:
     listed: tuple[str, ...] | None = None
     value: tuple[Any, str] | None = None
 
-    def allows(self, name: str) -> bool:
-        if self.listed is not None:
-            return name in self.listed
-        return self._automaton.fullmatch(json.dumps(name, ensure_ascii=False))
-
-    @functools.cached_property
-    def _automaton(self) -> RegexDfa:
-        # The engine's own automaton, not re: the pattern is the client's, and an automaton
-        # walks a name in linear time whatever the pattern. Built once for every declared
-        # name, and not kept in compile_regex's cache, which holds the guides.
-        return RegexDfa(build_nfa(parse(self.key)))
-
 
 class ObjectRules:
     """The object methods of engine/json_schema_regex.py's _Compiler, which provides
-    ``p``, ``node``, ``string``, ``types``, ``resolved`` and ``finite_values``."""
+    ``p``, ``node``, ``string``, ``types``, ``resolved``, ``finite_values`` and
+    ``automaton``."""
 
     def object(self, s: dict, path: str, depth: int) -> str:
         variants = dependency_variants(s, path)
@@ -225,7 +211,11 @@ class ObjectRules:
                   path: str) -> bool:
         """Whether the declared member ``name`` (valued by ``schema``) is generated under
         ``names``' rule."""
-        matched = names.allows(name)
+        # The engine's own automaton, not re: the pattern is the client's, and an automaton
+        # walks a name in linear time whatever the pattern. Not kept in compile_regex's
+        # cache, which holds the guides.
+        matched = name in names.listed if names.listed is not None else \
+            self.automaton(names.key, path).fullmatch(json.dumps(name, ensure_ascii=False))
         if names.value is not None:  # patternProperties: a matched name meets both schemas
             if matched and not is_open(names.value[0]) and names.value[0] != schema:
                 raise ValueError(f"the member {name!r} at {path} is also named by the pattern "

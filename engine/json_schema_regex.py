@@ -87,14 +87,19 @@ Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION
 ``oneOf`` whose schemas may overlap, keywords beside ``enum``/``const`` other than ``type``
 (their intersection), lengths beside a ``format`` that some of its texts do not meet,
 lengths and counts above ``MAX_COUNT``, unsatisfiable schemas (``false``, empty ranges)
-and every other keyword (``if``, ``contains``, ``unevaluatedProperties`` ...).
+and every other keyword (``unevaluatedProperties`` ...), and a schema whose compile passes
+its work budget (engine/compile_budget.py: its nodes, the regex they write and the automata
+built on the way, counted). A recursive $ref's regex depends on nothing but how many times
+each $ref is open around it, so it is compiled once per such state (``_Compiler.expansions``).
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 from urllib.parse import unquote
 
+from engine.compile_budget import CompileBudget
 from engine.json_all_of import merge_all_of
 from engine.json_formats import FORMATS, format_regex, format_type, int_format_bounds
 from engine.json_conditional import conditional
@@ -111,6 +116,8 @@ from engine.json_string_pattern import pattern_string_regex
 from engine.json_text_regex import (CHAR, MAX_SCHEMA_DEPTH, any_value, array_items, json_types,
                                      literal, object_members)
 from engine.json_whitespace import Punctuation
+from engine.regex_dfa import MAX_BUILD_STEPS, RegexDfa, TooManySteps, build_nfa
+from engine.regex_parse import parse
 from engine.regex_text import alt, repeat
 
 ANY_DEPTH = 2  # arrays/objects an unconstrained value may nest
@@ -158,11 +165,23 @@ class _Compiler(ObjectRules):
         self.refs: dict[str, str] = {}  # each $ref compiled once, unless it recursed
         self.expanding: list[str] = ["#"]  # the $refs being compiled ("#": the root)
         self.reentries = 0  # $refs met inside their own expansion so far
+        # A $ref that recursed, by how many times each $ref is open around it: all its regex
+        # depends on. Without this, {"anyOf": [{"$ref": "#"}, ...40 times]} was expanded
+        # 40^4 times.
+        self.expansions: dict[tuple, str | Cut] = {}
+        self.budget = CompileBudget()  # engine/compile_budget.py
+        self.automata: dict[str, RegexDfa] = {}  # built while compiling (enums, names)
         # The kinds of value each $ref's schema generates and accepts (engine/json_one_of.py).
         self.kinds_memo: dict = {}
         self.conditions = 0  # if/then/else compiled so far (engine/json_conditional.py)
 
     def node(self, s: Any, path: str, depth: int) -> str:
+        self.budget.enter(path)
+        rx = self.compile_node(s, path, depth)
+        self.budget.produced(rx, path)
+        return rx
+
+    def compile_node(self, s: Any, path: str, depth: int) -> str:
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema at {path} nests deeper than {MAX_SCHEMA_DEPTH}")
         if s is True:
@@ -253,15 +272,43 @@ class _Compiler(ObjectRules):
                 raise Cut(f"'$ref' {ref!r} at {path} is recursive, and no instance of it "
                           f"ends within {RECURSION_DEPTH} levels of itself (a required "
                           "member or item leads back to it at every level)")
+        key = (ref, tuple(sorted(Counter(self.expanding).items())))
+        if key in self.expansions:
+            # It recursed: what holds it depends on the stack too (as when it was compiled).
+            self.reentries += 1
+            found = self.expansions[key]
+            if isinstance(found, Cut):
+                raise found
+            return found
         before = self.reentries
         self.expanding.append(ref)
         try:
             rx = self.node(target, ref, depth + 1)
+        except Cut as e:  # (always after a reentry)
+            self.expansions[key] = e
+            raise
         finally:
             self.expanding.pop()
         if self.reentries == before:  # no recursion below: the same wherever it is met
             self.refs[ref] = rx
+        else:
+            self.expansions[key] = rx
         return rx
+
+    def automaton(self, regex: str, path: str) -> RegexDfa:
+        """``regex``'s automaton, its build paid from the compile's budget."""
+        dfa = self.automata.get(regex)
+        if dfa is None:
+            left = self.budget.left
+            try:
+                dfa = RegexDfa(build_nfa(parse(regex)), min(left, MAX_BUILD_STEPS))
+            except TooManySteps:
+                if left < MAX_BUILD_STEPS:  # the compile's budget ran out, not the build's
+                    self.budget.refuse(path)
+                raise
+            self.budget.spend(dfa.build_steps, path)
+            self.automata[regex] = dfa
+        return dfa
 
     def target(self, ref: str, path: str) -> Any:
         """The schema ``ref`` points to: a JSON pointer into this schema ("#" the root,

@@ -63,18 +63,17 @@ caches them by text), and any thread may step it without a lock.
 from __future__ import annotations
 
 import functools
-import hashlib
-import threading
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.refusals import Refusals
 from engine.regex_parse import (MAX_CODE_POINT, MAX_NESTING, MAX_NFA_STATES, MAX_PATTERN_LENGTH,
                                 MAX_REPEAT, Alt, Chars, Concat, Node, Repeat, parse)
 
 __all__ = ["DEAD", "MAX_BUILD_STEPS", "MAX_DFA_STATES", "MAX_NESTING", "MAX_NFA_STATES",
-           "MAX_PATTERN_LENGTH", "MAX_REPEAT", "RegexDfa", "compile_regex"]
+           "MAX_PATTERN_LENGTH", "MAX_REPEAT", "RegexDfa", "TooManySteps", "compile_regex"]
 
 DEAD = -1
 # A pattern without choices needs a state per character state and one after the last: every
@@ -184,13 +183,18 @@ def live_states(nfa: Nfa) -> list[bool]:
     return live
 
 
+class TooManySteps(ValueError):
+    """A build stopped at its step budget."""
+
+
 class _Determinizer:
     """The subset construction, eager and breadth first, refused as soon as it passes a budget
     (see the module docstring). It is thrown away once the rows are made: the subsets are
     only needed to find the states."""
 
-    def __init__(self, nfa: Nfa):
+    def __init__(self, nfa: Nfa, max_steps: int | None = None):
         self.nfa = nfa
+        self.max_steps = MAX_BUILD_STEPS if max_steps is None else max_steps
         live = live_states(nfa)
         # Closures only walk live states, and keep the character states and the accepting one.
         self.succ = [tuple(t for t in eps if live[t]) for eps in nfa.eps]
@@ -262,10 +266,10 @@ class _Determinizer:
 
     def spend(self, steps: int) -> None:
         self.steps += steps
-        if self.steps > MAX_BUILD_STEPS:
-            raise ValueError(f"the regex's automaton is too large: building it takes more than "
-                             f"{MAX_BUILD_STEPS} steps; simplify it (nested or overlapping "
-                             f"repeats multiply its states and their size)")
+        if self.steps > self.max_steps:
+            raise TooManySteps(f"the regex's automaton is too large: building it takes more "
+                               f"than {self.max_steps} steps; simplify it (nested or "
+                               "overlapping repeats multiply its states and their size)")
 
     def intern(self, subset: tuple[int, ...]) -> int:
         if not subset:
@@ -283,10 +287,12 @@ class _Determinizer:
 
 class RegexDfa:
     """The whole automaton of one pattern, built at once and immutable after; see the module
-    docstring. ValueError when it would pass a budget."""
+    docstring. ValueError when it would pass a budget: ``max_steps`` build steps
+    (TooManySteps; MAX_BUILD_STEPS unless given lower) or MAX_DFA_STATES states."""
 
-    def __init__(self, nfa: Nfa):
-        built = _Determinizer(nfa)
+    def __init__(self, nfa: Nfa, max_steps: int | None = None):
+        built = _Determinizer(nfa, max_steps)
+        self.build_steps = built.steps  # what it cost: a schema's compile counts it
         self.start = built.start
         # State s steps the code points from _cuts[s][i] up to the next cut to _nexts[s][i]:
         # a run per change of next state (arrays: 4 bytes a number, no object each).
@@ -348,29 +354,14 @@ def compile_regex(pattern: str) -> RegexDfa:
     too large, or matches no text at all."""
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")
-    key = hashlib.blake2b(pattern.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    refused = _REFUSED.get(key)
-    if refused is not None:
-        raise ValueError(refused)
-    try:
-        return _compile(pattern)
-    except ValueError as e:
-        # A refusal can cost most of a second of building: a client sending the same pattern
-        # again gets it from here. lru_cache keeps results only.
-        with _REFUSED_LOCK:
-            _REFUSED[key] = str(e)
-            while len(_REFUSED) > _KEPT_REFUSALS:
-                _REFUSED.pop(next(iter(_REFUSED)))
-        raise
+    # A refusal can cost most of a second of building.
+    return _REFUSED.call(pattern, lambda: _compile(pattern))
 
 
 # A compiled automaton holds ~200 bytes a state, ~10 MB at the budgets: 16 kept is ~160 MB at
 # worst, and requests of one kind share their pattern.
 _KEPT_AUTOMATA = 16
-_KEPT_REFUSALS = 256
-# By the pattern's digest: a schema's pattern may be 200000 characters long.
-_REFUSED: dict[bytes, str] = {}
-_REFUSED_LOCK = threading.Lock()
+_REFUSED = Refusals(kept=256)
 
 
 @functools.lru_cache(maxsize=_KEPT_AUTOMATA)
