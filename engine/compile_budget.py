@@ -11,14 +11,17 @@ refused on every machine and under any load.
 """
 from __future__ import annotations
 
-# About 2 to 2.5 s of one core of the 2-core test machine when spent (tests/test_compile_budget.py
-# schemas); the largest schemas of the tests compile in ~470 nodes, a few per cent of it.
+# About 2 to 2.5 s of one core of the 2-core test machine when spent (the schemas of
+# tests/test_compile_budget.py); the largest schemas of the tests compile in ~470 nodes, a
+# few per cent of it.
 MAX_COMPILE_STEPS = 4_000_000
 # A schema node compiled costs about what ~25 automaton build steps do (~13 us against
-# ~0.5 us, measured on $refs recursing into each other), plus a step per 64 characters of the regex it returns (copied and
-# scanned by the nodes above it).
+# ~0.5 us, measured on $refs recursing into each other), plus a step per 64 characters of
+# the regex it returns (copied and scanned by the nodes above it).
 NODE_STEPS = 25
 CHARS_PER_STEP = 64
+# A schema read without compiling it (oneOf's checks that its schemas exclude each other).
+WALK_STEPS = 5
 
 
 class TooMuchWork(ValueError):
@@ -52,6 +55,10 @@ class CompileBudget:
     def enter(self, path: str) -> None:
         """A schema node begun (charged before its work: a node may end in a cut)."""
         self.spend(NODE_STEPS, path)
+
+    def walk(self, path: str) -> None:
+        """A schema read by a check that compiles nothing."""
+        self.spend(WALK_STEPS, path)
 
     def produced(self, regex: str, path: str) -> None:
         """A schema node that compiled to ``regex``."""

@@ -64,15 +64,25 @@ def _apart(c, a: Any, b: Any, common: set[str], va: set | None, vb: set | None,
 
 def _values(c, s: Any, path: str, depth: int = 0) -> set | None:
     """The equality keys of the values ``s`` allows, when they are few: its own, or those
-    every schema of its allOf with few allows (a member two schemas joined constrain)."""
+    every schema of its allOf with few allows (a member two schemas joined constrain). None
+    stands for any values, so a schema met again while its own are being found is left out
+    of its allOf (a superset, which is sound). Once per schema a compile: allOf chains of
+    $refs back to one schema walked 3^64 schemas without it."""
     s = c.resolved(s, path)
-    if isinstance(s, dict) and isinstance(s.get("allOf"), list) and \
-            not set(s) - IGNORED - {"allOf"} and depth < MAX_SCHEMA_DEPTH:
-        known = [v for v in (_values(c, sub, path, depth + 1) for sub in s["allOf"])
-                 if v is not None]
-        return set.intersection(*known) if known else None
-    values = c.finite_values(s, path, 0)
-    return None if values is None else {equality_key(v) for v in values}
+    c.budget.walk(path)
+    if not (isinstance(s, dict) and isinstance(s.get("allOf"), list) and
+            not set(s) - IGNORED - {"allOf"} and depth < MAX_SCHEMA_DEPTH):
+        values = c.finite_values(s, path, 0)
+        return None if values is None else {equality_key(v) for v in values}
+    memo = c.kinds_memo.get(("values", id(s)))
+    if memo is not None and memo[0] is s:  # (the schema is held: its id is not reused)
+        return memo[1]
+    c.kinds_memo[("values", id(s))] = (s, None)
+    known = [v for v in (_values(c, sub, path, depth + 1) for sub in s["allOf"])
+             if v is not None]
+    found = set.intersection(*known) if known else None
+    c.kinds_memo[("values", id(s))] = (s, found)
+    return found
 
 
 def _kinds(types) -> set[str]:
@@ -120,6 +130,7 @@ def _bare_ref(s: Any) -> str | None:
 
 def _generated(c, s: Any, path: str, depth: int) -> set[str]:
     """The kinds of value the compiler may generate for ``s`` (a superset)."""
+    c.budget.walk(path)
     if (ref := _bare_ref(s)) is not None:
         return _via_ref(c, ref, path, depth, _generated)
     if s is False:
@@ -140,6 +151,7 @@ def _generated(c, s: Any, path: str, depth: int) -> set[str]:
 def _accepted(c, s: Any, path: str, depth: int) -> set[str]:
     """The kinds of value ``s`` accepts some of (a superset: by its type, values and
     combinators; other keywords leave the other kinds alone)."""
+    c.budget.walk(path)
     if (ref := _bare_ref(s)) is not None:
         return _via_ref(c, ref, path, depth, _accepted)
     if s is False:

@@ -12,6 +12,7 @@ import re
 import pytest
 
 from engine import compile_budget, guides
+from engine import json_one_of as one_of
 from engine import json_schema_regex as jsr
 from engine.compile_budget import NODE_STEPS, CompileBudget, TooMuchWork
 from engine.json_schema_regex import schema_to_regex
@@ -58,6 +59,23 @@ def test_a_recursive_ref_met_from_many_branches_is_expanded_once_per_recursion_s
     assert schema_to_regex({"$defs": {"D": endless},
                             "anyOf": [{"$ref": "#/$defs/D"}] * 40 + [{"type": "null"}]}) == "null"
     assert len(calls) < 60
+
+
+def test_a_oneofs_check_reads_a_schema_of_allof_refs_back_to_it_once(monkeypatch):
+    # Each A is three $refs to A, joined: the check that the oneOf's schemas hold different
+    # values walked 3^64 of them before the compile refused the cycle.
+    calls = bounded_calls(monkeypatch, one_of, "_values", limit=100)
+    schema = {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}] * 3}},
+              "oneOf": [{"type": "null"}, {"allOf": [{"type": "integer"}, {"$ref": "#/$defs/A"}]}]}
+    with pytest.raises(ValueError, match="'allOf' at #/[$]defs/A/allOf/0 leads back to itself"):
+        schema_to_regex(schema)
+    assert len(calls) >= 3  # the walk ran (and stopped at the cycle)
+    # What a schema's values were found to be is kept for the next oneOf, not forgotten.
+    joined = {"allOf": [{"enum": ["a", "b"]}, {"enum": ["b", "c"]}]}
+    tagged = {"oneOf": [{"$ref": "#/$defs/T"}, {"const": "a"}]}
+    rx = schema_to_regex({"$defs": {"T": joined}, "type": "object",
+                          "properties": {"x": tagged, "y": tagged}, "required": ["x", "y"]})
+    assert re.fullmatch(rx, '{"x": "b", "y": "a"}') and not re.fullmatch(rx, '{"x": "c", "y": "a"}')
 
 
 def _without_memo(monkeypatch) -> None:
