@@ -90,6 +90,19 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def describe_exit(code: int | None) -> str:
+    """A child's exit status in words: "exit status 1", "killed by signal 9 (SIGKILL)"."""
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    return f"killed by signal {-code} ({name})"
+
+
 class _Spawner:
     """Starts child processes on one thread that lives as long as the process.
 

@@ -37,7 +37,7 @@ from engine.model_runner import ModelInput, ModelRunner
 from engine.setup import (RankSpec, cuda_graph_config, load_rank_model, rank_capacity_blocks,
                           spec_to_json)
 from engine.step_codec import encode_model_input
-from engine.process_exit import popen_tied
+from engine.process_exit import describe_exit, popen_tied
 from engine.thread_names import named_thread
 from engine.tp_kv_channel import KVChannelClient
 from engine.tp_worker import worker_threads
@@ -451,8 +451,7 @@ def _read_death(w: _Worker) -> str:
         code = w.process.wait(timeout=_KILL_WAIT_S)
     except subprocess.TimeoutExpired:
         code = None
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    text = f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died ({how})"
+    text = f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died ({describe_exit(code)})"
     try:
         if w.conn.poll(0):
             op, payload = tp_comm.recv(w.conn)

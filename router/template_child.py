@@ -13,22 +13,20 @@ MemoryError its heap is not to be trusted). EOF on stdin ends it.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import math
-import os
 import resource
-import signal
 import struct
 import sys
 import traceback
 from typing import BinaryIO
 
+from engine.process_exit import die_with_parent
+
 HEADER = struct.Struct(">I")
 # The rendered prompt must fit the model's context anyway (the workers check it in tokens);
 # a template that writes more than this is refused here, before the text crosses the pipe.
 MAX_RENDERED_CHARS = 64 * 1024 * 1024
-_PR_SET_PDEATHSIG = 1
 
 
 def read_frame(stream: BinaryIO) -> dict | None:
@@ -44,18 +42,6 @@ def write_frame(stream: BinaryIO, obj: dict) -> None:
     body = json.dumps(obj, ensure_ascii=False).encode()
     stream.write(HEADER.pack(len(body)) + body)
     stream.flush()
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the router exits: a loop the router never got to kill must not outlive
-    it. Linux only (elsewhere the CPU limit below still ends a runaway render)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it exited before prctl took
-        os._exit(1)
 
 
 def _limit_memory(memory_mb: int) -> None:
@@ -118,7 +104,9 @@ def main(argv: list[str]) -> int:
     parent, memory_mb, cpu_s = int(argv[1]), int(argv[2]), float(argv[3])
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # the pipe carries frames only
-    _die_with_parent(parent)
+    # SIGKILL when the router exits: a loop the router never got to kill must not outlive it
+    # (Linux only; elsewhere the CPU limit still ends a runaway render).
+    die_with_parent(parent)
     from engine.chat_template import chat_renderer
 
     chat_renderer()  # transformers' import (~1 s) before the memory limit and the first job

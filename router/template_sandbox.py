@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from engine.config import positive_number
+from engine.process_exit import describe_exit
 from router.errors import RouterRejectError
 from router.template_child import HEADER, MAX_RENDERED_CHARS
 
@@ -248,6 +249,4 @@ async def _exit_status(renderer: _Renderer) -> str:
         code = await asyncio.wait_for(renderer.proc.wait(), 2.0)
     except TimeoutError:
         return "it closed its pipe"
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exit status {code}"
+    return describe_exit(code)

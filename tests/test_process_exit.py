@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.process_exit import exit_status
+from engine.process_exit import describe_exit, exit_status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,3 +118,11 @@ def test_exit_status_follows_sys_exit():
     assert exit_status(2) == 2
     assert exit_status(256 + 7) == 7  # what the OS keeps of it
     assert exit_status("a message") == 1
+
+
+def test_a_childs_exit_reads_as_its_status_or_its_signal():
+    assert describe_exit(0) == "exit status 0"
+    assert describe_exit(3) == "exit status 3"
+    assert describe_exit(-signal.SIGKILL) == f"killed by signal {int(signal.SIGKILL)} (SIGKILL)"
+    assert describe_exit(-200) == "killed by signal 200"  # no such signal: its number
+    assert describe_exit(None) == "still running"

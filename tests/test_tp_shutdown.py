@@ -345,7 +345,8 @@ def test_a_rank_dead_at_the_last_step_of_start_up_is_named(preset_path, monkeypa
 
     monkeypatch.setattr(tp_executor, "make_rank_agent", kill_the_ranks)
     monkeypatch.setattr(tp_executor.tp_comm, "connect_tp_group", group_of_dead_peers)
-    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+    with pytest.raises(ExecutorError,
+                       match=r"rank 1 \(pid \d+\) died \(killed by signal 9 \(SIGKILL\)\)"):
         LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
                                num_gpu_blocks=32))
     assert killed
@@ -425,7 +426,7 @@ def test_every_thread_that_describes_a_dead_rank_gets_its_last_message():
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             texts = list(pool.map(lambda _: _describe(worker), range(4)))
         assert len(set(texts)) == 1
-        assert texts[0].endswith("died (exit code 1): ValueError: the rank's own cause")
+        assert texts[0].endswith("died (exit status 1): ValueError: the rank's own cause")
     finally:
         ours.close()
         theirs.close()
