@@ -3,14 +3,15 @@
 A value meets ``{if: I, then: T, else: E, ...rest}`` when it meets rest and either I and T,
 or not I and E; the two are alternatives no value meets both of, compiled as
 ``anyOf [allOf(rest, I, T), allOf(rest, not I, E)]`` (engine/json_all_of.py merges each).
-``not I`` is written so the compiler can fold it (engine/json_not.py): where I is a type or a
-few values, ``{"not": I}``; where I is about an object's members (``properties`` and
-``required``, the conditional-requirement idiom: "if country is US, postal_code follows this
-pattern"), one alternative per way to miss it: a member I names present with a value its
-schema refuses (``{"not": ...}`` of that member's schema, folded against the member's own
-values: an enum or a const tag), or a member I requires absent. An alternative no value
-meets (the rest's enum leaves no other tag) is left out, and only when all are is the schema
-refused. ``then`` or ``else`` without ``if`` mean nothing and are dropped, as JSON Schema says.
+``not I`` is written so the compiler can fold it (engine/json_not.py): where I is a type, a
+few values or bounds (``{"minimum": 18}``), ``{"not": I}``; where I is about an object's
+members (``properties`` and ``required``, the conditional-requirement idiom: "if country is
+US, postal_code follows this pattern"), one alternative per way to miss it: a member I names
+present with a value its schema refuses (``{"not": ...}`` of that member's schema, folded
+against the member's own values: an enum or a const tag), or a member I requires absent. An
+alternative no value meets (the rest's enum leaves no other tag) is left out, and only when
+all are is the schema refused. ``then`` or ``else`` without ``if`` mean nothing and are
+dropped, as JSON Schema says.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
+from engine.json_schema_checks import Unsatisfiable
 from engine.regex_text import alt, atom, repeat
 
 NUMBER_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
@@ -50,7 +51,7 @@ def int_bounds(s: dict, path: str) -> tuple[int | None, int | None]:
     least = None if lo is None else math.floor(lo) + 1 if lo_open else math.ceil(lo)
     most = None if hi is None else math.ceil(hi) - 1 if hi_open else math.floor(hi)
     if least is not None and most is not None and least > most:
-        raise ValueError(f"the bounds at {path} leave no integer")
+        raise Unsatisfiable(f"the bounds at {path} leave no integer")
     return least, most
 
 
@@ -145,7 +146,7 @@ def number_range(s: dict, path: str) -> str:
         if negatives:
             parts.append("-" + alt(negatives))
     if not parts:
-        raise ValueError(f"the bounds at {path} leave no number")
+        raise Unsatisfiable(f"the bounds at {path} leave no number")
     return alt(parts)
 
 

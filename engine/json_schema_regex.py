@@ -68,9 +68,10 @@ never beside a format), ``minimum``, ``maximum``, ``exclusiveMinimum``,
 beside ``minimum`` and ``maximum``; compared exactly as decimals, at most
 40 digits after the point: engine/json_numbers.py), ``multipleOf`` (one whose multiples
 their last digits tell, as 0.01 or 5, or within bounds leaving few: engine/json_multiples.py),
-``if``, ``then`` and ``else`` (a condition of types, values, or an object's members:
+``if``, ``then`` and ``else`` (a condition of types, values, bounds, or an object's members:
 engine/json_conditional.py), ``anyOf``, ``oneOf``, ``allOf`` (its schemas merged:
-engine/json_all_of.py, which also reads keywords beside ``$ref``, ``anyOf`` and ``oneOf`` as one more), ``$ref`` as a JSON
+engine/json_all_of.py, which also reads keywords beside ``$ref``, ``anyOf`` and ``oneOf``
+as one more), ``$ref`` as a JSON
 pointer into the schema (``#``, ``#/$defs/NAME``, ``#/properties/a/items``), and OpenAPI's
 ``nullable``. Annotations are ignored (title, description, default, examples, $schema,
 $id, $anchor, $comment, deprecated, readOnly, writeOnly, contentEncoding, contentMediaType,
@@ -79,8 +80,9 @@ count characters as JSON Schema does: an escape is one, a surrogate pair of esca
 (lone surrogate escapes are not generated).
 
 A schema that accepts nothing (``false``, or ``{"not": {}}`` as zod writes for never and
-undefined) leaves out an optional member it values. ``not`` of types, or of values where
-the schema's are few, is folded into them (engine/json_not.py); any other is refused.
+undefined) leaves out an optional member it values. ``not`` of types, of values where the
+schema's are few, or of bounds (a number below a minimum, a string longer than a
+maxLength), is folded into them (engine/json_not.py); any other is refused.
 
 Refused: a recursive ``$ref`` whose every instance nests deeper than ``RECURSION_DEPTH``
 (a required member leading back to it), schemas joined that cannot be merged exactly, a

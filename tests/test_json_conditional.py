@@ -65,6 +65,20 @@ CASES = {  # schema: (instances, non-instances)
     "no_if": ({"type": "integer", "then": {"minimum": 5}, "else": False}, [1, 7], ["a"]),
     "nullable": ({"type": "string", "nullable": True, "if": {"type": "string"},
                   "then": {"maxLength": 1}}, [None, "a"], ["ab", 1]),
+    # Bounds as the condition (engine/json_not_bounds.py): its other way turns them over.
+    "bound": ({"type": "integer", "if": {"minimum": 0}, "then": {"multipleOf": 5},
+               "else": {"maximum": -10}}, [0, 5, 100, -10, -11], [3, -5, -9]),
+    "member_bound": ({"type": "object", "properties": {"age": {"type": "integer"},
+                                                       "guardian": {"type": "string"}},
+                      "required": ["age"],
+                      "if": {"properties": {"age": {"minimum": 18}}},
+                      "then": {"properties": {"guardian": False}},
+                      "else": {"required": ["guardian"]}},
+                     [{"age": 20}, {"age": 18}, {"age": 3, "guardian": "Mum"}],
+                     [{"age": 3}, {"age": 20, "guardian": "x"}, {"age": 17}]),
+    "length_bound": ({"type": "string", "if": {"maxLength": 2}, "then": {"pattern": "^[a-z]*$"},
+                      "else": {"pattern": "^[A-Z]"}}, ["", "ab", "ABC", "Abcd"],
+                     ["AB", "abc", "a1"]),
 }
 
 
@@ -93,7 +107,7 @@ def test_a_free_strings_tag_takes_the_other_way_for_any_other_string():
 
 
 @pytest.mark.parametrize("schema, match", [
-    ({"type": "integer", "if": {"minimum": 5}, "then": {"multipleOf": 2}},
+    ({"type": "integer", "if": {"multipleOf": 5}, "then": {"minimum": 2}},
      "'if' at #: 'not' at # is supported for types"),
     ({"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["a"]}},
      "an object condition at #/if needs \"type\": \"object\""),

@@ -29,6 +29,38 @@ CASES = {  # schema: (instances, values left out)
     "implied_left_out": ({"maxLength": 2, "not": {"type": "string"}}, [None, 3, [], {}],
                          ["a"]),
     "not_false": ({"type": "integer", "maximum": 3, "not": False}, [3, -1], [4]),
+    "nullable_left": ({"type": "integer", "nullable": True, "not": {"type": "integer"}}, [None],
+                      [0, 5]),
+    # Bounds (engine/json_not_bounds.py): the bound turned over, in its own type.
+    "below_a_minimum": ({"not": {"minimum": 18}}, [17, -3, 17.5], [18, 18.0, 19, "x", None,
+                                                                 True, [], {}]),
+    "integer_below": ({"type": "integer", "not": {"minimum": 18}}, [17, -3, 0], [18, 100]),
+    "outside_a_range": ({"type": "integer", "minimum": 10, "not": {"minimum": 15,
+                                                                    "maximum": 30}},
+                        [10, 14, 31, 400], [15, 22, 30, 9]),
+    "exclusive_turned": ({"type": "number", "not": {"exclusiveMinimum": 2,
+                                                    "exclusiveMaximum": 4}},
+                         [2, 4, 1.5, 4.25, -7], [2.5, 3, 3.999]),
+    "draft4_flag": ({"type": "number", "not": {"minimum": 3, "exclusiveMinimum": True}},
+                    [3, 2.5, -1], [3.5, 4]),
+    "long_strings": ({"type": "string", "not": {"maxLength": 2}}, ["abc", "abcd"],
+                     ["", "ab", None]),
+    "short_strings": ({"type": "string", "maxLength": 5, "not": {"minLength": 3}},
+                      ["", "ab"], ["abc", "abcdef"]),
+    "typed_bound": ({"type": ["string", "null"], "not": {"type": "string", "minLength": 1}},
+                    ["", None], ["a", "ab"]),
+    "items": ({"type": "array", "items": {"type": "integer"}, "not": {"minItems": 2}},
+              [[], [1]], [[1, 2], [1, 2, 3]]),
+    "few_items": ({"type": "array", "items": {"type": "integer"}, "maxItems": 4,
+                   "not": {"maxItems": 1}}, [[1, 2], [1, 2, 3]], [[], [1], [1, 2, 3, 4, 5]]),
+    "a_way_left_empty": ({"type": "integer", "minimum": 10, "maximum": 20,
+                          "not": {"minimum": 15, "maximum": 30}}, [10, 14], [15, 20, 21]),
+    "a_length_way_left_empty": ({"type": "string", "maxLength": 3,
+                                 "not": {"minLength": 1, "maxLength": 3}}, [""], ["a", "abcd"]),
+    "nullable_bound": ({"type": "integer", "nullable": True, "not": {"minimum": 5}}, [4, -2],
+                       [5, None]),
+    "nullable_typed_bound": ({"type": "integer", "nullable": True,
+                              "not": {"type": "integer", "minimum": 5}}, [4, None], [5, 9]),
 }
 
 
@@ -42,7 +74,20 @@ def test_not_leaves_out_what_it_names_and_keeps_the_rest(name):
 
 @pytest.mark.parametrize("schema, message", [
     ({"type": "string", "not": {"pattern": "a"}}, "'not' at # is supported for types to leave "
-                                                  "out, or values of a schema whose values"),
+                                                  "out, bounds (minimum, maxLength, minItems"),
+    ({"type": "number", "not": {"minimum": 1, "multipleOf": 2}}, "'not' at # is supported"),
+    ({"not": {"minimum": "1"}}, "'minimum' at #/not must be a finite number"),
+    ({"type": "string", "not": {"minLength": 1.5}}, "'minLength' at #/not must be a "
+                                                    "non-negative integer"),
+    ({"type": "number", "not": {"type": "integer", "minimum": 3}},
+     "'not' at # leaves out integers but not numbers"),
+    ({"type": "integer", "minimum": 5, "not": {"minimum": 3}}, "the schema at # leaves no "
+                                                               "value"),
+    ({"type": "number", "minimum": 5, "not": {"minimum": 3}}, "the schema at # leaves no "
+                                                              "value"),
+    ({"type": "string", "not": {"minLength": 0}}, "the schema at # leaves no value"),
+    ({"type": "string", "not": {"maxLength": 0}, "maxLength": 0}, "the schema at # leaves no "
+                                                                  "value"),
     ({"type": "string", "pattern": "^a", "not": {"const": "ab"}}, "'not' at # is supported "
                                                                   "for types"),
     ({"type": "string", "not": {"enum": [str(i) for i in range(65)]}}, "more than 64 strings"),

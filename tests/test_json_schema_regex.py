@@ -1056,8 +1056,8 @@ REFUSED = [
     ('{"type": "array", "items": {"enum": [[NaN]]}, "uniqueItems": true}', "nan at #/items"),
     ({"type": "array", "items": {"$ref": "#/$defs/A"}, "uniqueItems": True,
       "$defs": {"A": {"$ref": "#/$defs/A"}}}, "'uniqueItems' at # is supported only"),
-    ({"if": {"minimum": 1}, "then": {}}, "'if' at #"),
-    ({"not": {"minimum": 1}}, "'not' at # is supported for types"),
+    ({"if": {"pattern": "a"}, "then": {}}, "'if' at #"),
+    ({"not": {"multipleOf": 2}}, "'not' at # is supported for types"),
     ({"type": "array", "contains": {}, "maxContains": 1}, "'maxContains' at #"),
     ({"type": "object", "minProperties": 2}, "'minProperties' 2 at # is not supported for an "
                                              "object of any members"),
