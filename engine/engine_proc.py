@@ -150,6 +150,9 @@ class _Server:
         self.reader, self.pipe, self.engine = reader, pipe, engine
         self.done = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        # Requests whose guide is being built before their add, with the messages about them
+        # that came meanwhile (replayed after the add, in order).
+        self._warming: dict[str, list[tuple]] = {}
 
     def on_readable(self) -> None:
         try:
@@ -165,12 +168,17 @@ class _Server:
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
+        if kind in ("abort", "release_kv") and msg[1] in self._warming:
+            self._warming[msg[1]].append(msg)  # after its add
+            return
         if kind == "call":
             _, call_id, method, args = msg
             if method in POOL_METHODS:
-                task = asyncio.ensure_future(self._call(call_id, method, args))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._call(call_id, method, args))
+            elif method == "add_request" and args[2] is not None and \
+                    not self.engine.engine.guides.ready(args[2]):
+                self._warming[args[0]] = []
+                self._spawn(self._warm_then_add(call_id, args))
             else:  # now, in order with the aborts that may follow it
                 self._call_inline(call_id, method, args)
         elif kind == "abort":
@@ -181,6 +189,27 @@ class _Server:
             self.done.set()
         else:
             logger.error("unknown message from the worker: %r", kind)
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _warm_then_add(self, call_id: int, args: tuple) -> None:
+        """A guided request whose guide is not built yet: built in a thread (a schema's
+        compile may take up to its budget, the vocabulary's trie a second at the first), and
+        then added, with what came about it meanwhile. Inline, the build held every other
+        request's add, abort and release behind it."""
+        request_id, params = args[0], args[2]
+        try:
+            await asyncio.to_thread(self.engine.engine.guides.warm, params)
+        except Exception:  # noqa: BLE001 - the add raises it again, as its reply
+            pass
+        finally:
+            held = self._warming.pop(request_id)
+        self._call_inline(call_id, "add_request", args)
+        for msg in held:
+            self._handle(msg)
 
     def _call_inline(self, call_id: int, method: str, args: tuple) -> None:
         try:

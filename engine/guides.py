@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
@@ -68,13 +69,32 @@ class Guides:
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
-        self._guides: OrderedDict[str, object] = OrderedDict()
+        self._guides: OrderedDict[tuple, object] = OrderedDict()  # by _guide_key
+        # Guides are built in threads (warm) while requests are added on a loop: the cache is
+        # shared, the building is not locked (a second request for a pattern being built
+        # builds it too, rather than hold its thread, or the loop, on the first).
+        self._lock = threading.Lock()
+
+    def ready(self, params: SamplingParams) -> bool:
+        """Whether ``cursor(params, ...)`` is quick: no pattern guide, or its guide built."""
+        if not params.has_pattern_guide or self.tokenizer is None:
+            return True
+        with self._lock:
+            return _guide_key(params) in self._guides
+
+    def warm(self, params: SamplingParams) -> None:
+        """Builds the guide ``params`` follow (a schema's compile, its automaton, the
+        vocabulary's trie at the first), so that ``cursor`` finds it: for a caller that must
+        not wait on that, in a thread. ValueError as ``cursor`` raises it."""
+        if params.has_pattern_guide and self.tokenizer is not None:
+            self._guide(params)
 
     @functools.cached_property
     def _trie(self):
         from engine.guided_regex import TokenTrie
         from engine.token_bytes import token_byte_strings
 
+        # (Python 3.11's cached_property builds it once; later ones may build it twice.)
         return TokenTrie(token_byte_strings(self.tokenizer))
 
     def cursor(self, params: SamplingParams, output_token_ids: list[int]):
@@ -94,17 +114,29 @@ class Guides:
             return ChoiceCursor(seqs, self.eos_token_ids)
         from engine.guided_regex import GuideCursor
 
-        return GuideCursor.after(self._guide(guide_pattern(params)), output_token_ids,
-                                 params.guide)
+        return GuideCursor.after(self._guide(params), output_token_ids, params.guide)
 
-    def _guide(self, pattern: str):
+    def _guide(self, params: SamplingParams):
         from engine.guided_regex import TokenGuide
 
-        guide = self._guides.get(pattern)
-        if guide is None:
-            guide = TokenGuide(compile_regex(pattern), self._trie, self.eos_token_ids)
-            self._guides[pattern] = guide
+        key = _guide_key(params)
+        with self._lock:
+            guide = self._guides.get(key)
+            if guide is not None:
+                self._guides.move_to_end(key)
+                return guide
+        guide = TokenGuide(compile_regex(guide_pattern(params)), self._trie, self.eos_token_ids)
+        with self._lock:
+            guide = self._guides.setdefault(key, guide)  # one built meanwhile wins
+            self._guides.move_to_end(key)
             if len(self._guides) > _GUIDES_KEPT:
                 self._guides.popitem(last=False)
-        self._guides.move_to_end(pattern)
         return guide
+
+
+def _guide_key(params: SamplingParams) -> tuple:
+    """What a pattern guide is kept by: the request's own text (a schema's compile is what
+    finding its guide must not cost)."""
+    if params.guided_regex:
+        return ("regex", params.guided_regex)
+    return ("json", params.guided_json, params.guided_whitespace_pattern)

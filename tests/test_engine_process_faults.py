@@ -424,6 +424,49 @@ def test_a_text_prompt_crosses_as_text(params):
         assert re.fullmatch(params.guided_regex, got[-1].text) and got[-1].finished
 
 
+def test_a_guide_being_built_holds_up_no_other_request_and_loses_no_abort(fault, tmp_path):
+    """Two guided requests arrive whose guides take long to build (held here until a file
+    exists): a plain request is added and runs to its end meanwhile, and the second guided
+    one, aborted while its guide builds, ends "abort" once it is added. Built on the engine
+    process's loop, the guide held every other add behind it."""
+    go = tmp_path / "go"
+    fault(f"guides_wait_for:{go}")
+    guided = SamplingParams(max_tokens=16, temperature=0.0, guided_regex=r"\d{2}-[a-z]{2,4}")
+    long_guided = SamplingParams(max_tokens=200, temperature=0.0,
+                                 guided_regex=r"[a-z ]{1,1000}")
+
+    async def run():
+        proc = await _start()
+        try:
+            first = proc.generate("g", "hello world", guided)
+            first_out = asyncio.ensure_future(anext(first))
+            aborted = proc.generate("c", "hello", long_guided)
+            aborted_out = asyncio.ensure_future(anext(aborted))
+            while not (tmp_path / "go.building").exists():  # a build has begun
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # both adds are in the engine process
+            proc.abort("c")
+            plain = await asyncio.wait_for(_collect_all(proc.generate("p", [5, 6, 7],
+                                                                      _greedy(6))), 60)
+            assert not first_out.done() and not aborted_out.done()
+            go.touch()
+            got = [await asyncio.wait_for(first_out, 60)] + [o async for o in first]
+            ended = [await asyncio.wait_for(aborted_out, 60)] + [o async for o in aborted]
+            return plain, got, ended
+        finally:
+            go.touch()
+            proc.shutdown()
+
+    plain, got, ended = asyncio.run(run())
+    assert sum(len(o.new_token_ids) for o in plain) == 6
+    assert re.fullmatch(guided.guided_regex, got[-1].text) and got[-1].finish_reason == "stop"
+    assert ended[-1].finish_reason == "abort"
+
+
+async def _collect_all(stream) -> list:
+    return [o async for o in stream]
+
+
 def test_an_engine_failing_after_it_is_built_fails_the_start_with_its_error():
     """A core share that cannot be opened, found once the engine is built: the worker hears
     why, not only that the process exited."""

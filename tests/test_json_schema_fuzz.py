@@ -111,15 +111,20 @@ def schemas(draw, depth: int = 3) -> dict:
     if draw(st.integers(0, 5)) == 0:
         s["nullable"] = True
     if draw(st.integers(0, 9)) == 0:  # a condition: a type, or a member's value
-        s["if"] = draw(st.sampled_from([{"type": "string"}, {"const": 1},
+        s["if"] = draw(st.sampled_from([{"type": "string"}, {"const": 1}, {"minimum": 0},
+                                        {"maxLength": 2},
                                         {"properties": {"a": {"const": 1}}},
+                                        {"properties": {"a": {"minimum": 2}}},
                                         {"properties": {"b": {"enum": ["a", None]}},
                                          "required": ["b"]}]))
         s.update(_some(draw, {}, {"then": schemas(0), "else": schemas(0)}))
-    if draw(st.integers(0, 7)) == 0:  # types or values left out
+    if draw(st.integers(0, 7)) == 0:  # types, values or bounds left out
         s["not"] = draw(st.sampled_from([{"type": "null"}, {"type": ["string", "array"]},
                                          {"type": "number"}, {"enum": [1, "a", None]},
-                                         {"const": True}, {}]))
+                                         {"const": True}, {}, {"minimum": 1},
+                                         {"type": "integer", "maximum": -1, "minimum": -9},
+                                         {"minLength": 2, "maxItems": 1},
+                                         {"exclusiveMaximum": 2.5, "maxLength": 0}]))
     return s
 
 

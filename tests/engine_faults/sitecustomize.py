@@ -96,9 +96,32 @@ def quit_grace(seconds: str) -> None:
     tp_executor._QUIT_GRACE_S = float(seconds)
 
 
+def guides_wait_for(marker: str) -> None:
+    """Building a guide (a schema's or a pattern's, on a first request for it) writes
+    ``marker``.building, then lasts until ``marker`` exists, as a large schema's compile or a
+    large vocabulary's trie does."""
+    import time
+
+    from engine import guided_regex
+
+    init = guided_regex.TokenGuide.__init__
+
+    def slow(self, *args, **kwargs):
+        with open(marker + ".building", "w"):
+            pass
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{marker} never appeared")
+            time.sleep(0.01)
+        init(self, *args, **kwargs)
+
+    guided_regex.TokenGuide.__init__ = slow
+
+
 FAULTS = {f.__name__: f for f in (slow_kv_cache_layouts, hold_gil_at_step,
                                   unpicklable_kv_peer_names, unloadable_kv_peer_names,
-                                  load_until_stopped, quit_grace)}
+                                  load_until_stopped, quit_grace, guides_wait_for)}
 
 
 def _apply(spec: str) -> None:
