@@ -22,6 +22,7 @@ from engine.core_share import CoreShare
 # EngineDeadError: re-exported (callers catch it from here).
 from engine.engine_front import (FRESH_STATS_WAIT_S, SHUTDOWN_TIMEOUT_S,  # noqa: F401
                                  EngineDeadError, EngineFront, EngineStepTimeout)
+from engine.guide_threads import on_guide_thread
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, KVAllocation, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -202,12 +203,15 @@ class AsyncEngine(EngineFront):
                            stream_interval: int) -> None:
         add = functools.partial(self.engine.add_request, request_id, prompt_token_ids, params,
                                 resume_token_ids, stream_interval)
-        if params is not None and params.has_pattern_guide:
+        if params is not None and not self.engine.guides.ready(params):
             # Its guide is compiled, and the vocabulary's trie built at the engine's first
-            # one: a second for a large vocabulary, off the loop (the thread waits for no step).
-            await asyncio.to_thread(add)
-        else:
-            add()
+            # one (up to the compile's budget, a second for a large vocabulary), first: on the
+            # guide threads (engine/guide_threads.py), off the loop and the default executor.
+            try:
+                await on_guide_thread(self.engine.guides.warm, params)
+            except Exception:  # noqa: BLE001 - the add raises it again
+                pass
+        add()
         self._wake.set()
 
     def _add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,

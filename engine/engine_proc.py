@@ -40,6 +40,7 @@ from engine.async_engine import AsyncEngine
 from engine.core_share import CoreShare
 from engine.engine_pipe import (TICK_S, EngineProcInfo, EngineProcSpec, FrameReader,
                                 FrameWriter, OutputEncoder, PipeClosed, QueuedSender)
+from engine.guide_threads import on_guide_thread
 from engine.llm_engine import LLMEngine
 from engine.openmp_threads import call_in_own_thread, use_one_openmp_thread
 from engine.outputs import EngineStats, RequestOutput
@@ -196,13 +197,13 @@ class _Server:
         task.add_done_callback(self._tasks.discard)
 
     async def _warm_then_add(self, call_id: int, args: tuple) -> None:
-        """A guided request whose guide is not built yet: built in a thread (a schema's
-        compile may take up to its budget, the vocabulary's trie a second at the first), and
-        then added, with what came about it meanwhile. Inline, the build held every other
-        request's add, abort and release behind it."""
+        """A guided request whose guide is not built yet: built on a guide thread
+        (engine/guide_threads.py: a schema's compile may take up to its budget, the
+        vocabulary's trie a second at the first), and then added, with what came about it
+        meanwhile. Inline, the build held every other request's add, abort and release."""
         request_id, params = args[0], args[2]
         try:
-            await asyncio.to_thread(self.engine.engine.guides.warm, params)
+            await on_guide_thread(self.engine.engine.guides.warm, params)
         except Exception:  # noqa: BLE001 - the add raises it again, as its reply
             pass
         finally:

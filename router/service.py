@@ -28,6 +28,7 @@ import grpc
 from client.liveness import rpc_error
 from engine.block_hash import hash_request_tokens
 from engine.call_abort import kv_source_failed, was_refused
+from engine.guide_threads import check_guide_off_loop
 from engine.stray_cancels import is_stray_cancel
 from protos import convert, router_pb2, router_pb2_grpc, worker_pb2
 from protos.limits import max_message_bytes
@@ -39,7 +40,6 @@ from router.decode_wait import DecodeWait, is_decode_full
 from router.directory import NoWorkerError, WorkerDirectory, WorkerHandle, prefilling
 from router.errors import (MigrationsSpent, ModelMismatch, RouterRejectError, refuse,
                            status_of)
-from router.guide_checks import check_guide_off_loop
 from router.inflight import InflightRequests, OperatorCancelled, check_request_id
 from router.liveness import KVSourceCut, first_while_watched, watched_stream, watched_unary
 from router.migration import RequestRun, backoff_s, is_migratable, wait_to_move
@@ -224,7 +224,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         params.validate_vocab(self.model.vocab_size)
         if params.has_pattern_guide:
             # Refused here, before any worker is picked; compiling a schema takes up to its
-            # work budget: off the event loop, on threads of its own (router/guide_checks.py).
+            # work budget: off the event loop, on threads of its own (engine/guide_threads.py).
             await check_guide_off_loop(params)
         resumed = self._resume_ids(request, params)
         n = check_n(request.sampling, bool(resumed))

@@ -449,6 +449,7 @@ def test_a_guide_being_built_holds_up_no_other_request_and_loses_no_abort(fault,
             plain = await asyncio.wait_for(_collect_all(proc.generate("p", [5, 6, 7],
                                                                       _greedy(6))), 60)
             assert not first_out.done() and not aborted_out.done()
+            assert (tmp_path / "go.building").read_text().startswith("pdserve-guide")
             go.touch()
             got = [await asyncio.wait_for(first_out, 60)] + [o async for o in first]
             ended = [await asyncio.wait_for(aborted_out, 60)] + [o async for o in aborted]

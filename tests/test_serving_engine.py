@@ -422,15 +422,27 @@ def test_the_blocks_a_schedule_evicts_are_published_before_its_forward(preset_pa
     assert removed_at_forward[-1] == evicted
 
 
-def test_a_guided_request_is_added_off_the_event_loop():
-    """Adding one compiles its pattern, and the engine's first builds the vocabulary's trie
-    (a second for a large vocabulary): in a thread, the loop serving other calls meanwhile."""
+def test_a_guided_requests_guide_is_built_off_the_event_loop():
+    """Building a guide compiles its pattern, and the engine's first builds the vocabulary's
+    trie (a second for a large vocabulary): on a guide thread (engine/guide_threads.py), the
+    loop serving other calls meanwhile; the add itself, then quick, stays on the loop."""
     from engine import SamplingParams
+
+    class _Guides:
+        def __init__(self) -> None:
+            self.built: dict[str, threading.Thread] = {}
+
+        def ready(self, params) -> bool:
+            return not params.has_pattern_guide or params.guide in self.built
+
+        def warm(self, params) -> None:
+            self.built[params.guide] = threading.current_thread()
 
     class _Adding(_Engine):
         def __init__(self) -> None:
             super().__init__()
             self.adders: list[threading.Thread] = []
+            self.guides = _Guides()
 
         def add_request(self, *args) -> None:
             self.adders.append(threading.current_thread())
@@ -447,4 +459,6 @@ def test_a_guided_request_is_added_off_the_event_loop():
 
     _serve(engine, body, within_s=30)
     main = threading.main_thread()
-    assert engine.adders[0] is main and main not in engine.adders[1:]
+    assert engine.adders == [main] * 3
+    assert sorted(engine.guides.built) == ["guided_json", "guided_regex"]
+    assert all(t.name.startswith("pdserve-guide") for t in engine.guides.built.values())

@@ -97,8 +97,8 @@ def quit_grace(seconds: str) -> None:
 
 
 def guides_wait_for(marker: str) -> None:
-    """Building a guide (a schema's or a pattern's, on a first request for it) writes
-    ``marker``.building, then lasts until ``marker`` exists, as a large schema's compile or a
+    """Building a guide (a schema's or a pattern's, on a first request for it) writes the
+    name of its thread to ``marker``.building, then lasts until ``marker`` exists, as a large schema's compile or a
     large vocabulary's trie does."""
     import time
 
@@ -107,8 +107,10 @@ def guides_wait_for(marker: str) -> None:
     init = guided_regex.TokenGuide.__init__
 
     def slow(self, *args, **kwargs):
-        with open(marker + ".building", "w"):
-            pass
+        import threading
+
+        with open(marker + ".building", "w") as f:
+            f.write(threading.current_thread().name)
         deadline = time.monotonic() + 120
         while not os.path.exists(marker):
             if time.monotonic() > deadline:
