@@ -98,8 +98,8 @@ def quit_grace(seconds: str) -> None:
 
 def guides_wait_for(marker: str) -> None:
     """Building a guide (a schema's or a pattern's, on a first request for it) writes the
-    name of its thread to ``marker``.building, then lasts until ``marker`` exists, as a large schema's compile or a
-    large vocabulary's trie does."""
+    name of its thread to ``marker``.building, then lasts until ``marker`` exists, as a large
+    schema's compile or a large vocabulary's trie does."""
     import time
 
     from engine import guided_regex
