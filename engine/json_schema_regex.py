@@ -279,8 +279,8 @@ class _Compiler(ObjectRules):
             # It recursed: what holds it depends on the stack too (as when it was compiled).
             self.reentries += 1
             found = self.expansions[key]
-            if isinstance(found, Cut):
-                raise found
+            if isinstance(found, Cut):  # (its traceback dropped: it would grow each raise)
+                raise found.with_traceback(None)
             return found
         before = self.reentries
         self.expanding.append(ref)
