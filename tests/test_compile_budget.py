@@ -246,3 +246,16 @@ def test_refusals_keep_only_refusals():
         refusals.call("a", lambda: 2)
     with pytest.raises(ValueError, match="at least 1"):
         Refusals(kept=0)
+
+
+def test_the_bench_times_both_compilers_and_stops_a_compile_at_its_limit():
+    from bench.schema_compile import ADVERSARIAL, REALISTIC, _timed
+
+    order = REALISTIC["order (20 fields, formats)"]
+    now, before = _timed(order, True, 60), _timed(order, False, 60)
+    assert now["outcome"] == before["outcome"] and now["outcome"].startswith("regex of")
+    assert now["steps"] > 0
+    loop = ADVERSARIAL["40 anyOf $refs to the root"]
+    assert _timed(loop, False, 0.5) == {"seconds": None, "outcome": "over 0.5 s",
+                                        "steps": None}
+    assert _timed(loop, True, 60)["outcome"] == "regex of 4 chars"
