@@ -88,11 +88,12 @@ def redis_url():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The in-process engine the serving tests compare a cluster's output with."""
+def reference(request):
+    """The in-process engine the serving tests compare a cluster's output with: the module's
+    MODEL (tests/serving_helpers.SERVING_MODEL), tiny-llama where it names none."""
     from engine import LLM
 
-    with LLM("tiny-llama", num_gpu_blocks=256) as llm:
+    with LLM(getattr(request.module, "MODEL", "tiny-llama"), num_gpu_blocks=256) as llm:
         yield llm
 
 # CI runs must be reproducible: hypothesis explores a fixed set of examples unless a developer

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import random
 import re
 import socket
@@ -12,9 +14,15 @@ import urllib.request
 import grpc
 import pytest
 
-from bench.greedy import greedy_is_decisive
+from bench.greedy import MIN_GREEDY_GAP
 from protos import common_pb2, worker_pb2_grpc
 
+# The model of the serving tests that check the path a request takes (routing, KV transfer,
+# migration, stops, failures) rather than the model's numbers, which test_engine_parity,
+# test_tensor_parallel and test_cpu_graph check on the tiny presets against Hugging Face. Its
+# step costs ~1/5 of tiny-llama's on this CPU. A module opts in with ``MODEL = SERVING_MODEL``
+# and ``ClusterSpec(model=MODEL, ...)``; conftest's ``reference`` follows the module's MODEL.
+SERVING_MODEL = "micro-llama"
 # Small caches keep the workers light; 128 blocks of 16 tokens hold every test's requests.
 WORKER_ARGS = ["--num-gpu-blocks", "128", "--max-model-len", "1024",
                "--heartbeat-interval-s", "0.3", "--kv-lease-timeout-s", "20"]
@@ -53,24 +61,86 @@ def decisive_outputs(reference, n: int, seed: int, max_tokens: int | list[int], 
                      hi: int = 120) -> tuple[list[list[int]], list]:
     """``decisive_prompts``, and the reference's greedy output (ignore_eos, logprobs=2) of
     each, ``max(max_tokens)`` tokens long: a test that wants those need not generate them
-    again (a few seconds at hundreds of tokens)."""
+    again (a few seconds at hundreds of tokens).
+
+    The first ``n`` drawn prompts that qualify, in the order drawn. A candidate stops at its
+    first undecided step unless a later count could still take it: most fail early, and
+    generating them to the end was most of the search's time (micro-llama at 320 tokens
+    keeps ~1 prompt in 15)."""
     from engine import SamplingParams
 
     counts = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     if len(counts) != n:
         raise ValueError(f"{len(counts)} max_tokens for {n} prompts")
-    rng, kept, kept_outs = random.Random(seed), [], []
-    while len(kept) < n:
-        batch = [_draw(rng, lo, hi) for _ in range(n - len(kept) + 2)]
-        outs = reference.generate(batch, SamplingParams(
-            max_tokens=max(counts), temperature=0.0, ignore_eos=True, logprobs=2))
-        for prompt, out in zip(batch, outs):
-            if greedy_is_decisive(out, counts[len(kept)]):
-                kept.append(prompt)
-                kept_outs.append(out)
-                if len(kept) == n:
-                    break
-    return kept, kept_outs
+    params = SamplingParams(max_tokens=max(counts), temperature=0.0, ignore_eos=True,
+                            logprobs=2)
+    engine, rng = reference.engine, random.Random(seed)
+    cands: list[_Candidate] = []
+    running: dict[str, _Candidate] = {}
+    while (kept := _qualified(cands, counts)) is None:
+        while len(running) < max(1, n + 2 - sum(c.passing for c in cands)):
+            cand = _Candidate(f"decisive-{next(_decisive_ids)}", _draw(rng, lo, hi))
+            engine.add_request(cand.request_id, cand.prompt, params)
+            cands.append(cand)
+            running[cand.request_id] = cand
+        for out in engine.step():
+            cand = running.get(out.request_id)
+            if cand is None:
+                continue
+            cand.take(out)
+            if out.finished or cand.first_undecided < min(counts):
+                del running[out.request_id]
+                if not out.finished:
+                    engine.abort(out.request_id)
+    for rid in running:
+        engine.abort(rid)
+    if running:
+        engine.step()  # the aborts free their blocks
+    return [c.prompt for c in kept], [c.out for c in kept]
+
+
+_decisive_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """A prompt decisive_outputs tries: the step its greedy output first won by less than
+    MIN_GREEDY_GAP (``max_tokens`` while none has), and its final output once finished."""
+    request_id: str
+    prompt: list[int]
+    first_undecided: int = 1 << 30
+    out: object = None
+    checked: int = 0
+
+    def take(self, out) -> None:
+        for i in range(self.checked, len(out.logprobs)):
+            top = out.logprobs[i].top
+            if top[0].logprob - top[1].logprob < MIN_GREEDY_GAP:
+                self.first_undecided = min(self.first_undecided, i)
+        self.checked = len(out.logprobs)
+        if out.finished:
+            self.out = out
+
+    @property
+    def passing(self) -> bool:
+        """Finished, and decided at every step."""
+        return self.out is not None and self.first_undecided == 1 << 30
+
+
+def _qualified(cands: list[_Candidate], counts: list[int]) -> list[_Candidate] | None:
+    """The first len(counts) candidates whose first undecided step comes after their count
+    (the i-th kept one's), once every candidate before the last of them is decided; None
+    while some is not."""
+    kept: list[_Candidate] = []
+    for cand in cands:
+        decided = cand.out is not None or cand.first_undecided < min(counts)
+        if not decided:
+            return None
+        if cand.out is not None and cand.first_undecided >= counts[len(kept)]:
+            kept.append(cand)
+            if len(kept) == len(counts):
+                return kept
+    return None
 
 
 def explain_greedy_mismatch(reference, prompt: list[int], got: list[int],

@@ -134,9 +134,9 @@ def test_up_hands_its_router_the_api_keys_in_its_environment_not_its_argv(monkey
 def test_a_cluster_whose_keys_travel_in_the_environment_enforces_them():
     from client import Client, UnauthenticatedError
     from router.launcher import Cluster, ClusterSpec
-    from tests.serving_helpers import WORKER_ARGS
+    from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS
 
-    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS, api_key=KEY,
+    spec = ClusterSpec(model=SERVING_MODEL, num_prefill=0, worker_args=WORKER_ARGS, api_key=KEY,
                        admin_api_key=ADMIN_KEY)
     # Started means its routability check, an admin call with the admin key, got through.
     with Cluster(spec) as cluster:

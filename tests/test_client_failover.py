@@ -12,14 +12,17 @@ import sys
 import grpc
 import pytest
 
+from bench.greedy import greedy_is_decisive
 from client import AsyncClient, FailoverPolicy
 from client.failover import (MIGRATIONS_SPENT_KEY, MODEL_MISMATCH_KEY, Attempts, attempt_request,
                              check_addresses, take_chunk)
 from engine import SamplingParams
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, decisive_outputs,
-                                   greedy_is_decisive, wait_all_blocks_free)
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, decisive_outputs,
+                                   wait_all_blocks_free)
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -361,7 +364,7 @@ def test_bad_addresses_and_policies_are_refused(bad):
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_decode=1, worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, num_decode=1, worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c

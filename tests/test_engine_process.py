@@ -212,7 +212,7 @@ def test_a_cluster_of_engine_process_workers_streams_what_the_in_process_engine_
     max_tokens = [10 + (i * 7) % 13 for i in range(12)]
     prompts = decisive_prompts(reference, 12, seed=31, max_tokens=max_tokens)
     want = reference.generate(prompts, [_greedy(m) for m in max_tokens])
-    spec = ClusterSpec(worker_args=[*WORKER_ARGS, "--engine-process"],
+    spec = ClusterSpec(model=MODEL, worker_args=[*WORKER_ARGS, "--engine-process"],
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as cluster:
         workers = [p for p in cluster.procs if p.role != "router"]

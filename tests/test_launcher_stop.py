@@ -134,8 +134,9 @@ def test_a_stopped_service_ends_as_an_exit_would_less_the_teardown():
 _LAUNCHER = textwrap.dedent("""
     import json, time
     from router.launcher import Cluster, ClusterSpec
-    from tests.serving_helpers import WORKER_ARGS
-    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS, drain_timeout_s=2.0)).start()
+    from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS
+    cluster = Cluster(ClusterSpec(model=SERVING_MODEL, worker_args=WORKER_ARGS,
+                                  drain_timeout_s=2.0)).start()
     print(json.dumps({"services": [p.popen.pid for p in cluster.procs],
                       "redis": cluster.redis.proc.pid, "share_dir": cluster._share_dir,
                       "log_dir": cluster.log_dir}),
@@ -197,10 +198,11 @@ def test_a_stopping_router_sends_new_requests_elsewhere_and_finishes_its_own():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from client import Client, FailoverPolicy, UnavailableError
-    from tests.serving_helpers import WORKER_ARGS, random_prompts
+    from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts
 
     # A drain long enough for the stream on a loaded host: the test is about who is served.
-    cluster = Cluster(ClusterSpec(worker_args=WORKER_ARGS, drain_timeout_s=120.0)).start()
+    cluster = Cluster(ClusterSpec(model=SERVING_MODEL, worker_args=WORKER_ARGS,
+                                  drain_timeout_s=120.0)).start()
     try:
         (router,) = [p for p in cluster.procs if p.name == "router"]
         prompt = random_prompts(1, seed=9, lo=40, hi=40)[0]

@@ -19,7 +19,9 @@ from router.redis_server import RedisServer
 from router.registry import Registry
 from tests.proc_signals import wait_until
 from tests.test_transfer_ledger import _proc
-from tests.serving_helpers import WORKER_ARGS, random_prompts, worker_info
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts, worker_info
+
+MODEL = SERVING_MODEL
 
 GREEDY = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 # 60 s leases, and a drain that outlasts a router's restart: nothing here expires by itself.
@@ -32,8 +34,8 @@ HUNG_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=1, num_decode=1, worker_args=ARGS, drain_timeout_s=60,
-                       router_args=["--max-local-prefill-length", "0"])
+    spec = ClusterSpec(model=MODEL, num_prefill=1, num_decode=1, worker_args=ARGS,
+                       drain_timeout_s=60, router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
 

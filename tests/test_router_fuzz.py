@@ -13,7 +13,9 @@ from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, IDS, INT64, WORDS
 from tests.malformed_wire import assert_every_method_refuses_malformed
-from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
+from tests.serving_helpers import SERVING_MODEL, SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free
+
+MODEL = SERVING_MODEL
 
 # The statuses that blame the request (or, for RESOURCE_EXHAUSTED, the load it adds).
 CLIENT_STATUSES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
@@ -75,7 +77,7 @@ def requests(draw) -> router_pb2.GenerateRequest:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with Cluster(ClusterSpec(worker_args=SHORT_CONTEXT_WORKER_ARGS,
+    with Cluster(ClusterSpec(model=MODEL, worker_args=SHORT_CONTEXT_WORKER_ARGS,
                              router_args=["--trust-request-chat-template"])) as c:
         with grpc.insecure_channel(c.router_address) as channel:
             c.stub = router_pb2_grpc.RouterStub(channel)

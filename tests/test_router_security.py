@@ -16,7 +16,9 @@ from engine.cli import main as cli_main
 from engine.grpc_server import ServerConfig
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 KEY = "s3cret-key"
@@ -37,7 +39,7 @@ def tls_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tls_files):
     cert, key = tls_files
-    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, num_prefill=0, worker_args=WORKER_ARGS,
                        router_args=["--tls-cert-file", cert, "--tls-key-file", key,
                                     "--api-key", KEY, "--admin-api-key", ADMIN_KEY])
     # Its health and routability checks go over TLS, the latter with the admin key.

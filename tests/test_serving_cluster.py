@@ -94,6 +94,64 @@ def test_a_prefix_that_ends_inside_a_block_is_reused_to_its_last_token(cluster, 
     assert second.token_ids == want and len(set(want)) > 1
 
 
+def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(cluster, reference):
+    # On tiny-llama (micro-llama's greedy outputs repeat no token: a penalty would change
+    # nothing there).
+    from tests.test_sampling_rules import GREEDY, PROMPTS
+
+    first = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0].token_ids[0]
+    # Words the first output spells: the prefill worker bans the first, the decode worker
+    # the others.
+    plain0 = reference.generate(PROMPTS[:1], SamplingParams(**GREEDY))[0]
+    words = [reference.tokenizer.decode([t]) for t in plain0.token_ids[:6]]
+    penalties = [dict(repetition_penalty=1.8), dict(frequency_penalty=1.0, presence_penalty=0.5)]
+    rules = penalties + [
+        dict(logit_bias={17: 3.0, 4321: 7.5}),
+        dict(allowed_token_ids=[11, 500, 1234, 4321, 7000]),
+        # The prefill worker samples the first token, the one the model wants to stop at.
+        dict(min_tokens=6, stop_token_ids=[first]),
+        dict(bad_words=[w for w in words if w.strip()]),
+    ]
+    with Client(cluster.router_address, timeout=60) as c:
+        for prompt in PROMPTS:
+            for kw in rules:
+                want = reference.generate([prompt], SamplingParams(**kw, **GREEDY))[0]
+                got = [t for ch in c.generate(prompt, **kw, **GREEDY) for t in ch.token_ids]
+                assert got == want.token_ids, kw
+    plain = reference.generate(PROMPTS, SamplingParams(**GREEDY))
+    assert plain[0].token_ids != reference.generate(
+        PROMPTS[:1], SamplingParams(**penalties[1], **GREEDY))[0].token_ids
+    assert plain[0].token_ids[:6] != reference.generate(
+        PROMPTS[:1], SamplingParams(**rules[-1], **GREEDY))[0].token_ids[:6]
+    # Choices of several tokens: the prefill worker samples the first under the mask, the
+    # decode worker the rest and the eos (no ignore_eos: it ends the output).
+    from tests.test_guided_choice import CHOICES
+
+    guided = dict(guided_choice=CHOICES, max_tokens=16, temperature=0.0)
+    want = reference.generate(PROMPTS, SamplingParams(**guided))
+    with Client(cluster.router_address, timeout=60) as c:
+        got = [c.complete(prompt, **guided) for prompt in PROMPTS]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert {g.text for g in got} <= set(CHOICES) and len({g.text for g in got}) >= 2
+    assert all(g.finish_reason == "stop" for g in got)
+    # A pattern and a schema likewise: a multi-byte character may span the two workers'
+    # tokens; the schema goes as a dict and arrives as its JSON text.
+    from tests.test_guided_regex import PATTERNS, SCHEMA
+
+    for guide in [dict(guided_regex=PATTERNS[0]), dict(guided_regex=PATTERNS[2]),
+                  dict(guided_json=SCHEMA, guided_whitespace_pattern="[ \n]?"),
+                  dict(guided_json=SCHEMA)]:
+        guided = dict(guide, max_tokens=96, temperature=0.0)
+        want = reference.generate(PROMPTS, SamplingParams(**guided))
+        with Client(cluster.router_address, timeout=60) as c:
+            got = [c.complete(prompt, **guided) for prompt in PROMPTS]
+        assert [g.token_ids for g in got] == [w.token_ids for w in want], guide
+        assert all(g.finish_reason == "stop" for g in got)
+    assert all(isinstance(json.loads(g.text)["age"], int) for g in got)
+    wait_all_blocks_free([p.address for p in cluster.procs
+                          if p.name != "router" and p.popen.poll() is None])
+
+
 def test_a_chats_next_turn_is_prefilled_on_the_decode_worker_holding_its_reply(cluster,
                                                                                reference):
     # Turn 1: 80 prompt tokens on a prefill worker, 100 reply tokens on the decode worker,

@@ -11,7 +11,10 @@ import pytest
 from client import AsyncClient, ResourceExhaustedError
 from engine import LLM, SamplingParams
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import cluster_stats, random_prompts, stream_greedy, wait_all_blocks_free
+from tests.serving_helpers import (SERVING_MODEL, cluster_stats, random_prompts, stream_greedy,
+                                   wait_all_blocks_free)
+
+MODEL = SERVING_MODEL
 
 MAX_TOKENS = 24
 # 24 blocks of 16 tokens: room for two of these prompts (100-150 tokens, plus output) at once.
@@ -20,7 +23,7 @@ DECODE_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=1, num_decode=1,
+    spec = ClusterSpec(model=MODEL, num_prefill=1, num_decode=1,
                        worker_args=["--max-model-len", "384", "--heartbeat-interval-s", "0.3",
                                     "--kv-lease-timeout-s", "20"],
                        router_args=["--max-local-prefill-length", "0"])
@@ -41,7 +44,7 @@ def _workers(cluster) -> list[str]:
 def test_a_burst_past_the_decode_workers_room_waits_and_matches_the_engine(cluster):
     prompts = random_prompts(8, seed=41, lo=100, hi=150)
     got = stream_greedy(cluster.router_address, prompts, [MAX_TOKENS] * len(prompts))
-    with LLM("tiny-llama", num_gpu_blocks=256) as ref:
+    with LLM(MODEL, num_gpu_blocks=256) as ref:
         want = ref.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                     ignore_eos=True))
     assert [toks for toks, _ in got] == [w.token_ids for w in want]

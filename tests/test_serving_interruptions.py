@@ -19,7 +19,9 @@ import pytest
 from client import AsyncClient, CancelledError, DeadlineExceededError
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts, wait_all_blocks_free
+
+MODEL = SERVING_MODEL
 
 FATES = ("finish", "client_cancel", "deadline", "operator_cancel")
 LEASE_S = float(WORKER_ARGS[WORKER_ARGS.index("--kv-lease-timeout-s") + 1])
@@ -29,7 +31,7 @@ LONG = 800
 
 @pytest.fixture(scope="module")
 def cluster():
-    with Cluster(ClusterSpec(worker_args=WORKER_ARGS,
+    with Cluster(ClusterSpec(model=MODEL, worker_args=WORKER_ARGS,
                              router_args=["--max-local-prefill-length", "0"])) as c:
         yield c
 

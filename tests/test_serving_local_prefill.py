@@ -15,8 +15,10 @@ from client import (AsyncClient, Client, DeadlineExceededError, InvalidArgumentE
 from engine import SamplingParams
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_prompts, random_prompts,
-                                   stream_greedy, wait_all_blocks_free, worker_info)
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, decisive_prompts,
+                                   random_prompts, stream_greedy, wait_all_blocks_free, worker_info)
+
+MODEL = SERVING_MODEL
 
 LOCAL_MAX = 64
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -26,7 +28,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 def cluster():
     # The other serving tests' routers use the default multiplexed decode stream; this one
     # keeps the per-request Decode calls covered (parity, cancel, deadline, errors).
-    spec = ClusterSpec(worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", str(LOCAL_MAX),
                                     "--local-prefill-queue-threshold", "0",
                                     "--decode-stream", "per-request"])
@@ -141,10 +143,11 @@ def test_client_cancel_of_a_local_prefill_frees_every_block(cluster):
 
 
 def test_deadline_of_a_local_prefill_frees_every_block(cluster):
+    # The rest of the context (WORKER_ARGS: 1024) takes micro-llama ~0.5 s in-process here.
     with Client(cluster.router_address) as c:
         with pytest.raises(DeadlineExceededError):
-            for _ in c.generate(random_prompts(1, seed=4, lo=30, hi=30)[0], max_tokens=600,
-                                timeout=1.0, **GREEDY):
+            for _ in c.generate(random_prompts(1, seed=4, lo=30, hi=30)[0], max_tokens=994,
+                                timeout=0.25, **GREEDY):
                 pass
     wait_all_blocks_free(_workers(cluster))
 
@@ -210,7 +213,7 @@ def test_bad_local_prefill_requests_get_invalid_argument(cluster, fields, match)
 @pytest.mark.slow
 def test_without_a_prefill_worker_short_prompts_are_prefilled_on_the_decode_worker(reference):
     # The default threshold (2): with a prefill worker up, an idle one would take the prompt.
-    spec = ClusterSpec(worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", str(LOCAL_MAX)])
     with Cluster(spec) as c:
         prefill = next(p for p in c.procs if p.name.startswith("prefill"))
@@ -232,8 +235,8 @@ def test_an_aggregated_cluster_serves_every_prompt_on_its_decode_worker(referenc
     """``num_prefill=0``: no prefill worker, and the launcher lifts the local-prefill limit to
     the model's context, so prompts several steps long are prefilled (in chunks) by the decode
     worker and match the in-process engine."""
-    spec = ClusterSpec(num_prefill=0, worker_args=[*WORKER_ARGS, "--max-num-batched-tokens",
-                                                   "96"])
+    spec = ClusterSpec(model=MODEL, num_prefill=0,
+                       worker_args=[*WORKER_ARGS, "--max-num-batched-tokens", "96"])
     with Cluster(spec) as c:
         assert [p.name.split("-")[0] for p in c.procs] == ["decode", "router"]
         prompts = random_prompts(6, seed=73, lo=40, hi=250)

@@ -11,8 +11,10 @@ import pytest
 from client import Client, InvalidArgumentError
 from protos.limits import ENV, MIN_MESSAGE_BYTES, max_message_bytes, message_size_options
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (free_port, parse_metrics, random_prompts, scrape,
+from tests.serving_helpers import (SERVING_MODEL, free_port, parse_metrics, random_prompts, scrape,
                                    wait_all_blocks_free)
+
+MODEL = SERVING_MODEL
 
 LIMIT = 128 * 1024
 # Leases far longer than the wait below: blocks that come back came back through a release.
@@ -35,7 +37,7 @@ def cluster():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV, str(LIMIT))  # every process of the cluster inherits it
         port = free_port()
-        with Cluster(ClusterSpec(worker_args=_ARGS,
+        with Cluster(ClusterSpec(model=MODEL, worker_args=_ARGS,
                                  router_args=["--max-local-prefill-length", "0",
                                               "--metrics-port", str(port)])) as c:
             c.metrics_port = port

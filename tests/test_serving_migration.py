@@ -19,8 +19,10 @@ from engine import SamplingParams
 from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
-from tests.serving_helpers import (WORKER_ARGS, cluster_stats, decisive_outputs, random_prompts,
-                                   wait_all_blocks_free, worker_info)
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, decisive_outputs,
+                                   random_prompts, wait_all_blocks_free, worker_info)
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SEEDED = dict(temperature=1.0, top_p=0.9, seed=23, ignore_eos=True)
@@ -33,7 +35,7 @@ def cluster():
     # tests can see every block come back. Room for every prompt of a test on one decode
     # worker: a burst of migrated prompts that lands on it at once then never waits for room
     # (router/decode_wait.py), which would only slow these tests down.
-    spec = ClusterSpec(num_prefill=2, num_decode=2,
+    spec = ClusterSpec(model=MODEL, num_prefill=2, num_decode=2,
                        worker_args=[*WORKER_ARGS, "--kv-quarantine-s", "1",
                                     "--num-gpu-blocks", "512"],
                        router_args=["--max-local-prefill-length", "0", "--migration-limit", "1",
@@ -342,16 +344,16 @@ def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):
     """Scale-down: a decode worker told to stop (SIGTERM) drains, and a stream still running
     when its drain and grace end continues on another worker instead of being cut."""
     survivor = _live(cluster, "decode")[0]
-    # Drain and grace of 0.5 s in all against a 500-token stream: about the ratio that 900
-    # tokens had to 1 s, so the stream is still running when they end, in half the time.
-    leaving = cluster.add_worker("decode", extra=["--drain-timeout-s", "0.25",
-                                                  "--shutdown-grace-s", "0.25"])
+    # Drain and grace of 0.2 s in all against a 990-token stream, which takes micro-llama
+    # ~0.55 s in-process here: the stream is still running when they end.
+    leaving = cluster.add_worker("decode", extra=["--drain-timeout-s", "0.1",
+                                                  "--shutdown-grace-s", "0.1"])
     cluster.wait_routable(1, 2)
     admin = router_pb2_grpc.RouterAdminStub(grpc.insecure_channel(cluster.router_address))
     drain = router_pb2.DrainWorkerRequest(worker_id=survivor.name)
     admin.DrainWorker(drain, timeout=10)  # so the stream starts on the leaving worker
     prompt = random_prompts(1, seed=61, lo=30, hi=30)[0]
-    params = dict(max_tokens=500, **GREEDY)
+    params = dict(max_tokens=990, **GREEDY)  # WORKER_ARGS: a context of 1024
 
     async def run():
         got = []

@@ -14,14 +14,17 @@ from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
 from router.redis_server import RedisServer
 from tests.proc_signals import wait_until
-from tests.serving_helpers import WORKER_ARGS, random_prompts, worker_info
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts, worker_info
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(worker_args=WORKER_ARGS, router_args=["--max-local-prefill-length", "0"])
+    spec = ClusterSpec(model=MODEL, worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
 

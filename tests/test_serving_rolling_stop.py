@@ -15,14 +15,17 @@ import pytest
 
 from client import AsyncClient
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import WORKER_ARGS, cluster_stats, random_prompts, wait_all_blocks_free
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, random_prompts,
+                                   wait_all_blocks_free)
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=2, num_decode=2, worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, num_prefill=2, num_decode=2, worker_args=WORKER_ARGS,
                        router_args=["--migration-limit", "0", "--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c

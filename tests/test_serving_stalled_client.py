@@ -14,8 +14,10 @@ import pytest
 
 from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, cluster_stats, random_prompts, stream_greedy,
-                                   wait_all_blocks_free)
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, random_prompts,
+                                   stream_greedy, wait_all_blocks_free)
+
+MODEL = SERVING_MODEL
 
 WRITE_TIMEOUT_S = 3
 MAX_TOKENS = 600  # with 20 logprobs a token, ~340 KB: far past a 64 KiB window
@@ -23,7 +25,7 @@ MAX_TOKENS = 600  # with 20 logprobs a token, ~340 KB: far past a 64 KiB window
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=0, worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, num_prefill=0, worker_args=WORKER_ARGS,
                        router_args=["--client-write-timeout-s", str(WRITE_TIMEOUT_S)])
     with Cluster(spec) as c:
         yield c

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from engine import SamplingParams
 from router.launcher import Cluster, ClusterSpec
-from tests.serving_helpers import (WORKER_ARGS, decisive_prompts, stream_greedy,
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, decisive_prompts, stream_greedy,
                                    wait_all_blocks_free, worker_info)
+
+MODEL = SERVING_MODEL
 
 
 def test_streams_over_the_torch_backend_match_the_in_process_engine(reference):
@@ -13,7 +15,7 @@ def test_streams_over_the_torch_backend_match_the_in_process_engine(reference):
     prompts = decisive_prompts(reference, 10, seed=23, max_tokens=max_tokens)
     want = reference.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0,
                                                        ignore_eos=True) for m in max_tokens])
-    spec = ClusterSpec(kv_transfer_backend="torch", worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, kv_transfer_backend="torch", worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as cluster:
         workers = [p.address for p in cluster.procs if p.role != "router"]

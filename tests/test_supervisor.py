@@ -26,14 +26,17 @@ from router.errors import REGISTRY_UNREACHABLE
 from router.launcher import Cluster, ClusterSpec, Proc
 from router.registry import Registry
 from router.supervisor import Supervisor
-from tests.serving_helpers import WORKER_ARGS, random_prompts
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts
+
+MODEL = SERVING_MODEL
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture()
 def cluster():
-    spec = ClusterSpec(worker_args=WORKER_ARGS, router_args=["--max-local-prefill-length", "0"])
+    spec = ClusterSpec(model=MODEL, worker_args=WORKER_ARGS,
+                       router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c
 
@@ -182,7 +185,7 @@ def test_only_the_routers_mark_says_the_registry_is_unreachable(trailing, unreac
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
                 for _ in range(2)]
     try:
-        cluster = Cluster(ClusterSpec())
+        cluster = Cluster(ClusterSpec(model=MODEL))
         cluster.router_address = f"127.0.0.1:{port}"
         worker = Proc("decode-1", "127.0.0.1:1", sleepers[1], template="decode-{port}")
         cluster.procs += [Proc("router", cluster.router_address, sleepers[0],
@@ -221,9 +224,9 @@ def test_a_restarted_worker_the_router_refuses_stops_the_cluster(tmp_path, prese
 
 def test_a_bad_budget_is_refused():
     with pytest.raises(ValueError, match="max_restarts"):
-        Supervisor(Cluster(ClusterSpec()), max_restarts=-1)
+        Supervisor(Cluster(ClusterSpec(model=MODEL)), max_restarts=-1)
     with pytest.raises(ValueError, match="retry_backoff_s"):
-        Supervisor(Cluster(ClusterSpec()), retry_backoff_s=-1.0)
+        Supervisor(Cluster(ClusterSpec(model=MODEL)), retry_backoff_s=-1.0)
 
 
 def _crashed_worker(cluster: Cluster) -> Proc:
@@ -238,7 +241,7 @@ def _crashed_worker(cluster: Cluster) -> Proc:
 
 def test_a_stop_while_a_crashed_worker_starts_again_ends_the_wait():
     # --start-timeout 20: without the stop reaching the wait, the run would end after it, 1.
-    cluster = Cluster(ClusterSpec(redis_url="redis://127.0.0.1:1", start_timeout_s=20))
+    cluster = Cluster(ClusterSpec(model=MODEL, redis_url="redis://127.0.0.1:1", start_timeout_s=20))
     cluster.router_address = "127.0.0.1:1"
     _crashed_worker(cluster)
     stop = threading.Event()
@@ -280,7 +283,7 @@ def test_a_service_that_cannot_be_started_again_stops_the_cluster_cleanly(monkey
     assert Supervisor(cluster, say=said.append).check() == 1
     assert "redis-server could not be started again (redis-server exited with 1" in said[-1]
 
-    cluster = Cluster(ClusterSpec(redis_url="redis://127.0.0.1:1"))
+    cluster = Cluster(ClusterSpec(model=MODEL, redis_url="redis://127.0.0.1:1"))
     _crashed_worker(cluster)
 
     def no_process(name, args, env=None):
@@ -324,7 +327,7 @@ def test_a_start_that_keeps_failing_waits_at_most_the_longest_wait():
     ten restarts within the 10-minute window), is tried for as long as the cluster runs: its
     1025th wait (17 hours in) was 2 s times 2**1024, a float's overflow, which ended
     ``pdserve up`` with a traceback."""
-    cluster = Cluster(ClusterSpec())
+    cluster = Cluster(ClusterSpec(model=MODEL))
     try:
         sup = Supervisor(cluster, max_restarts=20, say=(said := []).append)
         dead = Proc("decode-1", "", subprocess.Popen([sys.executable, "-c", "exit(3)"]),

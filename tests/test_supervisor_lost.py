@@ -17,7 +17,9 @@ from router.launcher import Cluster, ClusterSpec
 from router.redis_server import RedisServer, find_redis_server
 from router.supervisor import Supervisor
 from tests.proc_signals import reap
-from tests.serving_helpers import WORKER_ARGS, random_prompts
+from tests.serving_helpers import SERVING_MODEL, WORKER_ARGS, random_prompts
+
+MODEL = SERVING_MODEL
 
 
 def _procs(cluster, role):
@@ -51,7 +53,8 @@ def test_a_worker_refused_at_its_restart_is_named_with_its_first_refusal():
     first = RedisServer()
     port = first.port
     url = f"redis://127.0.0.1:{port}/10"
-    spec = ClusterSpec(redis_url=url, num_prefill=0, num_decode=1, worker_args=WORKER_ARGS)
+    spec = ClusterSpec(model=MODEL, redis_url=url, num_prefill=0, num_decode=1,
+                       worker_args=WORKER_ARGS)
     smaller = None
     try:
         with Cluster(spec) as cluster:

@@ -16,14 +16,17 @@ from client import Client
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.proc_signals import stop_process, wait_until
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, random_prompts, wait_all_blocks_free,
+                                   worker_info)
+
+MODEL = SERVING_MODEL
 
 GREEDY = common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS,
+    spec = ClusterSpec(model=MODEL, num_prefill=1, num_decode=1, worker_args=WORKER_ARGS,
                        router_args=["--max-local-prefill-length", "0"])
     with Cluster(spec) as c:
         yield c

@@ -24,7 +24,10 @@ from protos.convert import MAX_WORKER_REQUEST_ID_CHARS
 from router.launcher import Cluster, ClusterSpec
 from tests.fuzz_strategies import FIELDS, INT64
 from tests.malformed_wire import assert_every_method_refuses_malformed
-from tests.serving_helpers import SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free, worker_info
+from tests.serving_helpers import (SERVING_MODEL, SHORT_CONTEXT_WORKER_ARGS, wait_all_blocks_free,
+                                   worker_info)
+
+MODEL = SERVING_MODEL
 
 EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
 SAMPLING = common_pb2.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -63,7 +66,7 @@ def _corrupt(rng: random.Random, handle: dict) -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def workers():
-    with Cluster(ClusterSpec(worker_args=SHORT_CONTEXT_WORKER_ARGS)) as c:
+    with Cluster(ClusterSpec(model=MODEL, worker_args=SHORT_CONTEXT_WORKER_ARGS)) as c:
         addr = {p.role: p.address for p in c.procs if p.name != "router"}
         with grpc.insecure_channel(addr["prefill"]) as pch, \
                 grpc.insecure_channel(addr["decode"]) as dch:
@@ -327,7 +330,7 @@ def test_a_handle_replayed_after_its_lease_ended_is_refused():
     failure (UNAVAILABLE), before a block is allocated."""
     args = list(SHORT_CONTEXT_WORKER_ARGS)
     args[args.index("--kv-lease-timeout-s") + 1] = "1"
-    with Cluster(ClusterSpec(worker_args=args)) as cluster:
+    with Cluster(ClusterSpec(model=MODEL, worker_args=args)) as cluster:
         addr = {p.role: p.address for p in cluster.procs if p.name != "router"}
         prompt = list(range(500, 540))
         with grpc.insecure_channel(addr["prefill"]) as ch:
