@@ -89,7 +89,7 @@ def _stepping(engine: LLMEngine, request_id: str) -> bool:
 @pytest.mark.timeout(_STEPPING_S + STOP_GRACE_S + 60)
 def test_shutdown_under_a_step_stuck_on_a_stopped_worker_is_bounded(preset_path, monkeypatch):
     _short_graces(monkeypatch)
-    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+    engine = LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32))
     worker = engine.executor.workers[0].process
     loop = asyncio.new_event_loop()  # outputs are posted to it; nobody needs to run it here
@@ -120,7 +120,7 @@ def test_shutdown_under_a_step_stuck_on_a_stopped_worker_is_bounded(preset_path,
 
 def test_shutdown_of_an_idle_engine_with_a_stopped_worker_kills_it(preset_path, monkeypatch):
     _short_graces(monkeypatch)
-    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+    engine = LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32))
     worker = engine.executor.workers[0].process
     try:
@@ -137,7 +137,7 @@ def test_shutdown_of_an_idle_engine_with_a_stopped_worker_kills_it(preset_path, 
 def test_a_worker_told_to_quit_exits_cleanly(preset_path):
     # The worker ends through engine.process_exit (its threads joined, exit handlers run, no
     # interpreter teardown): status 0 within the quit grace, where a hang there would be -9.
-    with LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+    with LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                 num_gpu_blocks=32)) as engine:
         worker = engine.executor.workers[0].process
         engine.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=2))
@@ -189,7 +189,7 @@ def test_a_stopped_rank_dies_with_its_sigkilled_parent(preset_path):
     import subprocess
     import sys
 
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(preset_path("tiny-llama"))],
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(preset_path("micro-llama"))],
                               stdout=subprocess.PIPE, text=True)
     try:
         with _killed_after(parent) as fired:
@@ -251,7 +251,7 @@ def test_a_step_interrupted_on_rank_0_fails_the_engine_cleanly(preset_path):
 
     try:
         done = subprocess.run([sys.executable, "-c", _INTERRUPTED,
-                               str(preset_path("tiny-llama"))],
+                               str(preset_path("micro-llama"))],
                               capture_output=True, text=True, timeout=_CHILD_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the child process hung: killed after {_CHILD_S} s; it printed "
@@ -293,7 +293,7 @@ def test_a_signal_to_the_process_group_leaves_the_ranks_to_rank_0(preset_path):
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", _DRAINING, str(preset_path("tiny-llama"))],
+    child = subprocess.Popen([sys.executable, "-c", _DRAINING, str(preset_path("micro-llama"))],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         with _killed_after(child) as fired:  # its whole run: a kill ends the waits below
@@ -347,7 +347,7 @@ def test_a_rank_dead_at_the_last_step_of_start_up_is_named(preset_path, monkeypa
     monkeypatch.setattr(tp_executor.tp_comm, "connect_tp_group", group_of_dead_peers)
     with pytest.raises(ExecutorError,
                        match=r"rank 1 \(pid \d+\) died \(killed by signal 9 \(SIGKILL\)\)"):
-        LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+        LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                num_gpu_blocks=32))
     assert killed
 
@@ -364,7 +364,7 @@ def test_a_shut_down_engine_still_referenced_holds_no_ports(preset_path):
     before = (_listening_sockets(), len(os.listdir("/proc/self/fd")))
     kept = []
     for _ in range(2):
-        with LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+        with LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32)) as engine:
             kept.append(engine)
     # None of its own left (an earlier test's may close meanwhile: not a count).
@@ -438,7 +438,7 @@ def test_a_shutdown_right_after_a_steps_check_leaves_the_group_to_the_step(prese
     memory) under the step that was about to use them."""
     from engine.executor_error import ExecutorError
 
-    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+    engine = LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=32))
     executor = engine.executor
     real_check, during = executor._check_usable, []
@@ -470,7 +470,7 @@ def test_a_step_too_large_for_the_pipe_fails_on_a_stopped_worker_instead_of_hang
 
     # 16 x 1024 tokens: a ~400 KB step, twice what a unix socket holds by default (208 KiB).
     n, prompt_len = 16, 1024
-    engine = LLMEngine(EngineConfig(str(preset_path("tiny-llama")), tensor_parallel_size=2,
+    engine = LLMEngine(EngineConfig(str(preset_path("micro-llama")), tensor_parallel_size=2,
                                     num_gpu_blocks=n * (prompt_len // 16 + 2),
                                     max_num_batched_tokens=n * prompt_len))
     worker = engine.executor.workers[0].process
