@@ -30,6 +30,11 @@ MAX_CONDITIONS = 128
 _OBJECT_CONDITION = {"properties", "required", "type"}
 
 
+class ConditionRefused(ValueError):
+    """A refusal that already names the if/then/else it came from: an outer one passes it on
+    as it is, rather than naming itself in front."""
+
+
 def conditional(compiler, s: dict, path: str, depth: int) -> str:
     """The regex of ``s``, which has if, then or else."""
     rest = {k: v for k, v in s.items() if k not in _KEYWORDS}
@@ -40,8 +45,8 @@ def conditional(compiler, s: dict, path: str, depth: int) -> str:
         raise ValueError(f"'nullable' at {path} must be true or false")
     compiler.conditions += 1
     if compiler.conditions > MAX_CONDITIONS:
-        raise ValueError(f"the schema compiles more than {MAX_CONDITIONS} if/then/else "
-                         f"conditions (at {path})")
+        raise ConditionRefused(f"the schema compiles more than {MAX_CONDITIONS} if/then/else "
+                               f"conditions (at {path})")
     cond, then, other = s["if"], s.get("then", True), s.get("else", True)
     variants = [{"allOf": [rest, cond, then]}]
     variants += [{"allOf": [rest, miss, other]} for miss in _misses(cond, rest, path)]
@@ -53,12 +58,10 @@ def conditional(compiler, s: dict, path: str, depth: int) -> str:
             refusal = refusal or e
         except Cut as e:  # a recursion cut in this way: the others may end (as anyOf's)
             cut = cut or e
-        except TooMuchWork:
+        except (TooMuchWork, ConditionRefused):  # the schema's as a whole, or named
             raise
         except ValueError as e:
-            if str(e).startswith("'if' at") or "if/then/else" in str(e):
-                raise
-            raise ValueError(f"'if' at {path}: {e}") from None
+            raise ConditionRefused(f"'if' at {path}: {e}") from None
     if not found:
         if cut is not None:
             raise cut

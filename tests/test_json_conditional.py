@@ -127,6 +127,15 @@ def test_a_condition_the_compiler_cannot_negate_is_refused(schema, match):
         schema_to_regex(schema)
 
 
+def test_a_refusal_inside_a_condition_is_named_by_the_innermost_if_alone():
+    inner = {"type": "integer", "if": {"multipleOf": 5}, "then": {"minimum": 2}}
+    schema = {"type": "object", "properties": {"a": inner},
+              "if": {"properties": {"b": {"const": 1}}}, "then": {}}
+    with pytest.raises(ValueError) as refused:
+        schema_to_regex(schema)
+    assert str(refused.value).startswith("'if' at #/properties/a: 'not' at #/properties/a")
+
+
 def test_conditions_compile_within_a_budget_not_twice_per_link_of_a_chain():
     """A condition's variants are compiled whole, so a chain of $refs to conditions doubled
     its work at each link (2^30 compiles for this schema): refused past MAX_CONDITIONS; many
@@ -135,7 +144,8 @@ def test_conditions_compile_within_a_budget_not_twice_per_link_of_a_chain():
                                  "else": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(30)},
              "$ref": "#/$defs/d0"}
     chain["$defs"]["d30"] = {"type": ["integer", "string"]}
-    with pytest.raises(ValueError, match="more than 128 if/then/else conditions"):
+    # Raised inside 30 conditions, and named by none of them.
+    with pytest.raises(ValueError, match="^the schema compiles more than 128 if/then/else"):
         schema_to_regex(chain)
     members = {f"m{i}": {"type": ["integer", "string"], "if": {"type": "string"},
                          "then": {"maxLength": 3}, "else": {"minimum": i}} for i in range(40)}
