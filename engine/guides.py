@@ -17,9 +17,9 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
+from engine.compile_cache import CompileCache
 from engine.guided_choice import ChoiceCursor, check_choice_prefix, tokenize_choices
 from engine.json_schema_regex import schema_to_regex
-from engine.refusals import Refusals
 from engine.regex_dfa import compile_regex
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -29,17 +29,17 @@ from engine.tokenizer import Tokenizer
 _GUIDES_KEPT = 16
 
 
-# A schema refused can have cost its whole compile budget (engine/compile_budget.py).
-_REFUSED_SCHEMAS = Refusals(kept=256)
+# Schemas' regexes, and refusals: one refused can have cost its whole compile budget
+# (engine/compile_budget.py).
+_SCHEMAS: CompileCache[str] = CompileCache(kept=64, refused=256)
 
 
 def _schema_pattern(schema_text: str, whitespace: str | None) -> str:
     key = json.dumps([schema_text, whitespace])
-    return _REFUSED_SCHEMAS.call(key, lambda: _compiled_schema(schema_text, whitespace))
+    return _SCHEMAS.call(key, lambda: _compile_schema(schema_text, whitespace))
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled_schema(schema_text: str, whitespace: str | None) -> str:
+def _compile_schema(schema_text: str, whitespace: str | None) -> str:
     try:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:

@@ -62,13 +62,12 @@ caches them by text), and any thread may step it without a lock.
 """
 from __future__ import annotations
 
-import functools
 from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.refusals import Refusals
+from engine.compile_cache import CompileCache
 from engine.regex_parse import (MAX_CODE_POINT, MAX_NESTING, MAX_NFA_STATES, MAX_PATTERN_LENGTH,
                                 MAX_REPEAT, Alt, Chars, Concat, Node, Repeat, parse)
 
@@ -355,16 +354,14 @@ def compile_regex(pattern: str) -> RegexDfa:
     if not isinstance(pattern, str):
         raise ValueError(f"the regex must be a string, not {type(pattern).__name__}")
     # A refusal can cost most of a second of building.
-    return _REFUSED.call(pattern, lambda: _compile(pattern))
+    return _AUTOMATA.call(pattern, lambda: _compile(pattern))
 
 
 # A compiled automaton holds ~200 bytes a state, ~10 MB at the budgets: 16 kept is ~160 MB at
 # worst, and requests of one kind share their pattern.
-_KEPT_AUTOMATA = 16
-_REFUSED = Refusals(kept=256)
+_AUTOMATA: CompileCache[RegexDfa] = CompileCache(kept=16, refused=256)
 
 
-@functools.lru_cache(maxsize=_KEPT_AUTOMATA)
 def _compile(pattern: str) -> RegexDfa:
     dfa = RegexDfa(build_nfa(parse(pattern)))
     if dfa.start == DEAD:

@@ -2,7 +2,7 @@
 for exponential work compile in a few node visits (recursive $refs expanded once per
 recursion state) or are refused by the budget (counted steps, never a clock), the automata
 built while compiling are paid from it, a refusal keeps its type through if/then/else, and a
-refused schema sent again is refused without compiling it (engine/refusals.py)."""
+refused schema sent again is refused without compiling it (engine/compile_cache.py)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from engine import json_schema_regex as jsr
 from engine.compile_budget import NODE_STEPS, CompileBudget, TooMuchWork
 from engine.json_schema_regex import schema_to_regex
 from engine.json_whitespace import Punctuation
-from engine.refusals import Refusals
+from engine.compile_cache import CompileCache
 from engine.regex_dfa import TooManySteps
 from engine.sampling_params import SamplingParams
 from tests.test_json_schema_regex import SCHEMAS, bounded_calls
@@ -219,7 +219,7 @@ def test_the_budget_refuses_past_its_limit_and_stays_refused():
 
 
 def test_a_refused_schema_sent_again_is_refused_without_compiling(monkeypatch):
-    monkeypatch.setattr(guides, "_REFUSED_SCHEMAS", Refusals(kept=2))
+    monkeypatch.setattr(guides, "_SCHEMAS", CompileCache(kept=64, refused=2))
     calls = bounded_calls(monkeypatch, guides, "schema_to_regex", limit=100)
     bad = [json.dumps({"type": "object", "properties": {"a": {"pattern": "("}}, "title": f"t{i}"})
            for i in range(3)]
@@ -237,15 +237,29 @@ def test_a_refused_schema_sent_again_is_refused_without_compiling(monkeypatch):
     assert len(calls) == 5
 
 
-def test_refusals_keep_only_refusals():
-    refusals = Refusals(kept=1)
-    assert refusals.call("a", lambda: 1) == 1 and len(refusals) == 0
-    with pytest.raises(ValueError, match="no"):
-        refusals.call("a", lambda: (_ for _ in ()).throw(ValueError("no")))
-    with pytest.raises(ValueError, match="no"):
-        refusals.call("a", lambda: 2)
-    with pytest.raises(ValueError, match="at least 1"):
-        Refusals(kept=0)
+def test_a_compile_cache_keeps_results_and_refusals_apart_and_each_to_its_count():
+    cache = CompileCache(kept=2, refused=1)
+    compiled = []
+
+    def compile_(text):
+        compiled.append(text)
+        if text.startswith("bad"):
+            raise ValueError(f"no {text}")
+        return text.upper()
+
+    for text in ["a", "b", "a", "c", "a", "b"]:  # "a" used lately stays; "b" goes for "c"
+        assert cache.call(text, lambda: compile_(text)) == text.upper()
+    assert compiled == ["a", "b", "c", "b"]
+    for text in ["bad1", "bad1", "bad2", "bad1"]:
+        with pytest.raises(ValueError, match=f"no {text}"):
+            cache.call(text, lambda: compile_(text))
+    assert compiled[4:] == ["bad1", "bad2", "bad1"]
+    assert (cache.num_results, cache.num_refusals) == (2, 1)
+    assert cache.call("a", lambda: compile_("a")) == "A" and compiled[-1] == "bad1"
+    with pytest.raises(ValueError, match="at least 1 result and 1 refusal"):
+        CompileCache(kept=0, refused=1)
+    with pytest.raises(ValueError, match="at least 1 result and 1 refusal"):
+        CompileCache(kept=1, refused=0)
 
 
 def test_the_bench_times_both_compilers_and_stops_a_compile_at_its_limit():

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from engine import regex_dfa
 from engine.json_schema_regex import schema_to_regex
-from engine.refusals import Refusals
+from engine.compile_cache import CompileCache
 from engine.regex_dfa import (DEAD, MAX_BUILD_STEPS, MAX_DFA_STATES, MAX_NESTING, MAX_NFA_STATES,
                               MAX_PATTERN_LENGTH, MAX_REPEAT, RegexDfa, build_nfa, compile_regex)
 from engine.regex_parse import MAX_CODE_POINT, Alternative, parse, parse_alternatives
@@ -447,7 +447,8 @@ def test_the_budgets_admit_exactly_what_fits_and_stop_the_build_there(monkeypatc
     steps = regex_dfa._Determinizer(nfa).steps
     monkeypatch.setattr(regex_dfa, "MAX_DFA_STATES", 2 ** 7)
     monkeypatch.setattr(regex_dfa, "MAX_BUILD_STEPS", steps)
-    monkeypatch.setattr(regex_dfa, "_REFUSED", Refusals(kept=1))  # not those of other tests
+    # Not the automata and refusals of other tests.
+    monkeypatch.setattr(regex_dfa, "_AUTOMATA", CompileCache(kept=1, refused=1))
     assert RegexDfa(nfa).num_states == 2 ** 7
     with pytest.raises(ValueError, match="more than 128 states"):
         compile_regex("(a|b)*a(a|b){500}")  # would not finish: refused at state 129
