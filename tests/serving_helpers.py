@@ -65,8 +65,7 @@ def decisive_outputs(reference, n: int, seed: int, max_tokens: int | list[int], 
 
     The first ``n`` drawn prompts that qualify, in the order drawn. A candidate stops at its
     first undecided step unless a later count could still take it: most fail early, and
-    generating them to the end was most of the search's time (micro-llama at 320 tokens
-    keeps ~1 prompt in 15)."""
+    generating them to the end was most of the search's time (~3x as long at 320 tokens)."""
     from engine import SamplingParams
 
     counts = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
@@ -100,15 +99,16 @@ def decisive_outputs(reference, n: int, seed: int, max_tokens: int | list[int], 
 
 
 _decisive_ids = itertools.count()
+_NEVER = 1 << 30
 
 
 @dataclasses.dataclass
 class _Candidate:
     """A prompt decisive_outputs tries: the step its greedy output first won by less than
-    MIN_GREEDY_GAP (``max_tokens`` while none has), and its final output once finished."""
+    MIN_GREEDY_GAP (_NEVER while none has), and its final output once finished."""
     request_id: str
     prompt: list[int]
-    first_undecided: int = 1 << 30
+    first_undecided: int = _NEVER
     out: object = None
     checked: int = 0
 
@@ -124,7 +124,7 @@ class _Candidate:
     @property
     def passing(self) -> bool:
         """Finished, and decided at every step."""
-        return self.out is not None and self.first_undecided == 1 << 30
+        return self.out is not None and self.first_undecided == _NEVER
 
 
 def _qualified(cands: list[_Candidate], counts: list[int]) -> list[_Candidate] | None:
