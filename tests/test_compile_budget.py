@@ -263,7 +263,7 @@ def test_a_compile_cache_keeps_results_and_refusals_apart_and_each_to_its_count(
 
 
 def test_the_bench_times_both_compilers_and_stops_a_compile_at_its_limit():
-    from bench.schema_compile import ADVERSARIAL, REALISTIC, _timed
+    from bench.schema_compile import ADVERSARIAL, REALISTIC, _row, _timed
 
     order = REALISTIC["order (20 fields, formats)"]
     now, before = _timed(order, True, 60), _timed(order, False, 60)
@@ -273,3 +273,9 @@ def test_the_bench_times_both_compilers_and_stops_a_compile_at_its_limit():
     assert _timed(loop, False, 0.5) == {"seconds": None, "outcome": "over 0.5 s",
                                         "steps": None}
     assert _timed(loop, True, 60)["outcome"] == "regex of 4 chars"
+    # Its table names a compile stopped at the limit on either side, the guarded one too.
+    over = {"seconds": None, "outcome": "over 0.5 s", "steps": None}
+    done = {"seconds": 0.25, "outcome": "regex of 4 chars", "steps": 9}
+    assert ">2.00x" in _row({"schema": "s", "now": done, "before": over}, 0.5)
+    line = _row({"schema": "s", "now": over, "before": done}, 0.5)
+    assert ">0.5s" in line and "0.250s" in line and "?" in line
