@@ -199,6 +199,11 @@ def heartbeat_info(worker_id: str, role: str = "prefill", *, address: str = "127
                                  draining=draining)
 
 
+def live_workers(cluster) -> list[str]:
+    """The addresses of a cluster's workers still running (the killed and stopped left out)."""
+    return [p.address for p in cluster.procs if p.role != "router" and p.popen.poll() is None]
+
+
 def wait_all_blocks_free(addresses: list[str], timeout_s: float = 30.0) -> None:
     """Every worker idle with every block back in the free pool (cached blocks count as free)."""
     deadline = time.monotonic() + timeout_s

@@ -18,7 +18,8 @@ from engine.presets import resolve_model
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.proc_signals import wait_until
-from tests.serving_helpers import WORKER_ARGS, random_prompts, wait_all_blocks_free, worker_info
+from tests.serving_helpers import (WORKER_ARGS, live_workers, random_prompts, wait_all_blocks_free,
+                                   worker_info)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -148,8 +149,7 @@ def test_sampling_rules_carry_from_the_prefill_worker_to_the_decode_worker(clust
         assert [g.token_ids for g in got] == [w.token_ids for w in want], guide
         assert all(g.finish_reason == "stop" for g in got)
     assert all(isinstance(json.loads(g.text)["age"], int) for g in got)
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
 
 
 def test_a_chats_next_turn_is_prefilled_on_the_decode_worker_holding_its_reply(cluster,

@@ -20,7 +20,8 @@ from protos import router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
 from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, decisive_outputs,
-                                   random_prompts, wait_all_blocks_free, worker_info)
+                                   live_workers, random_prompts, wait_all_blocks_free,
+                                   worker_info)
 
 MODEL = SERVING_MODEL
 
@@ -208,15 +209,14 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
             return await client.complete(prompt, max_tokens=4, **GREEDY)
 
     assert asyncio.run(after()).usage.decode_worker_id == survivor.name
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
 
 
 def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, reference):
     """A worker that stops answering but keeps its connections open (SIGSTOP: a hung process;
     a host gone without closing its sockets looks the same) is found by the router's health
     checks (router/liveness.py), and its streams move on instead of waiting for their
-    deadlines (keepalive alone took ~60 s)."""
+    deadlines."""
     hangs = cluster_stats(cluster.router_address).worker_hangs
     # One survivor after the kill test above, two when this test runs alone.
     survivors = {p.name for p in _live(cluster, "decode")}
@@ -262,8 +262,7 @@ def test_streams_survive_a_decode_worker_that_hangs_under_them(cluster, referenc
     assert any(f.usage.decode_worker_id in survivors for f in moved)
     assert cluster_stats(cluster.router_address).worker_hangs == hangs + 1
     # Resumed, the hung worker finds its streams cancelled and frees their blocks.
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
     assert cluster.stop_proc(hung) == 0
 
 
@@ -288,8 +287,7 @@ def test_prompts_survive_a_prefill_worker_that_hangs_under_them(cluster, referen
     assert moved, "no prompt was on the hung worker"
     assert all(f.usage.prefill_worker_id != hung.name for f in moved)
     assert cluster_stats(cluster.router_address).worker_hangs == hangs + 1
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
     assert cluster.stop_proc(hung) == 0
 
 
@@ -336,8 +334,7 @@ def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference)
     moved = [f for f in finals if f.usage.migrations]
     assert moved and all(f.usage.prefill_worker_id == survivor.name for f in moved)
     assert cluster_stats(cluster.router_address).requests_migrated >= len(moved)
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
 
 
 def test_a_stream_outlasting_its_workers_drain_moves_on(cluster, reference):

@@ -16,7 +16,7 @@ import pytest
 from client import AsyncClient
 from router.launcher import Cluster, ClusterSpec
 from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, random_prompts,
-                                   wait_all_blocks_free)
+                                   live_workers, wait_all_blocks_free)
 
 MODEL = SERVING_MODEL
 
@@ -76,8 +76,7 @@ def test_stopping_a_worker_under_load_fails_no_request(cluster, role):
             break  # the window was hit (and crossed): requests reached the stopping worker
     else:
         pytest.fail(f"in 3 stops of a {role} worker under load no request reached it")
-    wait_all_blocks_free([p.address for p in cluster.procs
-                          if p.name != "router" and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
 
 
 def _stop_under_load(cluster, role: str):

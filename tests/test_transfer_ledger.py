@@ -16,8 +16,8 @@ from client import Client
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from tests.proc_signals import stop_process, wait_until
-from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, random_prompts, wait_all_blocks_free,
-                                   worker_info)
+from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, live_workers, random_prompts,
+                                   wait_all_blocks_free, worker_info)
 
 MODEL = SERVING_MODEL
 
@@ -138,8 +138,7 @@ def test_requests_through_the_router_leave_no_entry_behind(cluster):
             done = list(pool.map(lambda p: c.complete(p, max_tokens=6, temperature=0.0,
                                                       ignore_eos=True), prompts))
     assert all(len(r.token_ids) == 6 for r in done)
-    wait_all_blocks_free([p.address for p in cluster.procs if p.role != "router"
-                          and p.popen.poll() is None])
+    wait_all_blocks_free(live_workers(cluster))
     assert wait_until(lambda: not _transfers(cluster).transfers, 10)
 
 
