@@ -51,10 +51,11 @@ class FailoverPolicy:
     # stopped process, a host gone) then fails its calls with UNAVAILABLE, which fail over,
     # instead of holding them until their deadlines. None: no pings.
     keepalive_time_s: float | None = 10.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float = 20.0
     # A router with calls on it is asked for its health this often (0: never), and one that
     # leaves health_check_misses checks in a row unanswered is taken as hung: its calls are
-    # cut and fail over (client/liveness.py). Keepalive alone was measured to take ~60 s.
+    # cut and fail over (client/liveness.py). They also find a router whose gRPC answers
+    # pings while its event loop is stuck.
     health_check_interval_s: float = 2.0
     health_check_misses: int = 3
 

@@ -1,12 +1,14 @@
 """Health checks of the peers a caller has calls on: how a peer that hangs is found in seconds.
 
 A server that hangs without closing its connections (a stopped or wedged process, a host gone
-from the network) holds every call on it until the call's deadline. gRPC's keepalive pings
-should cut such a connection, but grpcio 1.85 was measured to wait about 60 s for a ping's
-answer whatever ``keepalive_timeout_ms`` says. So a caller asks each peer it has calls on for
-its health (the standard ``grpc.health.v1`` Check) every ``interval_s``, and takes one that
-leaves ``misses`` checks in a row unanswered as hung: it cuts the calls on it, which then fail
-with UNAVAILABLE and go on elsewhere (the SDK's failover, the router's migration).
+from the network) holds every call on it until the call's deadline. gRPC's keepalive pings cut
+such a connection (client/keepalive.py), but they are answered by gRPC's own threads, so a peer
+whose event loop is stuck still answers them, and their timeout is kept long (20 s) to let this
+watch, which also bars the peer from new calls, come first. So a caller asks each peer it has
+calls on for its health (the standard ``grpc.health.v1`` Check) every ``interval_s``, and
+takes one that leaves ``misses`` checks in a row unanswered as hung: it cuts the calls on it,
+which then fail with UNAVAILABLE and go on elsewhere (the SDK's failover, the router's
+migration).
 
 A health check is answered by the server's event loop, not by its engine, so a peer deep in a
 long prefill answers at once; a draining one answers NOT_SERVING, which counts as an answer.

@@ -198,11 +198,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="send clients one chunk per N output tokens (the first at once): "
                         "fewer messages per token for the router and the client")
     p.add_argument("--keepalive-time-s", type=float, default=10.0,
-                   help="seconds between keepalive pings on each worker connection")
-    p.add_argument("--keepalive-timeout-s", type=float, default=5.0,
-                   help="a worker that leaves a ping unanswered this long is cut off and its "
-                        "requests move to other workers (how a hung worker is found; gRPC "
-                        "1.85 was measured to wait ~60 s whatever this says)")
+                   help="seconds between keepalive pings on each worker and client "
+                        "connection")
+    p.add_argument("--keepalive-timeout-s", type=float, default=20.0,
+                   help="a peer that leaves a ping unanswered this long is cut off: a "
+                        "worker's requests move to other workers, a client's are cancelled "
+                        "(how a hung worker or a vanished client is found)")
     p.add_argument("--health-check-interval-s", type=float, default=2.0,
                    help="seconds between health checks of each worker the router has calls "
                         "on (0: none)")

@@ -106,13 +106,16 @@ class ServerConfig:
 
 class GrpcServer:
     def __init__(self, config: ServerConfig, service_names: list[str],
-                 interceptors: list | None = None) -> None:
+                 interceptors: list | None = None,
+                 options: list[tuple[str, int]] | None = None) -> None:
+        """``options``: more channel arguments for every connection the server accepts (the
+        router's keepalive pings to its clients), over the defaults where they name one."""
         self.config = config
         self.service_names = list(service_names)
         # Last, so a caller the others turn away (no API key) learns nothing of its message.
         interceptors = [*(interceptors or ()), HandlerGuardInterceptor()]
-        self.server = grpc.aio.server(options=message_size_options() + _SERVER_OPTIONS,
-                                      interceptors=interceptors)
+        merged = dict(message_size_options() + _SERVER_OPTIONS + list(options or ()))
+        self.server = grpc.aio.server(options=list(merged.items()), interceptors=interceptors)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

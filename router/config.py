@@ -59,13 +59,17 @@ class RouterConfig:
     # per worker with one message per engine step (router/decode_mux.py), or "per-request",
     # a Decode call each with one message per token.
     decode_stream: str = "multiplexed"
-    # The router pings every worker connection this often, and a worker that leaves a ping
-    # unanswered this long is cut off: its calls fail with UNAVAILABLE and migrate. A hung
-    # worker (stopped, or its host gone without closing the connection) is found this way.
+    # The router pings every connection it has this often, and a peer that leaves a ping
+    # unanswered this long is cut off. A worker's calls then fail with UNAVAILABLE and
+    # migrate; a client's are cancelled, with their requests on the workers, where they would
+    # go on decoding for nobody. A hung peer (a stopped process, a host gone without closing
+    # the connection) is found this way. The timeout leaves the health checks below, which
+    # also bar the worker from new requests, to find a hung worker first.
     keepalive_time_s: float = 10.0
-    keepalive_timeout_s: float = 5.0
+    keepalive_timeout_s: float = 20.0
     # Health checks of the workers with calls on them: one that leaves several unanswered is
-    # taken as hung and its calls migrate (router/liveness.py); keepalive alone takes ~60 s.
+    # taken as hung and its calls migrate (router/liveness.py), as a rule before keepalive
+    # cuts it; they also see a worker whose gRPC answers pings but whose loop is stuck.
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     # A client stream gets one chunk per this many output tokens (the first at once; see
     # protos/stream_interval.py; decode workers group theirs to the router alike); 1 sends

@@ -36,7 +36,7 @@ class KVSourceCut(grpc.aio.AioRpcError):
 @dataclass(frozen=True)
 class LivenessConfig:
     # Seconds between health checks of a worker with calls on it (each check's timeout too);
-    # 0 turns the checks off (a hung worker is then found by keepalive, ~60 s).
+    # 0 turns the checks off (a hung worker is then found by keepalive alone).
     interval_s: float = 2.0
     # Checks in a row left unanswered before the worker is taken as hung.
     misses: int = 3

@@ -64,7 +64,11 @@ async def serve_router(config: RouterConfig) -> None:
         keyed = config.api_key is not None or config.admin_api_key is not None
         interceptors = [ApiKeyInterceptor(config.api_key, config.admin_api_key)] if keyed \
             else None
-        server = GrpcServer(config.server, SERVICE_NAMES, interceptors)
+        # The router pings its clients too: a client gone without closing its connection has
+        # its calls cancelled, and their requests with them.
+        server = GrpcServer(config.server, SERVICE_NAMES, interceptors,
+                            keepalive_options(config.keepalive_time_s,
+                                              config.keepalive_timeout_s))
         refusal.stop_with(server.stopping.set)
         # After the bind: a router that cannot take its port releases nobody's leases.
         reclaim = asyncio.create_task(presence.reclaim(directory.prefill_stub))

@@ -175,6 +175,26 @@ def test_without_health_checks_a_hung_router_holds_the_call_until_its_deadline(r
     assert routers[1].resumed == []
 
 
+def test_keepalive_alone_cuts_a_router_whose_link_went_silent(routers):
+    """A router whose host is gone with the connection open (the link goes silent mid-stream),
+    health checks off: the unanswered keepalive pings alone cut the connection, and the stream
+    fails over. gRPC timed these pings by its own one-minute ping timeout until the options
+    set it to keepalive_timeout_s too, so the call sat until its deadline, 20 s here."""
+    from tests.blackhole import Blackhole
+
+    hung, ok = routers
+    pings = FailoverPolicy(health_check_interval_s=0, keepalive_time_s=0.3,
+                           keepalive_timeout_s=0.3, backoff_s=0.0)
+    with Blackhole(hung.address) as link, \
+            Client([link.address, ok.address], timeout=20, failover=pings) as c:
+        stream = c.generate([1, 2, 3], max_tokens=3)
+        first = next(stream)
+        link.freeze()
+        chunks = [first, *stream]
+    assert [t for chunk in chunks for t in chunk.token_ids] == [7, 8, 9]
+    assert chunks[-1].usage.migrations == 1 and ok.resumed == [[7]]
+
+
 @pytest.mark.parametrize("bad", [dict(health_check_interval_s=-1),
                                  dict(health_check_misses=0),
                                  dict(health_check_interval_s=None)])

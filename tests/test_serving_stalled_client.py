@@ -76,3 +76,37 @@ def test_a_client_that_stops_reading_has_its_call_cancelled(cluster):
     assert ("a chunk of its output waited 3 s for the client to take it "
             "(--client-write-timeout-s)") in err.details()
     wait_all_blocks_free(decode)
+
+
+def test_a_client_whose_link_went_silent_is_cut_by_the_routers_pings(cluster):
+    """A client whose host is gone with the connection open (the link goes silent mid-stream):
+    it answers no ping, so the router cuts the connection and cancels the call within about
+    --keepalive-time-s + --keepalive-timeout-s. Without the pings only the write timeout, set
+    past this test's wait here (and 60 s by default), let go of it."""
+    from tests.blackhole import Blackhole
+
+    decode = [p.address for p in cluster.procs if p.name.startswith("decode")]
+    router = cluster.start_router(extra=["--client-write-timeout-s", "600",
+                                         "--keepalive-time-s", "0.3",
+                                         "--keepalive-timeout-s", "0.3"])
+    prompt = random_prompts(1, seed=92, lo=20, hi=30)[0]
+
+    async def run():
+        with Blackhole(router.address) as link:
+            channel = grpc.aio.insecure_channel(link.address, options=[("grpc.http2.bdp_probe", 0)])
+            call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=prompt),
+                sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                   ignore_eos=True, logprobs=20)))
+            await call.read()
+            link.freeze()
+            dropped = await asyncio.to_thread(_in_flight_drops_to_zero, router.address, 30.0)
+            call.cancel()
+            await channel.close()
+        return dropped
+
+    try:
+        assert asyncio.run(run()), "the router still holds the request of a vanished client"
+        wait_all_blocks_free(decode)
+    finally:
+        assert cluster.stop_proc(router) == 0
