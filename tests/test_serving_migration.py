@@ -16,7 +16,7 @@ import pytest
 
 from client import AsyncClient, UnavailableError
 from engine import SamplingParams
-from protos import router_pb2, router_pb2_grpc
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
 from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, decisive_outputs,
@@ -72,14 +72,27 @@ def _fault_when_busy(cluster, worker_address: str, prompts, params: dict, fault,
     """Streams every prompt at once; calls ``fault()`` once the worker at ``worker_address``
     has one of them in flight, and ``undo()`` after every stream ended. The streamed token
     ids per prompt, and the final chunks."""
+    # Polled on one open channel, every 2 ms: micro-llama's prompts can come and go within
+    # 0.2 s, and a fresh channel per poll (on a thread) once saw none of them in flight.
+    stub_class = (worker_pb2_grpc.DecodeWorkerStub if worker_info(worker_address).role == "decode"
+                  else worker_pb2_grpc.PrefillWorkerStub)
+
     async def run():
         got = [[] for _ in prompts]
-        async with AsyncClient(cluster.router_address, timeout=300) as client:
+        async with AsyncClient(cluster.router_address, timeout=300) as client, \
+                grpc.aio.insecure_channel(worker_address) as channel:
+            stub = stub_class(channel)
+
+            async def inflight() -> int:
+                info = await stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
+                return info.num_inflight
+
+            await inflight()  # connected before the first prompt goes out
             tasks = [asyncio.ensure_future(_stream(client, p, params, g))
                      for p, g in zip(prompts, got)]
-            while not (await asyncio.to_thread(worker_info, worker_address)).num_inflight:
+            while not await inflight():
                 assert not all(t.done() for t in tasks), "no prompt reached the worker"
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.002)
             fault()
             try:
                 return got, await asyncio.gather(*tasks)
