@@ -35,6 +35,7 @@ import grpc
 
 from client import AsyncClient
 from client.errors import PdserveError
+from client.keepalive import check_keepalive
 from engine import LLM, SamplingParams
 from engine.cli_serve import tokenizer_flags
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
@@ -83,6 +84,10 @@ class FailoverReport:
     baseline_duration_s: float
     # How the stopped worker's process ended (0: it drained and exited); None for kill and hang.
     victim_exit: int | None = None
+    # The router's keepalive pings: every keepalive_time_s, a silent peer cut after
+    # keepalive_timeout_s more (the second line behind the health checks, the only one without).
+    keepalive_time_s: float = 10.0
+    keepalive_timeout_s: float = 20.0
     errors: list[str] = field(default_factory=list)
     # The streams started right after the fault (and at that moment of the baseline).
     late: int = 0
@@ -123,6 +128,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "stop: SIGTERM (a rolling restart: the worker drains and exits)")
     p.add_argument("--health-check-interval-s", type=float, default=2.0,
                    help="the router's --health-check-interval-s (0: keepalive pings only)")
+    p.add_argument("--keepalive-time-s", type=float, default=10.0,
+                   help="the router's --keepalive-time-s")
+    p.add_argument("--keepalive-timeout-s", type=float, default=20.0,
+                   help="the router's --keepalive-timeout-s")
     p.add_argument("--streams", type=int, default=16, help="concurrent streams")
     p.add_argument("--late-streams", type=int, default=4,
                    help="streams started right after the fault (0: none)")
@@ -136,6 +145,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--streams must be >= 1, --late-streams >= 0 and --max-tokens >= 8")
     if not (args.health_check_interval_s == 0 or args.health_check_interval_s >= 0.05):
         raise ValueError("--health-check-interval-s must be 0 or >= 0.05")
+    check_keepalive("--keepalive-time-s", args.keepalive_time_s)
+    check_keepalive("--keepalive-timeout-s", args.keepalive_timeout_s)
     rng = random.Random(args.seed)
     # Prompts long enough that a prefill worker is still computing them when it dies.
     lo, hi = (256, 512) if args.kill == "prefill" else (32, 128)
@@ -153,7 +164,10 @@ def main(args: argparse.Namespace) -> int:
     spec = ClusterSpec(model=args.model, num_prefill=2 if two == "prefill" else 1,
                        num_decode=2 if two == "decode" else 1, worker_args=tok,
                        router_args=["--max-local-prefill-length", "0", "--health-check-interval-s",
-                                    str(args.health_check_interval_s), *tok])
+                                    str(args.health_check_interval_s),
+                                    "--keepalive-time-s", str(args.keepalive_time_s),
+                                    "--keepalive-timeout-s", str(args.keepalive_timeout_s),
+                                    *tok])
     with Cluster(spec) as cluster:
         warm = [[t + 1 for t in p] for p in prompts[:2]]
         asyncio.run(_run(cluster, warm, [], args.max_tokens, two, None))
@@ -287,7 +301,9 @@ def _report(args, undisturbed: Run, run: Run, want: list[list[int]]) -> Failover
         baseline_ms_mean=_mean(calm), stall_ms_max=max(stall, default=None),
         baseline_ms_max=max(calm, default=None), duration_s=run.duration_s,
         baseline_duration_s=undisturbed.duration_s,
-        victim_exit=run.victim_exit, errors=errors[:3], **_late(undisturbed, run, want_late))
+        victim_exit=run.victim_exit, keepalive_time_s=args.keepalive_time_s,
+        keepalive_timeout_s=args.keepalive_timeout_s, errors=errors[:3],
+        **_late(undisturbed, run, want_late))
 
 
 def _late(undisturbed: Run, run: Run, want: list[list[int]]) -> dict:
@@ -315,7 +331,9 @@ def _format(r: FailoverReport) -> str:
         how = f"stopped (SIGTERM; it exited with {r.victim_exit})"
     else:
         how = (f"SIGSTOPped (router health checks every {r.health_check_interval_s:g} s)"
-               if r.health_check_interval_s else "SIGSTOPped (no health checks: keepalive only)")
+               if r.health_check_interval_s else
+               f"SIGSTOPped (no health checks: keepalive pings every {r.keepalive_time_s:g} s, "
+               f"cut after {r.keepalive_timeout_s:g} s more)")
     whose = "served by the stopping worker" if r.fault == "stop" else "migrated"
     return "\n".join([
         f"Failover: a {r.kill} worker {how} under {r.streams} greedy streams of "

@@ -21,7 +21,8 @@ def test_stream_stall_metrics():
 
 @pytest.mark.parametrize("argv", [["--streams", "0"], ["--max-tokens", "4"],
                                   ["--late-streams", "-1"],
-                                  ["--health-check-interval-s", "0.01"]])
+                                  ["--health-check-interval-s", "0.01"],
+                                  ["--keepalive-timeout-s", "0"]])
 def test_bad_arguments_are_refused(argv):
     p = argparse.ArgumentParser()
     failover.add_args(p)
