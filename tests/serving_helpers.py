@@ -176,14 +176,25 @@ def _oracle_says(reference, context: list[int], want: int, got: int) -> str:
     return f"transformers picks {winner} token by {abs(a - b):.2e} (argmax {int(lp.argmax())})"
 
 
+def worker_stub(channel, role: str):
+    """The service stub of a worker of ``role`` on ``channel`` (sync or aio): both roles answer
+    GetWorkerInfo, each under its own service name."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    return (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
+            else worker_pb2_grpc.DecodeWorkerStub)(channel)
+
+
 def worker_info(address: str) -> common_pb2.WorkerInfo:
+    """A worker's info over a fresh channel, whichever its role. For polling in a hot loop, keep
+    one channel open and call ``worker_stub(channel, role).GetWorkerInfo``."""
     with grpc.insecure_channel(address) as ch:
-        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
         try:
-            return stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
+            return worker_stub(ch, "prefill").GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                                            timeout=10)
         except grpc.RpcError:
-            return worker_pb2_grpc.DecodeWorkerStub(ch).GetWorkerInfo(
-                common_pb2.WorkerInfoRequest(), timeout=10)
+            return worker_stub(ch, "decode").GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                                           timeout=10)
 
 
 def heartbeat_info(worker_id: str, role: str = "prefill", *, address: str = "127.0.0.1:1",

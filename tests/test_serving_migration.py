@@ -7,6 +7,7 @@ request's --migration-limit is spent, its client gets UNAVAILABLE rather than a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -16,12 +17,12 @@ import pytest
 
 from client import AsyncClient, UnavailableError
 from engine import SamplingParams
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from protos import common_pb2, router_pb2, router_pb2_grpc
 from router.launcher import Cluster, ClusterSpec
 from router.proc_family import descendants
 from tests.serving_helpers import (SERVING_MODEL, WORKER_ARGS, cluster_stats, decisive_outputs,
                                    live_workers, random_prompts, wait_all_blocks_free,
-                                   worker_info)
+                                   worker_info, worker_stub)
 
 MODEL = SERVING_MODEL
 
@@ -67,30 +68,43 @@ async def _stream(client, prompt, params: dict, got: list):
     return final
 
 
+@contextlib.asynccontextmanager
+async def _polled(addresses: list[str], role: str):
+    """Yields ``infos()``: the GetWorkerInfo of each worker at ``addresses``, asked at once over
+    channels opened (and connected) up front. Micro-llama's requests can come and go within
+    0.2 s: a fresh channel per poll, on a thread, once saw none of them in flight."""
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    stubs = [worker_stub(ch, role) for ch in channels]
+
+    async def infos() -> list[common_pb2.WorkerInfo]:
+        return await asyncio.gather(*(s.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
+                                      for s in stubs))
+    try:
+        await infos()
+        yield infos
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
 def _fault_when_busy(cluster, worker_address: str, prompts, params: dict, fault,
-                     undo=None):
+                     undo=None, hold=None):
     """Streams every prompt at once; calls ``fault()`` once the worker at ``worker_address``
-    has one of them in flight, and ``undo()`` after every stream ended. The streamed token
-    ids per prompt, and the final chunks."""
-    # Polled on one open channel, every 2 ms: micro-llama's prompts can come and go within
-    # 0.2 s, and a fresh channel per poll (on a thread) once saw none of them in flight.
-    stub_class = (worker_pb2_grpc.DecodeWorkerStub if worker_info(worker_address).role == "decode"
-                  else worker_pb2_grpc.PrefillWorkerStub)
+    has one of them in flight (polled every 2 ms), and ``undo()`` after every stream ended.
+    ``hold()``, when given, runs before the first prompt goes out: something that keeps the
+    worker's prompts in flight until the fault, so that no poll can miss them. The streamed
+    token ids per prompt, and the final chunks."""
+    role = worker_info(worker_address).role
 
     async def run():
         got = [[] for _ in prompts]
         async with AsyncClient(cluster.router_address, timeout=300) as client, \
-                grpc.aio.insecure_channel(worker_address) as channel:
-            stub = stub_class(channel)
-
-            async def inflight() -> int:
-                info = await stub.GetWorkerInfo(common_pb2.WorkerInfoRequest(), timeout=10)
-                return info.num_inflight
-
-            await inflight()  # connected before the first prompt goes out
+                _polled([worker_address], role) as infos:
+            if hold is not None:
+                hold()
             tasks = [asyncio.ensure_future(_stream(client, p, params, g))
                      for p, g in zip(prompts, got)]
-            while not await inflight():
+            while not (await infos())[0].num_inflight:
                 assert not all(t.done() for t in tasks), "no prompt reached the worker"
                 await asyncio.sleep(0.002)
             fault()
@@ -188,7 +202,8 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
 
     async def run():
         got = [[] for _ in prompts]
-        async with AsyncClient(cluster.router_address, timeout=120) as client:
+        async with AsyncClient(cluster.router_address, timeout=120) as client, \
+                _polled([p.address for p in decode], "decode") as infos:
             tasks = [asyncio.ensure_future(_stream(client, p, kw, g))
                      for p, kw, g in zip(prompts, params, got)]
             par = asyncio.ensure_future(par_stream(client))
@@ -199,9 +214,7 @@ def test_streams_survive_a_decode_worker_killed_under_them(cluster, reference):
             await _until(lambda: all(len(g) >= 4 for g in got + par_got))
             # The worker running more of them dies: on a fast host (micro-llama's 320 tokens
             # take well under a second) every stream of one worker had once ended by now.
-            infos = await asyncio.gather(*(asyncio.to_thread(worker_info, p.address)
-                                           for p in decode))
-            victim = max(zip(decode, infos), key=lambda pi: pi[1].num_running)[0]
+            victim = max(zip(decode, await infos()), key=lambda pi: pi[1].num_running)[0]
             _kill(victim)
             await par
             return victim, got, await asyncio.gather(*tasks)
@@ -320,12 +333,14 @@ def test_a_worker_whose_engine_dies_leaves_and_exits_nonzero(cluster, reference)
     cluster.wait_routable(3, decode)
     (rank1,) = [pid for pid in descendants(tp2.popen.pid)
                 if b"engine.tp_worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    # Enough long prompts that the router gives the TP worker several and it stays busy long
-    # enough to be seen busy: with 9 shorter ones it once got one, done between two polls.
+    # The rank is stopped first, so the worker's prompts wait on it until it dies: on this
+    # 2-core host the TP worker once took 6 of 18 prompts and finished them in 0.2 s, and no
+    # poll of its info saw one in flight.
     prompts, want = decisive_outputs(reference, 18, seed=37, max_tokens=6, lo=200, hi=400)
     params = dict(max_tokens=6, **GREEDY)
     got, finals = _fault_when_busy(cluster, tp2.address, prompts, params,
-                                   lambda: os.kill(rank1, signal.SIGKILL))
+                                   lambda: os.kill(rank1, signal.SIGKILL),
+                                   hold=lambda: os.kill(rank1, signal.SIGSTOP))
     assert got == [w.token_ids for w in want]
     assert tp2.popen.wait(timeout=60) == 1
     assert any(f.usage.migrations for f in finals)  # what it held moved on
@@ -337,18 +352,24 @@ def test_requests_survive_a_prefill_worker_killed_under_them(cluster, reference)
     # in its step, or leased to a decode worker that is pulling their KV.
     prompts, want = decisive_outputs(reference, 12, seed=41, max_tokens=6, lo=300, hi=500)
     params = dict(max_tokens=6, **GREEDY)
-    victim, survivor = _live(cluster, "prefill")
+    prefill = _live(cluster, "prefill")
 
     async def run():
         got = [[] for _ in prompts]
-        async with AsyncClient(cluster.router_address, timeout=120) as client:
+        async with AsyncClient(cluster.router_address, timeout=120) as client, \
+                _polled([p.address for p in prefill], "prefill") as infos:
             tasks = [asyncio.ensure_future(_stream(client, p, params, g))
                      for p, g in zip(prompts, got)]
             await _until(lambda: any(got))  # the first prompt is through: the rest are queued
+            # The worker holding more of them dies: on a fast host either worker may have
+            # finished all of its prompts by now, leaving nothing to move.
+            victim = max(zip(prefill, await infos()),
+                         key=lambda pi: (pi[1].num_inflight, pi[1].num_leased))[0]
             _kill(victim)
-            return got, await asyncio.gather(*tasks)
+            return victim, got, await asyncio.gather(*tasks)
 
-    got, finals = asyncio.run(run())
+    victim, got, finals = asyncio.run(run())
+    survivor = next(p for p in prefill if p is not victim)
     assert got == [w.token_ids for w in want]
     moved = [f for f in finals if f.usage.migrations]
     assert moved and all(f.usage.prefill_worker_id == survivor.name for f in moved)
@@ -413,5 +434,6 @@ def test_a_request_whose_migrations_are_spent_fails_unavailable(cluster, referen
         pytest.fail("in 3 runs the moved request finished before its second worker was killed")
     assert len(_live(cluster, "decode")) == 1  # one was there to start it over on
     # Greedy: the first len(got) of the 400 tokens (decisive, all 400) are these.
-    assert len(got) >= 8 and got == full.token_ids[:len(got)]  # what did arrive was right, up to the failure
+    # What did arrive was right, up to the failure.
+    assert len(got) >= 8 and got == full.token_ids[:len(got)]
     assert cluster_stats(cluster.router_address).migrations_exhausted == exhausted + 1
