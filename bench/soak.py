@@ -126,7 +126,10 @@ def make_pool(model: str, rng: random.Random, candidates: int, max_tokens: int,
             if greedy_is_decisive(o, max_tokens)]
 
 
-class _Traffic:
+class Traffic:
+    """Client loops of mixed requests, each checked against the pool's answer into a
+    SoakReport (bench/chaos.py drives the same traffic)."""
+
     def __init__(self, args: argparse.Namespace, pool, report: SoakReport) -> None:
         self.args, self.pool, self.report = args, pool, report
         self.rng = random.Random(args.seed + 1)
@@ -164,7 +167,7 @@ class _Traffic:
             await self.one(client)
 
 
-async def _soak(cluster: Cluster, args: argparse.Namespace, traffic: _Traffic) -> None:
+async def _soak(cluster: Cluster, args: argparse.Namespace, traffic: Traffic) -> None:
     report = traffic.report
     t0 = time.monotonic()
     end = t0 + args.duration
@@ -200,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
     spec = ClusterSpec(model=args.model, num_prefill=args.num_prefill, num_decode=1,
                        worker_args=tok, router_args=tok)
     with Cluster(spec) as cluster:
-        asyncio.run(_soak(cluster, args, _Traffic(args, pool, report)))
+        asyncio.run(_soak(cluster, args, Traffic(args, pool, report)))
     if args.json:
         print(json.dumps({**asdict(report), "growth_mb": report.growth_mb()}, indent=2))
     else:

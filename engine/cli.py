@@ -295,6 +295,8 @@ BENCHMARKS = [
                "with the guide's states cached"),
     ("soak", "minutes of mixed traffic with cancels through a cluster: wrong tokens against "
              "the in-process engine, failed requests, each service's memory over time"),
+    ("chaos", "soak's traffic through a supervised cluster whose workers are killed, hung "
+              "and stopped one at a time: wrong tokens, failed requests, what was left held"),
 ]
 
 

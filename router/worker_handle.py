@@ -14,6 +14,15 @@ from router.decode_mux import DecodeMux
 from router.liveness import LivenessConfig, WatchedCalls
 
 
+def worker_stub(channel, role: str):
+    """The service stub of a worker of ``role`` on ``channel`` (sync or aio): both roles
+    answer GetWorkerInfo, each under its own service's name."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    return (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
+            else worker_pb2_grpc.DecodeWorkerStub)(channel)
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     info: common_pb2.WorkerInfo

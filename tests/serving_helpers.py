@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from bench.greedy import MIN_GREEDY_GAP
-from protos import common_pb2, worker_pb2_grpc
+from protos import common_pb2
+from router.worker_handle import worker_stub
 
 # The model of the serving tests that check the path a request takes (routing, KV transfer,
 # migration, stops, failures) rather than the model's numbers, which test_engine_parity,
@@ -174,15 +175,6 @@ def _oracle_says(reference, context: list[int], want: int, got: int) -> str:
     a, b = float(lp[want]), float(lp[got])
     winner = "the reference's" if a > b else "the served"
     return f"transformers picks {winner} token by {abs(a - b):.2e} (argmax {int(lp.argmax())})"
-
-
-def worker_stub(channel, role: str):
-    """The service stub of a worker of ``role`` on ``channel`` (sync or aio): both roles answer
-    GetWorkerInfo, each under its own service name."""
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role must be prefill or decode, got {role!r}")
-    return (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
-            else worker_pb2_grpc.DecodeWorkerStub)(channel)
 
 
 def worker_info(address: str) -> common_pb2.WorkerInfo:

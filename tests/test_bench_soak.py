@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench import soak
-from bench.soak import MemorySample, SoakReport, _Traffic
+from bench.soak import MemorySample, SoakReport, Traffic
 from client.errors import UnavailableError
 from client.types import GenerationChunk
 
@@ -43,8 +43,8 @@ class _Client:
 
 def _outcome(client: _Client, cancel: float = 0.0) -> SoakReport:
     report = SoakReport(1.0, 1)
-    traffic = _Traffic(_args("--max-tokens", "6", "--cancel-fraction", str(cancel)),
-                       [([1, 2, 3], [7, 8, 9, 10, 11, 12])], report)
+    traffic = Traffic(_args("--max-tokens", "6", "--cancel-fraction", str(cancel)),
+                      [([1, 2, 3], [7, 8, 9, 10, 11, 12])], report)
     for _ in range(20):
         asyncio.run(traffic.one(client))
     return report

@@ -1,0 +1,316 @@
+"""``pdserve bench chaos``: a supervised cluster under mixed traffic while its workers fail,
+one fault at a time: wrong tokens, failed requests, and what the faults left held.
+
+The cluster is ``pdserve up``'s: ``--num-prefill`` prefill and ``--num-decode`` decode workers,
+the router and Redis, under up's supervisor (router/supervisor.py), which starts a crashed
+worker again. The router sends every prompt to a prefill worker (``--max-local-prefill-length
+0``), so faults on either role land on requests in flight. Every ``--fault-every`` seconds,
+once the router sees every worker again, one live worker drawn at random gets a fault of
+``--faults``, each once a round in a random order:
+
+- ``kill``: SIGKILL, a crash; the supervisor starts the worker again.
+- ``hang``: SIGSTOP for ``--hang-s``, then SIGCONT; the router's health checks find it and its
+  requests move on.
+- ``stop``: SIGTERM, a rolling restart; the worker drains and exits 0, and a new worker of its
+  role is added, as an orchestrator would.
+
+The traffic is soak's (bench/soak.py): prompts sharing prefixes, outputs of random lengths,
+a share of them cancelled, every finished greedy output compared with the in-process engine's.
+Once the traffic has ended and every fault is undone, the cluster must hold nothing: every
+worker's KV blocks free, no lease, no request in flight, and none in flight on the router.
+Waited for up to ``--settle-s``: a lease that a decode worker was reading when it died waits
+out its expiry (``--kv-lease-timeout-s``), as the router cannot tell a dead reader from one cut
+off from it that may still read; the report shows what was held when the wait began.
+
+Exit status 1 on a wrong token, a failed request, anything left held, or a supervisor that
+gave up.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from bench.soak import SoakReport, Traffic, make_pool
+from client import AsyncClient
+from engine.cli_serve import tokenizer_flags
+from protos import common_pb2, router_pb2, router_pb2_grpc
+from router.launcher import Cluster, ClusterSpec, Proc
+from router.supervisor import Supervisor
+from router.worker_handle import worker_stub
+
+FAULTS = ("kill", "hang", "stop")
+# The driver's tick: the supervisor's checks, hangs ended, faults started.
+TICK_S = 0.1
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                   help="a tokenizer folder other than the model's (the engine's and the "
+                        "cluster's)")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic")
+    p.add_argument("--concurrency", type=int, default=8, help="client loops")
+    p.add_argument("--num-prefill", type=int, default=2, help="prefill workers")
+    p.add_argument("--num-decode", type=int, default=2, help="decode workers")
+    p.add_argument("--faults", default="kill,hang,stop",
+                   help="the faults drawn from, comma-separated: " + ", ".join(FAULTS))
+    p.add_argument("--fault-every", type=float, default=15.0,
+                   help="seconds from one fault to the next (once the cluster is whole again)")
+    p.add_argument("--hang-s", type=float, default=10.0,
+                   help="how long a hung worker stays stopped")
+    p.add_argument("--kv-lease-timeout-s", type=float, default=60.0,
+                   help="the workers' --kv-lease-timeout-s: a lease whose decode worker died "
+                        "reading it is held until then")
+    p.add_argument("--settle-s", type=float, default=90.0,
+                   help="the longest wait, after the traffic, for the cluster to hold nothing "
+                        "(more than --kv-lease-timeout-s)")
+    p.add_argument("--max-tokens", type=int, default=40, help="the longest output drawn")
+    p.add_argument("--cancel-fraction", type=float, default=0.1,
+                   help="share of requests cancelled after a random number of tokens")
+    p.add_argument("--pool-candidates", type=int, default=120,
+                   help="prompts drawn for the pool (the decisive ones are kept)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """The faults asked for; ValueError for any argument out of range."""
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    if not faults or not set(faults) <= set(FAULTS):
+        raise ValueError(f"--faults must name some of {', '.join(FAULTS)}, got {args.faults!r}")
+    # One fault at a time leaves a worker of each role serving: a role of one would lose all.
+    if args.num_prefill < 2 or args.num_decode < 2:
+        raise ValueError("--num-prefill and --num-decode must be >= 2")
+    for name in ("duration", "fault_every", "hang_s", "settle_s", "kv_lease_timeout_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if not args.settle_s > args.kv_lease_timeout_s:
+        raise ValueError("--settle-s must be more than --kv-lease-timeout-s: the router cannot "
+                         "release a lease a dead decode worker was reading, its expiry does")
+    if args.concurrency < 1 or args.max_tokens < 1 or args.pool_candidates < 1:
+        raise ValueError("--concurrency, --max-tokens and --pool-candidates must be >= 1")
+    if not 0 <= args.cancel_fraction <= 1:
+        raise ValueError("--cancel-fraction must be in [0, 1]")
+    return faults
+
+
+@dataclass
+class Fault:
+    at_s: float  # since the traffic began
+    kind: str
+    worker: str
+
+
+@dataclass
+class ChaosReport:
+    traffic: SoakReport
+    faults: list[Fault] = field(default_factory=list)
+    supervisor: list[str] = field(default_factory=list)  # what the supervisor said
+    gave_up: int | None = None  # the supervisor's exit code, if it stopped the cluster
+    migrated: int = 0
+    rerouted: int = 0
+    worker_hangs: int = 0
+    # After the traffic: what was still held when the wait ended (empty: nothing), and how
+    # long the cluster took to hold nothing.
+    held: list[str] = field(default_factory=list)
+    settle_s: float = 0.0
+    # What was held when the cluster was first whole after the traffic (a slow settle's why).
+    held_at_first: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        t = self.traffic
+        return not (t.wrong or t.failed or self.held or self.gave_up is not None)
+
+
+def what_is_held(cluster: Cluster) -> list[str]:
+    """What the live workers and the router still hold, one line each (empty: nothing)."""
+    held = []
+    for proc in _workers(cluster):
+        with grpc.insecure_channel(proc.address) as ch:
+            info = worker_stub(ch, proc.role).GetWorkerInfo(common_pb2.WorkerInfoRequest(),
+                                                            timeout=10)
+        used = info.num_total_blocks - info.num_free_blocks
+        if used or info.num_leased or info.num_inflight or info.num_running:
+            held.append(f"{proc.name}: {used} blocks in use, {info.num_leased} leased, "
+                        f"{info.num_inflight} requests in flight, {info.num_running} running")
+    stats = router_stats(cluster)
+    if stats.requests_in_flight:
+        held.append(f"router: {stats.requests_in_flight} requests in flight")
+    return held
+
+
+def router_stats(cluster: Cluster) -> router_pb2.ClusterStats:
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
+            router_pb2.ClusterStatsRequest(), timeout=10)
+
+
+def _workers(cluster: Cluster, role: str | None = None) -> list[Proc]:
+    return [p for p in list(cluster.procs) if p.role in ("prefill", "decode")
+            and (role is None or p.role == role) and p.popen.poll() is None]
+
+
+class _Chaos:
+    """The faults, driven from a thread of their own: the supervisor's checks and the
+    cluster's changes block (a worker started again is waited for until it is healthy)."""
+
+    def __init__(self, cluster: Cluster, faults: list[str], args: argparse.Namespace,
+                 report: ChaosReport, t0: float) -> None:
+        self.cluster, self.faults, self.args, self.report, self.t0 = (
+            cluster, faults, args, report, t0)
+        self.supervisor = Supervisor(cluster, say=report.supervisor.append)
+        self.rng = random.Random(args.seed + 2)
+        self.hung: dict[int, float] = {}  # pid -> when it gets its SIGCONT
+        self.stopping: set[int] = set()  # pids told to stop (draining, then gone)
+        self.targets = {"prefill": args.num_prefill, "decode": args.num_decode}
+        self.order: list[str] = []  # the faults left of this round
+
+    def run(self, end: float) -> None:
+        next_at = self.t0 + self.args.fault_every
+        while time.monotonic() < end and self.report.gave_up is None:
+            self._tick()
+            now = time.monotonic()
+            if next_at <= now < end and self._whole():
+                self._inject()
+                next_at = time.monotonic() + self.args.fault_every
+            time.sleep(TICK_S)
+
+    def settle(self) -> None:
+        """Every hang ended, then waits until the cluster is whole and holds nothing."""
+        for pid in list(self.hung):
+            self._wake(pid)
+        start = time.monotonic()
+        held = ["the cluster was not whole again"]
+        while self.report.gave_up is None:
+            self._tick()
+            if self._whole():
+                held = what_is_held(self.cluster)
+                if not self.report.held_at_first:
+                    self.report.held_at_first = held or ["nothing"]
+                if not held:
+                    break
+            if time.monotonic() - start > self.args.settle_s:
+                self.report.held = held
+                break
+            time.sleep(0.5)
+        self.report.settle_s = round(time.monotonic() - start, 1)
+
+    def _tick(self) -> None:
+        code = self.supervisor.check()
+        if code is not None:
+            self.report.gave_up = code
+            return
+        now = time.monotonic()
+        for pid, until in list(self.hung.items()):
+            if now >= until:
+                self._wake(pid)
+
+    def _wake(self, pid: int) -> None:
+        del self.hung[pid]
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def _serving(self, role: str | None = None) -> list[Proc]:
+        """The live workers not told to stop."""
+        return [p for p in _workers(self.cluster, role) if p.popen.pid not in self.stopping]
+
+    def _whole(self) -> bool:
+        """No hang under way, and every role back at its number, in the router's view too."""
+        if self.hung or any(len(self._serving(role)) != n for role, n in self.targets.items()):
+            return False
+        s = router_stats(self.cluster)
+        return (s.num_prefill_workers, s.num_decode_workers) == (
+            self.targets["prefill"], self.targets["decode"])
+
+    def _inject(self) -> None:
+        proc = self.rng.choice(self._serving())
+        if not self.order:  # each kind once a round, in an order of its own
+            self.order = self.rng.sample(self.faults, len(self.faults))
+        kind = self.order.pop()
+        pid = proc.popen.pid
+        self.report.faults.append(Fault(round(time.monotonic() - self.t0, 1), kind, proc.name))
+        if kind == "kill":
+            os.kill(pid, signal.SIGKILL)  # the supervisor's next check starts it again
+        elif kind == "hang":
+            os.kill(pid, signal.SIGSTOP)
+            self.hung[pid] = time.monotonic() + self.args.hang_s
+        else:
+            os.kill(pid, signal.SIGTERM)
+            self.stopping.add(pid)
+            self.cluster.add_worker(proc.role)  # its successor, while it drains
+
+
+async def _run(cluster: Cluster, args: argparse.Namespace, faults: list[str], pool,
+               report: ChaosReport) -> None:
+    t0 = time.monotonic()
+    end = t0 + args.duration
+    driver = _Chaos(cluster, faults, args, report, t0)
+    traffic = Traffic(args, pool, report.traffic)
+    async with AsyncClient(cluster.router_address, timeout=600) as client:
+        chaos = asyncio.ensure_future(asyncio.to_thread(driver.run, end))
+        try:
+            await asyncio.gather(*(traffic.loop(client, end) for _ in range(args.concurrency)))
+        finally:
+            await chaos
+    await asyncio.to_thread(driver.settle)
+
+
+def main(args: argparse.Namespace) -> int:
+    faults = check_args(args)
+    pool = make_pool(args.model, random.Random(args.seed), args.pool_candidates, args.max_tokens,
+                     args.tokenizer)
+    if not pool:
+        raise ValueError(f"none of {args.pool_candidates} prompts is decisive over "
+                         f"{args.max_tokens} tokens: ask for fewer --max-tokens")
+    report = ChaosReport(SoakReport(args.duration, len(pool)))
+    tok = tokenizer_flags(args.tokenizer)
+    spec = ClusterSpec(model=args.model, num_prefill=args.num_prefill,
+                       num_decode=args.num_decode,
+                       worker_args=["--kv-lease-timeout-s", str(args.kv_lease_timeout_s), *tok],
+                       router_args=["--max-local-prefill-length", "0", *tok])
+    with Cluster(spec) as cluster:
+        asyncio.run(_run(cluster, args, faults, pool, report))
+        stats = router_stats(cluster)
+        report.migrated, report.rerouted, report.worker_hangs = (
+            stats.requests_migrated, stats.requests_rerouted, stats.worker_hangs)
+    if args.json:
+        print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1
+
+
+def format_report(r: ChaosReport) -> str:
+    t = r.traffic
+    kinds = {k: sum(f.kind == k for f in r.faults) for k in FAULTS}
+    lines = [f"chaos: {t.duration_s:g} s, a pool of {t.pool_size} decisive prompts",
+             f"requests: {t.finished} finished ({t.wrong} with a wrong token), {t.cancelled} "
+             f"cancelled, {t.failed} failed"]
+    lines += [f"  wrong: {m}" for m in t.mismatches] + [f"  failed: {e}" for e in t.errors]
+    lines.append(f"faults: {len(r.faults)} ("
+                 + ", ".join(f"{k} {n}" for k, n in kinds.items() if n) + ")")
+    lines += [f"  {f.at_s:7.1f} s  {f.kind:<4}  {f.worker}" for f in r.faults]
+    lines.append(f"router: {r.migrated} requests migrated, {r.rerouted} re-routed, "
+                 f"{r.worker_hangs} hung workers found")
+    lines += [f"supervisor: {m}" for m in r.supervisor]
+    if r.gave_up is not None:
+        lines.append(f"the supervisor gave up (exit {r.gave_up})")
+    if r.held:
+        lines += [f"still held after {r.settle_s:g} s: {h}" for h in r.held]
+    else:
+        lines.append(f"held nothing {r.settle_s:g} s after the traffic")
+    if r.held_at_first != ["nothing"]:
+        lines += [f"  held when first whole again: {h}" for h in r.held_at_first]
+    lines.append("OK" if r.ok else "FAILED")
+    return "\n".join(lines)
