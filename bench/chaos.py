@@ -14,13 +14,18 @@ once the router sees every worker again, one live worker drawn at random gets a 
 - ``stop``: SIGTERM, a rolling restart; the worker drains and exits 0, and a new worker of its
   role is added, as an orchestrator would.
 
+With ``--num-routers`` 2 or more, the routers are in the draw too, for kills and hangs: the
+client (the SDK, given every router) moves a stream whose router failed to another, where it
+goes on from the tokens it has; the supervisor starts a killed router again on its port.
+
 The traffic is soak's (bench/soak.py): prompts sharing prefixes, outputs of random lengths,
 a share of them cancelled, every finished greedy output compared with the in-process engine's.
 Once the traffic has ended and every fault is undone, the cluster must hold nothing: every
 worker's KV blocks free, no lease, no request in flight, and none in flight on the router.
 Waited for up to ``--settle-s``: a lease that a decode worker was reading when it died waits
 out its expiry (``--kv-lease-timeout-s``), as the router cannot tell a dead reader from one cut
-off from it that may still read; the report shows what was held when the wait began.
+off from it that may still read, and a decode worker holds out the blocks of a failed pull
+(``--kv-quarantine-s``); the report shows what was held when the wait began.
 
 Exit status 1 on a wrong token, a failed request, anything left held, or a supervisor that
 gave up.
@@ -60,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="client loops")
     p.add_argument("--num-prefill", type=int, default=2, help="prefill workers")
     p.add_argument("--num-decode", type=int, default=2, help="decode workers")
+    p.add_argument("--num-routers", type=int, default=1,
+                   help="routers, each given to the client (2 or more: routers are killed and "
+                        "hung too)")
     p.add_argument("--faults", default="kill,hang,stop",
                    help="the faults drawn from, comma-separated: " + ", ".join(FAULTS))
     p.add_argument("--fault-every", type=float, default=15.0,
@@ -69,9 +77,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0,
                    help="the workers' --kv-lease-timeout-s: a lease whose decode worker died "
                         "reading it is held until then")
+    p.add_argument("--kv-quarantine-s", type=float, default=60.0,
+                   help="the workers' --kv-quarantine-s: blocks a failed pull may still write "
+                        "into are held out that long")
     p.add_argument("--settle-s", type=float, default=90.0,
                    help="the longest wait, after the traffic, for the cluster to hold nothing "
-                        "(more than --kv-lease-timeout-s)")
+                        "(more than --kv-lease-timeout-s and --kv-quarantine-s)")
     p.add_argument("--max-tokens", type=int, default=40, help="the longest output drawn")
     p.add_argument("--cancel-fraction", type=float, default=0.1,
                    help="share of requests cancelled after a random number of tokens")
@@ -89,12 +100,15 @@ def check_args(args: argparse.Namespace) -> list[str]:
     # One fault at a time leaves a worker of each role serving: a role of one would lose all.
     if args.num_prefill < 2 or args.num_decode < 2:
         raise ValueError("--num-prefill and --num-decode must be >= 2")
-    for name in ("duration", "fault_every", "hang_s", "settle_s", "kv_lease_timeout_s"):
+    if args.num_routers < 1:
+        raise ValueError("--num-routers must be >= 1")
+    for name in ("duration", "fault_every", "hang_s", "settle_s", "kv_lease_timeout_s",
+                 "kv_quarantine_s"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
-    if not args.settle_s > args.kv_lease_timeout_s:
-        raise ValueError("--settle-s must be more than --kv-lease-timeout-s: the router cannot "
-                         "release a lease a dead decode worker was reading, its expiry does")
+    if not args.settle_s > max(args.kv_lease_timeout_s, args.kv_quarantine_s):
+        raise ValueError("--settle-s must be more than --kv-lease-timeout-s and "
+                         "--kv-quarantine-s: what a fault leaves held until then is not a leak")
     if args.concurrency < 1 or args.max_tokens < 1 or args.pool_candidates < 1:
         raise ValueError("--concurrency, --max-tokens and --pool-candidates must be >= 1")
     if not 0 <= args.cancel_fraction <= 1:
@@ -140,18 +154,26 @@ def what_is_held(cluster: Cluster) -> list[str]:
                                                             timeout=10)
         used = info.num_total_blocks - info.num_free_blocks
         if used or info.num_leased or info.num_inflight or info.num_running:
+            # Quarantined: blocks a failed pull may still write into, held out until the
+            # lease it read expires (--kv-quarantine-s).
             held.append(f"{proc.name}: {used} blocks in use, {info.num_leased} leased, "
-                        f"{info.num_inflight} requests in flight, {info.num_running} running")
-    stats = router_stats(cluster)
-    if stats.requests_in_flight:
-        held.append(f"router: {stats.requests_in_flight} requests in flight")
+                        f"{info.num_quarantined} quarantined, {info.num_inflight} requests "
+                        f"in flight, {info.num_running} running")
+    for proc in _routers(cluster):
+        stats = router_stats(proc.address)
+        if stats.requests_in_flight:
+            held.append(f"{proc.name}: {stats.requests_in_flight} requests in flight")
     return held
 
 
-def router_stats(cluster: Cluster) -> router_pb2.ClusterStats:
-    with grpc.insecure_channel(cluster.router_address) as ch:
+def router_stats(address: str, timeout_s: float = 10.0) -> router_pb2.ClusterStats:
+    with grpc.insecure_channel(address) as ch:
         return router_pb2_grpc.RouterAdminStub(ch).GetClusterStats(
-            router_pb2.ClusterStatsRequest(), timeout=10)
+            router_pb2.ClusterStatsRequest(), timeout=timeout_s)
+
+
+def _routers(cluster: Cluster) -> list[Proc]:
+    return [p for p in list(cluster.procs) if p.role == "router" and p.popen.poll() is None]
 
 
 def _workers(cluster: Cluster, role: str | None = None) -> list[Proc]:
@@ -226,20 +248,32 @@ class _Chaos:
         return [p for p in _workers(self.cluster, role) if p.popen.pid not in self.stopping]
 
     def _whole(self) -> bool:
-        """No hang under way, and every role back at its number, in the router's view too."""
+        """No hang under way, and every role back at its number, in every router's view too."""
         if self.hung or any(len(self._serving(role)) != n for role, n in self.targets.items()):
             return False
-        s = router_stats(self.cluster)
-        return (s.num_prefill_workers, s.num_decode_workers) == (
-            self.targets["prefill"], self.targets["decode"])
+        routers = _routers(self.cluster)
+        if len(routers) != self.args.num_routers:
+            return False
+        want = (self.targets["prefill"], self.targets["decode"])
+        try:
+            return all((s.num_prefill_workers, s.num_decode_workers) == want
+                       for s in (router_stats(p.address, timeout_s=2.0) for p in routers))
+        except grpc.RpcError:  # one not serving yet (started again a moment ago)
+            return False
 
     def _inject(self) -> None:
-        proc = self.rng.choice(self._serving())
         if not self.order:  # each kind once a round, in an order of its own
             self.order = self.rng.sample(self.faults, len(self.faults))
         kind = self.order.pop()
+        victims = self._serving()
+        # A router that exits 0 stops `pdserve up` (the supervisor's rule): not stopped here.
+        if kind != "stop" and self.args.num_routers > 1:
+            victims += _routers(self.cluster)
+        proc = self.rng.choice(victims)
         pid = proc.popen.pid
-        self.report.faults.append(Fault(round(time.monotonic() - self.t0, 1), kind, proc.name))
+        # Routers are all named "router": told apart by address (kept across a restart).
+        name = f"router {proc.address}" if proc.role == "router" else proc.name
+        self.report.faults.append(Fault(round(time.monotonic() - self.t0, 1), kind, name))
         if kind == "kill":
             os.kill(pid, signal.SIGKILL)  # the supervisor's next check starts it again
         elif kind == "hang":
@@ -257,7 +291,7 @@ async def _run(cluster: Cluster, args: argparse.Namespace, faults: list[str], po
     end = t0 + args.duration
     driver = _Chaos(cluster, faults, args, report, t0)
     traffic = Traffic(args, pool, report.traffic)
-    async with AsyncClient(cluster.router_address, timeout=600) as client:
+    async with AsyncClient([p.address for p in _routers(cluster)], timeout=600) as client:
         chaos = asyncio.ensure_future(asyncio.to_thread(driver.run, end))
         try:
             await asyncio.gather(*(traffic.loop(client, end) for _ in range(args.concurrency)))
@@ -277,13 +311,18 @@ def main(args: argparse.Namespace) -> int:
     tok = tokenizer_flags(args.tokenizer)
     spec = ClusterSpec(model=args.model, num_prefill=args.num_prefill,
                        num_decode=args.num_decode,
-                       worker_args=["--kv-lease-timeout-s", str(args.kv_lease_timeout_s), *tok],
+                       worker_args=["--kv-lease-timeout-s", str(args.kv_lease_timeout_s),
+                                    "--kv-quarantine-s", str(args.kv_quarantine_s), *tok],
                        router_args=["--max-local-prefill-length", "0", *tok])
     with Cluster(spec) as cluster:
+        for _ in range(args.num_routers - 1):
+            cluster.start_router()
         asyncio.run(_run(cluster, args, faults, pool, report))
-        stats = router_stats(cluster)
-        report.migrated, report.rerouted, report.worker_hangs = (
-            stats.requests_migrated, stats.requests_rerouted, stats.worker_hangs)
+        # The live routers' counts (a killed router's went with it).
+        for stats in (router_stats(p.address) for p in _routers(cluster)):
+            report.migrated += stats.requests_migrated
+            report.rerouted += stats.requests_rerouted
+            report.worker_hangs += stats.worker_hangs
     if args.json:
         print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:
@@ -301,7 +340,7 @@ def format_report(r: ChaosReport) -> str:
     lines.append(f"faults: {len(r.faults)} ("
                  + ", ".join(f"{k} {n}" for k, n in kinds.items() if n) + ")")
     lines += [f"  {f.at_s:7.1f} s  {f.kind:<4}  {f.worker}" for f in r.faults]
-    lines.append(f"router: {r.migrated} requests migrated, {r.rerouted} re-routed, "
+    lines.append(f"routers: {r.migrated} requests migrated, {r.rerouted} re-routed, "
                  f"{r.worker_hangs} hung workers found")
     lines += [f"supervisor: {m}" for m in r.supervisor]
     if r.gave_up is not None:

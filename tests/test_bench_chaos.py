@@ -1,6 +1,6 @@
 """``pdserve bench chaos``: argument checks, the report's verdict, and a short run end to end
-through a supervised cluster whose workers are killed, hung and stopped (counts and parity
-only; no timing asserts)."""
+through a supervised cluster of two routers whose workers and routers are killed, hung and
+stopped (counts and parity only; no timing asserts)."""
 from __future__ import annotations
 
 import argparse
@@ -21,9 +21,12 @@ def _args(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize("argv", [["--faults", "kill,explode"], ["--faults", ","],
                                   ["--num-prefill", "1"], ["--num-decode", "1"],
+                                  ["--num-routers", "0"],
                                   ["--duration", "0"], ["--fault-every", "0"], ["--hang-s", "-1"],
                                   ["--settle-s", "0"], ["--kv-lease-timeout-s", "0"],
                                   ["--settle-s", "30", "--kv-lease-timeout-s", "30"],
+                                  ["--settle-s", "30", "--kv-quarantine-s", "40"],
+                                  ["--kv-quarantine-s", "0"],
                                   ["--concurrency", "0"],
                                   ["--cancel-fraction", "1.5"], ["--pool-candidates", "0"]])
 def test_bad_arguments_are_refused(argv):
@@ -55,8 +58,10 @@ def test_the_verdict_fails_on_any_wrong_token_failure_or_leftover():
 @pytest.mark.slow
 def test_a_short_chaos_run_through_a_cluster(capsys):
     rc = chaos.main(_args("--model", "micro-llama", "--duration", "24", "--concurrency", "4",
+                          "--num-routers", "2",
                           "--fault-every", "4", "--hang-s", "8", "--max-tokens", "12",
-                          "--kv-lease-timeout-s", "10", "--settle-s", "40",
+                          "--kv-lease-timeout-s", "10", "--kv-quarantine-s", "10",
+                          "--settle-s", "40",
                           "--pool-candidates", "24", "--cancel-fraction", "0.2", "--json"))
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and rc == 0, report
