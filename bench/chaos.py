@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from bench.soak import SoakReport, Traffic, make_pool
+from bench.soak import (SoakReport, Traffic, add_traffic_args, check_traffic_args,
+                        make_pool)
 from client import AsyncClient
 from engine.cli_serve import tokenizer_flags
 from protos import common_pb2, router_pb2, router_pb2_grpc
@@ -57,10 +58,7 @@ TICK_S = 0.1
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--tokenizer", default=None, metavar="FOLDER",
-                   help="a tokenizer folder other than the model's (the engine's and the "
-                        "cluster's)")
+    add_traffic_args(p)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of traffic")
     p.add_argument("--concurrency", type=int, default=8, help="client loops")
     p.add_argument("--num-prefill", type=int, default=2, help="prefill workers")
@@ -73,7 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-every", type=float, default=15.0,
                    help="seconds from one fault to the next (once the cluster is whole again)")
     p.add_argument("--hang-s", type=float, default=10.0,
-                   help="how long a hung worker stays stopped")
+                   help="how long a hung worker (or router) stays stopped")
     p.add_argument("--kv-lease-timeout-s", type=float, default=60.0,
                    help="the workers' --kv-lease-timeout-s: a lease whose decode worker died "
                         "reading it is held until then")
@@ -83,13 +81,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-s", type=float, default=90.0,
                    help="the longest wait, after the traffic, for the cluster to hold nothing "
                         "(more than --kv-lease-timeout-s and --kv-quarantine-s)")
-    p.add_argument("--max-tokens", type=int, default=40, help="the longest output drawn")
-    p.add_argument("--cancel-fraction", type=float, default=0.1,
-                   help="share of requests cancelled after a random number of tokens")
-    p.add_argument("--pool-candidates", type=int, default=120,
-                   help="prompts drawn for the pool (the decisive ones are kept)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -109,10 +100,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if not args.settle_s > max(args.kv_lease_timeout_s, args.kv_quarantine_s):
         raise ValueError("--settle-s must be more than --kv-lease-timeout-s and "
                          "--kv-quarantine-s: what a fault leaves held until then is not a leak")
-    if args.concurrency < 1 or args.max_tokens < 1 or args.pool_candidates < 1:
-        raise ValueError("--concurrency, --max-tokens and --pool-candidates must be >= 1")
-    if not 0 <= args.cancel_fraction <= 1:
-        raise ValueError("--cancel-fraction must be in [0, 1]")
+    check_traffic_args(args)
     return faults
 
 

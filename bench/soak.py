@@ -40,35 +40,44 @@ SUFFIX_LEN = (1, 40)
 POOL_CANDIDATES = 120
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_traffic_args(p: argparse.ArgumentParser) -> None:
+    """The traffic's flags, shared with bench/chaos.py."""
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--tokenizer", default=None, metavar="FOLDER",
                    help="a tokenizer folder other than the model's (the engine's and the "
                         "cluster's)")
-    p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
-    p.add_argument("--concurrency", type=int, default=16, help="client loops")
-    p.add_argument("--num-prefill", type=int, default=1,
-                   help="prefill workers (0: the decode worker prefills every prompt)")
     p.add_argument("--max-tokens", type=int, default=40, help="the longest output drawn")
     p.add_argument("--cancel-fraction", type=float, default=0.1,
                    help="share of requests cancelled after a random number of tokens")
-    p.add_argument("--sample-every", type=float, default=60.0,
-                   help="seconds between memory samples")
     p.add_argument("--pool-candidates", type=int, default=POOL_CANDIDATES,
                    help="prompts drawn for the pool (the decisive ones are kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
 
+def check_traffic_args(args: argparse.Namespace) -> None:
+    if args.concurrency < 1 or args.max_tokens < 1 or args.pool_candidates < 1:
+        raise ValueError("--concurrency, --max-tokens and --pool-candidates must be >= 1")
+    if not 0 <= args.cancel_fraction <= 1:
+        raise ValueError("--cancel-fraction must be in [0, 1]")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_traffic_args(p)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
+    p.add_argument("--concurrency", type=int, default=16, help="client loops")
+    p.add_argument("--num-prefill", type=int, default=1,
+                   help="prefill workers (0: the decode worker prefills every prompt)")
+    p.add_argument("--sample-every", type=float, default=60.0,
+                   help="seconds between memory samples")
+
+
 def check_args(args: argparse.Namespace) -> None:
     if not args.duration > 0 or not args.sample_every > 0:
         raise ValueError("--duration and --sample-every must be > 0 seconds")
-    if args.concurrency < 1 or args.num_prefill < 0 or args.max_tokens < 1:
-        raise ValueError("--concurrency and --max-tokens must be >= 1, --num-prefill >= 0")
-    if not 0 <= args.cancel_fraction <= 1:
-        raise ValueError("--cancel-fraction must be in [0, 1]")
-    if args.pool_candidates < 1:
-        raise ValueError("--pool-candidates must be >= 1")
+    if args.num_prefill < 0:
+        raise ValueError("--num-prefill must be >= 0")
+    check_traffic_args(args)
 
 
 @dataclass
