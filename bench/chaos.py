@@ -126,20 +126,26 @@ class ChaosReport:
     settle_s: float = 0.0
     # What was held when the cluster was first whole after the traffic (a slow settle's why).
     held_at_first: list[str] = field(default_factory=list)
+    # What stopped the faults' driver, if anything did (a worker not started again in time).
+    error: str = ""
 
     @property
     def ok(self) -> bool:
         t = self.traffic
-        return not (t.wrong or t.failed or self.held or self.gave_up is not None)
+        return not (t.wrong or t.failed or self.held or self.gave_up is not None or self.error)
 
 
 def what_is_held(cluster: Cluster) -> list[str]:
     """What the live workers and the router still hold, one line each (empty: nothing)."""
     held = []
     for proc in _workers(cluster):
-        with grpc.insecure_channel(proc.address) as ch:
-            info = worker_stub(ch, proc.role).GetWorkerInfo(common_pb2.WorkerInfoRequest(),
-                                                            timeout=10)
+        try:
+            with grpc.insecure_channel(proc.address) as ch:
+                info = worker_stub(ch, proc.role).GetWorkerInfo(
+                    common_pb2.WorkerInfoRequest(), timeout=10)
+        except grpc.RpcError as e:
+            held.append(f"{proc.name}: no answer ({e.code().name})")
+            continue
         used = info.num_total_blocks - info.num_free_blocks
         if used or info.num_leased or info.num_inflight or info.num_running:
             # Quarantined: blocks a failed pull may still write into, held out until the
@@ -148,9 +154,13 @@ def what_is_held(cluster: Cluster) -> list[str]:
                         f"{info.num_quarantined} quarantined, {info.num_inflight} requests "
                         f"in flight, {info.num_running} running")
     for proc in _routers(cluster):
-        stats = router_stats(proc.address)
+        try:
+            stats = router_stats(proc.address)
+        except grpc.RpcError as e:
+            held.append(f"router {proc.address}: no answer ({e.code().name})")
+            continue
         if stats.requests_in_flight:
-            held.append(f"{proc.name}: {stats.requests_in_flight} requests in flight")
+            held.append(f"router {proc.address}: {stats.requests_in_flight} requests in flight")
     return held
 
 
@@ -185,6 +195,24 @@ class _Chaos:
         self.order: list[str] = []  # the faults left of this round
 
     def run(self, end: float) -> None:
+        self._guarded(self._run, end)
+
+    def settle(self) -> None:
+        """Every hang ended, then waits until the cluster is whole and holds nothing."""
+        if not self.report.error:
+            self._guarded(self._settle)
+
+    def _guarded(self, step, *args) -> None:
+        """A failure of the driver's own (a worker not healthy within --start-timeout, an
+        admin call refused) is the verdict's, not a traceback that loses the report."""
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - reported, and the run judged failed
+            self.report.error = f"{type(e).__name__}: {e}"
+            for pid in list(self.hung):
+                self._wake(pid)
+
+    def _run(self, end: float) -> None:
         next_at = self.t0 + self.args.fault_every
         while time.monotonic() < end and self.report.gave_up is None:
             self._tick()
@@ -194,8 +222,7 @@ class _Chaos:
                 next_at = time.monotonic() + self.args.fault_every
             time.sleep(TICK_S)
 
-    def settle(self) -> None:
-        """Every hang ended, then waits until the cluster is whole and holds nothing."""
+    def _settle(self) -> None:
         for pid in list(self.hung):
             self._wake(pid)
         start = time.monotonic()
@@ -333,6 +360,8 @@ def format_report(r: ChaosReport) -> str:
     lines += [f"supervisor: {m}" for m in r.supervisor]
     if r.gave_up is not None:
         lines.append(f"the supervisor gave up (exit {r.gave_up})")
+    if r.error:
+        lines.append(f"the faults' driver failed: {r.error}")
     if r.held:
         lines += [f"still held after {r.settle_s:g} s: {h}" for h in r.held]
     else:

@@ -46,7 +46,8 @@ def test_the_verdict_fails_on_any_wrong_token_failure_or_leftover():
 
     assert report().ok and chaos.format_report(report()).endswith("OK")
     for bad in (report(wrong=1), report(failed=1), report(gave_up=1),
-                report(held=["decode-2: 3 blocks in use"])):
+                report(held=["decode-2: 3 blocks in use"]),
+                report(error="RuntimeError: decode-3 not healthy")):
         assert not bad.ok and chaos.format_report(bad).endswith("FAILED")
     held = chaos.format_report(report(held=["router: 1 requests in flight"], settle_s=9.0))
     assert "still held after 9 s: router: 1 requests in flight" in held
