@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,6 +53,19 @@ def test_the_verdict_fails_on_any_wrong_token_failure_or_leftover():
     held = chaos.format_report(report(held=["router: 1 requests in flight"], settle_s=9.0))
     assert "still held after 9 s: router: 1 requests in flight" in held
     assert "faults: 1 (kill 1)" in chaos.format_report(report())
+
+
+def test_a_failure_of_the_faults_driver_is_reported_and_fails_the_run():
+    report = ChaosReport(SoakReport(1.0, 1, finished=3))
+    driver = chaos._Chaos(SimpleNamespace(procs=[], redis=None), ["kill"], _args(), report, 0.0)
+
+    def not_healthy() -> None:
+        raise RuntimeError("decode-3 was not healthy within 120 s")
+
+    driver._guarded(not_healthy)
+    assert report.error == "RuntimeError: decode-3 was not healthy within 120 s"
+    assert not report.ok
+    assert "the faults' driver failed: RuntimeError" in chaos.format_report(report)
 
 
 # The slow tier (~60 s): what each fault does is checked on every run by the migration,
